@@ -1,0 +1,66 @@
+"""kfeed: feed GPU training from Apache Kafka.
+
+A producer turns samples into Kafka messages; a loader turns those messages
+into batches of tensors already on the GPU, and commits a batch's offsets only
+after the training step that used it. The names below are the whole public
+API; everything with an underscore is private.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kfeed.errors import (
+    ClusterError,
+    ConfigError,
+    ConsumeError,
+    DecodeError,
+    KfeedError,
+    LoaderError,
+    ProduceError,
+)
+from kfeed.partition import murmur2, partition_for, partitions_for
+from kfeed.schema import DecodeResult, Schema
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "Schema",
+    "DecodeResult",
+    "BufferPool",
+    "murmur2",
+    "partition_for",
+    "partitions_for",
+    "KfeedError",
+    "ConfigError",
+    "DecodeError",
+    "ProduceError",
+    "ConsumeError",
+    "LoaderError",
+    "ClusterError",
+]
+
+# Names whose modules import torch load on first use, so that `kfeed cluster`
+# and the producer-only paths start fast.
+_LAZY = {
+    "BufferPool": "kfeed.pool",
+}
+
+if TYPE_CHECKING:
+    from kfeed.pool import BufferPool
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kfeed' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
