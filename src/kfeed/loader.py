@@ -1,0 +1,700 @@
+"""Loader: Kafka messages -> batches of tensors on the device, exactly once.
+
+This is the consumer half of the data flow. A background thread (the feeder)
+consumes messages in bulk from a ``Source``, decodes them with the schema's
+Cython codec straight into a free ``BufferPool`` slot, and queues full slots.
+The caller's ``next()`` takes a ready slot, copies it to the device
+(``kfeed.device``) and hands the batch out. Offsets follow the rule in
+DESIGN.md: a batch's offsets are committed only once the caller asks for the
+batch after it (so the step that used it has finished), on ``commit()``, or
+on ``close()``; ``state_dict()`` holds the position after every batch handed
+out, and a new loader given it resumes exactly there.
+
+NOTE [ Loader Shutdown Logic ]
+==============================
+Two threads, one queue, one stop event::
+
+    caller thread                         feeder thread (daemon)
+    -------------                         ----------------------
+    next(): ready.get(timeout) <--------- ready.put(slot | _END | _Failure)
+    close(): stop.set(); pool.close() --> sees stop within one poll interval,
+             join(feeder)                  puts nothing more, returns
+             commit used positions
+             source.close()
+
+- The feeder never blocks without a timeout: ``consume``, ``pool.acquire`` and
+  ``ready.put`` all wait at most ``_POLL_S`` and re-check ``stop``.
+- The feeder holds no reference to the ``Loader`` (only to ``_Feeder``), so a
+  dropped loader is garbage-collected and ``__del__`` runs ``close()``.
+- An exception in the feeder travels to the caller as ``_Failure`` and is
+  re-raised by the next ``next()`` as ``LoaderError`` naming where it happened
+  (or as itself, for kfeed's own errors).
+- Only the caller thread commits after the feeder is gone; while it runs, the
+  feeder commits only from inside a rebalance callback, under ``lock``.
+- ``close()`` is idempotent; a ``with`` block that exits on an exception
+  commits only the batches before the current one (its step did not finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+import torch
+
+from kfeed.device import DeviceCopier, default_device
+from kfeed.errors import ConfigError, DecodeError, KfeedError, LoaderError
+from kfeed.pool import BufferPool, Slot
+from kfeed.schema import Format, Schema
+from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
+
+__all__ = ["Loader", "Batch", "BadRecordPolicy"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_STATE_VERSION = 1
+
+
+class BadRecordPolicy(str, Enum):
+    DEAD_LETTER = "dead_letter"
+    SKIP = "skip"
+    RAISE = "raise"
+
+
+class Batch(dict):
+    """A mapping field -> tensor ``[n, *shape]`` on the loader's device.
+
+    ``offsets`` maps ``(topic, partition)`` to ``(first, end)`` positions,
+    each ``(offset, skip)``: where the batch's records start and where the
+    next batch continues.
+    """
+
+    __slots__ = ("offsets", "size")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], size: int,
+                 offsets: dict[TP, tuple[Position, Position]]) -> None:
+        super().__init__(tensors)
+        self.size = size
+        self.offsets = offsets
+
+
+class _Failure:
+    def __init__(self, exc: BaseException, where: str) -> None:
+        self.exc = exc
+        self.where = where
+
+
+_END = object()
+
+
+class _BatchMeta:
+    __slots__ = ("gen", "first", "end")
+
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.first: dict[TP, Position] = {}
+        self.end: dict[TP, Position] = {}
+
+
+class _Feeder:
+    """The background thread's state. Holds no reference to the Loader."""
+
+    def __init__(self, source: Source, schema: Schema, fmt: Format, pool: BufferPool,
+                 prefetch: int, *, bounded: bool, drop_last: bool, max_wait_s: float,
+                 on_bad: BadRecordPolicy, start: Any, assignment: list[TP] | None) -> None:
+        self.source = source
+        self.schema = schema
+        self.block = fmt is Format.BLOCK
+        self.fmt = fmt
+        self.pool = pool
+        self.batch_size = pool.batch_size
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.bounded = bounded
+        self.drop_last = drop_last
+        self.max_wait_s = max_wait_s
+        self.on_bad = on_bad
+        self.start = start
+        self.assignment = assignment
+        self.thread: threading.Thread | None = None
+        # Shared with the caller under ``lock``.
+        self.gen = 0
+        self.handed: dict[TP, Position] = {}   # after every batch handed out
+        self.used: dict[TP, Position] = {}     # after every batch whose step finished
+        self.committed: dict[TP, Position] = {}
+        # Feeder-only state.
+        self.assigned: set[TP] = set()
+        self.seen: set[TP] = set()
+        self.skip: dict[TP, Position] = {}     # records to skip in a straddling block
+        self.ends: dict[TP, int] = {}          # bounded epoch: high watermarks at start
+        self.done: set[TP] = set()
+        self.pend_msgs: list[Any] = []
+        self.pend_vals: list[Any] = []
+        self.pend_i = 0
+        self.pend_start = 0
+        self.records_per_msg = 1.0
+        # Counters (read by stats() without the lock; ints are atomic enough).
+        self.samples = 0
+        self.value_bytes = 0
+        self.bad = 0
+        self.epoch_over = False
+
+    # -- thread ---------------------------------------------------------------
+
+    def run(self) -> None:
+        where = "opening the source"
+        try:
+            if self.bounded:
+                where = "reading the high watermarks"
+                for tp in self.source.partitions():
+                    self.ends[tp] = self.source.watermarks(tp)[1]
+            where = "opening the source"
+            self.source.open(self._on_assign, self._on_revoke, self.assignment)
+            where = "filling a batch"
+            while not self.stop.is_set():
+                slot = self.pool.acquire(timeout=_POLL_S)
+                if slot is None:
+                    continue
+                meta = self._fill(slot)
+                finished = self.bounded and self._all_done()
+                if slot.rows == 0 or (finished and self.drop_last and slot.rows < self.batch_size):
+                    self.pool.release(slot)
+                    if finished or self.stop.is_set():
+                        break
+                    continue
+                slot.meta = meta
+                self.pool.mark_ready(slot)
+                if not self._put(slot):
+                    return
+                if finished:
+                    break
+            self.epoch_over = True
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 - everything goes to the caller
+            log.debug("feeder failed while %s", where, exc_info=True)
+            self._put(_Failure(e, where))
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- assignment (called from inside consume, on the feeder thread) --------
+
+    def _on_assign(self, tps: list[TP]) -> dict[TP, Position]:
+        with self.lock:
+            known = {tp: self.handed[tp] for tp in tps if tp in self.handed}
+        need = [tp for tp in tps if tp not in known]
+        positions = dict(known)
+        if need:
+            positions.update(self._start_positions(need))
+        for tp in tps:
+            off, skip = positions[tp]
+            if skip:
+                self.skip[tp] = (off, skip)
+            if self.bounded:
+                end = self.ends.get(tp)
+                if end is None:  # a partition added after the epoch began
+                    end = self.ends[tp] = self.source.watermarks(tp)[1]
+                if off >= end:
+                    self.done.add(tp)
+        self.assigned.update(tps)
+        self.seen.update(tps)
+        done_now = [tp for tp in tps if tp in self.done]
+        if done_now:
+            self.source.pause(done_now)
+        log.info("assigned %s", sorted(tps))
+        return positions
+
+    def _start_positions(self, tps: list[TP]) -> dict[TP, Position]:
+        committed = self.source.committed(tps)
+        out: dict[TP, Position] = {}
+        for tp in tps:
+            if committed.get(tp) is not None and (self.start == "committed" or tp in self.seen):
+                out[tp] = committed[tp]  # type: ignore[assignment]
+            elif isinstance(self.start, datetime):
+                out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
+            elif self.start == "latest":
+                out[tp] = (self.source.watermarks(tp)[1], 0)
+            else:  # "earliest", or "committed" with nothing committed yet
+                out[tp] = (self.source.watermarks(tp)[0], 0)
+        return out
+
+    def _on_revoke(self, tps: list[TP]) -> None:
+        # Batches not yet handed out are dropped: their records will be read
+        # again, by us or by the partitions' new owner, from the handed-out
+        # positions, which are committed now so that owner starts right.
+        with self.lock:
+            self.gen += 1
+            mine = {tp: self.handed[tp] for tp in tps if tp in self.handed}
+            try:
+                self.source.commit(mine, asynchronous=False)
+                self.committed.update(mine)
+            except KfeedError as e:  # partitions may already be lost to another member
+                log.warning("commit on revoke failed: %s", e)
+        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
+        self.skip.clear()
+        self.assigned.difference_update(tps)
+        log.info("revoked %s", sorted(tps))
+
+    # -- filling a slot -------------------------------------------------------
+
+    def _all_done(self) -> bool:
+        return bool(self.assigned) and self.assigned <= self.done and not self._pending()
+
+    def _pending(self) -> bool:
+        return self.pend_i < len(self.pend_msgs)
+
+    def _fill(self, slot: Slot) -> _BatchMeta:
+        meta = _BatchMeta(self.gen)
+        started = None
+        while slot.rows < self.batch_size and not self.stop.is_set():
+            if meta.gen != self.gen:  # a rebalance dropped what we had
+                slot.rows, meta = 0, _BatchMeta(self.gen)
+                started = None
+            if not self._pending():
+                if self.bounded and self._all_done():
+                    break
+                if started is not None and time.monotonic() - started >= self.max_wait_s:
+                    break
+                self._fetch()
+                continue
+            self._decode(slot, meta)
+            if started is None and slot.rows:
+                started = time.monotonic()
+        return meta
+
+    def _fetch(self) -> None:
+        need = self.batch_size
+        n = max(1, min(10000, math.ceil(need / self.records_per_msg)))
+        msgs = self.source.consume(n, _POLL_S)
+        keep, vals = [], []
+        bounded = self.bounded
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                self._on_message_error(m, err)
+                continue
+            if bounded:
+                tp = (m.topic(), m.partition())
+                end = self.ends.get(tp)
+                off = m.offset()
+                if end is not None and off >= end - 1:
+                    self._mark_done(tp)
+                    if off >= end:
+                        continue
+            keep.append(m)
+            vals.append(m.value())
+        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = keep, vals, 0, 0
+
+    def _on_message_error(self, m: Any, err: Any) -> None:
+        from confluent_kafka import KafkaError
+
+        tp = (m.topic(), m.partition())
+        if err.code() == KafkaError._PARTITION_EOF:
+            end = self.ends.get(tp)
+            if self.bounded and end is not None and m.offset() >= end:
+                self._mark_done(tp)
+            return
+        raise KfeedError(f"consume error: {err.str()}", topic=tp[0], partition=tp[1],
+                         code=err.code())
+
+    def _mark_done(self, tp: TP) -> None:
+        if tp not in self.done:
+            self.done.add(tp)
+            self.source.pause([tp])
+
+    def _decode(self, slot: Slot, meta: _BatchMeta) -> None:
+        msgs, i = self.pend_msgs, self.pend_i
+        vals = self.pend_vals[i:]
+        start = self.pend_start
+        if self.skip:
+            # Resuming inside a block: decode that partition's first message on
+            # its own, skipping the records handed out before.
+            m = msgs[i]
+            tp = (m.topic(), m.partition())
+            sk = self.skip.get(tp)
+            if sk is not None and m.offset() >= sk[0]:
+                del self.skip[tp]
+                if m.offset() == sk[0]:
+                    start = max(start, sk[1])
+            vals = vals[:1]
+        res = self.schema.decode_into(vals, slot.target, slot.rows, self.fmt,
+                                      start=start, split=True)
+        nbytes = 0
+        for j in range(i, i + res.consumed):
+            m = msgs[j]
+            tp = (m.topic(), m.partition())
+            off = m.offset()
+            if tp not in meta.first:
+                meta.first[tp] = (off, start if j == i else 0)
+            meta.end[tp] = (off + 1, 0)
+            v = self.pend_vals[j]
+            nbytes += len(v) if v is not None else 0
+        if res.partial:
+            m = msgs[i + res.consumed]
+            tp = (m.topic(), m.partition())
+            if tp not in meta.first:
+                meta.first[tp] = (m.offset(), start if res.consumed == 0 else 0)
+            meta.end[tp] = (m.offset(), res.partial)
+        for k, reason in res.bad:
+            self._bad(msgs[i + k], reason)
+        self.value_bytes += nbytes
+        self.samples += res.rows
+        slot.rows += res.rows
+        if res.consumed:
+            good = res.consumed - len(res.bad)
+            if good > 0:
+                self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * max(1.0, res.rows / good)
+        self.pend_i = i + res.consumed
+        self.pend_start = res.partial
+
+    def _bad(self, m: Any, reason: str) -> None:
+        self.bad += 1
+        tp = (m.topic(), m.partition())
+        if self.on_bad is BadRecordPolicy.RAISE:
+            raise DecodeError(f"bad record: {reason}", topic=tp[0], partition=tp[1],
+                              offset=m.offset())
+        log.warning("bad record at %s[%d]@%d: %s", tp[0], tp[1], m.offset(), reason)
+        if self.on_bad is BadRecordPolicy.DEAD_LETTER:
+            self.source.dead_letter(m, reason)
+
+
+class Loader:
+    """An iterator of batches from Kafka topics, already on ``device``.
+
+    ``kafka_config`` is the librdkafka settings dict (``bootstrap.servers``
+    and ``group.id`` at least); kfeed's own settings are the keyword
+    arguments. See the module docstring for the offset rule.
+    """
+
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any] | None,
+        topics: str | Sequence[str],
+        schema: Schema,
+        batch_size: int,
+        *,
+        device: str | torch.device | None = None,
+        format: str | Format = "block",
+        prefetch: int = 2,
+        until: str | None = None,
+        start: str | datetime = "committed",
+        on_bad_record: str | BadRecordPolicy = "dead_letter",
+        drop_last: bool = False,
+        max_wait_ms: float = 200.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        assignment: str = "group",
+        commit_interval_ms: float = 0.0,
+        connect_timeout_s: float = 30.0,
+        source: Source | None = None,
+    ) -> None:
+        if isinstance(topics, str):
+            topics = [topics]
+        topics = list(topics)
+        if not topics or not all(isinstance(t, str) and t for t in topics):
+            raise ConfigError(f"topics must be a topic name or a list of them, got {topics!r}")
+        if not isinstance(schema, Schema):
+            raise ConfigError("schema must be a kfeed.Schema")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        if until not in (None, "end"):
+            raise ConfigError(f"until must be None (stream) or 'end', got {until!r}")
+        if not (isinstance(start, datetime) or start in ("committed", "earliest", "latest")):
+            raise ConfigError(
+                f"start must be 'committed', 'earliest', 'latest' or a datetime, got {start!r}")
+        try:
+            policy = BadRecordPolicy(on_bad_record)
+        except ValueError:
+            raise ConfigError(
+                f"on_bad_record must be 'dead_letter', 'skip' or 'raise', got {on_bad_record!r}"
+            ) from None
+        if assignment not in ("group", "static"):
+            raise ConfigError(f"assignment must be 'group' or 'static', got {assignment!r}")
+        if max_wait_ms <= 0 or commit_interval_ms < 0 or connect_timeout_s <= 0:
+            raise ConfigError("max_wait_ms and connect_timeout_s must be > 0, "
+                              "commit_interval_ms >= 0")
+        fmt = Format.parse(format)
+        rank, world_size = _rank_and_world(rank, world_size)
+        self.schema = schema
+        self.format = fmt
+        self.topics = topics
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else default_device()
+        self.until = until
+        self.rank, self.world_size = rank, world_size
+        self.assignment_mode = assignment
+        self._commit_interval = commit_interval_ms / 1000.0
+        self._last_commit = 0.0
+        if source is None:
+            source = KafkaSource(kafka_config or {}, topics, bounded=until == "end",
+                                 connect_timeout=connect_timeout_s)
+        self._source = source
+        self._group = (kafka_config or {}).get("group.id")
+        self._copier = DeviceCopier(self.device)
+        # prefetch ready + one filling + one being copied out.
+        self._pool = BufferPool(schema, batch_size, slots=prefetch + 2)
+        self._feeder = _Feeder(
+            source, schema, fmt, self._pool, prefetch,
+            bounded=until == "end", drop_last=drop_last, max_wait_s=max_wait_ms / 1000.0,
+            on_bad=policy, start=start, assignment=None,
+        )
+        self._current: Batch | None = None
+        self._closed = False
+        self._exhausted = False
+        self._wait_s = 0.0
+        self._batches = 0
+        self._t0: float | None = None
+
+    # -- iteration ------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def _start(self) -> None:
+        f = self._feeder
+        if self.assignment_mode == "static":
+            parts = self._source.partitions()
+            f.assignment = [tp for i, tp in enumerate(parts) if i % self.world_size == self.rank]
+            if not f.assignment:
+                raise ConfigError(
+                    f"rank {self.rank} of {self.world_size} gets no partition: "
+                    f"the topics have only {len(parts)}")
+        f.thread = threading.Thread(target=f.run, name="kfeed-loader", daemon=True)
+        f.thread.start()
+        self._t0 = time.monotonic()
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise LoaderError("the loader is closed")
+        f = self._feeder
+        if f.thread is None:
+            self._start()
+        # The caller asks for a new batch: the step that used the last one is over.
+        self._mark_used()
+        if self._exhausted:
+            raise StopIteration
+        t = time.monotonic()
+        item = self._take()
+        self._wait_s += time.monotonic() - t
+        if self.until == "end" and self.world_size > 1 and _dist_ready():
+            # Every rank stops at the same step, so DDP never waits on a rank
+            # that already ran out.
+            have = torch.tensor([0 if item is _END else 1])
+            torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+            if have.item() == 0 and item is not _END:
+                self._pool.release(item)  # not handed out: its records stay unread
+                item = _END
+        if item is _END:
+            self._exhausted = True
+            self._commit(asynchronous=False)
+            raise StopIteration
+        return self._hand_out(item)
+
+    def _take(self) -> Any:
+        f = self._feeder
+        while True:
+            try:
+                item = f.ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                if f.thread is not None and not f.thread.is_alive() and f.ready.empty():
+                    raise LoaderError("the loader thread stopped without a reason") from None
+                continue
+            if isinstance(item, _Failure):
+                self._exhausted = True
+                exc = item.exc
+                if isinstance(exc, KfeedError):
+                    raise exc
+                tb = "".join(traceback.format_exception(exc))
+                raise LoaderError(f"error in the loader thread while {item.where}:\n{tb}") from exc
+            if item is _END:
+                return item
+            with f.lock:
+                if item.meta.gen == f.gen:
+                    return item
+            self._pool.release(item)  # from before a rebalance: dropped
+
+    def _hand_out(self, slot: Slot) -> Batch:
+        f = self._feeder
+        meta = slot.meta
+        with f.lock:
+            stale = meta.gen != f.gen
+            if not stale:
+                f.handed.update(meta.end)
+        if stale:
+            self._pool.release(slot)
+            return self.__next__()
+        self._pool.hand_out(slot)
+        rows = slot.rows
+        tensors, event = self._copier.copy(slot)
+        self._pool.release(slot, event)
+        offsets = {tp: (meta.first.get(tp, end), end) for tp, end in meta.end.items()}
+        batch = Batch(tensors, rows, offsets)
+        self._current = batch
+        self._batches += 1
+        return batch
+
+    def _mark_used(self) -> None:
+        if self._current is None:
+            return
+        f = self._feeder
+        with f.lock:
+            for tp, (_first, end) in self._current.offsets.items():
+                f.used[tp] = end
+        self._current = None
+        now = time.monotonic()
+        if now - self._last_commit >= self._commit_interval:
+            self._commit(asynchronous=self._commit_interval > 0)
+            self._last_commit = now
+
+    def _commit(self, asynchronous: bool) -> None:
+        f = self._feeder
+        with f.lock:
+            todo = {tp: pos for tp, pos in f.used.items()
+                    if f.committed.get(tp) != pos and (tp in f.assigned or f.thread is None
+                                                       or not f.thread.is_alive())}
+            if todo:
+                self._source.commit(todo, asynchronous=asynchronous)
+                f.committed.update(todo)
+
+    def commit(self) -> None:
+        """Commit every batch handed out so far, including the current one."""
+        self._mark_used()
+        self._commit(asynchronous=False)
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: per partition, the position after the batches handed out."""
+        f = self._feeder
+        with f.lock:
+            positions: dict[str, dict[int, list[int]]] = {}
+            for (topic, part), (off, skip) in sorted(f.handed.items()):
+                positions.setdefault(topic, {})[part] = [off, skip]
+        return {
+            "version": _STATE_VERSION,
+            "schema_fingerprint": self.schema.fingerprint,
+            "format": self.format.value,
+            "topics": list(self.topics),
+            "positions": positions,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``; its positions win over committed offsets."""
+        if self._feeder.thread is not None:
+            raise ConfigError("load_state_dict must be called before iterating")
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"not a kfeed loader state (version {_STATE_VERSION})")
+        if state.get("schema_fingerprint") != self.schema.fingerprint:
+            raise ConfigError("the state was saved with another schema")
+        if state.get("format") != self.format.value:
+            raise ConfigError(f"the state was saved for format {state.get('format')!r}")
+        handed: dict[TP, Position] = {}
+        for topic, parts in state.get("positions", {}).items():
+            for part, (off, skip) in parts.items():
+                handed[(topic, int(part))] = (int(off), int(skip))
+        with self._feeder.lock:
+            self._feeder.handed.update(handed)
+            self._feeder.used.update(handed)
+
+    # -- observability --------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput, bad records, lag per partition and time spent waiting in next()."""
+        f = self._feeder
+        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+        lag: dict[str, int] = {}
+        with f.lock:
+            handed = dict(f.handed)
+        for tp in sorted(f.assigned):
+            try:
+                high = self._source.watermarks(tp, cached=True)[1]
+            except KfeedError:
+                continue
+            if high >= 0 and tp in handed:
+                lag[f"{tp[0]}[{tp[1]}]"] = max(0, high - handed[tp][0])
+        return {
+            "samples": f.samples,
+            "bytes": f.value_bytes,
+            "batches": self._batches,
+            "elapsed_s": elapsed,
+            "samples_per_s": f.samples / elapsed if elapsed > 0 else 0.0,
+            "mb_per_s": f.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
+            "bad_records": f.bad,
+            "lag": lag,
+            "wait_s": self._wait_s,
+            "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
+            "pool_bytes": self._pool.nbytes,
+        }
+
+    # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
+
+    def close(self, *, commit_current: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        f = self._feeder
+        f.stop.set()
+        self._pool.close()
+        if f.thread is not None:
+            f.thread.join()
+        try:
+            if commit_current:
+                self._mark_used()
+            self._commit(asynchronous=False)
+        except KfeedError as e:
+            log.warning("final commit failed: %s", e)
+        finally:
+            self._source.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(commit_current=exc_type is None)
+
+    def __del__(self) -> None:
+        try:
+            self.close(commit_current=False)
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
+            pass
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if _dist_ready():
+        rank = torch.distributed.get_rank() if rank is None else rank
+        world_size = torch.distributed.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
+            and 0 <= rank < world_size):
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+def memory_loader(values: Any, schema: Schema, batch_size: int, **kwargs: Any) -> Loader:
+    """A Loader over recorded message values (see ``MemorySource``)."""
+    loop = kwargs.pop("loop", False)
+    return Loader(None, "memory", schema, batch_size,
+                  source=MemorySource(values, loop=loop), **kwargs)

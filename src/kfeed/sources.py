@@ -1,0 +1,435 @@
+"""Where the loader's message values come from: Kafka, or memory.
+
+The loader's background thread reads through a ``Source``: it opens it, asks
+for messages in bulk, pauses partitions that reached the end of a bounded
+epoch, commits positions, and closes it. ``KafkaSource`` wraps a
+confluent-kafka consumer (librdkafka waits without the GIL); ``MemorySource``
+replays recorded message values through the very same decode, pool and
+prefetch path, for unit tests and for GPU benchmarks on a machine without a
+broker. Neither knows about batches or tensors.
+
+A *position* is ``(offset, skip)``: the next message to read, and how many of
+its records were already handed out (a block may straddle two batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from kfeed.errors import ConfigError, ConsumeError
+
+__all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "CONSUMER_DEFAULTS"]
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+Position = tuple[int, int]
+AssignCallback = Callable[[list[TP]], dict[TP, Position]]
+RevokeCallback = Callable[[list[TP]], None]
+
+# librdkafka settings kfeed starts from; the user's dict overrides any of them.
+# Throughput: big fetches that return as soon as data exists, and a short
+# back-off when the local queue is full (the 1000 ms default stalls a fast
+# trainer). Memory: the pre-fetch queue is bounded explicitly.
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "earliest",
+    "isolation.level": "read_committed",
+    "fetch.min.bytes": 1,
+    "fetch.wait.max.ms": 50,
+    "fetch.queue.backoff.ms": 10,
+    "queued.min.messages": 100000,
+    "queued.max.messages.kbytes": 65536,
+    "max.partition.fetch.bytes": 8 << 20,
+    "fetch.max.bytes": 64 << 20,
+}
+
+_SKIP_PREFIX = "kfeed:skip="
+
+
+def _metadata(skip: int) -> str | None:
+    """Commit metadata that lets a plain group restart skip records of a split block."""
+    return f"{_SKIP_PREFIX}{skip}" if skip else None
+
+
+def _parse_skip(metadata: str | None) -> int:
+    if metadata and metadata.startswith(_SKIP_PREFIX):
+        try:
+            return int(metadata[len(_SKIP_PREFIX):])
+        except ValueError:
+            return 0
+    return 0
+
+
+class Source:
+    """What the loader's thread needs from a stream of message values."""
+
+    def open(
+        self,
+        on_assign: AssignCallback,
+        on_revoke: RevokeCallback,
+        assignment: Sequence[TP] | None,
+    ) -> None:
+        """Start reading; ``assignment`` pins partitions, None joins the group."""
+        raise NotImplementedError
+
+    def partitions(self) -> list[TP]:
+        """Every partition of the source's topics."""
+        raise NotImplementedError
+
+    def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def consume(self, max_messages: int, timeout: float) -> list[Any]:
+        raise NotImplementedError
+
+    def pause(self, tps: Sequence[TP]) -> None:
+        raise NotImplementedError
+
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
+        raise NotImplementedError
+
+    def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
+        raise NotImplementedError
+
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+        raise NotImplementedError
+
+    def dead_letter(self, msg: Any, reason: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class KafkaSource(Source):
+    """Messages from Kafka through a confluent-kafka consumer.
+
+    ``kafka_config`` is the librdkafka dict the user wrote; it is copied, and
+    kfeed's defaults fill only the keys it lacks.
+    """
+
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any],
+        topics: Sequence[str],
+        *,
+        bounded: bool,
+        connect_timeout: float,
+    ) -> None:
+        from confluent_kafka import Consumer, KafkaException
+
+        if not isinstance(kafka_config, Mapping):
+            raise ConfigError("kafka_config must be a dict of librdkafka settings")
+        config = {**CONSUMER_DEFAULTS, **kafka_config}
+        if "bootstrap.servers" not in config:
+            raise ConfigError("kafka_config needs 'bootstrap.servers'")
+        if "group.id" not in config:
+            raise ConfigError("kafka_config needs 'group.id': offsets are committed to a group")
+        if bounded:
+            # The end of a bounded epoch is seen as a partition EOF event, which
+            # also covers a transaction marker or aborted records at the tail.
+            config.setdefault("enable.partition.eof", True)
+        config.setdefault("error_cb", self._on_error)
+        self.topics = list(topics)
+        self.connect_timeout = connect_timeout
+        self._config = config
+        self._dlq_producer: Any = None
+        self._dlq_topics: set[str] = set()
+        try:
+            self._consumer = Consumer(config)
+        except KafkaException as e:
+            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
+        self._paused: set[TP] = set()
+
+    @staticmethod
+    def _on_error(err: Any) -> None:
+        # librdkafka reports transient trouble here and keeps retrying;
+        # the loader only stalls, so this is a warning, not an exception.
+        log.warning("kafka: %s", err)
+
+    def _tp(self, tp: TP, offset: int | None = None, metadata: str | None = None) -> Any:
+        from confluent_kafka import TopicPartition
+
+        if offset is None:
+            return TopicPartition(tp[0], tp[1])
+        return TopicPartition(tp[0], tp[1], offset, metadata)
+
+    def partitions(self) -> list[TP]:
+        from confluent_kafka import KafkaException
+
+        result: list[TP] = []
+        for topic in self.topics:
+            try:
+                md = self._consumer.list_topics(topic, timeout=self.connect_timeout)
+            except KafkaException as e:
+                raise ConsumeError(
+                    f"cannot reach the brokers at {self._config['bootstrap.servers']} "
+                    f"within {self.connect_timeout:g}s: {e.args[0].str()}",
+                    topic=topic,
+                ) from e
+            tmd = md.topics.get(topic)
+            if tmd is None or tmd.error is not None or not tmd.partitions:
+                why = tmd.error.str() if tmd is not None and tmd.error is not None else "no partitions"
+                raise ConsumeError(f"topic {topic!r} is not available: {why}", topic=topic)
+            result.extend((topic, p) for p in sorted(tmd.partitions))
+        return result
+
+    def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
+             assignment: Sequence[TP] | None) -> None:
+        self.partitions()  # fails fast, with a clear error, if brokers or topics are missing
+
+        def assign_cb(consumer: Any, parts: list[Any]) -> None:
+            tps = [(p.topic, p.partition) for p in parts]
+            offsets = on_assign(tps)
+            consumer.assign([self._tp(tp, offsets[tp][0]) for tp in tps])
+
+        def revoke_cb(consumer: Any, parts: list[Any]) -> None:
+            on_revoke([(p.topic, p.partition) for p in parts])
+
+        if assignment is None:
+            self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
+                                     on_lost=revoke_cb)
+        else:
+            offsets = on_assign(list(assignment))
+            self._consumer.assign([self._tp(tp, offsets[tp][0]) for tp in assignment])
+
+    def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
+        from confluent_kafka import KafkaException
+
+        try:
+            marks = self._consumer.get_watermark_offsets(
+                self._tp(tp), timeout=self.connect_timeout, cached=cached
+            )
+        except KafkaException as e:
+            raise ConsumeError(f"cannot read watermarks: {e.args[0].str()}",
+                               topic=tp[0], partition=tp[1]) from e
+        if marks is None:
+            raise ConsumeError("timed out reading watermarks", topic=tp[0], partition=tp[1])
+        return marks
+
+    def consume(self, max_messages: int, timeout: float) -> list[Any]:
+        return self._consumer.consume(max_messages, timeout)
+
+    def pause(self, tps: Sequence[TP]) -> None:
+        new = [tp for tp in tps if tp not in self._paused]
+        if new:
+            self._consumer.pause([self._tp(tp) for tp in new])
+            self._paused.update(new)
+
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
+        from confluent_kafka import KafkaException
+
+        try:
+            parts = self._consumer.committed([self._tp(tp) for tp in tps],
+                                             timeout=self.connect_timeout)
+        except KafkaException as e:
+            raise ConsumeError(f"cannot read committed offsets: {e.args[0].str()}") from e
+        out: dict[TP, Position | None] = {}
+        for p in parts:
+            ok = p.error is None and p.offset >= 0
+            out[(p.topic, p.partition)] = (p.offset, _parse_skip(p.metadata)) if ok else None
+        return out
+
+    def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
+        ms = int(when.timestamp() * 1000)
+        parts = self._consumer.offsets_for_times([self._tp(tp, ms) for tp in tps],
+                                                 timeout=self.connect_timeout)
+        out = {}
+        for p in parts:
+            tp = (p.topic, p.partition)
+            # -1: no message at or after that time, so start at the end.
+            out[tp] = p.offset if p.offset >= 0 else self.watermarks(tp)[1]
+        return out
+
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+        from confluent_kafka import KafkaException
+
+        if not positions:
+            return
+        offsets = [self._tp(tp, off, _metadata(skip)) for tp, (off, skip) in positions.items()]
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=asynchronous)
+        except KafkaException as e:
+            raise ConsumeError(f"offset commit failed: {e.args[0].str()}") from e
+
+    def dead_letter(self, msg: Any, reason: str) -> None:
+        """Send a rejected value, untouched, to ``<topic>.dlq`` and wait for the ack.
+
+        Waiting matters: the offsets past this message may be committed right
+        after, and a bad record must not be lost with a crash in between.
+        """
+        from confluent_kafka import Producer
+
+        topic = f"{msg.topic()}.dlq"
+        if self._dlq_producer is None:
+            conf = self._client_config()
+            conf.update({"acks": "all", "enable.idempotence": True})
+            self._dlq_producer = Producer(conf)
+        if topic not in self._dlq_topics:
+            self._ensure_topic(topic)
+            self._dlq_topics.add(topic)
+        errors: list[Any] = []
+        headers = [
+            ("kfeed.source.topic", msg.topic().encode()),
+            ("kfeed.source.partition", str(msg.partition()).encode()),
+            ("kfeed.source.offset", str(msg.offset()).encode()),
+            ("kfeed.reason", reason.encode()),
+        ]
+        self._dlq_producer.produce(
+            topic, value=msg.value(), key=msg.key(), headers=headers,
+            on_delivery=lambda err, _m: err is not None and errors.append(err),
+        )
+        left = self._dlq_producer.flush(self.connect_timeout)
+        if left or errors:
+            raise ConsumeError(
+                f"could not write a bad record to {topic}: {errors[0] if errors else 'timed out'}",
+                topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+            )
+
+    def _ensure_topic(self, topic: str) -> None:
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        md = self._consumer.list_topics(timeout=self.connect_timeout)
+        if topic in md.topics and md.topics[topic].error is None:
+            return
+        admin = AdminClient(self._client_config())
+        futures = admin.create_topics([NewTopic(topic, num_partitions=1)])
+        try:
+            futures[topic].result(self.connect_timeout)
+        except KafkaException as e:
+            if e.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                raise ConsumeError(f"cannot create dead-letter topic {topic}: {e.args[0].str()}",
+                                   topic=topic) from e
+
+    def _client_config(self) -> dict[str, Any]:
+        """The connection and security settings, for the DLQ producer and admin."""
+        return {k: v for k, v in self._config.items()
+                if k.startswith(("bootstrap.", "security.", "sasl.", "ssl."))}
+
+    def close(self) -> None:
+        if self._dlq_producer is not None:
+            self._dlq_producer.flush(self.connect_timeout)
+            self._dlq_producer = None
+        self._consumer.close()
+
+
+class _Record:
+    """A recorded message with the accessors of confluent_kafka.Message."""
+
+    __slots__ = ("_topic", "_partition", "_offset", "_value", "_ts")
+
+    def __init__(self, topic: str, partition: int, offset: int, value: Any, ts: int) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._value, self._ts = value, ts
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> Any:
+        return self._value
+
+    def key(self) -> None:
+        return None
+
+    def error(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._ts)
+
+
+class MemorySource(Source):
+    """Replays recorded message values as if they came from Kafka.
+
+    ``values`` is a list of values for partition 0, or ``{partition: values}``.
+    With ``loop=True`` the recording repeats forever (offsets keep growing),
+    which suits a streaming benchmark. Rejected values are kept in
+    ``dead_letters``; commits are recorded in ``commits``.
+    """
+
+    def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
+                 topic: str = "memory", loop: bool = False) -> None:
+        if not isinstance(values, Mapping):
+            values = {0: values}
+        self.topic = topic
+        self.loop = loop
+        now = int(time.time() * 1000)
+        self._data = {
+            (topic, p): [_Record(topic, p, i, v, now) for i, v in enumerate(vals)]
+            for p, vals in sorted(values.items())
+        }
+        self._next: dict[TP, int] = {}
+        self._paused: set[TP] = set()
+        self.commits: list[dict[TP, Position]] = []
+        self.committed_positions: dict[TP, Position] = {}
+        self.dead_letters: list[tuple[Any, str]] = []
+
+    def partitions(self) -> list[TP]:
+        return list(self._data)
+
+    def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
+             assignment: Sequence[TP] | None) -> None:
+        tps = list(assignment) if assignment is not None else self.partitions()
+        offsets = on_assign(tps)
+        self._next = {tp: offsets[tp][0] for tp in tps}
+
+    def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
+        if self.loop:
+            return (0, max(self._next.get(tp, 0), len(self._data[tp])))
+        return (0, len(self._data[tp]))
+
+    def consume(self, max_messages: int, timeout: float) -> list[Any]:
+        out: list[Any] = []
+        live = [tp for tp in self._next if tp not in self._paused]
+        # Interleave partitions in runs, as a broker's fetches would.
+        run = max(1, max_messages // max(1, len(live)))
+        for tp in live:
+            recs, i = self._data[tp], self._next[tp]
+            n = len(recs)
+            take = min(run, max_messages - len(out))
+            if self.loop and n:
+                for j in range(i, i + take):
+                    r = recs[j % n]
+                    out.append(r if j < n else _Record(tp[0], tp[1], j, r._value, r._ts))
+                self._next[tp] = i + take
+            else:
+                out.extend(recs[i:i + take])
+                self._next[tp] = min(n, i + take)
+        if not out and timeout > 0:
+            time.sleep(min(timeout, 0.01))
+        return out
+
+    def pause(self, tps: Sequence[TP]) -> None:
+        self._paused.update(tps)
+
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
+        return {tp: self.committed_positions.get(tp) for tp in tps}
+
+    def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
+        ms = int(when.timestamp() * 1000)
+        return {tp: next((r.offset() for r in self._data[tp] if r._ts >= ms), len(self._data[tp]))
+                for tp in tps}
+
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+        if positions:
+            self.commits.append(dict(positions))
+            self.committed_positions.update(positions)
+
+    def dead_letter(self, msg: Any, reason: str) -> None:
+        self.dead_letters.append((msg, reason))
+
+    def close(self) -> None:
+        pass
