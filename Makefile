@@ -7,6 +7,9 @@ TEST_CLUSTER := .kfeed/test-cluster
 DEMO_CLUSTER := .kfeed/demo-cluster
 PYTEST_ARGS ?=
 
+DEMO_PORT := 39492
+DEMO_SAMPLES ?= 100000
+
 .PHONY: install demo test bench profile clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd)
@@ -26,6 +29,18 @@ test: install
 	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) \
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; \
+	exit $$rc
+
+# The main job on a local 1-node Apache Kafka: produce the seeds' synthetic
+# workload, train an MLP from it with the Loader, print the figures.
+demo: install
+	@set -u; \
+	$(PY) -m kfeed cluster up --nodes 1 --dir $(DEMO_CLUSTER) --port $(DEMO_PORT) || { $(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; exit 1; }; \
+	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(DEMO_CLUSTER) | tail -n 1); \
+	$(PY) -m kfeed produce --topic kfeed-demo --partitions 4 --synthetic $(DEMO_SAMPLES) --keyed \
+	&& $(PY) -m kfeed train --topic kfeed-demo --group-id kfeed-demo --until-end \
+		--checkpoint $(DEMO_CLUSTER)/checkpoint.pt --checkpoint-every 100; rc=$$?; \
+	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
 	exit $$rc
 
 clean:

@@ -20,7 +20,9 @@ from kfeed.errors import (
     ProduceError,
 )
 from kfeed.partition import murmur2, partition_for, partitions_for
+from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Schema
+from kfeed.sources import MemorySource
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,10 @@ __all__ = [
     "__version__",
     "Schema",
     "DecodeResult",
+    "Producer",
+    "Loader",
+    "KafkaIterableDataset",
+    "MemorySource",
     "BufferPool",
     "murmur2",
     "partition_for",
@@ -45,9 +51,13 @@ __all__ = [
 # and the producer-only paths start fast.
 _LAZY = {
     "BufferPool": "kfeed.pool",
+    "Loader": "kfeed.loader",
+    "KafkaIterableDataset": "kfeed.dataset",
 }
 
 if TYPE_CHECKING:
+    from kfeed.dataset import KafkaIterableDataset
+    from kfeed.loader import Loader
     from kfeed.pool import BufferPool
 
 

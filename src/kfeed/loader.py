@@ -400,7 +400,7 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         assignment: str = "group",
-        commit_interval_ms: float = 0.0,
+        commit_interval_ms: float = 1000.0,
         connect_timeout_s: float = 30.0,
         source: Source | None = None,
     ) -> None:

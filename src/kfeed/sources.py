@@ -146,6 +146,7 @@ class KafkaSource(Source):
         except KafkaException as e:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._paused: set[TP] = set()
+        self._callback_error: BaseException | None = None
 
     @staticmethod
     def _on_error(err: Any) -> None:
@@ -158,6 +159,8 @@ class KafkaSource(Source):
 
         if offset is None:
             return TopicPartition(tp[0], tp[1])
+        if metadata is None:
+            return TopicPartition(tp[0], tp[1], offset)
         return TopicPartition(tp[0], tp[1], offset, metadata)
 
     def partitions(self) -> list[TP]:
@@ -184,13 +187,21 @@ class KafkaSource(Source):
              assignment: Sequence[TP] | None) -> None:
         self.partitions()  # fails fast, with a clear error, if brokers or topics are missing
 
+        # An exception must not cross librdkafka's callback boundary: keep it
+        # and raise it from consume(), on the same thread.
         def assign_cb(consumer: Any, parts: list[Any]) -> None:
-            tps = [(p.topic, p.partition) for p in parts]
-            offsets = on_assign(tps)
-            consumer.assign([self._tp(tp, offsets[tp][0]) for tp in tps])
+            try:
+                tps = [(p.topic, p.partition) for p in parts]
+                offsets = on_assign(tps)
+                consumer.assign([self._tp(tp, offsets[tp][0]) for tp in tps])
+            except BaseException as e:  # noqa: BLE001
+                self._callback_error = e
 
         def revoke_cb(consumer: Any, parts: list[Any]) -> None:
-            on_revoke([(p.topic, p.partition) for p in parts])
+            try:
+                on_revoke([(p.topic, p.partition) for p in parts])
+            except BaseException as e:  # noqa: BLE001
+                self._callback_error = e
 
         if assignment is None:
             self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
@@ -214,7 +225,11 @@ class KafkaSource(Source):
         return marks
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
-        return self._consumer.consume(max_messages, timeout)
+        msgs = self._consumer.consume(max_messages, timeout)
+        if self._callback_error is not None:
+            e, self._callback_error = self._callback_error, None
+            raise e
+        return msgs
 
     def pause(self, tps: Sequence[TP]) -> None:
         new = [tp for tp in tps if tp not in self._paused]
