@@ -1,0 +1,212 @@
+"""Loader behaviour through the in-memory source: no broker needed."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kfeed
+from kfeed.cli import synthetic_columns, synthetic_schema
+from kfeed.loader import Loader, memory_loader
+
+SCHEMA = synthetic_schema()
+
+
+def blocks(start: int, n: int, per_block: int = 64) -> list[bytes]:
+    return SCHEMA.encode_blocks(synthetic_columns(np.arange(start, start + n)), per_block)
+
+
+def collect(loader: Loader) -> np.ndarray:
+    ids = [b["id"].numpy().copy() for b in loader]
+    return np.concatenate(ids) if ids else np.empty(0, np.int64)
+
+
+@pytest.mark.parametrize("batch_size", [1, 64, 100, 256, 1000])
+def test_bounded_epoch_delivers_every_sample_once_bit_equal(batch_size: int) -> None:
+    values = {0: blocks(0, 3000, 64), 1: blocks(3000, 2000, 50), 2: []}
+    seen = []
+    with memory_loader(values, SCHEMA, batch_size, until="end", device="cpu") as loader:
+        for batch in loader:
+            assert batch.size == len(batch["id"]) <= batch_size
+            want = synthetic_columns(batch["id"].numpy())
+            assert np.array_equal(batch["features"].numpy(), want["features"])
+            assert np.array_equal(batch["label"].numpy(), want["label"])
+            seen.append(batch["id"].numpy().copy())
+    ids = np.concatenate(seen)
+    assert np.array_equal(np.sort(ids), np.arange(5000))
+
+
+def test_drop_last_drops_only_the_partial_tail() -> None:
+    with memory_loader(blocks(0, 1000), SCHEMA, 256, until="end", drop_last=True,
+                       device="cpu") as loader:
+        sizes = [b.size for b in loader]
+    assert sizes == [256, 256, 256]
+
+
+@pytest.mark.parametrize("stop_after", [0, 3, 7, 12])
+def test_resume_from_state_dict_repeats_and_skips_nothing(stop_after: int) -> None:
+    values = {0: blocks(0, 2000, 64), 1: blocks(2000, 1500, 37)}
+    first = memory_loader(values, SCHEMA, 100, until="end", device="cpu")
+    got = []
+    for i, batch in enumerate(first):
+        got.append(batch["id"].numpy().copy())
+        if i == stop_after:
+            break
+    state = first.state_dict()
+    first.close()
+    second = memory_loader(values, SCHEMA, 100, until="end", device="cpu")
+    second.load_state_dict(state)
+    got.append(collect(second))
+    ids = np.concatenate(got)
+    assert len(ids) == len(np.unique(ids)) == 3500
+
+
+def test_state_dict_rejects_another_schema() -> None:
+    loader = memory_loader(blocks(0, 64), SCHEMA, 32, until="end", device="cpu")
+    state = loader.state_dict()
+    other = kfeed.Schema({"x": ("float32", (4,))})
+    with pytest.raises(kfeed.ConfigError, match="another schema"):
+        memory_loader([], other, 32, until="end", device="cpu").load_state_dict(state)
+    loader.close()
+
+
+def test_commits_trail_the_step() -> None:
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    loader = Loader(None, "memory", SCHEMA, 64, source=source, until="end", device="cpu",
+                    commit_interval_ms=0)
+    first = next(loader)
+    assert source.committed_positions == {}  # the step using `first` has not finished
+    second = next(loader)
+    assert source.committed_positions[("memory", 0)] == first.offsets[("memory", 0)][1]
+    assert second.offsets[("memory", 0)][0] == first.offsets[("memory", 0)][1]
+    loader.close()
+    assert source.committed_positions[("memory", 0)] == second.offsets[("memory", 0)][1]
+
+
+def test_close_after_an_exception_does_not_commit_the_current_batch() -> None:
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    with pytest.raises(RuntimeError):
+        with Loader(None, "memory", SCHEMA, 64, source=source, until="end", device="cpu",
+                    commit_interval_ms=0) as loader:
+            next(loader)
+            current = next(loader)
+            raise RuntimeError("the step failed")
+    assert source.committed_positions[("memory", 0)] == current.offsets[("memory", 0)][0]
+
+
+@pytest.mark.parametrize("policy", ["skip", "dead_letter"])
+def test_bad_records_never_reach_a_batch(policy: str) -> None:
+    good = blocks(0, 640, 64)
+    values = list(good)
+    values.insert(3, b"garbage")
+    values.insert(7, good[0][:100])  # truncated block
+    values.insert(9, None)  # tombstone
+    source = kfeed.MemorySource(values)
+    with Loader(None, "memory", SCHEMA, 128, source=source, until="end", device="cpu",
+                on_bad_record=policy) as loader:
+        ids = collect(loader)
+        assert loader.stats()["bad_records"] == 3
+    assert np.array_equal(np.sort(ids), np.arange(640))
+    if policy == "dead_letter":
+        assert sorted(m.offset() for m, _ in source.dead_letters) == [3, 7, 9]
+
+
+def test_bad_record_raise_names_the_offset() -> None:
+    values = blocks(0, 128, 64) + [b"x" * 40]
+    with memory_loader(values, SCHEMA, 64, until="end", device="cpu",
+                       on_bad_record="raise") as loader:
+        with pytest.raises(kfeed.DecodeError) as info:
+            collect(loader)
+    assert info.value.offset == 2 and info.value.partition == 0
+
+
+def test_raw_format() -> None:
+    values = SCHEMA.encode_raw(synthetic_columns(np.arange(500)))
+    with memory_loader(values, SCHEMA, 64, format="raw", until="end", device="cpu") as loader:
+        assert np.array_equal(collect(loader), np.arange(500))
+
+
+def test_streaming_yields_partial_batch_after_max_wait() -> None:
+    with memory_loader(blocks(0, 10), SCHEMA, 256, max_wait_ms=50, device="cpu") as loader:
+        batch = next(loader)
+    assert batch.size == 10
+
+
+def test_batches_are_owned_by_the_caller() -> None:
+    with memory_loader(blocks(0, 256), SCHEMA, 64, until="end", device="cpu") as loader:
+        kept = list(loader)
+    ids = np.concatenate([b["id"].numpy() for b in kept])
+    assert np.array_equal(ids, np.arange(256))
+
+
+def test_stats_and_stall() -> None:
+    with memory_loader(blocks(0, 1024), SCHEMA, 128, until="end", device="cpu") as loader:
+        collect(loader)
+        st = loader.stats()
+    assert st["samples"] == 1024 and st["batches"] == 8
+    assert st["bytes"] == sum(len(v) for v in blocks(0, 1024))
+    assert 0.0 <= st["stall_fraction"] <= 1.0
+
+
+def test_bad_configuration_is_a_config_error() -> None:
+    for kwargs in ({"batch_size": 0}, {"until": "forever"}, {"start": "yesterday"},
+                   {"on_bad_record": "ignore"}, {"format": "csv"}, {"prefetch": 0}):
+        args = {"batch_size": 8, **kwargs}
+        with pytest.raises(kfeed.ConfigError):
+            memory_loader([], SCHEMA, device="cpu", **args)
+    with pytest.raises(kfeed.ConfigError, match="group.id"):
+        Loader({"bootstrap.servers": "127.0.0.1:1"}, "t", SCHEMA, 8, device="cpu")
+
+
+def test_close_stops_the_thread_and_gc_cleans_up() -> None:
+    before = threading.active_count()
+    loader = memory_loader(blocks(0, 64), SCHEMA, 32, loop=True, device="cpu")
+    next(loader)
+    assert threading.active_count() == before + 1
+    del loader
+    gc.collect()
+    for _ in range(50):
+        if threading.active_count() == before:
+            break
+        threading.Event().wait(0.05)
+    assert threading.active_count() == before
+
+
+def test_errors_in_the_thread_reach_the_caller() -> None:
+    class Broken(kfeed.MemorySource):
+        def consume(self, max_messages: int, timeout: float) -> list:
+            raise OSError("disk on fire")
+
+    loader = Loader(None, "memory", SCHEMA, 32, source=Broken([]), device="cpu")
+    with pytest.raises(kfeed.LoaderError, match="disk on fire"):
+        next(loader)
+    loader.close()
+
+
+def test_memory_stays_flat_over_a_long_stream() -> None:
+    import tracemalloc
+
+    with memory_loader(blocks(0, 4096), SCHEMA, 256, loop=True, device="cpu") as loader:
+        for _ in range(50):
+            next(loader)
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(400):
+            next(loader)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+    # 400 batches are 300+ MB of samples; what stays behind must not scale with them.
+    assert grown < 2 << 20
+
+
+def test_bfloat16_comes_out_as_torch_bfloat16() -> None:
+    schema = kfeed.Schema({"x": ("bfloat16", (3,))})
+    x = torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)
+    with memory_loader(schema.encode_blocks({"x": x}), schema, 4, until="end",
+                       device="cpu") as loader:
+        batch = next(loader)
+    assert batch["x"].dtype == torch.bfloat16 and torch.equal(batch["x"], x)
