@@ -145,7 +145,9 @@ cdef class _Values:
             else:
                 try:
                     PyObject_GetBuffer(v, &self.views[i], PyBUF_SIMPLE)
-                except (TypeError, BufferError):
+                except (TypeError, BufferError, ValueError):
+                    # ValueError: a released memoryview. One bad value must
+                    # not fail the whole batch.
                     self.size[i] = -R_NOT_BYTES
                     continue
                 self.has_view[i] = 1

@@ -201,6 +201,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         step = state["step"]
         print(f"resumed from {ckpt} at step {step}")
     seen_log = open(args.log_ids, "a") if args.log_ids else None  # noqa: SIM115
+    if seen_log is not None and step:
+        seen_log.write(f"# resumed at step {step}\n")
     t_last, s_last, loss_v = time.monotonic(), 0, float("nan")
     with loader:
         for batch in loader:

@@ -1,0 +1,57 @@
+"""A real local Apache Kafka cluster for tests, demos and benchmarks (no Docker).
+
+It sits beside the data flow, not in it: the CLI (``kfeed cluster``) and the
+test fixtures use it, and it knows nothing of torch, the loader or the codec.
+Only ``confluent_kafka`` is imported, lazily, to ask the brokers whether they
+are ready.
+
+``up`` resolves the broker jars (Maven, once, into ``~/.cache/kfeed``),
+formats each node's storage and starts 1 or 3 KRaft nodes (broker and
+controller in one JVM) on 127.0.0.1: node ``i`` serves clients on
+``port + i - 1`` and its controller on ``port + 100 + i - 1``. The state
+folder (default ``.kfeed/cluster``) holds ``cluster.json``, the log4j2
+config and one ``node-<i>`` folder per node with its properties, data, logs
+and pid file.
+"""
+
+from __future__ import annotations
+
+from kfeed.cluster._cli import register
+from kfeed.cluster._jars import jars
+from kfeed.cluster._layout import (
+    CONTROLLER_PORT_OFFSET,
+    DEFAULT_DIR,
+    DEFAULT_PORT,
+    min_insync_replicas,
+    node_properties,
+    replication_factor,
+)
+from kfeed.cluster._tool import (
+    bootstrap,
+    down,
+    free_port_base,
+    kill_node,
+    node_pids,
+    start_node,
+    status,
+    up,
+)
+
+__all__ = [
+    "DEFAULT_DIR",
+    "DEFAULT_PORT",
+    "CONTROLLER_PORT_OFFSET",
+    "up",
+    "down",
+    "status",
+    "bootstrap",
+    "jars",
+    "node_pids",
+    "kill_node",
+    "start_node",
+    "node_properties",
+    "free_port_base",
+    "replication_factor",
+    "min_insync_replicas",
+    "register",
+]

@@ -1,0 +1,244 @@
+"""Producer and Loader against a real Apache Kafka (the cluster fixture)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, Producer as KafkaProducer
+
+import kfeed
+from kfeed.cli import synthetic_columns, synthetic_schema
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = synthetic_schema()
+
+
+def produce(bootstrap: str, topic: str, first: int, n: int, **kwargs) -> None:
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA, **kwargs) as p:
+        for i in range(first, first + n, 10000):
+            ids = np.arange(i, min(i + 10000, first + n))
+            p.send(synthetic_columns(ids), keys=ids)
+
+
+def loader(bootstrap: str, topic: str, group: str, **kwargs) -> kfeed.Loader:
+    kwargs.setdefault("until", "end")
+    kwargs.setdefault("device", "cpu")
+    return kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, SCHEMA,
+                        kwargs.pop("batch_size", 256), **kwargs)
+
+
+def test_200k_samples_arrive_exactly_once_bit_equal(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=4)
+    n = 200_000
+    produce(bootstrap, topic, 0, n)
+    seen = np.zeros(n, np.int64)
+    with loader(bootstrap, topic, group_id) as ld:
+        for batch in ld:
+            ids = batch["id"].numpy()
+            want = synthetic_columns(ids)
+            assert np.array_equal(batch["features"].numpy(), want["features"])
+            assert np.array_equal(batch["label"].numpy(), want["label"])
+            np.add.at(seen, ids, 1)
+        assert ld.stats()["bad_records"] == 0
+    assert (seen == 1).all()
+
+
+def test_keyed_partitions_match_librdkafka_murmur2(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=7)
+    keys = [f"user-{i}".encode() for i in range(300)]
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random"})
+    for k in keys:
+        p.produce(topic, value=b"v", key=k)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id,
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    got = {}
+    deadline = time.monotonic() + 60
+    while len(got) < len(keys) and time.monotonic() < deadline:
+        for m in c.consume(500, 1.0):
+            if m.error() is None:
+                got[m.key()] = m.partition()
+    c.close()
+    assert len(got) == len(keys)
+    ours = kfeed.partitions_for(keys, 7)
+    assert [got[k] for k in keys] == ours.tolist()
+
+
+def test_raw_topic_from_plain_confluent_kafka(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=3)
+    cols = synthetic_columns(np.arange(3000))
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(3000):
+        value = (cols["features"][i].tobytes() + cols["label"][i].tobytes()
+                 + cols["id"][i].tobytes())
+        p.produce(topic, value=value)
+    assert p.flush(30) == 0
+    with loader(bootstrap, topic, group_id, format="raw") as ld:
+        ids = np.concatenate([b["id"].numpy().copy() for b in ld])
+    assert np.array_equal(np.sort(ids), np.arange(3000))
+
+
+def test_resume_from_state_dict_and_from_committed(bootstrap, make_topic) -> None:
+    topic = make_topic(partitions=3)
+    produce(bootstrap, topic, 0, 20_000, block_records=50)
+    group = uuid.uuid4().hex
+    got = []
+    ld = loader(bootstrap, topic, group, batch_size=96)
+    for i, batch in enumerate(ld):
+        got.append(batch["id"].numpy().copy())
+        if i == 40:
+            break
+    state = ld.state_dict()
+    ld.close()
+    # Resume from the checkpointed state, in a fresh group.
+    with loader(bootstrap, topic, uuid.uuid4().hex, batch_size=96) as ld2:
+        ld2.load_state_dict(state)
+        rest = [b["id"].numpy().copy() for b in ld2]
+    ids = np.concatenate(got + rest)
+    assert len(ids) == 20_000 and len(np.unique(ids)) == 20_000
+    # Resume from the group's committed offsets (blocks split across batches
+    # carry the records to skip in the commit metadata).
+    with loader(bootstrap, topic, group, batch_size=96) as ld3:
+        rest3 = [b["id"].numpy().copy() for b in ld3]
+    ids3 = np.concatenate(got + rest3)
+    assert len(ids3) == 20_000 and len(np.unique(ids3)) == 20_000
+
+
+def test_trainer_killed_between_checkpoints_resumes_exactly(bootstrap, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, 0, 12_000)
+    ckpt, log = tmp_path / "ck.pt", tmp_path / "ids.txt"
+    cmd = [sys.executable, "-m", "kfeed", "train", "--bootstrap-servers", bootstrap,
+           "--topic", topic, "--group-id", uuid.uuid4().hex, "--until-end", "--batch-size", "100",
+           "--checkpoint", str(ckpt), "--checkpoint-every", "10", "--log-ids", str(log),
+           "--device", "cpu", "--resume"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("#") < 3):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert ckpt.exists()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    # What the killed run trained after its last checkpoint is trained again
+    # by the resumed run; everything up to that checkpoint must not be.
+    lines = log.read_text().splitlines()
+    resumed = next(i for i, line in enumerate(lines) if line.startswith("# resumed at step "))
+    step = int(lines[resumed].rsplit(" ", 1)[1])
+    first_run = [line for line in lines[:resumed] if not line.startswith("#")]
+    kept = first_run[:step] + lines[resumed + 1:]
+    ids = np.array([int(x) for line in kept if not line.startswith("#") for x in line.split()])
+    assert len(ids) == len(np.unique(ids)) == 12_000
+
+
+def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topic) -> None:
+    topic = make_topic(partitions=4)
+    produce(bootstrap, topic, 0, 16_000)
+    group = uuid.uuid4().hex
+    import threading
+
+    results: list[np.ndarray] = [np.empty(0, np.int64), np.empty(0, np.int64)]
+
+    def run(k: int) -> None:
+        with loader(bootstrap, topic, group, batch_size=64, until=None, max_wait_ms=500) as ld:
+            got, idle_since = [], time.monotonic()
+            while time.monotonic() - idle_since < 5:
+                try:
+                    b = next(ld)
+                except StopIteration:
+                    break
+                got.append(b["id"].numpy().copy())
+                idle_since = time.monotonic()
+                time.sleep(0.002)  # a step's worth of work, so both members get to join
+            results[k] = np.concatenate(got) if got else np.empty(0, np.int64)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    ids = np.concatenate(results)
+    assert len(ids) == len(np.unique(ids)) == 16_000
+
+
+def test_bad_messages_go_to_the_dead_letter_topic(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=1)
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(640)), 64)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    bad_values = [b"not a block", good[0][:500], b"KFDB" + b"\0" * 60]
+    for i, v in enumerate(good):
+        p.produce(topic, value=v)
+        if i < len(bad_values):
+            p.produce(topic, value=bad_values[i])
+    assert p.flush(30) == 0
+    with loader(bootstrap, topic, group_id, batch_size=128) as ld:
+        ids = np.concatenate([b["id"].numpy().copy() for b in ld])
+        assert ld.stats()["bad_records"] == 3
+    assert np.array_equal(np.sort(ids), np.arange(640))
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([f"{topic}.dlq"])
+    dead, deadline = [], time.monotonic() + 60
+    while len(dead) < 3 and time.monotonic() < deadline:
+        dead += [m for m in c.consume(10, 1.0) if m.error() is None]
+    c.close()
+    assert sorted(m.value() for m in dead) == sorted(bad_values)
+    for m in dead:
+        h = dict(m.headers())
+        assert h["kfeed.source.topic"] == topic.encode()
+        assert h["kfeed.source.partition"] == b"0"
+        assert int(h["kfeed.source.offset"]) in (1, 3, 5)
+        assert h["kfeed.reason"]
+
+
+def test_unreachable_broker_and_missing_topic_fail_fast(bootstrap, group_id) -> None:
+    t0 = time.monotonic()
+    ld = kfeed.Loader({"bootstrap.servers": "127.0.0.1:9", "group.id": group_id}, "t", SCHEMA,
+                      8, device="cpu", connect_timeout_s=3)
+    with pytest.raises(kfeed.ConsumeError, match="cannot reach"):
+        next(ld)
+    ld.close()
+    assert time.monotonic() - t0 < 20
+    ld = loader(bootstrap, f"missing-{uuid.uuid4().hex}", group_id, connect_timeout_s=5)
+    with pytest.raises(kfeed.ConsumeError, match="not available"):
+        next(ld)
+    ld.close()
+    with pytest.raises(kfeed.ProduceError, match="not available"):
+        kfeed.Producer({"bootstrap.servers": bootstrap}, f"missing-{uuid.uuid4().hex}", SCHEMA,
+                       connect_timeout_s=5)
+
+
+def test_aborted_transaction_is_never_visible(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=2)
+    p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                       transactional_id=uuid.uuid4().hex)
+    with p.transaction():
+        p.send(synthetic_columns(np.arange(0, 500)))
+    with pytest.raises(RuntimeError):
+        with p.transaction():
+            p.send(synthetic_columns(np.arange(500, 1000)))
+            p._producer.flush(30)  # the aborted records really reach the log
+            raise RuntimeError("preprocessing failed")
+    with p.transaction():
+        p.send(synthetic_columns(np.arange(1000, 1500)))
+    with loader(bootstrap, topic, group_id) as ld:
+        ids = np.concatenate([b["id"].numpy().copy() for b in ld])
+    assert np.array_equal(np.sort(ids), np.r_[np.arange(0, 500), np.arange(1000, 1500)])
+
+
+def test_produce_cli_reports_rates(bootstrap, make_topic) -> None:
+    topic = make_topic(partitions=2)
+    out = subprocess.run([sys.executable, "-m", "kfeed", "produce", "--bootstrap-servers",
+                          bootstrap, "--topic", topic, "--synthetic", "5000"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "produced 5000 samples" in out.stdout and "MB/s" in out.stdout
