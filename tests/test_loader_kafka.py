@@ -237,3 +237,19 @@ def test_produce_cli_reports_rates(bootstrap, make_topic) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "produced 5000 samples" in out.stdout and "MB/s" in out.stdout
+
+
+def test_start_from_a_point_in_time_and_from_latest(bootstrap, make_topic) -> None:
+    from datetime import datetime, timezone
+
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, 0, 1000)
+    time.sleep(1.0)
+    since = datetime.now(timezone.utc)
+    time.sleep(0.2)
+    produce(bootstrap, topic, 1000, 1000)
+    with loader(bootstrap, topic, uuid.uuid4().hex, start=since) as ld:
+        ids = np.concatenate([b["id"].numpy().copy() for b in ld])
+    assert np.array_equal(np.sort(ids), np.arange(1000, 2000))
+    with loader(bootstrap, topic, uuid.uuid4().hex, start="latest") as ld:
+        assert [b.size for b in ld] == []
