@@ -253,3 +253,31 @@ def test_start_from_a_point_in_time_and_from_latest(bootstrap, make_topic) -> No
     assert np.array_equal(np.sort(ids), np.arange(1000, 2000))
     with loader(bootstrap, topic, uuid.uuid4().hex, start="latest") as ld:
         assert [b.size for b in ld] == []
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".parquet"])
+def test_produce_cli_from_a_file(bootstrap, make_topic, group_id, tmp_path, suffix) -> None:
+    topic = make_topic(partitions=2)
+    cols = synthetic_columns(np.arange(700))
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".npz":
+        np.savez(path, x=cols["features"], y=cols["label"], i=cols["id"])
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(cols["features"].ravel()), 768),
+            "y": cols["label"], "i": cols["id"]}), path)
+    out = subprocess.run([sys.executable, "-m", "kfeed", "produce", "--bootstrap-servers",
+                          bootstrap, "--topic", topic, "--from", str(path), "--field",
+                          "features=x", "--field", "label=y", "--field", "id=i"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with loader(bootstrap, topic, group_id) as ld:
+        batches = list(ld)
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    order = np.argsort(ids)
+    features = np.concatenate([b["features"].numpy() for b in batches])[order]
+    assert np.array_equal(ids[order], np.arange(700))
+    assert np.array_equal(features, cols["features"])

@@ -210,3 +210,11 @@ def test_bfloat16_comes_out_as_torch_bfloat16() -> None:
                        device="cpu") as loader:
         batch = next(loader)
     assert batch["x"].dtype == torch.bfloat16 and torch.equal(batch["x"], x)
+
+
+def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 128, source=source, until="end")
+    batches = list(torch.utils.data.DataLoader(dataset, batch_size=None))
+    ids = torch.cat([b["id"] for b in batches]).numpy()
+    assert np.array_equal(np.sort(ids), np.arange(640))

@@ -96,16 +96,23 @@ def _load_file(path: Path, fields: dict[str, str]) -> dict[str, Any]:
             raise KfeedError(".npy holds one array: map exactly one field to it")
         return {next(iter(fields)): np.load(path)}
     if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         table = pq.read_table(path, columns=sorted(set(fields.values())))
         out = {}
         for f, src in fields.items():
             col = table.column(src).combine_chunks()
-            if hasattr(col, "flatten") and col.type.num_fields == 0 and str(col.type).startswith(
-                    ("list", "fixed_size_list", "large_list")):
-                width = len(col[0]) if len(col) else 0
-                out[f] = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), width)
+            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or \
+                    pa.types.is_fixed_size_list(col.type):
+                lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+                if len(lengths) and (lengths != lengths[0]).any():
+                    raise KfeedError(f"column {src!r} holds lists of different lengths; "
+                                     "fixed-shape fields need equal lengths")
+                width = int(lengths[0]) if len(lengths) else 0
+                values = col.flatten().to_numpy(zero_copy_only=False)
+                out[f] = values.reshape(len(col), width)
             else:
                 out[f] = col.to_numpy(zero_copy_only=False)
         return out
