@@ -210,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     seen_log = open(args.log_ids, "a") if args.log_ids else None  # noqa: SIM115
     if seen_log is not None and step:
         seen_log.write(f"# resumed at step {step}\n")
-    t_last, s_last, loss_v = time.monotonic(), 0, float("nan")
+    t_last, s_last, w_last, loss_v = time.monotonic(), 0, 0.0, float("nan")
     with loader:
         for batch in loader:
             logits = model(batch["features"])
@@ -233,17 +233,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                 loss_v = loss.item()
                 st = loader.stats()
                 now = time.monotonic()
-                rate = (st["samples"] - s_last) / max(now - t_last, 1e-9)
-                t_last, s_last = now, st["samples"]
+                span = max(now - t_last, 1e-9)
+                rate = (st["samples"] - s_last) / span
+                stall = min(1.0, (st["wait_s"] - w_last) / span)
+                t_last, s_last, w_last = now, st["samples"], st["wait_s"]
                 print(f"step {step}  loss {loss_v:.4f}  {rate:,.0f} samples/s  "
-                      f"stall {100 * st['stall_fraction']:.1f}%  lag {sum(st['lag'].values())}",
-                      flush=True)
+                      f"stall {100 * stall:.1f}%  lag {sum(st['lag'].values())}", flush=True)
             if args.steps and step >= args.steps:
                 break
         st = loader.stats()
     if seen_log is not None:
         seen_log.close()
     print(f"trained {step} steps on {st['samples']} samples: {st['samples_per_s']:,.0f} samples/s, "
+          f"startup {st['startup_s']:.1f}s, "
           f"{st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
           f"lag {sum(st['lag'].values())}, bad records {st['bad_records']}, "
           f"final loss {loss.item() if step else float('nan'):.4f}")
@@ -302,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # librdkafka reports transient start-up trouble (a coordinator still
+        # loading, a broker restarting) that it retries by itself.
+        logging.getLogger("kfeed.librdkafka").setLevel(logging.ERROR)
     try:
         return int(args.func(args) or 0)
     except KfeedError as e:

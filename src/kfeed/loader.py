@@ -459,9 +459,12 @@ class Loader:
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
-        self._wait_s = 0.0
+        self._wait_s = 0.0          # waited in next() after the first batch
+        self._startup_s = 0.0       # from the first next() to the first batch
         self._batches = 0
-        self._t0: float | None = None
+        self._samples_out = 0
+        self._t0: float | None = None       # first next()
+        self._t_first: float | None = None  # first batch handed out
 
     # -- iteration ------------------------------------------------------------
 
@@ -493,7 +496,11 @@ class Loader:
             raise StopIteration
         t = time.monotonic()
         item = self._take()
-        self._wait_s += time.monotonic() - t
+        if self._t_first is None:
+            self._t_first = time.monotonic()
+            self._startup_s = self._t_first - (self._t0 or t)
+        else:
+            self._wait_s += time.monotonic() - t
         if self.until == "end" and self.world_size > 1 and _dist_ready():
             # Every rank stops at the same step, so DDP never waits on a rank
             # that already ran out.
@@ -549,6 +556,7 @@ class Loader:
         batch = Batch(tensors, rows, offsets)
         self._current = batch
         self._batches += 1
+        self._samples_out += rows
         return batch
 
     def _mark_used(self) -> None:
@@ -619,7 +627,9 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Throughput, bad records, lag per partition and time spent waiting in next()."""
         f = self._feeder
-        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+        # Rates and stall are over the steady state, from the first batch on;
+        # joining the group and the first fetch show as startup_s.
+        elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
         lag: dict[str, int] = {}
         with f.lock:
             handed = dict(f.handed)
@@ -631,11 +641,13 @@ class Loader:
             if high >= 0 and tp in handed:
                 lag[f"{tp[0]}[{tp[1]}]"] = max(0, high - handed[tp][0])
         return {
-            "samples": f.samples,
+            "samples": self._samples_out,
+            "samples_decoded": f.samples,
             "bytes": f.value_bytes,
             "batches": self._batches,
+            "startup_s": self._startup_s,
             "elapsed_s": elapsed,
-            "samples_per_s": f.samples / elapsed if elapsed > 0 else 0.0,
+            "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
             "mb_per_s": f.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
             "bad_records": f.bad,
             "lag": lag,

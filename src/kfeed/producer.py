@@ -95,6 +95,7 @@ class Producer:
                 f"a block of {block_records} records is {block_bytes} bytes, over "
                 f"message.max.bytes={config['message.max.bytes']}; lower block_records")
         config.setdefault("error_cb", lambda err: log.warning("kafka: %s", err))
+        config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
         try:
             self._producer = _Producer(config)
         except KafkaException as e:

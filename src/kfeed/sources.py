@@ -136,6 +136,7 @@ class KafkaSource(Source):
             # also covers a transaction marker or aborted records at the tail.
             config.setdefault("enable.partition.eof", True)
         config.setdefault("error_cb", self._on_error)
+        config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
