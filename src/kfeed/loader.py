@@ -461,6 +461,7 @@ class Loader:
         self._exhausted = False
         self._wait_s = 0.0          # waited in next() after the first batch
         self._startup_s = 0.0       # from the first next() to the first batch
+        self._longest_wait_s = 0.0
         self._batches = 0
         self._samples_out = 0
         self._t0: float | None = None       # first next()
@@ -500,7 +501,9 @@ class Loader:
             self._t_first = time.monotonic()
             self._startup_s = self._t_first - (self._t0 or t)
         else:
-            self._wait_s += time.monotonic() - t
+            waited = time.monotonic() - t
+            self._wait_s += waited
+            self._longest_wait_s = max(self._longest_wait_s, waited)
         if self.until == "end" and self.world_size > 1 and _dist_ready():
             # Every rank stops at the same step, so DDP never waits on a rank
             # that already ran out.
@@ -630,16 +633,7 @@ class Loader:
         # Rates and stall are over the steady state, from the first batch on;
         # joining the group and the first fetch show as startup_s.
         elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
-        lag: dict[str, int] = {}
-        with f.lock:
-            handed = dict(f.handed)
-        for tp in sorted(f.assigned):
-            try:
-                high = self._source.watermarks(tp, cached=True)[1]
-            except KfeedError:
-                continue
-            if high >= 0 and tp in handed:
-                lag[f"{tp[0]}[{tp[1]}]"] = max(0, high - handed[tp][0])
+        lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag().items())}
         return {
             "samples": self._samples_out,
             "samples_decoded": f.samples,
@@ -652,6 +646,7 @@ class Loader:
             "bad_records": f.bad,
             "lag": lag,
             "wait_s": self._wait_s,
+            "longest_wait_s": self._longest_wait_s,
             "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
             "pool_bytes": self._pool.nbytes,
         }

@@ -85,6 +85,10 @@ class Source:
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         raise NotImplementedError
 
+    def lag(self) -> dict[TP, int]:
+        """Messages behind the high watermark, per assigned partition."""
+        raise NotImplementedError
+
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
         raise NotImplementedError
 
@@ -137,6 +141,12 @@ class KafkaSource(Source):
             config.setdefault("enable.partition.eof", True)
         config.setdefault("error_cb", self._on_error)
         config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
+        # Lag comes from librdkafka's own statistics, so reading it never
+        # blocks on a broker (one that is down, say).
+        config.setdefault("statistics.interval.ms", 1000)
+        user_stats_cb = config.get("stats_cb")
+        config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
+        self._lag: dict[TP, int] = {}
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
@@ -154,6 +164,26 @@ class KafkaSource(Source):
         # librdkafka reports transient trouble here and keeps retrying;
         # the loader only stalls, so this is a warning, not an exception.
         log.warning("kafka: %s", err)
+
+    def _on_stats(self, text: str, user_cb: Callable[[str], None] | None) -> None:
+        import json
+
+        try:
+            topics = json.loads(text).get("topics", {})
+            lag = {}
+            for topic, t in topics.items():
+                for part, p in t.get("partitions", {}).items():
+                    if int(part) >= 0 and p.get("consumer_lag", -1) >= 0:
+                        lag[(topic, int(part))] = int(p["consumer_lag"])
+            self._lag = lag
+        except (ValueError, KeyError, TypeError):
+            log.debug("unreadable librdkafka statistics", exc_info=True)
+        if user_cb is not None:
+            user_cb(text)
+
+    def lag(self) -> dict[TP, int]:
+        """Messages behind the high watermark, per partition, from the last statistics."""
+        return dict(self._lag)
 
     def _tp(self, tp: TP, offset: int | None = None, metadata: str | None = None) -> Any:
         from confluent_kafka import TopicPartition
@@ -214,15 +244,24 @@ class KafkaSource(Source):
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         from confluent_kafka import KafkaException
 
-        try:
-            marks = self._consumer.get_watermark_offsets(
-                self._tp(tp), timeout=self.connect_timeout, cached=cached
-            )
-        except KafkaException as e:
-            raise ConsumeError(f"cannot read watermarks: {e.args[0].str()}",
-                               topic=tp[0], partition=tp[1]) from e
+        # A leader that just died is still in the metadata until the controller
+        # moves leadership: retry until connect_timeout instead of failing.
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                marks = self._consumer.get_watermark_offsets(
+                    self._tp(tp), timeout=self.connect_timeout, cached=cached
+                )
+                error = None if marks is not None else "timed out"
+            except KafkaException as e:
+                marks, error = None, e.args[0].str()
+                if not e.args[0].retriable() and "destroyed" not in error:
+                    break
+            if marks is not None or cached or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
         if marks is None:
-            raise ConsumeError("timed out reading watermarks", topic=tp[0], partition=tp[1])
+            raise ConsumeError(f"cannot read watermarks: {error}", topic=tp[0], partition=tp[1])
         return marks
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
@@ -430,6 +469,9 @@ class MemorySource(Source):
 
     def pause(self, tps: Sequence[TP]) -> None:
         self._paused.update(tps)
+
+    def lag(self) -> dict[TP, int]:
+        return {tp: max(0, self.watermarks(tp)[1] - nxt) for tp, nxt in self._next.items()}
 
     def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
         return {tp: self.committed_positions.get(tp) for tp in tps}
