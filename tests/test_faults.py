@@ -137,3 +137,36 @@ def test_broker_killed_mid_stream_loses_and_repeats_nothing(bootstrap, make_topi
     assert (lost, dup) == (0, 0)
     assert (stored_lost, stored_dup) == (0, 0)
     assert stats["longest_wait_s"] > 0
+
+
+def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_path) -> None:
+    from test_loader_kafka import produce, trained_ids
+
+    topic = make_topic(partitions=3, replication=3)
+    n = 24_000
+    produce(bootstrap, topic, 0, n)
+    ckpt, log = tmp_path / "ck.pt", tmp_path / "ids.txt"
+    cmd = [sys.executable, "-m", "kfeed", "train", "--bootstrap-servers", bootstrap,
+           "--topic", topic, "--group-id", uuid.uuid4().hex, "--until-end", "--batch-size", "100",
+           "--checkpoint", str(ckpt), "--checkpoint-every", "7", "--log-ids", str(log),
+           "--device", "cpu", "--resume", "--log-every", "1000000"]
+    rng = np.random.default_rng(7)
+    kills = 0
+    for _ in range(5):
+        before = log.read_text().count("\n") if log.exists() else 0
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        target = before + int(rng.integers(3, 40))  # a random point, between checkpoints or not
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and (
+                not log.exists() or log.read_text().count("\n") < target):
+            time.sleep(0.01)
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.wait()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    lost, dup = count_ids(np.array(trained_ids(log.read_text())), n)
+    report("trainer_crash", samples=n, faults=kills, lost=lost, duplicated=dup)
+    assert kills == 5
+    assert (lost, dup) == (0, 0)

@@ -131,13 +131,29 @@ def test_trainer_killed_between_checkpoints_resumes_exactly(bootstrap, make_topi
     assert done.returncode == 0, done.stderr
     # What the killed run trained after its last checkpoint is trained again
     # by the resumed run; everything up to that checkpoint must not be.
-    lines = log.read_text().splitlines()
-    resumed = next(i for i, line in enumerate(lines) if line.startswith("# resumed at step "))
-    step = int(lines[resumed].rsplit(" ", 1)[1])
-    first_run = [line for line in lines[:resumed] if not line.startswith("#")]
-    kept = first_run[:step] + lines[resumed + 1:]
-    ids = np.array([int(x) for line in kept if not line.startswith("#") for x in line.split()])
+    ids = np.array(trained_ids(log.read_text()))
     assert len(ids) == len(np.unique(ids)) == 12_000
+
+
+def trained_ids(log: str) -> list[int]:
+    """Ids that count, from the log of runs that were killed and resumed.
+
+    Each run starts with ``# resumed at step S`` and writes one line per step;
+    of a killed run, only the steps before the next run's S count (the rest
+    were trained again from the checkpoint).
+    """
+    runs: list[tuple[int, list[str]]] = []
+    for line in log.splitlines():
+        if line.startswith("# resumed at step "):
+            runs.append((int(line.rsplit(" ", 1)[1]), []))
+        elif not line.startswith("#"):
+            runs[-1][1].append(line)
+    ids: list[int] = []
+    for k, (start, lines) in enumerate(runs):
+        keep = runs[k + 1][0] - start if k + 1 < len(runs) else len(lines)
+        assert 0 <= keep <= len(lines), "a run resumed from a step it never reached"
+        ids += [int(x) for line in lines[:keep] for x in line.split()]
+    return ids
 
 
 def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topic) -> None:

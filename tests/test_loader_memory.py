@@ -218,3 +218,18 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=None))
     ids = torch.cat([b["id"] for b in batches]).numpy()
     assert np.array_equal(np.sort(ids), np.arange(640))
+
+
+def test_state_holds_partitions_with_nothing_handed_out_yet() -> None:
+    # A partition with no batch yet must be in the state at its start
+    # position; otherwise a resume would take the committed offset, which
+    # may have moved past the checkpoint.
+    source = kfeed.MemorySource({0: blocks(0, 640), 1: blocks(640, 640)})
+    loader = Loader(None, "memory", SCHEMA, 64, source=source, device="cpu")
+    batch = next(loader)
+    positions = loader.state_dict()["positions"]["memory"]
+    assert set(positions) == {0, 1}
+    (tp,) = batch.offsets
+    other = 1 - tp[1]
+    assert positions[other] == [0, 0]
+    loader.close()

@@ -207,8 +207,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         loader.load_state_dict(state["loader"])
         step = state["step"]
         print(f"resumed from {ckpt} at step {step}")
-    seen_log = open(args.log_ids, "a") if args.log_ids else None  # noqa: SIM115
-    if seen_log is not None and step:
+    seen_log = open(args.log_ids, "a", buffering=1) if args.log_ids else None  # noqa: SIM115
+    if seen_log is not None and args.resume:
+        # Marks where this run starts, even from scratch, so a log of many
+        # killed-and-resumed runs can be accounted for exactly.
         seen_log.write(f"# resumed at step {step}\n")
     t_last, s_last, w_last, loss_v = time.monotonic(), 0, 0.0, float("nan")
     with loader:

@@ -202,6 +202,12 @@ class _Feeder:
         positions = dict(known)
         if need:
             positions.update(self._start_positions(need))
+            # A partition with nothing handed out yet is still part of the
+            # state: without it, a resume would start it from the committed
+            # offset, which may have moved on since the checkpoint.
+            with self.lock:
+                for tp in need:
+                    self.handed.setdefault(tp, positions[tp])
         for tp in tps:
             off, skip = positions[tp]
             if skip:
