@@ -12,6 +12,12 @@ controller in one JVM) on 127.0.0.1: node ``i`` serves clients on
 folder (default ``.kfeed/cluster``) holds ``cluster.json``, the log4j2
 config and one ``node-<i>`` folder per node with its properties, data, logs
 and pid file.
+
+``up(secure=True)`` (``kfeed cluster up --secure``) serves clients on
+SASL_SSL with SCRAM-SHA-512 users and ACLs; its CA, broker key and
+passwords live, owner-only, in ``secure/`` (see ``_secure``).
+:func:`secure_client_config`, :func:`add_user` and :func:`grant` connect,
+create users and allow them what a test needs.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from kfeed.cluster._layout import (
     replication_factor,
 )
 from kfeed.cluster._tool import (
+    add_user,
     bootstrap,
     down,
     free_port_base,
+    grant,
     kill_node,
     node_pids,
+    secure_client_config,
     start_node,
     status,
     up,
@@ -51,6 +60,9 @@ __all__ = [
     "start_node",
     "node_properties",
     "free_port_base",
+    "secure_client_config",
+    "add_user",
+    "grant",
     "replication_factor",
     "min_insync_replicas",
     "register",

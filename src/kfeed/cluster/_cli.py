@@ -42,6 +42,12 @@ def register(subparsers: Any) -> None:
         f"BASE+i-1, its controller on BASE+{CONTROLLER_PORT_OFFSET}+i-1",
     )
     up.add_argument(
+        "--secure",
+        action="store_true",
+        default=None,
+        help="a new cluster serves clients on SASL_SSL (SCRAM-SHA-512 users, TLS from its own CA) with ACLs on",
+    )
+    up.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait for the brokers (default 120)"
     )
     up.add_argument(
@@ -89,7 +95,7 @@ def _reported(command: Command) -> Command:
 def _up(args: argparse.Namespace) -> int:
     overrides = dict(_setting(text) for text in args.overrides)
     _, started = _tool.ensure_up(
-        args.nodes, args.dir, args.port, args.timeout, overrides=overrides, progress=_note
+        args.nodes, args.dir, args.port, args.timeout, overrides=overrides, secure=args.secure, progress=_note
     )
     if started:
         print(f"started node{'s' if len(started) > 1 else ''} {_ids(started)} in {args.dir}")
@@ -130,6 +136,10 @@ def _note(text: str) -> None:
 
 
 def _print_status(state: dict[str, Any]) -> None:
+    if state["client_settings"] is not None:
+        # Where the password lives, never the password.
+        protocol, settings = state["security_protocol"], state["client_settings"]
+        print(f"security {protocol} (SCRAM-SHA-512, ACLs on)  admin settings {settings}")
     for node in state["nodes"]:
         pid = node["pid"] if node["pid"] is not None else "-"
         alive = "alive" if node["alive"] else "dead"

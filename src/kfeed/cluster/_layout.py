@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,7 +129,7 @@ class Layout:
     port: int
     cluster_id: str
     overrides: dict[str, str] = field(default_factory=dict)
-    # Room for SASL_SSL listeners; only plaintext exists today.
+    # SASL_SSL client listener, SCRAM users and ACLs (see ``_secure``).
     secure: bool = False
 
     def __post_init__(self) -> None:
@@ -156,7 +157,12 @@ class Layout:
         self._index(node_id)
         return NodePaths(state_dir / f"node-{node_id}")
 
-    def properties(self, node_id: int, state_dir: Path) -> dict[str, str]:
+    @property
+    def security_protocol(self) -> str:
+        return "SASL_SSL" if self.secure else "PLAINTEXT"
+
+    def properties(self, node_id: int, state_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Node ``node_id``'s settings; ``extra`` (the secure listeners) comes before the overrides."""
         paths = self.node_paths(state_dir, node_id)
         factor = str(replication_factor(self.nodes))
         min_isr = str(min_insync_replicas(self.nodes))
@@ -189,6 +195,7 @@ class Layout:
             # A typo in a topic name must fail, not create a new topic.
             "auto.create.topics.enable": "false",
         }
+        props.update(extra or {})
         props.update(self.overrides)
         return props
 
@@ -221,10 +228,24 @@ class Layout:
         return node_id - 1
 
 
-def write_properties(path: Path, props: dict[str, str]) -> None:
+def write_properties(path: Path, props: dict[str, str], private: bool = False) -> None:
+    """Write a Java properties file; ``private`` (it holds a password) makes it owner-only."""
     # Java properties treat a backslash as an escape, even in values.
     lines = [f"{key}={value.replace(chr(92), chr(92) * 2)}\n" for key, value in props.items()]
-    _write_atomic(path, "".join(lines))
+    if private:
+        write_private(path, "".join(lines))
+    else:
+        _write_atomic(path, "".join(lines))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``, readable by its owner only from the first byte on."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    tmp.replace(path)
 
 
 def _write_atomic(path: Path, text: str) -> None:

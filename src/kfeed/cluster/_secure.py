@@ -27,15 +27,19 @@ import base64
 import datetime as dt
 import hashlib
 import ipaddress
+import logging
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kfeed.cluster._layout import HOST, Layout, write_private
 from kfeed.errors import ClusterError, ConfigError
+
+logger = logging.getLogger("kfeed.cluster")
 
 SECURE_DIR = "secure"
 PROTOCOL = "SASL_SSL"
@@ -99,10 +103,10 @@ def ensure_material(layout: Layout, state_dir: Path, formatted: bool) -> None:
             f"{paths.root} is incomplete but the nodes are formatted with its users; "
             f"start afresh with: kfeed cluster down --dir {state_dir} --wipe"
         )
+    ca_pem, keystore_pem = make_certificates()
     paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
     paths.root.chmod(0o700)
     paths.users.mkdir(mode=0o700, exist_ok=True)
-    ca_pem, keystore_pem = make_certificates()
     paths.ca.write_bytes(ca_pem)
     write_private(paths.broker_keystore, keystore_pem.decode())
     for name in SUPER_USERS:
@@ -227,7 +231,9 @@ def _write_user(paths: SecurePaths, layout: Layout, name: str, password: str) ->
 
 def check_user_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ConfigError(f"a user name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit: {name!r}")
+        raise ConfigError(
+            f"a user name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit: {name!r}"
+        )
     return name
 
 
@@ -255,8 +261,11 @@ def add_user(admin: Any, layout: Layout, state_dir: Path, name: str, password: s
         raise ClusterError(f"could not create user {name!r}: {exc.args[0].str()}") from exc
     _write_user(SecurePaths.of(state_dir), layout, name, password)
 
+    def visible() -> bool:
+        described = admin.describe_user_scram_credentials([name])[name].result(timeout=timeout)
+        return any(info.mechanism == ScramMechanism.SCRAM_SHA_512 for info in described.scram_credential_infos)
 
-_RESOURCES = ("topic", "group", "transactional_id", "cluster")
+    _wait_visible(visible, timeout, f"user {name!r}")
 
 
 def grant(
@@ -271,6 +280,7 @@ def grant(
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import (
         AclBinding,
+        AclBindingFilter,
         AclOperation,
         AclPermissionType,
         ResourcePatternType,
@@ -302,6 +312,36 @@ def grant(
             future.result(timeout=timeout)
     except KafkaException as exc:
         raise ClusterError(f"could not grant {ops} to {principal}: {exc.args[0].str()}") from exc
+
+    def visible() -> bool:
+        filters = [
+            AclBindingFilter(b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation,
+                             b.permission_type)
+            for b in bindings
+        ]  # fmt: skip
+        return all(admin.describe_acls(f).result(timeout=timeout) for f in filters)
+
+    _wait_visible(visible, timeout, f"the ACLs of {principal}")
+
+
+def _wait_visible(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait until the broker serves what the controller just committed.
+
+    The controller acknowledges a new user or ACL before the broker has
+    replayed it; a client that logs in right away could still be refused.
+    """
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except KafkaException as exc:
+            logger.debug("%s not visible yet: %s", what, exc.args[0].str())
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{what} not visible on the brokers after {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 # -- broker side ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from kfeed.cluster import _jars
+from kfeed.cluster import _jars, _secure
 from kfeed.cluster._layout import (
     CONTROLLER_PORT_OFFSET,
     DEFAULT_DIR,
@@ -62,13 +62,16 @@ def up(
     timeout: float = 120.0,
     *,
     overrides: dict[str, str] | None = None,
-    secure: bool = False,
+    secure: bool | None = None,
 ) -> str:
     """Start the cluster in ``dir`` (creating it if needed); return its bootstrap servers.
 
-    ``nodes`` and ``port`` default to what ``dir`` already holds, else 1 and
-    39092. Returns once every broker is registered and answers metadata
-    requests; nodes that were already running are left alone.
+    ``nodes``, ``port`` and ``secure`` default to what ``dir`` already holds,
+    else 1, 39092 and plaintext. Returns once every broker is registered and
+    answers metadata requests; nodes that were already running are left alone.
+
+    ``secure=True`` serves clients on SASL_SSL (SCRAM-SHA-512) with ACLs on;
+    :func:`secure_client_config` gives the settings to connect with.
     """
     layout, _ = ensure_up(nodes, dir, port, timeout, overrides=overrides, secure=secure)
     return layout.bootstrap
@@ -81,17 +84,15 @@ def ensure_up(
     timeout: float,
     *,
     overrides: dict[str, str] | None = None,
-    secure: bool = False,
+    secure: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Layout, list[int]]:
     """:func:`up`, also returning the ids of the nodes it started (empty: it was up).
 
     ``progress`` receives a note before a slow step (the first Maven run).
     """
-    if secure:
-        raise NotImplementedError("secure (SASL_SSL) clusters are not supported yet")
     state_dir = _state_dir(dir)
-    layout = _layout_for(state_dir, dir, nodes, port, overrides)
+    layout = _layout_for(state_dir, dir, nodes, port, overrides, secure)
     missing = [n for n in layout.node_ids if _running_pid(layout.node_paths(state_dir, n)) is None]
     if missing:
         _start(layout, state_dir, missing, layout.node_ids, timeout, progress)
@@ -121,9 +122,12 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
 def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any]:
     """The cluster's nodes and registered brokers; raises ClusterError when it does not answer.
 
-    The result holds ``dir``, ``bootstrap``, ``cluster_id``, ``nodes`` (one dict
-    per node: ``id``, ``pid``, ``alive``, ``port``, ``controller_port``) and
-    ``brokers`` (the ids that metadata lists).
+    The result holds ``dir``, ``bootstrap``, ``cluster_id``,
+    ``security_protocol`` (``PLAINTEXT`` or ``SASL_SSL``), ``client_settings``
+    (for a secure cluster, the file with the admin's librdkafka settings, else
+    None), ``nodes`` (one dict per node: ``id``, ``pid``, ``alive``, ``port``,
+    ``controller_port``) and ``brokers`` (the ids that metadata lists). A
+    secure cluster is asked as its admin user.
     """
     state_dir = _state_dir(dir)
     layout = _existing_layout(state_dir, dir)
@@ -142,13 +146,15 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
     if not any(node["alive"] for node in nodes):
         raise ClusterError(f"the cluster in {dir} is not running (start it with: kfeed cluster up --dir {dir})")
     try:
-        brokers = _registered_brokers(_admin(layout.bootstrap), timeout)
+        brokers = _registered_brokers(_admin(layout, state_dir), timeout)
     except Exception as exc:  # librdkafka raises KafkaException with varied codes
         raise ClusterError(f"the cluster in {dir} does not answer at {layout.bootstrap}: {exc}") from exc
     return {
         "dir": str(state_dir),
         "bootstrap": layout.bootstrap,
         "cluster_id": layout.cluster_id,
+        "security_protocol": layout.security_protocol,
+        "client_settings": str(_secure.SecurePaths.of(state_dir).user(_secure.ADMIN)) if layout.secure else None,
         "nodes": nodes,
         "brokers": sorted(brokers),
     }
@@ -158,6 +164,67 @@ def bootstrap(dir: Path | str = DEFAULT_DIR) -> str:
     """The bootstrap servers of the cluster in ``dir``, from its state file (no network)."""
     state_dir = _state_dir(dir)
     return _existing_layout(state_dir, dir).bootstrap
+
+
+def secure_client_config(dir: Path | str = DEFAULT_DIR, user: str = _secure.ADMIN) -> dict[str, str]:
+    """The librdkafka settings with which ``user`` connects to the secure cluster in ``dir``.
+
+    ``bootstrap.servers``, ``security.protocol=SASL_SSL``,
+    ``sasl.mechanisms=SCRAM-SHA-512``, ``sasl.username``, ``sasl.password``
+    and ``ssl.ca.location``: pass them (plus ``group.id``) as a Producer's or
+    Loader's ``kafka_config``. ``user`` is ``admin`` (a super user) or one
+    made by :func:`add_user`. Read from the state folder; no network.
+    """
+    state_dir = _state_dir(dir)
+    _secure_layout(state_dir, dir)
+    return _secure.client_config(state_dir, user)
+
+
+def add_user(
+    dir: Path | str, name: str, password: str | None = None, *, timeout: float = 30.0
+) -> dict[str, str]:
+    """Create SCRAM-SHA-512 user ``name`` (or reset its password) on the running secure cluster.
+
+    The password is random unless given. It is stored, owner-only, in the
+    state folder; the user's librdkafka settings are returned, as
+    :func:`secure_client_config` gives them later. A new user may do nothing
+    until :func:`grant` allows it.
+    """
+    state_dir = _state_dir(dir)
+    layout = _secure_layout(state_dir, dir)
+    _secure.add_user(_admin(layout, state_dir), layout, state_dir, name, password, timeout)
+    return _secure.client_config(state_dir, name)
+
+
+def grant(
+    dir: Path | str,
+    principal: str,
+    operations: str | Iterable[str],
+    *,
+    topic: str | None = None,
+    group: str | None = None,
+    transactional_id: str | None = None,
+    cluster: bool = False,
+    prefixed: bool = False,
+    timeout: float = 30.0,
+) -> None:
+    """Allow ``principal`` (``"alice"`` or ``"User:alice"``) ``operations`` on the named resources.
+
+    ``operations`` are Kafka's names: ``READ``, ``WRITE``, ``DESCRIBE``,
+    ``CREATE``, ``ALL``, ... A consumer needs READ (and DESCRIBE) on its topic
+    and READ on its group; a producer WRITE and DESCRIBE on its topic, and
+    IDEMPOTENT_WRITE on the cluster only for brokers older than 3.0.
+    ``prefixed`` makes each name a prefix. ACLs are created as the admin.
+    """
+    state_dir = _state_dir(dir)
+    layout = _secure_layout(state_dir, dir)
+    resources = {
+        "topic": topic,
+        "group": group,
+        "transactional_id": transactional_id,
+        "cluster": "kafka-cluster" if cluster else None,
+    }
+    _secure.grant(_admin(layout, state_dir), principal, operations, resources, prefixed, timeout)
 
 
 def node_pids(dir: Path | str = DEFAULT_DIR) -> dict[int, int]:
@@ -221,12 +288,20 @@ def _existing_layout(state_dir: Path, shown: Path | str) -> Layout:
     return layout
 
 
+def _secure_layout(state_dir: Path, shown: Path | str) -> Layout:
+    layout = _existing_layout(state_dir, shown)
+    if not layout.secure:
+        raise ClusterError(f"the cluster in {shown} is not secure (start one with: kfeed cluster up --secure)")
+    return layout
+
+
 def _layout_for(
     state_dir: Path,
     shown: Path | str,
     nodes: int | None,
     port: int | None,
     overrides: dict[str, str] | None,
+    secure: bool | None = None,
 ) -> Layout:
     existing = Layout.load(state_dir)
     if existing is None:
@@ -235,11 +310,17 @@ def _layout_for(
             port=port or DEFAULT_PORT,
             cluster_id=new_cluster_id(),
             overrides=dict(overrides or {}),
+            secure=bool(secure),
         )
     if (nodes or existing.nodes, port or existing.port) != (existing.nodes, existing.port):
         raise ClusterError(
             f"{shown} holds a {existing.nodes}-node cluster on port {existing.port}; "
             f"to replace it run: kfeed cluster down --dir {shown} --wipe"
+        )
+    if secure is not None and secure != existing.secure:
+        kind = "secure (SASL_SSL)" if existing.secure else "plaintext"
+        raise ClusterError(
+            f"{shown} holds a {kind} cluster; to replace it run: kfeed cluster down --dir {shown} --wipe"
         )
     if overrides:
         return Layout(
@@ -280,24 +361,33 @@ def _start(
 
 def _prepare(layout: Layout, state_dir: Path) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
+    if layout.secure:
+        formatted = any(layout.node_paths(state_dir, n).formatted for n in layout.node_ids)
+        _secure.ensure_material(layout, state_dir, formatted)
     layout.save(state_dir)
     (state_dir / LOG4J_FILE).write_text(LOG4J_CONFIG)
     for node_id in layout.node_ids:
         paths = layout.node_paths(state_dir, node_id)
         paths.logs.mkdir(parents=True, exist_ok=True)
-        write_properties(paths.properties, layout.properties(node_id, state_dir))
+        extra = _secure.broker_properties(layout, node_id, state_dir) if layout.secure else None
+        # A secure node's properties hold the broker's own password.
+        write_properties(paths.properties, layout.properties(node_id, state_dir, extra), private=layout.secure)
 
 
 def _format(java: str, libs: Path, layout: Layout, state_dir: Path, node_ids: list[int]) -> None:
     todo = [layout.node_paths(state_dir, n) for n in node_ids]
     todo = [paths for paths in todo if not paths.formatted]
+    if not todo:
+        return
+    # Computed once: every node's bootstrap metadata must hold the same users.
+    users = _secure.format_args(state_dir) if layout.secure else []
     # One JVM per node, side by side: each takes a couple of seconds to boot.
     procs = [
         subprocess.Popen(
             [
                 java, "-Xmx256m", *_log_flags(state_dir, paths), "-cp", f"{libs}/*",
                 "kafka.tools.StorageTool", "format", "--ignore-formatted",
-                "-t", layout.cluster_id, "-c", str(paths.properties),
+                "-t", layout.cluster_id, "-c", str(paths.properties), *users,
             ],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -393,7 +483,7 @@ def _wait_ready(
                 raise ClusterError(f"node {node_id} exited while starting; {_log_tail(paths)}")
         pending = sorted(n for n in awaited if not _accepts(layout.broker_port(n)))
         if not pending:
-            admin = admin or _admin(layout.bootstrap)
+            admin = admin or _admin(layout, state_dir)
             try:
                 registered = _registered_brokers(admin, 2.0)
             except Exception as exc:  # librdkafka raises KafkaException while nodes boot
@@ -408,10 +498,15 @@ def _wait_ready(
         time.sleep(_POLL_S)
 
 
-def _admin(bootstrap: str) -> Any:
+def _admin(layout: Layout, state_dir: Path) -> Any:
+    """An admin client of the cluster; of a secure one, logged in as its admin user."""
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient({"bootstrap.servers": bootstrap, "logger": _rdkafka_logger})
+    config: dict[str, Any] = {"bootstrap.servers": layout.bootstrap}
+    if layout.secure:
+        config.update(_secure.client_config(state_dir, _secure.ADMIN))
+    config["logger"] = _rdkafka_logger
+    return AdminClient(config)
 
 
 def _registered_brokers(admin: Any, timeout: float) -> set[int]:
