@@ -6,13 +6,20 @@ each field with one memcpy (block) or one memcpy per record (raw), without the
 GIL and without creating a Python object per record. Knows nothing of Kafka or
 torch: the caller hands in message values and raw destination pointers;
 ``kfeed.schema`` is its front. The format is documented in docs/FORMAT.md.
+
+Schemas with a variable-length field (token documents) have their own layout
+class, ``DocLayout``, and their own entry points: ``decode_documents`` turns
+message values into one flat array of elements plus one length per document,
+ready for the packer (``kfeed._pack``), again with no Python object per record.
 """
 
 import sys
 
+import numpy as np
+
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
@@ -22,6 +29,8 @@ cdef enum:
     FORMAT_VERSION = 1
     # b"KFDB" read as a little-endian uint32.
     BLOCK_MAGIC = 0x4244464B
+    # Header flag bit 0: the block holds a variable-length column.
+    FLAG_VARLEN = 1
 
 if sys.byteorder != "little":
     raise ImportError("kfeed's codec assumes a little-endian host")
@@ -40,6 +49,10 @@ cdef enum Reason:
     R_COUNT
     R_LENGTH
     R_RAW_SIZE
+    R_OFFSETS_START
+    R_OFFSETS_ORDER
+    R_OFFSETS_END
+    R_RAW_ITEMSIZE
 
 REASONS = {
     R_NONE: "empty value (tombstone)",
@@ -54,6 +67,16 @@ REASONS = {
     R_LENGTH: "length does not match the record count",
     R_RAW_SIZE: "raw value size is not the record size",
 }
+
+# The further reasons that only a schema with a variable-length field gives.
+DOC_REASONS = {
+    R_OFFSETS_START: "variable-length offsets do not start at 0",
+    R_OFFSETS_ORDER: "variable-length offsets decrease",
+    R_OFFSETS_END: "last variable-length offset does not match the length",
+    R_RAW_ITEMSIZE: "raw value size is not a multiple of the element size",
+}
+
+_ALL_REASONS = {**REASONS, **DOC_REASONS}
 
 
 cdef inline uint64_t align_up(uint64_t n) noexcept nogil:
@@ -364,4 +387,344 @@ def encode_raw(Layout layout, list columns, uint64_t n):
             out.append(b)
     finally:
         free(src)
+    return out
+
+
+# -- schemas with a variable-length field (documents) ------------------------
+
+
+cdef inline uint8_t* array_data(object arr):
+    """Address of a numpy array's first byte (valid for empty arrays too)."""
+    return <uint8_t*><uintptr_t>arr.__array_interface__["data"][0]
+
+
+cdef class DocLayout:
+    """Byte sizes of a schema with one variable-length field, as the codec needs them.
+
+    ``row_bytes`` holds each fixed field's row size, and 0 at ``varlen``, the
+    position of the variable-length field; its elements are ``itemsize`` bytes.
+    """
+
+    cdef readonly Py_ssize_t nfields
+    cdef readonly Py_ssize_t varlen
+    cdef readonly uint64_t itemsize
+    cdef readonly uint64_t fixed_size
+    cdef readonly uint64_t fingerprint
+    cdef uint64_t* row_bytes
+
+    def __cinit__(self, row_bytes, Py_ssize_t varlen, uint64_t itemsize, uint64_t fingerprint):
+        self.nfields = len(row_bytes)
+        if not 0 <= varlen < self.nfields:
+            raise ValueError("varlen must be the index of a field")
+        if itemsize not in (1, 2, 4, 8):
+            raise ValueError("itemsize must be 1, 2, 4 or 8")
+        self.row_bytes = <uint64_t*>malloc(self.nfields * sizeof(uint64_t))
+        if self.row_bytes == NULL:
+            raise MemoryError()
+        self.fixed_size = 0
+        for i, nbytes in enumerate(row_bytes):
+            if i == varlen:
+                if nbytes != 0:
+                    raise ValueError("the variable-length field's row size must be 0")
+            elif nbytes <= 0:
+                raise ValueError("every fixed field needs a positive size")
+            self.row_bytes[i] = nbytes
+            self.fixed_size += nbytes
+        self.varlen = varlen
+        self.itemsize = itemsize
+        self.fingerprint = fingerprint
+
+    def __dealloc__(self):
+        free(self.row_bytes)
+
+    cdef uint64_t table_start(self, uint64_t count) noexcept nogil:
+        """Bytes from the first column to the offsets table."""
+        cdef uint64_t total = 0
+        cdef Py_ssize_t f
+        for f in range(self.varlen):
+            total += align_up(count * self.row_bytes[f])
+        return total
+
+    cdef uint64_t block_size(self, uint64_t count, uint64_t elements) noexcept nogil:
+        cdef uint64_t total = HEADER_SIZE
+        cdef Py_ssize_t f
+        for f in range(self.nfields):
+            if f == self.varlen:
+                total += align_up(4 * (count + 1)) + align_up(elements * self.itemsize)
+            else:
+                total += align_up(count * self.row_bytes[f])
+        return total
+
+    def block_nbytes(self, uint64_t count, uint64_t elements):
+        """Size of a block holding ``count`` documents of ``elements`` elements in all."""
+        return self.block_size(count, elements)
+
+
+cdef Reason check_doc_block(DocLayout layout, const uint8_t* p, Py_ssize_t size,
+                            uint64_t* count, uint64_t* start,
+                            uint64_t* elements) noexcept nogil:
+    """Validate a variable-length block whole, offsets included.
+
+    On success gives its document count, where its first column starts, and
+    the total number of elements (the last offset).
+    """
+    if size < HEADER_SIZE:
+        return R_SHORT
+    if load_u32(p) != BLOCK_MAGIC:
+        return R_MAGIC
+    if p[4] != FORMAT_VERSION:
+        return R_VERSION
+    if p[5] != FLAG_VARLEN:
+        return R_FLAGS
+    cdef uint64_t header_len = p[6] | (<uint64_t>p[7] << 8)
+    if header_len < HEADER_SIZE or header_len % COLUMN_ALIGN or header_len > <uint64_t>size:
+        return R_HEADER_LEN
+    if load_u64(p + 16) != layout.fingerprint:
+        return R_FINGERPRINT
+    cdef uint64_t n = load_u32(p + 8)
+    if n > UINT64_MAX // 2 // (layout.fixed_size + 4):
+        return R_COUNT
+    if load_u64(p + 24) != <uint64_t>size - HEADER_SIZE:
+        return R_LENGTH
+    cdef uint64_t table = header_len + layout.table_start(n)
+    if table + 4 * (n + 1) > <uint64_t>size:
+        return R_LENGTH
+    cdef const uint8_t* q = p + table
+    if load_u32(q) != 0:
+        return R_OFFSETS_START
+    cdef uint64_t i
+    cdef uint32_t prev = 0, cur
+    for i in range(1, n + 1):
+        cur = load_u32(q + 4 * i)
+        if cur < prev:
+            return R_OFFSETS_ORDER
+        prev = cur
+    if layout.block_size(n, prev) - HEADER_SIZE + header_len != <uint64_t>size:
+        return R_OFFSETS_END
+    count[0] = n
+    start[0] = header_len
+    elements[0] = prev
+    return R_OK
+
+
+def decode_documents(DocLayout layout, values, bint block, uint64_t start):
+    """Decode the documents in ``values``: one flat copy of their elements.
+
+    Returns ``(elements, lengths, counts, fixed, bad)``:
+
+    - ``elements``: the variable-length field of every document taken,
+      concatenated, as raw bytes (a uint8 array, ``itemsize`` per element);
+    - ``lengths``: int64, each document's length in elements;
+    - ``counts``: int64, how many documents each value gave (0 when rejected);
+    - ``fixed``: per field in schema order, the rows of a fixed field as a
+      uint8 array, ``None`` at the variable-length field;
+    - ``bad``: ``[(index, reason)]``.
+
+    ``start`` documents of the first value are skipped (taken earlier). A
+    first pass validates every value and sizes the outputs; a second copies,
+    both without the GIL and with no Python object per document.
+    """
+    if not block and layout.nfields != 1:
+        raise ValueError("a raw value holds only the variable-length field")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = vals.n if vals.n > 0 else 1
+    cdef Py_ssize_t nf = layout.nfields, v = layout.varlen, f, i
+    cdef uint64_t isz = layout.itemsize
+    cdef uint64_t* cnt = <uint64_t*>malloc(m * sizeof(uint64_t))
+    cdef uint64_t* first = <uint64_t*>malloc(m * sizeof(uint64_t))
+    cdef uint64_t* hdr = <uint64_t*>malloc(m * sizeof(uint64_t))
+    cdef uint64_t* elems = <uint64_t*>malloc(m * sizeof(uint64_t))
+    cdef Reason* why = <Reason*>malloc(m * sizeof(Reason))
+    cdef uint8_t** dst = <uint8_t**>calloc(nf, sizeof(uint8_t*))
+    if not (cnt and first and hdr and elems and why and dst):
+        free(cnt); free(first); free(hdr); free(elems); free(why); free(dst)
+        raise MemoryError()
+    cdef uint64_t ndocs = 0, nelem = 0, k, a, col, j, d, e
+    cdef const uint8_t* p
+    cdef const uint8_t* q
+    cdef uint8_t* out_elems
+    cdef int64_t* out_len
+    cdef int64_t* out_cnt
+    try:
+        with nogil:
+            for i in range(n):
+                cnt[i] = 0
+                if vals.size[i] < 0:
+                    why[i] = <Reason>(-vals.size[i])
+                elif block:
+                    why[i] = check_doc_block(layout, vals.ptr[i], vals.size[i],
+                                             &cnt[i], &hdr[i], &elems[i])
+                elif <uint64_t>vals.size[i] % isz:
+                    why[i] = R_RAW_ITEMSIZE
+                else:
+                    why[i] = R_OK
+                    cnt[i] = 1
+                    hdr[i] = 0
+                    elems[i] = <uint64_t>vals.size[i] // isz
+                if why[i] != R_OK:
+                    continue
+                first[i] = start if i == 0 else 0
+                if first[i] > cnt[i]:
+                    first[i] = cnt[i]
+                ndocs += cnt[i] - first[i]
+                if first[i] == 0:
+                    nelem += elems[i]
+                elif block:
+                    q = vals.ptr[i] + hdr[i] + layout.table_start(cnt[i])
+                    nelem += elems[i] - load_u32(q + 4 * first[i])
+        bad = [(i, _ALL_REASONS[why[i]]) for i in range(n) if why[i] != R_OK]
+        elements = np.empty(nelem * isz, np.uint8)
+        lengths = np.empty(ndocs, np.int64)
+        counts = np.empty(n, np.int64)
+        fixed = [None if f == v else np.empty(ndocs * layout.row_bytes[f], np.uint8)
+                 for f in range(nf)]
+        out_elems = array_data(elements)
+        out_len = <int64_t*>array_data(lengths)
+        out_cnt = <int64_t*>array_data(counts)
+        for f in range(nf):
+            if f != v:
+                dst[f] = array_data(fixed[f])
+        with nogil:
+            d = 0
+            e = 0
+            for i in range(n):
+                if why[i] != R_OK:
+                    out_cnt[i] = 0
+                    continue
+                k = cnt[i] - first[i]
+                out_cnt[i] = k
+                p = vals.ptr[i]
+                if not block:
+                    if k:
+                        out_len[d] = elems[i]
+                        memcpy(out_elems + e * isz, p, elems[i] * isz)
+                        e += elems[i]
+                    d += k
+                    continue
+                col = hdr[i]
+                for f in range(nf):
+                    if f != v:
+                        memcpy(dst[f] + d * layout.row_bytes[f],
+                               p + col + first[i] * layout.row_bytes[f],
+                               k * layout.row_bytes[f])
+                        col += align_up(cnt[i] * layout.row_bytes[f])
+                        continue
+                    q = p + col
+                    for j in range(first[i], cnt[i]):
+                        out_len[d + j - first[i]] = load_u32(q + 4 * (j + 1)) - load_u32(q + 4 * j)
+                    a = load_u32(q + 4 * first[i])
+                    col += align_up(4 * (cnt[i] + 1))
+                    memcpy(out_elems + e * isz, p + col + a * isz, (elems[i] - a) * isz)
+                    e += elems[i] - a
+                    col += align_up(elems[i] * isz)
+                d += k
+    finally:
+        free(cnt); free(first); free(hdr); free(elems); free(why); free(dst)
+    return elements, lengths, counts, fixed, bad
+
+
+cdef bytes doc_block(DocLayout layout, const uint8_t** src, const int64_t* offsets,
+                     uint64_t s, uint64_t k):
+    """One block of documents [s, s + k); ``src[varlen]`` holds the elements."""
+    cdef uint64_t base = offsets[s] if k else 0
+    cdef uint64_t total = offsets[s + k] - base if k else 0
+    cdef uint64_t size = layout.block_size(k, total)
+    b = PyBytes_FromStringAndSize(NULL, size)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(b)
+    cdef uint64_t off, rb, i, isz = layout.itemsize
+    cdef uint32_t u32
+    cdef uint64_t u64
+    cdef Py_ssize_t f
+    with nogil:
+        memset(p, 0, HEADER_SIZE)
+        u32 = BLOCK_MAGIC
+        memcpy(p, &u32, 4)
+        p[4] = FORMAT_VERSION
+        p[5] = FLAG_VARLEN
+        p[6] = HEADER_SIZE
+        u32 = <uint32_t>k
+        memcpy(p + 8, &u32, 4)
+        u64 = layout.fingerprint
+        memcpy(p + 16, &u64, 8)
+        u64 = size - HEADER_SIZE
+        memcpy(p + 24, &u64, 8)
+        off = HEADER_SIZE
+        for f in range(layout.nfields):
+            if f == layout.varlen:
+                for i in range(k + 1):
+                    u32 = <uint32_t>(offsets[s + i] - base) if k else 0
+                    memcpy(p + off + 4 * i, &u32, 4)
+                memset(p + off + 4 * (k + 1), 0, align_up(4 * (k + 1)) - 4 * (k + 1))
+                off += align_up(4 * (k + 1))
+                if total:
+                    memcpy(p + off, src[f] + base * isz, total * isz)
+                memset(p + off + total * isz, 0, align_up(total * isz) - total * isz)
+                off += align_up(total * isz)
+            else:
+                rb = layout.row_bytes[f]
+                if k:
+                    memcpy(p + off, src[f] + s * rb, k * rb)
+                memset(p + off + k * rb, 0, align_up(k * rb) - k * rb)
+                off += align_up(k * rb)
+    return b
+
+
+def encode_doc_blocks(DocLayout layout, list columns, const int64_t[::1] offsets,
+                      uint64_t n, uint64_t block_records, uint64_t block_bytes):
+    """Pack ``n`` documents into blocks of at most ``block_records`` each.
+
+    ``columns``: one C-contiguous uint8 view per field: a fixed field's
+    ``n * row_bytes`` bytes, or at the variable-length field every document's
+    elements concatenated. ``offsets``: ``n + 1`` element offsets into those,
+    from 0, non-decreasing (checked by the caller). A block is also closed
+    before it would grow past ``block_bytes`` (0: no limit), unless it holds
+    a single document; and before its elements would overflow a uint32 offset.
+    ``n == 0`` gives one empty block.
+    """
+    if len(columns) != layout.nfields:
+        raise ValueError("one column per field is needed")
+    if <uint64_t>offsets.shape[0] != n + 1:
+        raise ValueError("offsets must hold n + 1 entries")
+    if block_records == 0 or block_records > 0xFFFFFFFF:
+        raise ValueError("block_records must be in 1..2**32-1")
+    cdef const uint8_t** src = column_pointers(columns, layout.nfields)
+    cdef list out = []
+    cdef uint64_t s = 0, k, span
+    try:
+        if n == 0:
+            return [doc_block(layout, src, &offsets[0], 0, 0)]
+        while s < n:
+            if <uint64_t>(offsets[s + 1] - offsets[s]) > 0xFFFFFFFF:
+                raise ValueError("a document holds more than 2**32-1 elements")
+            k = 1
+            while k < block_records and s + k < n:
+                span = offsets[s + k + 1] - offsets[s]
+                if span > 0xFFFFFFFF:
+                    break
+                if block_bytes and layout.block_size(k + 1, span) > block_bytes:
+                    break
+                k += 1
+            out.append(doc_block(layout, src, &offsets[0], s, k))
+            s += k
+    finally:
+        free(src)
+    return out
+
+
+def encode_doc_raw(DocLayout layout, const uint8_t[::1] elements, const int64_t[::1] offsets,
+                   uint64_t n):
+    """One raw value per document: its elements, nothing else."""
+    if layout.nfields != 1:
+        raise ValueError("a raw value holds only the variable-length field")
+    if <uint64_t>offsets.shape[0] != n + 1:
+        raise ValueError("offsets must hold n + 1 entries")
+    cdef const uint8_t* base = &elements[0] if elements.shape[0] else NULL
+    cdef uint64_t isz = layout.itemsize, i
+    cdef list out = []
+    for i in range(n):
+        if offsets[i + 1] == offsets[i]:
+            out.append(b"")
+        else:
+            out.append(PyBytes_FromStringAndSize(<const char*>(base + offsets[i] * isz),
+                                                 (offsets[i + 1] - offsets[i]) * isz))
     return out

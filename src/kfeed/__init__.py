@@ -23,6 +23,7 @@ from kfeed.partition import murmur2, partition_for, partitions_for
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Schema
 from kfeed.sources import MemorySource
+from kfeed.tokens import Pack, Packer, Shuffle, ShuffleBuffer
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ __all__ = [
     "Loader",
     "KafkaIterableDataset",
     "MemorySource",
+    "Pack",
+    "Packer",
+    "Shuffle",
+    "ShuffleBuffer",
     "BufferPool",
     "murmur2",
     "partition_for",

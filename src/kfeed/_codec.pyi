@@ -26,3 +26,37 @@ def encode_blocks(
     layout: Layout, columns: list[npt.NDArray[np.uint8]], n: int, block_records: int
 ) -> list[bytes]: ...
 def encode_raw(layout: Layout, columns: list[npt.NDArray[np.uint8]], n: int) -> list[bytes]: ...
+
+DOC_REASONS: dict[int, str]
+
+class DocLayout:
+    nfields: int
+    varlen: int
+    itemsize: int
+    fixed_size: int
+    fingerprint: int
+    def __init__(
+        self, row_bytes: Sequence[int], varlen: int, itemsize: int, fingerprint: int
+    ) -> None: ...
+    def block_nbytes(self, count: int, elements: int) -> int: ...
+
+def decode_documents(
+    layout: DocLayout, values: Sequence[object], block: bool, start: int
+) -> tuple[
+    npt.NDArray[np.uint8],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    list[npt.NDArray[np.uint8] | None],
+    list[tuple[int, str]],
+]: ...
+def encode_doc_blocks(
+    layout: DocLayout,
+    columns: list[npt.NDArray[np.uint8]],
+    offsets: npt.NDArray[np.int64],
+    n: int,
+    block_records: int,
+    block_bytes: int,
+) -> list[bytes]: ...
+def encode_doc_raw(
+    layout: DocLayout, elements: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], n: int
+) -> list[bytes]: ...

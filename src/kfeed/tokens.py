@@ -1,0 +1,667 @@
+"""Token streams: packing documents into ``[batch, seq_len]`` rows, and shuffling.
+
+In the data flow this sits between the codec and the batch. For a schema with a
+variable-length token field, ``Schema.decode_documents`` turns message values
+into one flat array of token ids plus one length per document; a ``Packer``
+packs those documents into dense rows (the Cython loop in ``ext/_pack.pyx``,
+writing straight into preallocated, possibly pinned, buffers); a
+``ShuffleBuffer`` may reorder records on the way, seeded and exactly
+resumable. Both keep a small state that a loader puts in its ``state_dict``.
+
+Packing rules (``Pack``):
+
+- Each document is followed by ``eos_id`` (unless ``eos_id`` is None); a
+  document's *unit* is its tokens plus that EOS. An empty document gives
+  nothing, not even an EOS.
+- ``split_long=True``: the units are concatenated and cut into rows of
+  ``seq_len``; a unit that does not fit in what is left of a row continues at
+  the start of the next row, or of the next batch. Only the last row of the
+  stream is padded.
+- ``split_long=False``: a unit never straddles rows. One that does not fit in
+  what is left of the row starts the next row, and the rest of the row is
+  padded with ``pad_id``. A unit longer than ``seq_len`` is cut to its first
+  ``seq_len`` tokens, which drops its EOS, and counts as truncated.
+- Outputs, per batch of ``rows`` rows: ``tokens``; ``position_ids``, which
+  restart at 0 at every segment (the part of one document, or one run of
+  padding, that lies in one row); ``doc_ids``, the ordinal of each token's
+  document within the batch (a document continued across rows keeps its id;
+  -1 for padding); ``cu_seqlens``, int32, the flattened start of every
+  segment then ``rows * seq_len``, the form flash-attention's varlen kernels
+  take (``position_ids == 0`` exactly where a segment starts). Entries past
+  the valid ones repeat the total, so the whole buffer is valid too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kfeed import _pack
+from kfeed.errors import ConfigError, KfeedError
+
+__all__ = ["Pack", "Packer", "PackInfo", "PackTarget", "Shuffle", "ShuffleBuffer"]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_SRC_CODES = {np.dtype(name): code for name, code in _pack.CODES.items()}
+_OUT_KEYS = ("tokens", "position_ids", "doc_ids", "cu_seqlens")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Pack:
+    """How documents become rows: ``seq_len`` tokens each (see the module docstring)."""
+
+    seq_len: int
+    eos_id: int | None
+    pad_id: int = 0
+    split_long: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.seq_len) or self.seq_len <= 0:
+            raise ConfigError(f"seq_len must be a positive int, got {self.seq_len!r}")
+        if self.eos_id is not None and not (
+            _is_int(self.eos_id) and _INT32_MIN <= self.eos_id <= _INT32_MAX
+        ):
+            raise ConfigError(f"eos_id must be None or an int32 token id, got {self.eos_id!r}")
+        if not (_is_int(self.pad_id) and _INT32_MIN <= self.pad_id <= _INT32_MAX):
+            raise ConfigError(f"pad_id must be an int32 token id, got {self.pad_id!r}")
+        if not isinstance(self.split_long, bool):
+            raise ConfigError(f"split_long must be a bool, got {self.split_long!r}")
+
+
+class PackInfo(NamedTuple):
+    """What one ``Packer.next_batch`` wrote.
+
+    rows: rows filled (``batch_size`` except at the end of the stream).
+    segments: segments in those rows; ``cu_seqlens[:segments + 1]`` are the
+    valid entries. max_seqlen: the longest segment. tokens: real tokens
+    (EOS included); padding: ``rows * seq_len - tokens``. documents:
+    documents finished in this batch (empty ones included), in feed order.
+    truncated: documents cut to ``seq_len`` (``split_long=False`` only).
+    """
+
+    rows: int
+    segments: int
+    max_seqlen: int
+    tokens: int
+    padding: int
+    documents: int
+    truncated: int
+
+
+class PackTarget(NamedTuple):
+    """Output buffers checked once: their addresses for the packer, and the buffers."""
+
+    outputs: _pack.Outputs
+    owners: tuple[Any, ...]
+
+
+def _is_tensor(obj: object) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+def _dtype_name(buf: Any) -> str:
+    return str(buf.dtype).removeprefix("torch.")
+
+
+def _address(name: str, buf: Any, shape: tuple[int, ...] | None, dtypes: tuple[str, ...],
+             min_len: int = 0) -> tuple[int, int]:
+    """Address and element code of an output buffer, checked."""
+    if _is_tensor(buf):
+        if buf.device.type != "cpu":
+            raise ConfigError(f"out[{name!r}] must be a CPU tensor, got {buf.device}")
+        contiguous = buf.is_contiguous()
+        address = buf.data_ptr()
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.writeable:
+            raise ConfigError(f"out[{name!r}] is read-only")
+        contiguous = buf.flags.c_contiguous
+        address = buf.__array_interface__["data"][0]
+    else:
+        raise ConfigError(f"out[{name!r}] must be a numpy array or a torch tensor")
+    dtype = _dtype_name(buf)
+    if dtype not in dtypes:
+        raise ConfigError(f"out[{name!r}]: dtype must be {' or '.join(dtypes)}, got {dtype}")
+    got = tuple(buf.shape)
+    if shape is not None and got != shape:
+        raise ConfigError(f"out[{name!r}] must have shape {shape}, got {got}")
+    if shape is None and (len(got) != 1 or got[0] < min_len):
+        raise ConfigError(f"out[{name!r}] must be 1-D with at least {min_len} entries, got {got}")
+    if not contiguous:
+        raise ConfigError(f"out[{name!r}] must be contiguous")
+    return address, _pack.OUT_CODES[dtype]
+
+
+class Packer:
+    """Packs a stream of documents into batches of ``batch_size`` rows.
+
+    ``feed(tokens, lengths)`` appends documents (e.g. ``Documents.tokens`` and
+    ``.lengths`` from ``Schema.decode_documents``); ``next_batch(out)`` packs
+    the next batch into preallocated buffers and returns a ``PackInfo``, or
+    None while the documents fed so far cannot fill a whole batch;
+    ``finish()`` marks the end of the stream so the last rows come out,
+    padded. Feeding in any chunking gives the same batches.
+
+    ``state()`` is ``{"docs": D, "offset": K}``: D documents (counted from
+    the start of the stream, or from the state loaded) have been packed
+    whole, and the first K tokens of the next one (EOS counted) are already
+    out, so a batch boundary may fall inside a document. A new packer given
+    that state with ``load_state`` and fed the documents from number D on
+    continues with the identical next batch.
+    """
+
+    def __init__(self, pack: Pack, batch_size: int) -> None:
+        if not isinstance(pack, Pack):
+            raise ConfigError(f"pack must be a kfeed.Pack, got {type(pack).__name__}")
+        if not _is_int(batch_size) or batch_size <= 0:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.pack = pack
+        self.batch_size = int(batch_size)
+        self._slots = self.batch_size * pack.seq_len
+        # Pending documents, in the chunks they were fed in: (tokens, offsets,
+        # their addresses, document count). Document d of a chunk is elements
+        # offsets[d]..offsets[d + 1]; the arrays keep the addresses valid.
+        self._chunks: deque[tuple[np.ndarray, np.ndarray, int, int, int]] = deque()
+        self._core = _pack.Core(pack.seq_len, pack.eos_id is not None,
+                                0 if pack.eos_id is None else pack.eos_id, pack.pad_id,
+                                pack.split_long)
+        self._dtype: np.dtype | None = None
+        self._code = 0
+        self._doc = 0  # next document of the first chunk to pack
+        self._off = 0  # tokens of it already out
+        self._docs = 0  # documents packed whole, counted from the start
+        self._pending = 0  # tokens still to come out of the pending documents
+        self._finished = False
+        self._fed = False
+        # Counters since the packer was made.
+        self.batches = 0
+        self.tokens = 0
+        self.padding = 0
+        self.truncated = 0
+
+    # -- input ---------------------------------------------------------------
+
+    def feed(self, tokens: Any, lengths: Any, *, copy: bool = True) -> None:
+        """Append documents: ``tokens`` 1-D (all concatenated), ``lengths`` one per document.
+
+        ``copy=False`` keeps a reference to ``tokens`` instead of a copy until
+        its documents are packed (e.g. the fresh arrays of
+        ``Schema.decode_documents``): the caller must not change it meanwhile.
+        """
+        if self._finished:
+            raise ConfigError("feed after finish(): the stream is over")
+        flat = np.asarray(tokens.numpy() if _is_tensor(tokens) else tokens)
+        lens = np.asarray(lengths.numpy() if _is_tensor(lengths) else lengths)
+        code = _SRC_CODES.get(flat.dtype)
+        if flat.ndim != 1 or code is None:
+            raise ConfigError(
+                f"tokens must be a 1-D array of an integer dtype, got {flat.dtype} {flat.shape}"
+            )
+        if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
+            raise ConfigError("lengths must be a 1-D array of ints")
+        lens = lens.astype(np.int64, copy=False)
+        total = int(lens.sum())
+        if lens.size and lens.min() < 0:
+            raise ConfigError("lengths must be >= 0")
+        if total != len(flat):
+            raise ConfigError(f"lengths add up to {total}, tokens holds {len(flat)}")
+        if self._dtype is None:
+            self._dtype = flat.dtype
+            self._code = code
+        elif flat.dtype != self._dtype:
+            raise ConfigError(f"tokens must stay {self._dtype}, got {flat.dtype}")
+        self._fed = True
+        if not lens.size:
+            return
+        flat = np.array(flat, copy=True) if copy else np.ascontiguousarray(flat)
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        if self._off and not self._chunks:
+            n = int(lens[0])
+            unit = n + (self.pack.eos_id is not None) if n else 0
+            if unit <= self._off:
+                raise ConfigError(
+                    f"the document resumed at holds {unit} tokens (EOS counted), not more "
+                    f"than the {self._off} already out: fed from the wrong document"
+                )
+        self._chunks.append((flat, offsets, flat.__array_interface__["data"][0],
+                             offsets.__array_interface__["data"][0], len(lens)))
+        if self.pack.split_long:
+            eos = self.pack.eos_id is not None
+            self._pending += total + (int(np.count_nonzero(lens)) if eos else 0)
+        else:
+            units = np.where(lens > 0, lens + (self.pack.eos_id is not None), 0)
+            self._pending += int(np.minimum(units, self.pack.seq_len).sum())
+
+    def finish(self) -> None:
+        """The stream is over: the next batches may be partial and padded."""
+        self._finished = True
+
+    @property
+    def pending_documents(self) -> int:
+        """Documents fed and not yet packed whole."""
+        return sum(c[4] for c in self._chunks) - self._doc
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens (EOS counted) still to come out of the documents fed."""
+        return self._pending
+
+    # -- output --------------------------------------------------------------
+
+    def empty(self, *, like: str = "numpy", pin_memory: bool = False,
+              token_dtype: str = "int64", position_dtype: str = "int64",
+              doc_dtype: str = "int32") -> dict[str, Any]:
+        """Output buffers for one batch: tokens, position_ids, doc_ids, cu_seqlens."""
+        for name, dt in (("token_dtype", token_dtype), ("position_dtype", position_dtype),
+                         ("doc_dtype", doc_dtype)):
+            if dt not in _pack.OUT_CODES:
+                raise ConfigError(f"{name} must be 'int32' or 'int64', got {dt!r}")
+        shape = (self.batch_size, self.pack.seq_len)
+        dtypes = {"tokens": token_dtype, "position_ids": position_dtype, "doc_ids": doc_dtype,
+                  "cu_seqlens": "int32"}
+        shapes = {"tokens": shape, "position_ids": shape, "doc_ids": shape,
+                  "cu_seqlens": (self._slots + 1,)}
+        if like == "numpy":
+            return {k: np.empty(shapes[k], dtypes[k]) for k in _OUT_KEYS}
+        if like == "torch":
+            import torch
+
+            return {k: torch.empty(shapes[k], dtype=getattr(torch, dtypes[k]),
+                                   pin_memory=pin_memory) for k in _OUT_KEYS}
+        raise ConfigError(f"like must be 'numpy' or 'torch', got {like!r}")
+
+    def bind(self, out: Mapping[str, Any]) -> PackTarget:
+        """Check output buffers once and keep their addresses for many batches.
+
+        ``tokens`` is required; ``position_ids``, ``doc_ids`` and
+        ``cu_seqlens`` are written when present. ``[batch_size, seq_len]``
+        int32 or int64, and ``cu_seqlens`` 1-D int32 with at least
+        ``batch_size * seq_len + 1`` entries; numpy arrays or CPU tensors
+        (pinned ones included).
+        """
+        if not isinstance(out, Mapping):
+            raise ConfigError("out must be a mapping of name -> array or tensor")
+        extra = set(out) - set(_OUT_KEYS)
+        if extra:
+            raise ConfigError(f"out has unknown keys {sorted(extra)}; known: {list(_OUT_KEYS)}")
+        if "tokens" not in out:
+            raise ConfigError("out needs 'tokens'")
+        shape = (self.batch_size, self.pack.seq_len)
+        ints = ("int32", "int64")
+        tok, tok_code = _address("tokens", out["tokens"], shape, ints)
+        pos = pos_code = doc = doc_code = cu = cu_cap = 0
+        if "position_ids" in out:
+            pos, pos_code = _address("position_ids", out["position_ids"], shape, ints)
+        if "doc_ids" in out:
+            doc, doc_code = _address("doc_ids", out["doc_ids"], shape, ints)
+        if "cu_seqlens" in out:
+            if self._slots + 1 > _INT32_MAX:
+                raise ConfigError("batch_size * seq_len is too large for int32 cu_seqlens")
+            cu, _ = _address("cu_seqlens", out["cu_seqlens"], None, ("int32",), self._slots + 1)
+            cu_cap = int(out["cu_seqlens"].shape[0])
+        outputs = _pack.Outputs(self.batch_size, self.pack.seq_len, tok, tok_code, pos,
+                                pos_code, doc, doc_code, cu, cu_cap)
+        return PackTarget(outputs, tuple(out.values()))
+
+    def next_batch(self, out: Mapping[str, Any] | PackTarget) -> PackInfo | None:
+        """Pack the next batch into ``out``; None if the documents fed cannot fill it yet.
+
+        After ``finish()`` the last batch may have fewer rows (its last row
+        padded), and then None comes back for good. When None comes back the
+        contents of ``out`` are unspecified.
+        """
+        target = out if isinstance(out, PackTarget) else self.bind(out)
+        p = self.pack
+        if (target.outputs.rows, target.outputs.seq_len) != (self.batch_size, p.seq_len):
+            raise ConfigError(
+                f"out was bound for [{target.outputs.rows}, {target.outputs.seq_len}], this "
+                f"packer writes [{self.batch_size}, {p.seq_len}]"
+            )
+        if not self._finished:
+            need = self._slots if p.split_long else (self._slots + 1) // 2
+            if self._pending < need:
+                return None
+        if not self._chunks:
+            return None
+        core, outputs, code = self._core, target.outputs, self._code
+        core.start()
+        doc, off = self._doc, self._off
+        last = len(self._chunks) - 1
+        # One batch may take documents from several chunks: the core keeps the
+        # batch's cursor from one to the next.
+        for k, (_tokens, _offsets, src, offsets, ndocs) in enumerate(self._chunks):
+            complete, doc, off = core.run(outputs, src, code, offsets, ndocs, doc, off,
+                                          self._finished and k == last)
+            if complete:
+                break
+            doc = off = 0
+        else:
+            return None
+        for _ in range(k):
+            self._chunks.popleft()
+        if doc == self._chunks[0][4]:
+            self._chunks.popleft()
+            doc = 0
+        self._doc, self._off = doc, off
+        rows, segments, max_seqlen = core.rows, core.segments, core.max_seqlen
+        real, truncated, done = core.tokens, core.truncated, core.documents
+        self._docs += done
+        self._pending -= real
+        if rows == 0:
+            return None
+        padding = rows * p.seq_len - real
+        self.batches += 1
+        self.tokens += real
+        self.padding += padding
+        self.truncated += truncated
+        return PackInfo(rows, segments, max_seqlen, real, padding, done, truncated)
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens over all token slots written so far (1.0 before any)."""
+        total = self.tokens + self.padding
+        return self.tokens / total if total else 1.0
+
+    # -- state ---------------------------------------------------------------
+
+    def state(self) -> dict[str, int]:
+        """``{"docs": D, "offset": K}``: where the next batch starts (see the class doc)."""
+        return {"docs": self._docs, "offset": self._off}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state()`` of another packer; before anything is fed."""
+        if self._fed:
+            raise ConfigError("load_state must come before the first feed")
+        if not isinstance(state, Mapping) or set(state) != {"docs", "offset"}:
+            raise ConfigError(f"not a packer state: {state!r}")
+        docs, off = state["docs"], state["offset"]
+        if not (_is_int(docs) and _is_int(off) and docs >= 0 and off >= 0):
+            raise ConfigError(f"not a packer state: {state!r}")
+        if off and not self.pack.split_long:
+            raise ConfigError("with split_long=False no batch ends inside a document")
+        self._docs, self._off = int(docs), int(off)
+        self._pending = -self._off
+
+    def __repr__(self) -> str:
+        return (f"Packer({self.pack!r}, batch_size={self.batch_size}, "
+                f"pending_documents={self.pending_documents}, state={self.state()})")
+
+
+# -- shuffling -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """A seeded shuffle buffer of ``buffer`` records (see ``ShuffleBuffer``)."""
+
+    buffer: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.buffer) or self.buffer <= 0:
+            raise ConfigError(f"buffer must be a positive int, got {self.buffer!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be an int in 0..2**64-1, got {self.seed!r}")
+
+
+_MASK64 = 2**64 - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_STATE_VERSION = 1
+
+Key = tuple[Hashable, int, int]  # (partition, offset, sub-index)
+
+
+class _Hole:
+    """A held record of a loaded state that has not been delivered again yet."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<hole>"
+
+
+_HOLE = _Hole()
+
+
+def _as_partition(p: Any) -> Hashable:
+    # A state that went through JSON has lists where tuples were.
+    return tuple(_as_partition(x) for x in p) if isinstance(p, list) else p
+
+
+class ShuffleBuffer:
+    """A seeded reservoir shuffle over records keyed ``(partition, offset, sub)``.
+
+    ``push`` offers one record; while fewer than ``buffer`` are held it is
+    kept, afterwards a slot drawn at random is emitted and the new record
+    takes its place. ``drain()`` emits what is left, in random order, at the
+    end of a bounded stream. The random numbers come from SplitMix64 seeded
+    with ``seed`` and a slot is ``(draw * held) >> 64``, so the order depends
+    only on the seed and the order of the pushes, never on numpy's version.
+
+    Records of one partition must be pushed in increasing ``(offset, sub)``
+    order (Kafka's order); ``sub`` numbers the records inside one message
+    (a block). A record at or below the last one pushed for its partition is
+    a repeat and is skipped.
+
+    Exact resume. ``state()`` holds, per partition, the *watermark* (every
+    record below it was emitted) and the *read position* (every record below
+    it was pushed); between the two, a record was emitted unless it is one of
+    ``held`` (the buffer's keys, slot by slot, at most ``buffer``) or of
+    ``outbox`` (emitted but not yet acknowledged, see ``ack``). Storing the
+    few held keys rather than the emitted ones keeps the state bounded by the
+    buffer size. A new buffer given that state re-reads each partition from
+    its watermark (``resume_offsets()``): records already emitted are
+    skipped, held ones go back into their slots, and records past the read
+    position wait until every held one is back; then the outbox comes out
+    again in its order and the shuffle goes on as if never stopped. Given the
+    same records after the read positions, in the same order, the emitted
+    sequence equals that of an uninterrupted run.
+
+    ``ack=True``: a downstream stage (a packer, a prefetch queue) holds what
+    was emitted until it is really used; ``ack(n)`` declares the next ``n``
+    emitted records used. Until then they stay in ``state()``'s outbox and a
+    resume emits them again, so nothing is lost with the downstream's buffers.
+    """
+
+    def __init__(self, shuffle: Shuffle, *, ack: bool = False) -> None:
+        if not isinstance(shuffle, Shuffle):
+            raise ConfigError(f"shuffle must be a kfeed.Shuffle, got {type(shuffle).__name__}")
+        self.shuffle = shuffle
+        self._size = shuffle.buffer
+        self._ack = bool(ack)
+        self._rng = shuffle.seed & _MASK64
+        self._keys: list[Key] = []  # slot -> key of the record held there
+        self._items: list[Any] = []  # slot -> the record (_HOLE while restoring)
+        self._read: dict[Hashable, tuple[int, int]] = {}  # after the last record processed
+        self._arrived: dict[Hashable, tuple[int, int]] = {}  # after the last record pushed
+        self._outbox: deque[Key] = deque()  # emitted, not acknowledged (ack=True)
+        # Restoring a loaded state.
+        self._holes: dict[Key, int] = {}  # key -> slot, or -1 - index into _restore
+        self._restore: list[list[Any]] = []  # the saved outbox: [key, record]
+        self._waiting: list[tuple[Key, Any]] = []  # new records pushed while holes remain
+        self._touched = False
+        self.emitted = 0  # records emitted (and acknowledged, with ack=True)
+        self.skipped = 0  # repeats skipped
+
+    # -- the stream ------------------------------------------------------------
+
+    def _draw(self, n: int) -> int:
+        # SplitMix64 (Steele, Lea, Flood 2014), then Lemire's multiply-shift.
+        self._rng = s = (self._rng + _GAMMA) & _MASK64
+        z = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return ((z ^ (z >> 31)) * n) >> 64
+
+    def _emit(self, key: Key, out: list[tuple[Key, Any]], item: Any) -> None:
+        out.append((key, item))
+        if self._ack:
+            self._outbox.append(key)
+        else:
+            self.emitted += 1
+
+    def _process(self, key: Key, item: Any, out: list[tuple[Key, Any]]) -> None:
+        self._read[key[0]] = (key[1], key[2] + 1)
+        if len(self._keys) < self._size:
+            self._keys.append(key)
+            self._items.append(item)
+            return
+        j = self._draw(self._size)
+        self._emit(self._keys[j], out, self._items[j])
+        self._keys[j] = key
+        self._items[j] = item
+
+    def push(self, partition: Hashable, offset: int, item: Any,
+             sub: int = 0) -> list[tuple[Key, Any]]:
+        """Offer one record; returns the records emitted now, as ``(key, item)``."""
+        self._touched = True
+        key = (partition, offset, sub)
+        out: list[tuple[Key, Any]] = []
+        if self._holes:
+            where = self._holes.pop(key, None)
+            if where is not None:
+                if where >= 0:
+                    self._items[where] = item
+                else:
+                    self._restore[-1 - where][1] = item
+                if not self._holes:
+                    self._release(out)
+                return out
+        arrived = self._arrived.get(partition)
+        pos = (offset, sub)
+        if arrived is not None and pos < arrived:
+            self.skipped += 1
+            return out
+        self._arrived[partition] = (offset, sub + 1)
+        if self._holes:
+            self._waiting.append((key, item))
+        else:
+            self._process(key, item, out)
+        return out
+
+    def _release(self, out: list[tuple[Key, Any]]) -> None:
+        """Every held record is back: replay the outbox, then what waited."""
+        for key, item in self._restore:
+            out.append((key, item))  # already in _outbox with ack=True
+            if not self._ack:
+                self.emitted += 1
+        self._restore = []
+        waiting, self._waiting = self._waiting, []
+        for key, item in waiting:
+            self._process(key, item, out)
+
+    def drain(self) -> list[tuple[Key, Any]]:
+        """The end of a bounded stream: emit every record held, in random order."""
+        if self._holes:
+            missing = sorted(self._holes, key=repr)[:5]
+            raise KfeedError(
+                f"{len(self._holes)} records of the loaded state were never pushed again "
+                f"(re-read every partition from resume_offsets()); first: {missing}"
+            )
+        out: list[tuple[Key, Any]] = []
+        while self._keys:
+            j = self._draw(len(self._keys))
+            self._emit(self._keys[j], out, self._items[j])
+            self._keys[j] = self._keys[-1]
+            self._items[j] = self._items[-1]
+            self._keys.pop()
+            self._items.pop()
+        return out
+
+    def ack(self, n: int = 1) -> None:
+        """The next ``n`` records emitted are used (``ack=True``)."""
+        if not self._ack:
+            raise ConfigError("ack() needs ShuffleBuffer(..., ack=True)")
+        if not _is_int(n) or not 0 <= n <= len(self._outbox):
+            raise ConfigError(f"ack({n!r}): {len(self._outbox)} records are waiting for one")
+        for _ in range(n):
+            self._outbox.popleft()
+        self.emitted += n
+
+    def __len__(self) -> int:
+        """Records held (holes of a loaded state included) or waiting."""
+        return len(self._keys) + len(self._waiting)
+
+    @property
+    def restoring(self) -> bool:
+        """Whether records of a loaded state are still to be pushed again."""
+        return bool(self._holes)
+
+    # -- state -----------------------------------------------------------------
+
+    def _unacked(self) -> list[Key]:
+        if self._ack:
+            return list(self._outbox)
+        return [key for key, _ in self._restore]
+
+    def watermarks(self) -> dict[Hashable, tuple[int, int]]:
+        """Per partition, the ``(offset, sub)`` below which every record was emitted."""
+        marks = dict(self._read)
+        for p, o, s in self._keys + self._unacked():
+            if p not in marks or (o, s) < marks[p]:
+                marks[p] = (o, s)
+        return marks
+
+    def resume_offsets(self) -> dict[Hashable, int]:
+        """Per partition, the offset to re-read from after a resume."""
+        return {p: o for p, (o, _s) in self.watermarks().items()}
+
+    def state(self) -> dict[str, Any]:
+        """A small, JSON-friendly description of where the shuffle stands."""
+        marks = self.watermarks()
+        return {
+            "version": _STATE_VERSION,
+            "buffer": self._size,
+            "seed": self.shuffle.seed,
+            "rng": self._rng,
+            "emitted": self.emitted,
+            "partitions": [[p, list(marks[p]), list(self._read.get(p, marks[p]))]
+                           for p in marks],
+            "held": [list(k) for k in self._keys],
+            "outbox": [list(k) for k in self._unacked()],
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state()``; before the first push."""
+        if self._touched:
+            raise ConfigError("load_state must come before the first push")
+        try:
+            version, size, seed = state["version"], state["buffer"], state["seed"]
+            rng, emitted = int(state["rng"]), int(state["emitted"])
+            parts = [(_as_partition(p), tuple(w), tuple(r)) for p, w, r in state["partitions"]]
+            held = [(_as_partition(p), int(o), int(s)) for p, o, s in state["held"]]
+            outbox = [(_as_partition(p), int(o), int(s)) for p, o, s in state["outbox"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a shuffle state: {e!r}") from None
+        if version != _STATE_VERSION:
+            raise ConfigError(f"shuffle state version {version!r}, expected {_STATE_VERSION}")
+        if (size, seed) != (self._size, self.shuffle.seed):
+            raise ConfigError(
+                f"the state was saved with Shuffle(buffer={size}, seed={seed}), this is "
+                f"Shuffle(buffer={self._size}, seed={self.shuffle.seed})"
+            )
+        if len(held) > self._size or len(set(held) | set(outbox)) != len(held) + len(outbox):
+            raise ConfigError("not a shuffle state: held records repeat or overflow the buffer")
+        self._rng = rng & _MASK64
+        self.emitted = emitted
+        self._read = {p: (int(r[0]), int(r[1])) for p, _w, r in parts}
+        self._arrived = dict(self._read)
+        self._keys = held
+        self._items = [_HOLE] * len(held)
+        self._holes = {k: j for j, k in enumerate(held)}
+        self._restore = [[k, _HOLE] for k in outbox]
+        self._holes.update({k: -1 - i for i, k in enumerate(outbox)})
+        self._outbox = deque(outbox) if self._ack else deque()
+        self._touched = True
+
+    def __repr__(self) -> str:
+        return (f"ShuffleBuffer({self.shuffle!r}, held={len(self._keys)}, "
+                f"emitted={self.emitted}, restoring={self.restoring})")
+
