@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_PORT := 39492
 DEMO_SAMPLES ?= 100000
 
-.PHONY: install demo test bench profile clean
+.PHONY: install demo test fuzz-debug bench profile clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,24 @@ test: install
 	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) \
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; \
-	exit $$rc
+	[ $$rc -eq 0 ] || exit $$rc; \
+	$(MAKE) --no-print-directory fuzz-debug
+
+# The fuzz tests against a build with Cython's bounds and wrap-around checks on
+# (KFEED_DEBUG=1), built into .kfeed/debug beside the installed optimized
+# build; KFEED_EXPECT_DEBUG=1 makes the tests check they import the debug
+# build and that it really has the checks.
+DEBUG_BUILD := .kfeed/debug
+
+fuzz-debug: install
+	rm -rf $(DEBUG_BUILD) $(DEBUG_BUILD)-tmp
+	mkdir -p $(DEBUG_BUILD)
+	cp -r src/kfeed $(DEBUG_BUILD)/
+	find $(DEBUG_BUILD) -name __pycache__ -prune -exec rm -rf {} +
+	rm -f $(DEBUG_BUILD)/kfeed/*.so
+	KFEED_DEBUG=1 $(PY) setup.py -q build_ext --build-lib $(DEBUG_BUILD) --build-temp $(DEBUG_BUILD)-tmp
+	PYTHONPATH=$(CURDIR)/$(DEBUG_BUILD) KFEED_EXPECT_DEBUG=1 \
+		$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/test_fuzz.py
 
 # The main job on a local 1-node Apache Kafka: produce the seeds' synthetic
 # workload, train an MLP from it with the Loader, print the figures.
@@ -44,4 +61,22 @@ demo: install
 	exit $$rc
 
 clean:
-	rm -rf build src/kfeed/*.so ext/*.c
+	rm -rf build src/kfeed/*.so ext/*.c $(DEBUG_BUILD) $(DEBUG_BUILD)-tmp
+
+# Throughput against a real broker: a local 1-node Apache Kafka, the loader and
+# producer benchmarks (bench/bench_loader.py; BENCH_ARGS="--write" records the
+# tables in bench/RESULTS.md), then the micro-benchmarks; the cluster is stopped
+# even when a benchmark fails or misses its target.
+BENCH_CLUSTER := .kfeed/bench-cluster
+BENCH_PORT := 39792
+BENCH_ARGS ?=
+
+bench: install
+	@set -u; \
+	$(PY) -m kfeed cluster up --nodes 1 --dir $(BENCH_CLUSTER) --port $(BENCH_PORT) || { $(PY) -m kfeed cluster down --dir $(BENCH_CLUSTER) --wipe; exit 1; }; \
+	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(BENCH_CLUSTER) | tail -n 1); \
+	$(PY) bench/bench_loader.py $(BENCH_ARGS); rc=$$?; \
+	$(PY) -m pytest --benchmark-only -q bench/test_micro.py; micro=$$?; \
+	[ $$rc -ne 0 ] || rc=$$micro; \
+	$(PY) -m kfeed cluster down --dir $(BENCH_CLUSTER) --wipe; \
+	exit $$rc

@@ -1,10 +1,16 @@
-"""Schemas: named fixed-shape fields, and the entry points of the codec.
+"""Schemas: named fields of fixed shape, and the entry points of the codec.
 
 A ``Schema`` sits at both ends of the data flow. The producer encodes columns
 of samples into message values with it; the loader decodes message values into
 the buffer pool with it. The byte layout lives in ``ext/_codec.pyx`` and is
 documented in docs/FORMAT.md; this module checks arguments and turns arrays
 and tensors into the raw pointers the codec works on.
+
+One field may instead be variable-length, shape ``(None,)``: token documents
+for language-model training. Such a schema encodes from a list of 1-D arrays
+(one per document) or from ``(flat, lengths)``, and decodes with
+``decode_documents`` into one flat array plus one length per document, which
+``kfeed.tokens.Packer`` packs into ``[batch, seq_len]`` rows.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError
 
-__all__ = ["Schema", "Field", "DecodeResult", "Format"]
+__all__ = ["Schema", "Field", "DecodeResult", "Documents", "Format"]
 
 # Schema dtype name -> numpy dtype that stores it. bfloat16 has no numpy dtype:
 # it travels as 2-byte words and becomes torch.bfloat16 in the pool.
@@ -41,6 +47,12 @@ _STORAGE = {
     "float64": np.dtype(np.float64),
 }
 
+# The dtypes a variable-length field may have: token ids and the like.
+_VARLEN_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+# Elements of one document in a block: its offsets are uint32.
+_MAX_DOC_ELEMENTS = 0xFFFFFFFF
+
 
 class Format(str, Enum):
     """How records are laid out in message values (docs/FORMAT.md)."""
@@ -59,7 +71,7 @@ class Format(str, Enum):
 class Field(NamedTuple):
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]
 
     @property
     def storage(self) -> np.dtype:
@@ -67,9 +79,16 @@ class Field(NamedTuple):
         return _STORAGE[self.dtype]
 
     @property
+    def variable(self) -> bool:
+        """Whether this field's length varies per record (shape ``(None,)``)."""
+        return self.shape == (None,)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of one record's value of this field."""
-        return self.storage.itemsize * math.prod(self.shape)
+        """Bytes of one record's value of this field; 0 for a variable-length field."""
+        if self.variable:
+            return 0
+        return self.storage.itemsize * math.prod(self.shape)  # type: ignore[arg-type]
 
     @property
     def torch_dtype(self) -> Any:
@@ -95,6 +114,25 @@ class DecodeResult(NamedTuple):
     partial: int = 0
 
 
+class Documents(NamedTuple):
+    """What ``Schema.decode_documents`` gives: documents, flat, no object per document.
+
+    tokens: the variable-length field of every document taken, concatenated
+    (1-D, the field's dtype). lengths: int64, each document's length in
+    elements (``lengths.sum() == len(tokens)``). counts: int64, one per value,
+    the documents taken from it (0 for a rejected value), so document ``d``
+    came from value ``np.searchsorted(np.cumsum(counts), d, "right")``.
+    bad: ``(index, reason)`` for each value rejected whole. columns: the fixed
+    fields, ``[len(lengths), *shape]`` each.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    counts: np.ndarray
+    bad: list[tuple[int, str]]
+    columns: dict[str, np.ndarray]
+
+
 class Target(NamedTuple):
     """Output buffers bound once: raw pointers, capacity, and the owners."""
 
@@ -108,16 +146,22 @@ def _is_tensor(obj: object) -> bool:
 
 
 class Schema:
-    """Named fixed-shape fields of numpy dtypes, in declared order.
+    """Named fields of numpy dtypes, in declared order.
+
+    Every field has a fixed shape, except that at most one field may be
+    variable-length: an integer dtype and shape ``(None,)`` (token ids).
 
     >>> s = Schema({"features": ("float32", (768,)), "label": ("int64", ())})
     >>> s.record_size
     3080
+    >>> Schema({"tokens": ("int32", (None,))}).varlen.name
+    'tokens'
     """
 
-    __slots__ = ("fields", "record_size", "fingerprint", "_layout", "_by_name")
+    __slots__ = ("fields", "record_size", "fingerprint", "varlen", "_layout", "_doc_layout",
+                 "_by_name")
 
-    def __init__(self, fields: Mapping[str, tuple[str, Sequence[int]]]) -> None:
+    def __init__(self, fields: Mapping[str, tuple[str, Sequence[int | None]]]) -> None:
         if isinstance(fields, Schema):
             fields = fields.to_dict()
         if not isinstance(fields, Mapping) or not fields:
@@ -127,6 +171,15 @@ class Schema:
             parsed.append(_parse_field(name, spec))
         self.fields: tuple[Field, ...] = tuple(parsed)
         self._by_name = {f.name: f for f in self.fields}
+        variable = [f for f in self.fields if f.variable]
+        if len(variable) > 1:
+            raise ConfigError(
+                f"at most one variable-length field per schema, got "
+                f"{', '.join(repr(f.name) for f in variable)}"
+            )
+        # The variable-length field, or None. record_size then counts the
+        # fixed fields only.
+        self.varlen: Field | None = variable[0] if variable else None
         self.record_size = sum(f.nbytes for f in self.fields)
         canonical = json.dumps(
             [[f.name, f.dtype, list(f.shape)] for f in self.fields], separators=(",", ":")
@@ -135,7 +188,17 @@ class Schema:
             b"kfeed.schema.v1:" + canonical.encode(), digest_size=8
         ).digest()
         self.fingerprint = int.from_bytes(digest, "little")
-        self._layout = _codec.Layout([f.nbytes for f in self.fields], self.fingerprint)
+        self._layout: _codec.Layout | None = None
+        self._doc_layout: _codec.DocLayout | None = None
+        if self.varlen is None:
+            self._layout = _codec.Layout([f.nbytes for f in self.fields], self.fingerprint)
+        else:
+            self._doc_layout = _codec.DocLayout(
+                [f.nbytes for f in self.fields],
+                self.fields.index(self.varlen),
+                self.varlen.storage.itemsize,
+                self.fingerprint,
+            )
 
     # -- description ---------------------------------------------------------
 
@@ -149,7 +212,7 @@ class Schema:
     def __len__(self) -> int:
         return len(self.fields)
 
-    def to_dict(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def to_dict(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
         return {f.name: (f.dtype, f.shape) for f in self.fields}
 
     def __eq__(self, other: object) -> bool:
@@ -161,23 +224,55 @@ class Schema:
     def __repr__(self) -> str:
         return f"Schema({self.to_dict()!r})"
 
-    def block_nbytes(self, count: int) -> int:
-        """Size of a block message value holding ``count`` records."""
-        return self._layout.block_nbytes(count)
+    def block_nbytes(self, count: int, elements: int = 0) -> int:
+        """Size of a block message value holding ``count`` records.
+
+        With a variable-length field, ``elements`` is the number of its
+        elements in all ``count`` records together.
+        """
+        if self._doc_layout is not None:
+            return self._doc_layout.block_nbytes(count, elements)
+        if elements:
+            raise ConfigError("elements applies only to a schema with a variable-length field")
+        return self._layout.block_nbytes(count)  # type: ignore[union-attr]
+
+    def _fixed_only(self, what: str) -> _codec.Layout:
+        if self._layout is None:
+            name = self.varlen.name if self.varlen is not None else "?"
+            raise ConfigError(
+                f"{what} needs fixed-shape fields; {name!r} is variable-length: decode it "
+                f"with decode_documents and pack it with kfeed.tokens.Packer"
+            )
+        return self._layout
 
     # -- encode --------------------------------------------------------------
 
     def _columns(self, columns: Mapping[str, Any]) -> tuple[list[np.ndarray], int, list[Any]]:
-        """Check columns against the schema; give flat uint8 views and N."""
+        """Check columns against the schema; give flat uint8 views and N.
+
+        For a variable-length field the view holds every record's elements,
+        concatenated; ``_doc_columns`` also gives their offsets.
+        """
+        if self.varlen is not None:
+            views, _offsets, n, owners = self._doc_columns(columns)
+            return views, n, owners
+        return self._fixed_columns(columns, None)
+
+    def _fixed_columns(
+        self, columns: Mapping[str, Any], n: int | None
+    ) -> tuple[list[np.ndarray], int, list[Any]]:
         if not isinstance(columns, Mapping):
             raise ConfigError("columns must be a mapping of field name -> array")
         extra = set(columns) - set(self._by_name)
         if extra:
             raise ConfigError(f"columns not in the schema: {sorted(extra)}")
-        views, owners, n = [], [], None
+        views, owners = [], []
         for f in self.fields:
             if f.name not in columns:
                 raise ConfigError(f"field {f.name!r} is missing from the columns")
+            if f.variable:
+                views.append(None)
+                continue
             arr = _as_numpy(f, columns[f.name])
             if arr.ndim == 0 or arr.shape[1:] != f.shape:
                 raise ConfigError(
@@ -195,15 +290,66 @@ class Schema:
             views.append(arr.reshape(-1).view(np.uint8))
         return views, int(n or 0), owners
 
-    def encode_blocks(self, columns: Mapping[str, Any], block_records: int = 64) -> list[bytes]:
-        """Pack N samples into block values of at most ``block_records`` each."""
+    def _doc_columns(
+        self, columns: Mapping[str, Any]
+    ) -> tuple[list[np.ndarray], np.ndarray, int, list[Any]]:
+        """Columns of a schema with a variable-length field: views, offsets, N, owners."""
+        f = self.varlen
+        assert f is not None
+        if not isinstance(columns, Mapping):
+            raise ConfigError("columns must be a mapping of field name -> array")
+        if f.name not in columns:
+            raise ConfigError(f"field {f.name!r} is missing from the columns")
+        flat, offsets = _documents(f, columns[f.name])
+        n = len(offsets) - 1
+        views, n, owners = self._fixed_columns(columns, n)
+        views[self.fields.index(f)] = flat.view(np.uint8)
+        owners.append(flat)
+        return views, offsets, n, owners
+
+    def encode_blocks(
+        self, columns: Mapping[str, Any], block_records: int = 64, *,
+        block_bytes: int | None = None,
+    ) -> list[bytes]:
+        """Pack N samples into block values of at most ``block_records`` each.
+
+        With a variable-length field, the column is a list of 1-D arrays (one
+        per document) or a tuple ``(flat, lengths)``; ``block_bytes`` then
+        also closes a block before it would grow past that many bytes (a
+        document bigger than that gets a block of its own), e.g. Kafka's
+        ``message.max.bytes``.
+        """
         if not isinstance(block_records, int) or not 1 <= block_records <= 0xFFFFFFFF:
             raise ConfigError(f"block_records must be a positive int, got {block_records!r}")
-        views, n, _owners = self._columns(columns)
-        return _codec.encode_blocks(self._layout, views, n, block_records)
+        if self._doc_layout is None:
+            if block_bytes is not None:
+                raise ConfigError(
+                    "block_bytes applies only to a schema with a variable-length field; "
+                    "size fixed records with block_records"
+                )
+            views, n, _owners = self._columns(columns)
+            return _codec.encode_blocks(self._layout, views, n, block_records)
+        if block_bytes is not None and (
+            not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 40
+        ):
+            raise ConfigError(f"block_bytes must be an int >= 40, got {block_bytes!r}")
+        views, offsets, n, _owners = self._doc_columns(columns)
+        if n == 0:
+            return []
+        return _codec.encode_doc_blocks(
+            self._doc_layout, views, offsets, n, block_records, block_bytes or 0
+        )
 
     def encode_block(self, columns: Mapping[str, Any]) -> bytes:
         """All N samples as one block value."""
+        if self._doc_layout is not None:
+            views, offsets, n, _owners = self._doc_columns(columns)
+            if n > 0xFFFFFFFF or offsets[-1] > _MAX_DOC_ELEMENTS:
+                raise ConfigError(
+                    f"a block holds at most 2**32-1 records and 2**32-1 elements, got "
+                    f"{n} records of {int(offsets[-1])} elements"
+                )
+            return _codec.encode_doc_blocks(self._doc_layout, views, offsets, n, max(n, 1), 0)[0]
         views, n, _owners = self._columns(columns)
         if n == 0:
             return self._empty_block()
@@ -221,14 +367,31 @@ class Schema:
         return bytes(header)  # body length 0
 
     def encode_raw(self, columns: Mapping[str, Any]) -> list[bytes]:
-        """One raw value per sample: the fields concatenated in schema order."""
+        """One raw value per sample: the fields concatenated in schema order.
+
+        With a variable-length field (which must then be the only field), one
+        value per document: its elements' bytes.
+        """
+        if self._doc_layout is not None:
+            self._raw_documents_only()
+            views, offsets, n, _owners = self._doc_columns(columns)
+            return _codec.encode_doc_raw(self._doc_layout, views[0], offsets, n)
         views, n, _owners = self._columns(columns)
         return _codec.encode_raw(self._layout, views, n)
+
+    def _raw_documents_only(self) -> None:
+        if len(self.fields) != 1:
+            raise ConfigError(
+                f"the raw format of a schema with a variable-length field holds that field "
+                f"only (one document per value); this schema also has "
+                f"{', '.join(repr(f.name) for f in self.fields if not f.variable)}: use blocks"
+            )
 
     # -- decode --------------------------------------------------------------
 
     def empty(self, n: int, *, like: str = "numpy", pin_memory: bool = False) -> dict[str, Any]:
         """Uninitialised output buffers for ``n`` records: numpy or torch."""
+        self._fixed_only("empty")
         if like == "numpy":
             return {f.name: np.empty((n, *f.shape), f.storage) for f in self.fields}
         if like == "torch":
@@ -242,6 +405,7 @@ class Schema:
 
     def bind(self, out: Mapping[str, Any]) -> Target:
         """Check output buffers once and keep their pointers for many decodes."""
+        self._fixed_only("bind")
         if not isinstance(out, Mapping):
             raise ConfigError("out must be a mapping of field name -> array or tensor")
         pointers = np.empty(len(self.fields), np.uint64)
@@ -275,14 +439,17 @@ class Schema:
         fills ``out`` with part of a block and reports ``partial``). A bad
         value is rejected whole and listed in ``bad``; values after it go on.
         """
+        layout = self._fixed_only("decode_into")
         target = out if isinstance(out, Target) else self.bind(out)
         fmt = Format.parse(format)
         if not isinstance(row, int) or not 0 <= row <= target.capacity:
             raise ConfigError(f"row must be in 0..{target.capacity}, got {row!r}")
-        if not isinstance(start, int) or start < 0 or (start and fmt is Format.RAW):
-            raise ConfigError(f"start must be 0 for raw values and >= 0 for blocks, got {start!r}")
+        if (not isinstance(start, int) or isinstance(start, bool)
+                or not 0 <= start <= 0xFFFFFFFF or (start and fmt is Format.RAW)):
+            raise ConfigError(
+                f"start must be 0 for raw values and in 0..2**32-1 for blocks, got {start!r}")
         rows, consumed, partial, bad = _codec.decode(
-            self._layout,
+            layout,
             values,
             target.pointers,
             target.capacity,
@@ -292,6 +459,42 @@ class Schema:
             split,
         )
         return DecodeResult(rows, consumed, bad, partial)
+
+    def decode_documents(
+        self, values: Sequence[Any], format: str | Format = "block", *, start: int = 0
+    ) -> Documents:
+        """Decode every document in ``values`` (a schema with a variable-length field).
+
+        Gives one flat array of the variable-length field plus one length per
+        document, and the fixed fields' rows; see ``Documents``. A bad value
+        (including a block whose offsets are not monotone, do not start at 0,
+        or do not end where the value does) is rejected whole and listed in
+        ``bad``; the values after it go on. ``start`` documents of the first
+        value are skipped (taken before, when resuming inside a block).
+        """
+        if self._doc_layout is None:
+            raise ConfigError(
+                "decode_documents needs a schema with a variable-length field; "
+                "decode fixed-shape records with decode_into"
+            )
+        fmt = Format.parse(format)
+        if fmt is Format.RAW:
+            self._raw_documents_only()
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or (
+            start and fmt is Format.RAW
+        ):
+            raise ConfigError(f"start must be 0 for raw values and >= 0 for blocks, got {start!r}")
+        elements, lengths, counts, fixed, bad = _codec.decode_documents(
+            self._doc_layout, values, fmt is Format.BLOCK, start
+        )
+        assert self.varlen is not None
+        tokens = elements.view(self.varlen.storage)
+        columns = {
+            f.name: raw.view(f.storage).reshape(len(lengths), *f.shape)
+            for f, raw in zip(self.fields, fixed)
+            if raw is not None
+        }
+        return Documents(tokens, lengths, counts, bad, columns)
 
 
 def _parse_field(name: object, spec: object) -> Field:
@@ -312,7 +515,17 @@ def _parse_field(name: object, spec: object) -> Field:
     if not isinstance(shape, (tuple, list)):
         raise ConfigError(f"field {name!r}: shape must be a tuple of ints, got {shape!r}")
     if any(d is None for d in shape):
-        raise ConfigError(f"field {name!r}: variable-length dimensions are not supported yet")
+        if len(shape) != 1:
+            raise ConfigError(
+                f"field {name!r}: a variable-length field must be 1-D, shape (None,); "
+                f"got {tuple(shape)}"
+            )
+        if dtype not in _VARLEN_DTYPES:
+            raise ConfigError(
+                f"field {name!r}: a variable-length field needs an integer dtype "
+                f"({', '.join(_VARLEN_DTYPES)}), got {dtype}"
+            )
+        return Field(name, dtype, (None,))
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
         raise ConfigError(f"field {name!r}: shape must be a tuple of ints, got {shape!r}")
     if any(d <= 0 for d in shape):
@@ -337,6 +550,60 @@ def _as_numpy(f: Field, col: Any) -> np.ndarray:
     if arr.dtype != f.storage:
         raise ConfigError(f"field {f.name!r}: expected dtype {f.storage}, got {arr.dtype}")
     return arr
+
+
+def _documents(f: Field, col: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A variable-length column as (flat elements, int64 offsets[N + 1]).
+
+    ``col`` is a tuple ``(flat, lengths)``, or a list (any sequence but a
+    tuple, or a numpy object array) of 1-D arrays, one per document.
+    """
+    if isinstance(col, tuple):
+        if len(col) != 2:
+            raise ConfigError(
+                f"field {f.name!r}: a tuple must be (flat, lengths); pass documents as a list"
+            )
+        flat = _as_numpy(f, col[0])
+        if flat.ndim != 1:
+            raise ConfigError(f"field {f.name!r}: flat must be 1-D, got shape {flat.shape}")
+        lengths = np.asarray(col[1].numpy() if _is_tensor(col[1]) else col[1])
+        if lengths.ndim != 1 or (lengths.size and lengths.dtype.kind not in "iu"):
+            raise ConfigError(f"field {f.name!r}: lengths must be a 1-D array of ints")
+        lengths = lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            raise ConfigError(f"field {f.name!r}: lengths must be >= 0")
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if offsets[-1] != len(flat):
+            raise ConfigError(
+                f"field {f.name!r}: lengths add up to {int(offsets[-1])}, flat holds {len(flat)}"
+            )
+    elif isinstance(col, (list, np.ndarray)) or (
+        isinstance(col, Sequence) and not isinstance(col, (str, bytes))
+    ):
+        if isinstance(col, np.ndarray) and col.dtype != object:
+            raise ConfigError(
+                f"field {f.name!r}: pass documents as a list of 1-D arrays or as "
+                f"(flat, lengths), not one {col.ndim}-D array"
+            )
+        docs = [_as_numpy(f, d) for d in col]
+        for i, d in enumerate(docs):
+            if d.ndim != 1:
+                raise ConfigError(
+                    f"field {f.name!r}: document {i} must be 1-D, got shape {d.shape}"
+                )
+        lengths = np.fromiter((len(d) for d in docs), np.int64, count=len(docs))
+        offsets = np.zeros(len(docs) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(docs) if docs else np.empty(0, f.storage)
+    else:
+        raise ConfigError(
+            f"field {f.name!r}: expected a list of 1-D arrays or (flat, lengths), "
+            f"got {type(col).__name__}"
+        )
+    if len(lengths) and int(lengths.max()) > _MAX_DOC_ELEMENTS:
+        raise ConfigError(f"field {f.name!r}: a document holds at most 2**32-1 elements")
+    return np.ascontiguousarray(flat), offsets
 
 
 def _out_pointer(f: Field, buf: Any) -> tuple[int, int]:
