@@ -12,8 +12,8 @@ Users, each with prefixed ACLs on topics and groups named ``kfeed-secure-*``:
 - ``bob``: DESCRIBE on the topics and READ on the groups, no READ or WRITE;
 - ``mallory``: no ACL at all.
 
-Tests marked ``xfail(strict=True)`` state how kfeed's loader and producer
-should report a refusal; each reason says what they do today.
+A test marked ``xfail(strict=True)`` states how kfeed should report a
+refusal it does not yet report well; its reason says what happens today.
 """
 
 from __future__ import annotations
@@ -275,11 +275,6 @@ def test_wrong_password_fails_within_connect_timeout(secure: Secure, topic: str,
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="kfeed waits out connect_timeout_s and then reports 'cannot reach the brokers ... Broker transport "
-    "failure' (code None); the _AUTHENTICATION error reaches only error_cb, which logs it as a warning",
-)
 @pytest.mark.parametrize("client", ["producer", "loader"])
 def test_wrong_password_is_reported_as_an_authentication_error_at_once(
     secure: Secure, topic: str, client: str
@@ -327,12 +322,6 @@ def test_stranger_gets_topic_authorization_failed(secure: Secure, topic: str) ->
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="bob (DESCRIBE, no READ): the loader raises a bare KfeedError from a fetch error, not the "
-    "ConsumeError that errors.py promises for access denied; mallory (no ACL): ConsumeError from the "
-    "topic metadata, but with code None",
-)
 @pytest.mark.parametrize("user", ["bob", "mallory"])
 def test_loader_refusal_is_a_consume_error_with_its_code(secure: Secure, topic: str, user: str) -> None:
     from confluent_kafka import KafkaError

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from kfeed.device import DeviceCopier, default_device
-from kfeed.errors import ConfigError, DecodeError, KfeedError, LoaderError
+from kfeed.errors import ConfigError, ConsumeError, DecodeError, KfeedError, LoaderError
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
@@ -316,8 +316,8 @@ class _Feeder:
             if self.bounded and end is not None and m.offset() >= end:
                 self._mark_done(tp)
             return
-        raise KfeedError(f"consume error: {err.str()}", topic=tp[0], partition=tp[1],
-                         code=err.code())
+        raise ConsumeError(f"consume error: {err.str()}", topic=tp[0], partition=tp[1],
+                           code=err.code())
 
     def _mark_done(self, tp: TP) -> None:
         if tp not in self.done:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -94,7 +95,19 @@ class Producer:
             raise ConfigError(
                 f"a block of {block_records} records is {block_bytes} bytes, over "
                 f"message.max.bytes={config['message.max.bytes']}; lower block_records")
-        config.setdefault("error_cb", lambda err: log.warning("kafka: %s", err))
+        user_error_cb = config.get("error_cb")
+
+        def error_cb(err: Any) -> None:
+            # A fatal error (no access, fenced, bad credentials) is kept and
+            # raised by send/flush: librdkafka will not recover from it.
+            if err.fatal() or err.code() in (-169, -181, 29, 31, 53):
+                self._fatal = err
+            log.warning("kafka: %s", err)
+            if user_error_cb is not None:
+                user_error_cb(err)
+
+        self._fatal: Any = None
+        config["error_cb"] = error_cb
         config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
         try:
             self._producer = _Producer(config)
@@ -106,7 +119,7 @@ class Producer:
             ("kfeed.fingerprint", schema.fingerprint.to_bytes(8, "little")),
             ("kfeed.format", self.format.value.encode()),
         ]
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # never held while calling librdkafka
         self._failed = 0
         self._first_error: Any = None
         self.samples = 0
@@ -123,16 +136,34 @@ class Producer:
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException
 
-        try:
-            md = self._producer.list_topics(self.topic, timeout=self._timeout)
-        except KafkaException as e:
-            raise ProduceError(f"cannot reach the brokers within {self._timeout:g}s: "
-                               f"{e.args[0].str()}", topic=self.topic) from e
+        # In short slices, so bad credentials fail at once, not after the timeout.
+        deadline = time.monotonic() + self._timeout
+        while True:
+            self._producer.poll(0)
+            self._raise_fatal()
+            try:
+                md = self._producer.list_topics(
+                    self.topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                break
+            except KafkaException as e:
+                if time.monotonic() < deadline:
+                    continue
+                self._raise_fatal()
+                raise ProduceError(f"cannot reach the brokers within {self._timeout:g}s: "
+                                   f"{e.args[0].str()}", topic=self.topic) from e
         tmd = md.topics.get(self.topic)
         if tmd is None or tmd.error is not None or not tmd.partitions:
-            why = tmd.error.str() if tmd is not None and tmd.error is not None else "no partitions"
-            raise ProduceError(f"topic {self.topic!r} is not available: {why}", topic=self.topic)
+            err = tmd.error if tmd is not None else None
+            why = err.str() if err is not None else "no partitions"
+            raise ProduceError(f"topic {self.topic!r} is not available: {why}", topic=self.topic,
+                               code=err.code() if err is not None else None)
         return len(tmd.partitions)
+
+    def _raise_fatal(self) -> None:
+        err = self._fatal
+        if err is not None:
+            raise ProduceError(f"the producer cannot go on: {err.str()}", topic=self.topic,
+                               code=err.code())
 
     # -- sending --------------------------------------------------------------
 
@@ -194,6 +225,7 @@ class Producer:
                 # The local queue is full: wait for deliveries instead of
                 # dropping or failing (backpressure).
                 self._producer.poll(0.05)
+                self._raise_fatal()
         self.messages += 1
         self.bytes += len(value)
         self._producer.poll(0)
@@ -202,13 +234,23 @@ class Producer:
         if err is not None:
             with self._lock:
                 self._failed += 1
-                if self._first_error is None:
+                first = self._first_error is None
+                if first:
                     self._first_error = err
-                    log.error("delivery to %s failed: %s", msg.topic(), err)
+            if first:
+                log.error("delivery to %s failed: %s", msg.topic(), err)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every message to be acknowledged; raise if any failed."""
-        left = self._producer.flush(-1 if timeout is None else timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = len(self._producer)
+        while left:
+            # In slices, so a fatal error ends the wait instead of hanging it.
+            slice_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if slice_s <= 0:
+                break
+            left = self._producer.flush(slice_s)
+            self._raise_fatal()
         self._raise_failures(left)
 
     def _raise_failures(self, left: int = 0) -> None:
@@ -233,8 +275,7 @@ class Producer:
         self._producer.begin_transaction()
         try:
             yield self
-            self._producer.flush(-1)
-            self._raise_failures()
+            self.flush()
             self._producer.commit_transaction(self._timeout)
         except BaseException:
             try:

@@ -51,6 +51,19 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
 
 _SKIP_PREFIX = "kfeed:skip="
 
+# librdkafka error codes after which waiting is pointless.
+_FATAL_CODES = {
+    -169,  # _AUTHENTICATION
+    29,    # TOPIC_AUTHORIZATION_FAILED
+    30,    # GROUP_AUTHORIZATION_FAILED
+    31,    # CLUSTER_AUTHORIZATION_FAILED
+    -181,  # _SSL
+}
+# A topic that stays unknown this long after the stream began was deleted
+# (a new topic can look unknown for a moment while metadata spreads).
+_GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
+_GONE_GRACE_S = 5.0
+
 
 def _metadata(skip: int) -> str | None:
     """Commit metadata that lets a plain group restart skip records of a split block."""
@@ -139,7 +152,7 @@ class KafkaSource(Source):
             # The end of a bounded epoch is seen as a partition EOF event, which
             # also covers a transaction marker or aborted records at the tail.
             config.setdefault("enable.partition.eof", True)
-        config.setdefault("error_cb", self._on_error)
+        config["error_cb"] = self._chain(self._on_error, config.get("error_cb"))
         config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
         # Lag comes from librdkafka's own statistics, so reading it never
         # blocks on a broker (one that is down, say).
@@ -158,12 +171,34 @@ class KafkaSource(Source):
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._paused: set[TP] = set()
         self._callback_error: BaseException | None = None
+        self._fatal: Any = None
+        self._gone: tuple[float, Any] | None = None  # when a topic first looked deleted
+
+    def _on_error(self, err: Any) -> None:
+        # librdkafka reports transient trouble here and keeps retrying; the
+        # loader only stalls, so that is a warning. Errors no retry can mend
+        # (bad credentials, no access, a deleted topic) end the stream.
+        code = err.code()
+        if err.fatal() or code in _FATAL_CODES:
+            self._fatal = err
+        elif code in _GONE_CODES and self._gone is None:
+            self._gone = (time.monotonic(), err)
+        log.warning("kafka: %s", err)
+
+    def _raise_fatal(self) -> None:
+        err = self._fatal
+        if err is not None:
+            raise ConsumeError(f"{err.str()}", code=err.code())
 
     @staticmethod
-    def _on_error(err: Any) -> None:
-        # librdkafka reports transient trouble here and keeps retrying;
-        # the loader only stalls, so this is a warning, not an exception.
-        log.warning("kafka: %s", err)
+    def _chain(ours: Callable[[Any], None], theirs: Callable[[Any], None] | None) -> Any:
+        if theirs is None:
+            return ours
+
+        def both(arg: Any) -> None:
+            ours(arg)
+            theirs(arg)
+        return both
 
     def _on_stats(self, text: str, user_cb: Callable[[str], None] | None) -> None:
         import json
@@ -199,18 +234,31 @@ class KafkaSource(Source):
 
         result: list[TP] = []
         for topic in self.topics:
-            try:
-                md = self._consumer.list_topics(topic, timeout=self.connect_timeout)
-            except KafkaException as e:
-                raise ConsumeError(
-                    f"cannot reach the brokers at {self._config['bootstrap.servers']} "
-                    f"within {self.connect_timeout:g}s: {e.args[0].str()}",
-                    topic=topic,
-                ) from e
+            # In short slices, so bad credentials (reported through error_cb)
+            # fail at once instead of after connect_timeout.
+            deadline = time.monotonic() + self.connect_timeout
+            while True:
+                self._consumer.poll(0)  # serves error_cb (not yet subscribed: reads nothing)
+                self._raise_fatal()
+                try:
+                    md = self._consumer.list_topics(topic, timeout=min(
+                        0.5, max(0.01, deadline - time.monotonic())))
+                    break
+                except KafkaException as e:
+                    if time.monotonic() < deadline:
+                        continue
+                    self._raise_fatal()
+                    raise ConsumeError(
+                        f"cannot reach the brokers at {self._config['bootstrap.servers']} "
+                        f"within {self.connect_timeout:g}s: {e.args[0].str()}",
+                        topic=topic,
+                    ) from e
             tmd = md.topics.get(topic)
             if tmd is None or tmd.error is not None or not tmd.partitions:
-                why = tmd.error.str() if tmd is not None and tmd.error is not None else "no partitions"
-                raise ConsumeError(f"topic {topic!r} is not available: {why}", topic=topic)
+                err = tmd.error if tmd is not None else None
+                why = err.str() if err is not None else "no partitions"
+                raise ConsumeError(f"topic {topic!r} is not available: {why}", topic=topic,
+                                   code=err.code() if err is not None else None)
             result.extend((topic, p) for p in sorted(tmd.partitions))
         return result
 
@@ -266,6 +314,12 @@ class KafkaSource(Source):
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
         msgs = self._consumer.consume(max_messages, timeout)
+        if self._gone is not None:
+            if msgs:
+                self._gone = None  # data still flows: it was a passing metadata hiccup
+            elif time.monotonic() - self._gone[0] >= _GONE_GRACE_S:
+                self._fatal = self._gone[1]
+        self._raise_fatal()
         if self._callback_error is not None:
             e, self._callback_error = self._callback_error, None
             raise e
