@@ -55,8 +55,11 @@ def read_topic(bootstrap: str, topic: str) -> np.ndarray:
 def wait_registered(cluster_dir: Path, node_id: int, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if node_id in cluster.status(cluster_dir)["brokers"]:
-            return
+        try:
+            if node_id in cluster.status(cluster_dir)["brokers"]:
+                return
+        except kfeed.ClusterError:
+            pass  # no node answers yet: they are all still starting
         time.sleep(0.5)
     raise AssertionError(f"node {node_id} did not register again within {timeout:g}s")
 
