@@ -46,10 +46,27 @@ def count_ids(ids: np.ndarray, n: int) -> tuple[int, int]:
     return int((counts == 0).sum()), int((counts > 1).sum())
 
 
-def read_topic(bootstrap: str, topic: str) -> np.ndarray:
+def read_topic(bootstrap: str, topic: str, schema: kfeed.Schema = SCHEMA) -> np.ndarray:
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
-                      SCHEMA, 4096, until="end", device="cpu") as ld:
+                      schema, 4096, until="end", device="cpu") as ld:
         return np.concatenate([b["id"].numpy().copy() for b in ld])
+
+
+def read_until(bootstrap: str, topic: str, count: int, schema: kfeed.Schema = SCHEMA,
+               timeout: float = 30.0) -> np.ndarray:
+    """Read the topic's committed content until it holds ``count`` records.
+
+    commit_transaction returns before the commit markers reach every partition;
+    until they do, that transaction is not yet part of the topic's visible
+    content, so a bounded epoch that starts in between ends before it (its records
+    stay for the next epoch). Aborted records must never show up in any read.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = read_topic(bootstrap, topic, schema)
+        if len(ids) >= count or time.monotonic() > deadline:
+            return ids
+        time.sleep(0.5)
 
 
 def wait_registered(cluster_dir: Path, node_id: int, timeout: float = 90.0) -> None:
@@ -210,8 +227,8 @@ def test_transactions_aborted_or_killed_are_never_visible(bootstrap, make_topic,
             raise RuntimeError("aborted on purpose")
     with p.transaction():
         p.send(columns(np.arange(1500, 2000)))
-    ids = read_topic(bootstrap, topic)
     want = np.r_[np.arange(0, 500), np.arange(1500, 2000)]
+    ids = read_until(bootstrap, topic, len(want))
     report("transactions", samples=2000, faults=2, visible_from_aborted=int(
         np.isin(ids, np.r_[np.arange(500, 1500)]).sum()))
     assert np.array_equal(np.sort(ids), want)
