@@ -39,6 +39,7 @@ test: install
 DEBUG_BUILD := .kfeed/debug
 
 fuzz-debug: install
+	$(PY) -m pip install -q "Cython>=3.0" "setuptools>=77"  # build_ext runs outside pip's isolation
 	rm -rf $(DEBUG_BUILD) $(DEBUG_BUILD)-tmp
 	mkdir -p $(DEBUG_BUILD)
 	cp -r src/kfeed $(DEBUG_BUILD)/
