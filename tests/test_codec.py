@@ -40,18 +40,9 @@ SEEDS_SCHEMA = {"features": ("float32", (768,)), "label": ("int64", ()), "id": (
 # Pinned: a change here means every block already in Kafka stops decoding.
 SEEDS_FINGERPRINT = 0x7BFFD511DAA08153
 
-# The reason strings are part of the documented contract (docs/FORMAT.md).
-TOMBSTONE = "empty value (tombstone)"
-NOT_BYTES = "value is not bytes-like"
-SHORT = "shorter than the block header"
-MAGIC = "bad magic"
-VERSION = "unsupported block version"
-FLAGS = "unsupported block flags"
-HEADER_LEN = "bad header length"
-FINGERPRINT = "schema fingerprint mismatch"
-COUNT = "record count overflows"
-LENGTH = "length does not match the record count"
-RAW_SIZE = "raw value size is not the record size"
+from reasons import (  # noqa: E402 - the documented reason strings
+    TOMBSTONE, NOT_BYTES, SHORT, MAGIC, VERSION, FLAGS, HEADER_LEN, FINGERPRINT, COUNT, LENGTH, RAW_SIZE,
+)
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

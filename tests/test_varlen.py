@@ -22,21 +22,9 @@ from kfeed import ConfigError, Schema
 INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 FIXED_DTYPES = ["bool", "int16", "int64", "float32", "bfloat16", "float64"]
 
-# The reason strings are part of the documented contract (docs/FORMAT.md).
-TOMBSTONE = "empty value (tombstone)"
-NOT_BYTES = "value is not bytes-like"
-SHORT = "shorter than the block header"
-MAGIC = "bad magic"
-VERSION = "unsupported block version"
-FLAGS = "unsupported block flags"
-HEADER_LEN = "bad header length"
-FINGERPRINT = "schema fingerprint mismatch"
-COUNT = "record count overflows"
-LENGTH = "length does not match the record count"
-OFFSETS_START = "variable-length offsets do not start at 0"
-OFFSETS_ORDER = "variable-length offsets decrease"
-OFFSETS_END = "last variable-length offset does not match the length"
-RAW_ITEMSIZE = "raw value size is not a multiple of the element size"
+from reasons import (  # noqa: E402 - the documented reason strings
+    TOMBSTONE, NOT_BYTES, SHORT, MAGIC, VERSION, FLAGS, HEADER_LEN, FINGERPRINT, COUNT, LENGTH, OFFSETS_START, OFFSETS_ORDER, OFFSETS_END, RAW_ITEMSIZE,
+)
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
