@@ -43,11 +43,13 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
 from kfeed.device import DeviceCopier, default_device
@@ -55,6 +57,7 @@ from kfeed.errors import ConfigError, ConsumeError, DecodeError, KfeedError, Loa
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
+from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 __all__ = ["Loader", "Batch", "BadRecordPolicy"]
 
@@ -75,16 +78,25 @@ class Batch(dict):
 
     ``offsets`` maps ``(topic, partition)`` to ``(first, end)`` positions,
     each ``(offset, skip)``: where the batch's records start and where the
-    next batch continues.
+    next batch continues. With ``shuffle`` or ``pack`` records do not come
+    in offset ranges and ``offsets`` is empty: the loader's ``state_dict()``
+    says where to resume.
+
+    With ``pack``, the mapping holds ``tokens``, ``position_ids``,
+    ``doc_ids`` (``[n, seq_len]``) and ``cu_seqlens`` (the segments' starts
+    and the total, int32), and ``pack`` is the ``PackInfo`` (``max_seqlen``,
+    ``tokens``, ``padding``, ...).
     """
 
-    __slots__ = ("offsets", "size")
+    __slots__ = ("offsets", "size", "pack")
 
     def __init__(self, tensors: dict[str, torch.Tensor], size: int,
-                 offsets: dict[TP, tuple[Position, Position]]) -> None:
+                 offsets: dict[TP, tuple[Position, Position]],
+                 pack: PackInfo | None = None) -> None:
         super().__init__(tensors)
         self.size = size
         self.offsets = offsets
+        self.pack = pack
 
 
 class _Failure:
@@ -97,12 +109,17 @@ _END = object()
 
 
 class _BatchMeta:
-    __slots__ = ("gen", "first", "end")
+    __slots__ = ("gen", "first", "end", "acks", "pack_offset", "info")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
         self.first: dict[TP, Position] = {}
         self.end: dict[TP, Position] = {}
+        # Record mode (see _RecordFeeder): records of the order this batch
+        # finished, tokens of the next document already out, the PackInfo.
+        self.acks = 0
+        self.pack_offset = 0
+        self.info: PackInfo | None = None
 
 
 class _Feeder:
@@ -195,7 +212,8 @@ class _Feeder:
 
     # -- assignment (called from inside consume, on the feeder thread) --------
 
-    def _on_assign(self, tps: list[TP]) -> dict[TP, Position]:
+    def _positions(self, tps: list[TP]) -> dict[TP, Position]:
+        """Where each newly assigned partition starts: the state's position, or ``start``."""
         with self.lock:
             known = {tp: self.handed[tp] for tp in tps if tp in self.handed}
         need = [tp for tp in tps if tp not in known]
@@ -208,6 +226,10 @@ class _Feeder:
             with self.lock:
                 for tp in need:
                     self.handed.setdefault(tp, positions[tp])
+        return positions
+
+    def _on_assign(self, tps: list[TP]) -> dict[TP, Position]:
+        positions = self._positions(tps)
         for tp in tps:
             off, skip = positions[tp]
             if skip:
@@ -369,6 +391,33 @@ class _Feeder:
         self.pend_i = i + res.consumed
         self.pend_start = res.partial
 
+    # -- the caller's side (called by the Loader, under ``lock``) ---------------
+
+    def accept(self, meta: _BatchMeta) -> None:
+        """A batch is handed out: the state moves past it."""
+        self.handed.update(meta.end)
+
+    def mark_used(self, batch: Batch) -> None:
+        """The step that used ``batch`` is over: its positions may be committed."""
+        for tp, (_first, end) in batch.offsets.items():
+            self.used[tp] = end
+
+    def state(self) -> dict[str, Any]:
+        positions: dict[str, dict[int, list[int]]] = {}
+        for (topic, part), (off, skip) in sorted(self.handed.items()):
+            positions.setdefault(topic, {})[part] = [off, skip]
+        return {"positions": positions}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if "order" in state:
+            raise ConfigError("the state was saved by a loader with shuffle or pack")
+        handed: dict[TP, Position] = {}
+        for topic, parts in state.get("positions", {}).items():
+            for part, (off, skip) in parts.items():
+                handed[(topic, int(part))] = (int(off), int(skip))
+        self.handed.update(handed)
+        self.used.update(handed)
+
     def _bad(self, m: Any, reason: str) -> None:
         self.bad += 1
         tp = (m.topic(), m.partition())
@@ -378,6 +427,266 @@ class _Feeder:
         log.warning("bad record at %s[%d]@%d: %s", tp[0], tp[1], m.offset(), reason)
         if self.on_bad is BadRecordPolicy.DEAD_LETTER:
             self.source.dead_letter(m, reason)
+
+
+_STAGE_ROWS = 1024  # records decoded at a time on the shuffle path
+
+
+class _RecordFeeder(_Feeder):
+    """The feeder for ``shuffle`` and ``pack``: records one by one, through an order.
+
+    Every record (a fixed-shape sample, or a document) is pushed into a
+    ``ShuffleBuffer`` keyed ``(partition, offset, index in the message)``:
+    seeded and shuffling with ``shuffle``, in order without. What it emits
+    goes into the slot (fixed shapes) or into a ``Packer`` whose rows are the
+    slot (``pack``). The buffer runs with acknowledgements: a record counts as
+    delivered only when the batch holding it (for a document, its last token)
+    is handed out, so ``state()`` taken at any moment covers exactly the
+    batches handed out; what was emitted into batches still queued comes out
+    again, in the same order, after a resume. With ``pack``, the state also
+    holds how many tokens of the first unfinished document are already out,
+    so a resume continues inside it. The same replay rebuilds the order after
+    a rebalance, less the partitions revoked (their new owner re-reads them
+    from the committed watermark, which with ``shuffle`` may repeat records
+    emitted above it).
+    """
+
+    def __init__(self, *args: Any, shuffle: Shuffle | None, packer: Packer | None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shuffle = shuffle
+        self.packer = packer
+        self.order = ShuffleBuffer(shuffle, ack=True)
+        self.out: deque[tuple[np.ndarray, ...]] = deque()  # emitted samples not in a slot yet
+        self.drained = False   # bounded epoch: the order gave up what it held
+        self.finished = False  # ... and the packer its last batch
+        self.pack_offset = 0   # tokens of the first unacknowledged document handed out
+        self.stage: dict[str, np.ndarray] = {}
+        if packer is None:
+            self.stage = self.schema.empty(_STAGE_ROWS, like="numpy")
+            self.stage_target = self.schema.bind(self.stage)
+        self.arrays: dict[int, list[np.ndarray]] = {}  # slot index -> numpy views
+
+    # -- assignment -------------------------------------------------------------
+
+    def _positions(self, tps: list[TP]) -> dict[TP, Position]:
+        with self.lock:
+            resume = self.order.resume_offsets()
+        positions = {tp: (resume[tp], 0) for tp in tps if tp in resume}
+        need = [tp for tp in tps if tp not in positions]
+        if need:
+            fresh = self._start_positions(need)
+            with self.lock:
+                for tp in need:
+                    # The order skips the records of a straddled block that
+                    # were delivered before.
+                    self.order.seek(tp, *fresh[tp])
+            positions.update({tp: (fresh[tp][0], 0) for tp in need})
+        return positions
+
+    def _on_revoke(self, tps: list[TP]) -> None:
+        with self.lock:
+            marks = self.order.watermarks()
+            mine = {tp: marks[tp] for tp in tps if tp in marks}
+            self.gen += 1
+            try:
+                self.source.commit(mine, asynchronous=False)
+                self.committed.update(mine)
+            except KfeedError as e:
+                log.warning("commit on revoke failed: %s", e)
+            # Start again from what was handed out, as a resume would.
+            state = self.order.state()
+            head = state["outbox"][0] if state["outbox"] else None
+            kept = ShuffleBuffer.without(state, set(tps))
+            offset = self.pack_offset if kept["outbox"][:1] == [head] else 0
+            self._restore(kept, offset)
+        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
+        self.assigned.difference_update(tps)
+        log.info("revoked %s", sorted(tps))
+
+    def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
+        self.order = ShuffleBuffer(self.shuffle, ack=True)
+        if order_state is not None:
+            self.order.load_state(order_state)
+        if self.packer is not None:
+            self.packer = Packer(self.packer.pack, self.batch_size)
+            if pack_offset:
+                self.packer.load_state({"docs": 0, "offset": pack_offset})
+        self.pack_offset = pack_offset
+        self.out.clear()
+        self.drained = self.finished = False
+
+    # -- filling a slot -------------------------------------------------------
+
+    def _all_done(self) -> bool:
+        return (super()._all_done() and self.drained and not self.out
+                and (self.packer is None or self.finished))
+
+    def _fill(self, slot: Slot) -> _BatchMeta:
+        meta = _BatchMeta(self.gen)
+        started = None
+        while not self.stop.is_set():
+            if meta.gen != self.gen:  # a rebalance dropped what we had
+                slot.rows, slot.extent, meta, started = 0, {}, _BatchMeta(self.gen), None
+            if self._take_into(slot, meta):
+                break
+            if started is None and slot.rows:
+                started = time.monotonic()
+            if self._pending():
+                self._push_pending()
+            elif self.bounded and self.assigned and self.assigned <= self.done:
+                if self.drained:
+                    break  # the end of the epoch: a partial batch, or none
+                self._drain()
+            elif started is not None and time.monotonic() - started >= self.max_wait_s:
+                break
+            else:
+                self._fetch()
+        return meta
+
+    def _take_into(self, slot: Slot, meta: _BatchMeta) -> bool:
+        """Move emitted records into the slot; whether it is complete."""
+        packer = self.packer
+        if packer is not None:
+            if self.finished:
+                return False
+            info = packer.next_batch(slot.target)
+            if info is None:
+                self.finished = self.drained
+                return False
+            slot.rows = info.rows
+            slot.extent = {"cu_seqlens": info.segments + 1}
+            meta.acks = info.documents
+            meta.pack_offset = packer.state()["offset"]
+            meta.info = info
+            return True
+        n = min(self.batch_size - slot.rows, len(self.out))
+        if n:
+            arrays = self._arrays(slot)
+            for row in range(slot.rows, slot.rows + n):
+                for a, v in zip(arrays, self.out.popleft()):
+                    a[row] = v
+            slot.rows += n
+            meta.acks += n
+        return slot.rows == self.batch_size
+
+    def _arrays(self, slot: Slot) -> list[np.ndarray]:
+        arrays = self.arrays.get(slot.index)
+        if arrays is None:
+            arrays = []
+            for f in self.schema.fields:
+                t = slot.tensors[f.name]
+                if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its 2-byte words
+                    t = t.view(torch.int16)
+                arrays.append(t.numpy().view(f.storage))
+            self.arrays[slot.index] = arrays
+        return arrays
+
+    def _push_pending(self) -> None:
+        msgs, vals = self.pend_msgs[self.pend_i:], self.pend_vals[self.pend_i:]
+        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
+        self.value_bytes += sum(len(v) for v in vals if v is not None)
+        if self.packer is not None:
+            self._push_documents(msgs, vals)
+        else:
+            self._push_samples(msgs, vals)
+
+    def _push_documents(self, msgs: list[Any], vals: list[Any]) -> None:
+        docs = self.schema.decode_documents(vals, self.fmt)
+        bad = dict(docs.bad)
+        ends = np.cumsum(docs.lengths)
+        starts = ends - docs.lengths
+        # A shuffle holds documents for long: copy them out of the chunk.
+        copy = self.shuffle is not None
+        tokens, counts = docs.tokens, docs.counts.tolist()
+        emitted: list[Any] = []
+        d = 0
+        with self.lock:
+            push = self.order.push
+            for j, m in enumerate(msgs):
+                if j in bad:
+                    continue
+                tp, off = (m.topic(), m.partition()), m.offset()
+                for sub in range(counts[j]):
+                    doc = tokens[starts[d]:ends[d]]
+                    emitted += push(tp, off, doc.copy() if copy else doc, sub)
+                    d += 1
+        self.samples += d
+        for j, reason in docs.bad:
+            self._bad(msgs[j], reason)
+        self._deliver(emitted)
+
+    def _push_samples(self, msgs: list[Any], vals: list[Any]) -> None:
+        stage = list(self.stage.values())
+        emitted: list[Any] = []
+        for m, v in zip(msgs, vals):
+            tp, off = (m.topic(), m.partition()), m.offset()
+            start = 0
+            while True:
+                res = self.schema.decode_into([v], self.stage_target, 0, self.fmt,
+                                              start=start, split=True)
+                if res.bad:
+                    self._bad(m, res.bad[0][1])
+                    break
+                with self.lock:
+                    for r in range(res.rows):
+                        emitted += self.order.push(tp, off, tuple(a[r].copy() for a in stage),
+                                                   start + r)
+                self.samples += res.rows
+                if not res.partial:
+                    break
+                start = res.partial
+        self._deliver(emitted)
+
+    def _deliver(self, emitted: list[Any]) -> None:
+        if not emitted:
+            return
+        if self.packer is None:
+            self.out.extend(item for _key, item in emitted)
+            return
+        docs = [item for _key, item in emitted]
+        lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
+        self.packer.feed(np.concatenate(docs), lengths, copy=False)
+
+    def _drain(self) -> None:
+        with self.lock:
+            emitted = self.order.drain()
+        self._deliver(emitted)
+        if self.packer is not None:
+            self.packer.finish()
+        self.drained = True
+
+    # -- the caller's side (under ``lock``) ---------------------------------
+
+    def accept(self, meta: _BatchMeta) -> None:
+        self.order.ack(meta.acks)
+        self.pack_offset = meta.pack_offset
+
+    def mark_used(self, batch: Batch) -> None:
+        self.used.update(self.order.watermarks())
+
+    def state(self) -> dict[str, Any]:
+        positions: dict[str, dict[int, list[int]]] = {}
+        for (topic, part), (off, sub) in sorted(self.order.watermarks().items()):
+            positions.setdefault(topic, {})[part] = [off, sub]
+        pack = self.packer.pack if self.packer is not None else None
+        return {
+            "positions": positions,
+            "order": self.order.state(),
+            "pack": None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id,
+                                               pack.split_long],
+            "pack_offset": self.pack_offset,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if "order" not in state:
+            raise ConfigError("the state was saved by a loader without shuffle or pack")
+        pack = self.packer.pack if self.packer is not None else None
+        want = None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id, pack.split_long]
+        if state.get("pack") != want:
+            raise ConfigError(f"the state was saved with pack {state.get('pack')}, "
+                              f"this loader packs {want}")
+        self._restore(state["order"], int(state.get("pack_offset", 0)))
 
 
 class Loader:
@@ -408,6 +717,8 @@ class Loader:
         assignment: str = "group",
         commit_interval_ms: float = 1000.0,
         connect_timeout_s: float = 30.0,
+        pack: Pack | None = None,
+        shuffle: Shuffle | None = None,
         source: Source | None = None,
     ) -> None:
         if isinstance(topics, str):
@@ -438,6 +749,16 @@ class Loader:
             raise ConfigError("max_wait_ms and connect_timeout_s must be > 0, "
                               "commit_interval_ms >= 0")
         fmt = Format.parse(format)
+        if pack is not None and not isinstance(pack, Pack):
+            raise ConfigError(f"pack must be a kfeed.Pack, got {type(pack).__name__}")
+        if shuffle is not None and not isinstance(shuffle, Shuffle):
+            raise ConfigError(f"shuffle must be a kfeed.Shuffle, got {type(shuffle).__name__}")
+        if pack is not None and schema.varlen is None:
+            raise ConfigError("pack needs a schema with a variable-length token field, "
+                              "e.g. {'tokens': ('int32', (None,))}")
+        if pack is None and schema.varlen is not None:
+            raise ConfigError(f"the schema's variable-length field {schema.varlen.name!r} "
+                              f"needs pack=kfeed.Pack(seq_len=..., eos_id=...) to make batches")
         rank, world_size = _rank_and_world(rank, world_size)
         self.schema = schema
         self.format = fmt
@@ -455,13 +776,18 @@ class Loader:
         self._source = source
         self._group = (kafka_config or {}).get("group.id")
         self._copier = DeviceCopier(self.device)
+        packer = Packer(pack, batch_size) if pack is not None else None
         # prefetch ready + one filling + one being copied out.
-        self._pool = BufferPool(schema, batch_size, slots=prefetch + 2)
-        self._feeder = _Feeder(
-            source, schema, fmt, self._pool, prefetch,
-            bounded=until == "end", drop_last=drop_last, max_wait_s=max_wait_ms / 1000.0,
-            on_bad=policy, start=start, assignment=None,
-        )
+        self._pool = BufferPool(schema, batch_size, slots=prefetch + 2, packer=packer)
+        args = (source, schema, fmt, self._pool, prefetch)
+        kwargs = dict(bounded=until == "end", drop_last=drop_last,
+                      max_wait_s=max_wait_ms / 1000.0, on_bad=policy, start=start,
+                      assignment=None)
+        self._feeder: _Feeder
+        if pack is None and shuffle is None:
+            self._feeder = _Feeder(*args, **kwargs)
+        else:
+            self._feeder = _RecordFeeder(*args, **kwargs, shuffle=shuffle, packer=packer)
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
@@ -503,13 +829,6 @@ class Loader:
             raise StopIteration
         t = time.monotonic()
         item = self._take()
-        if self._t_first is None:
-            self._t_first = time.monotonic()
-            self._startup_s = self._t_first - (self._t0 or t)
-        else:
-            waited = time.monotonic() - t
-            self._wait_s += waited
-            self._longest_wait_s = max(self._longest_wait_s, waited)
         if self.until == "end" and self.world_size > 1 and _dist_ready():
             # Every rank stops at the same step, so DDP never waits on a rank
             # that already ran out.
@@ -518,11 +837,23 @@ class Loader:
             if have.item() == 0 and item is not _END:
                 self._pool.release(item)  # not handed out: its records stay unread
                 item = _END
-        if item is _END:
-            self._exhausted = True
-            self._commit(asynchronous=False)
-            raise StopIteration
-        return self._hand_out(item)
+        batch = None
+        while batch is None:
+            if item is _END:
+                self._exhausted = True
+                self._commit(asynchronous=False)
+                raise StopIteration
+            batch = self._hand_out(item)
+            if batch is None:  # dropped by a rebalance that came after _take
+                item = self._take()
+        if self._t_first is None:
+            self._t_first = time.monotonic()
+            self._startup_s = self._t_first - (self._t0 or t)
+        else:
+            waited = time.monotonic() - t
+            self._wait_s += waited
+            self._longest_wait_s = max(self._longest_wait_s, waited)
+        return batch
 
     def _take(self) -> Any:
         f = self._feeder
@@ -547,22 +878,22 @@ class Loader:
                     return item
             self._pool.release(item)  # from before a rebalance: dropped
 
-    def _hand_out(self, slot: Slot) -> Batch:
+    def _hand_out(self, slot: Slot) -> Batch | None:
         f = self._feeder
         meta = slot.meta
         with f.lock:
-            stale = meta.gen != f.gen
-            if not stale:
-                f.handed.update(meta.end)
-        if stale:
-            self._pool.release(slot)
-            return self.__next__()
+            if meta.gen != f.gen:
+                # A rebalance happened after _take: the caller's next() takes
+                # the next batch instead.
+                self._pool.release(slot)
+                return None
+            f.accept(meta)
         self._pool.hand_out(slot)
         rows = slot.rows
         tensors, event = self._copier.copy(slot)
         self._pool.release(slot, event)
         offsets = {tp: (meta.first.get(tp, end), end) for tp, end in meta.end.items()}
-        batch = Batch(tensors, rows, offsets)
+        batch = Batch(tensors, rows, offsets, meta.info)
         self._current = batch
         self._batches += 1
         self._samples_out += rows
@@ -573,8 +904,7 @@ class Loader:
             return
         f = self._feeder
         with f.lock:
-            for tp, (_first, end) in self._current.offsets.items():
-                f.used[tp] = end
+            f.mark_used(self._current)
         self._current = None
         now = time.monotonic()
         if now - self._last_commit >= self._commit_interval:
@@ -602,15 +932,13 @@ class Loader:
         """Where to resume: per partition, the position after the batches handed out."""
         f = self._feeder
         with f.lock:
-            positions: dict[str, dict[int, list[int]]] = {}
-            for (topic, part), (off, skip) in sorted(f.handed.items()):
-                positions.setdefault(topic, {})[part] = [off, skip]
+            state = f.state()
         return {
             "version": _STATE_VERSION,
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
             "topics": list(self.topics),
-            "positions": positions,
+            **state,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -623,13 +951,8 @@ class Loader:
             raise ConfigError("the state was saved with another schema")
         if state.get("format") != self.format.value:
             raise ConfigError(f"the state was saved for format {state.get('format')!r}")
-        handed: dict[TP, Position] = {}
-        for topic, parts in state.get("positions", {}).items():
-            for part, (off, skip) in parts.items():
-                handed[(topic, int(part))] = (int(off), int(skip))
         with self._feeder.lock:
-            self._feeder.handed.update(handed)
-            self._feeder.used.update(handed)
+            self._feeder.load_state(state)
 
     # -- observability --------------------------------------------------------
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from kfeed.errors import ConfigError, KfeedError
-from kfeed.schema import Schema, Target
+from kfeed.schema import Schema
+from kfeed.tokens import Packer
 
 __all__ = ["BufferPool", "Slot", "SlotState"]
 
@@ -39,21 +40,22 @@ class SlotState(str, Enum):
 class Slot:
     """One preallocated batch: a tensor per field, ``[batch_size, *shape]``."""
 
-    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "meta")
+    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent", "meta")
 
-    def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Target) -> None:
+    def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
         self.tensors = tensors
-        self.target = target
+        self.target = target  # the bound form the filler writes through
         self.state = SlotState.FREE
         self.event: Any = None  # CUDA event of the last copy out of this slot
         self.rows = 0
+        self.extent: dict[str, int] = {}  # entries filled, for tensors not counted in rows
         self.meta: Any = None  # what the loader needs to know about the batch
 
     def view(self) -> dict[str, torch.Tensor]:
         """The filled rows of each field."""
-        rows = self.rows
-        return {name: t[:rows] for name, t in self.tensors.items()}
+        rows, extent = self.rows, self.extent
+        return {name: t[:extent.get(name, rows)] for name, t in self.tensors.items()}
 
     def __repr__(self) -> str:
         return f"Slot({self.index}, {self.state.value}, rows={self.rows})"
@@ -68,7 +70,8 @@ class BufferPool:
     """
 
     def __init__(
-        self, schema: Schema, batch_size: int, slots: int = 4, *, pin: bool | None = None
+        self, schema: Schema, batch_size: int, slots: int = 4, *, pin: bool | None = None,
+        packer: Packer | None = None,
     ) -> None:
         if not isinstance(schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
@@ -86,8 +89,14 @@ class BufferPool:
         self.pinned = bool(pin)
         self._slots: list[Slot] = []
         for i in range(slots):
-            tensors = schema.empty(batch_size, like="torch", pin_memory=self.pinned)
-            self._slots.append(Slot(i, tensors, schema.bind(tensors)))
+            # A packer's slots hold packed token rows instead of the schema's fields.
+            if packer is None:
+                tensors = schema.empty(batch_size, like="torch", pin_memory=self.pinned)
+                target: Any = schema.bind(tensors)
+            else:
+                tensors = packer.empty(like="torch", pin_memory=self.pinned)
+                target = packer.bind(tensors)
+            self._slots.append(Slot(i, tensors, target))
         self._free: deque[Slot] = deque(self._slots)
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -95,7 +104,7 @@ class BufferPool:
     @property
     def nbytes(self) -> int:
         """Host memory held by the pool."""
-        return len(self._slots) * self.batch_size * self.schema.record_size
+        return sum(t.nbytes for s in self._slots for t in s.tensors.values())
 
     @property
     def slots(self) -> tuple[Slot, ...]:
@@ -123,6 +132,7 @@ class BufferPool:
             slot.event.synchronize()
             slot.event = None
         slot.rows = 0
+        slot.extent = {}
         slot.meta = None
         return slot
 

@@ -471,11 +471,17 @@ class ShuffleBuffer:
     resume emits them again, so nothing is lost with the downstream's buffers.
     """
 
-    def __init__(self, shuffle: Shuffle, *, ack: bool = False) -> None:
-        if not isinstance(shuffle, Shuffle):
+    def __init__(self, shuffle: Shuffle | None, *, ack: bool = False) -> None:
+        if shuffle is None:
+            # In order: every record comes out as it is pushed. The loader uses
+            # this for packing without shuffling, for the same exact resume.
+            shuffle, size = Shuffle(buffer=1, seed=0), 0
+        elif isinstance(shuffle, Shuffle):
+            size = shuffle.buffer
+        else:
             raise ConfigError(f"shuffle must be a kfeed.Shuffle, got {type(shuffle).__name__}")
         self.shuffle = shuffle
-        self._size = shuffle.buffer
+        self._size = size
         self._ack = bool(ack)
         self._rng = shuffle.seed & _MASK64
         self._keys: list[Key] = []  # slot -> key of the record held there
@@ -509,6 +515,9 @@ class ShuffleBuffer:
 
     def _process(self, key: Key, item: Any, out: list[tuple[Key, Any]]) -> None:
         self._read[key[0]] = (key[1], key[2] + 1)
+        if not self._size:
+            self._emit(key, out, item)
+            return
         if len(self._keys) < self._size:
             self._keys.append(key)
             self._items.append(item)
@@ -574,6 +583,11 @@ class ShuffleBuffer:
             self._keys.pop()
             self._items.pop()
         return out
+
+    def seek(self, partition: Hashable, offset: int, sub: int = 0) -> None:
+        """Records of a partition not seen yet start at ``(offset, sub)``; those below are repeats."""
+        if partition not in self._read:
+            self._read[partition] = self._arrived[partition] = (int(offset), int(sub))
 
     def ack(self, n: int = 1) -> None:
         """The next ``n`` records emitted are used (``ack=True``)."""
@@ -643,10 +657,11 @@ class ShuffleBuffer:
         if version != _STATE_VERSION:
             raise ConfigError(f"shuffle state version {version!r}, expected {_STATE_VERSION}")
         if (size, seed) != (self._size, self.shuffle.seed):
-            raise ConfigError(
-                f"the state was saved with Shuffle(buffer={size}, seed={seed}), this is "
-                f"Shuffle(buffer={self._size}, seed={self.shuffle.seed})"
-            )
+            def name(size: int, seed: int) -> str:
+                return f"Shuffle(buffer={size}, seed={seed})" if size else "no shuffle"
+
+            raise ConfigError(f"the state was saved with {name(size, seed)}, this is "
+                              f"{name(self._size, self.shuffle.seed)}")
         if len(held) > self._size or len(set(held) | set(outbox)) != len(held) + len(outbox):
             raise ConfigError("not a shuffle state: held records repeat or overflow the buffer")
         self._rng = rng & _MASK64
@@ -660,6 +675,22 @@ class ShuffleBuffer:
         self._holes.update({k: -1 - i for i, k in enumerate(outbox)})
         self._outbox = deque(outbox) if self._ack else deque()
         self._touched = True
+
+    @staticmethod
+    def without(state: Mapping[str, Any], partitions: set[Hashable]) -> dict[str, Any]:
+        """``state`` with ``partitions`` left out: what a member keeps when they are revoked.
+
+        Their held and unacknowledged records go to the partitions' new owner,
+        which reads them again from the committed watermark.
+        """
+        def keep(p: Any) -> bool:
+            return _as_partition(p) not in partitions
+
+        out = dict(state)
+        out["partitions"] = [e for e in state["partitions"] if keep(e[0])]
+        out["held"] = [k for k in state["held"] if keep(k[0])]
+        out["outbox"] = [k for k in state["outbox"] if keep(k[0])]
+        return out
 
     def __repr__(self) -> str:
         return (f"ShuffleBuffer({self.shuffle!r}, held={len(self._keys)}, "
