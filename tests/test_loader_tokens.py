@@ -1,0 +1,255 @@
+"""Loader with ``pack=`` and ``shuffle=`` through the in-memory source: no broker needed.
+
+The packed batches are checked against the pure-Python packer of test_pack.py;
+resumes against an uninterrupted run, batch for batch (one partition, whose
+order is fixed) or document for document (several partitions, whose
+interleaving depends on how fetches fall).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from test_pack import oracle_batches
+
+import kfeed
+from kfeed import ConfigError, Pack, Schema, Shuffle
+from kfeed.loader import memory_loader
+
+TOKENS = Schema({"tokens": ("int32", (None,))})
+EOS = 100_000  # above every token id the documents use
+
+
+def make_docs(n: int, seed: int, max_len: int = 700) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, max_len, size=n)
+    lengths[rng.random(n) < 0.05] = 0  # some empty documents
+    return [rng.integers(1, 50_000, size=int(k), dtype=np.int32) for k in lengths]
+
+
+def as_numpy(batch: kfeed.loader.Batch) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in batch.items()}
+
+
+def run(values, schema, batch_size, stop=None, state=None, **kwargs):
+    """Batches of one loader (the first ``stop`` only), and its state after them."""
+    loader = memory_loader(values, schema, batch_size, until="end", **kwargs)
+    if state is not None:
+        loader.load_state_dict(state)
+    got = []
+    for batch in loader:
+        got.append(as_numpy(batch))
+        if stop is not None and len(got) == stop:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint goes through JSON fine
+    loader.close()
+    return got, state
+
+
+def documents(batches: list[dict[str, np.ndarray]]) -> Counter:
+    """The documents in packed batches, cut at EOS (padding left out)."""
+    stream = np.concatenate([b["tokens"][b["doc_ids"] >= 0] for b in batches])
+    pieces = np.split(stream, np.flatnonzero(stream == EOS) + 1)
+    assert pieces[-1].size == 0, "the stream must end with an EOS"
+    return Counter(bytes(p[:-1].astype(np.int32)) for p in pieces[:-1])
+
+
+def want_documents(docs: list[np.ndarray]) -> Counter:
+    return Counter(bytes(d) for d in docs if len(d))
+
+
+def assert_batches_equal(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in w:
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
+# -- packing ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("seq_len", "batch_size", "split_long", "per_block"),
+                         [(128, 8, True, 16), (64, 3, True, 1), (256, 4, False, 7), (1000, 2, True, 50)])
+def test_packed_batches_equal_the_oracle(seq_len, batch_size, split_long, per_block) -> None:
+    docs = make_docs(600, seed=seq_len)
+    pack = Pack(seq_len=seq_len, eos_id=EOS, pad_id=-1, split_long=split_long)
+    got, _ = run(TOKENS.encode_blocks({"tokens": docs}, per_block), TOKENS, batch_size, pack=pack)
+    want = oracle_batches([d.tolist() for d in docs], pack, batch_size)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for k in ("tokens", "position_ids", "doc_ids"):
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+        np.testing.assert_array_equal(g["cu_seqlens"], w["cu_seqlens"])
+
+
+def test_packed_batches_are_typed_for_training_and_carry_the_pack_info() -> None:
+    docs = make_docs(200, seed=1)
+    pack = Pack(seq_len=128, eos_id=EOS)
+    loader = memory_loader(TOKENS.encode_blocks({"tokens": docs}, 8), TOKENS, 4, pack=pack,
+                           until="end")
+    batch = next(loader)
+    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (4, 128)
+    assert batch["position_ids"].shape == (4, 128) and batch["doc_ids"].shape == (4, 128)
+    assert batch["cu_seqlens"].dtype == torch.int32
+    info = batch.pack
+    assert batch["cu_seqlens"].shape == (info.segments + 1,)
+    assert batch["cu_seqlens"][-1].item() == 4 * 128 and info.tokens + info.padding == 4 * 128
+    assert batch.offsets == {}
+    loader.close()
+
+
+@pytest.mark.parametrize("stop", [1, 2, 17, 60])
+def test_a_resume_continues_inside_the_document_with_the_identical_next_batch(stop) -> None:
+    docs = make_docs(500, seed=7)
+    values = TOKENS.encode_blocks({"tokens": docs}, 8)
+    pack = Pack(seq_len=192, eos_id=EOS)
+    whole, _ = run(values, TOKENS, 4, pack=pack)
+    first, state = run(values, TOKENS, 4, stop=stop, pack=pack)
+    rest, _ = run(values, TOKENS, 4, state=state, pack=pack)
+    assert_batches_equal(first + rest, whole)
+
+
+def test_a_partly_emitted_document_is_in_the_state_and_not_committed() -> None:
+    docs = [np.arange(1, 1001, dtype=np.int32)]  # one document of 1,000 tokens (+ EOS)
+    values = TOKENS.encode_raw({"tokens": docs})
+    loader = memory_loader(values, TOKENS, 2, format="raw", pack=Pack(seq_len=100, eos_id=EOS),
+                           until="end")
+    next(loader)
+    next(loader)  # the first batch's step is over
+    state = loader.state_dict()
+    assert state["pack_offset"] == 400
+    assert state["positions"] == {"memory": {0: [0, 0]}}
+    loader.commit()
+    # Nothing is committed past a document with tokens still to come.
+    assert loader._source.committed_positions[("memory", 0)] == (0, 0)
+    loader.close(commit_current=False)
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(buffer=64, seed=9)])
+@pytest.mark.parametrize("stop", [1, 40, 300])
+def test_several_partitions_resume_with_every_document_once(shuffle, stop) -> None:
+    docs = make_docs(1500, seed=3, max_len=400)
+    values = {0: TOKENS.encode_blocks({"tokens": docs[:500]}, 8),
+              1: TOKENS.encode_blocks({"tokens": docs[500:1200]}, 5),
+              2: TOKENS.encode_blocks({"tokens": docs[1200:]}, 1)}
+    pack = Pack(seq_len=256, eos_id=EOS)
+    first, state = run(values, TOKENS, 4, stop=stop, pack=pack, shuffle=shuffle)
+    rest, _ = run(values, TOKENS, 4, state=state, pack=pack, shuffle=shuffle)
+    assert documents(first + rest) == want_documents(docs)
+
+
+def test_packing_efficiency_on_a_realistic_length_mix() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(500), 0.8, size=2000).astype(int), 1, 20_000)
+    docs = [rng.integers(1, 50_000, size=int(n), dtype=np.int32) for n in lengths]
+    got, _ = run(TOKENS.encode_blocks({"tokens": docs}, 16), TOKENS, 8,
+                 pack=Pack(seq_len=2048, eos_id=EOS))
+    real = sum(int((b["doc_ids"] >= 0).sum()) for b in got)
+    total = sum(b["tokens"].size for b in got)
+    assert real == int(lengths.sum()) + len(docs)  # every token and one EOS per document
+    assert real / total >= 0.99
+
+
+def test_bad_documents_go_to_the_dead_letter_queue_and_the_good_ones_all_arrive() -> None:
+    docs = make_docs(300, seed=5)
+    values = TOKENS.encode_blocks({"tokens": docs}, 10)
+    corrupt = [3, 11, 29]
+    for i in corrupt:
+        values[i] = values[i][:-3]  # truncated: rejected whole
+    loader = memory_loader(values, TOKENS, 4, pack=Pack(seq_len=128, eos_id=EOS), until="end")
+    got = [as_numpy(b) for b in loader]
+    lost = {j for i in corrupt for j in range(10 * i, 10 * i + 10)}
+    assert documents(got) == want_documents([d for j, d in enumerate(docs) if j not in lost])
+    dead = loader._source.dead_letters
+    assert sorted(m.offset() for m, _ in dead) == corrupt
+    assert loader.stats()["bad_records"] == 3
+
+
+# -- shuffling -------------------------------------------------------------------
+
+SAMPLES = Schema({"x": ("float32", (3,)), "id": ("int64", ())})
+
+
+def sample_values(n: int, per_block: int) -> list[bytes]:
+    ids = np.arange(n)
+    x = np.stack([ids, ids * 2, ids * 3], 1).astype(np.float32)
+    return SAMPLES.encode_blocks({"x": x, "id": ids}, per_block)
+
+
+def ids_of(batches: list[dict]) -> np.ndarray:
+    return np.concatenate([b["id"] for b in batches])
+
+
+def test_shuffled_samples_are_a_seeded_permutation() -> None:
+    values = sample_values(5000, 64)
+    a, _ = run(values, SAMPLES, 100, shuffle=Shuffle(buffer=500, seed=3))
+    b, _ = run(values, SAMPLES, 100, shuffle=Shuffle(buffer=500, seed=3))
+    c, _ = run(values, SAMPLES, 100, shuffle=Shuffle(buffer=500, seed=4))
+    ids = ids_of(a)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(5000))
+    np.testing.assert_array_equal(ids, ids_of(b))
+    assert not np.array_equal(ids, np.arange(5000)) and not np.array_equal(ids, ids_of(c))
+    for batch in a:  # rows stay whole
+        np.testing.assert_array_equal(batch["x"], np.stack([batch["id"]] * 3, 1) * [1, 2, 3])
+
+
+@pytest.mark.parametrize("stop", [1, 13, 49])
+@pytest.mark.parametrize("fmt", ["block", "raw"])
+def test_a_shuffled_resume_gives_the_identical_order(stop, fmt) -> None:
+    if fmt == "block":
+        values = sample_values(5000, 64)
+    else:
+        ids = np.arange(5000)
+        values = SAMPLES.encode_raw({"x": np.zeros((5000, 3), np.float32), "id": ids})
+    shuffle = Shuffle(buffer=300, seed=11)
+    whole, _ = run(values, SAMPLES, 100, format=fmt, shuffle=shuffle)
+    first, state = run(values, SAMPLES, 100, stop=stop, format=fmt, shuffle=shuffle)
+    rest, _ = run(values, SAMPLES, 100, state=state, format=fmt, shuffle=shuffle)
+    np.testing.assert_array_equal(ids_of(first + rest), ids_of(whole))
+
+
+def test_a_shuffled_resume_across_partitions_loses_and_repeats_nothing() -> None:
+    values = {0: sample_values(3000, 64), 1: sample_values(2000, 10)}
+    shuffle = Shuffle(buffer=400, seed=1)
+    first, state = run(values, SAMPLES, 128, stop=9, shuffle=shuffle)
+    rest, _ = run(values, SAMPLES, 128, state=state, shuffle=shuffle)
+    got = np.sort(ids_of(first + rest))
+    np.testing.assert_array_equal(got, np.sort(np.concatenate([np.arange(3000), np.arange(2000)])))
+
+
+# -- configuration -----------------------------------------------------------------
+
+
+def test_bad_pack_and_shuffle_settings_are_config_errors() -> None:
+    values = sample_values(10, 5)
+    with pytest.raises(ConfigError, match="variable-length"):
+        memory_loader(values, SAMPLES, 4, pack=Pack(seq_len=8, eos_id=0))
+    with pytest.raises(ConfigError, match="needs pack"):
+        memory_loader([], TOKENS, 4)
+    with pytest.raises(ConfigError, match="kfeed.Pack"):
+        memory_loader([], TOKENS, 4, pack={"seq_len": 8})
+    with pytest.raises(ConfigError, match="kfeed.Shuffle"):
+        memory_loader(values, SAMPLES, 4, shuffle=100)
+
+
+def test_a_state_from_another_setting_is_refused() -> None:
+    docs = make_docs(50, seed=2)
+    values = TOKENS.encode_blocks({"tokens": docs}, 8)
+    _, packed = run(values, TOKENS, 2, stop=1, pack=Pack(seq_len=64, eos_id=EOS))
+    with pytest.raises(ConfigError, match="pack"):
+        memory_loader(values, TOKENS, 2, pack=Pack(seq_len=32, eos_id=EOS)).load_state_dict(packed)
+    with pytest.raises(ConfigError, match="Shuffle"):
+        memory_loader(values, TOKENS, 2, pack=Pack(seq_len=64, eos_id=EOS),
+                      shuffle=Shuffle(buffer=8)).load_state_dict(packed)
+    plain_values = sample_values(100, 10)
+    _, plain = run(plain_values, SAMPLES, 10, stop=1)
+    with pytest.raises(ConfigError, match="without shuffle"):
+        memory_loader(plain_values, SAMPLES, 10, shuffle=Shuffle(buffer=8)).load_state_dict(plain)
+    _, shuffled = run(plain_values, SAMPLES, 10, stop=1, shuffle=Shuffle(buffer=8))
+    with pytest.raises(ConfigError, match="with shuffle"):
+        memory_loader(plain_values, SAMPLES, 10).load_state_dict(shuffled)
