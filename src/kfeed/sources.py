@@ -335,8 +335,8 @@ class KafkaSource(Source):
         from confluent_kafka import KafkaException
 
         try:
-            parts = self._consumer.committed([self._tp(tp) for tp in tps],
-                                             timeout=self.connect_timeout)
+            parts = self._coordinated(lambda: self._consumer.committed(
+                [self._tp(tp) for tp in tps], timeout=self.connect_timeout))
         except KafkaException as e:
             raise ConsumeError(f"cannot read committed offsets: {e.args[0].str()}") from e
         out: dict[TP, Position | None] = {}
@@ -344,6 +344,27 @@ class KafkaSource(Source):
             ok = p.error is None and p.offset >= 0
             out[(p.topic, p.partition)] = (p.offset, _parse_skip(p.metadata)) if ok else None
         return out
+
+    def _coordinated(self, call: Callable[[], Any]) -> Any:
+        """``call()``, retried while the group coordinator moves or loads (until connect_timeout).
+
+        On a fresh cluster, or while a broker restarts, the coordinator of the
+        group answers NOT_COORDINATOR or COORDINATOR_LOAD_IN_PROGRESS for a
+        few seconds; librdkafka does not retry these for an explicit call.
+        """
+        from confluent_kafka import KafkaError, KafkaException
+
+        moving = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                  KafkaError.COORDINATOR_NOT_AVAILABLE}
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return call()
+            except KafkaException as e:
+                if e.args[0].code() not in moving or time.monotonic() >= deadline:
+                    raise
+                log.info("group coordinator not ready (%s): retrying", e.args[0].str())
+                time.sleep(0.25)
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
         ms = int(when.timestamp() * 1000)
@@ -363,7 +384,8 @@ class KafkaSource(Source):
             return
         offsets = [self._tp(tp, off, _metadata(skip)) for tp, (off, skip) in positions.items()]
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            self._coordinated(lambda: self._consumer.commit(offsets=offsets,
+                                                            asynchronous=asynchronous))
         except KafkaException as e:
             raise ConsumeError(f"offset commit failed: {e.args[0].str()}") from e
 
@@ -529,6 +551,27 @@ class MemorySource(Source):
 
     def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
         return {tp: self.committed_positions.get(tp) for tp in tps}
+
+    def _coordinated(self, call: Callable[[], Any]) -> Any:
+        """``call()``, retried while the group coordinator moves or loads (until connect_timeout).
+
+        On a fresh cluster, or while a broker restarts, the coordinator of the
+        group answers NOT_COORDINATOR or COORDINATOR_LOAD_IN_PROGRESS for a
+        few seconds; librdkafka does not retry these for an explicit call.
+        """
+        from confluent_kafka import KafkaError, KafkaException
+
+        moving = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                  KafkaError.COORDINATOR_NOT_AVAILABLE}
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return call()
+            except KafkaException as e:
+                if e.args[0].code() not in moving or time.monotonic() >= deadline:
+                    raise
+                log.info("group coordinator not ready (%s): retrying", e.args[0].str())
+                time.sleep(0.25)
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
         ms = int(when.timestamp() * 1000)
