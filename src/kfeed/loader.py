@@ -695,6 +695,11 @@ class Loader:
     ``kafka_config`` is the librdkafka settings dict (``bootstrap.servers``
     and ``group.id`` at least); kfeed's own settings are the keyword
     arguments. See the module docstring for the offset rule.
+
+    ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
+    makes each batch ``batch_size`` packed rows of documents;
+    ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
+    Both keep ``state_dict()`` exact (see ``_RecordFeeder``).
     """
 
     def __init__(
