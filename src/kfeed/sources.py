@@ -552,27 +552,6 @@ class MemorySource(Source):
     def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
         return {tp: self.committed_positions.get(tp) for tp in tps}
 
-    def _coordinated(self, call: Callable[[], Any]) -> Any:
-        """``call()``, retried while the group coordinator moves or loads (until connect_timeout).
-
-        On a fresh cluster, or while a broker restarts, the coordinator of the
-        group answers NOT_COORDINATOR or COORDINATOR_LOAD_IN_PROGRESS for a
-        few seconds; librdkafka does not retry these for an explicit call.
-        """
-        from confluent_kafka import KafkaError, KafkaException
-
-        moving = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-                  KafkaError.COORDINATOR_NOT_AVAILABLE}
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            try:
-                return call()
-            except KafkaException as e:
-                if e.args[0].code() not in moving or time.monotonic() >= deadline:
-                    raise
-                log.info("group coordinator not ready (%s): retrying", e.args[0].str())
-                time.sleep(0.25)
-
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
         ms = int(when.timestamp() * 1000)
         return {tp: next((r.offset() for r in self._data[tp] if r._ts >= ms), len(self._data[tp]))
