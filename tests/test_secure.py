@@ -11,9 +11,6 @@ Users, each with prefixed ACLs on topics and groups named ``kfeed-secure-*``:
 - ``alice``: READ, WRITE, DESCRIBE on the topics, READ on the groups;
 - ``bob``: DESCRIBE on the topics and READ on the groups, no READ or WRITE;
 - ``mallory``: no ACL at all.
-
-A test marked ``xfail(strict=True)`` states how kfeed should report a
-refusal it does not yet report well; its reason says what happens today.
 """
 
 from __future__ import annotations
@@ -345,30 +342,29 @@ def test_writer_without_write_is_refused_by_the_broker(secure: Secure, topic: st
     assert reports[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, reports[0]
 
 
-# Run in a child process: today the kfeed producer may hang in flush(). The
-# settings travel on stdin, never on a command line.
+# Run in a child process, so that a hang fails the test instead of stopping
+# the run. The idempotent producer's refusal is a fatal librdkafka error; it
+# used to escape as a raw KafkaException or SystemError, or to deadlock in
+# flush() (about half the runs), so the test runs a few times. The settings
+# travel on stdin, never on a command line.
 _PRODUCE_AS = """
-import json, sys, numpy as np, kfeed
+import json, sys, time, numpy as np, kfeed
 config = json.loads(sys.stdin.read())
 schema = kfeed.Schema({"x": ("float32", (4,)), "id": ("int64", ())})
+start = time.monotonic()
 try:
-    with kfeed.Producer(config, sys.argv[2], schema, connect_timeout_s=5) as producer:
+    with kfeed.Producer(config, sys.argv[1], schema, connect_timeout_s=5) as producer:
         producer.send({"x": np.zeros((256, 4), np.float32), "id": np.arange(256)})
     print(json.dumps({"raised": None}))
 except BaseException as exc:
-    print(json.dumps({"raised": type(exc).__name__, "code": getattr(exc, "code", None), "text": str(exc)},
-                     default=str))
+    print(json.dumps({"raised": type(exc).__name__, "code": getattr(exc, "code", None), "text": str(exc),
+                      "seconds": time.monotonic() - start}, default=str))
 """
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="kfeed.Producer (idempotent) for a user without WRITE: librdkafka's fatal "
-    "CLUSTER_AUTHORIZATION_FAILED escapes as a raw KafkaException or a SystemError, or the producer "
-    "deadlocks in flush(-1) on its own lock in _on_delivery (about half the runs) - never a ProduceError",
-)
-def test_producer_without_write_raises_produce_error(secure: Secure, topic: str) -> None:
+@pytest.mark.parametrize("run", range(3))
+def test_producer_without_write_raises_produce_error(secure: Secure, topic: str, run: int) -> None:
     from confluent_kafka import KafkaError
 
     config = secure.config("bob")
@@ -384,6 +380,7 @@ def test_producer_without_write_raises_produce_error(secure: Secure, topic: str)
     assert result["raised"] == "ProduceError", result
     codes = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED}
     assert int(result["code"]) in codes, result
+    assert result["seconds"] < 10, result
     assert secure.password("bob") not in out.stdout + out.stderr
 
 

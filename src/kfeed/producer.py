@@ -6,15 +6,18 @@ partitioner, packs each partition's samples into block messages (or one raw
 message per sample) with the Cython encoder, and hands them to a
 confluent-kafka producer set up for durability (acks=all, idempotence). A
 full local queue makes ``send`` wait, not fail; a failed delivery makes
-``flush`` raise.
+``flush`` raise, and so does any error librdkafka will not get past, as a
+``ProduceError`` with its Kafka code (NOTE [ Callbacks never raise ]).
+Token documents (a schema with a variable-length field) are sent the same
+way, keyed one partition per document.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -95,18 +98,27 @@ class Producer:
             raise ConfigError(
                 f"a block of {block_records} records is {block_bytes} bytes, over "
                 f"message.max.bytes={config['message.max.bytes']}; lower block_records")
+        # Room for the key, the headers and the record's framing.
+        self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
         user_error_cb = config.get("error_cb")
 
         def error_cb(err: Any) -> None:
-            # A fatal error (no access, fenced, bad credentials) is kept and
-            # raised by send/flush: librdkafka will not recover from it.
-            if err.fatal() or err.code() in (-169, -181, 29, 31, 53):
-                self._fatal = err
-            log.warning("kafka: %s", err)
-            if user_error_cb is not None:
-                user_error_cb(err)
+            # See NOTE [ Callbacks never raise ]. An error librdkafka will not
+            # get past (bad credentials, no access) is kept and raised by
+            # send/flush.
+            try:
+                if err.fatal() or err.code() in _REFUSALS:
+                    self._fatal = err
+                log.warning("kafka: %s", err)
+                if user_error_cb is not None:
+                    user_error_cb(err)
+            except BaseException:  # noqa: BLE001 - raising here would break librdkafka's dispatch
+                log.exception("the error callback failed")
 
         self._fatal: Any = None
+        # Delivery failures, appended by _on_delivery and taken by flush; a
+        # deque because append and popleft are atomic without a lock.
+        self._failures: deque[Any] = deque()
         config["error_cb"] = error_cb
         config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
         try:
@@ -119,9 +131,6 @@ class Producer:
             ("kfeed.fingerprint", schema.fingerprint.to_bytes(8, "little")),
             ("kfeed.format", self.format.value.encode()),
         ]
-        self._lock = threading.Lock()  # never held while calling librdkafka
-        self._failed = 0
-        self._first_error: Any = None
         self.samples = 0
         self.messages = 0
         self.bytes = 0
@@ -129,9 +138,8 @@ class Producer:
         if self._transactional:
             try:
                 self._producer.init_transactions(self._timeout)
-            except KafkaException as e:
-                raise ProduceError(f"cannot start transactions: {e.args[0].str()}",
-                                   topic=topic) from e
+            except (KafkaException, SystemError) as e:
+                raise self._error("cannot start transactions", e) from e
 
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException
@@ -139,18 +147,20 @@ class Producer:
         # In short slices, so bad credentials fail at once, not after the timeout.
         deadline = time.monotonic() + self._timeout
         while True:
-            self._producer.poll(0)
-            self._raise_fatal()
             try:
+                self._producer.poll(0)
+                self._raise_fatal()
                 md = self._producer.list_topics(
                     self.topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
                 break
-            except KafkaException as e:
+            except (KafkaException, SystemError) as e:
+                err = _kafka_error(e)
+                if err is not None and err.fatal():
+                    raise self._error("the producer cannot go on", e) from e
                 if time.monotonic() < deadline:
                     continue
                 self._raise_fatal()
-                raise ProduceError(f"cannot reach the brokers within {self._timeout:g}s: "
-                                   f"{e.args[0].str()}", topic=self.topic) from e
+                raise self._error(f"cannot reach the brokers within {self._timeout:g}s", e) from e
         tmd = md.topics.get(self.topic)
         if tmd is None or tmd.error is not None or not tmd.partitions:
             err = tmd.error if tmd is not None else None
@@ -165,10 +175,46 @@ class Producer:
             raise ProduceError(f"the producer cannot go on: {err.str()}", topic=self.topic,
                                code=err.code())
 
+    def _error(self, what: str, exc: BaseException) -> ProduceError:
+        """``exc``, raised by a confluent-kafka call, as a ProduceError with its Kafka code.
+
+        A fatal error is kept, so that every later call raises it at once.
+        """
+        err = _kafka_error(exc)
+        if err is None:
+            return ProduceError(f"{what}: {exc!r}", topic=self.topic)
+        if err.code() == _LOCAL_FATAL and not err.fatal():
+            # produce() refuses with a bare "Local: Fatal error"; the error
+            # itself waits in librdkafka's queue, for the next poll.
+            err = self._fatal or self._serve_fatal() or err
+        if err.fatal() and self._fatal is None:
+            self._fatal = err
+        return ProduceError(f"{what}: {err.str()}", topic=self.topic, code=err.code())
+
+    def _serve_fatal(self, seconds: float = 2.0) -> Any | None:
+        """Poll until confluent-kafka raises the fatal error librdkafka holds; give it."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                self._producer.poll(_SLICE_S)
+            except (KafkaException, SystemError) as e:
+                err = _kafka_error(e)
+                if err is not None and err.fatal():
+                    return err
+        return None
+
     # -- sending --------------------------------------------------------------
 
     def send(self, columns: Mapping[str, Any], keys: Sequence[Any] | None = None) -> int:
-        """Send N samples (columns with a shared first dimension); returns N."""
+        """Send N samples (columns with a shared first dimension); returns N.
+
+        With a variable-length field, its column is a list of 1-D arrays (one
+        document per sample) or ``(flat, lengths)``, as ``Schema.encode_blocks``
+        takes it; keys then give one partition per document.
+        """
+        self._raise_fatal()
         views, n, _owners = self.schema._columns(columns)
         if n == 0:
             return 0
@@ -181,12 +227,14 @@ class Producer:
             parts = self._partitions(keys)
             order = np.argsort(parts, kind="stable")
             bounds = np.flatnonzero(np.diff(parts[order])) + 1
+            variable = self.schema.varlen.name if self.schema.varlen is not None else None
             for idx in np.split(order, bounds):
                 part = int(parts[idx[0]])
-                sub = {name: _take(columns[name], idx) for name in self.schema.names}
+                sub = {name: (_take_documents(columns[name], idx) if name == variable
+                              else _take(columns[name], idx))
+                       for name in self.schema.names}
                 self._send_group(sub, part, [keys[i] for i in idx])
-        with self._lock:
-            self.samples += n
+        self.samples += n
         return n
 
     def _partitions(self, keys: list[Any]) -> np.ndarray:
@@ -202,7 +250,12 @@ class Producer:
     def _send_group(self, columns: Mapping[str, Any], partition: int | None,
                     keys: list[Any] | None) -> None:
         if self.format is Format.BLOCK:
-            values = self.schema.encode_blocks(columns, self.block_records)
+            if self.schema.varlen is None:
+                values = self.schema.encode_blocks(columns, self.block_records)
+            else:
+                # Documents vary in size: close a block before it outgrows a message.
+                values = self.schema.encode_blocks(columns, self.block_records,
+                                                   block_bytes=self._block_bytes)
             for v in values:
                 self._produce(v, None, partition)
         else:
@@ -215,48 +268,63 @@ class Producer:
                     self._produce(v, _key_bytes(k), partition)
 
     def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
+        from confluent_kafka import KafkaException
+
         kwargs: dict[str, Any] = {} if partition is None else {"partition": partition}
-        while True:
-            try:
-                self._producer.produce(self.topic, value, key, headers=self._headers,
-                                       on_delivery=self._on_delivery, **kwargs)
-                break
-            except BufferError:
-                # The local queue is full: wait for deliveries instead of
-                # dropping or failing (backpressure).
-                self._producer.poll(0.05)
-                self._raise_fatal()
-        self.messages += 1
-        self.bytes += len(value)
-        self._producer.poll(0)
+        try:
+            while True:
+                try:
+                    self._producer.produce(self.topic, value, key, headers=self._headers,
+                                           on_delivery=self._on_delivery, **kwargs)
+                    break
+                except BufferError:
+                    # The local queue is full: wait for deliveries instead of
+                    # dropping or failing (backpressure).
+                    self._producer.poll(_SLICE_S)
+                    self._raise_fatal()
+            self.messages += 1
+            self.bytes += len(value)
+            self._producer.poll(0)
+        except (KafkaException, SystemError) as e:
+            raise self._error("cannot send", e) from e
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
+        # See NOTE [ Callbacks never raise ]: record, never lock, never raise.
         if err is not None:
-            with self._lock:
-                self._failed += 1
-                first = self._first_error is None
-                if first:
-                    self._first_error = err
-            if first:
-                log.error("delivery to %s failed: %s", msg.topic(), err)
+            self._failures.append(err)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every message to be acknowledged; raise if any failed."""
+        from confluent_kafka import KafkaException
+
+        self._raise_fatal()
+        try:
+            left = self._flush(timeout)
+        except (KafkaException, SystemError) as e:
+            raise self._error(f"{len(self._producer)} message(s) not delivered", e) from e
+        self._raise_fatal()
+        self._raise_failures(left)
+
+    def _flush(self, timeout: float | None) -> int:
+        """librdkafka's flush, in slices of _SLICE_S; the messages still queued."""
+        # See NOTE [ Callbacks never raise ] for why the slices are short.
         deadline = None if timeout is None else time.monotonic() + timeout
         left = len(self._producer)
-        while left:
-            # In slices, so a fatal error ends the wait instead of hanging it.
-            slice_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+        while left and self._fatal is None:
+            slice_s = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
             if slice_s <= 0:
                 break
             left = self._producer.flush(slice_s)
-            self._raise_fatal()
-        self._raise_failures(left)
+        return left
 
     def _raise_failures(self, left: int = 0) -> None:
-        with self._lock:
-            failed, first = self._failed, self._first_error
-            self._failed, self._first_error = 0, None
+        failed, first = 0, None
+        while self._failures:
+            err = self._failures.popleft()
+            first = err if first is None else first
+            failed += 1
+        if first is not None:
+            log.error("delivery to %s failed: %s", self.topic, first)
         if failed or left:
             raise ProduceError(
                 f"{failed} message(s) not delivered" + (f", {left} still queued" if left else "")
@@ -272,16 +340,24 @@ class Producer:
 
         if not self._transactional:
             raise ConfigError("transaction() needs a transactional_id")
-        self._producer.begin_transaction()
+        self._raise_fatal()
+        try:
+            self._producer.begin_transaction()
+        except (KafkaException, SystemError) as e:
+            raise self._error("cannot begin a transaction", e) from e
         try:
             yield self
             self.flush()
-            self._producer.commit_transaction(self._timeout)
-        except BaseException:
             try:
-                self._producer.abort_transaction(self._timeout)
-            except KafkaException as e:
-                log.error("abort_transaction failed: %s", e)
+                self._producer.commit_transaction(self._timeout)
+            except (KafkaException, SystemError) as e:
+                raise self._error("cannot commit the transaction", e) from e
+        except BaseException:
+            if self._fatal is None:
+                try:
+                    self._producer.abort_transaction(self._timeout)
+                except (KafkaException, SystemError) as e:
+                    log.error("abort_transaction failed: %s", e)
             raise
 
     # -- lifecycle ------------------------------------------------------------
@@ -293,11 +369,66 @@ class Producer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        from confluent_kafka import KafkaException
+
         if exc_type is None:
             self.flush()
-        else:
+        elif self._fatal is None:
             # Still deliver what was sent; the original exception wins.
-            self._producer.flush(self._timeout)
+            try:
+                self._flush(self._timeout)
+            except (KafkaException, SystemError) as e:
+                log.error("flush after %s failed: %s", exc_type.__name__, e)
+
+
+# NOTE [ Callbacks never raise ]
+#
+# confluent-kafka runs error_cb and on_delivery inside poll() and flush(), on
+# the calling thread. When librdkafka raises a fatal error (an idempotent
+# producer refused IdempotentWrite, a fenced transactional id) confluent-kafka
+# does not call error_cb: it sets a KafkaException on the thread and stops
+# librdkafka's dispatch. But a poll() or flush() of 200 ms or more runs in
+# 200 ms chunks, and it starts the next chunk anyway: the delivery reports
+# of the purged messages are then served with that exception still set, and
+# the first C call in a Python callback fails with SystemError. A callback
+# that had just taken a lock never released it, and the next one waited for
+# it forever:
+#
+#   flush(0.5) ─ chunk 1 ─> error_cb(_FATAL) ─> KafkaException set, yield
+#              └ chunk 2 ─> on_delivery ─> lock.acquire() ok ─> SystemError
+#              └ chunk 3 ─> on_delivery ─> lock.acquire() blocks forever
+#
+# So:
+# - every poll and flush runs in slices of _SLICE_S, under one chunk, so a
+#   fatal error ends the call and reaches the caller as a KafkaException;
+# - the callbacks take no lock and only record (a deque), and error_cb keeps
+#   a user callback's exception from escaping into librdkafka's dispatch;
+# - every confluent-kafka call is wrapped: a KafkaException, or a SystemError
+#   it caused, becomes a ProduceError with the Kafka error's code, and a fatal
+#   error is kept, so that later calls raise it at once instead of waiting.
+
+# Broker refusals that retrying will not fix: authentication, SSL, and
+# topic, cluster and transactional-id authorization.
+_REFUSALS = (-169, -181, 29, 31, 53)
+# Under confluent-kafka's 200 ms chunk, so that each call runs librdkafka's
+# dispatch once (see NOTE [ Callbacks never raise ]).
+_SLICE_S = 0.1
+# librdkafka's ERR__FATAL: what produce() says once a fatal error was raised.
+_LOCAL_FATAL = -150
+
+
+def _kafka_error(exc: BaseException) -> Any | None:
+    """The KafkaError behind ``exc``: a KafkaException's, or that of the one that caused it."""
+    from confluent_kafka import KafkaException
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # a cause chain can loop
+        if seen is None:
+            break
+        if isinstance(seen, KafkaException) and seen.args and hasattr(seen.args[0], "code"):
+            return seen.args[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _key_bytes(key: Any) -> bytes:
@@ -318,3 +449,24 @@ def _take(column: Any, idx: np.ndarray) -> Any:
 
         return column[torch.from_numpy(idx)]
     return np.asarray(column)[idx]
+
+
+def _take_documents(column: Any, idx: np.ndarray) -> Any:
+    """Documents ``idx`` of a variable-length column: a list of arrays, or ``(flat, lengths)``."""
+    if not isinstance(column, tuple):
+        # A list (or other sequence) of 1-D arrays; Schema checked its shape.
+        return [column[int(i)] for i in idx]
+    flat, lengths = column
+    if type(lengths).__module__.startswith("torch"):
+        lengths = lengths.numpy()
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    take_lengths = lengths[idx]
+    # Element positions of the chosen documents, in order, without a loop
+    # per document: each run starts at its document's start.
+    run_starts = np.zeros(len(idx), np.int64)
+    np.cumsum(take_lengths[:-1], out=run_starts[1:])
+    positions = (np.arange(int(take_lengths.sum()), dtype=np.int64)
+                 + np.repeat(starts[idx] - run_starts, take_lengths))
+    return _take(flat, positions), take_lengths
