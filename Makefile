@@ -81,3 +81,38 @@ bench: install
 	[ $$rc -ne 0 ] || rc=$$micro; \
 	$(PY) -m kfeed cluster down --dir $(BENCH_CLUSTER) --wipe; \
 	exit $$rc
+
+# A py-spy profile of the Loader on the block workload against a local 1-node
+# Apache Kafka: produce PROFILE_SAMPLES synthetic samples into a block topic,
+# then read it to its end PROFILE_EPOCHS times (bench/profile_loader.py run)
+# under `py-spy record --native --threads --idle`, twice: once into the flame
+# graph bench/profile-loader.svg (open it in a browser; --idle keeps the waits,
+# so the data stall shows), once as collapsed stacks that
+# `bench/profile_loader.py summarize` turns into a per-thread table
+# ($(PROFILE_OUT)/profile-loader.txt, printed too). py-spy runs the consumer as
+# its child, which needs no root. The cluster is stopped even when a step fails.
+PROFILE_CLUSTER := .kfeed/profile-cluster
+PROFILE_PORT := 39992  # its controller takes +100; clear of test, demo and bench
+PROFILE_OUT := .kfeed/profile
+PROFILE_SAMPLES ?= 200000
+PROFILE_EPOCHS ?= 5
+PROFILE_RATE ?= 100
+PYSPY := $(VENV)/bin/py-spy
+PYSPY_RECORD = $(PYSPY) record --native --threads --idle --rate $(PROFILE_RATE)
+PROFILE_RUN = $(PY) bench/profile_loader.py run --topic kfeed-profile --epochs $(PROFILE_EPOCHS)
+
+profile: install
+	@set -u; \
+	test -x $(PYSPY) || $(PY) -m pip install -q "py-spy>=0.3.14" || exit 1; \
+	mkdir -p $(PROFILE_OUT); \
+	$(PY) -m kfeed cluster up --nodes 1 --dir $(PROFILE_CLUSTER) --port $(PROFILE_PORT) || { $(PY) -m kfeed cluster down --dir $(PROFILE_CLUSTER) --wipe; exit 1; }; \
+	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(PROFILE_CLUSTER) | tail -n 1); \
+	$(PY) -m kfeed produce --topic kfeed-profile --partitions 4 --synthetic $(PROFILE_SAMPLES) \
+	&& $(PYSPY_RECORD) --format flamegraph -o bench/profile-loader.svg -- $(PROFILE_RUN) \
+	&& $(PYSPY_RECORD) --format raw -o $(PROFILE_OUT)/profile-loader.raw -- $(PROFILE_RUN) \
+	&& $(PY) bench/profile_loader.py summarize $(PROFILE_OUT)/profile-loader.raw \
+		--json $(PROFILE_OUT)/profile-loader.json > $(PROFILE_OUT)/profile-loader.txt \
+	&& cat $(PROFILE_OUT)/profile-loader.txt \
+	&& echo "flame graph: bench/profile-loader.svg; collapsed stacks: $(PROFILE_OUT)/profile-loader.raw"; rc=$$?; \
+	$(PY) -m kfeed cluster down --dir $(PROFILE_CLUSTER) --wipe; \
+	exit $$rc
