@@ -8,11 +8,25 @@ without the GIL and creates no Python object per document; it works segment
 by segment (the part of one document that lies in one row), so its per-token
 work is a typed copy and two fills. ``kfeed.tokens.Packer`` is its front and
 holds the state between calls; the rules are documented there.
+
+The per-token work is bound by memory writes (20 bytes per token with int64
+token and position ids and int32 document ids), so it goes through the C
+library where it can: position ids are a ``memcpy`` from a table of
+``0..seq_len-1``, 4-byte fills are ``wmemset``, and token ids of the output's
+width are a ``memcpy``; the C library picks the widest stores the CPU has
+when it loads. The one loop left per token, the copy of token ids of another
+width, is built for several CPU levels in the same way (see ``KFEED_CLONES``).
 """
 
 from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
                           uint64_t)
+from libc.stddef cimport wchar_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+
+
+cdef extern from "<wchar.h>" nogil:
+    wchar_t* wmemset(wchar_t* dest, wchar_t c, size_t n)
 
 # Element types by code. The numbers are private; the front passes dtype names
 # through CODES.
@@ -40,93 +54,48 @@ CODES = {
 # The element types an output buffer may have.
 OUT_CODES = {"int32": C_INT32, "int64": C_INT64}
 
-ctypedef fused src_t:
-    int8_t
-    uint8_t
-    int16_t
-    uint16_t
-    int32_t
-    uint32_t
-    int64_t
-    uint64_t
+cdef extern from *:
+    """
+    /* Token ids from the source's element type to the output's, as C casts
+       (never range-checked, as the codec never checks element values): the one
+       per-token loop the C library has no function for. With GCC or clang on
+       x86-64 glibc each is also built for AVX2 and AVX-512, and the dynamic
+       loader picks the version for the CPU, so one build runs on any x86-64. */
+    #if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
+    #if __has_attribute(target_clones)
+    #define KFEED_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+    #endif
+    #endif
+    #ifndef KFEED_CLONES
+    #define KFEED_CLONES
+    #endif
 
-ctypedef fused dst_t:
-    int32_t
-    int64_t
+    #define KFEED_CONVERT(S, D) \
+        KFEED_CLONES static void convert_##S##_##D(const S##_t* s, D##_t* d, Py_ssize_t n) \
+        { for (Py_ssize_t i = 0; i < n; i++) d[i] = (D##_t)s[i]; }
 
-
-cdef inline size_t out_size(int code) noexcept nogil:
-    return 4 if code == C_INT32 else 8
-
-
-cdef inline void convert(const src_t* s, dst_t* d, Py_ssize_t n) noexcept nogil:
-    # C conversion: token ids are never range-checked, as the codec never
-    # checks element values.
-    cdef Py_ssize_t i
-    for i in range(n):
-        d[i] = <dst_t>s[i]
-
-
-cdef inline void convert_to(const uint8_t* s, int sc, dst_t* d, Py_ssize_t n) noexcept nogil:
-    if sc == C_INT8:
-        convert(<const int8_t*>s, d, n)
-    elif sc == C_UINT8:
-        convert(<const uint8_t*>s, d, n)
-    elif sc == C_INT16:
-        convert(<const int16_t*>s, d, n)
-    elif sc == C_UINT16:
-        convert(<const uint16_t*>s, d, n)
-    elif sc == C_INT32:
-        convert(<const int32_t*>s, d, n)
-    elif sc == C_UINT32:
-        convert(<const uint32_t*>s, d, n)
-    elif sc == C_INT64:
-        convert(<const int64_t*>s, d, n)
-    else:
-        convert(<const uint64_t*>s, d, n)
+    KFEED_CONVERT(int8, int32)   KFEED_CONVERT(int8, int64)
+    KFEED_CONVERT(uint8, int32)  KFEED_CONVERT(uint8, int64)
+    KFEED_CONVERT(int16, int32)  KFEED_CONVERT(int16, int64)
+    KFEED_CONVERT(uint16, int32) KFEED_CONVERT(uint16, int64)
+    KFEED_CONVERT(int32, int64)  KFEED_CONVERT(uint32, int64)
+    KFEED_CONVERT(int64, int32)  KFEED_CONVERT(uint64, int32)
+    """
+    void convert_int8_int32(const int8_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
+    void convert_int8_int64(const int8_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint8_int32(const uint8_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint8_int64(const uint8_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_int16_int32(const int16_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
+    void convert_int16_int64(const int16_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint16_int32(const uint16_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint16_int64(const uint16_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_int32_int64(const int32_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint32_int64(const uint32_t* s, int64_t* d, Py_ssize_t n) noexcept nogil
+    void convert_int64_int32(const int64_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
+    void convert_uint64_int32(const uint64_t* s, int32_t* d, Py_ssize_t n) noexcept nogil
 
 
-cdef inline void copy_ids(const uint8_t* s, int sc, uint8_t* d, int dc,
-                          Py_ssize_t n) noexcept nogil:
-    if (sc == C_INT32 or sc == C_UINT32) and dc == C_INT32:
-        memcpy(d, s, 4 * n)
-    elif (sc == C_INT64 or sc == C_UINT64) and dc == C_INT64:
-        memcpy(d, s, 8 * n)
-    elif dc == C_INT32:
-        convert_to(s, sc, <int32_t*>d, n)
-    else:
-        convert_to(s, sc, <int64_t*>d, n)
-
-
-cdef inline void fill(uint8_t* d, int dc, int64_t value, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef int32_t* d32
-    cdef int64_t* d64
-    if dc == C_INT32:
-        d32 = <int32_t*>d
-        for i in range(n):
-            d32[i] = <int32_t>value
-    else:
-        d64 = <int64_t*>d
-        for i in range(n):
-            d64[i] = value
-
-
-cdef inline void iota(uint8_t* d, int dc, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef int32_t* d32
-    cdef int64_t* d64
-    if dc == C_INT32:
-        d32 = <int32_t*>d
-        for i in range(n):
-            d32[i] = <int32_t>i
-    else:
-        d64 = <int64_t*>d
-        for i in range(n):
-            d64[i] = i
-
-
-cdef size_t in_size(int code) noexcept nogil:
+cdef inline size_t in_size(int code) noexcept nogil:
     if code == C_INT8 or code == C_UINT8:
         return 1
     if code == C_INT16 or code == C_UINT16:
@@ -134,6 +103,75 @@ cdef size_t in_size(int code) noexcept nogil:
     if code == C_INT32 or code == C_UINT32:
         return 4
     return 8
+
+
+cdef inline size_t out_size(int code) noexcept nogil:
+    return 4 if code == C_INT32 else 8
+
+
+cdef inline void copy_ids(const uint8_t* s, int sc, uint8_t* d, int dc,
+                          Py_ssize_t n) noexcept nogil:
+    """``n`` token ids from ``s`` (element code ``sc``) to ``d`` (``dc``)."""
+    if in_size(sc) == out_size(dc):
+        memcpy(d, s, n * out_size(dc))  # the same width: the cast keeps the bits
+    elif dc == C_INT32:
+        if sc == C_INT8:
+            convert_int8_int32(<const int8_t*>s, <int32_t*>d, n)
+        elif sc == C_UINT8:
+            convert_uint8_int32(<const uint8_t*>s, <int32_t*>d, n)
+        elif sc == C_INT16:
+            convert_int16_int32(<const int16_t*>s, <int32_t*>d, n)
+        elif sc == C_UINT16:
+            convert_uint16_int32(<const uint16_t*>s, <int32_t*>d, n)
+        elif sc == C_INT64:
+            convert_int64_int32(<const int64_t*>s, <int32_t*>d, n)
+        else:
+            convert_uint64_int32(<const uint64_t*>s, <int32_t*>d, n)
+    else:
+        if sc == C_INT8:
+            convert_int8_int64(<const int8_t*>s, <int64_t*>d, n)
+        elif sc == C_UINT8:
+            convert_uint8_int64(<const uint8_t*>s, <int64_t*>d, n)
+        elif sc == C_INT16:
+            convert_int16_int64(<const int16_t*>s, <int64_t*>d, n)
+        elif sc == C_UINT16:
+            convert_uint16_int64(<const uint16_t*>s, <int64_t*>d, n)
+        elif sc == C_INT32:
+            convert_int32_int64(<const int32_t*>s, <int64_t*>d, n)
+        else:
+            convert_uint32_int64(<const uint32_t*>s, <int64_t*>d, n)
+
+
+cdef inline void fill32(int32_t* d, int32_t value, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    # Where wchar_t has 4 bytes (Linux, macOS), wmemset is the C library's
+    # fill of 4-byte elements; the test is a constant the compiler folds.
+    if sizeof(wchar_t) == 4:
+        wmemset(<wchar_t*>d, <wchar_t>value, n)
+    else:
+        for i in range(n):
+            d[i] = value
+
+
+cdef inline void fill(uint8_t* d, int dc, int64_t value, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef int64_t* d64
+    if dc == C_INT32:
+        fill32(<int32_t*>d, <int32_t>value, n)
+    else:
+        d64 = <int64_t*>d
+        for i in range(n):
+            d64[i] = value
+
+
+cdef void count(uint8_t* d, int dc, Py_ssize_t n) noexcept nogil:
+    """``0, 1, ..., n - 1`` into ``d``, int32 or int64."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if dc == C_INT32:
+            (<int32_t*>d)[i] = <int32_t>i
+        else:
+            (<int64_t*>d)[i] = i
 
 
 cdef class Outputs:
@@ -148,6 +186,7 @@ cdef class Outputs:
     cdef int tok
     cdef uint8_t* pos
     cdef int pos_code
+    cdef uint8_t* positions  # 0..seq_len-1 as position ids: a segment's are its first n
     cdef uint8_t* docs
     cdef int doc_code
     cdef int32_t* cu
@@ -177,13 +216,23 @@ cdef class Outputs:
         self.doc_code = doc_code
         self.cu = <int32_t*>cu_ptr
         self.cu_cap = cu_cap
+        if pos_ptr:
+            self.positions = <uint8_t*>malloc(seq_len * out_size(pos_code))
+            if self.positions == NULL:
+                raise MemoryError()
+            count(self.positions, pos_code, seq_len)
+
+    def __dealloc__(self):
+        free(self.positions)
 
 
-cdef inline void segment(uint8_t* pos, int pos_code, uint8_t* docs, int doc_code,
-                         Py_ssize_t at, Py_ssize_t n, int64_t doc_id) noexcept nogil:
+cdef inline void segment(uint8_t* pos, const uint8_t* positions, int pos_code, uint8_t* docs,
+                         int doc_code, Py_ssize_t at, Py_ssize_t n,
+                         int64_t doc_id) noexcept nogil:
     """Position and document ids of one segment of ``n`` slots from ``at``."""
+    cdef size_t psz = out_size(pos_code)
     if pos != NULL:
-        iota(pos + at * out_size(pos_code), pos_code, n)
+        memcpy(pos + at * psz, positions, n * psz)
     if docs != NULL:
         fill(docs + at * out_size(doc_code), doc_code, doc_id, n)
 
@@ -241,7 +290,7 @@ cdef class Core:
         padded), and the packer continues at ``doc`` with ``off`` tokens of
         it out.
         """
-        if src_code not in CODES.values():
+        if not C_INT8 <= src_code <= C_UINT64:
             raise ValueError("unknown element type")
         if not 0 <= doc <= ndocs or out.seq_len != self.L:
             raise ValueError("doc is outside the documents, or out has another seq_len")
@@ -249,7 +298,7 @@ cdef class Core:
         cdef const int64_t* offsets = <const int64_t*>offsets_ptr
         cdef size_t isz = in_size(src_code)
         cdef size_t tsz = out_size(out.tok)
-        cdef Py_ssize_t L = self.L, rows = out.rows, at, take, a, b, i
+        cdef Py_ssize_t L = self.L, rows = out.rows, at, take, a, b
         cdef Py_ssize_t r = self.rows, col = self.col, nseg = self.segments
         cdef Py_ssize_t maxlen = self.max_seqlen
         cdef int64_t real = self.tokens, trunc = self.truncated, doc_id = self.doc_id
@@ -260,6 +309,7 @@ cdef class Core:
         cdef int tok = out.tok
         cdef int32_t* cu = out.cu
         cdef uint8_t* pos = out.pos
+        cdef const uint8_t* positions = out.positions
         cdef uint8_t* docs = out.docs
         cdef int pos_code = out.pos_code, doc_code = out.doc_code
         cdef Py_ssize_t cu_cap = out.cu_cap
@@ -290,7 +340,7 @@ cdef class Core:
                                  tokens + at * tsz, tok, b - a)
                     if off + take > n:
                         fill(tokens + (at + b - a) * tsz, tok, eos, 1)
-                    segment(pos, pos_code, docs, doc_code, at, take, doc_id)
+                    segment(pos, positions, pos_code, docs, doc_code, at, take, doc_id)
                     if cu != NULL:
                         cu[nseg] = <int32_t>at
                     nseg += 1
@@ -316,7 +366,7 @@ cdef class Core:
                         break  # the stream is over: no empty rows
                     at = r * L + col
                     fill(tokens + at * tsz, tok, pad, L - col)
-                    segment(pos, pos_code, docs, doc_code, at, L - col, -1)
+                    segment(pos, positions, pos_code, docs, doc_code, at, L - col, -1)
                     if cu != NULL:
                         cu[nseg] = <int32_t>at
                     nseg += 1
@@ -327,8 +377,7 @@ cdef class Core:
             if complete and cu != NULL:
                 # The entries past the valid ones repeat the total, so the
                 # whole buffer is a valid cu_seqlens (empty sequences at the end).
-                for i in range(nseg, cu_cap):
-                    cu[i] = <int32_t>(r * L)
+                fill32(cu + nseg, <int32_t>(r * L), cu_cap - nseg)
         self.rows = r
         self.col = col
         self.segments = nseg
