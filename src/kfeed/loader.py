@@ -43,8 +43,9 @@ import queue
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from enum import Enum
 from typing import Any
@@ -56,7 +57,7 @@ from kfeed.device import DeviceCopier, default_device
 from kfeed.errors import ConfigError, ConsumeError, DecodeError, KfeedError, LoaderError
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
-from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
+from kfeed.sources import TP, Committed, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 __all__ = ["Loader", "Batch", "BadRecordPolicy"]
@@ -160,6 +161,12 @@ class _Feeder:
         self.pend_i = 0
         self.pend_start = 0
         self.records_per_msg = 1.0
+        self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
+        # The on_revoke hook: the feeder posts the partitions, the caller runs
+        # the hook inside next() and sets revoke_done.
+        self.hook_revoke = False
+        self.revoking: list[TP] | None = None
+        self.revoke_done = threading.Event()
         # Counters (read by stats() without the lock; ints are atomic enough).
         self.samples = 0
         self.value_bytes = 0
@@ -213,20 +220,33 @@ class _Feeder:
     # -- assignment (called from inside consume, on the feeder thread) --------
 
     def _positions(self, tps: list[TP]) -> dict[TP, Position]:
-        """Where each newly assigned partition starts: the state's position, or ``start``."""
+        """Where each newly assigned partition starts: the state's position, or ``start``.
+
+        A loaded state's position wins over the committed offset, unless
+        another member (another lineage, see ``Committed``) committed past
+        it: that member read the partition after this state was saved.
+        """
+        committed = self.source.committed(tps)
         with self.lock:
-            known = {tp: self.handed[tp] for tp in tps if tp in self.handed}
+            for tp in [tp for tp in self.handed if tp not in tps]:
+                del self.handed[tp]  # a loaded state's partition that another member owns now
+            known = {tp: self._newer(self.handed[tp], committed.get(tp))
+                     for tp in tps if tp in self.handed}
         need = [tp for tp in tps if tp not in known]
-        positions = dict(known)
-        if need:
-            positions.update(self._start_positions(need))
-            # A partition with nothing handed out yet is still part of the
-            # state: without it, a resume would start it from the committed
-            # offset, which may have moved on since the checkpoint.
-            with self.lock:
-                for tp in need:
-                    self.handed.setdefault(tp, positions[tp])
+        positions = {**known, **self._start_positions(need, committed)}
+        # A partition with nothing handed out yet is still part of the state:
+        # without it, a resume would start it from the committed offset,
+        # which may have moved on since the checkpoint.
+        with self.lock:
+            self.handed.update(positions)
         return positions
+
+    def _newer(self, own: Position, committed: Committed | None) -> Position:
+        """Our position, or the committed one if another member committed past it."""
+        if committed is None or committed.by == self.source.lineage:
+            return own
+        theirs = (committed.offset, committed.skip)
+        return theirs if theirs > own else own
 
     def _on_assign(self, tps: list[TP]) -> dict[TP, Position]:
         positions = self._positions(tps)
@@ -240,6 +260,9 @@ class _Feeder:
                     end = self.ends[tp] = self.source.watermarks(tp)[1]
                 if off >= end:
                     self.done.add(tp)
+                else:  # back after a rebalance, with records left to read
+                    self.done.discard(tp)
+        self.starts.update(positions)
         self.assigned.update(tps)
         self.seen.update(tps)
         done_now = [tp for tp in tps if tp in self.done]
@@ -248,12 +271,13 @@ class _Feeder:
         log.info("assigned %s", sorted(tps))
         return positions
 
-    def _start_positions(self, tps: list[TP]) -> dict[TP, Position]:
-        committed = self.source.committed(tps)
+    def _start_positions(self, tps: list[TP],
+                         committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
         out: dict[TP, Position] = {}
         for tp in tps:
-            if committed.get(tp) is not None and (self.start == "committed" or tp in self.seen):
-                out[tp] = committed[tp]  # type: ignore[assignment]
+            c = committed.get(tp)
+            if c is not None and (self.start == "committed" or tp in self.seen):
+                out[tp] = (c.offset, c.skip)
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
             elif self.start == "latest":
@@ -262,13 +286,26 @@ class _Feeder:
                 out[tp] = (self.source.watermarks(tp)[0], 0)
         return out
 
+    def _wait_for_caller(self, tps: list[TP]) -> None:
+        """With an ``on_revoke`` hook: wait until the caller ran it at a step boundary."""
+        if not self.hook_revoke or self.stop.is_set():
+            return
+        self.revoke_done.clear()
+        with self.lock:
+            self.revoking = list(tps)
+        while not self.revoke_done.wait(_POLL_S) and not self.stop.is_set():
+            pass
+
     def _on_revoke(self, tps: list[TP]) -> None:
         # Batches not yet handed out are dropped: their records will be read
         # again, by us or by the partitions' new owner, from the handed-out
         # positions, which are committed now so that owner starts right.
+        self._wait_for_caller(tps)
         with self.lock:
             self.gen += 1
-            mine = {tp: self.handed[tp] for tp in tps if tp in self.handed}
+            mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
+            for tp in tps:
+                self.used.pop(tp, None)
             try:
                 self.source.commit(mine, asynchronous=False)
                 self.committed.update(mine)
@@ -309,7 +346,21 @@ class _Feeder:
     def _fetch(self) -> None:
         need = self.batch_size
         n = max(1, min(10000, math.ceil(need / self.records_per_msg)))
+        gen = self.gen
+        self.starts = {}
         msgs = self.source.consume(n, _POLL_S)
+        if self.gen != gen:
+            # A rebalance ran inside this call. What it returned may hold
+            # records fetched for the old assignment before the revoke, which
+            # would land after our positions were reset (repeated, or, past
+            # the shuffle's read position, making the re-read ones look like
+            # repeats). Drop it all and read the partitions assigned in this
+            # call again from where they start.
+            if self.starts:
+                self.source.seek(self.starts)
+            if msgs:
+                log.info("dropped %d messages fetched across a rebalance", len(msgs))
+            msgs = []
         keep, vals = [], []
         bounded = self.bounded
         for m in msgs:
@@ -400,7 +451,8 @@ class _Feeder:
     def mark_used(self, batch: Batch) -> None:
         """The step that used ``batch`` is over: its positions may be committed."""
         for tp, (_first, end) in batch.offsets.items():
-            self.used[tp] = end
+            if tp in self.handed:  # not revoked since
+                self.used[tp] = end
 
     def state(self) -> dict[str, Any]:
         positions: dict[str, dict[int, list[int]]] = {}
@@ -470,12 +522,20 @@ class _RecordFeeder(_Feeder):
     # -- assignment -------------------------------------------------------------
 
     def _positions(self, tps: list[TP]) -> dict[TP, Position]:
+        committed = self.source.committed(tps)
         with self.lock:
+            marks = self.order.watermarks()
+            # Partitions another member owns now, or read past what we hold.
+            drop = {tp for tp in marks if tp not in tps}
+            drop.update(tp for tp in tps
+                        if tp in marks and self._newer(marks[tp], committed.get(tp)) != marks[tp])
+            if drop:
+                self._rebuild(drop)
             resume = self.order.resume_offsets()
         positions = {tp: (resume[tp], 0) for tp in tps if tp in resume}
         need = [tp for tp in tps if tp not in positions]
         if need:
-            fresh = self._start_positions(need)
+            fresh = self._start_positions(need, committed)
             with self.lock:
                 for tp in need:
                     # The order skips the records of a straddled block that
@@ -485,6 +545,7 @@ class _RecordFeeder(_Feeder):
         return positions
 
     def _on_revoke(self, tps: list[TP]) -> None:
+        self._wait_for_caller(tps)
         with self.lock:
             marks = self.order.watermarks()
             mine = {tp: marks[tp] for tp in tps if tp in marks}
@@ -494,15 +555,18 @@ class _RecordFeeder(_Feeder):
                 self.committed.update(mine)
             except KfeedError as e:
                 log.warning("commit on revoke failed: %s", e)
-            # Start again from what was handed out, as a resume would.
-            state = self.order.state()
-            head = state["outbox"][0] if state["outbox"] else None
-            kept = ShuffleBuffer.without(state, set(tps))
-            offset = self.pack_offset if kept["outbox"][:1] == [head] else 0
-            self._restore(kept, offset)
+            self._rebuild(set(tps))
         self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
         self.assigned.difference_update(tps)
         log.info("revoked %s", sorted(tps))
+
+    def _rebuild(self, without: set[TP]) -> None:
+        """Start again from what was handed out, as a resume would, less ``without``."""
+        state = self.order.state()
+        head = state["outbox"][0] if state["outbox"] else None
+        kept = ShuffleBuffer.without(state, without)
+        offset = self.pack_offset if head is not None and kept["outbox"][:1] == [head] else 0
+        self._restore(kept, offset)
 
     def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
         self.order = ShuffleBuffer(self.shuffle, ack=True)
@@ -724,6 +788,7 @@ class Loader:
         connect_timeout_s: float = 30.0,
         pack: Pack | None = None,
         shuffle: Shuffle | None = None,
+        on_revoke: Callable[[list[TP]], None] | None = None,
         source: Source | None = None,
     ) -> None:
         if isinstance(topics, str):
@@ -748,6 +813,8 @@ class Loader:
             raise ConfigError(
                 f"on_bad_record must be 'dead_letter', 'skip' or 'raise', got {on_bad_record!r}"
             ) from None
+        if on_revoke is not None and not callable(on_revoke):
+            raise ConfigError("on_revoke must be a callable taking the revoked partitions")
         if assignment not in ("group", "static"):
             raise ConfigError(f"assignment must be 'group' or 'static', got {assignment!r}")
         if max_wait_ms <= 0 or commit_interval_ms < 0 or connect_timeout_s <= 0:
@@ -779,6 +846,10 @@ class Loader:
             source = KafkaSource(kafka_config or {}, topics, bounded=until == "end",
                                  connect_timeout=connect_timeout_s)
         self._source = source
+        # Names this loader and the ones resumed from its checkpoints in every
+        # commit (see kfeed.sources.Committed).
+        source.lineage = uuid.uuid4().hex[:16]
+        self._on_revoke = on_revoke
         self._group = (kafka_config or {}).get("group.id")
         self._copier = DeviceCopier(self.device)
         packer = Packer(pack, batch_size) if pack is not None else None
@@ -793,6 +864,7 @@ class Loader:
             self._feeder = _Feeder(*args, **kwargs)
         else:
             self._feeder = _RecordFeeder(*args, **kwargs, shuffle=shuffle, packer=packer)
+        self._feeder.hook_revoke = on_revoke is not None
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
@@ -830,6 +902,7 @@ class Loader:
             self._start()
         # The caller asks for a new batch: the step that used the last one is over.
         self._mark_used()
+        self._run_revoke_hook()
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
@@ -866,6 +939,7 @@ class Loader:
             try:
                 item = f.ready.get(timeout=_POLL_S)
             except queue.Empty:
+                self._run_revoke_hook()  # the feeder may be waiting for it
                 if f.thread is not None and not f.thread.is_alive() and f.ready.empty():
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
@@ -916,6 +990,19 @@ class Loader:
             self._commit(asynchronous=self._commit_interval > 0)
             self._last_commit = now
 
+    def _run_revoke_hook(self) -> None:
+        """Run ``on_revoke`` for partitions the feeder is about to give up (caller's thread)."""
+        f = self._feeder
+        with f.lock:
+            tps, f.revoking = f.revoking, None
+        if tps is None:
+            return
+        try:
+            assert self._on_revoke is not None
+            self._on_revoke(tps)
+        finally:
+            f.revoke_done.set()
+
     def _commit(self, asynchronous: bool) -> None:
         f = self._feeder
         with f.lock:
@@ -943,6 +1030,7 @@ class Loader:
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
             "topics": list(self.topics),
+            "lineage": self._source.lineage,
             **state,
         }
 
@@ -958,6 +1046,8 @@ class Loader:
             raise ConfigError(f"the state was saved for format {state.get('format')!r}")
         with self._feeder.lock:
             self._feeder.load_state(state)
+        if isinstance(state.get("lineage"), str):
+            self._source.lineage = state["lineage"]
 
     # -- observability --------------------------------------------------------
 

@@ -18,11 +18,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from kfeed.errors import ConfigError, ConsumeError
 
-__all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "CONSUMER_DEFAULTS"]
+__all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
+           "CONSUMER_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "fetch.max.bytes": 64 << 20,
 }
 
-_SKIP_PREFIX = "kfeed:skip="
+_PREFIX = "kfeed:"
 
 # librdkafka error codes after which waiting is pointless.
 _FATAL_CODES = {
@@ -65,22 +66,42 @@ _GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN
 _GONE_GRACE_S = 5.0
 
 
-def _metadata(skip: int) -> str | None:
-    """Commit metadata that lets a plain group restart skip records of a split block."""
-    return f"{_SKIP_PREFIX}{skip}" if skip else None
+class Committed(NamedTuple):
+    """A committed position and the lineage of the loader that committed it.
+
+    The commit metadata is ``kfeed:skip=N,by=LINEAGE``: ``skip`` lets a plain
+    group restart skip the records of a split block; ``by`` names the chain
+    of loaders (a trainer and the runs resumed from its checkpoints) that
+    wrote it, so a resumed loader can tell its own commits, which may run
+    past its checkpoint, from another member's, which come after it.
+    """
+
+    offset: int
+    skip: int
+    by: str | None
 
 
-def _parse_skip(metadata: str | None) -> int:
-    if metadata and metadata.startswith(_SKIP_PREFIX):
-        try:
-            return int(metadata[len(_SKIP_PREFIX):])
-        except ValueError:
-            return 0
-    return 0
+def _metadata(skip: int, by: str | None) -> str | None:
+    fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else [])
+    return _PREFIX + ",".join(fields) if fields else None
+
+
+def _parse_metadata(offset: int, metadata: str | None) -> Committed:
+    skip, by = 0, None
+    if metadata and metadata.startswith(_PREFIX):
+        for field in metadata[len(_PREFIX):].split(","):
+            key, _, value = field.partition("=")
+            if key == "skip" and value.isdigit():
+                skip = int(value)
+            elif key == "by" and value:
+                by = value
+    return Committed(offset, skip, by)
 
 
 class Source:
     """What the loader's thread needs from a stream of message values."""
+
+    lineage: str | None = None  # written with every commit (see Committed)
 
     def open(
         self,
@@ -108,7 +129,11 @@ class Source:
     def pause(self, tps: Sequence[TP]) -> None:
         raise NotImplementedError
 
-    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Committed | None]:
+        raise NotImplementedError
+
+    def seek(self, positions: Mapping[TP, Position]) -> None:
+        """Read assigned partitions again from these offsets."""
         raise NotImplementedError
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
@@ -271,8 +296,16 @@ class KafkaSource(Source):
         def assign_cb(consumer: Any, parts: list[Any]) -> None:
             try:
                 tps = [(p.topic, p.partition) for p in parts]
+                self._paused.difference_update(tps)  # on_assign pauses what it wants paused
                 offsets = on_assign(tps)
                 consumer.assign([self._tp(tp, offsets[tp][0]) for tp in tps])
+                # librdkafka keeps a partition's pause flag across an eager
+                # rebalance: a partition paused at the end of an epoch and
+                # given back with records to read again must fetch.
+                consumer.resume([self._tp(tp) for tp in tps if tp not in self._paused])
+                held = [self._tp(tp) for tp in tps if tp in self._paused]
+                if held:
+                    consumer.pause(held)
             except BaseException as e:  # noqa: BLE001
                 self._callback_error = e
 
@@ -331,7 +364,17 @@ class KafkaSource(Source):
             self._consumer.pause([self._tp(tp) for tp in new])
             self._paused.update(new)
 
-    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
+    def seek(self, positions: Mapping[TP, Position]) -> None:
+        from confluent_kafka import KafkaException
+
+        for tp, (offset, _skip) in positions.items():
+            try:
+                self._consumer.seek(self._tp(tp, offset))
+            except KafkaException as e:
+                raise ConsumeError(f"cannot seek to offset {offset}: {e.args[0].str()}",
+                                   topic=tp[0], partition=tp[1]) from e
+
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Committed | None]:
         from confluent_kafka import KafkaException
 
         try:
@@ -339,10 +382,10 @@ class KafkaSource(Source):
                 [self._tp(tp) for tp in tps], timeout=self.connect_timeout))
         except KafkaException as e:
             raise ConsumeError(f"cannot read committed offsets: {e.args[0].str()}") from e
-        out: dict[TP, Position | None] = {}
+        out: dict[TP, Committed | None] = {}
         for p in parts:
             ok = p.error is None and p.offset >= 0
-            out[(p.topic, p.partition)] = (p.offset, _parse_skip(p.metadata)) if ok else None
+            out[(p.topic, p.partition)] = _parse_metadata(p.offset, p.metadata) if ok else None
         return out
 
     def _coordinated(self, call: Callable[[], Any]) -> Any:
@@ -382,7 +425,8 @@ class KafkaSource(Source):
 
         if not positions:
             return
-        offsets = [self._tp(tp, off, _metadata(skip)) for tp, (off, skip) in positions.items()]
+        offsets = [self._tp(tp, off, _metadata(skip, self.lineage))
+                   for tp, (off, skip) in positions.items()]
         try:
             self._coordinated(lambda: self._consumer.commit(offsets=offsets,
                                                             asynchronous=asynchronous))
@@ -506,6 +550,7 @@ class MemorySource(Source):
         self._paused: set[TP] = set()
         self.commits: list[dict[TP, Position]] = []
         self.committed_positions: dict[TP, Position] = {}
+        self.committed_by: dict[TP, str | None] = {}
         self.dead_letters: list[tuple[Any, str]] = []
 
     def partitions(self) -> list[TP]:
@@ -549,8 +594,16 @@ class MemorySource(Source):
     def lag(self) -> dict[TP, int]:
         return {tp: max(0, self.watermarks(tp)[1] - nxt) for tp, nxt in self._next.items()}
 
-    def committed(self, tps: Sequence[TP]) -> dict[TP, Position | None]:
-        return {tp: self.committed_positions.get(tp) for tp in tps}
+    def seek(self, positions: Mapping[TP, Position]) -> None:
+        for tp, (offset, _skip) in positions.items():
+            self._next[tp] = offset
+
+    def committed(self, tps: Sequence[TP]) -> dict[TP, Committed | None]:
+        out: dict[TP, Committed | None] = {}
+        for tp in tps:
+            pos = self.committed_positions.get(tp)
+            out[tp] = None if pos is None else Committed(*pos, self.committed_by.get(tp))
+        return out
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
         ms = int(when.timestamp() * 1000)
@@ -561,6 +614,7 @@ class MemorySource(Source):
         if positions:
             self.commits.append(dict(positions))
             self.committed_positions.update(positions)
+            self.committed_by.update(dict.fromkeys(positions, self.lineage))
 
     def dead_letter(self, msg: Any, reason: str) -> None:
         self.dead_letters.append((msg, reason))
