@@ -192,120 +192,115 @@ def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_pa
     assert (lost, dup) == (0, 0)
 
 
-# One rank of the two-rank group test: a trainer whose model is the list of
-# ids it trained on. Every K steps it checkpoints that list and
-# loader.state_dict() together, then commits (periodic commits are off), so
-# the group's committed offsets never run ahead of a checkpoint: the closest
-# the Loader's API comes today to coordinating commits with checkpoints.
-GROUP_RANK = """
-import json, os, sys, time, kfeed
+# One rank of a two-rank data-parallel job whose loaders share one consumer
+# group. The ranks step together (the loader's end-of-epoch all-reduce runs
+# every step, as a DDP gradient all-reduce would). Every K steps the job
+# checkpoints: each rank's loader.state_dict() and its log length are
+# gathered, and rank 0 writes the merged state atomically. A crash kills
+# both ranks; both resume from the checkpoint, and may get other partitions.
+JOB_RANK = """
+import json, os, sys, time, torch.distributed as dist, kfeed
 from test_faults import SCHEMA
-bootstrap, topic, group, ckpt, every = sys.argv[1:6]
-
-def save(payload):
-    with open(ckpt + ".tmp", "w") as f:
-        json.dump(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(ckpt + ".tmp", ckpt)  # a kill mid-write never leaves a torn checkpoint
-
-saved = {"state": None, "ids": [], "step": 0}
-if os.path.exists(ckpt):
-    with open(ckpt) as f:
+dist.init_process_group("gloo", init_method="env://")
+rank = dist.get_rank()
+bootstrap, topic, group, folder, every = sys.argv[1:6]
+checkpoint = os.path.join(folder, "checkpoint.json")
+saved = None
+if os.path.exists(checkpoint):
+    with open(checkpoint) as f:
         saved = json.load(f)
-ids, step = saved["ids"], saved["step"]
-# The shortest session the brokers allow, so a killed rank's partitions move soon.
+# The shortest session the brokers allow, so the killed job's members leave soon.
 config = {"bootstrap.servers": bootstrap, "group.id": group, "session.timeout.ms": 6000,
           "heartbeat.interval.ms": 500}
+# A job with no checkpoint yet starts from scratch, whatever a crashed run committed.
 loader = kfeed.Loader(config, topic, SCHEMA, 50, until="end", device="cpu",
-                      commit_interval_ms=1e12)
-if saved["state"] is not None:
-    loader.load_state_dict(saved["state"])
-log = open(ckpt + ".log", "a", buffering=1)
-log.write(f"# resumed at step {step}\\n")
-for batch in loader:
-    batch_ids = batch["id"].tolist()
-    ids += batch_ids
-    step += 1
-    log.write(" ".join(map(str, batch_ids)) + "\\n")
-    if step % int(every) == 0:
-        save({"state": loader.state_dict(), "ids": ids, "step": step})
-        loader.commit()
-    time.sleep(0.05)  # a training step
-save({"state": loader.state_dict(), "ids": ids, "step": step})
+                      start="earliest" if saved is None else "committed")
+size, step = 0, 0
+if saved is not None:
+    loader.load_state_dict(saved["loader"])
+    size, step = saved["log_bytes"][rank], saved["step"]
+path = os.path.join(folder, f"rank{rank}.log")
+with open(path, "r+b" if os.path.exists(path) else "wb") as log:
+    log.truncate(size)
+    log.seek(size)
+    for batch in loader:
+        log.write((" ".join(map(str, batch["id"].tolist())) + "\\n").encode())
+        step += 1
+        if step % int(every) == 0:
+            log.flush()
+            states, sizes = [None, None], [None, None]
+            dist.all_gather_object(states, loader.state_dict())
+            dist.all_gather_object(sizes, log.tell())
+            if rank == 0:
+                with open(checkpoint + ".tmp", "w") as f:
+                    json.dump({"loader": kfeed.Loader.merge_states(states), "log_bytes": sizes,
+                               "step": step}, f)
+                os.replace(checkpoint + ".tmp", checkpoint)
+            dist.barrier()
+        time.sleep(0.02)  # a training step
 loader.close()
-log.write("# done\\n")
+dist.destroy_process_group()
 """
 
 
-class NotExactlyOnce(AssertionError):
-    """The ranks' checkpoints together do not hold every id of the topic exactly once."""
-
-
-@pytest.mark.xfail(
-    raises=NotExactlyOnce, strict=True,
-    reason="group mode: a rank's loader state keeps a position for every partition it was ever "
-    "assigned, and a partition that comes back to it (after a revoke, or to a rank resumed from "
-    "its checkpoint) starts from that position rather than from the group's committed offset, "
-    "so it reads again what the other rank trained meanwhile (two runs: 4,000 and 2,357 of "
-    "8,000 ids held twice). Commits on revoke also run past the last checkpoint, "
-    "so a loss is possible when a partition moves after a kill. See docs/RELIABILITY.md.")
-def test_two_ranks_in_a_group_killed_resume_exactly(bootstrap, make_topic, tmp_path) -> None:
+def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
+        bootstrap, make_topic, tmp_path) -> None:
     import os
+    import socket
 
     partitions, n, every = 4, 8000, 5
-    topic = make_topic(partitions=partitions, replication=3)
+    topic = make_topic(partitions=partitions)
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
         ids = np.arange(n)
         p.send(columns(ids), keys=ids)
     script = tmp_path / "rank.py"
-    script.write_text(GROUP_RANK)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    script.write_text(JOB_RANK)
     group = uuid.uuid4().hex
-    ckpts = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
 
-    def start(r: int) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, str(script), bootstrap, topic, group,
-                                 str(ckpts[r]), str(every)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def start() -> list[subprocess.Popen[bytes]]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+        return [subprocess.Popen([sys.executable, str(script), bootstrap, topic, group,
+                                  str(tmp_path), str(every)], env={**env, "RANK": str(r)},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                for r in (0, 1)]
 
-    def steps(r: int) -> int:
-        log = Path(f"{ckpts[r]}.log")
-        return log.read_text().count("\n") if log.exists() else 0
+    def lines() -> int:
+        return sum(log.read_bytes().count(b"\n") for log in logs if log.exists())
 
     rng = np.random.default_rng(11)
-    procs = [start(0), start(1)]
-    kills = [0, 0]
-    for r in (0, 1, 0, 1, 0, 1):  # both ranks, in turn
-        target = steps(r) + int(rng.integers(3, 15))  # a random point, between checkpoints or not
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and procs[r].poll() is None and steps(r) < target:
-            time.sleep(0.01)
-        if procs[r].poll() is None:
-            procs[r].kill()
-            procs[r].wait()
-            kills[r] += 1
-            procs[r] = start(r)  # resumes from its own last checkpoint
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err.decode()[-3000:]
-    assert min(kills) >= 2 and sum(kills) >= 5, kills
-
-    # What counts is what the checkpoints hold: a killed run's steps after its
-    # last checkpoint are trained again (by it, or by the partition's new owner).
-    held = np.zeros(n, np.int64)
-    for path in ckpts:
-        np.add.at(held, np.array(json.loads(path.read_text())["ids"], np.int64), 1)
-    part = np.array([kfeed.partition_for(str(i), partitions) for i in range(n)])
-    per_partition = {int(q): {"lost": int((held[part == q] == 0).sum()),
-                              "duplicated": int((held[part == q] > 1).sum())}
-                     for q in range(partitions)}
-    lost, dup = int((held == 0).sum()), int((held > 1).sum())
-    report("trainer_crash_two_ranks", samples=n, faults=sum(kills), lost=lost, duplicated=dup,
-           kills_per_rank=kills, per_partition=per_partition)
-    if (lost, dup) != (0, 0):
-        raise NotExactlyOnce(f"{lost} ids lost and {dup} duplicated across the two ranks' "
-                             f"checkpoints; per partition {per_partition}")
+    kills = 0
+    for _ in range(5):
+        procs = start()
+        target = lines() + int(rng.integers(4, 30))  # a random point, between checkpoints or not
+        deadline = time.monotonic() + 60
+        while (time.monotonic() < deadline and all(p.poll() is None for p in procs)
+               and lines() < target):
+            time.sleep(0.005)
+        if all(p.poll() is None for p in procs):
+            kills += 1
+        for p in procs:  # the job crashes: both ranks die
+            p.kill()
+            p.wait()
+    procs = start()
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-3000:]
+    trained = np.array([int(x) for log in logs for x in log.read_text().split()], np.int64)
+    # The ranks stop at the same step, so the rank with records left leaves
+    # them for the next epoch: read it, from the offsets the job committed.
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, SCHEMA, 500,
+                      until="end", device="cpu") as rest:
+        left = np.concatenate([b["id"].numpy() for b in rest] or [np.empty(0, np.int64)])
+    lost, dup = count_ids(np.concatenate([trained, left]), n)
+    report("trainer_crash_two_ranks_one_group", samples=n, faults=kills, lost=lost,
+           duplicated=dup, left_for_the_next_epoch=len(left))
+    assert kills == 5
+    assert (lost, dup) == (0, 0)
 
 
 KILLED_TXN = """

@@ -161,3 +161,14 @@ def test_blocks_of_documents_stay_under_message_max_bytes(bootstrap: str, make_t
     decoded = BLOCK_SCHEMA.decode_documents([m.value() for m in messages])
     assert decoded.columns["id"].tolist() == [0, 1, 2, 3, 4]
     assert np.array_equal(decoded.tokens, np.concatenate(sent))
+
+
+def test_default_compression_follows_the_benchmark_figures() -> None:
+    from kfeed.producer import default_compression
+
+    # Integers (token ids, labels) compress and lz4 costs the loader nothing;
+    # float features do not compress (bench/RESULTS.md, "Compression").
+    assert default_compression(kfeed.Schema({"tokens": ("int32", (None,))})) == "lz4"
+    assert default_compression(kfeed.Schema({"ids": ("uint16", (8,)), "y": ("int64", ())})) == "lz4"
+    assert default_compression(kfeed.Schema({"x": ("float32", (768,)), "y": ("int64", ())})) == "none"
+    assert default_compression(kfeed.Schema({"x": ("bfloat16", (4,))})) == "none"

@@ -65,6 +65,7 @@ __all__ = ["Loader", "Batch", "BadRecordPolicy"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+_MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
 _STATE_VERSION = 1
 
 
@@ -162,6 +163,9 @@ class _Feeder:
         self.pend_start = 0
         self.records_per_msg = 1.0
         self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
+        # Lineages whose commits never win over the state: this loader's own,
+        # and those of the loaders whose state it resumed (see Committed).
+        self.lineages: set[str | None] = set()
         # The on_revoke hook: the feeder posts the partitions, the caller runs
         # the hook inside next() and sets revoke_done.
         self.hook_revoke = False
@@ -188,6 +192,7 @@ class _Feeder:
             while not self.stop.is_set():
                 slot = self.pool.acquire(timeout=_POLL_S)
                 if slot is None:
+                    self._serve()
                     continue
                 meta = self._fill(slot)
                 finished = self.bounded and self._all_done()
@@ -198,7 +203,7 @@ class _Feeder:
                     continue
                 slot.meta = meta
                 self.pool.mark_ready(slot)
-                if not self._put(slot):
+                if not self._put(slot, serve=True):
                     return
                 if finished:
                     break
@@ -208,13 +213,14 @@ class _Feeder:
             log.debug("feeder failed while %s", where, exc_info=True)
             self._put(_Failure(e, where))
 
-    def _put(self, item: Any) -> bool:
+    def _put(self, item: Any, serve: bool = False) -> bool:
         while not self.stop.is_set():
             try:
                 self.ready.put(item, timeout=_POLL_S)
                 return True
             except queue.Full:
-                continue
+                if serve:
+                    self._serve()
         return False
 
     # -- assignment (called from inside consume, on the feeder thread) --------
@@ -229,21 +235,26 @@ class _Feeder:
         committed = self.source.committed(tps)
         with self.lock:
             for tp in [tp for tp in self.handed if tp not in tps]:
-                del self.handed[tp]  # a loaded state's partition that another member owns now
+                # A loaded state's partition that another member owns now.
+                del self.handed[tp]
+                self.used.pop(tp, None)
             known = {tp: self._newer(self.handed[tp], committed.get(tp))
                      for tp in tps if tp in self.handed}
         need = [tp for tp in tps if tp not in known]
         positions = {**known, **self._start_positions(need, committed)}
         # A partition with nothing handed out yet is still part of the state:
         # without it, a resume would start it from the committed offset,
-        # which may have moved on since the checkpoint.
+        # which may have moved on since the checkpoint. Its position is
+        # committed like a used one, so the next epoch starts there too.
         with self.lock:
             self.handed.update(positions)
+            for tp, pos in positions.items():
+                self.used.setdefault(tp, pos)
         return positions
 
     def _newer(self, own: Position, committed: Committed | None) -> Position:
         """Our position, or the committed one if another member committed past it."""
-        if committed is None or committed.by == self.source.lineage:
+        if committed is None or committed.by in self.lineages:
             return own
         theirs = (committed.offset, committed.skip)
         return theirs if theirs > own else own
@@ -268,7 +279,7 @@ class _Feeder:
         done_now = [tp for tp in tps if tp in self.done]
         if done_now:
             self.source.pause(done_now)
-        log.info("assigned %s", sorted(tps))
+        log.info("assigned %s at %s", sorted(tps), positions)
         return positions
 
     def _start_positions(self, tps: list[TP],
@@ -306,6 +317,7 @@ class _Feeder:
             mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
             for tp in tps:
                 self.used.pop(tp, None)
+            log.info("revoke commits %s", mine)
             try:
                 self.source.commit(mine, asynchronous=False)
                 self.committed.update(mine)
@@ -334,21 +346,38 @@ class _Feeder:
             if not self._pending():
                 if self.bounded and self._all_done():
                     break
-                if started is not None and time.monotonic() - started >= self.max_wait_s:
+                if not self._fetch_within(started, slot.rows):
                     break
-                self._fetch()
                 continue
             self._decode(slot, meta)
             if started is None and slot.rows:
                 started = time.monotonic()
         return meta
 
-    def _fetch(self) -> None:
-        need = self.batch_size
-        n = max(1, min(10000, math.ceil(need / self.records_per_msg)))
+    def _fetch_within(self, started: float | None, rows: int) -> bool:
+        """Fetch for a batch that holds ``rows`` since ``started``; False once max_wait is over.
+
+        A started batch waits at most what is left of ``max_wait``, and asks
+        only for the records it still needs, so a trickling stream yields
+        partial batches on time.
+        """
+        if started is None:
+            self._fetch()
+            return True
+        left = self.max_wait_s - (time.monotonic() - started)
+        if left <= 0:
+            return False
+        need = self.batch_size - rows
+        self._fetch(max(1, min(10000, math.ceil(need / self.records_per_msg))), min(_POLL_S, left))
+        return True
+
+    def _fetch(self, n: int | None = None, timeout: float = _POLL_S) -> None:
+        """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones."""
+        if n is None:
+            n = max(1, min(10000, math.ceil(self.batch_size / self.records_per_msg)))
         gen = self.gen
         self.starts = {}
-        msgs = self.source.consume(n, _POLL_S)
+        msgs = self.source.consume(n, timeout)
         if self.gen != gen:
             # A rebalance ran inside this call. What it returned may hold
             # records fetched for the old assignment before the revoke, which
@@ -378,7 +407,24 @@ class _Feeder:
                         continue
             keep.append(m)
             vals.append(m.value())
-        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = keep, vals, 0, 0
+        if self._pending():
+            keep = self.pend_msgs[self.pend_i:] + keep
+            vals = self.pend_vals[self.pend_i:] + vals
+        else:
+            self.pend_start = 0
+        self.pend_msgs, self.pend_vals, self.pend_i = keep, vals, 0
+
+    def _serve(self) -> None:
+        """While the feeder waits for the caller, let the consumer serve its group.
+
+        A member that stops polling holds up every rebalance of its group
+        (until max.poll.interval.ms): with ranks in one group that step
+        together, a rank whose queue is full would wait on one that waits
+        for its partitions. At most one message comes back; it waits with
+        the pending ones.
+        """
+        if self.source.group_member:
+            self._fetch(1, 0)
 
     def _on_message_error(self, m: Any, err: Any) -> None:
         from confluent_kafka import KafkaError
@@ -602,10 +648,8 @@ class _RecordFeeder(_Feeder):
                 if self.drained:
                     break  # the end of the epoch: a partial batch, or none
                 self._drain()
-            elif started is not None and time.monotonic() - started >= self.max_wait_s:
+            elif not self._fetch_within(started, slot.rows):
                 break
-            else:
-                self._fetch()
         return meta
 
     def _take_into(self, slot: Slot, meta: _BatchMeta) -> bool:
@@ -849,6 +893,7 @@ class Loader:
         # Names this loader and the ones resumed from its checkpoints in every
         # commit (see kfeed.sources.Committed).
         source.lineage = uuid.uuid4().hex[:16]
+        self._lineages = [source.lineage]  # newest first, see _Feeder.lineages
         self._on_revoke = on_revoke
         self._group = (kafka_config or {}).get("group.id")
         self._copier = DeviceCopier(self.device)
@@ -865,6 +910,7 @@ class Loader:
         else:
             self._feeder = _RecordFeeder(*args, **kwargs, shuffle=shuffle, packer=packer)
         self._feeder.hook_revoke = on_revoke is not None
+        self._feeder.lineages = set(self._lineages)
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
@@ -1006,9 +1052,11 @@ class Loader:
     def _commit(self, asynchronous: bool) -> None:
         f = self._feeder
         with f.lock:
+            # Only partitions this loader was given: a loaded state also
+            # holds the other ranks' ones, which they commit themselves.
             todo = {tp: pos for tp, pos in f.used.items()
-                    if f.committed.get(tp) != pos and (tp in f.assigned or f.thread is None
-                                                       or not f.thread.is_alive())}
+                    if f.committed.get(tp) != pos and tp in f.seen
+                    and (tp in f.assigned or f.thread is None or not f.thread.is_alive())}
             if todo:
                 self._source.commit(todo, asynchronous=asynchronous)
                 f.committed.update(todo)
@@ -1030,7 +1078,7 @@ class Loader:
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
             "topics": list(self.topics),
-            "lineage": self._source.lineage,
+            "lineages": list(self._lineages),
             **state,
         }
 
@@ -1046,8 +1094,50 @@ class Loader:
             raise ConfigError(f"the state was saved for format {state.get('format')!r}")
         with self._feeder.lock:
             self._feeder.load_state(state)
-        if isinstance(state.get("lineage"), str):
-            self._source.lineage = state["lineage"]
+        # A resumed loader carries on its state's lineage: the commits of a
+        # run killed before its first checkpoint are then its own too.
+        resumed = [x for x in state.get("lineages", []) if isinstance(x, str)]
+        if resumed:
+            self._lineages = resumed[:_MAX_LINEAGES]
+            self._source.lineage = resumed[0]
+            self._feeder.lineages = set(self._lineages)
+
+    @staticmethod
+    def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state for every rank of a job, from each rank's ``state_dict()`` at one step.
+
+        In group mode a partition may be assigned to another rank after a
+        restart, so every rank loads the merged state: per partition the
+        furthest position, and every rank's lineage, so that no rank's
+        commits (which run ahead of the checkpoint) win over it. The states
+        must come from the same step of every rank (e.g. gathered with
+        ``torch.distributed.all_gather_object``); with ``shuffle`` or
+        ``pack`` use ``assignment="static"`` and save each rank's own state.
+        """
+        states = list(states)
+        if not states:
+            raise ConfigError("merge_states needs at least one state")
+        first = states[0]
+        for st in states:
+            if not isinstance(st, Mapping) or st.get("version") != _STATE_VERSION:
+                raise ConfigError(f"not a kfeed loader state (version {_STATE_VERSION})")
+            if "order" in st:
+                raise ConfigError("states with shuffle or pack cannot be merged: use "
+                                  "assignment='static' and save each rank's own state")
+            for key in ("schema_fingerprint", "format", "topics"):
+                if st.get(key) != first.get(key):
+                    raise ConfigError(f"the states differ in {key}")
+        positions: dict[str, dict[int, list[int]]] = {}
+        lineages: list[str] = []
+        for st in states:
+            for topic, parts in st.get("positions", {}).items():
+                merged = positions.setdefault(topic, {})
+                for part, pos in parts.items():
+                    part = int(part)
+                    if part not in merged or tuple(pos) > tuple(merged[part]):
+                        merged[part] = [int(pos[0]), int(pos[1])]
+            lineages += [x for x in st.get("lineages", []) if x not in lineages]
+        return {**first, "positions": positions, "lineages": lineages}
 
     # -- observability --------------------------------------------------------
 

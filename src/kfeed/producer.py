@@ -47,6 +47,20 @@ _COMPRESSION = ("none", "gzip", "snappy", "lz4", "zstd")
 Partitioner = Callable[[Any, int], int]
 
 
+def default_compression(schema: Schema) -> str:
+    """The codec kfeed picks when neither ``compression`` nor the Kafka dict names one.
+
+    From bench/RESULTS.md ("Compression"): lz4 shrinks integer data such as
+    token ids by about 1.4x and the loader reads it at the uncompressed rate;
+    on float features no codec saves more than a few percent while each
+    costs the producer up to half its rate (zstd also slows the loader 2-3x).
+    So: lz4 when every field is an integer, none when any is floating point.
+    """
+    if all(np.dtype(f.storage).kind in "iu" and f.dtype != "bfloat16" for f in schema.fields):
+        return "lz4"
+    return "none"
+
+
 class Producer:
     """Sends columns of samples to ``topic`` as block or raw messages.
 
@@ -89,6 +103,8 @@ class Producer:
         self.block_records = block_records
         self.partitioner = partitioner
         config = {**PRODUCER_DEFAULTS, **kafka_config}
+        if compression is None and not {"compression.type", "compression.codec"} & set(kafka_config):
+            compression = default_compression(schema)
         if compression is not None:
             config["compression.type"] = compression
         if transactional_id is not None:

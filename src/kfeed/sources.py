@@ -102,6 +102,7 @@ class Source:
     """What the loader's thread needs from a stream of message values."""
 
     lineage: str | None = None  # written with every commit (see Committed)
+    group_member = False  # must keep polling for its group's rebalances to go on
 
     def open(
         self,
@@ -316,6 +317,7 @@ class KafkaSource(Source):
                 self._callback_error = e
 
         if assignment is None:
+            self.group_member = True
             self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
                                      on_lost=revoke_cb)
         else:
