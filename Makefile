@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_PORT := 39492
 DEMO_SAMPLES ?= 100000
 
-.PHONY: install demo test fuzz-debug bench profile clean
+.PHONY: install demo demo-lm test fuzz-debug bench profile clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -58,6 +58,19 @@ demo: install
 	$(PY) -m kfeed produce --topic kfeed-demo --partitions 4 --synthetic $(DEMO_SAMPLES) --keyed \
 	&& $(PY) -m kfeed train --topic kfeed-demo --group-id kfeed-demo --until-end \
 		--checkpoint $(DEMO_CLUSTER)/checkpoint.pt --checkpoint-every 100; rc=$$?; \
+	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
+	exit $$rc
+
+# The LLM side of the demo: generated documents as a token topic, then a tiny
+# causal transformer trained on packed, shuffled [8, 128] token batches.
+demo-lm: install
+	@set -u; \
+	$(PY) -m kfeed cluster up --nodes 1 --dir $(DEMO_CLUSTER) --port $(DEMO_PORT) || { $(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; exit 1; }; \
+	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(DEMO_CLUSTER) | tail -n 1); \
+	$(PY) -m kfeed produce --topic kfeed-demo-text --partitions 2 --synthetic-text 400 \
+	&& $(PY) -m kfeed train --task lm --topic kfeed-demo-text --group-id kfeed-demo-lm \
+		--batch-size 8 --seq-len 128 --shuffle 256 --steps 120 --log-every 20 \
+		--checkpoint $(DEMO_CLUSTER)/checkpoint-lm.pt --checkpoint-every 50; rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
 	exit $$rc
 

@@ -3,7 +3,7 @@
 Unit tests (no marker) never touch a broker. Tests marked ``integration`` get
 the ``bootstrap`` fixture automatically: the cluster that ``KFEED_BOOTSTRAP``
 names (``make test`` starts a 3-node one and sets it, with
-``KFEED_CLUSTER_DIR``), or else a 1-node cluster that this session starts with
+``KFEED_CLUSTER_DIR``), or else a 1-node cluster that this test run starts with
 ``kfeed.cluster`` in a temporary folder and always stops. Tests marked
 ``cluster3`` are skipped when fewer than 3 brokers answer.
 """
