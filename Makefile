@@ -77,7 +77,8 @@ demo-lm: install
 clean:
 	rm -rf build src/kfeed/*.so ext/*.c $(DEBUG_BUILD) $(DEBUG_BUILD)-tmp
 
-# Throughput against a real broker: a local 1-node Apache Kafka, the loader and
+# Throughput against a real broker: kcat (from the system packages, where apt-get
+# can install it) as the no-Python reference, a local 1-node Apache Kafka, the loader and
 # producer benchmarks (bench/bench_loader.py; BENCH_ARGS="--write" records the
 # tables in bench/RESULTS.md), then the micro-benchmarks; the cluster is stopped
 # even when a benchmark fails or misses its target.
@@ -87,6 +88,9 @@ BENCH_ARGS ?=
 
 bench: install
 	@set -u; \
+	command -v kcat >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq kcat >/dev/null; } \
+		|| echo "kcat is not installed (needs root and apt-get): its rows are skipped"; \
 	$(PY) -m kfeed cluster up --nodes 1 --dir $(BENCH_CLUSTER) --port $(BENCH_PORT) || { $(PY) -m kfeed cluster down --dir $(BENCH_CLUSTER) --wipe; exit 1; }; \
 	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(BENCH_CLUSTER) | tail -n 1); \
 	$(PY) bench/bench_loader.py $(BENCH_ARGS); rc=$$?; \

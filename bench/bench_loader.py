@@ -55,8 +55,11 @@ consumer group:
   (``org.apache.kafka.tools.ConsumerPerformance``, the class behind
   ``kafka-consumer-perf-test``) with the Java client's defaults, from the
   jars ``kfeed cluster`` runs the broker with; its ``fetch.*`` figures, which
-  leave the group join out. kcat / kafkacat / rdkafka_performance: the
-  report says whether they are on PATH; they are not run.
+  leave the group join out.
+- ``kcat``: ``kcat -C -e`` from the beginning to the end of each topic,
+  librdkafka with its defaults and no Python, one byte printed per message;
+  its wall time (start and connections included). Skipped when kcat is not
+  on PATH (``make bench`` installs it with apt-get where it can).
 
 Producer side: the seeds' producer loop (one ``produce`` per sample with a
 delivery callback, zstd as the seeds configure it, and without compression)
@@ -225,6 +228,10 @@ CONSUMERS: list[Run] = [
     Run("ceiling_raw", "ceiling: consume(2048), raw topic, touching nothing", "raw", "ceiling"),
     Run("ceiling_block", "ceiling: consume(2048), block topic, touching nothing", "block",
         "ceiling"),
+    Run("kcat_raw", "kcat -C (librdkafka defaults, no Python; wall incl. start), raw topic",
+        "raw", "kcat"),
+    Run("kcat_block", "kcat -C (librdkafka defaults, no Python; wall incl. start), block topic",
+        "block", "kcat"),
     Run("java_raw", "Java ConsumerPerformance (Kafka's tool), raw topic", "raw", "java"),
     Run("java_block", "Java ConsumerPerformance (Kafka's tool), block topic", "block", "java"),
 ]
@@ -276,6 +283,8 @@ INFO_RATIOS = [
     ("kfeed block, OMP_NUM_THREADS=1, vs seeds loop", "kfeed_block_1t", "seeds"),
     ("kfeed raw, OMP_NUM_THREADS=1, vs plain consume loop", "kfeed_raw_1t", "plain"),
     ("kfeed raw vs raw ceiling", "kfeed_raw", "ceiling_raw"),
+    ("kfeed raw vs kcat, raw topic", "kfeed_raw", "kcat_raw"),
+    ("kfeed block vs kcat, block topic", "kfeed_block", "kcat_block"),
     ("kfeed raw vs Java ConsumerPerformance, raw topic", "kfeed_raw", "java_raw"),
     ("kfeed block vs Java ConsumerPerformance, block topic", "kfeed_block", "java_block"),
     ("plain consume loop vs seeds loop", "plain", "seeds"),
@@ -1147,6 +1156,10 @@ def run_consumer(args: argparse.Namespace, run: Run, names: dict[str, str],
     spec = topic_spec(args, run, names)
     spec["ends"] = ends[run.topic]
     expected = spec["samples"]
+    if run.runner == "kcat":
+        messages = sum(spec["ends"].values())
+        r = perf_tools.kcat_consume(args.bootstrap, spec["topic"], messages)
+        return {"samples": expected, "seconds": r["wall"], "wall": r["wall"], "rss_mib": None}
     if run.runner == "java":
         messages = sum(spec["ends"].values())
         r = perf_tools.consumer_performance(args.bootstrap, spec["topic"], messages,
@@ -1187,7 +1200,7 @@ def run_latency_case(args: argparse.Namespace, run: Run, names: dict[str, str]) 
 
 
 def _mib(r: dict[str, Any]) -> str:
-    return "- (JVM)" if r.get("rss_mib") is None else f"{r['rss_mib']:,.0f} MiB"
+    return "- (not measured)" if r.get("rss_mib") is None else f"{r['rss_mib']:,.0f} MiB"
 
 
 def consumer_table(runs: list[Run], consumers: dict[str, list[dict[str, Any]]],
@@ -1209,7 +1222,7 @@ def consumer_table(runs: list[Run], consumers: dict[str, list[dict[str, Any]]],
             notes.append("one run")
         note = f" ({'; '.join(notes)})" if notes else ""
         size = WORKLOADS[TOPICS[run.topic].workload].record_bytes
-        mem = "- (JVM)" if rs[0].get("rss_mib") is None else f"{_med(rs, 'rss_mib'):,.0f} MiB"
+        mem = "- (not measured)" if rs[0].get("rss_mib") is None else f"{_med(rs, 'rss_mib'):,.0f} MiB"
         lines.append(f"| {run.label}{note} | {rate:,.0f} | {rate * size / 1e6:,.0f} "
                      f"| {_med(rs, 'wall'):.2f} | {mem} |")
     return lines, rates
@@ -1339,8 +1352,8 @@ def report_loader(args: argparse.Namespace, command: str, res: dict[str, Any]) -
         found = [f"{k} ({v})" for k, v in tools.items() if v]
         add("")
         add("kcat, kafkacat, rdkafka_performance: " + (
-            "found: " + ", ".join(found) + " (not run: the table above has librdkafka's "
-            "consume ceiling)" if found else "not installed (none on PATH), not measured."))
+            "found: " + ", ".join(found) + " (kcat, where found, has its rows above)"
+            if found else "not installed (none on PATH), not measured."))
     return "\n".join(lines) + "\n", missed
 
 
@@ -1534,6 +1547,11 @@ def main() -> int:
         note = ("kafka-python is not installed: its contender was skipped "
                 "(`pip install kafka-python` to measure it).")
         print(note + (f" ({', '.join(skipped)})" if skipped else ""), flush=True)
+        res["notes"].append(note)
+    if not (shutil.which("kcat") or shutil.which("kafkacat")):
+        consumers = [r for r in consumers if r.runner != "kcat"]
+        note = "kcat is not installed: its rows were skipped."
+        print(note, flush=True)
         res["notes"].append(note)
     latency = [r for r in LATENCY if only is None or r.key in only]
     read = {r.topic for r in consumers}

@@ -134,6 +134,29 @@ def consumer_performance(bootstrap: str, topic: str, messages: int, group: str,
     return {**row, "wall": wall}
 
 
+def kcat_consume(bootstrap: str, topic: str, messages: int, timeout: float = 300) -> dict[str, Any]:
+    """Read ``topic`` from the beginning to its end with kcat (librdkafka, no Python).
+
+    Each message is printed as one byte to a pipe this process counts, so
+    kcat does as little as a consumer can. The wall time includes kcat's
+    start, metadata and connections.
+    """
+    exe = shutil.which("kcat") or shutil.which("kafkacat")
+    if exe is None:
+        raise RuntimeError("kcat is not installed")
+    t0 = time.perf_counter()
+    proc = subprocess.run([exe, "-C", "-b", bootstrap, "-t", topic, "-o", "beginning", "-e", "-q",
+                           "-f", "."], capture_output=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"kcat failed (exit {proc.returncode}): {proc.stderr[-2000:]!r}")
+    got = proc.stdout.count(b".")
+    if got != messages:
+        raise RuntimeError(f"kcat read {got} messages of {messages}")
+    return {"messages": got, "wall": wall}
+
+
 def native_tools() -> dict[str, str | None]:
     return {name: shutil.which(name) for name in NATIVE_TOOLS}
 

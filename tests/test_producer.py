@@ -172,3 +172,41 @@ def test_default_compression_follows_the_benchmark_figures() -> None:
     assert default_compression(kfeed.Schema({"ids": ("uint16", (8,)), "y": ("int64", ())})) == "lz4"
     assert default_compression(kfeed.Schema({"x": ("float32", (768,)), "y": ("int64", ())})) == "none"
     assert default_compression(kfeed.Schema({"x": ("bfloat16", (4,))})) == "none"
+
+
+@pytest.mark.integration
+def test_sends_from_several_threads_at_once_lose_and_repeat_nothing(bootstrap: str,
+                                                                    make_topic: Any) -> None:
+    import threading
+
+    from kfeed.cli import synthetic_columns, synthetic_schema
+
+    schema = synthetic_schema()
+    topic = make_topic(partitions=3)
+    errors: list[BaseException] = []
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as producer:
+        def work(k: int) -> None:
+            try:
+                for start in range(k * 6000, (k + 1) * 6000, 500):
+                    ids = np.arange(start, start + 500)
+                    producer.send(synthetic_columns(ids), keys=ids)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert producer.samples == 24_000
+    got = []
+    for part, msgs in read_partitions(bootstrap, topic).items():
+        for m in msgs:
+            out = schema.empty(64)
+            res = schema.decode_into([m.value()], out)
+            assert not res.bad
+            got.append(out["id"][:res.rows].copy())
+            assert all(kfeed.partition_for(str(i), 3) == part for i in out["id"][:res.rows])
+    ids = np.concatenate(got)
+    assert len(ids) == len(np.unique(ids)) == 24_000
