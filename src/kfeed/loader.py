@@ -154,6 +154,7 @@ class _Feeder:
         # Feeder-only state.
         self.assigned: set[TP] = set()
         self.seen: set[TP] = set()
+        self.released: dict[TP, Position] = {}  # where we were when a partition was revoked
         self.skip: dict[TP, Position] = {}     # records to skip in a straddling block
         self.ends: dict[TP, int] = {}          # bounded epoch: high watermarks at start
         self.done: set[TP] = set()
@@ -287,7 +288,13 @@ class _Feeder:
         out: dict[TP, Position] = {}
         for tp in tps:
             c = committed.get(tp)
-            if c is not None and (self.start == "committed" or tp in self.seen):
+            mine = self.released.get(tp)
+            if mine is not None:
+                # Back after a revoke: where we left it, unless a member that
+                # had it since went further (our commit on revoke may have
+                # failed, e.g. with every broker down).
+                out[tp] = mine if c is None else max(mine, (c.offset, c.skip))
+            elif c is not None and (self.start == "committed" or tp in self.seen):
                 out[tp] = (c.offset, c.skip)
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
@@ -315,6 +322,7 @@ class _Feeder:
         with self.lock:
             self.gen += 1
             mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
+            self.released.update(mine)
             for tp in tps:
                 self.used.pop(tp, None)
             log.info("revoke commits %s", mine)
@@ -595,6 +603,7 @@ class _RecordFeeder(_Feeder):
         with self.lock:
             marks = self.order.watermarks()
             mine = {tp: marks[tp] for tp in tps if tp in marks}
+            self.released.update(mine)
             self.gen += 1
             try:
                 self.source.commit(mine, asynchronous=False)
