@@ -67,9 +67,9 @@ demo-lm: install
 	@set -u; \
 	$(PY) -m kfeed cluster up --nodes 1 --dir $(DEMO_CLUSTER) --port $(DEMO_PORT) || { $(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; exit 1; }; \
 	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(DEMO_CLUSTER) | tail -n 1); \
-	$(PY) -m kfeed produce --topic kfeed-demo-text --partitions 2 --synthetic-text 400 \
+	$(PY) -m kfeed produce --topic kfeed-demo-text --partitions 2 --synthetic-text 200 \
 	&& $(PY) -m kfeed train --task lm --topic kfeed-demo-text --group-id kfeed-demo-lm \
-		--batch-size 8 --seq-len 128 --shuffle 256 --steps 120 --log-every 20 \
+		--batch-size 8 --seq-len 128 --shuffle 128 --until-end --log-every 20 \
 		--checkpoint $(DEMO_CLUSTER)/checkpoint-lm.pt --checkpoint-every 50; rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
 	exit $$rc
