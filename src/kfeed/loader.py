@@ -321,10 +321,8 @@ class _Feeder:
         self._wait_for_caller(tps)
         with self.lock:
             self.gen += 1
-            mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
+            mine = self._give_up(tps)
             self.released.update(mine)
-            for tp in tps:
-                self.used.pop(tp, None)
             log.info("revoke commits %s", mine)
             try:
                 self.source.commit(mine, asynchronous=False)
@@ -335,6 +333,13 @@ class _Feeder:
         self.skip.clear()
         self.assigned.difference_update(tps)
         log.info("revoked %s", sorted(tps))
+
+    def _give_up(self, tps: list[TP]) -> dict[TP, Position]:
+        """Drop revoked partitions from the state (under ``lock``); their positions."""
+        mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
+        for tp in tps:
+            self.used.pop(tp, None)
+        return mine
 
     # -- filling a slot -------------------------------------------------------
 
@@ -362,6 +367,10 @@ class _Feeder:
                 started = time.monotonic()
         return meta
 
+    def _messages_for(self, rows: int) -> int:
+        """Messages to ask for, to get about ``rows`` records."""
+        return max(1, min(10000, math.ceil(rows / self.records_per_msg)))
+
     def _fetch_within(self, started: float | None, rows: int) -> bool:
         """Fetch for a batch that holds ``rows`` since ``started``; False once max_wait is over.
 
@@ -376,13 +385,13 @@ class _Feeder:
         if left <= 0:
             return False
         need = self.batch_size - rows
-        self._fetch(max(1, min(10000, math.ceil(need / self.records_per_msg))), min(_POLL_S, left))
+        self._fetch(self._messages_for(need), min(_POLL_S, left))
         return True
 
     def _fetch(self, n: int | None = None, timeout: float = _POLL_S) -> None:
         """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones."""
         if n is None:
-            n = max(1, min(10000, math.ceil(self.batch_size / self.records_per_msg)))
+            n = self._messages_for(self.batch_size)
         gen = self.gen
         self.starts = {}
         msgs = self.source.consume(n, timeout)
@@ -509,10 +518,7 @@ class _Feeder:
                 self.used[tp] = end
 
     def state(self) -> dict[str, Any]:
-        positions: dict[str, dict[int, list[int]]] = {}
-        for (topic, part), (off, skip) in sorted(self.handed.items()):
-            positions.setdefault(topic, {})[part] = [off, skip]
-        return {"positions": positions}
+        return {"positions": _by_topic(self.handed)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" in state:
@@ -598,22 +604,11 @@ class _RecordFeeder(_Feeder):
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         return positions
 
-    def _on_revoke(self, tps: list[TP]) -> None:
-        self._wait_for_caller(tps)
-        with self.lock:
-            marks = self.order.watermarks()
-            mine = {tp: marks[tp] for tp in tps if tp in marks}
-            self.released.update(mine)
-            self.gen += 1
-            try:
-                self.source.commit(mine, asynchronous=False)
-                self.committed.update(mine)
-            except KfeedError as e:
-                log.warning("commit on revoke failed: %s", e)
-            self._rebuild(set(tps))
-        self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
-        self.assigned.difference_update(tps)
-        log.info("revoked %s", sorted(tps))
+    def _give_up(self, tps: list[TP]) -> dict[TP, Position]:
+        marks = self.order.watermarks()
+        mine = {tp: marks[tp] for tp in tps if tp in marks}
+        self._rebuild(set(tps))
+        return mine
 
     def _rebuild(self, without: set[TP]) -> None:
         """Start again from what was handed out, as a resume would, less ``without``."""
@@ -783,23 +778,21 @@ class _RecordFeeder(_Feeder):
         self.used.update(self.order.watermarks())
 
     def state(self) -> dict[str, Any]:
-        positions: dict[str, dict[int, list[int]]] = {}
-        for (topic, part), (off, sub) in sorted(self.order.watermarks().items()):
-            positions.setdefault(topic, {})[part] = [off, sub]
-        pack = self.packer.pack if self.packer is not None else None
         return {
-            "positions": positions,
+            "positions": _by_topic(self.order.watermarks()),
             "order": self.order.state(),
-            "pack": None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id,
-                                               pack.split_long],
+            "pack": self._pack_spec(),
             "pack_offset": self.pack_offset,
         }
+
+    def _pack_spec(self) -> list[Any] | None:
+        pack = self.packer.pack if self.packer is not None else None
+        return None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id, pack.split_long]
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" not in state:
             raise ConfigError("the state was saved by a loader without shuffle or pack")
-        pack = self.packer.pack if self.packer is not None else None
-        want = None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id, pack.split_long]
+        want = self._pack_spec()
         if state.get("pack") != want:
             raise ConfigError(f"the state was saved with pack {state.get('pack')}, "
                               f"this loader packs {want}")
@@ -1205,6 +1198,14 @@ class Loader:
             self.close(commit_current=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
             pass
+
+
+def _by_topic(positions: Mapping[TP, Position]) -> dict[str, dict[int, list[int]]]:
+    """Positions as the state holds them: topic -> partition -> [offset, skip]."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for (topic, part), (off, skip) in sorted(positions.items()):
+        out.setdefault(topic, {})[part] = [off, skip]
+    return out
 
 
 def _dist_ready() -> bool:
