@@ -448,9 +448,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if state.get("task", "mlp") != task.name:
             raise KfeedError(f"{ckpt} is a checkpoint of --task {state.get('task', 'mlp')}, "
                              f"not {task.name}")
+    # --resume ties the stream to the checkpoint: with none yet the model is
+    # new, so it reads from the start, whatever a killed run committed.
+    start = "earliest" if args.resume and state is None else "committed"
     loader = Loader(config, args.topic, task.schema, task.batch_size, device=device,
                     until="end" if args.until_end else None, format=args.format,
-                    **task.loader_kwargs())
+                    start=start, **task.loader_kwargs())
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -606,7 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at the end of the topic's current content")
     t.add_argument("--checkpoint", metavar="PATH", help="checkpoint file")
     t.add_argument("--checkpoint-every", type=int, default=50, metavar="K")
-    t.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint (with none yet: a new model, read from "
+                        "the earliest offsets)")
     t.add_argument("--log-every", type=int, default=100, metavar="STEPS")
     t.add_argument("--log-ids", metavar="PATH", help="append every trained id to this file")
     t.set_defaults(func=cmd_train)
