@@ -12,9 +12,9 @@ a. Host-to-device bandwidth for batches of ``--batch`` (256) samples, all three
    between two ``torch.cuda.synchronize()``:
 
    - ``kfeed pinned pool``: ``DeviceCopier.copy`` of a filled ``BufferPool``
-     slot, the call ``Loader.__next__`` makes (pinned slot, side stream,
-     ``non_blocking=True``, an event per copy). The slots are a small ring, as
-     in the loader.
+     slot, the call the loader's thread makes once a slot is filled (pinned
+     slot, side stream, ``non_blocking=True``, an event per copy). The slots
+     are a small ring, as in the loader.
    - ``pin_memory() per batch``: ``t.pin_memory().to(device, non_blocking=True)``
      on distinct pageable batches (torch's caching host allocator keeps the
      pinned blocks, so this is a host memcpy plus the DMA).
@@ -47,6 +47,14 @@ b. Data stall. A model step of about ``--step-ms`` (2 ms) on the device: the
    device copy (kfeed: the whole ``next()``; DataLoader: ``next()`` plus
    ``.to(device, non_blocking=True)`` of each field). ``GPU busy %`` is steps x
    the calibrated step time / total.
+
+c. The host runs ahead. The same step in a loop that reads the loss back only
+   every N steps (1, 10, 100), as a training loop does when it logs: between
+   reads the host queues steps ahead of the GPU, so a feeder that keeps up is
+   hidden. ``busy %`` is the loop time with one fixed batch already on the
+   device divided by the loop time with the feeder: 100 % means the GPU never
+   waited for data. For kfeed and for the DataLoader with the largest
+   ``--workers``.
 
 Without CUDA it refuses to run unless ``--device cpu`` is given; then it runs
 the same code on the CPU (no pinning, a matmul step on the CPU with one torch
@@ -231,7 +239,7 @@ def bandwidth(args: argparse.Namespace, device: Any, schema: Any, values: list[b
         rows.append({"method": name, "gb_per_s": nbytes * n / seconds / 1e9,
                      "us_per_batch": seconds / n * 1e6, "batches": n, "note": note})
 
-    # kfeed's pool: a ring of slots filled by the codec, copied as Loader.__next__ does.
+    # kfeed's pool: a ring of slots filled by the codec, copied as the loader's thread does.
     pool = BufferPool(schema, b, slots=args.prefetch + 2)
     copier = DeviceCopier(device)
     slots = []
@@ -419,7 +427,7 @@ def _dataloader_loop(dl: Any, device: Any, step: Step, steps: int,
 
 def data_stall(args: argparse.Namespace, device: Any, schema: Any, values: list[bytes],
                decoded: dict[str, Any],
-               sync: Syncer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               sync: Syncer) -> tuple[dict[str, Any], list[dict[str, Any]], Step]:
     import torch
     from torch.utils.data import DataLoader
 
@@ -477,7 +485,67 @@ def data_stall(args: argparse.Namespace, device: Any, schema: Any, values: list[
         add(f"DataLoader(num_workers={w}, pin_memory={cuda})", r, sum(waits[1:]),
             args.steps * b, {"num_workers": w})
         print(f"  {rows[-1]['feeder']}: done in {r['total_s']:.1f} s", flush=True)
-    return model, rows
+    return model, rows, step
+
+
+# -- c. the host runs ahead --------------------------------------------------
+
+
+def run_ahead_loop(get: Any, step: Step, steps: int, every: int, sync: Syncer) -> float:
+    """Seconds for ``steps`` steps that read the loss every ``every`` steps, nothing else."""
+    batch = get()
+    step(batch["features"])
+    sync()
+    t = time.perf_counter()
+    for i in range(steps):
+        loss = step(batch["features"])
+        if i % every == every - 1:
+            loss.item()
+        batch = get()
+    sync()
+    return time.perf_counter() - t
+
+
+def run_ahead(args: argparse.Namespace, device: Any, schema: Any, values: list[bytes],
+              decoded: dict[str, Any], step: Step, sync: Syncer) -> list[dict[str, Any]]:
+    """GPU time used vs a loop that feeds one fixed batch from device memory.
+
+    A training loop synchronises only when it reads a value back (here the
+    loss, every ``every`` steps); in between, the host queues steps ahead of
+    the GPU and a fast enough feeder is hidden. ``busy %`` = the fixed batch's
+    loop time / the feeder's: 100 means the GPU never waited for data.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from kfeed.loader import memory_loader
+
+    b = args.batch
+    fixed = {"features": torch.from_numpy(decoded["features"][:b]).to(device)}
+    workers = max(args.workers) if args.workers else 0
+    ds = SampleDataset(decoded)
+    rows = []
+    for every in (1, 10, 100):
+        ideal = run_ahead_loop(lambda: fixed, step, args.steps, every, sync)
+        with memory_loader(values, schema, b, device=device, loop=True,
+                           prefetch=args.prefetch) as loader:
+            it = iter(loader)
+            t_kfeed = run_ahead_loop(lambda: next(it), step, args.steps, every, sync)
+        dl = DataLoader(ds, batch_size=b, sampler=CyclicSampler(len(ds), (args.steps + 2) * b),
+                        num_workers=workers, pin_memory=device.type == "cuda", drop_last=True)
+        its = [iter(dl)]
+
+        def dl_get() -> dict[str, Any]:
+            return {k: v.to(device, non_blocking=True) for k, v in next(its[0]).items()}
+
+        t_dl = run_ahead_loop(dl_get, step, args.steps, every, sync)
+        its.clear()
+        rows.append({"every": every, "fixed_s": ideal, "kfeed_s": t_kfeed,
+                     "dataloader_s": t_dl, "dataloader_workers": workers,
+                     "kfeed_busy_pct": 100 * ideal / t_kfeed,
+                     "dataloader_busy_pct": 100 * ideal / t_dl})
+        print(f"  loss read every {every} steps: done", flush=True)
+    return rows
 
 
 # -- output ------------------------------------------------------------------
@@ -535,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"b. Data stall: {args.steps} steps of a ~{args.step_ms:g} ms model step, synchronised "
           f"every step" + ("" if gpu else "  [CPU: NOT GPU FIGURES]"), flush=True)
     t = time.perf_counter()
-    model, stall = data_stall(args, device, schema, values, decoded, sync)
+    model, stall, step = data_stall(args, device, schema, values, decoded, sync)
     t_stall = time.perf_counter() - t
     print(f"  {'feeder':<44} {'stall %':>7} {'+copy %':>7} {'busy %':>7} {'step ms':>7} "
           f"{'samples/s':>10} {'max wait ms':>11} {'startup s':>9}")
@@ -548,8 +616,24 @@ def main(argv: list[str] | None = None) -> int:
           f"DataLoader from perf_counter around next(); +copy % adds issuing the device copy; "
           f"busy % = steps x {model['step_ms']:.3f} ms / loop time. kfeed stats() "
           f"stall_fraction: {100 * k['stats_stall_fraction']:.2f} %.)")
+
+    print()
+    print(f"c. The host runs ahead: {args.steps} steps, the loss read back every N steps, "
+          f"GPU busy vs one fixed batch on the device"
+          + ("" if gpu else "  [CPU: NOT GPU FIGURES]"), flush=True)
+    t = time.perf_counter()
+    ahead = run_ahead(args, device, schema, values, decoded, step, sync)
+    t_ahead = time.perf_counter() - t
+    w = ahead[0]["dataloader_workers"]
+    print(f"  {'loss read every':>15} {'fixed s':>8} {'kfeed s':>8} {'kfeed busy %':>12} "
+          f"{'DataLoader(' + str(w) + ') s':>16} {'busy %':>7}")
+    for r in ahead:
+        print(f"  {r['every']:>15} {r['fixed_s']:8.3f} {r['kfeed_s']:8.3f} "
+              f"{r['kfeed_busy_pct']:12.1f} {r['dataloader_s']:16.3f} "
+              f"{r['dataloader_busy_pct']:7.1f}")
     total = time.perf_counter() - t_start
-    print(f"\nTotal {total:.1f} s (bandwidth {t_bw:.1f} s, data stall {t_stall:.1f} s)."
+    print(f"\nTotal {total:.1f} s (bandwidth {t_bw:.1f} s, data stall {t_stall:.1f} s, "
+          f"run ahead {t_ahead:.1f} s)."
           + ("" if gpu else "  CPU RUN: NOT GPU FIGURES."))
 
     if args.json_path:
@@ -558,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                           "copies": args.copies, "steps": args.steps,
                           "step_ms_target": args.step_ms, "workers": args.workers,
                           "prefetch": args.prefetch, "block_records": BLOCK_RECORDS},
-               "bandwidth": bw, "model": model, "stall": stall, "seconds": total}
+               "bandwidth": bw, "model": model, "stall": stall, "run_ahead": ahead,
+               "seconds": total}
         if not gpu:
             out["warning"] = "CPU run (--device cpu): not GPU figures"
         with open(args.json_path, "w") as f:

@@ -19,7 +19,7 @@ from kfeed.pool import BufferPool, SlotState
 SMALL = Schema({"x": ("float32", (4,)), "y": ("int64", ())})
 SEEDS = Schema({"features": ("float32", (768,)), "label": ("int64", ()), "id": ("int64", ())})
 
-FREE, FILLING, READY, IN_USE = SlotState.FREE, SlotState.FILLING, SlotState.READY, SlotState.IN_USE
+FREE, FILLING = SlotState.FREE, SlotState.FILLING
 
 
 def small_pool(slots: int = 3, batch_size: int = 8) -> BufferPool:
@@ -41,49 +41,10 @@ def test_a_slot_goes_round_the_cycle():
     assert pool.states() == [FREE] * 3
     slot = pool.acquire()
     assert slot.state is FILLING
-    pool.mark_ready(slot)
-    assert slot.state is READY
-    pool.hand_out(slot)
-    assert slot.state is IN_USE
+    assert pool.states() == [FILLING, FREE, FREE]
     pool.release(slot)
     assert slot.state is FREE
     assert pool.states() == [FREE] * 3
-
-
-@pytest.mark.parametrize("state", [FILLING, READY, IN_USE])
-def test_release_is_allowed_from_every_taken_state(state):
-    pool = small_pool(slots=1)
-    slot = pool.acquire()
-    if state in (READY, IN_USE):
-        pool.mark_ready(slot)
-    if state is IN_USE:
-        pool.hand_out(slot)
-    assert slot.state is state
-    pool.release(slot)
-    assert slot.state is FREE
-    assert pool.acquire(timeout=0) is slot
-
-
-def test_illegal_transitions_raise_and_change_nothing():
-    pool = small_pool(slots=1)
-    slot = pool.slots[0]
-    for move in (pool.mark_ready, pool.hand_out):
-        with pytest.raises(KfeedError, match="free"):
-            move(slot)
-        assert slot.state is FREE
-    pool.acquire()
-    with pytest.raises(KfeedError, match="filling, expected ready"):
-        pool.hand_out(slot)
-    assert slot.state is FILLING
-    pool.mark_ready(slot)
-    with pytest.raises(KfeedError, match="ready, expected filling"):
-        pool.mark_ready(slot)
-    assert slot.state is READY
-    pool.hand_out(slot)
-    for move in (pool.mark_ready, pool.hand_out):
-        with pytest.raises(KfeedError):
-            move(slot)
-        assert slot.state is IN_USE
 
 
 def test_double_release_raises_and_frees_the_slot_once():
@@ -99,7 +60,7 @@ def test_double_release_raises_and_frees_the_slot_once():
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["acquire", "ready", "hand", "release"]), st.integers(0, 2)),
+    st.tuples(st.sampled_from(["acquire", "release"]), st.integers(0, 2)),
     max_size=40,
 )
 
@@ -109,7 +70,6 @@ OPS = st.lists(
 def test_the_state_machine_matches_its_model(ops):
     pool = small_pool(slots=3)
     model = {s.index: FREE for s in pool.slots}
-    legal = {"ready": (FILLING, READY), "hand": (READY, IN_USE)}
     for op, i in ops:
         slot = pool.slots[i]
         if op == "acquire":
@@ -119,22 +79,12 @@ def test_the_state_machine_matches_its_model(ops):
                 model[got.index] = FILLING
             else:
                 assert got is None
-        elif op == "release":
-            if model[i] is FREE:
-                with pytest.raises(KfeedError):
-                    pool.release(slot)
-            else:
+        elif model[i] is FREE:
+            with pytest.raises(KfeedError):
                 pool.release(slot)
-                model[i] = FREE
         else:
-            move = pool.mark_ready if op == "ready" else pool.hand_out
-            old, new = legal[op]
-            if model[i] is old:
-                move(slot)
-                model[i] = new
-            else:
-                with pytest.raises(KfeedError):
-                    move(slot)
+            pool.release(slot)
+            model[i] = FREE
         assert pool.states() == [model[k] for k in range(3)]
 
 
@@ -198,16 +148,14 @@ def test_a_closed_pool_hands_out_nothing_even_with_free_slots():
 def test_acquire_waits_for_the_event_of_the_last_copy_and_resets_the_slot():
     pool = small_pool(slots=1)
     slot = pool.acquire()
-    slot.rows, slot.meta = 5, {"offsets": 1}
-    pool.mark_ready(slot)
-    pool.hand_out(slot)
+    slot.rows, slot.extent = 5, {"x": 3}
     event = FakeEvent()
     pool.release(slot, event=event)
     assert slot.event is event and event.waits == 0
     again = pool.acquire()
     assert again is slot
     assert event.waits == 1 and slot.event is None
-    assert (slot.rows, slot.meta) == (0, None)
+    assert (slot.rows, slot.extent) == (0, {})
 
 
 @pytest.mark.parametrize(
@@ -265,7 +213,6 @@ def test_decoding_into_a_slot_target():
     result = SMALL.decode_into(values, slot.target)
     assert result == (6, 2, [], 0)
     slot.rows = result.rows
-    pool.mark_ready(slot)
     view = slot.view()
     assert view["x"].shape == (6, 4)
     np.testing.assert_array_equal(view["x"].numpy(), x)
@@ -287,11 +234,9 @@ def test_a_thousand_cycles_allocate_nothing():
     )
 
     def cycle() -> None:
-        # The loader's cycle: take a slot, decode into it, hand it out, give it back.
+        # The loader's cycle: take a slot, decode into it, give it back.
         slot = pool.acquire(timeout=1)
         slot.rows = SEEDS.decode_into(values, slot.target).rows
-        pool.mark_ready(slot)
-        pool.hand_out(slot)
         pool.release(slot)
 
     for _ in range(10):

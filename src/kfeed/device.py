@@ -1,11 +1,18 @@
 """The last hop of the data flow: a filled pool slot -> tensors on the device.
 
-On CUDA, a side stream copies the slot's pinned tensors to the device with
-``non_blocking=True`` and records an event; the caller's current stream waits
-on that event, so the training step is ordered after the copy without the CPU
-ever blocking, and the pool refills the slot only once the event completes.
-On the CPU the copy is a plain memcpy into tensors the caller owns, so a batch
-stays valid however long the caller keeps it.
+The loader's thread calls ``copy`` as soon as a slot is filled, so a batch is
+already on its way to the device while the previous step runs, and
+``next()`` itself only calls ``adopt``. On CUDA, ``copy`` issues the slot's
+pinned tensors to the device on a side stream with ``non_blocking=True`` and
+records an event; the pool refills the slot only once that event completes.
+``adopt``, on the caller's thread, makes the caller's current stream wait on
+the event, so the training step is ordered after the copy without the CPU
+ever blocking. On the CPU the copy is a plain memcpy into tensors the caller
+owns, so a batch stays valid however long the caller keeps it.
+
+Issuing the copy from ``next()`` instead cost the caller 150 us a batch on an
+H200 (three copies, a stream switch, an event, and the GIL lost to the
+loader's thread in between), about 7 % of a 2 ms step; see bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -33,21 +40,32 @@ class DeviceCopier:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def copy(self, slot: Slot) -> tuple[dict[str, torch.Tensor], Any]:
-        """The slot's filled rows on the device, and the event guarding the slot."""
+        """The slot's filled rows on the device, and the event that ends the copy.
+
+        Any thread may call it. On CUDA the copy is only issued: the slot
+        must not be refilled before the event completes, and the tensors must
+        go through ``adopt`` before a stream other than the side stream uses
+        them.
+        """
         src = slot.view()
         if not self.cuda:
             return {name: _copy_single_threaded(t) for name, t in src.items()}, None
-        current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             out = {name: t.to(self.device, non_blocking=True) for name, t in src.items()}
             event = torch.cuda.Event()
             event.record(self._stream)
+        return out, event
+
+    def adopt(self, tensors: dict[str, torch.Tensor], event: Any) -> None:
+        """Order the calling thread's current stream after the copy of ``tensors``."""
+        if event is None:
+            return
+        current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        for t in out.values():
+        for t in tensors.values():
             # The tensors were allocated on the side stream; tell the caching
             # allocator they are used on the caller's stream too.
             t.record_stream(current)
-        return out, event
 
 
 def _copy_single_threaded(t: torch.Tensor) -> torch.Tensor:

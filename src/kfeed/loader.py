@@ -2,9 +2,10 @@
 
 This is the consumer half of the data flow. A background thread (the feeder)
 consumes messages in bulk from a ``Source``, decodes them with the schema's
-Cython codec straight into a free ``BufferPool`` slot, and queues full slots.
-The caller's ``next()`` takes a ready slot, copies it to the device
-(``kfeed.device``) and hands the batch out. Offsets follow the rule in
+Cython codec straight into a free ``BufferPool`` slot, issues the slot's copy
+to the device (``kfeed.device``) and queues the batch. The caller's ``next()``
+takes a queued batch, orders its CUDA stream after the copy and hands the
+batch out, so the copy overlaps the step before it. Offsets follow the rule in
 DESIGN.md: a batch's offsets are committed only once the caller asks for the
 batch after it (so the step that used it has finished), on ``commit()``, or
 on ``close()``; ``state_dict()`` holds the position after every batch handed
@@ -16,7 +17,7 @@ Two threads, one queue, one stop event::
 
     caller thread                         feeder thread (daemon)
     -------------                         ----------------------
-    next(): ready.get(timeout) <--------- ready.put(slot | _END | _Failure)
+    next(): ready.get(timeout) <--------- ready.put(batch | _END | _Failure)
     close(): stop.set(); pool.close() --> sees stop within one poll interval,
              join(feeder)                  puts nothing more, returns
              commit used positions
@@ -111,10 +112,16 @@ _END = object()
 
 
 class _BatchMeta:
-    __slots__ = ("gen", "first", "end", "acks", "pack_offset", "info")
+    """A batch on its way to the caller: the copy, and what the loader must know of it."""
+
+    __slots__ = ("gen", "first", "end", "acks", "pack_offset", "info", "rows", "tensors",
+                 "event")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
+        self.rows = 0
+        self.tensors: dict[str, torch.Tensor] = {}  # on the device, copy issued
+        self.event: Any = None                      # the copy's CUDA event
         self.first: dict[TP, Position] = {}
         self.end: dict[TP, Position] = {}
         # Record mode (see _RecordFeeder): records of the order this batch
@@ -128,13 +135,14 @@ class _Feeder:
     """The background thread's state. Holds no reference to the Loader."""
 
     def __init__(self, source: Source, schema: Schema, fmt: Format, pool: BufferPool,
-                 prefetch: int, *, bounded: bool, drop_last: bool, max_wait_s: float,
-                 on_bad: BadRecordPolicy, start: Any, assignment: list[TP] | None) -> None:
+                 copier: DeviceCopier, prefetch: int, *, bounded: bool, drop_last: bool,
+                 max_wait_s: float, on_bad: BadRecordPolicy, start: Any, assignment: list[TP] | None) -> None:
         self.source = source
         self.schema = schema
         self.block = fmt is Format.BLOCK
         self.fmt = fmt
         self.pool = pool
+        self.copier = copier
         self.batch_size = pool.batch_size
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self.stop = threading.Event()
@@ -202,9 +210,11 @@ class _Feeder:
                     if finished or self.stop.is_set():
                         break
                     continue
-                slot.meta = meta
-                self.pool.mark_ready(slot)
-                if not self._put(slot, serve=True):
+                # Issued here, the copy overlaps the caller's current step.
+                meta.rows = slot.rows
+                meta.tensors, meta.event = self.copier.copy(slot)
+                self.pool.release(slot, meta.event)
+                if not self._put(meta, serve=True):
                     return
                 if finished:
                     break
@@ -806,6 +816,11 @@ class Loader:
     and ``group.id`` at least); kfeed's own settings are the keyword
     arguments. See the module docstring for the offset rule.
 
+    Up to ``prefetch`` batches wait ready, their copies to ``device`` already
+    issued; with the one being filled and the one the caller holds, the
+    device holds at most ``prefetch + 2`` batches, and the host three pool
+    slots (pinned when CUDA is available).
+
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
     ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
@@ -900,9 +915,10 @@ class Loader:
         self._group = (kafka_config or {}).get("group.id")
         self._copier = DeviceCopier(self.device)
         packer = Packer(pack, batch_size) if pack is not None else None
-        # prefetch ready + one filling + one being copied out.
-        self._pool = BufferPool(schema, batch_size, slots=prefetch + 2, packer=packer)
-        args = (source, schema, fmt, self._pool, prefetch)
+        # One filling, the others still being copied out: a slot is given
+        # back as soon as its copy is issued, and refilled once it is done.
+        self._pool = BufferPool(schema, batch_size, slots=3, packer=packer)
+        args = (source, schema, fmt, self._pool, self._copier, prefetch)
         kwargs = dict(bounded=until == "end", drop_last=drop_last,
                       max_wait_s=max_wait_ms / 1000.0, on_bad=policy, start=start,
                       assignment=None)
@@ -961,8 +977,7 @@ class Loader:
             have = torch.tensor([0 if item is _END else 1])
             torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
             if have.item() == 0 and item is not _END:
-                self._pool.release(item)  # not handed out: its records stay unread
-                item = _END
+                item = _END  # the batch is not handed out: its records stay unread
         batch = None
         while batch is None:
             if item is _END:
@@ -1001,29 +1016,24 @@ class Loader:
             if item is _END:
                 return item
             with f.lock:
-                if item.meta.gen == f.gen:
+                if item.gen == f.gen:
                     return item
-            self._pool.release(item)  # from before a rebalance: dropped
+            # From before a rebalance: dropped.
 
-    def _hand_out(self, slot: Slot) -> Batch | None:
+    def _hand_out(self, meta: _BatchMeta) -> Batch | None:
         f = self._feeder
-        meta = slot.meta
         with f.lock:
             if meta.gen != f.gen:
                 # A rebalance happened after _take: the caller's next() takes
                 # the next batch instead.
-                self._pool.release(slot)
                 return None
             f.accept(meta)
-        self._pool.hand_out(slot)
-        rows = slot.rows
-        tensors, event = self._copier.copy(slot)
-        self._pool.release(slot, event)
+        self._copier.adopt(meta.tensors, meta.event)
         offsets = {tp: (meta.first.get(tp, end), end) for tp, end in meta.end.items()}
-        batch = Batch(tensors, rows, offsets, meta.info)
+        batch = Batch(meta.tensors, meta.rows, offsets, meta.info)
         self._current = batch
         self._batches += 1
-        self._samples_out += rows
+        self._samples_out += meta.rows
         return batch
 
     def _mark_used(self) -> None:

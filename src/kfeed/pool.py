@@ -2,16 +2,14 @@
 
 In the data flow it sits between the loader's background thread, which fills a
 free slot straight from Kafka message values, and the caller's side, which
-copies a ready slot to the device. Slots are pinned when CUDA is available so
-that copy can run asynchronously; a slot carries the CUDA event of its last
-copy and is not refilled before that event completes. Nothing is allocated per
-batch once the pool exists.
+issues the device copy of a filled slot and gives it back at once. Slots are
+pinned when CUDA is available so that copy can run asynchronously; a slot
+carries the CUDA event of its last copy and is not refilled before that event
+completes. Nothing is allocated per batch once the pool exists.
 
 Slot life cycle::
 
-    FREE --acquire()--> FILLING --mark_ready()--> READY --hand_out()--> IN_USE
-      ^                    |                        |                     |
-      +----------------- release(slot, event=None) -+---------------------+
+    FREE --acquire()--> FILLING --release(slot, event=None)--> FREE
 """
 
 from __future__ import annotations
@@ -33,14 +31,12 @@ __all__ = ["BufferPool", "Slot", "SlotState"]
 class SlotState(str, Enum):
     FREE = "free"
     FILLING = "filling"
-    READY = "ready"
-    IN_USE = "in_use"
 
 
 class Slot:
     """One preallocated batch: a tensor per field, ``[batch_size, *shape]``."""
 
-    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent", "meta")
+    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent")
 
     def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
@@ -50,7 +46,6 @@ class Slot:
         self.event: Any = None  # CUDA event of the last copy out of this slot
         self.rows = 0
         self.extent: dict[str, int] = {}  # entries filled, for tensors not counted in rows
-        self.meta: Any = None  # what the loader needs to know about the batch
 
     def view(self) -> dict[str, torch.Tensor]:
         """The filled rows of each field."""
@@ -133,14 +128,7 @@ class BufferPool:
             slot.event = None
         slot.rows = 0
         slot.extent = {}
-        slot.meta = None
         return slot
-
-    def mark_ready(self, slot: Slot) -> None:
-        self._move(slot, SlotState.FILLING, SlotState.READY)
-
-    def hand_out(self, slot: Slot) -> None:
-        self._move(slot, SlotState.READY, SlotState.IN_USE)
 
     def release(self, slot: Slot, event: Any = None) -> None:
         """Give a slot back; with ``event``, it is refilled only once it completes."""
@@ -157,14 +145,6 @@ class BufferPool:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def _move(self, slot: Slot, old: SlotState, new: SlotState) -> None:
-        with self._cond:
-            if slot.state is not old:
-                raise KfeedError(
-                    f"slot {slot.index} is {slot.state.value}, expected {old.value}"
-                )
-            slot.state = new
 
     def __repr__(self) -> str:
         return (
