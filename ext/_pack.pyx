@@ -19,10 +19,15 @@ width, is built for several CPU levels in the same way (see ``KFEED_CLONES``).
 """
 
 from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
-                          uint64_t)
+                          uint64_t, uintptr_t)
 from libc.stddef cimport wchar_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+
+import numpy as np
 
 
 cdef extern from "<wchar.h>" nogil:
@@ -174,6 +179,38 @@ cdef void count(uint8_t* d, int dc, Py_ssize_t n) noexcept nogil:
             (<int64_t*>d)[i] = i
 
 
+def address(obj):
+    """The address of the first byte of ``obj``, a C-contiguous buffer the caller keeps alive."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
+    cdef uintptr_t ptr = <uintptr_t>view.buf
+    PyBuffer_Release(&view)
+    return ptr
+
+
+def offsets(const int64_t[::1] lengths):
+    """``(offsets, total, nonempty)`` of document lengths, in one pass.
+
+    ``offsets``: int64, ``len(lengths) + 1`` entries from 0; ``total``: the
+    sum; ``nonempty``: how many lengths are not 0. ValueError if one is
+    negative.
+    """
+    cdef Py_ssize_t n = lengths.shape[0], i
+    out = np.empty(n + 1, np.int64)
+    cdef int64_t[::1] o = out
+    cdef int64_t total = 0, v
+    cdef Py_ssize_t nonempty = 0
+    o[0] = 0
+    for i in range(n):
+        v = lengths[i]
+        if v < 0:
+            raise ValueError("lengths must be >= 0")
+        total += v
+        nonempty += v != 0
+        o[i + 1] = total
+    return out, total, nonempty
+
+
 cdef class Outputs:
     """The output buffers of one batch, as raw addresses (kept alive by the caller).
 
@@ -190,7 +227,6 @@ cdef class Outputs:
     cdef uint8_t* docs
     cdef int doc_code
     cdef int32_t* cu
-    cdef Py_ssize_t cu_cap
     cdef readonly Py_ssize_t rows
     cdef readonly Py_ssize_t seq_len
 
@@ -215,7 +251,6 @@ cdef class Outputs:
         self.docs = <uint8_t*>doc_ptr
         self.doc_code = doc_code
         self.cu = <int32_t*>cu_ptr
-        self.cu_cap = cu_cap
         if pos_ptr:
             self.positions = <uint8_t*>malloc(seq_len * out_size(pos_code))
             if self.positions == NULL:
@@ -241,61 +276,96 @@ cdef class Core:
     """The packing loop and where the current batch stands.
 
     A batch may be filled from several sources (the chunks documents were
-    fed in) in turn: ``start()`` opens a batch, each ``run()`` packs from one
-    source and, when that source runs out before the batch is full, leaves
-    the batch's cursor here for the next source.
+    fed in) in turn: ``batch()`` opens a batch and packs from one chunk after
+    another; when a chunk runs out before the batch is full, ``_run`` leaves
+    the batch's cursor here for the next one.
     """
 
     cdef Py_ssize_t L
+    cdef Py_ssize_t batch_rows
     cdef bint has_eos
     cdef int64_t eos
     cdef int64_t pad
     cdef bint split_long
     # The cursor of the current batch.
-    cdef readonly Py_ssize_t rows        # rows done
+    cdef Py_ssize_t rows                 # rows done
     cdef Py_ssize_t col                  # column in the current row
-    cdef readonly Py_ssize_t segments
-    cdef readonly Py_ssize_t max_seqlen
-    cdef readonly int64_t tokens         # real tokens written
-    cdef readonly int64_t truncated
+    cdef Py_ssize_t segments
+    cdef Py_ssize_t max_seqlen
+    cdef int64_t tokens                  # real tokens written
+    cdef int64_t truncated
     cdef int64_t doc_id                  # the id of the next document in this batch
-    cdef readonly int64_t documents      # documents finished
+    cdef int64_t documents               # documents finished
 
-    def __cinit__(self, Py_ssize_t seq_len, bint has_eos, int64_t eos, int64_t pad,
-                  bint split_long):
-        if seq_len <= 0:
-            raise ValueError("seq_len must be positive")
+    def __cinit__(self, Py_ssize_t seq_len, Py_ssize_t rows, bint has_eos, int64_t eos,
+                  int64_t pad, bint split_long):
+        if seq_len <= 0 or rows <= 0:
+            raise ValueError("seq_len and rows must be positive")
         self.L = seq_len
+        self.batch_rows = rows
         self.has_eos = has_eos
         self.eos = eos
         self.pad = pad
         self.split_long = split_long
 
-    def start(self):
-        """Open a new batch."""
-        self.rows = self.col = self.segments = self.max_seqlen = 0
-        self.tokens = self.truncated = self.doc_id = self.documents = 0
+    def batch(self, Outputs out, chunks, int src_code, Py_ssize_t doc, int64_t off,
+              bint finished):
+        """Pack the next batch into ``out`` from ``chunks``, starting at document ``doc``.
 
-    def run(self, Outputs out, uint64_t src, int src_code, uint64_t offsets_ptr,
-            Py_ssize_t ndocs, Py_ssize_t doc, int64_t off, bint final):
-        """Pack from document ``doc`` (``off`` tokens of it already out) of one source.
+        ``chunks``: the front's pending chunks in order, each a tuple whose
+        items 2 to 4 are the address of its token ids (``src_code``
+        elements), the address of its ``ndocs + 1`` int64 document offsets
+        (from 0, non-decreasing: the front checks) and ``ndocs``; ``off``
+        tokens of document ``doc`` of the first chunk are already out.
+        ``finished``: the stream ends with the last chunk, so the batch may
+        have fewer rows, its last row padded.
 
-        ``src``: the address of the source's token ids (``src_code``
-        elements); ``offsets_ptr``: of its ``ndocs + 1`` int64 document
-        offsets, from 0 and non-decreasing (the caller checks). Returns
-        ``(complete, doc, off)``. Not complete: the source ran out before the
-        batch was full and ``final`` is false; the next source goes on from
-        the cursor. Complete: the batch is done, with fewer rows than
-        ``out.rows`` only when ``final`` (the stream is over; the last row is
-        padded), and the packer continues at ``doc`` with ``off`` tokens of
-        it out.
+        Returns None if the chunks cannot fill the batch (and nothing
+        changed), else ``(used, doc, off, rows, segments, max_seqlen,
+        tokens, truncated, documents)``: the first ``used`` chunks are packed
+        whole and the packer continues at document ``doc`` of the next one,
+        with ``off`` tokens of it out. One call per batch, so the front does
+        no per-chunk work in Python.
         """
         if not C_INT8 <= src_code <= C_UINT64:
             raise ValueError("unknown element type")
-        if not 0 <= doc <= ndocs or out.seq_len != self.L:
-            raise ValueError("doc is outside the documents, or out has another seq_len")
-        cdef const uint8_t* s = <const uint8_t*>src
-        cdef const int64_t* offsets = <const int64_t*>offsets_ptr
+        if out.seq_len != self.L or out.rows != self.batch_rows:
+            raise ValueError(f"out was bound for [{out.rows}, {out.seq_len}], this packer "
+                             f"writes [{self.batch_rows}, {self.L}]")
+        cdef Py_ssize_t used = 0, last = len(chunks) - 1, ndocs = 0
+        cdef bint complete = False
+        cdef tuple c
+        self.rows = self.col = self.segments = self.max_seqlen = 0
+        self.tokens = self.truncated = self.doc_id = self.documents = 0
+        for c in chunks:
+            ndocs = c[4]
+            if not 0 <= doc <= ndocs:
+                raise ValueError("doc is outside the chunk's documents")
+            complete, doc, off = self._run(out, <const uint8_t*><uintptr_t>c[2], src_code,
+                                           <const int64_t*><uintptr_t>c[3], ndocs, doc, off,
+                                           finished and used == last)
+            if complete:
+                break
+            doc = off = 0
+            used += 1
+        if not complete:
+            return None
+        if doc == ndocs:  # the batch ended with the chunk's last document
+            used += 1
+            doc = 0
+        return (used, doc, off, self.rows, self.segments, self.max_seqlen, self.tokens,
+                self.truncated, self.documents)
+
+    cdef (bint, Py_ssize_t, int64_t) _run(self, Outputs out, const uint8_t* s, int src_code,
+                                          const int64_t* offsets, Py_ssize_t ndocs,
+                                          Py_ssize_t doc, int64_t off, bint final):
+        """Pack from document ``doc`` (``off`` tokens of it already out) of one chunk.
+
+        Returns ``(complete, doc, off)``. Not complete: the chunk ran out
+        before the batch was full and ``final`` is false; the next chunk goes
+        on from the cursor. Complete: the batch is done, with fewer rows than
+        ``out.rows`` only when ``final``.
+        """
         cdef size_t isz = in_size(src_code)
         cdef size_t tsz = out_size(out.tok)
         cdef Py_ssize_t L = self.L, rows = out.rows, at, take, a, b
@@ -312,7 +382,6 @@ cdef class Core:
         cdef const uint8_t* positions = out.positions
         cdef uint8_t* docs = out.docs
         cdef int pos_code = out.pos_code, doc_code = out.doc_code
-        cdef Py_ssize_t cu_cap = out.cu_cap
         cdef bint complete = True
         with nogil:
             while r < rows:
@@ -375,9 +444,7 @@ cdef class Core:
                 r += 1
                 col = 0
             if complete and cu != NULL:
-                # The entries past the valid ones repeat the total, so the
-                # whole buffer is a valid cu_seqlens (empty sequences at the end).
-                fill32(cu + nseg, <int32_t>(r * L), cu_cap - nseg)
+                cu[nseg] = <int32_t>(r * L)  # the total; what follows is not written
         self.rows = r
         self.col = col
         self.segments = nseg

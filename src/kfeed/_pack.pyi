@@ -1,5 +1,11 @@
+from collections.abc import Iterable
+from typing import Any
+
 CODES: dict[str, int]
 OUT_CODES: dict[str, int]
+
+def address(obj: Any) -> int: ...
+def offsets(lengths: Any) -> tuple[Any, int, int]: ...
 
 class Outputs:
     rows: int
@@ -19,24 +25,15 @@ class Outputs:
     ) -> None: ...
 
 class Core:
-    rows: int
-    segments: int
-    max_seqlen: int
-    tokens: int
-    truncated: int
-    documents: int
     def __init__(
-        self, seq_len: int, has_eos: bool, eos: int, pad: int, split_long: bool
+        self, seq_len: int, rows: int, has_eos: bool, eos: int, pad: int, split_long: bool
     ) -> None: ...
-    def start(self) -> None: ...
-    def run(
+    def batch(
         self,
         out: Outputs,
-        src: int,
+        chunks: Iterable[tuple[Any, Any, int, int, int]],
         src_code: int,
-        offsets_ptr: int,
-        ndocs: int,
         doc: int,
         off: int,
-        final: bool,
-    ) -> tuple[bool, int, int]: ...
+        finished: bool,
+    ) -> tuple[int, int, int, int, int, int, int, int, int] | None: ...

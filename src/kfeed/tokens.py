@@ -27,8 +27,9 @@ Packing rules (``Pack``):
   document within the batch (a document continued across rows keeps its id;
   -1 for padding); ``cu_seqlens``, int32, the flattened start of every
   segment then ``rows * seq_len``, the form flash-attention's varlen kernels
-  take (``position_ids == 0`` exactly where a segment starts). Entries past
-  the valid ones repeat the total, so the whole buffer is valid too.
+  take (``position_ids == 0`` exactly where a segment starts). Only the
+  first ``segments + 1`` entries are written; the rest of the buffer is left
+  as it was (writing it would cost as much as the batch's position ids).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class PackTarget(NamedTuple):
 
     outputs: _pack.Outputs
     owners: tuple[Any, ...]
+    shape: tuple[int, int]  # [rows, seq_len]
 
 
 def _is_tensor(obj: object) -> bool:
@@ -169,9 +171,13 @@ class Packer:
         # their addresses, document count). Document d of a chunk is elements
         # offsets[d]..offsets[d + 1]; the arrays keep the addresses valid.
         self._chunks: deque[tuple[np.ndarray, np.ndarray, int, int, int]] = deque()
-        self._core = _pack.Core(pack.seq_len, pack.eos_id is not None,
+        self._core = _pack.Core(pack.seq_len, self.batch_size, pack.eos_id is not None,
                                 0 if pack.eos_id is None else pack.eos_id, pack.pad_id,
                                 pack.split_long)
+        # Pending tokens that surely fill a batch (split_long=False may pad
+        # up to half of every row).
+        self._need = self._slots if pack.split_long else (self._slots + 1) // 2
+        self._shape = (self.batch_size, pack.seq_len)
         self._dtype: np.dtype | None = None
         self._code = 0
         self._doc = 0  # next document of the first chunk to pack
@@ -206,10 +212,10 @@ class Packer:
             )
         if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
             raise ConfigError("lengths must be a 1-D array of ints")
-        lens = lens.astype(np.int64, copy=False)
-        total = int(lens.sum())
-        if lens.size and lens.min() < 0:
-            raise ConfigError("lengths must be >= 0")
+        try:
+            offsets, total, nonempty = _pack.offsets(np.ascontiguousarray(lens, np.int64))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if total != len(flat):
             raise ConfigError(f"lengths add up to {total}, tokens holds {len(flat)}")
         if self._dtype is None:
@@ -221,8 +227,6 @@ class Packer:
         if not lens.size:
             return
         flat = np.array(flat, copy=True) if copy else np.ascontiguousarray(flat)
-        offsets = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(lens, out=offsets[1:])
         if self._off and not self._chunks:
             n = int(lens[0])
             unit = n + (self.pack.eos_id is not None) if n else 0
@@ -231,11 +235,10 @@ class Packer:
                     f"the document resumed at holds {unit} tokens (EOS counted), not more "
                     f"than the {self._off} already out: fed from the wrong document"
                 )
-        self._chunks.append((flat, offsets, flat.__array_interface__["data"][0],
-                             offsets.__array_interface__["data"][0], len(lens)))
+        self._chunks.append((flat, offsets, _pack.address(flat), _pack.address(offsets),
+                             len(lens)))
         if self.pack.split_long:
-            eos = self.pack.eos_id is not None
-            self._pending += total + (int(np.count_nonzero(lens)) if eos else 0)
+            self._pending += total + (nonempty if self.pack.eos_id is not None else 0)
         else:
             units = np.where(lens > 0, lens + (self.pack.eos_id is not None), 0)
             self._pending += int(np.minimum(units, self.pack.seq_len).sum())
@@ -309,7 +312,7 @@ class Packer:
             cu_cap = int(out["cu_seqlens"].shape[0])
         outputs = _pack.Outputs(self.batch_size, self.pack.seq_len, tok, tok_code, pos,
                                 pos_code, doc, doc_code, cu, cu_cap)
-        return PackTarget(outputs, tuple(out.values()))
+        return PackTarget(outputs, tuple(out.values()), shape)
 
     def next_batch(self, out: Mapping[str, Any] | PackTarget) -> PackInfo | None:
         """Pack the next batch into ``out``; None if the documents fed cannot fill it yet.
@@ -319,45 +322,24 @@ class Packer:
         contents of ``out`` are unspecified.
         """
         target = out if isinstance(out, PackTarget) else self.bind(out)
-        p = self.pack
-        if (target.outputs.rows, target.outputs.seq_len) != (self.batch_size, p.seq_len):
-            raise ConfigError(
-                f"out was bound for [{target.outputs.rows}, {target.outputs.seq_len}], this "
-                f"packer writes [{self.batch_size}, {p.seq_len}]"
-            )
-        if not self._finished:
-            need = self._slots if p.split_long else (self._slots + 1) // 2
-            if self._pending < need:
-                return None
-        if not self._chunks:
+        if target.shape != self._shape:
+            raise ConfigError(f"out was bound for [{target.shape[0]}, {target.shape[1]}], this "
+                              f"packer writes [{self.batch_size}, {self.pack.seq_len}]")
+        if (not self._finished and self._pending < self._need) or not self._chunks:
             return None
-        core, outputs, code = self._core, target.outputs, self._code
-        core.start()
-        doc, off = self._doc, self._off
-        last = len(self._chunks) - 1
-        # One batch may take documents from several chunks: the core keeps the
-        # batch's cursor from one to the next.
-        for k, (_tokens, _offsets, src, offsets, ndocs) in enumerate(self._chunks):
-            complete, doc, off = core.run(outputs, src, code, offsets, ndocs, doc, off,
-                                          self._finished and k == last)
-            if complete:
-                break
-            doc = off = 0
-        else:
+        # One batch may take documents from several chunks; one call packs it.
+        res = self._core.batch(target.outputs, self._chunks, self._code, self._doc, self._off,
+                               self._finished)
+        if res is None:
             return None
-        for _ in range(k):
+        used, self._doc, self._off, rows, segments, max_seqlen, real, truncated, done = res
+        for _ in range(used):
             self._chunks.popleft()
-        if doc == self._chunks[0][4]:
-            self._chunks.popleft()
-            doc = 0
-        self._doc, self._off = doc, off
-        rows, segments, max_seqlen = core.rows, core.segments, core.max_seqlen
-        real, truncated, done = core.tokens, core.truncated, core.documents
         self._docs += done
         self._pending -= real
         if rows == 0:
             return None
-        padding = rows * p.seq_len - real
+        padding = rows * self.pack.seq_len - real
         self.batches += 1
         self.tokens += real
         self.padding += padding
