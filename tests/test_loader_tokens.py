@@ -9,6 +9,7 @@ interleaving depends on how fetches fall).
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 
 import numpy as np
@@ -141,6 +142,30 @@ def test_several_partitions_resume_with_every_document_once(shuffle, stop) -> No
     first, state = run(values, TOKENS, 4, stop=stop, pack=pack, shuffle=shuffle)
     rest, _ = run(values, TOKENS, 4, state=state, pack=pack, shuffle=shuffle)
     assert documents(first + rest) == want_documents(docs)
+
+
+def test_a_stream_short_of_a_batch_yields_a_partial_batch_once_max_wait_is_over() -> None:
+    # A streaming loader (no until=) whose topic holds far less than one
+    # [8, 128] batch: after max_wait_ms the packer's tokens go out anyway.
+    docs = make_docs(6, seed=4, max_len=60)
+    values = TOKENS.encode_blocks({"tokens": docs}, 2)
+    pack = Pack(seq_len=128, eos_id=EOS, pad_id=-1)
+    loader = memory_loader(values, TOKENS, 8, pack=pack, max_wait_ms=50)
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(next(loader)), daemon=True)
+    taker.start()
+    taker.join(10)  # without the partial batch, next() would wait for ever
+    assert got, "no batch 10 s after max_wait_ms=50"
+    batch = got[0]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    real = sum(len(d) + 1 for d in docs if len(d))
+    assert batch.pack.rows == -(-real // 128) < 8
+    assert batch["tokens"].shape == (batch.pack.rows, 128)
+    assert documents([as_numpy(batch)]) == want_documents(docs)
+    # The state covers every document: a resume has nothing left to read.
+    rest, _ = run(values, TOKENS, 8, state=state, pack=pack)
+    assert rest == []
 
 
 def test_packing_efficiency_on_a_realistic_length_mix() -> None:

@@ -256,6 +256,58 @@ def test_the_state_names_the_tokens_already_out(lengths, seq_len, batch_size, eo
         assert stream == expect
 
 
+@FAST
+@given(
+    lengths=lengths_strategy(),
+    seq_len=st.integers(1, 16),
+    batch_size=st.integers(1, 4),
+    eos=st.sampled_from([None, 3]),
+    split_long=st.booleans(),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+    flushes=st.lists(st.booleans(), min_size=8, max_size=8),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_partial_batches_cut_rows_short_and_lose_or_repeat_no_token(
+    lengths, seq_len, batch_size, eos, split_long, cuts, flushes, seed
+):
+    # What a trickling stream does: after some feeds the loader's max_wait
+    # runs out and whatever is fed goes out as a partial batch.
+    docs = make_docs(lengths, seed)
+    pack = Pack(seq_len, eos_id=eos, pad_id=-5, split_long=split_long)
+    packer = Packer(pack, batch_size)
+    out = packer.empty()
+    rows_want, _ = oracle_rows(docs, pack)
+    want = [t for row in rows_want for _, seg in row for t in seg]  # the real-token stream
+    units = [d + ([] if eos is None or not d else [eos]) for d in docs]
+    stream: list[int] = []
+
+    def take(info: PackInfo | None, partial: bool) -> None:
+        if info is None:
+            return
+        assert info.rows == batch_size or partial
+        ids = out["doc_ids"][: info.rows].reshape(-1)
+        stream.extend(out["tokens"][: info.rows].reshape(-1)[ids >= 0].tolist())
+        assert info.tokens + info.padding == info.rows * seq_len
+        if split_long:  # the state names exactly the tokens out so far
+            d, k = packer.state()["docs"], packer.state()["offset"]
+            assert stream == [t for u in units[:d] for t in u] + (units[d][:k] if k else [])
+
+    bounds = sorted({0, len(docs), *[c % (len(docs) + 1) for c in cuts]})
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        packer.feed(*flat(docs[a:b]))
+        while (info := packer.next_batch(out)) is not None:
+            take(info, partial=False)
+        if flushes[i % len(flushes)]:
+            take(packer.next_batch(out, partial=True), partial=True)
+            # Less than a batch was pending, so the partial batch took it all.
+            assert packer.pending_tokens == 0 and packer.pending_documents == 0
+    packer.finish()
+    while (info := packer.next_batch(out)) is not None:
+        take(info, partial=True)
+    assert stream == want
+    assert packer.pending_documents == 0
+
+
 def test_a_worked_example():
     pack = Pack(8, eos_id=99, pad_id=0)
     packer = Packer(pack, 2)

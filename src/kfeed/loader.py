@@ -136,7 +136,8 @@ class _Feeder:
 
     def __init__(self, source: Source, schema: Schema, fmt: Format, pool: BufferPool,
                  copier: DeviceCopier, prefetch: int, *, bounded: bool, drop_last: bool,
-                 max_wait_s: float, on_bad: BadRecordPolicy, start: Any, assignment: list[TP] | None) -> None:
+                 max_wait_s: float, on_bad: BadRecordPolicy, start: Any,
+                 assignment: list[TP] | None) -> None:
         self.source = source
         self.schema = schema
         self.block = fmt is Format.BLOCK
@@ -654,7 +655,7 @@ class _RecordFeeder(_Feeder):
                 slot.rows, slot.extent, meta, started = 0, {}, _BatchMeta(self.gen), None
             if self._take_into(slot, meta):
                 break
-            if started is None and slot.rows:
+            if started is None and (slot.rows or self._packing()):
                 started = time.monotonic()
             if self._pending():
                 self._push_pending()
@@ -663,8 +664,16 @@ class _RecordFeeder(_Feeder):
                     break  # the end of the epoch: a partial batch, or none
                 self._drain()
             elif not self._fetch_within(started, slot.rows):
+                # max_wait is over: what the packer holds goes out, its last
+                # row padded, rather than wait for a whole batch.
+                if self.packer is not None and not self.finished:
+                    self._packed(slot, meta, self.packer.next_batch(slot.target, partial=True))
                 break
         return meta
+
+    def _packing(self) -> bool:
+        """Whether the packer holds tokens of a batch to come."""
+        return self.packer is not None and self.packer.pending_tokens > 0
 
     def _take_into(self, slot: Slot, meta: _BatchMeta) -> bool:
         """Move emitted records into the slot; whether it is complete."""
@@ -676,11 +685,7 @@ class _RecordFeeder(_Feeder):
             if info is None:
                 self.finished = self.drained
                 return False
-            slot.rows = info.rows
-            slot.extent = {"cu_seqlens": info.segments + 1}
-            meta.acks = info.documents
-            meta.pack_offset = packer.state()["offset"]
-            meta.info = info
+            self._packed(slot, meta, info)
             return True
         n = min(self.batch_size - slot.rows, len(self.out))
         if n:
@@ -691,6 +696,17 @@ class _RecordFeeder(_Feeder):
             slot.rows += n
             meta.acks += n
         return slot.rows == self.batch_size
+
+    def _packed(self, slot: Slot, meta: _BatchMeta, info: PackInfo | None) -> None:
+        """The packer wrote ``info`` (None: nothing) into ``slot``."""
+        if info is None:
+            return
+        assert self.packer is not None
+        slot.rows = info.rows
+        slot.extent = {"cu_seqlens": info.segments + 1}
+        meta.acks = info.documents
+        meta.pack_offset = self.packer.state()["offset"]
+        meta.info = info
 
     def _arrays(self, slot: Slot) -> list[np.ndarray]:
         arrays = self.arrays.get(slot.index)

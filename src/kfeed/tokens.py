@@ -314,22 +314,27 @@ class Packer:
                                 pos_code, doc, doc_code, cu, cu_cap)
         return PackTarget(outputs, tuple(out.values()), shape)
 
-    def next_batch(self, out: Mapping[str, Any] | PackTarget) -> PackInfo | None:
+    def next_batch(self, out: Mapping[str, Any] | PackTarget, *,
+                   partial: bool = False) -> PackInfo | None:
         """Pack the next batch into ``out``; None if the documents fed cannot fill it yet.
 
         After ``finish()`` the last batch may have fewer rows (its last row
-        padded), and then None comes back for good. When None comes back the
-        contents of ``out`` are unspecified.
+        padded), and then None comes back for good. ``partial=True`` packs
+        what was fed even if it cannot fill the batch, as after ``finish()``,
+        but the stream goes on: later documents start a new row. (The loader
+        does this once ``max_wait_ms`` has passed on a stream that trickles.)
+        When None comes back the contents of ``out`` are unspecified.
         """
         target = out if isinstance(out, PackTarget) else self.bind(out)
         if target.shape != self._shape:
             raise ConfigError(f"out was bound for [{target.shape[0]}, {target.shape[1]}], this "
                               f"packer writes [{self.batch_size}, {self.pack.seq_len}]")
-        if (not self._finished and self._pending < self._need) or not self._chunks:
+        final = self._finished or partial
+        if (not final and self._pending < self._need) or not self._chunks:
             return None
         # One batch may take documents from several chunks; one call packs it.
         res = self._core.batch(target.outputs, self._chunks, self._code, self._doc, self._off,
-                               self._finished)
+                               final)
         if res is None:
             return None
         used, self._doc, self._off, rows, segments, max_seqlen, real, truncated, done = res
