@@ -192,6 +192,7 @@ class _Feeder:
     def run(self) -> None:
         where = "opening the source"
         try:
+            self.copier.bind_thread()
             if self.bounded:
                 where = "reading the high watermarks"
                 for tp in self.source.partitions():
