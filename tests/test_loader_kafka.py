@@ -211,6 +211,30 @@ def test_bad_messages_go_to_the_dead_letter_topic(bootstrap, make_topic, group_i
         assert h["kfeed.reason"]
 
 
+def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period() -> None:
+    # Just after a topic is created, the broker a client asks may not know it
+    # yet. Until the grace (or the connect timeout) is over, that means "ask
+    # again"; after it, the topic is not available. Fake metadata: no broker.
+    from types import SimpleNamespace
+
+    from kfeed.sources import _GONE_GRACE_S, TopicUnavailable, topic_partitions
+
+    def answer(code=None, partitions=None):
+        err = None if code is None else SimpleNamespace(code=lambda: code, str=lambda: f"E{code}")
+        return SimpleNamespace(topics={"t": SimpleNamespace(error=err, partitions=partitions or {})})
+
+    now = time.monotonic()
+    ok = answer(partitions={2: None, 0: None, 1: None})
+    assert topic_partitions(ok, "t", now, now + 30) == [0, 1, 2]
+    for unknown in (answer(3), answer(5), answer(), SimpleNamespace(topics={})):
+        assert topic_partitions(unknown, "t", now, now + 30) is None  # created a moment ago?
+        late = topic_partitions(unknown, "t", now - _GONE_GRACE_S, now + 30)
+        assert isinstance(late, TopicUnavailable)
+        assert topic_partitions(unknown, "t", now, now) == late  # the deadline ends it too
+    denied = topic_partitions(answer(29), "t", now, now + 30)  # not a matter of time
+    assert denied == TopicUnavailable("E29", 29)
+
+
 def test_unreachable_broker_and_missing_topic_fail_fast(bootstrap, group_id) -> None:
     t0 = time.monotonic()
     ld = kfeed.Loader({"bootstrap.servers": "127.0.0.1:9", "group.id": group_id}, "t", SCHEMA,

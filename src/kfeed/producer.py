@@ -26,6 +26,7 @@ import numpy as np
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
+from kfeed.sources import TopicUnavailable, topic_partitions
 
 __all__ = ["Producer", "PRODUCER_DEFAULTS"]
 
@@ -161,14 +162,14 @@ class Producer:
         from confluent_kafka import KafkaException
 
         # In short slices, so bad credentials fail at once, not after the timeout.
-        deadline = time.monotonic() + self._timeout
+        since = time.monotonic()
+        deadline = since + self._timeout
         while True:
             try:
                 self._producer.poll(0)
                 self._raise_fatal()
                 md = self._producer.list_topics(
                     self.topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-                break
             except (KafkaException, SystemError) as e:
                 err = _kafka_error(e)
                 if err is not None and err.fatal():
@@ -177,13 +178,13 @@ class Producer:
                     continue
                 self._raise_fatal()
                 raise self._error(f"cannot reach the brokers within {self._timeout:g}s", e) from e
-        tmd = md.topics.get(self.topic)
-        if tmd is None or tmd.error is not None or not tmd.partitions:
-            err = tmd.error if tmd is not None else None
-            why = err.str() if err is not None else "no partitions"
-            raise ProduceError(f"topic {self.topic!r} is not available: {why}", topic=self.topic,
-                               code=err.code() if err is not None else None)
-        return len(tmd.partitions)
+            found = topic_partitions(md, self.topic, since, deadline)
+            if isinstance(found, TopicUnavailable):
+                raise ProduceError(f"topic {self.topic!r} is not available: {found.why}",
+                                   topic=self.topic, code=found.code)
+            if found is not None:
+                return len(found)
+            time.sleep(0.1)
 
     def _raise_fatal(self) -> None:
         err = self._fatal

@@ -64,6 +64,36 @@ _FATAL_CODES = {
 # (a new topic can look unknown for a moment while metadata spreads).
 _GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
 _GONE_GRACE_S = 5.0
+_LEADER_NOT_AVAILABLE = 5
+
+
+class TopicUnavailable(NamedTuple):
+    """Why a topic cannot be read or written, and the Kafka error code if any."""
+
+    why: str
+    code: int | None
+
+
+def topic_partitions(md: Any, topic: str, since: float,
+                     deadline: float) -> list[int] | TopicUnavailable | None:
+    """``topic``'s partition ids in ``md``, a confluent-kafka ``list_topics`` answer.
+
+    None means ask again: the broker asked does not know the topic (or its
+    leaders) yet, and less than ``_GONE_GRACE_S`` passed since the first
+    question (``since``, a ``time.monotonic()`` value), and ``deadline`` has
+    not passed. A topic created a moment ago looks like that while its
+    metadata spreads to every broker.
+    """
+    until = min(deadline, since + _GONE_GRACE_S)
+    tmd = md.topics.get(topic)
+    if tmd is not None and tmd.error is None and tmd.partitions:
+        return sorted(tmd.partitions)
+    err = tmd.error if tmd is not None else None
+    code = err.code() if err is not None else None
+    if (code is None or code in _GONE_CODES or code == _LEADER_NOT_AVAILABLE) and \
+            time.monotonic() < until:
+        return None
+    return TopicUnavailable(err.str() if err is not None else "no partitions", code)
 
 
 class Committed(NamedTuple):
@@ -262,14 +292,14 @@ class KafkaSource(Source):
         for topic in self.topics:
             # In short slices, so bad credentials (reported through error_cb)
             # fail at once instead of after connect_timeout.
-            deadline = time.monotonic() + self.connect_timeout
+            since = time.monotonic()
+            deadline = since + self.connect_timeout
             while True:
                 self._consumer.poll(0)  # serves error_cb (not yet subscribed: reads nothing)
                 self._raise_fatal()
                 try:
                     md = self._consumer.list_topics(topic, timeout=min(
                         0.5, max(0.01, deadline - time.monotonic())))
-                    break
                 except KafkaException as e:
                     if time.monotonic() < deadline:
                         continue
@@ -279,13 +309,14 @@ class KafkaSource(Source):
                         f"within {self.connect_timeout:g}s: {e.args[0].str()}",
                         topic=topic,
                     ) from e
-            tmd = md.topics.get(topic)
-            if tmd is None or tmd.error is not None or not tmd.partitions:
-                err = tmd.error if tmd is not None else None
-                why = err.str() if err is not None else "no partitions"
-                raise ConsumeError(f"topic {topic!r} is not available: {why}", topic=topic,
-                                   code=err.code() if err is not None else None)
-            result.extend((topic, p) for p in sorted(tmd.partitions))
+                found = topic_partitions(md, topic, since, deadline)
+                if isinstance(found, TopicUnavailable):
+                    raise ConsumeError(f"topic {topic!r} is not available: {found.why}",
+                                       topic=topic, code=found.code)
+                if found is not None:
+                    result.extend((topic, p) for p in found)
+                    break
+                time.sleep(0.1)
         return result
 
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
