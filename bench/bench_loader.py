@@ -1063,19 +1063,10 @@ def machine() -> str:
     import torch
 
     import kfeed
+    from test_micro import cpu_and_memory
 
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
     kp = kafka_python_version()
-    return (f"{os.cpu_count()} cores, {mem} memory, {model}; Python {platform.python_version()}, "
+    return (f"{cpu_and_memory()}; Python {platform.python_version()}, "
             f"Apache Kafka {kafka_version()} (1 node, same machine; Java "
             f"{perf_tools.java_version()}), librdkafka {confluent_kafka.libversion()[0]}, "
             f"confluent-kafka {confluent_kafka.__version__}, "

@@ -19,6 +19,7 @@ prints a table of medians, ratios and peak traced memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -141,15 +142,11 @@ def check(w: Workload) -> None:
 
 # -- pytest-benchmark --------------------------------------------------------
 
-_WORKLOAD: Workload | None = None
-
-
+@functools.cache
 def _workload() -> Workload:
-    global _WORKLOAD
-    if _WORKLOAD is None:
-        _WORKLOAD = Workload()
-        check(_WORKLOAD)
-    return _WORKLOAD
+    w = Workload()
+    check(w)
+    return w
 
 
 def _info(benchmark, group: str, **info) -> None:
@@ -221,7 +218,8 @@ def peak_traced(fn: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-def machine() -> str:
+def cpu_and_memory() -> str:
+    """``"N cores, M GiB memory, CPU model"`` of this machine."""
     model = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -236,12 +234,14 @@ def machine() -> str:
         mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
     except (ValueError, OSError):
         pass
+    return f"{os.cpu_count()} cores, {mem} memory, {model}"
+
+
+def machine() -> str:
     import torch
 
-    return (
-        f"{os.cpu_count()} cores, {mem} memory, {model}; Python {platform.python_version()}, "
-        f"numpy {np.__version__}, torch {torch.__version__}"
-    )
+    return (f"{cpu_and_memory()}; Python {platform.python_version()}, numpy {np.__version__}, "
+            f"torch {torch.__version__}")
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ pytest-benchmark; ``python bench/test_pack.py`` prints the tables.
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import sys
@@ -43,7 +44,7 @@ from kfeed import Schema
 from kfeed.tokens import Pack, Packer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_micro import machine, peak_traced  # noqa: E402
+from test_micro import _info, machine, peak_traced  # noqa: E402
 
 try:
     import lz4.frame as lz4frame
@@ -373,20 +374,11 @@ def efficiency(lengths: np.ndarray, flat: np.ndarray, split_long: bool) -> tuple
 
 # -- pytest-benchmark --------------------------------------------------------------
 
-_WORKLOAD: Workload | None = None
-
-
+@functools.cache
 def _workload() -> Workload:
-    global _WORKLOAD
-    if _WORKLOAD is None:
-        _WORKLOAD = Workload()
-        check(_WORKLOAD)
-    return _WORKLOAD
-
-
-def _info(benchmark, group: str, **info) -> None:
-    benchmark.group = group
-    benchmark.extra_info.update(info)
+    w = Workload()
+    check(w)
+    return w
 
 
 def test_pack(benchmark):
