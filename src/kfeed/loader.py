@@ -2,10 +2,12 @@
 
 This is the consumer half of the data flow. A background thread (the feeder)
 consumes messages in bulk from a ``Source``, decodes them with the schema's
-Cython codec straight into a free ``BufferPool`` slot, issues the slot's copy
-to the device (``kfeed.device``) and queues the batch. The caller's ``next()``
-takes a queued batch, orders its CUDA stream after the copy and hands the
-batch out, so the copy overlaps the step before it. Offsets follow the rule in
+Cython codec straight into a free ``BufferPool`` slot and queues the batch.
+On CUDA the feeder also issues the slot's copy to the device
+(``kfeed.device``) before queueing it, so the copy overlaps the step before
+it, and the caller's ``next()`` only orders its stream after the copy; on the
+CPU ``next()`` makes the copy (a memcpy, which then runs beside the feeder's
+next decode). Offsets follow the rule in
 DESIGN.md: a batch's offsets are committed only once the caller asks for the
 batch after it (so the step that used it has finished), on ``commit()``, or
 on ``close()``; ``state_dict()`` holds the position after every batch handed
@@ -114,14 +116,15 @@ _END = object()
 class _BatchMeta:
     """A batch on its way to the caller: the copy, and what the loader must know of it."""
 
-    __slots__ = ("gen", "first", "end", "acks", "pack_offset", "info", "rows", "tensors",
-                 "event")
+    __slots__ = ("gen", "first", "end", "acks", "pack_offset", "info", "rows", "slot",
+                 "tensors", "event")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
         self.rows = 0
-        self.tensors: dict[str, torch.Tensor] = {}  # on the device, copy issued
-        self.event: Any = None                      # the copy's CUDA event
+        self.slot: Slot | None = None               # CPU: the filled slot, still to copy
+        self.tensors: dict[str, torch.Tensor] = {}  # CUDA: on the device, copy issued
+        self.event: Any = None                      # CUDA: the copy's event
         self.first: dict[TP, Position] = {}
         self.end: dict[TP, Position] = {}
         # Record mode (see _RecordFeeder): records of the order this batch
@@ -212,10 +215,13 @@ class _Feeder:
                     if finished or self.stop.is_set():
                         break
                     continue
-                # Issued here, the copy overlaps the caller's current step.
                 meta.rows = slot.rows
-                meta.tensors, meta.event = self.copier.copy(slot)
-                self.pool.release(slot, meta.event)
+                if self.copier.cuda:
+                    # Issued here, the copy overlaps the caller's current step.
+                    meta.tensors, meta.event = self.copier.copy(slot)
+                    self.pool.release(slot, meta.event)
+                else:
+                    meta.slot = slot  # the caller copies it (see _hand_out)
                 if not self._put(meta, serve=True):
                     return
                 if finished:
@@ -833,10 +839,11 @@ class Loader:
     and ``group.id`` at least); kfeed's own settings are the keyword
     arguments. See the module docstring for the offset rule.
 
-    Up to ``prefetch`` batches wait ready, their copies to ``device`` already
-    issued; with the one being filled and the one the caller holds, the
-    device holds at most ``prefetch + 2`` batches, and the host three pool
-    slots (pinned when CUDA is available).
+    Up to ``prefetch`` batches wait ready. On CUDA their copies to
+    ``device`` are already issued; with the one being filled and the one the
+    caller holds, the device holds at most ``prefetch + 2`` batches, and the
+    host three pinned pool slots. On the CPU the host holds ``prefetch + 2``
+    slots and ``next()`` copies each batch into tensors the caller owns.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
@@ -932,9 +939,11 @@ class Loader:
         self._group = (kafka_config or {}).get("group.id")
         self._copier = DeviceCopier(self.device)
         packer = Packer(pack, batch_size) if pack is not None else None
-        # One filling, the others still being copied out: a slot is given
-        # back as soon as its copy is issued, and refilled once it is done.
-        self._pool = BufferPool(schema, batch_size, slots=3, packer=packer)
+        # CUDA: one filling, the others still being copied out (a slot is
+        # given back as soon as its copy is issued, and refilled once it is
+        # done). CPU: a slot waits in the queue until next() copies it.
+        slots = 3 if self._copier.cuda else prefetch + 2
+        self._pool = BufferPool(schema, batch_size, slots=slots, packer=packer)
         args = (source, schema, fmt, self._pool, self._copier, prefetch)
         kwargs = dict(bounded=until == "end", drop_last=drop_last,
                       max_wait_s=max_wait_ms / 1000.0, on_bad=policy, start=start,
@@ -994,7 +1003,8 @@ class Loader:
             have = torch.tensor([0 if item is _END else 1])
             torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
             if have.item() == 0 and item is not _END:
-                item = _END  # the batch is not handed out: its records stay unread
+                self._drop(item)  # not handed out: its records stay unread
+                item = _END
         batch = None
         while batch is None:
             if item is _END:
@@ -1035,7 +1045,11 @@ class Loader:
             with f.lock:
                 if item.gen == f.gen:
                     return item
-            # From before a rebalance: dropped.
+            self._drop(item)  # from before a rebalance
+
+    def _drop(self, meta: _BatchMeta) -> None:
+        if meta.slot is not None:
+            self._pool.release(meta.slot)
 
     def _hand_out(self, meta: _BatchMeta) -> Batch | None:
         f = self._feeder
@@ -1043,8 +1057,12 @@ class Loader:
             if meta.gen != f.gen:
                 # A rebalance happened after _take: the caller's next() takes
                 # the next batch instead.
+                self._drop(meta)
                 return None
             f.accept(meta)
+        if meta.slot is not None:
+            meta.tensors, _ = self._copier.copy(meta.slot)
+            self._pool.release(meta.slot)
         self._copier.adopt(meta.tensors, meta.event)
         offsets = {tp: (meta.first.get(tp, end), end) for tp, end in meta.end.items()}
         batch = Batch(meta.tensors, meta.rows, offsets, meta.info)

@@ -1,11 +1,12 @@
 """BufferPool: the preallocated host batches that the codec decodes into.
 
 In the data flow it sits between the loader's background thread, which fills a
-free slot straight from Kafka message values, and the caller's side, which
-issues the device copy of a filled slot and gives it back at once. Slots are
-pinned when CUDA is available so that copy can run asynchronously; a slot
-carries the CUDA event of its last copy and is not refilled before that event
-completes. Nothing is allocated per batch once the pool exists.
+free slot straight from Kafka message values, and the copy of the filled slot
+to the device (issued by that thread on CUDA, made by the caller's ``next()``
+on the CPU), after which the slot is given back. Slots are pinned when CUDA
+is available so that copy can run asynchronously; a slot carries the CUDA
+event of its last copy and is not refilled before that event completes.
+Nothing is allocated per batch once the pool exists.
 
 Slot life cycle::
 
