@@ -235,6 +235,21 @@ def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period()
     assert denied == TopicUnavailable("E29", 29)
 
 
+def test_lag_is_zero_once_everything_was_handed_out(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=3)
+    produce(bootstrap, topic, 0, 3000)
+    with loader(bootstrap, topic, group_id, batch_size=100, prefetch=4) as ld:
+        next(ld)
+        deadline = time.monotonic() + 10  # librdkafka's statistics come once a second
+        while not ld.stats()["lag"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(ld.stats()["lag"].values()) > 0  # prefetched batches count as not read
+        n = 100 + sum(b.size for b in ld)
+        lag = ld.stats()["lag"]  # at once: not the statistics' last (stale) consumer lag
+    assert n == 3000
+    assert len(lag) == 3 and set(lag.values()) == {0}, lag
+
+
 def test_unreachable_broker_and_missing_topic_fail_fast(bootstrap, group_id) -> None:
     t0 = time.monotonic()
     ld = kfeed.Loader({"bootstrap.servers": "127.0.0.1:9", "group.id": group_id}, "t", SCHEMA,

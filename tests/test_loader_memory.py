@@ -130,6 +130,20 @@ def test_raw_format() -> None:
         assert np.array_equal(collect(loader), np.arange(500))
 
 
+def test_lag_counts_from_the_last_batch_handed_out() -> None:
+    # 1,000 one-sample messages on one partition; the feeder runs ahead by
+    # prefetch batches, but the lag counts what the caller has not had yet.
+    values = SCHEMA.encode_raw(synthetic_columns(np.arange(1000)))
+    with memory_loader(values, SCHEMA, 100, format="raw", until="end", device="cpu",
+                       prefetch=4) as loader:
+        next(loader)
+        next(loader)
+        assert loader.stats()["lag"] == {"memory[0]": 800}
+        for _ in loader:
+            pass
+        assert loader.stats()["lag"] == {"memory[0]": 0}
+
+
 def test_streaming_yields_partial_batch_after_max_wait() -> None:
     with memory_loader(blocks(0, 10), SCHEMA, 256, max_wait_ms=50, device="cpu") as loader:
         batch = next(loader)

@@ -538,6 +538,10 @@ class _Feeder:
     def state(self) -> dict[str, Any]:
         return {"positions": _by_topic(self.handed)}
 
+    def delivered(self) -> dict[TP, Position]:
+        """Per partition, the position after every record handed out (under ``lock``)."""
+        return dict(self.handed)
+
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" in state:
             raise ConfigError("the state was saved by a loader with shuffle or pack")
@@ -809,6 +813,9 @@ class _RecordFeeder(_Feeder):
 
     def mark_used(self, batch: Batch) -> None:
         self.used.update(self.order.watermarks())
+
+    def delivered(self) -> dict[TP, Position]:
+        return self.order.watermarks()
 
     def state(self) -> dict[str, Any]:
         return {
@@ -1194,7 +1201,9 @@ class Loader:
         # Rates and stall are over the steady state, from the first batch on;
         # joining the group and the first fetch show as startup_s.
         elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
-        lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag().items())}
+        with f.lock:
+            positions = {tp: off for tp, (off, _skip) in f.delivered().items()}
+        lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag(positions).items())}
         return {
             "samples": self._samples_out,
             "samples_decoded": f.samples,

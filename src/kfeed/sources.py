@@ -150,8 +150,8 @@ class Source:
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         raise NotImplementedError
 
-    def lag(self) -> dict[TP, int]:
-        """Messages behind the high watermark, per assigned partition."""
+    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
+        """Messages from ``positions`` (the caller's, per partition) to each partition's end."""
         raise NotImplementedError
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
@@ -216,6 +216,7 @@ class KafkaSource(Source):
         user_stats_cb = config.get("stats_cb")
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
         self._lag: dict[TP, int] = {}
+        self._ends: dict[TP, int] = {}
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
@@ -261,20 +262,36 @@ class KafkaSource(Source):
 
         try:
             topics = json.loads(text).get("topics", {})
-            lag = {}
+            lag, ends = {}, {}
             for topic, t in topics.items():
                 for part, p in t.get("partitions", {}).items():
-                    if int(part) >= 0 and p.get("consumer_lag", -1) >= 0:
-                        lag[(topic, int(part))] = int(p["consumer_lag"])
-            self._lag = lag
+                    if int(part) < 0:
+                        continue
+                    tp = (topic, int(part))
+                    if p.get("consumer_lag", -1) >= 0:
+                        lag[tp] = int(p["consumer_lag"])
+                    # read_committed reads up to the last stable offset.
+                    end = p.get("ls_offset", -1) if p.get("ls_offset", -1) >= 0 else \
+                        p.get("hi_offset", -1)
+                    if end >= 0:
+                        ends[tp] = int(end)
+            self._lag, self._ends = lag, ends
         except (ValueError, KeyError, TypeError):
             log.debug("unreadable librdkafka statistics", exc_info=True)
         if user_cb is not None:
             user_cb(text)
 
-    def lag(self) -> dict[TP, int]:
-        """Messages behind the high watermark, per partition, from the last statistics."""
-        return dict(self._lag)
+    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
+        """Messages from ``positions`` to each partition's end as the last statistics saw it.
+
+        A partition with no position yet gets librdkafka's own
+        ``consumer_lag`` (from the committed offset), when it has one.
+        """
+        out = dict(self._lag)
+        for tp, end in self._ends.items():
+            if tp in positions:
+                out[tp] = max(0, end - positions[tp])
+        return out
 
     def _tp(self, tp: TP, offset: int | None = None, metadata: str | None = None) -> Any:
         from confluent_kafka import TopicPartition
@@ -624,8 +641,9 @@ class MemorySource(Source):
     def pause(self, tps: Sequence[TP]) -> None:
         self._paused.update(tps)
 
-    def lag(self) -> dict[TP, int]:
-        return {tp: max(0, self.watermarks(tp)[1] - nxt) for tp, nxt in self._next.items()}
+    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
+        return {tp: max(0, self.watermarks(tp)[1] - positions.get(tp, nxt))
+                for tp, nxt in self._next.items()}
 
     def seek(self, positions: Mapping[TP, Position]) -> None:
         for tp, (offset, _skip) in positions.items():
