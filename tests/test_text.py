@@ -378,6 +378,37 @@ def test_produce_bad_corpus_fails_with_the_line(bootstrap, topic, tmp_path) -> N
     assert "bad.jsonl:2: not valid JSON" in done.stderr
 
 
+@pytest.mark.integration
+def test_a_bad_line_after_the_first_chunk_says_how_to_go_on(bootstrap, make_topic,
+                                                             tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    path = tmp_path / "c.jsonl"
+    texts, _ = write_jsonl(path, 1500)  # chunks of 1024: the bad line is in the second
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    good = lines[1200]
+    lines[1200] = '{"text": "broken\n'
+    path.write_text("".join(lines), encoding="utf-8")
+    args = ["produce", "--topic", topic, "--from", str(path), "--token-dtype", "int32"]
+    done = kfeed_cmd(*args, bootstrap=bootstrap)
+    assert done.returncode == 1
+    assert "c.jsonl:1201: not valid JSON" in done.stderr
+    assert "The 1024 documents before this chunk were sent" in done.stderr
+    assert "--skip-docs 1024" in done.stderr
+    lines[1200] = good  # the user fixes the line and goes on
+    path.write_text("".join(lines), encoding="utf-8")
+    done = kfeed_cmd(*args, "--skip-docs", "1024", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    assert f"produced {len(texts) - 1024} documents" in done.stdout
+    schema = token_schema("int32")
+    got = []
+    for values in read_topic(bootstrap, topic, 2).values():
+        docs = schema.decode_documents(values)
+        if len(docs.lengths):  # a partition may hold none
+            got += [bytes(d.astype(np.uint8))
+                    for d in np.split(docs.tokens, np.cumsum(docs.lengths)[:-1])]
+    assert sorted(got) == sorted(t.encode() for t in texts)  # each document once
+
+
 def _loader_packs() -> bool:
     import inspect
 

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,9 +202,20 @@ def _text_progress(done: int, total: int, t0: float, docs: int, tokens: int,
     sys.stderr.flush()
 
 
-def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
-    from collections.abc import Iterator
+def _skip_documents(chunks: Iterator[Any], n: int) -> Iterator[Any]:
+    """``chunks`` (``kfeed.text.Chunk``) less their first ``n`` documents."""
+    for chunk in chunks:
+        if n >= len(chunk):
+            n -= len(chunk)
+            continue
+        if n:
+            chunk = chunk._replace(**{f: getattr(chunk, f)[n:] for f in ("texts", "ids", "keys")
+                                      if getattr(chunk, f) is not None})
+            n = 0
+        yield chunk
 
+
+def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     from kfeed import text
     from kfeed.producer import Producer
 
@@ -229,27 +241,43 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
                              "with --key-field FIELD")
         chunks = text.read_corpus(args.source, text_field=args.text_field or "text",
                                   key_field=args.key_field, lengths=args.lengths)
+    if args.skip_docs < 0:
+        raise KfeedError(f"--skip-docs must be >= 0, got {args.skip_docs}")
     if args.partitions:
         _ensure_topic(config, args.topic, args.partitions)
     docs = tokens = 0
     t0 = time.monotonic()
     with Producer(config, args.topic, schema, format=args.format,
                   block_records=args.block_records, compression=args.compression) as producer:
-        for chunk in chunks:
-            if chunk.texts is not None:
-                ids = tokenizer.encode_batch(chunk.texts)
-            else:
-                ids = chunk.ids or []
-                top = max((int(d.max()) for d in ids if len(d)), default=-1)
-                if top >= tokenizer.vocab_size:
-                    raise KfeedError(f"{args.source}: token id {top} is outside the vocabulary "
-                                     f"of {tokenizer.name} ({tokenizer.vocab_size} ids)")
-            where = f"{args.source or 'synthetic text'}: "
-            arrays = text.as_token_arrays(ids, args.token_dtype, where=where)
-            producer.send({"tokens": arrays}, keys=chunk.keys)
-            docs += len(arrays)
-            tokens += int(sum(len(a) for a in arrays))
-            _text_progress(chunk.done, chunk.total, t0, docs, tokens, producer.bytes)
+        try:
+            for chunk in _skip_documents(chunks, args.skip_docs):
+                if chunk.texts is not None:
+                    ids = tokenizer.encode_batch(chunk.texts)
+                else:
+                    ids = chunk.ids or []
+                    top = max((int(d.max()) for d in ids if len(d)), default=-1)
+                    if top >= tokenizer.vocab_size:
+                        raise KfeedError(f"{args.source}: token id {top} is outside the "
+                                         f"vocabulary of {tokenizer.name} "
+                                         f"({tokenizer.vocab_size} ids)")
+                where = f"{args.source or 'synthetic text'}: "
+                arrays = text.as_token_arrays(ids, args.token_dtype, where=where)
+                producer.send({"tokens": arrays}, keys=chunk.keys)
+                docs += len(arrays)
+                tokens += int(sum(len(a) for a in arrays))
+                _text_progress(chunk.done, chunk.total, t0, docs, tokens, producer.bytes)
+        except KfeedError as e:
+            if not docs:
+                raise
+            # The chunks before the bad one are in Kafka: say how to go on
+            # without sending them twice.
+            producer.flush()
+            sys.stderr.write("\n")
+            raise KfeedError(f"{e}\nThe {docs} documents before this chunk were sent "
+                             f"(documents {args.skip_docs} to {args.skip_docs + docs - 1} of "
+                             f"the corpus). Fix it and run again with --skip-docs "
+                             f"{args.skip_docs + docs} to go on without sending them "
+                             f"twice.") from None
         producer.flush()
     dt = max(time.monotonic() - t0, 1e-9)
     sys.stderr.write("\n")
@@ -523,7 +551,9 @@ Token documents (a topic with one variable-length field, "tokens"):
   --from ids.npy --tokenizer T  token ids already: an object array of 1-D int arrays,
                                 or a flat 1-D int array with --lengths FILE.npy
 The tokenizer adds no EOS: the loader's packer appends one after each document
-(256 for --tokenizer bytes). The corpus is read in chunks of 1024 documents.
+(256 for --tokenizer bytes). The corpus is read in chunks of 1024 documents. A bad
+line stops the run; once earlier chunks were sent, the error names the --skip-docs N
+that goes on after them without sending them twice.
 """
 
 
@@ -567,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the token field's dtype on the wire (default uint16; train with the "
                         "same)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic-text (default 0)")
+    p.add_argument("--skip-docs", type=int, default=0, metavar="N",
+                   help="token documents: leave out the first N documents (to go on after "
+                        "an error that names N)")
     p.add_argument("--format", choices=["block", "raw"], default="block")
     p.add_argument("--block-records", type=int, default=64)
     p.add_argument("--compression", choices=["none", "gzip", "snappy", "lz4", "zstd"])
