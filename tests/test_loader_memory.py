@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +129,31 @@ def test_raw_format() -> None:
     values = SCHEMA.encode_raw(synthetic_columns(np.arange(500)))
     with memory_loader(values, SCHEMA, 64, format="raw", until="end", device="cpu") as loader:
         assert np.array_equal(collect(loader), np.arange(500))
+
+
+class Trickle(kfeed.MemorySource):
+    """One message per consume call, 10 ms apart: a slow fetch."""
+
+    def consume(self, max_messages: int, timeout: float) -> list:
+        time.sleep(0.01)
+        return super().consume(1, timeout)
+
+
+@pytest.mark.parametrize("until", ["end", None])
+def test_max_wait_makes_partial_batches_only_when_streaming(until) -> None:
+    values = SCHEMA.encode_raw(synthetic_columns(np.arange(20)))
+    loader = Loader(None, "memory", SCHEMA, 8, format="raw", until=until, device="cpu",
+                    max_wait_ms=5, source=Trickle(values))
+    sizes = []
+    for batch in loader:
+        sizes.append(batch.size)
+        if sum(sizes) == 20:
+            break
+    loader.close()
+    if until == "end":
+        assert sizes == [8, 8, 4]  # a bounded epoch: full batches but the last
+    else:
+        assert max(sizes) < 8  # streaming: what came within max_wait
 
 
 def test_lag_counts_from_the_last_batch_handed_out() -> None:

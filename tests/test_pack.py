@@ -299,8 +299,9 @@ def test_partial_batches_cut_rows_short_and_lose_or_repeat_no_token(
             take(info, partial=False)
         if flushes[i % len(flushes)]:
             take(packer.next_batch(out, partial=True), partial=True)
-            # Less than a batch was pending, so the partial batch took it all.
-            assert packer.pending_tokens == 0 and packer.pending_documents == 0
+            # Less than a batch was pending, so the partial batch took every
+            # token (empty documents may wait for the next batch with tokens).
+            assert packer.pending_tokens == 0
     packer.finish()
     while (info := packer.next_batch(out)) is not None:
         take(info, partial=True)
@@ -442,6 +443,20 @@ def test_feed_copies_unless_told_not_to():
     assert copied.next_batch(a).rows == shared.next_batch(b).rows == 2
     assert a["tokens"].reshape(-1).tolist() == list(range(1, 9))
     assert b["tokens"].reshape(-1).tolist() == [0] * 8  # copy=False: the caller's promise
+
+
+def test_a_partial_batch_never_swallows_empty_documents_unreported():
+    # Mid-stream, every document the state counts as packed was reported in
+    # some PackInfo: the loader acknowledges records by PackInfo.documents.
+    packer = Packer(Pack(4, eos_id=9), 2)
+    out = packer.empty()
+    reported = 0
+    for lengths in ([5], [0], [0, 0], [3], [0]):
+        packer.feed(np.arange(1, 1 + sum(lengths), dtype=np.int32), lengths)
+        info = packer.next_batch(out, partial=True)
+        reported += info.documents if info is not None else 0
+        assert packer.state()["docs"] == reported
+    assert reported == 5 and packer.pending_documents == 1  # the empty one waits
 
 
 def test_a_target_bound_for_another_shape_is_refused():

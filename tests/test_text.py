@@ -214,6 +214,20 @@ def test_corpus_file_errors(tmp_path) -> None:
         read_corpus(tmp_path / "c.txt", key_field="k")
 
 
+def test_skip_docs_leaves_out_exactly_the_first_n_documents(tmp_path) -> None:
+    from kfeed.cli import _skip_documents
+
+    path = tmp_path / "c.jsonl"
+    texts, keys = write_jsonl(path, 2500)  # chunks of 1024, 1024 and the rest
+    for n in (0, 1, 1023, 1024, 1500, len(texts) - 1, len(texts)):
+        chunks = list(_skip_documents(read_corpus(path, key_field="src"), n, ""))
+        assert [t for c in chunks for t in c.texts] == texts[n:]
+        assert [k for c in chunks for k in c.keys] == keys[n:]
+        assert all(len(c) for c in chunks)
+    with pytest.raises(KfeedError, match="more documents than there are"):
+        list(_skip_documents(read_corpus(path), len(texts) + 1, ""))
+
+
 def test_synthetic_documents_are_seeded_and_chunk_free() -> None:
     docs = synthetic_documents(0, 400)
     assert synthetic_documents(100, 50) == docs[100:150]

@@ -142,6 +142,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     config = _kafka_config(args)
     if args.synthetic_text is not None or _corpus_mode(args):
         return _produce_text(args, config)
+    if args.skip_docs:
+        raise KfeedError("--skip-docs applies to token documents (a corpus or --synthetic-text)")
     if args.synthetic is not None:
         schema = synthetic_schema()
         total = args.synthetic
@@ -202,17 +204,37 @@ def _text_progress(done: int, total: int, t0: float, docs: int, tokens: int,
     sys.stderr.flush()
 
 
-def _skip_documents(chunks: Iterator[Any], n: int) -> Iterator[Any]:
+def _skip_documents(chunks: Iterator[Any], n: int, where: str) -> Iterator[Any]:
     """``chunks`` (``kfeed.text.Chunk``) less their first ``n`` documents."""
     for chunk in chunks:
         if n >= len(chunk):
             n -= len(chunk)
             continue
         if n:
-            chunk = chunk._replace(**{f: getattr(chunk, f)[n:] for f in ("texts", "ids", "keys")
-                                      if getattr(chunk, f) is not None})
+            # Not _replace: Chunk's len() counts documents, which _make trips on.
+            sliced = {f: getattr(chunk, f)[n:] for f in ("texts", "ids", "keys")
+                      if getattr(chunk, f) is not None}
+            chunk = type(chunk)(**{**chunk._asdict(), **sliced})
             n = 0
         yield chunk
+    if n:
+        raise KfeedError(f"{where}--skip-docs leaves out more documents than there are")
+
+
+def _token_arrays(chunk: Any, tokenizer: Any, args: argparse.Namespace,
+                  where: str) -> list[Any]:
+    """One chunk's documents as token id arrays of ``--token-dtype``, checked."""
+    from kfeed import text
+
+    if chunk.texts is not None:
+        ids = tokenizer.encode_batch(chunk.texts)
+    else:
+        ids = chunk.ids or []
+        top = max((int(d.max()) for d in ids if len(d)), default=-1)
+        if top >= tokenizer.vocab_size:
+            raise KfeedError(f"{where}token id {top} is outside the vocabulary of "
+                             f"{tokenizer.name} ({tokenizer.vocab_size} ids)")
+    return text.as_token_arrays(ids, args.token_dtype, where=where)
 
 
 def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
@@ -249,35 +271,31 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     t0 = time.monotonic()
     with Producer(config, args.topic, schema, format=args.format,
                   block_records=args.block_records, compression=args.compression) as producer:
-        try:
-            for chunk in _skip_documents(chunks, args.skip_docs):
-                if chunk.texts is not None:
-                    ids = tokenizer.encode_batch(chunk.texts)
-                else:
-                    ids = chunk.ids or []
-                    top = max((int(d.max()) for d in ids if len(d)), default=-1)
-                    if top >= tokenizer.vocab_size:
-                        raise KfeedError(f"{args.source}: token id {top} is outside the "
-                                         f"vocabulary of {tokenizer.name} "
-                                         f"({tokenizer.vocab_size} ids)")
-                where = f"{args.source or 'synthetic text'}: "
-                arrays = text.as_token_arrays(ids, args.token_dtype, where=where)
-                producer.send({"tokens": arrays}, keys=chunk.keys)
-                docs += len(arrays)
-                tokens += int(sum(len(a) for a in arrays))
-                _text_progress(chunk.done, chunk.total, t0, docs, tokens, producer.bytes)
-        except KfeedError as e:
-            if not docs:
-                raise
-            # The chunks before the bad one are in Kafka: say how to go on
-            # without sending them twice.
-            producer.flush()
-            sys.stderr.write("\n")
-            raise KfeedError(f"{e}\nThe {docs} documents before this chunk were sent "
-                             f"(documents {args.skip_docs} to {args.skip_docs + docs - 1} of "
-                             f"the corpus). Fix it and run again with --skip-docs "
-                             f"{args.skip_docs + docs} to go on without sending them "
-                             f"twice.") from None
+        where = f"{args.source or 'synthetic text'}: "
+        todo = _skip_documents(chunks, args.skip_docs, where)
+        while True:
+            try:  # reading the corpus, tokenizing, checking
+                chunk = next(todo, None)
+                if chunk is None:
+                    break
+                arrays = _token_arrays(chunk, tokenizer, args, where)
+            except KfeedError as e:
+                if not docs:
+                    raise
+                # A bad chunk: the ones before it are in Kafka. Say how to go
+                # on without sending them twice. (An error from send() itself
+                # may come after part of its chunk went out: no such advice.)
+                producer.flush()
+                sys.stderr.write("\n")
+                raise KfeedError(
+                    f"{e}\nThe {docs} documents before this chunk were sent (documents "
+                    f"{args.skip_docs} to {args.skip_docs + docs - 1} of the corpus). Fix it "
+                    f"and run again with --skip-docs {args.skip_docs + docs} to go on without "
+                    f"sending them twice.") from None
+            producer.send({"tokens": arrays}, keys=chunk.keys)
+            docs += len(arrays)
+            tokens += int(sum(len(a) for a in arrays))
+            _text_progress(chunk.done, chunk.total, t0, docs, tokens, producer.bytes)
         producer.flush()
     dt = max(time.monotonic() - t0, 1e-9)
     sys.stderr.write("\n")

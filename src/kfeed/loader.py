@@ -394,15 +394,19 @@ class _Feeder:
 
         A started batch waits at most what is left of ``max_wait``, and asks
         only for the records it still needs, so a trickling stream yields
-        partial batches on time.
+        partial batches on time. A bounded epoch's batches are all full but
+        its last, however the records trickle in: there max_wait does not apply.
         """
         if started is None:
             self._fetch()
             return True
+        need = self.batch_size - rows
+        if self.bounded:
+            self._fetch(self._messages_for(need))
+            return True
         left = self.max_wait_s - (time.monotonic() - started)
         if left <= 0:
             return False
-        need = self.batch_size - rows
         self._fetch(self._messages_for(need), min(_POLL_S, left))
         return True
 
@@ -1055,11 +1059,16 @@ class Loader:
             self._drop(item)  # from before a rebalance
 
     def _drop(self, meta: _BatchMeta) -> None:
+        """Give back the batch's slot, if it still holds one."""
         if meta.slot is not None:
             self._pool.release(meta.slot)
+            meta.slot = None
 
     def _hand_out(self, meta: _BatchMeta) -> Batch | None:
         f = self._feeder
+        if meta.slot is not None:  # CPU: copied before the batch counts as handed out
+            meta.tensors, _ = self._copier.copy(meta.slot)
+            self._drop(meta)
         with f.lock:
             if meta.gen != f.gen:
                 # A rebalance happened after _take: the caller's next() takes
@@ -1067,9 +1076,6 @@ class Loader:
                 self._drop(meta)
                 return None
             f.accept(meta)
-        if meta.slot is not None:
-            meta.tensors, _ = self._copier.copy(meta.slot)
-            self._pool.release(meta.slot)
         self._copier.adopt(meta.tensors, meta.event)
         offsets = {tp: (meta.first.get(tp, end), end) for tp, end in meta.end.items()}
         batch = Batch(meta.tensors, meta.rows, offsets, meta.info)

@@ -217,6 +217,7 @@ class KafkaSource(Source):
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
         self._lag: dict[TP, int] = {}
         self._ends: dict[TP, int] = {}
+        self._committed_only = config.get("isolation.level") == "read_committed"
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
@@ -271,8 +272,9 @@ class KafkaSource(Source):
                     if p.get("consumer_lag", -1) >= 0:
                         lag[tp] = int(p["consumer_lag"])
                     # read_committed reads up to the last stable offset.
-                    end = p.get("ls_offset", -1) if p.get("ls_offset", -1) >= 0 else \
-                        p.get("hi_offset", -1)
+                    end = p.get("ls_offset", -1) if self._committed_only else -1
+                    if end < 0:
+                        end = p.get("hi_offset", -1)
                     if end >= 0:
                         ends[tp] = int(end)
             self._lag, self._ends = lag, ends

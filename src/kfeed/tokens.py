@@ -332,6 +332,10 @@ class Packer:
         final = self._finished or partial
         if (not final and self._pending < self._need) or not self._chunks:
             return None
+        if partial and not self._finished and self._pending <= 0:
+            # Only empty documents pending: they go out (and are counted in
+            # PackInfo.documents) with the next batch that has tokens.
+            return None
         # One batch may take documents from several chunks; one call packs it.
         res = self._core.batch(target.outputs, self._chunks, self._code, self._doc, self._off,
                                final)
