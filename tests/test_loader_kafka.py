@@ -250,6 +250,26 @@ def test_lag_is_zero_once_everything_was_handed_out(bootstrap, make_topic, group
     assert len(lag) == 3 and set(lag.values()) == {0}, lag
 
 
+def test_lag_is_known_while_the_loader_works_from_records_it_holds(bootstrap, make_topic,
+                                                                   group_id) -> None:
+    # 400 documents in 7 messages: one fetch holds them all, and the packer
+    # makes ~200 batches from them without fetching again. The feeder still
+    # polls, so librdkafka's statistics (the partitions' ends) arrive.
+    tokens = kfeed.Schema({"tokens": ("int32", (None,))})
+    topic = make_topic(partitions=1)
+    docs = [np.full(500, i, np.int32) for i in range(400)]
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, tokens) as p:
+        p.send({"tokens": docs})
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group_id}, topic, tokens, 8,
+                      device="cpu", until="end", pack=kfeed.Pack(seq_len=128, eos_id=-1)) as ld:
+        deadline = time.monotonic() + 5
+        while not ld.stats()["lag"] and time.monotonic() < deadline:
+            next(ld)
+            time.sleep(0.02)  # a training step, shorter than the feeder's put timeout
+        lag = ld.stats()["lag"]
+    assert list(lag) == [f"{topic}[0]"] and lag[f"{topic}[0]"] > 0, lag
+
+
 def test_unreachable_broker_and_missing_topic_fail_fast(bootstrap, group_id) -> None:
     t0 = time.monotonic()
     ld = kfeed.Loader({"bootstrap.servers": "127.0.0.1:9", "group.id": group_id}, "t", SCHEMA,

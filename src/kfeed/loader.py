@@ -68,6 +68,7 @@ __all__ = ["Loader", "Batch", "BadRecordPolicy"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+_SERVE_S = 0.5  # the longest the feeder goes without polling the consumer
 _MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
 _STATE_VERSION = 1
 
@@ -175,6 +176,7 @@ class _Feeder:
         self.pend_i = 0
         self.pend_start = 0
         self.records_per_msg = 1.0
+        self.last_poll = time.monotonic()  # the last consume() call
         self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
         # Lineages whose commits never win over the state: this loader's own,
         # and those of the loaders whose state it resumed (see Committed).
@@ -224,6 +226,8 @@ class _Feeder:
                     meta.slot = slot  # the caller copies it (see _hand_out)
                 if not self._put(meta, serve=True):
                     return
+                if time.monotonic() - self.last_poll >= _SERVE_S:
+                    self._serve()  # batches made from records held: no fetch for a while
                 if finished:
                     break
             self.epoch_over = True
@@ -416,6 +420,7 @@ class _Feeder:
             n = self._messages_for(self.batch_size)
         gen = self.gen
         self.starts = {}
+        self.last_poll = time.monotonic()
         msgs = self.source.consume(n, timeout)
         if self.gen != gen:
             # A rebalance ran inside this call. What it returned may hold
@@ -454,16 +459,16 @@ class _Feeder:
         self.pend_msgs, self.pend_vals, self.pend_i = keep, vals, 0
 
     def _serve(self) -> None:
-        """While the feeder waits for the caller, let the consumer serve its group.
+        """While the feeder waits, or works from records it holds, poll the consumer.
 
         A member that stops polling holds up every rebalance of its group
         (until max.poll.interval.ms): with ranks in one group that step
         together, a rank whose queue is full would wait on one that waits
-        for its partitions. At most one message comes back; it waits with
-        the pending ones.
+        for its partitions. Polling also serves librdkafka's statistics,
+        where ``stats()`` finds each partition's end. At most one message
+        comes back; it waits with the pending ones.
         """
-        if self.source.group_member:
-            self._fetch(1, 0)
+        self._fetch(1, 0)
 
     def _on_message_error(self, m: Any, err: Any) -> None:
         from confluent_kafka import KafkaError
