@@ -944,25 +944,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         cols = columns(spec["samples"], spec["workload"])
         out = (run_seeds_producer if runner == "p_seeds" else run_kfeed_producer)(spec, cols, rss)
     else:
-        rss.start()
-        if runner == "seeds":
-            out = run_seeds(spec, sync=spec.get("sync", False))
-        elif runner == "plain":
-            out = run_plain(spec)
-        elif runner == "kfeed":
-            out = run_kfeed(spec)
-        elif runner == "ceiling":
-            out = run_ceiling(spec)
-        elif runner == "kafka_python":
-            out = run_kafka_python(spec)
-        elif runner == "latency":
-            out = run_latency(spec)
-        elif runner == "latency_plain":
-            out = run_latency_plain(spec)
-        elif runner == "paced":
-            out = run_paced(spec)
-        else:
+        runners = {"plain": run_plain, "kfeed": run_kfeed, "ceiling": run_ceiling,
+                   "kafka_python": run_kafka_python, "latency": run_latency,
+                   "latency_plain": run_latency_plain, "paced": run_paced,
+                   "seeds": lambda s: run_seeds(s, sync=s.get("sync", False))}
+        if runner not in runners:
             raise ValueError(runner)
+        rss.start()
+        out = runners[runner](spec)
     out["rss_mib"] = rss.growth_mib()
     if out.pop("skip_close", False):
         print(json.dumps(out), flush=True)

@@ -282,7 +282,6 @@ cdef class Core:
     """
 
     cdef Py_ssize_t L
-    cdef Py_ssize_t batch_rows
     cdef bint has_eos
     cdef int64_t eos
     cdef int64_t pad
@@ -297,12 +296,11 @@ cdef class Core:
     cdef int64_t doc_id                  # the id of the next document in this batch
     cdef int64_t documents               # documents finished
 
-    def __cinit__(self, Py_ssize_t seq_len, Py_ssize_t rows, bint has_eos, int64_t eos,
-                  int64_t pad, bint split_long):
-        if seq_len <= 0 or rows <= 0:
-            raise ValueError("seq_len and rows must be positive")
+    def __cinit__(self, Py_ssize_t seq_len, bint has_eos, int64_t eos, int64_t pad,
+                  bint split_long):
+        if seq_len <= 0:
+            raise ValueError("seq_len must be positive")
         self.L = seq_len
-        self.batch_rows = rows
         self.has_eos = has_eos
         self.eos = eos
         self.pad = pad
@@ -329,9 +327,8 @@ cdef class Core:
         """
         if not C_INT8 <= src_code <= C_UINT64:
             raise ValueError("unknown element type")
-        if out.seq_len != self.L or out.rows != self.batch_rows:
-            raise ValueError(f"out was bound for [{out.rows}, {out.seq_len}], this packer "
-                             f"writes [{self.batch_rows}, {self.L}]")
+        if out.seq_len != self.L:
+            raise ValueError("out has another seq_len")
         cdef Py_ssize_t used = 0, last = len(chunks) - 1, ndocs = 0
         cdef bint complete = False
         cdef tuple c

@@ -26,7 +26,7 @@ class Outputs:
 
 class Core:
     def __init__(
-        self, seq_len: int, rows: int, has_eos: bool, eos: int, pad: int, split_long: bool
+        self, seq_len: int, has_eos: bool, eos: int, pad: int, split_long: bool
     ) -> None: ...
     def batch(
         self,

@@ -545,7 +545,7 @@ class _Feeder:
                 self.used[tp] = end
 
     def state(self) -> dict[str, Any]:
-        return {"positions": _by_topic(self.handed)}
+        return {"positions": _by_topic(self.delivered())}
 
     def delivered(self) -> dict[TP, Position]:
         """Per partition, the position after every record handed out (under ``lock``)."""
@@ -828,7 +828,7 @@ class _RecordFeeder(_Feeder):
 
     def state(self) -> dict[str, Any]:
         return {
-            "positions": _by_topic(self.order.watermarks()),
+            **super().state(),
             "order": self.order.state(),
             "pack": self._pack_spec(),
             "pack_offset": self.pack_offset,

@@ -102,7 +102,6 @@ class PackTarget(NamedTuple):
 
     outputs: _pack.Outputs
     owners: tuple[Any, ...]
-    shape: tuple[int, int]  # [rows, seq_len]
 
 
 def _is_tensor(obj: object) -> bool:
@@ -171,13 +170,12 @@ class Packer:
         # their addresses, document count). Document d of a chunk is elements
         # offsets[d]..offsets[d + 1]; the arrays keep the addresses valid.
         self._chunks: deque[tuple[np.ndarray, np.ndarray, int, int, int]] = deque()
-        self._core = _pack.Core(pack.seq_len, self.batch_size, pack.eos_id is not None,
+        self._core = _pack.Core(pack.seq_len, pack.eos_id is not None,
                                 0 if pack.eos_id is None else pack.eos_id, pack.pad_id,
                                 pack.split_long)
         # Pending tokens that surely fill a batch (split_long=False may pad
         # up to half of every row).
         self._need = self._slots if pack.split_long else (self._slots + 1) // 2
-        self._shape = (self.batch_size, pack.seq_len)
         self._dtype: np.dtype | None = None
         self._code = 0
         self._doc = 0  # next document of the first chunk to pack
@@ -312,7 +310,7 @@ class Packer:
             cu_cap = int(out["cu_seqlens"].shape[0])
         outputs = _pack.Outputs(self.batch_size, self.pack.seq_len, tok, tok_code, pos,
                                 pos_code, doc, doc_code, cu, cu_cap)
-        return PackTarget(outputs, tuple(out.values()), shape)
+        return PackTarget(outputs, tuple(out.values()))
 
     def next_batch(self, out: Mapping[str, Any] | PackTarget, *,
                    partial: bool = False) -> PackInfo | None:
@@ -326,9 +324,10 @@ class Packer:
         When None comes back the contents of ``out`` are unspecified.
         """
         target = out if isinstance(out, PackTarget) else self.bind(out)
-        if target.shape != self._shape:
-            raise ConfigError(f"out was bound for [{target.shape[0]}, {target.shape[1]}], this "
-                              f"packer writes [{self.batch_size}, {self.pack.seq_len}]")
+        bound = (target.outputs.rows, target.outputs.seq_len)
+        if bound != (self.batch_size, self.pack.seq_len):
+            raise ConfigError(f"out was bound for [{bound[0]}, {bound[1]}], this packer writes "
+                              f"[{self.batch_size}, {self.pack.seq_len}]")
         final = self._finished or partial
         if (not final and self._pending < self._need) or not self._chunks:
             return None
