@@ -8,8 +8,10 @@ JVM starts are unmarked: they need no broker and take well under a second.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from kfeed import cluster
-from kfeed.cluster import _jars
+from kfeed.cluster import _jars, _registry, _tool
+from kfeed.cluster._layout import Layout, new_cluster_id
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Where the search for a free port base starts; other clusters (make test's on
@@ -28,14 +31,24 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FIRST_PORT = 39592
 
 
-def kfeed(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def kfeed(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m kfeed cluster ARGS`` as a user would, with this checkout's sources."""
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), full_env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "kfeed", "cluster", *args],
-        capture_output=True, text=True, env=full_env, timeout=timeout, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, env=full_env, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd,
     )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A registry of this test's own: no test reads or writes the user's real cluster records."""
+    path = tmp_path / "registry"
+    monkeypatch.setenv(_registry.REGISTRY_ENV, str(path))
+    return path
 
 
 def assert_fails_cleanly(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -319,7 +332,9 @@ def test_down_with_nothing_running(tmp_path: Path) -> None:
 
 
 def test_status_without_a_cluster(tmp_path: Path) -> None:
-    assert_fails_cleanly(kfeed("status", "--dir", str(tmp_path / "none")), "no cluster in")
+    result = kfeed("status", "--dir", str(tmp_path / "none"))
+    assert_fails_cleanly(result, "no cluster in")
+    assert result.returncode == 2
 
 
 def test_up_refuses_to_change_the_layout_of_an_existing_cluster(tmp_path: Path) -> None:
@@ -328,6 +343,7 @@ def test_up_refuses_to_change_the_layout_of_an_existing_cluster(tmp_path: Path) 
     Layout(nodes=3, port=41000, cluster_id="pPSYwmViQ-SqVjGzO3SKXQ").save(tmp_path)
     result = kfeed("up", "--nodes", "1", "--dir", str(tmp_path))
     assert_fails_cleanly(result, "holds a 3-node cluster on port 41000", "--wipe")
+    assert result.returncode == 2
 
 
 def test_the_cluster_tool_stays_light() -> None:
@@ -341,7 +357,9 @@ def test_the_cluster_tool_stays_light() -> None:
 
 def test_wipe_refuses_a_folder_that_is_not_a_cluster(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("precious")
-    assert_fails_cleanly(kfeed("down", "--dir", str(tmp_path), "--wipe"), "not a kfeed cluster")
+    result = kfeed("down", "--dir", str(tmp_path), "--wipe")
+    assert_fails_cleanly(result, "not a kfeed cluster")
+    assert result.returncode == 2
     assert (tmp_path / "keep.txt").exists()
 
 
@@ -358,6 +376,360 @@ def test_node_dying_during_start_shows_its_log_and_stops_the_others(state_dir: P
     error = assert_fails_cleanly(result, "server.log", "Stored node id 99")
     assert error.startswith("kfeed cluster: node 2 exited while starting")
     assert jvms_in(state_dir) == []
+
+
+# -- the registry: the user's clusters, found from any directory ---------------
+
+HERE = "no cluster in .kfeed/cluster; the clusters recorded:"
+
+
+class StandIns:
+    """Recorded clusters whose nodes are stand-in processes instead of JVMs.
+
+    A stand-in is a Python that sleeps under the name ``java`` with
+    ``kafka.Kafka`` and its node's properties file on the command line: all
+    that the tool checks before it reports a node as running or signals it,
+    at none of a JVM's cost. Nothing answers on their ports.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.java = root / "standin-bin" / "java"
+        self.java.parent.mkdir()
+        self.java.symlink_to(sys.executable)
+        self.procs: dict[Path, list[subprocess.Popen[bytes]]] = {}
+
+    def start(self, name: str, port: int, *, secure: bool = False) -> Path:
+        """A running 1-node cluster in ``root/name``, recorded as ``up`` records it."""
+        state_dir = (self.root / name).resolve()
+        layout = Layout(nodes=1, port=port, cluster_id=new_cluster_id(), secure=secure)
+        state_dir.mkdir(parents=True)
+        layout.save(state_dir)
+        paths = layout.node_paths(state_dir, 1)
+        paths.root.mkdir()
+        paths.properties.write_text("")
+        self.procs[state_dir] = [self.spawn(str(self.java), "kafka.Kafka", str(paths.properties))]
+        paths.pid.write_text(f"{self.procs[state_dir][0].pid}\n")
+        _registry.update(layout, state_dir)
+        return state_dir
+
+    def spawn(self, *argv: str) -> subprocess.Popen[bytes]:
+        """``argv[0]`` sleeping, with ``argv[1:]`` on its command line; returns once ``/proc`` shows them."""
+        proc = subprocess.Popen([argv[0], "-c", "import time; time.sleep(600)", *argv[1:]], stdin=subprocess.DEVNULL)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        # The child may still be mid-exec when Popen returns (vfork): its
+        # command line is empty until exec has set it up.
+        while not cmdline.read_bytes():
+            assert proc.poll() is None, "the stand-in exited"
+        return proc
+
+    def stop(self, state_dir: Path) -> None:
+        """Kill the stand-ins behind the registry's back, as a crash would."""
+        for proc in self.procs.pop(state_dir):
+            proc.kill()
+            proc.wait()
+
+    def alive(self, state_dir: Path) -> bool:
+        return all(proc.poll() is None for proc in self.procs[state_dir])
+
+    def close(self) -> None:
+        for procs in self.procs.values():
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def standins(tmp_path: Path) -> Iterator[StandIns]:
+    fakes = StandIns(tmp_path)
+    try:
+        yield fakes
+    finally:
+        fakes.close()
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Path:
+    """A working directory with no cluster in it."""
+    path = tmp_path / "elsewhere"
+    path.mkdir()
+    return path
+
+
+def only_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a failed command (no traceback, nothing else)."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_registry_records_a_start_reads_stopped_once_the_processes_are_gone_and_prunes_a_wiped_folder(
+    standins: StandIns, registry: Path
+) -> None:
+    a = standins.start("a", 41000)
+    [file] = registry.glob("*.json")
+    saved = json.loads(file.read_text())
+    pid = standins.procs[a][0].pid
+    assert {k: saved[k] for k in ("dir", "nodes", "port", "bootstrap", "secure", "pids", "stopped_at")} == {
+        "dir": str(a), "nodes": 1, "port": 41000, "bootstrap": "127.0.0.1:41000", "secure": False,
+        "pids": {"1": pid}, "stopped_at": None,
+    }  # fmt: skip
+    assert saved["started_at"].endswith("+00:00")
+
+    [record] = _registry.records()
+    assert record.running == {1: pid}
+    assert record.line() == f"{a}  1 node  127.0.0.1:41000  running"
+
+    standins.stop(a)
+    [record] = _registry.records()
+    assert not record.is_running
+    assert record.line() == f"{a}  1 node  127.0.0.1:41000  stopped"
+    assert file.exists()
+
+    shutil.rmtree(a)
+    assert _registry.records() == []
+    assert not file.exists()
+
+
+def test_an_unreadable_record_is_deleted(registry: Path) -> None:
+    registry.mkdir()
+    (registry / "0123456789abcdef.json").write_text("{not json")
+    assert _registry.records() == []
+    assert list(registry.iterdir()) == []
+
+
+def test_a_registry_that_cannot_be_written_costs_a_warning_not_the_start(
+    standins: StandIns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(_registry.REGISTRY_ENV, str(blocker))
+    with caplog.at_level("WARNING", logger="kfeed.cluster"):
+        standins.start("a", 41000)
+    assert [r.getMessage().split(" at ")[0] for r in caplog.records] == [
+        f"could not record the cluster in {(tmp_path / 'a').resolve()}"
+    ]
+
+
+def test_list_prints_one_line_per_recorded_cluster(standins: StandIns, elsewhere: Path) -> None:
+    a = standins.start("a", 41000)
+    b = standins.start("b", 41010, secure=True)
+    standins.stop(b)
+    result = kfeed("list", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{a}  1 node  127.0.0.1:41000  running",
+        f"{b}  1 node  127.0.0.1:41010  stopped  secure",
+    ]
+
+
+def test_list_with_nothing_recorded(elsewhere: Path, registry: Path) -> None:
+    result = kfeed("list", cwd=elsewhere)
+    assert result.returncode == 0
+    assert result.stdout == ""
+    assert only_error(result) == f"no cluster recorded in {registry} (start one with: kfeed cluster up)"
+
+
+@pytest.mark.parametrize("command", ["status", "down"])
+def test_several_running_ask_for_dir(standins: StandIns, elsewhere: Path, command: str) -> None:
+    a = standins.start("a", 41000)
+    b = standins.start("b", 41010)
+    result = kfeed(command, cwd=elsewhere)
+    assert result.returncode == 2
+    assert only_error(result) == f"kfeed cluster: 2 clusters are running; pick one with: kfeed cluster {command} --dir DIR"
+    listed = [f"{a}  1 node  127.0.0.1:41000  running", f"{b}  1 node  127.0.0.1:41010  running"]
+    assert result.stdout.splitlines() == ([HERE] if command == "status" else []) + listed
+    assert standins.alive(a) and standins.alive(b)
+
+
+def test_status_elsewhere_with_one_running_is_that_clusters_status(
+    standins: StandIns, elsewhere: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kfeed.cli import main
+
+    a = standins.start("a", 41000)
+    b = standins.start("b", 41010)
+    standins.stop(b)
+    asked = []
+
+    def status(dir: Path) -> dict[str, object]:
+        # Stand-ins answer no metadata request; the real answer is the integration test's.
+        asked.append(dir)
+        node = {"id": 1, "pid": 7, "alive": True, "port": 41000, "controller_port": 41100}
+        return {"bootstrap": "127.0.0.1:41000", "client_settings": None, "nodes": [node], "brokers": [1]}
+
+    monkeypatch.setattr(_tool, "status", status)
+    monkeypatch.chdir(elsewhere)
+    assert main(["cluster", "status"]) == 0
+    assert asked == [a]
+    assert capsys.readouterr().out.splitlines() == [
+        HERE,
+        f"{a}  1 node  127.0.0.1:41000  running",
+        f"{b}  1 node  127.0.0.1:41010  stopped",
+        f"status of the one running, {a}:",
+        "node 1  pid 7  alive  registered  port 41000",
+        "127.0.0.1:41000",
+    ]
+
+
+def test_status_elsewhere_with_none_running(standins: StandIns, elsewhere: Path) -> None:
+    a = standins.start("a", 41000)
+    standins.stop(a)
+    result = kfeed("status", cwd=elsewhere)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [HERE, f"{a}  1 node  127.0.0.1:41000  stopped"]
+    assert only_error(result) == f"kfeed cluster: none of them is running (start one with: kfeed cluster up --dir {a})"
+
+
+def test_status_elsewhere_with_nothing_recorded(elsewhere: Path) -> None:
+    result = kfeed("status", cwd=elsewhere)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert only_error(result) == (
+        "kfeed cluster: no cluster in .kfeed/cluster and none recorded (start one with: kfeed cluster up)"
+    )
+
+
+def test_status_of_a_stopped_cluster_here_names_the_one_running_elsewhere(standins: StandIns, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / ".kfeed" / "cluster").mkdir(parents=True)
+    Layout(nodes=1, port=41020, cluster_id=new_cluster_id()).save(project / ".kfeed" / "cluster")
+    a = standins.start("a", 41000)
+    result = kfeed("status", cwd=project)
+    assert result.returncode == 1
+    assert only_error(result) == (
+        "kfeed cluster: the cluster in .kfeed/cluster is not running (start it with: kfeed cluster up --dir"
+        f" .kfeed/cluster); another cluster runs in {a} (127.0.0.1:41000)"
+    )
+
+
+def test_down_elsewhere_stops_the_one_running(standins: StandIns, elsewhere: Path) -> None:
+    a = standins.start("a", 41000)
+    proc = standins.procs[a][0]
+    result = kfeed("down", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"no cluster in .kfeed/cluster; stopping the one running, {a}",
+        f"stopped node 1 in {a}",
+    ]
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert not (a / "node-1" / "kafka.pid").exists()
+    [record] = _registry.records()
+    assert (record.pids, record.is_running, record.stopped_at is not None) == ({}, False, True)
+    nothing = kfeed("down", cwd=elsewhere)
+    assert nothing.stdout == "nothing running in .kfeed/cluster\n"
+
+
+def test_down_wipe_elsewhere_wants_the_dir_named(standins: StandIns, elsewhere: Path) -> None:
+    a = standins.start("a", 41000)
+    result = kfeed("down", "--wipe", cwd=elsewhere)
+    assert result.returncode == 2
+    assert only_error(result) == (
+        "kfeed cluster: no cluster in .kfeed/cluster, and --wipe deletes data: name the running one with"
+        f" kfeed cluster down --dir {a} --wipe"
+    )
+    assert standins.alive(a) and (a / "cluster.json").exists()
+
+
+@pytest.mark.parametrize(
+    "impostor",
+    ["not java", "another folder's node", "not kafka.Kafka"],
+)
+def test_a_recorded_pid_that_is_not_the_node_is_never_reported_or_signalled(
+    standins: StandIns, elsewhere: Path, registry: Path, impostor: str
+) -> None:
+    a = (standins.root / "a").resolve()
+    layout = Layout(nodes=1, port=41000, cluster_id=new_cluster_id())
+    a.mkdir()
+    layout.save(a)
+    paths = layout.node_paths(a, 1)
+    paths.root.mkdir()
+    argv = {
+        "not java": [sys.executable, "kafka.Kafka", str(paths.properties)],
+        "another folder's node": [str(standins.java), "kafka.Kafka", str(standins.root / "b/node-1/server.properties")],
+        "not kafka.Kafka": [str(standins.java), "kafka.tools.StorageTool", str(paths.properties)],
+    }[impostor]
+    proc = standins.spawn(*argv)
+    standins.procs[a] = [proc]
+    paths.pid.write_text(f"{proc.pid}\n")
+    # The record names the pid too, as if the node had once run under it.
+    registry.mkdir()
+    record = {"dir": str(a), "cluster_id": layout.cluster_id, "nodes": 1, "port": 41000,
+              "bootstrap": layout.bootstrap, "secure": False, "pids": {"1": proc.pid}}  # fmt: skip
+    _registry.record_path(a).write_text(json.dumps(record))
+
+    assert [r.is_running for r in _registry.records()] == [False]
+    assert kfeed("down", cwd=elsewhere).stdout == "nothing running in .kfeed/cluster\n"
+    assert kfeed("down", "--dir", str(a)).stdout == f"nothing running in {a}\n"
+    assert proc.poll() is None
+
+
+def test_up_names_a_cluster_running_in_another_folder(standins: StandIns, tmp_path: Path, bin_dir: Path) -> None:
+    a = standins.start("a", 41000)
+    # No java on PATH: up stops right after its note, before any port or JVM.
+    result = kfeed("up", "--dir", str(tmp_path / "new"), "--port", "41030", env=env_with_path(bin_dir))
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"note: another cluster runs in {a} (127.0.0.1:41000)"
+    assert lines[1].startswith("kfeed cluster: java not found on PATH")
+
+
+def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns, tmp_path: Path) -> None:
+    standins.start("a", 41000)
+    # The relative --dir is the same folder; the stand-in never answers, so up times out at once.
+    result = kfeed("up", "--dir", "a", "--timeout", "0", cwd=tmp_path)
+    assert only_error(result).startswith("kfeed cluster: nodes [1] not ready after 0 s")
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["up", "--nodes", "2"], "argument --nodes: invalid choice: 2 (choose from 1, 3) (see: kfeed cluster up --help)"),
+        (["up", "--set", "oops"], "--set wants KEY=VALUE, not 'oops'"),
+        (["up", "--port", "80"], "base port 80 leaves the range 1024..65535 for this layout: choose one from 1024 to 65435"),
+        (["status", "--dir", "none"], "no cluster in none (start one with: kfeed cluster up --dir none;"
+                                      " kfeed cluster list shows the others)"),
+        (["list", "--all"], "unrecognized arguments: --all (see: kfeed cluster list --help)"),
+    ],
+    ids=["nodes", "set", "port", "dir", "extra"],
+)  # fmt: skip
+def test_a_mistake_in_the_arguments_is_one_line_and_exit_2(elsewhere: Path, args: list[str], error: str) -> None:
+    result = kfeed(*args, "--dir", "c") if args[0] == "up" else kfeed(*args, cwd=elsewhere)
+    assert result.returncode == 2
+    assert only_error(result) == f"kfeed cluster: {error}"
+    assert not (elsewhere / "c").exists()
+
+
+@pytest.mark.integration
+def test_status_and_down_find_the_cluster_from_another_directory(
+    state_dir: Path, port: int, elsewhere: Path
+) -> None:
+    servers = f"127.0.0.1:{port}"
+    started = kfeed("up", "--dir", str(state_dir), "--port", str(port))
+    assert started.returncode == 0, started.stderr
+    d = state_dir.resolve()
+
+    status = kfeed("status", cwd=elsewhere)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[:3] == [HERE, f"{d}  1 node  {servers}  running", f"status of the one running, {d}:"]
+    assert lines[3].startswith("node 1  pid ") and lines[3].endswith(f"  alive  registered  port {port}")
+    assert lines[-1] == servers  # what `kfeed cluster status | tail -n 1` reads
+    assert len(lines) == 5
+
+    stopped = kfeed("down", cwd=elsewhere)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.splitlines() == [
+        f"no cluster in .kfeed/cluster; stopping the one running, {d}",
+        f"stopped node 1 in {d}",
+    ]
+    assert jvms_in(state_dir) == []
+    assert kfeed("list", cwd=elsewhere).stdout == f"{d}  1 node  {servers}  stopped\n"
+
+    wiped = kfeed("down", "--dir", str(state_dir), "--wipe")
+    assert wiped.returncode == 0, wiped.stderr
+    assert kfeed("list", cwd=elsewhere).stdout == ""
 
 
 # -- pure helpers --------------------------------------------------------------

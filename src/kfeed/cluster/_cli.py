@@ -1,9 +1,14 @@
-"""``kfeed cluster up|status|down|jars``: the command-line face of the cluster tool.
+"""``kfeed cluster up|status|down|list|jars``: the command-line face of the cluster tool.
 
 The only part of the cluster tool that prints. Output that scripts read goes
-to stdout, with the bootstrap servers as the last line; a failure is one line
-``kfeed cluster: <why>`` on stderr (plus a log excerpt when a node died) and
-exit status 1.
+to stdout, with the bootstrap servers as the last line of ``up`` and
+``status``. A failure is one line ``kfeed cluster: <why>`` on stderr (plus a
+log excerpt when a node died): exit status 2 when the arguments were at fault
+(the line names the fix), 1 otherwise.
+
+``status`` and ``down`` without ``--dir`` look in ``.kfeed/cluster`` under the
+current directory first; when that holds no cluster they turn to the clusters
+this user started anywhere (``_registry``), and act on the one that runs.
 """
 
 from __future__ import annotations
@@ -13,13 +18,36 @@ import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from kfeed.cluster import _jars, _tool
-from kfeed.cluster._layout import CONTROLLER_PORT_OFFSET, DEFAULT_DIR, DEFAULT_PORT, NODE_COUNTS
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.cluster import _jars, _registry, _tool
+from kfeed.cluster._layout import (
+    CONTROLLER_PORT_OFFSET,
+    DEFAULT_DIR,
+    DEFAULT_PORT,
+    NODE_COUNTS,
+    STATE_FILE,
+    UsageError,
+)
+from kfeed.errors import ClusterError, ConfigError, KfeedError
 
 Command = Callable[[argparse.Namespace], int]
+USAGE_EXIT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser whose argument errors are one line, like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"kfeed cluster: {message} (see: {self.prog} --help)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        # Left over, an unknown argument would reach the top parser, whose
+        # error is its usage and a second line; kfeed takes none anyway.
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def register(subparsers: Any) -> None:
@@ -29,11 +57,13 @@ def register(subparsers: Any) -> None:
         help="a local Apache Kafka cluster (KRaft, 127.0.0.1)",
         description="Run a real Apache Kafka cluster on 127.0.0.1, from jars that Maven fetches once.",
     )
-    commands = parser.add_subparsers(dest="cluster_command", required=True)
+    commands = parser.add_subparsers(dest="cluster_command", required=True, parser_class=_Parser)
 
     up = commands.add_parser("up", help="start the cluster; return once every broker is registered")
     up.add_argument("--nodes", type=int, choices=NODE_COUNTS, help="node count of a new cluster (default 1)")
-    _add_dir(up)
+    up.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"state folder of the cluster (default {DEFAULT_DIR})"
+    )
     up.add_argument(
         "--port",
         type=int,
@@ -60,22 +90,47 @@ def register(subparsers: Any) -> None:
     )
     up.set_defaults(func=_up)
 
-    status = commands.add_parser("status", help="print the nodes, then the bootstrap servers; fail if down")
-    _add_dir(status)
+    status = commands.add_parser(
+        "status",
+        help="print the nodes, then the bootstrap servers; fail if down",
+        description="Print the nodes, then the bootstrap servers as the last line; exit 1 if the cluster is down. "
+        f"Without --dir and with no cluster in {DEFAULT_DIR}: list the clusters recorded for this user, "
+        "then the status of the one that runs (exit 2 when several run).",
+    )
+    _add_found_dir(status)
     status.set_defaults(func=_status)
 
-    down = commands.add_parser("down", help="stop the nodes, keeping their data unless --wipe")
-    _add_dir(down)
+    down = commands.add_parser(
+        "down",
+        help="stop the nodes, keeping their data unless --wipe",
+        description=f"Stop the nodes, keeping their data unless --wipe. Without --dir and with no cluster in "
+        f"{DEFAULT_DIR}: stop the one running cluster recorded for this user (exit 2 when several run, "
+        "or with --wipe: name it with --dir).",
+    )
+    _add_found_dir(down)
     down.add_argument("--wipe", action="store_true", help="also delete the state folder")
     down.set_defaults(func=_down)
+
+    listing = commands.add_parser(
+        "list",
+        help="every cluster recorded for this user, running or stopped",
+        description="One line per cluster this user started, from any folder: "
+        "DIR  NODES  BOOTSTRAP  running|stopped, plus 'secure' for a secure one.",
+    )
+    listing.set_defaults(func=_list)
 
     jars = commands.add_parser("jars", help="fetch the Kafka jars if needed and print their folder")
     jars.set_defaults(func=_jars_command)
 
 
-def _add_dir(parser: argparse.ArgumentParser) -> None:
+def _add_found_dir(parser: argparse.ArgumentParser) -> None:
+    # None, not DEFAULT_DIR: an absent --dir may be resolved through the records.
     parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_DIR, help=f"state folder of the cluster (default {DEFAULT_DIR})"
+        "--dir",
+        type=Path,
+        default=None,
+        help=f"state folder of the cluster (default {DEFAULT_DIR} if it holds one, "
+        "else the one running cluster recorded for this user)",
     )
 
 
@@ -84,6 +139,9 @@ def _reported(command: Command) -> Command:
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
+        except (UsageError, ConfigError) as exc:
+            print(f"kfeed cluster: {exc}", file=sys.stderr)
+            return USAGE_EXIT
         except KfeedError as exc:
             print(f"kfeed cluster: {exc}", file=sys.stderr)
             return 1
@@ -94,6 +152,10 @@ def _reported(command: Command) -> Command:
 @_reported
 def _up(args: argparse.Namespace) -> int:
     overrides = dict(_setting(text) for text in args.overrides)
+    here = _absolute(args.dir)
+    others = [record for record in _registry.running() if record.dir != here]
+    if others:
+        _note(f"note: {_describe(others)}")
     _, started = _tool.ensure_up(
         args.nodes, args.dir, args.port, args.timeout, overrides=overrides, secure=args.secure, progress=_note
     )
@@ -107,20 +169,72 @@ def _up(args: argparse.Namespace) -> int:
 
 @_reported
 def _status(args: argparse.Namespace) -> int:
-    _print_status(_tool.status(args.dir))
+    if args.dir is not None:
+        _print_status(_tool.status(args.dir))
+        return 0
+    if _holds_cluster(DEFAULT_DIR):
+        try:
+            state = _tool.status(DEFAULT_DIR)
+        except ClusterError as exc:
+            others = _registry.running() if not _tool.node_pids(DEFAULT_DIR) else []
+            if others:
+                raise ClusterError(f"{exc}; {_describe(others)}") from exc
+            raise
+        _print_status(state)
+        return 0
+    records = _registry.records()
+    if not records:
+        raise ClusterError(f"no cluster in {DEFAULT_DIR} and none recorded (start one with: kfeed cluster up)")
+    print(f"no cluster in {DEFAULT_DIR}; the clusters recorded:")
+    for record in records:
+        print(record.line())
+    running = [record for record in records if record.is_running]
+    if len(running) > 1:
+        raise UsageError(f"{len(running)} clusters are running; pick one with: kfeed cluster status --dir DIR")
+    if not running:
+        hint = records[0].dir if len(records) == 1 else "DIR"
+        raise ClusterError(f"none of them is running (start one with: kfeed cluster up --dir {hint})")
+    print(f"status of the one running, {running[0].dir}:")
+    _print_status(_tool.status(running[0].dir))
     return 0
 
 
 @_reported
 def _down(args: argparse.Namespace) -> int:
-    existed = args.dir.exists()
-    stopped = _tool.down(args.dir, wipe=args.wipe)
+    dir = args.dir if args.dir is not None else DEFAULT_DIR
+    if args.dir is None and not _holds_cluster(DEFAULT_DIR):
+        running = _registry.running()
+        if len(running) > 1:
+            for record in running:
+                print(record.line())
+            raise UsageError(f"{len(running)} clusters are running; pick one with: kfeed cluster down --dir DIR")
+        if running and args.wipe:
+            # Deleting data takes a folder the user named, not one found for them.
+            raise UsageError(
+                f"no cluster in {DEFAULT_DIR}, and --wipe deletes data: name the running one with "
+                f"kfeed cluster down --dir {running[0].dir} --wipe"
+            )
+        if running:
+            dir = running[0].dir
+            print(f"no cluster in {DEFAULT_DIR}; stopping the one running, {dir}")
+    existed = dir.exists()
+    stopped = _tool.down(dir, wipe=args.wipe)
     if stopped:
-        print(f"stopped node{'s' if len(stopped) > 1 else ''} {_ids(stopped)} in {args.dir}")
+        print(f"stopped node{'s' if len(stopped) > 1 else ''} {_ids(stopped)} in {dir}")
     else:
-        print(f"nothing running in {args.dir}")
-    if args.wipe and existed and not args.dir.exists():
-        print(f"wiped {args.dir}")
+        print(f"nothing running in {dir}")
+    if args.wipe and existed and not dir.exists():
+        print(f"wiped {dir}")
+    return 0
+
+
+@_reported
+def _list(args: argparse.Namespace) -> int:
+    records = _registry.records()
+    if not records:
+        _note(f"no cluster recorded in {_registry.registry_dir()} (start one with: kfeed cluster up)")
+    for record in records:
+        print(record.line())
     return 0
 
 
@@ -133,6 +247,21 @@ def _jars_command(args: argparse.Namespace) -> int:
 def _note(text: str) -> None:
     # stderr, so that stdout stays what scripts read.
     print(text, file=sys.stderr, flush=True)
+
+
+def _holds_cluster(dir: Path) -> bool:
+    return (dir / STATE_FILE).is_file()
+
+
+def _absolute(dir: Path) -> Path:
+    # As the records hold it.
+    return dir.expanduser().resolve()
+
+
+def _describe(others: list[_registry.Record]) -> str:
+    if len(others) == 1:
+        return f"another cluster runs in {others[0].dir} ({others[0].bootstrap})"
+    return f"{len(others)} other clusters run (kfeed cluster list shows them)"
 
 
 def _print_status(state: dict[str, Any]) -> None:

@@ -51,6 +51,14 @@ rootLogger.appenderRef.server.ref = server
 """
 
 
+class UsageError(ClusterError):
+    """A request its caller can correct: a folder with no cluster, a layout that contradicts one.
+
+    Still a ``ClusterError`` for Python callers; the CLI exits 2 on it, as on
+    any other mistake in its arguments.
+    """
+
+
 def replication_factor(nodes: int) -> int:
     return min(nodes, 3)
 
@@ -137,7 +145,10 @@ class Layout:
             raise ConfigError(f"nodes must be one of {NODE_COUNTS}, not {self.nodes}")
         highest = self.port + CONTROLLER_PORT_OFFSET + self.nodes - 1
         if not 1024 <= self.port or highest > 65535:
-            raise ConfigError(f"base port {self.port} leaves the range 1024..65535 for this layout")
+            top = 65535 - CONTROLLER_PORT_OFFSET - self.nodes + 1
+            raise ConfigError(
+                f"base port {self.port} leaves the range 1024..65535 for this layout: choose one from 1024 to {top}"
+            )
 
     @property
     def node_ids(self) -> range:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from kfeed.cluster import _jars, _secure
+from kfeed.cluster import _jars, _registry, _secure
 from kfeed.cluster._layout import (
     CONTROLLER_PORT_OFFSET,
     DEFAULT_DIR,
@@ -30,10 +30,13 @@ from kfeed.cluster._layout import (
     LOG4J_FILE,
     STATE_FILE,
     Layout,
+    UsageError,
     NodePaths,
     new_cluster_id,
     write_properties,
 )
+from kfeed.cluster._procs import is_node_jvm
+from kfeed.cluster._procs import running_pid as _running_pid
 from kfeed.errors import ClusterError
 
 logger = logging.getLogger("kfeed.cluster")
@@ -51,6 +54,7 @@ _JVM_FLAGS = (
 )
 STOP_GRACE_S = 20.0
 _POLL_S = 0.25
+_EXEC_WAIT_S = 5.0
 _LOG_TAIL_LINES = 20
 _LOG_TAIL_BYTES = 64 * 1024
 
@@ -98,6 +102,8 @@ def ensure_up(
         _start(layout, state_dir, missing, layout.node_ids, timeout, progress)
     else:
         _wait_ready(layout, state_dir, {}, layout.node_ids, timeout)
+        # A cluster started before records were kept is recorded now.
+        _registry.update(layout, state_dir)
     return layout, missing
 
 
@@ -109,12 +115,20 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
     state_dir = _state_dir(dir)
     layout = Layout.load(state_dir)
     if layout is None:
+        _registry.forget(state_dir)
         if wipe and state_dir.exists():
-            raise ClusterError(f"{dir} holds no {STATE_FILE}: not a kfeed cluster, so not wiping it")
+            raise UsageError(
+                f"{dir} holds no {STATE_FILE}: not a kfeed cluster, so not wiping it"
+                " (kfeed cluster list shows the clusters)"
+            )
         return []
-    stopped = _stop(layout, state_dir, layout.node_ids)
+    try:
+        stopped = _stop(layout, state_dir, layout.node_ids)
+    finally:
+        _registry.update(layout, state_dir)
     if wipe:
         shutil.rmtree(state_dir)
+        _registry.forget(state_dir)
         logger.info("wiped %s", dir)
     return stopped
 
@@ -256,6 +270,7 @@ def kill_node(
         if _wait_exited({node_id: paths}, timeout):
             raise ClusterError(f"node {node_id} (pid {pid}) still runs {timeout:.0f} s after signal {sig}")
         paths.pid.unlink(missing_ok=True)
+        _registry.update(layout, state_dir)
     return pid
 
 
@@ -284,14 +299,17 @@ def _state_dir(dir: Path | str) -> Path:
 def _existing_layout(state_dir: Path, shown: Path | str) -> Layout:
     layout = Layout.load(state_dir)
     if layout is None:
-        raise ClusterError(f"no cluster in {shown} (start one with: kfeed cluster up --dir {shown})")
+        raise UsageError(
+            f"no cluster in {shown} (start one with: kfeed cluster up --dir {shown};"
+            " kfeed cluster list shows the others)"
+        )
     return layout
 
 
 def _secure_layout(state_dir: Path, shown: Path | str) -> Layout:
     layout = _existing_layout(state_dir, shown)
     if not layout.secure:
-        raise ClusterError(f"the cluster in {shown} is not secure (start one with: kfeed cluster up --secure)")
+        raise UsageError(f"the cluster in {shown} is not secure (start one with: kfeed cluster up --secure)")
     return layout
 
 
@@ -313,13 +331,13 @@ def _layout_for(
             secure=bool(secure),
         )
     if (nodes or existing.nodes, port or existing.port) != (existing.nodes, existing.port):
-        raise ClusterError(
+        raise UsageError(
             f"{shown} holds a {existing.nodes}-node cluster on port {existing.port}; "
             f"to replace it run: kfeed cluster down --dir {shown} --wipe"
         )
     if secure is not None and secure != existing.secure:
         kind = "secure (SASL_SSL)" if existing.secure else "plaintext"
-        raise ClusterError(
+        raise UsageError(
             f"{shown} holds a {kind} cluster; to replace it run: kfeed cluster down --dir {shown} --wipe"
         )
     if overrides:
@@ -356,6 +374,7 @@ def _start(
     except BaseException:
         _stop(layout, state_dir, started)
         raise
+    _registry.update(layout, state_dir)
     return started
 
 
@@ -422,8 +441,23 @@ def _launch(java: str, libs: Path, state_dir: Path, paths: NodePaths) -> int:
     except (OSError, ValueError, subprocess.CalledProcessError) as exc:
         raise ClusterError(f"could not launch node {paths.root.name}: {exc}") from exc
     paths.pid.write_text(f"{pid}\n")
+    _await_exec(pid, paths)
     logger.info("started %s (pid %d)", paths.root.name, pid)
     return pid
+
+
+def _await_exec(pid: int, paths: NodePaths) -> None:
+    """Wait until ``pid`` shows the JVM's command line, or gives up being able to.
+
+    The shell prints the pid as soon as it forks, before the child has become
+    java; until then ``/proc`` shows a shell (or nothing), which every later
+    check would take for a dead node.
+    """
+    deadline = time.monotonic() + _EXEC_WAIT_S
+    while not is_node_jvm(pid, paths.properties) and time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists():
+            return  # exec failed; _wait_ready reports it with the log
+        time.sleep(0.01)
 
 
 def free_port_base(nodes: int = 1, start: int = DEFAULT_PORT, step: int = 10) -> int:
@@ -565,23 +599,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _running_pid(paths: NodePaths) -> int | None:
-    """The pid in the node's pid file, if that process is this node's live JVM."""
-    try:
-        pid = int(paths.pid.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    try:
-        # A zombie's cmdline is empty, so an exited node reads as not running
-        # even before its parent collects it.
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if b"kafka.Kafka" in args and os.fsencode(paths.properties) in args:
-        return pid
-    return None
 
 
 def _log_tail(paths: NodePaths) -> str:

@@ -1,0 +1,46 @@
+"""Which live processes are the nodes of a local cluster.
+
+Everything that signals a node, or reports one as running, asks here first.
+A pid alone proves nothing (pids are reused, pid files outlive their
+processes), so a pid counts as a node only while ``/proc/<pid>/cmdline``
+shows a ``java`` running ``kafka.Kafka`` with that node's own properties
+file, whose path lies inside the cluster's state folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kfeed.cluster._layout import NodePaths
+
+
+def is_node_jvm(pid: int, properties: Path) -> bool:
+    """Whether ``pid`` is a live JVM running ``kafka.Kafka`` with ``properties``."""
+    if pid <= 0:
+        return False
+    try:
+        # A zombie's cmdline is empty, so an exited node reads as not running
+        # even before its parent collects it.
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if not args or not os.path.basename(args[0]).startswith(b"java"):
+        return False
+    return b"kafka.Kafka" in args and os.fsencode(properties) in args
+
+
+def pid_file_pid(paths: NodePaths) -> int | None:
+    """The pid the node's pid file names, whether or not it still runs."""
+    try:
+        return int(paths.pid.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def running_pid(paths: NodePaths) -> int | None:
+    """The pid in the node's pid file, if that process is this node's live JVM."""
+    pid = pid_file_pid(paths)
+    if pid is not None and is_node_jvm(pid, paths.properties):
+        return pid
+    return None
