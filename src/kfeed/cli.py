@@ -1,7 +1,9 @@
-"""The ``kfeed`` command: the outermost layer.
+"""The ``kfeed`` command: the outermost layer, argument parsing and output only.
 
-It uses the cluster tool, the producer and the loader; nothing imports it.
-Only this module (and the cluster tool's CLI part) prints.
+It uses the cluster tool, ``kfeed.ingest`` (sample files into columns),
+``kfeed.text`` (corpora into token documents), the producer, and the demo
+training jobs of ``kfeed._train`` (which hold every torch import); nothing
+imports it. Only this module (and the cluster tool's CLI part) prints.
 
 - ``kfeed cluster up|down|status|jars``: a real local Apache Kafka.
 - ``kfeed produce``: samples (synthetic, .npz, .npy, Parquet) into a topic;
@@ -11,46 +13,140 @@ Only this module (and the cluster tool's CLI part) prints.
   (``--task lm``) a tiny causal transformer trained from a token topic with
   packed ``[batch, seq_len]`` rows; checkpoints (model, optimizer, loader
   state) and resumes exactly.
+
+Every mistake is one line on stderr, ``kfeed: <what is wrong>: <how to
+fix>``, checked before any connection where it can be (see ``EXIT_CODES``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kfeed import cluster
-from kfeed.errors import KfeedError
+from kfeed._train import document_mask, lm_logits, lm_loss, tiny_lm  # noqa: F401 - re-exported
+from kfeed.errors import ConfigError, KfeedError
+from kfeed.ingest import DTYPES, parse_pairs
+from kfeed.ingest import skip_documents as _skip_documents
+from kfeed.synthetic import CLASSES, FEATURES, synthetic_columns, synthetic_schema
 
-# The seeds' workload: 768 float32 features, an int64 label and an int64 id.
-FEATURES = 768
-CLASSES = 10
+__all__ = ["main", "build_parser", "synthetic_columns", "synthetic_schema", "FEATURES",
+           "CLASSES"]
+
+log = logging.getLogger(__name__)
+
+# A topic `kfeed produce` creates has this many partitions unless
+# --partitions says otherwise: enough for a few trainers in one group.
+DEFAULT_PARTITIONS = 4
+
+EXIT_CODES = """\
+Exit status: 0 done; 2 a mistake in the command (a bad or missing argument, a
+flag that would be ignored, a missing file, field or column, a column type
+kfeed will not guess at): nothing was sent or read; 1 a failure while running
+(brokers unreachable, a topic that cannot be used, every record of the topic
+bad, a bad corpus line, anything unexpected); 130 / 143 stopped by SIGINT /
+SIGTERM. Each is reported as one line on stderr, "kfeed: <what is wrong>: <how
+to fix>"; -v adds the traceback and kfeed's logging (without -v, kfeed prints
+only its own lines).
+"""
 
 
-def synthetic_schema() -> Any:
-    from kfeed.schema import Schema
-
-    return Schema({"features": ("float32", (FEATURES,)), "label": ("int64", ()),
-                   "id": ("int64", ())})
+# -- one line per mistake ---------------------------------------------------------
 
 
-def synthetic_columns(ids: Any) -> dict[str, Any]:
-    """Samples that depend on their id alone, with a label learnable from them."""
-    import numpy as np
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one ``kfeed: <what>: <how to fix>`` line, exit 2."""
 
-    ids = np.asarray(ids, dtype=np.int64)
-    mixed = (ids[:, None] * 2654435761 + np.arange(FEATURES) * 40503) % 65521
-    features = (mixed.astype(np.float32) / 65521.0) - 0.5
-    label = features[:, :CLASSES].argmax(axis=1).astype(np.int64)
-    return {"features": features, "label": label, "id": ids}
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"kfeed: {_usage_error(message, self.prog)}\n")
+        sys.exit(2)
 
 
-# -- produce -----------------------------------------------------------------
+def _usage_error(message: str, prog: str) -> str:
+    see = f"see '{prog} --help'"
+    m = re.fullmatch(r"the following arguments are required: (.*)", message)
+    if m:
+        return f"missing {m.group(1)}: {see}"
+    m = re.fullmatch(r"unrecognized arguments: (.*)", message)
+    if m:
+        return f"unknown argument {m.group(1)}: {see}"
+    m = re.fullmatch(r"one of the arguments (.*) is required", message)
+    if m:
+        return f"give one of {', '.join(m.group(1).split())}: {see}"
+    m = re.fullmatch(r"argument ([^:]+): (.*)", message, re.S)
+    if not m:
+        return f"{message}: {see}"
+    flag, what = m.group(1).split("/")[-1], m.group(2)
+    m = re.fullmatch(r"invalid choice: '([^']*)' \(choose from (.*)\)", what)
+    if m:
+        return f"{flag} {m.group(1)!r} is not one of its choices: choose from {m.group(2)}"
+    m = re.fullmatch(r"not allowed with argument (.*)", what)
+    if m:
+        return f"{flag} and {m.group(1).split('/')[-1]} exclude each other: give one of them"
+    if what.startswith("expected"):
+        return f"{flag} needs a value: {see}"
+    if what.startswith("invalid "):  # argparse's own type errors
+        return f"{flag}: {what}: {see}"
+    return f"{flag} {what}"  # the type helpers below: "VALUE ...: how to fix"
+
+
+def _count(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number: give an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give an integer >= {low}")
+        return value
+    parse.__name__ = "count"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: give a number > 0") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a number > 0")
+    return value
+
+
+def _start(text: str) -> str | datetime:
+    if text in ("earliest", "latest", "committed"):
+        return text
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a start: give earliest, latest, committed or an ISO time such "
+            f"as 2024-05-01T12:00:00+00:00") from None
+
+
+def _refuse(flag: str, scope: str, mode: str) -> ConfigError:
+    return ConfigError(f"{flag} applies to {scope}, not to {mode}: leave it out")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split("\n"))
+
+
+# -- shared Kafka arguments ---------------------------------------------------------
 
 
 def _kafka_args(p: argparse.ArgumentParser) -> None:
@@ -59,129 +155,104 @@ def _kafka_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", required=True)
     p.add_argument("-X", dest="kafka", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra librdkafka setting (repeatable)")
+    p.add_argument("--connect-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the brokers before giving up (default 30)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log at DEBUG level and show tracebacks")
 
 
 def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     if not args.bootstrap_servers:
-        raise KfeedError("--bootstrap-servers is required (or set KFEED_BOOTSTRAP)")
+        raise ConfigError("no brokers given: pass --bootstrap-servers HOST:PORT or set "
+                          "KFEED_BOOTSTRAP")
     config: dict[str, Any] = {"bootstrap.servers": args.bootstrap_servers, **extra}
     for item in args.kafka:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise KfeedError(f"-X expects KEY=VALUE, got {item!r}")
+        if not sep or not key:
+            raise ConfigError(f"-X {item!r} is not KEY=VALUE: write it as e.g. "
+                              f"-X fetch.min.bytes=1048576")
         config[key] = value
     return config
 
 
-def _ensure_topic(config: dict[str, Any], topic: str, partitions: int) -> None:
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({k: v for k, v in config.items()
-                         if k.startswith(("bootstrap.", "security.", "sasl.", "ssl."))})
-    if topic in admin.list_topics(timeout=30).topics:
-        return
-    try:
-        admin.create_topics([NewTopic(topic, num_partitions=partitions)])[topic].result(30)
-    except KafkaException as e:
-        if e.args[0].name() != "TOPIC_ALREADY_EXISTS":
-            raise KfeedError(f"cannot create topic {topic}: {e.args[0].str()}") from e
+# -- progress -------------------------------------------------------------------
 
 
-def _load_file(path: Path, fields: dict[str, str]) -> dict[str, Any]:
-    """Columns from .npz, .npy or .parquet; ``fields`` maps schema field -> source name."""
-    import numpy as np
-
-    suffix = path.suffix.lower()
-    if suffix == ".npz":
-        with np.load(path) as data:
-            return {f: data[src] for f, src in fields.items()}
-    if suffix == ".npy":
-        if len(fields) != 1:
-            raise KfeedError(".npy holds one array: map exactly one field to it")
-        return {next(iter(fields)): np.load(path)}
-    if suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path, columns=sorted(set(fields.values())))
-        out = {}
-        for f, src in fields.items():
-            col = table.column(src).combine_chunks()
-            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or \
-                    pa.types.is_fixed_size_list(col.type):
-                lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
-                if len(lengths) and (lengths != lengths[0]).any():
-                    raise KfeedError(f"column {src!r} holds lists of different lengths; "
-                                     "fixed-shape fields need equal lengths")
-                width = int(lengths[0]) if len(lengths) else 0
-                values = col.flatten().to_numpy(zero_copy_only=False)
-                out[f] = values.reshape(len(col), width)
-            else:
-                out[f] = col.to_numpy(zero_copy_only=False)
-        return out
-    raise KfeedError(f"--from takes .npz, .npy or .parquet, got {path.name}")
+def _rates(count: float, nbytes: float, elapsed: float, unit: str) -> str:
+    """``N unit/s, M MB/s``: the bar and the final line both say it with this."""
+    dt = max(elapsed, 1e-9)
+    return f"{count / dt:,.0f} {unit}/s, {nbytes / dt / 1e6:,.1f} MB/s"
 
 
-def _progress(done: int, total: int, t0: float, nbytes: int) -> None:
-    dt = max(time.monotonic() - t0, 1e-9)
-    width = 30
-    filled = int(width * done / total) if total else width
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                     f"{done / dt:,.0f} samples/s {nbytes / dt / 1e6:,.1f} MB/s")
-    sys.stderr.flush()
+def _bar(done: float, total: int, width: int = 30) -> str:
+    filled = min(width, int(width * done / total)) if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}]"
 
 
-def cmd_produce(args: argparse.Namespace) -> int:
-    import numpy as np
+def _acknowledged(producer: Any) -> float:
+    """The share of what ``producer`` was given that the brokers acknowledged, 0..1.
 
-    from kfeed.producer import Producer
-    from kfeed.schema import Schema
-
-    config = _kafka_config(args)
-    if args.synthetic_text is not None or _corpus_mode(args):
-        return _produce_text(args, config)
-    if args.skip_docs:
-        raise KfeedError("--skip-docs applies to token documents (a corpus or --synthetic-text)")
-    if args.synthetic is not None:
-        schema = synthetic_schema()
-        total = args.synthetic
-        start = args.first_id
-
-        def chunk(i: int, n: int) -> dict[str, Any]:
-            return synthetic_columns(np.arange(start + i, start + i + n))
-    elif args.source is not None:
-        mapping = dict(item.split("=", 1) for item in args.field) if args.field else {}
-        data = _load_file(Path(args.source), mapping or {"features": "features",
-                                                         "label": "label", "id": "id"})
-        schema = Schema({name: (str(col.dtype), col.shape[1:]) for name, col in data.items()})
-        total = len(next(iter(data.values())))
-
-        def chunk(i: int, n: int) -> dict[str, Any]:
-            return {name: col[i:i + n] for name, col in data.items()}
-    else:
-        raise KfeedError("give --synthetic N or --from FILE")
-    if args.partitions:
-        _ensure_topic(config, args.topic, args.partitions)
-    t0 = time.monotonic()
-    with Producer(config, args.topic, schema, format=args.format,
-                  block_records=args.block_records, compression=args.compression) as producer:
-        step = 8192
-        for i in range(0, total, step):
-            cols = chunk(i, min(step, total - i))
-            keys = cols["id"] if args.keyed and "id" in cols else None
-            producer.send(cols, keys=keys)
-            _progress(min(i + step, total), total, t0, producer.bytes)
-        producer.flush()
-    dt = time.monotonic() - t0
-    sys.stderr.write("\n")
-    print(f"produced {total} samples in {producer.messages} messages to {args.topic}: "
-          f"{total / dt:,.0f} samples/s, {producer.bytes / dt / 1e6:,.1f} MB/s")
-    return 0
+    Messages handed to librdkafka wait in its queue until acknowledged; a bar
+    that counted them as done ran far ahead of the brokers (and of the final
+    line, which includes the flush).
+    """
+    # The confluent-kafka producer's len() is its messages not yet acknowledged.
+    waiting = len(producer._producer)
+    return 1.0 - waiting / producer.messages if producer.messages else 0.0
 
 
-# -- produce: token documents ---------------------------------------------------
+class _Progress:
+    """A progress bar on stderr, redrawn every ``every_s`` from a thread, on a TTY only.
+
+    ``line(elapsed)`` makes the text from the run's counters; the thread
+    reads them while the main thread sends, so the bar keeps moving through
+    the flush at the end, when only acknowledgements change.
+    """
+
+    def __init__(self, line: Callable[[float], str], t0: float, every_s: float = 0.5) -> None:
+        self._line = line
+        self._t0 = t0
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._drawn = False
+        if sys.stderr.isatty():
+            self._thread = threading.Thread(target=self._run, name="kfeed-progress", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._draw(time.monotonic() - self._t0)
+
+    def _draw(self, elapsed: float) -> None:
+        sys.stderr.write(f"\r{self._line(elapsed)}")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def close(self, elapsed: float | None = None) -> None:
+        """Stop; with ``elapsed``, draw the final state on the final line's clock."""
+        self._stop.set()
+        if self._thread is None:
+            return
+        self._thread.join()
+        if elapsed is not None:
+            self._draw(elapsed)
+        if self._drawn:
+            sys.stderr.write("\n")
+
+
+def _sample_line(done: float, total: int, elapsed: float, nbytes: float) -> str:
+    return f"{_bar(done, total)} {int(done)}/{total} {_rates(done, nbytes, elapsed, 'samples')}"
+
+
+def _text_line(done: float, total: int, docs: float, tokens: float, elapsed: float,
+               nbytes: float) -> str:
+    dt = max(elapsed, 1e-9)
+    return (f"{_bar(done, total)} {int(docs)} docs {docs / dt:,.0f} docs/s "
+            f"{tokens / dt:,.0f} tokens/s {nbytes / dt / 1e6:,.1f} MB/s")
+
+
+# -- produce -----------------------------------------------------------------------
 
 
 def _corpus_mode(args: argparse.Namespace) -> bool:
@@ -193,37 +264,133 @@ def _corpus_mode(args: argparse.Namespace) -> bool:
             or args.text_field is not None or args.lengths is not None)
 
 
-def _text_progress(done: int, total: int, t0: float, docs: int, tokens: int,
-                   nbytes: int) -> None:
-    dt = max(time.monotonic() - t0, 1e-9)
-    width = 30
-    filled = min(width, int(width * done / total)) if total else width
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {docs} docs "
-                     f"{docs / dt:,.0f} docs/s {tokens / dt:,.0f} tokens/s "
-                     f"{nbytes / dt / 1e6:,.1f} MB/s")
-    sys.stderr.flush()
+def _check_produce(args: argparse.Namespace) -> str:
+    """Refuse flags this run would ignore; the run's kind: samples, file, text or corpus."""
+    if args.synthetic is not None:
+        kind, mode = "samples", "--synthetic"
+    elif args.synthetic_text is not None:
+        kind, mode = "text", "--synthetic-text"
+    elif _corpus_mode(args):
+        kind, mode = "corpus", f"--from {Path(args.source).name} (a corpus)"
+    else:
+        kind, mode = "file", f"--from {Path(args.source).name} (samples)"
+    file_only = "--from FILE samples (.npz, .npy, .parquet)"
+    tokens = "token documents (--synthetic-text, or --from a corpus)"
+    checks = [
+        ("--field", bool(args.field), kind == "file", file_only),
+        ("--dtype", bool(args.dtype), kind == "file", file_only),
+        ("--fill", bool(args.fill), kind == "file", file_only),
+        ("--first-id", args.first_id is not None, kind in ("samples", "text"),
+         "--synthetic and --synthetic-text"),
+        ("--seed", args.seed is not None, kind == "text", "--synthetic-text"),
+        ("--token-dtype", args.token_dtype is not None, kind in ("text", "corpus"), tokens),
+        ("--skip-docs", args.skip_docs is not None, kind in ("text", "corpus"), tokens),
+        ("--tokenizer", args.tokenizer is not None, kind in ("text", "corpus"), tokens),
+        ("--key-field", args.key_field is not None, kind == "corpus",
+         "--from a .jsonl or .parquet corpus (synthetic text is keyed with --keyed)"),
+    ]
+    for flag, given, applies, scope in checks:
+        if given and not applies:
+            raise _refuse(flag, scope, mode)
+    if args.keyed and kind == "corpus":
+        raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
+                          "documents with --key-field FIELD")
+    if args.block_records is not None and args.format == "raw":
+        raise ConfigError("--block-records applies to --format block, not to raw (one record a "
+                          "message): leave it out")
+    return kind
 
 
-def _skip_documents(chunks: Iterator[Any], n: int, where: str) -> Iterator[Any]:
-    """``chunks`` (``kfeed.text.Chunk``) less their first ``n`` documents."""
-    for chunk in chunks:
-        if n >= len(chunk):
-            n -= len(chunk)
-            continue
-        if n:
-            # Not _replace: Chunk's len() counts documents, which _make trips on.
-            sliced = {f: getattr(chunk, f)[n:] for f in ("texts", "ids", "keys")
-                      if getattr(chunk, f) is not None}
-            chunk = type(chunk)(**{**chunk._asdict(), **sliced})
-            n = 0
-        yield chunk
-    if n:
-        raise KfeedError(f"{where}--skip-docs leaves out more documents than there are")
+def cmd_produce(args: argparse.Namespace) -> int:
+    from kfeed import ingest
+
+    kind = _check_produce(args)
+    config = _kafka_config(args)
+    if kind in ("text", "corpus"):
+        return _produce_text(args, config)
+    first = args.first_id or 0
+    if kind == "samples":
+        schema = synthetic_schema()
+        total = args.synthetic
+
+        def chunk(i: int, n: int) -> dict[str, Any]:
+            return synthetic_columns(range(first + i, first + i + n))
+    else:
+        fields = parse_pairs(args.field, "--field", "COLUMN") or None
+        data = ingest.read_columns(args.source, fields,
+                                   dtypes=parse_pairs(args.dtype, "--dtype", "DTYPE"),
+                                   fills=parse_pairs(args.fill, "--fill", "VALUE"))
+        if args.keyed and "id" not in data:
+            raise ConfigError(f"--keyed keys samples by their id field, and the fields read are "
+                              f"{', '.join(data)}: add --field id=COLUMN, or leave --keyed out")
+        schema = ingest.schema_for(data)
+        total = len(next(iter(data.values())))
+
+        def chunk(i: int, n: int) -> dict[str, Any]:
+            return {name: col[i:i + n] for name, col in data.items()}
+    _ensure_topic(args, config)
+    return _send_samples(args, config, schema, total, chunk)
 
 
-def _token_arrays(chunk: Any, tokenizer: Any, args: argparse.Namespace,
-                  where: str) -> list[Any]:
-    """One chunk's documents as token id arrays of ``--token-dtype``, checked."""
+def _ensure_topic(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Create the topic if it is missing; say so in one line."""
+    import kfeed
+
+    partitions = args.partitions or DEFAULT_PARTITIONS
+    created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
+                                 exist_ok=True, timeout_s=args.connect_timeout)
+    if created:
+        print(f"created topic {args.topic} with {partitions} partitions (replication: the "
+              f"brokers' default)", file=sys.stderr)
+
+
+def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
+    if args.partitions and producer.num_partitions != args.partitions:
+        raise ConfigError(
+            f"--partitions {args.partitions}: topic {args.topic} exists with "
+            f"{producer.num_partitions} partitions: leave --partitions out, or pick a new --topic")
+
+
+def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> Any:
+    from kfeed.producer import Producer
+
+    return Producer(config, args.topic, schema, format=args.format,
+                    block_records=args.block_records or 64, compression=args.compression,
+                    connect_timeout_s=args.connect_timeout)
+
+
+def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any, total: int,
+                  chunk: Callable[[int, int], dict[str, Any]]) -> int:
+    with _producer(args, config, schema) as producer:
+        _check_partitions(args, producer)
+        t0 = time.monotonic()
+
+        def line(elapsed: float) -> str:
+            share = _acknowledged(producer)
+            return _sample_line(producer.samples * share, total, elapsed, producer.bytes * share)
+
+        progress = _Progress(line, t0)
+        try:
+            step = 8192
+            for i in range(0, total, step):
+                cols = chunk(i, min(step, total - i))
+                producer.send(cols, keys=cols["id"] if args.keyed else None)
+            producer.flush()
+        except BaseException:
+            progress.close()
+            raise
+        elapsed = time.monotonic() - t0
+        progress.close(elapsed)
+    print(f"produced {total} samples in {producer.messages} messages to {args.topic} in "
+          f"{elapsed:.1f}s: {_rates(total, producer.bytes, elapsed, 'samples')}")
+    return 0
+
+
+# -- produce: token documents -------------------------------------------------------
+
+
+def _token_arrays(chunk: Any, tokenizer: Any, token_dtype: str, where: str) -> list[Any]:
+    """One chunk's documents as token id arrays of ``token_dtype``, checked."""
     from kfeed import text
 
     if chunk.texts is not None:
@@ -233,331 +400,218 @@ def _token_arrays(chunk: Any, tokenizer: Any, args: argparse.Namespace,
         top = max((int(d.max()) for d in ids if len(d)), default=-1)
         if top >= tokenizer.vocab_size:
             raise KfeedError(f"{where}token id {top} is outside the vocabulary of "
-                             f"{tokenizer.name} ({tokenizer.vocab_size} ids)")
-    return text.as_token_arrays(ids, args.token_dtype, where=where)
+                             f"{tokenizer.name} ({tokenizer.vocab_size} ids): give the "
+                             f"--tokenizer the ids were made with")
+    return text.as_token_arrays(ids, token_dtype, where=where)
 
 
 def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     from kfeed import text
-    from kfeed.producer import Producer
 
-    schema = text.token_schema(args.token_dtype)
+    token_dtype = args.token_dtype or "uint16"
+    skip = args.skip_docs or 0
+    schema = text.token_schema(token_dtype)
     tokenizer = text.load_tokenizer(args.tokenizer or "bytes")
     chunks: Iterator[text.Chunk]
     if args.synthetic_text is not None:
-        if args.key_field is not None:
-            raise KfeedError("--key-field needs --from; key synthetic text by index with --keyed")
-        total, first, step = args.synthetic_text, args.first_id, 1024
+        total, first, step, seed = args.synthetic_text, args.first_id or 0, 1024, args.seed or 0
 
         def synthetic() -> Iterator[text.Chunk]:
             for i in range(0, total, step):
                 n = min(step, total - i)
                 ids = list(range(first + i, first + i + n))
-                yield text.Chunk(text.synthetic_documents(first + i, n, seed=args.seed), None,
+                yield text.Chunk(text.synthetic_documents(first + i, n, seed=seed), None,
                                  ids if args.keyed else None, i + n, total)
 
         chunks = synthetic()
     else:
-        if args.keyed:
-            raise KfeedError("--keyed applies to synthetic data; key corpus documents "
-                             "with --key-field FIELD")
         chunks = text.read_corpus(args.source, text_field=args.text_field or "text",
                                   key_field=args.key_field, lengths=args.lengths)
-    if args.skip_docs < 0:
-        raise KfeedError(f"--skip-docs must be >= 0, got {args.skip_docs}")
-    if args.partitions:
-        _ensure_topic(config, args.topic, args.partitions)
+    _ensure_topic(args, config)
     docs = tokens = 0
-    t0 = time.monotonic()
-    with Producer(config, args.topic, schema, format=args.format,
-                  block_records=args.block_records, compression=args.compression) as producer:
-        where = f"{args.source or 'synthetic text'}: "
-        todo = _skip_documents(chunks, args.skip_docs, where)
-        while True:
-            try:  # reading the corpus, tokenizing, checking
-                chunk = next(todo, None)
-                if chunk is None:
-                    break
-                arrays = _token_arrays(chunk, tokenizer, args, where)
-            except KfeedError as e:
-                if not docs:
-                    raise
-                # A bad chunk: the ones before it are in Kafka. Say how to go
-                # on without sending them twice. (An error from send() itself
-                # may come after part of its chunk went out: no such advice.)
-                producer.flush()
-                sys.stderr.write("\n")
-                raise KfeedError(
-                    f"{e}\nThe {docs} documents before this chunk were sent (documents "
-                    f"{args.skip_docs} to {args.skip_docs + docs - 1} of the corpus). Fix it "
-                    f"and run again with --skip-docs {args.skip_docs + docs} to go on without "
-                    f"sending them twice.") from None
-            producer.send({"tokens": arrays}, keys=chunk.keys)
-            docs += len(arrays)
-            tokens += int(sum(len(a) for a in arrays))
-            _text_progress(chunk.done, chunk.total, t0, docs, tokens, producer.bytes)
-        producer.flush()
-    dt = max(time.monotonic() - t0, 1e-9)
-    sys.stderr.write("\n")
+    done = [0, 1]  # how far the corpus is read: done, total
+    with _producer(args, config, schema) as producer:
+        _check_partitions(args, producer)
+        t0 = time.monotonic()
+
+        def line(elapsed: float) -> str:
+            share = _acknowledged(producer)
+            return _text_line(done[0], done[1], docs * share, tokens * share, elapsed,
+                              producer.bytes * share)
+
+        progress = _Progress(line, t0)
+        try:
+            where = f"{args.source or 'synthetic text'}: "
+            todo = _skip_documents(chunks, skip, where)
+            while True:
+                try:  # reading the corpus, tokenizing, checking
+                    chunk = next(todo, None)
+                    if chunk is None:
+                        break
+                    arrays = _token_arrays(chunk, tokenizer, token_dtype, where)
+                except KfeedError as e:
+                    if not docs:
+                        raise
+                    # A bad chunk: the ones before it are in Kafka. Say how to
+                    # go on without sending them twice. (An error from send()
+                    # itself may come after part of its chunk went out: no such
+                    # advice.)
+                    producer.flush()
+                    raise type(e)(
+                        f"{_one_line(str(e))}. The {docs} documents before this chunk were "
+                        f"sent (documents {skip} to {skip + docs - 1} of the corpus): fix it "
+                        f"and run again with --skip-docs {skip + docs} to go on without "
+                        f"sending them twice") from None
+                producer.send({"tokens": arrays}, keys=chunk.keys)
+                docs += len(arrays)
+                tokens += int(sum(len(a) for a in arrays))
+                done[:] = [chunk.done, chunk.total]
+            producer.flush()
+        except BaseException:
+            progress.close()
+            raise
+        elapsed = max(time.monotonic() - t0, 1e-9)
+        progress.close(elapsed)
     eos = "none" if tokenizer.eos_id is None else tokenizer.eos_id
-    print(f"produced {docs} documents ({tokens} tokens, {args.token_dtype}, tokenizer "
+    print(f"produced {docs} documents ({tokens} tokens, {token_dtype}, tokenizer "
           f"{tokenizer.name}: vocab {tokenizer.vocab_size}, eos {eos}) in {producer.messages} "
-          f"messages to {args.topic}: {docs / dt:,.0f} documents/s, {tokens / dt:,.0f} tokens/s, "
-          f"{producer.bytes / dt / 1e6:,.1f} MB/s")
+          f"messages to {args.topic}: {docs / elapsed:,.0f} documents/s, "
+          f"{tokens / elapsed:,.0f} tokens/s, {producer.bytes / elapsed / 1e6:,.1f} MB/s")
     return 0
 
 
-# -- train -------------------------------------------------------------------
+# -- train -------------------------------------------------------------------------
 
 
-def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    import torch
-
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
-
-
-class _MLPTask:
-    """The seeds' workload: an MLP on 768 features, 10 classes, from a sample topic."""
-
-    name = "mlp"
-
-    def __init__(self, args: argparse.Namespace, device: str) -> None:
-        import torch
-
-        self.schema = synthetic_schema()
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(), torch.nn.Linear(256, CLASSES)
-        ).to(device)
-        self.batch_size = args.batch_size or 256
-        self._last = 0
-
-    def loader_kwargs(self) -> dict[str, Any]:
-        return {}
-
-    def loss(self, batch: Any) -> Any:
-        import torch
-
-        return torch.nn.functional.cross_entropy(self.model(batch["features"]), batch["label"])
-
-    def rate(self, st: dict[str, Any], span: float) -> str:
-        rate = (st["samples"] - self._last) / span
-        self._last = st["samples"]
-        return f"{rate:,.0f} samples/s"
-
-    def summary(self, step: int, st: dict[str, Any]) -> str:
-        return (f"trained {step} steps on {st['samples']} samples: "
-                f"{st['samples_per_s']:,.0f} samples/s")
+def _check_train(args: argparse.Namespace) -> None:
+    """The checks that need no torch and no broker."""
+    if args.resume and not args.checkpoint:
+        raise ConfigError("--resume needs --checkpoint PATH: name the checkpoint to go on from")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise ConfigError("--checkpoint-every needs --checkpoint PATH: name where to save, or "
+                          "leave it out")
+    if args.checkpoint:
+        folder = Path(args.checkpoint).parent
+        if not folder.is_dir():
+            raise ConfigError(f"--checkpoint {args.checkpoint}: folder {folder} does not exist: "
+                              f"create it first")
+    if args.log_ids:
+        folder = Path(args.log_ids).parent
+        if not folder.is_dir():
+            raise ConfigError(f"--log-ids {args.log_ids}: folder {folder} does not exist: "
+                              f"create it first")
 
 
-# A tiny causal transformer, CPU-sized: it shows the token stream's figures
-# (tokens/s, packing efficiency, data stall), not a useful language model.
-LM_D_MODEL = 128
-LM_HEADS = 4
-LM_LAYERS = 2
+def _check_task_flags(args: argparse.Namespace) -> None:
+    if args.task == "mlp":
+        for flag, value in (("--seq-len", args.seq_len), ("--tokenizer", args.tokenizer),
+                            ("--eos-id", args.eos_id), ("--token-dtype", args.token_dtype),
+                            ("--shuffle", args.shuffle), ("--seed", args.seed)):
+            if value is not None:
+                raise _refuse(flag, "--task lm", "--task mlp")
+    elif args.log_ids:
+        raise _refuse("--log-ids", "--task mlp (samples with ids)", "--task lm")
 
 
-def tiny_lm(vocab_size: int, seq_len: int) -> Any:
-    """Token and position embeddings, pre-norm transformer blocks, a vocabulary head."""
-    import torch
-
-    nn = torch.nn
-    layer = nn.TransformerEncoderLayer(LM_D_MODEL, LM_HEADS, 4 * LM_D_MODEL, dropout=0.0,
-                                       batch_first=True, norm_first=True)
-    return nn.ModuleDict({
-        "embed": nn.Embedding(vocab_size, LM_D_MODEL),
-        "pos": nn.Embedding(seq_len, LM_D_MODEL),
-        "blocks": nn.TransformerEncoder(layer, LM_LAYERS, enable_nested_tensor=False),
-        "norm": nn.LayerNorm(LM_D_MODEL),
-        "head": nn.Linear(LM_D_MODEL, vocab_size, bias=False),
-    })
-
-
-def document_mask(doc_ids: Any) -> Any:
-    """``[B, L, L]`` bool, True where a query may NOT attend to a key.
-
-    Block-diagonal causal: a token sees the earlier tokens of its own document
-    in its row, never another document's. Padding (doc id -1) sees only
-    itself, so no row of the softmax is empty.
-    """
-    import torch
-
-    length = doc_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=doc_ids.device).tril()
-    same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
-    itself = torch.eye(length, dtype=torch.bool, device=doc_ids.device)
-    return ~((same & causal) | itself)
-
-
-def lm_logits(model: Any, batch: Any) -> Any:
-    """``[B, L, vocab]`` next-token logits of a packed batch."""
-    x = model["embed"](batch["tokens"].long()) + model["pos"](batch["position_ids"].long())
-    mask = document_mask(batch["doc_ids"]).repeat_interleave(LM_HEADS, dim=0)
-    return model["head"](model["norm"](model["blocks"](x, mask=mask)))
-
-
-def lm_loss(logits: Any, tokens: Any, doc_ids: Any) -> Any:
-    """Mean next-token cross entropy over the positions whose next token is of the same document.
-
-    That leaves out padding (doc id -1) and the position after each
-    document's EOS (the next document's first token is not predictable).
-    """
-    import torch
-
-    valid = (doc_ids[:, :-1] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
-    per_token = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1).long(),
-        reduction="none")
-    return (per_token * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
-
-
-class _LMTask:
-    """A tiny causal transformer on packed ``[batch, seq_len]`` rows of a token topic."""
-
-    name = "lm"
-
-    def __init__(self, args: argparse.Namespace, device: str) -> None:
-        from kfeed.text import load_tokenizer, token_schema
-
-        if args.log_ids:
-            raise KfeedError("--log-ids applies to --task mlp (samples with ids)")
-        tokenizer = load_tokenizer(args.tokenizer)
-        eos = args.eos_id if args.eos_id is not None else tokenizer.eos_id
-        if eos is None:
-            raise KfeedError(f"{tokenizer.name} names no EOS token: pass --eos-id")
-        self.vocab_size = max(tokenizer.vocab_size, eos + 1)
-        self.eos_id = eos
-        self.seq_len = args.seq_len
-        self.shuffle = args.shuffle
-        self.seed = args.seed
-        self.schema = token_schema(args.token_dtype)
-        self.model = tiny_lm(self.vocab_size, self.seq_len).to(device)
-        self.batch_size = args.batch_size or 16
-        # Real tokens; a tensor on the device when counted from doc_ids, read
-        # only when a line is printed.
-        self._real: Any = 0
-        self._slots = 0
-        self._last_real = self._last_slots = 0
-
-    def loader_kwargs(self) -> dict[str, Any]:
-        from kfeed.tokens import Pack, Shuffle
-
-        kwargs: dict[str, Any] = {"pack": Pack(seq_len=self.seq_len, eos_id=self.eos_id,
-                                               pad_id=0)}
-        if self.shuffle:
-            kwargs["shuffle"] = Shuffle(buffer=self.shuffle, seed=self.seed)
-        return kwargs
-
-    def loss(self, batch: Any) -> Any:
-        doc_ids = batch["doc_ids"]
-        info = getattr(batch, "pack", None)  # the loader's PackInfo: counted on the host
-        if info is not None:
-            self._real += info.tokens
-            self._slots += info.tokens + info.padding
-        else:
-            self._real += (doc_ids >= 0).sum()
-            self._slots += doc_ids.numel()
-        return lm_loss(lm_logits(self.model, batch), batch["tokens"], doc_ids)
-
-    def rate(self, st: dict[str, Any], span: float) -> str:
-        real = int(self._real)
-        d_real, d_slots = real - self._last_real, self._slots - self._last_slots
-        self._last_real, self._last_slots = real, self._slots
-        eff = d_real / d_slots if d_slots else 0.0
-        return f"{d_real / span:,.0f} tokens/s  packing {100 * eff:.1f}%"
-
-    def summary(self, step: int, st: dict[str, Any]) -> str:
-        real = int(self._real)
-        eff = real / self._slots if self._slots else 0.0
-        rate = real / st["elapsed_s"] if st["elapsed_s"] > 0 else 0.0
-        return (f"trained {step} steps on {real} tokens in [{self.batch_size}, {self.seq_len}] "
-                f"rows: {rate:,.0f} tokens/s, packing efficiency {100 * eff:.1f}%")
+def _lm_defaults(args: argparse.Namespace) -> None:
+    defaults = {"seq_len": 256, "tokenizer": "bytes", "token_dtype": "uint16", "shuffle": 0,
+                "seed": 0}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
+    from kfeed import _train
 
-    from kfeed.loader import Loader
-
-    torch.manual_seed(0)
+    _check_train(args)
     config = _kafka_config(args, **{"group.id": args.group_id})
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    task = _LMTask(args, device) if args.task == "lm" else _MLPTask(args, device)
-    model = task.model
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    step = 0
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     state = None
     if args.resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        if state.get("task", "mlp") != task.name:
+        # Before the task's own flags: with a checkpoint of the other task,
+        # --task is the mistake, not the flags that go with it.
+        state = _train.load_checkpoint(ckpt)
+        if state.get("task", "mlp") != args.task:
             raise KfeedError(f"{ckpt} is a checkpoint of --task {state.get('task', 'mlp')}, "
-                             f"not {task.name}")
+                             f"not {args.task}: pass --task {state.get('task', 'mlp')}, or "
+                             f"another --checkpoint")
+    _check_task_flags(args)
+    _lm_defaults(args)
+    args.checkpoint_every = args.checkpoint_every or 50
     # --resume ties the stream to the checkpoint: with none yet the model is
     # new, so it reads from the start, whatever a killed run committed.
-    start = "earliest" if args.resume and state is None else "committed"
-    loader = Loader(config, args.topic, task.schema, task.batch_size, device=device,
-                    until="end" if args.until_end else None, format=args.format,
-                    start=start, **task.loader_kwargs())
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        step = state["step"]
-        print(f"resumed from {ckpt} at step {step}")
-    seen_log = open(args.log_ids, "a", buffering=1) if args.log_ids else None  # noqa: SIM115
-    if seen_log is not None and args.resume:
-        # Marks where this run starts, even from scratch, so a log of many
-        # killed-and-resumed runs can be accounted for exactly.
-        seen_log.write(f"# resumed at step {step}\n")
-    # Windows run on the loader's clock, which starts at the first batch, so
-    # the first line's rate leaves joining the group out, as the summary does.
-    e_last, w_last, loss_v = 0.0, 0.0, float("nan")
-    with loader:
-        for batch in loader:
-            loss = task.loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if seen_log is not None:
-                seen_log.write(" ".join(map(str, batch["id"].tolist())) + "\n")
-            if ckpt is not None and step % args.checkpoint_every == 0:
-                if seen_log is not None:
-                    seen_log.write(f"# checkpoint {step}\n")
-                    seen_log.flush()
-                    os.fsync(seen_log.fileno())
-                _save_checkpoint(ckpt, {"task": task.name, "model": model.state_dict(),
-                                        "optimizer": optimizer.state_dict(),
-                                        "loader": loader.state_dict(), "step": step})
-            if step % args.log_every == 0:
-                loss_v = loss.item()
-                st = loader.stats()
-                span = max(st["elapsed_s"] - e_last, 1e-9)
-                rate = task.rate(st, span)
-                stall = min(1.0, (st["wait_s"] - w_last) / span)
-                e_last, w_last = st["elapsed_s"], st["wait_s"]
-                print(f"step {step}  loss {loss_v:.4f}  {rate}  "
-                      f"stall {100 * stall:.1f}%  lag {sum(st['lag'].values())}", flush=True)
-            if args.steps and step >= args.steps:
-                break
-        st = loader.stats()
-    if seen_log is not None:
-        seen_log.close()
-    print(f"{task.summary(step, st)}, startup {st['startup_s']:.1f}s, "
+    start = args.start or ("earliest" if args.resume and state is None else "committed")
+    guard = _train.StopGuard()
+    guard.install()
+    try:
+        out = _train.run(args, config, start=start, state=state, guard=guard,
+                         say=lambda line: print(line, flush=True), t0=args.t0)
+    finally:
+        guard.restore()
+    st = out.stats
+    log.info("first step %.2fs after the command started", out.start_to_first_step_s)
+    print(f"{out.task.summary(out.step, st)}, startup {st['startup_s']:.1f}s, "
           f"{st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
-          f"lag {sum(st['lag'].values())}, bad records {st['bad_records']}, "
-          f"final loss {loss.item() if step else float('nan'):.4f}")
+          f"{_train.lag_text(st['lag'])}, bad records {st['bad_records']}, "
+          f"final loss {out.loss:.4f}", flush=True)
+    if out.signum is not None:
+        name = signal.Signals(out.signum).name
+        saved = (f"checkpoint saved to {ckpt} at step {out.step}: --resume goes on from there"
+                 if ckpt is not None else "offsets committed; no --checkpoint, so the model "
+                 "is not saved")
+        print(f"kfeed: stopped by {name} at step {out.step}: {saved}", file=sys.stderr)
+        return 128 + out.signum
+    if st["bad_records"] and not st["samples"]:
+        raise KfeedError(
+            f"all {st['bad_records']} records read from {args.topic} were bad and went to the "
+            f"dead-letter topic {args.topic}.dlq: they do not match what --task {args.task} "
+            f"reads ({out.task.expects()}); produce the topic for it, or check its dtype "
+            f"(e.g. --token-dtype)")
+    if out.step == out.first_step and args.until_end:
+        print(f"kfeed: {_nothing_read(args, out, start)}", file=sys.stderr)
     return 0
 
 
-# -- parser ------------------------------------------------------------------
+def _nothing_read(args: argparse.Namespace, out: Any, start: Any) -> str:
+    """Why a bounded run trained nothing, and what to do."""
+    offsets = [pos[0] for parts in out.positions.values() for pos in parts.values()]
+    if out.resumed_from is not None:
+        return (f"{out.resumed_from} is already at the end of {args.topic}: nothing new to "
+                f"train; produce more, or start over with another --checkpoint")
+    if start == "committed" and any(offsets):
+        return (f"group {args.group_id} has already read {args.topic} to its end (committed "
+                f"offsets at the end): use --start earliest to read it again, or a new "
+                f"--group-id")
+    if not any(offsets):
+        return f"topic {args.topic} is empty: produce to it first (kfeed produce --topic {args.topic})"
+    where = start.isoformat() if isinstance(start, datetime) else start
+    return f"{args.topic} has no records after --start {where}: give an earlier --start"
 
-PRODUCE_HELP = """\
-Send samples, or token documents, to a topic.
 
-Samples: --synthetic N, or --from FILE.npz|.npy|.parquet with fixed-shape columns.
+# -- parser --------------------------------------------------------------------------
+
+PRODUCE_HELP = f"""\
+Send samples, or token documents, to a topic. A missing topic is created with
+{DEFAULT_PARTITIONS} partitions (--partitions N for another count) and the brokers' default
+replication; the run says so in one line.
+
+Samples: --synthetic N (what kfeed train reads), or --from FILE.npz|.npy|.parquet.
+  Without --field, the columns/arrays named features, label and id are read;
+  --field FIELD=COLUMN maps a field to another column (a .npy holds one array,
+  named after the file: --field features=STEM). Columns become fields by these
+  rules:
+    int8..int64, uint8..uint64, float16/32/64, bool  -> the same dtype, one a sample
+    fixed-length list<T> (every row W long)          -> T[W] (list<float> -> float32[W])
+    strings, timestamps, decimals, structs, nested or ragged lists: refused, naming
+    the column and its type
+    nulls: refused, naming the column and their count, unless --fill FIELD=VALUE
+    --dtype FIELD=DTYPE casts a field (float -> int only when every value is whole)
+  kfeed train reads features float32[W], label int64, id int64. A column of
+  another dtype under one of those names (say list<double> features, or a float64
+  label) is refused unless --dtype says what to do: --dtype features=float32 casts
+  it, --dtype features=float64 keeps float64 on purpose (kfeed train would then
+  reject every record).
 
 Token documents (a topic with one variable-length field, "tokens"):
   --synthetic-text N            seeded synthetic text, tokenized
@@ -572,33 +626,64 @@ The tokenizer adds no EOS: the loader's packer appends one after each document
 (256 for --tokenizer bytes). The corpus is read in chunks of 1024 documents. A bad
 line stops the run; once earlier chunks were sent, the error names the --skip-docs N
 that goes on after them without sending them twice.
+
+A flag that does not apply to the run (--field with --synthetic, --seed without
+--synthetic-text, ...) is an error rather than ignored.
+"""
+
+TRAIN_HELP = """\
+Train from a topic with the Loader. --task mlp (default): an MLP on the seeds'
+synthetic samples (features float32[768], label int64, id int64). --task lm: a
+tiny causal transformer (2 layers, d_model 128, 4 heads) on a token topic, its
+documents packed into [batch, seq_len] rows with an EOS after each; attention is
+block-diagonal causal (no token sees another document) and the loss skips padding
+and the position after each EOS. tokens/s counts real tokens (EOS included,
+padding not); packing efficiency is real tokens over all row positions.
+
+Where reading starts: --start committed (default: the group's committed offsets,
+the earliest where it has none), earliest, latest, or an ISO time (the first
+record at or after it; local time unless it names an offset). With --resume and
+an existing checkpoint, the checkpoint's positions win over --start; with
+--resume and no checkpoint yet, reading starts at the earliest offsets (or at
+--start when given).
+
+Checkpoints (with --checkpoint): every --checkpoint-every steps, at the end of a
+clean run, and on SIGINT/SIGTERM, which stop the run at the next step boundary,
+save, commit the offsets and exit 130/143. A resume repeats no sample and skips
+none. Records that do not match the task's schema go to the dead-letter topic
+TOPIC.dlq; a run whose every record was bad exits 1.
 """
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kfeed", description="Feed GPU training from Apache Kafka.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser = _Parser(prog="kfeed", description="Feed GPU training from Apache Kafka.",
+                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at DEBUG level and show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     cluster.register(sub)
 
     p = sub.add_parser(
         "produce", help="send samples or token documents to a topic",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=PRODUCE_HELP)
+        description=PRODUCE_HELP, epilog=EXIT_CODES)
     _kafka_args(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--synthetic", type=int, metavar="N",
+    src.add_argument("--synthetic", type=_count(1), metavar="N",
                      help="N samples of the seeds' workload (768 float32, label, id)")
-    src.add_argument("--synthetic-text", type=int, metavar="N",
+    src.add_argument("--synthetic-text", type=_count(1), metavar="N",
                      help="N seeded synthetic text documents (log-normal lengths, median "
                           "~500 bytes), tokenized into a token topic")
     src.add_argument("--from", dest="source", metavar="FILE",
                      help="samples: .npz, .npy or .parquet; a corpus: .txt, .jsonl, or "
                           ".parquet/.npy with --tokenizer (see above)")
     p.add_argument("--field", action="append", default=[], metavar="FIELD=COLUMN",
-                   help="map a schema field to a column/array of --from (repeatable)")
-    p.add_argument("--first-id", type=int, default=0,
+                   help="map a field to a column/array of --from samples (repeatable)")
+    p.add_argument("--dtype", action="append", default=[], metavar="FIELD=DTYPE",
+                   help=f"cast a field of --from samples ({', '.join(DTYPES)}; repeatable)")
+    p.add_argument("--fill", action="append", default=[], metavar="FIELD=VALUE",
+                   help="replace the nulls of a Parquet column with VALUE (repeatable)")
+    p.add_argument("--first-id", type=_count(0), metavar="N",
                    help="first synthetic id or document index (default 0)")
     p.add_argument("--tokenizer", metavar="bytes|PATH",
                    help="'bytes' (UTF-8 bytes 0..255, eos 256, vocab 257; the default for a "
@@ -611,80 +696,107 @@ def build_parser() -> argparse.ArgumentParser:
                         "documents with one key share a partition")
     p.add_argument("--lengths", metavar="FILE.npy",
                    help="document lengths for a flat 1-D .npy of token ids")
-    p.add_argument("--token-dtype", choices=["uint16", "int32", "uint32"], default="uint16",
+    p.add_argument("--token-dtype", choices=["uint16", "int32", "uint32"],
                    help="the token field's dtype on the wire (default uint16; train with the "
                         "same)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --synthetic-text (default 0)")
-    p.add_argument("--skip-docs", type=int, default=0, metavar="N",
+    p.add_argument("--seed", type=int, help="seed of --synthetic-text (default 0)")
+    p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
     p.add_argument("--format", choices=["block", "raw"], default="block")
-    p.add_argument("--block-records", type=int, default=64)
+    p.add_argument("--block-records", type=_count(1), metavar="N",
+                   help="records per block message (default 64)")
     p.add_argument("--compression", choices=["none", "gzip", "snappy", "lz4", "zstd"])
-    p.add_argument("--partitions", type=int, default=0,
-                   help="create the topic with this many partitions if it is missing")
+    p.add_argument("--partitions", type=_count(1), metavar="N",
+                   help=f"partitions of the topic if it is created (default "
+                        f"{DEFAULT_PARTITIONS}); an existing topic must have that many")
     p.add_argument("--keyed", action="store_true",
                    help="key samples by id (murmur2 partitioning, as Java would)")
     p.set_defaults(func=cmd_produce)
 
     t = sub.add_parser(
         "train", help="train an MLP (or, --task lm, a tiny transformer) with the Loader",
-        description="Train from a topic with the Loader. --task mlp (default): an MLP on "
-                    "the seeds' synthetic samples. --task lm: a tiny causal transformer (2 "
-                    "layers, d_model 128, 4 heads) on a token topic, its documents packed "
-                    "into [batch, seq_len] rows with an EOS after each; attention is "
-                    "block-diagonal causal (no token sees another document) and the loss "
-                    "skips padding and the position after each EOS. tokens/s counts real "
-                    "tokens (EOS included, padding not); packing efficiency is real tokens "
-                    "over all row positions.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=TRAIN_HELP, epilog=EXIT_CODES)
     _kafka_args(t)
     t.add_argument("--group-id", required=True)
     t.add_argument("--task", choices=["mlp", "lm"], default="mlp")
-    t.add_argument("--batch-size", type=int, default=0,
+    t.add_argument("--batch-size", type=_count(1), metavar="N",
                    help="samples, or rows of --seq-len tokens (default: 256 mlp, 16 lm)")
-    t.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (default 1e-3)")
-    t.add_argument("--seq-len", type=int, default=256, help="lm: tokens per row (default 256)")
-    t.add_argument("--tokenizer", default="bytes", metavar="bytes|PATH",
+    t.add_argument("--lr", type=_positive_float, default=1e-3,
+                   help="Adam's learning rate (default 1e-3)")
+    t.add_argument("--seq-len", type=_count(2), metavar="N",
+                   help="lm: tokens per row (default 256)")
+    t.add_argument("--tokenizer", metavar="bytes|PATH",
                    help="lm: the tokenizer the topic was produced with, for its vocabulary "
                         "size and EOS id (default bytes: vocab 257, eos 256)")
-    t.add_argument("--eos-id", type=int, help="lm: the EOS id (default: the tokenizer's)")
-    t.add_argument("--token-dtype", choices=["uint16", "int32", "uint32"], default="uint16",
+    t.add_argument("--eos-id", type=_count(0), metavar="ID",
+                   help="lm: the EOS id (default: the tokenizer's)")
+    t.add_argument("--token-dtype", choices=["uint16", "int32", "uint32"],
                    help="lm: the token field's dtype, as produced (default uint16)")
-    t.add_argument("--shuffle", type=int, default=0, metavar="N",
+    t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
-    t.add_argument("--seed", type=int, default=0, help="lm: the shuffle's seed (default 0)")
+    t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
     t.add_argument("--format", choices=["block", "raw"], default="block")
     t.add_argument("--device", help="default: cuda if available, else cpu")
-    t.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    t.add_argument("--steps", type=_count(0), default=0, metavar="N",
+                   help="stop after this many steps (default 0: no limit)")
     t.add_argument("--until-end", action="store_true",
                    help="stop at the end of the topic's current content")
+    t.add_argument("--start", type=_start, metavar="earliest|latest|committed|ISO-TIME",
+                   help="where to start reading (default committed; see above)")
     t.add_argument("--checkpoint", metavar="PATH", help="checkpoint file")
-    t.add_argument("--checkpoint-every", type=int, default=50, metavar="K")
+    t.add_argument("--checkpoint-every", type=_count(1), metavar="K",
+                   help="save the checkpoint every K steps (default 50)")
     t.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (with none yet: a new model, read from "
                         "the earliest offsets)")
-    t.add_argument("--log-every", type=int, default=100, metavar="STEPS")
+    t.add_argument("--log-every", type=_count(1), default=100, metavar="STEPS",
+                   help="print a progress line every STEPS steps (default 100)")
     t.add_argument("--log-ids", metavar="PATH", help="append every trained id to this file")
     t.set_defaults(func=cmd_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    t0 = time.monotonic()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # Named after the subcommand, whose --help lists what it takes.
+            prog = " ".join(["kfeed"] + [str(getattr(args, k)) for k in
+                                         ("command", "cluster_command") if getattr(args, k, None)])
+            sys.stderr.write(f"kfeed: unknown argument {' '.join(extra)}: see '{prog} --help'\n")
+            return 2
+    except SystemExit as e:  # --help, or a usage error already reported in one line
+        return int(e.code or 0)
+    args.t0 = t0
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if args.verbose else logging.CRITICAL,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if not args.verbose:
-        # librdkafka reports transient start-up trouble (a coordinator still
-        # loading, a broker restarting) that it retries by itself.
-        logging.getLogger("kfeed.librdkafka").setLevel(logging.ERROR)
     try:
         return int(args.func(args) or 0)
+    except ConfigError as e:
+        return _report(args, e, 2)
     except KfeedError as e:
-        print(f"kfeed: {e}", file=sys.stderr)
-        return 1
+        return _report(args, e, 1)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("kfeed: interrupted before a clean stop: the last checkpoint (if any) stands",
+              file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - the one place that reports any failure
+        if args.verbose:
+            traceback.print_exc()
+        hint = "the traceback is above" if args.verbose else "rerun with -v for the traceback"
+        print(f"kfeed: unexpected {type(e).__name__}: {_one_line(str(e))}: {hint}",
+              file=sys.stderr)
+        return 1
+
+
+def _report(args: argparse.Namespace, e: KfeedError, code: int) -> int:
+    if args.verbose:
+        traceback.print_exc()
+    print(f"kfeed: {_one_line(str(e))}", file=sys.stderr)
+    return code

@@ -1,0 +1,411 @@
+"""The demo training jobs behind ``kfeed train``: the last stage of the data flow.
+
+``kfeed.Loader`` batches -> a model's step -> checkpoints of (model,
+optimizer, loader state) that resume exactly. Two jobs:
+
+- ``mlp``: the seeds' workload, an MLP on 768 float32 features and 10
+  classes, from a sample topic (``kfeed.synthetic``'s schema);
+- ``lm``: a tiny causal transformer on packed ``[batch, seq_len]`` rows of a
+  token topic, attention kept inside each document.
+
+They show the loader's figures (rates, data stall, lag); they are not
+useful models. The CLI parses and prints; this module imports torch, builds
+the job, runs its loop and hands the CLI the lines to print. Private: users
+import nothing from it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from kfeed.errors import ConfigError, KfeedError
+from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
+
+# A tiny causal transformer, CPU-sized: it shows the token stream's figures
+# (tokens/s, packing efficiency, data stall), not a useful language model.
+LM_D_MODEL = 128
+LM_HEADS = 4
+LM_LAYERS = 2
+
+
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    import torch
+
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint ``save_checkpoint`` wrote; ``KfeedError`` naming the file if it is not one."""
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
+        raise KfeedError(f"{path} is not a kfeed train checkpoint ({type(e).__name__}: {e}): "
+                         f"give another --checkpoint path") from e
+    if not isinstance(state, dict) or not {"model", "optimizer", "loader", "step"} <= set(state):
+        raise KfeedError(f"{path} is not a kfeed train checkpoint: give another --checkpoint path")
+    return state
+
+
+class _MLPTask:
+    """The seeds' workload: an MLP on 768 features, 10 classes, from a sample topic."""
+
+    name = "mlp"
+
+    def __init__(self, opts: Any, device: str) -> None:
+        import torch
+
+        self.schema = synthetic_schema()
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(), torch.nn.Linear(256, CLASSES)
+        ).to(device)
+        self.batch_size = opts.batch_size or 256
+        self._last = 0
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def loss(self, batch: Any) -> Any:
+        import torch
+
+        return torch.nn.functional.cross_entropy(self.model(batch["features"]), batch["label"])
+
+    def rate(self, st: dict[str, Any], span: float) -> str:
+        rate = (st["samples"] - self._last) / span
+        self._last = st["samples"]
+        return f"{rate:,.0f} samples/s"
+
+    def summary(self, step: int, st: dict[str, Any]) -> str:
+        return (f"trained {step} steps on {st['samples']} samples: "
+                f"{st['samples_per_s']:,.0f} samples/s")
+
+    def expects(self) -> str:
+        return "features float32[768], label int64, id int64"
+
+
+def tiny_lm(vocab_size: int, seq_len: int) -> Any:
+    """Token and position embeddings, pre-norm transformer blocks, a vocabulary head."""
+    import torch
+
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(LM_D_MODEL, LM_HEADS, 4 * LM_D_MODEL, dropout=0.0,
+                                       batch_first=True, norm_first=True)
+    return nn.ModuleDict({
+        "embed": nn.Embedding(vocab_size, LM_D_MODEL),
+        "pos": nn.Embedding(seq_len, LM_D_MODEL),
+        "blocks": nn.TransformerEncoder(layer, LM_LAYERS, enable_nested_tensor=False),
+        "norm": nn.LayerNorm(LM_D_MODEL),
+        "head": nn.Linear(LM_D_MODEL, vocab_size, bias=False),
+    })
+
+
+def document_mask(doc_ids: Any) -> Any:
+    """``[B, L, L]`` bool, True where a query may NOT attend to a key.
+
+    Block-diagonal causal: a token sees the earlier tokens of its own document
+    in its row, never another document's. Padding (doc id -1) sees only
+    itself, so no row of the softmax is empty.
+    """
+    import torch
+
+    length = doc_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=doc_ids.device).tril()
+    same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
+    itself = torch.eye(length, dtype=torch.bool, device=doc_ids.device)
+    return ~((same & causal) | itself)
+
+
+def lm_logits(model: Any, batch: Any) -> Any:
+    """``[B, L, vocab]`` next-token logits of a packed batch."""
+    x = model["embed"](batch["tokens"].long()) + model["pos"](batch["position_ids"].long())
+    mask = document_mask(batch["doc_ids"]).repeat_interleave(LM_HEADS, dim=0)
+    return model["head"](model["norm"](model["blocks"](x, mask=mask)))
+
+
+def lm_loss(logits: Any, tokens: Any, doc_ids: Any) -> Any:
+    """Mean next-token cross entropy over the positions whose next token is of the same document.
+
+    That leaves out padding (doc id -1) and the position after each
+    document's EOS (the next document's first token is not predictable).
+    """
+    import torch
+
+    valid = (doc_ids[:, :-1] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
+    per_token = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1).long(),
+        reduction="none")
+    return (per_token * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
+
+
+class _LMTask:
+    """A tiny causal transformer on packed ``[batch, seq_len]`` rows of a token topic."""
+
+    name = "lm"
+
+    def __init__(self, opts: Any, device: str) -> None:
+        from kfeed.text import load_tokenizer, token_schema
+
+        tokenizer = load_tokenizer(opts.tokenizer)
+        eos = opts.eos_id if opts.eos_id is not None else tokenizer.eos_id
+        if eos is None:
+            raise ConfigError(f"--tokenizer {opts.tokenizer} names no EOS token: pass --eos-id")
+        self.vocab_size = max(tokenizer.vocab_size, eos + 1)
+        self.eos_id = eos
+        self.seq_len = opts.seq_len
+        self.shuffle = opts.shuffle
+        self.seed = opts.seed
+        self.token_dtype = opts.token_dtype
+        self.schema = token_schema(opts.token_dtype)
+        self.model = tiny_lm(self.vocab_size, self.seq_len).to(device)
+        self.batch_size = opts.batch_size or 16
+        # Real tokens; a tensor on the device when counted from doc_ids, read
+        # only when a line is printed.
+        self._real: Any = 0
+        self._slots = 0
+        self._last_real = self._last_slots = 0
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        from kfeed.tokens import Pack, Shuffle
+
+        kwargs: dict[str, Any] = {"pack": Pack(seq_len=self.seq_len, eos_id=self.eos_id,
+                                               pad_id=0)}
+        if self.shuffle:
+            kwargs["shuffle"] = Shuffle(buffer=self.shuffle, seed=self.seed)
+        return kwargs
+
+    def loss(self, batch: Any) -> Any:
+        doc_ids = batch["doc_ids"]
+        info = getattr(batch, "pack", None)  # the loader's PackInfo: counted on the host
+        if info is not None:
+            self._real += info.tokens
+            self._slots += info.tokens + info.padding
+        else:
+            self._real += (doc_ids >= 0).sum()
+            self._slots += doc_ids.numel()
+        return lm_loss(lm_logits(self.model, batch), batch["tokens"], doc_ids)
+
+    def rate(self, st: dict[str, Any], span: float) -> str:
+        real = int(self._real)
+        d_real, d_slots = real - self._last_real, self._slots - self._last_slots
+        self._last_real, self._last_slots = real, self._slots
+        eff = d_real / d_slots if d_slots else 0.0
+        return f"{d_real / span:,.0f} tokens/s  packing {100 * eff:.1f}%"
+
+    def summary(self, step: int, st: dict[str, Any]) -> str:
+        real = int(self._real)
+        eff = real / self._slots if self._slots else 0.0
+        rate = real / st["elapsed_s"] if st["elapsed_s"] > 0 else 0.0
+        return (f"trained {step} steps on {real} tokens in [{self.batch_size}, {self.seq_len}] "
+                f"rows: {rate:,.0f} tokens/s, packing efficiency {100 * eff:.1f}%")
+
+    def expects(self) -> str:
+        return f"one variable-length {self.token_dtype} field 'tokens' (--token-dtype)"
+
+
+# -- stopping at a step boundary ----------------------------------------------------
+
+
+class _Stopped(Exception):
+    """Raised by ``StopGuard`` inside ``next(loader)`` while it only waits for data."""
+
+
+# Loader methods inside which an exception leaves nothing half done: the
+# batch being waited for is not handed out yet, so the loader's state (what
+# a checkpoint saves) still ends at the last batch trained. Any other frame
+# of kfeed.loader (handing a batch out, committing, running a revoke hook)
+# must finish first. Names from kfeed.loader; if they change, a signal simply
+# waits for the next step boundary.
+_SAFE_WAIT = "_take"
+_UNSAFE = frozenset({"_hand_out", "_mark_used", "_run_revoke_hook", "_drop", "_commit"})
+
+
+@dataclass
+class StopGuard:
+    """SIGINT/SIGTERM handling for the training loop.
+
+    A signal sets ``signum``; the loop checks it at each step boundary, saves
+    the checkpoint, closes the loader (which commits) and returns. A step is
+    never cut in half. When the signal comes while ``next(loader)`` waits for
+    data (a stream with nothing new), waiting for a boundary could last
+    forever: then the handler raises out of the wait, which is safe only in
+    the loader's wait itself (see ``_SAFE_WAIT``).
+    """
+
+    signum: int | None = None
+    waiting: bool = False
+    _previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            # A second signal: the user will not wait for the checkpoint.
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.waiting and _in_safe_wait(frame):
+            raise _Stopped
+
+
+def _in_safe_wait(frame: FrameType | None) -> bool:
+    names = []
+    while frame is not None:
+        code = frame.f_code
+        if frame.f_globals.get("__name__") == "kfeed.loader":
+            if code.co_name == "__next__":
+                break
+            names.append(code.co_name)
+        frame = frame.f_back
+    return _SAFE_WAIT in names and not _UNSAFE.intersection(names)
+
+
+# -- the job ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a run did, for the CLI to report."""
+
+    task: Any
+    step: int = 0
+    first_step: int = 0            # the step the run started at (a resumed checkpoint's)
+    stats: dict[str, Any] = field(default_factory=dict)
+    loss: float = float("nan")
+    resumed_from: Path | None = None
+    saved_step: int | None = None  # the step of the last checkpoint this run saved
+    signum: int | None = None      # the signal that stopped the run
+    positions: dict[str, Any] = field(default_factory=dict)  # the loader's, at the end
+    start_to_first_step_s: float = 0.0
+
+
+def resolve_device(spec: str | None) -> str:
+    """``--device``, checked; by default cuda when there is one."""
+    import torch
+
+    if spec is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {spec}: not a torch device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {spec}: torch sees no CUDA device here: use --device cpu")
+    return spec
+
+
+def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] | None,
+        say: Callable[[str], None], guard: StopGuard, t0: float) -> Outcome:
+    """Train ``opts.task`` from ``opts.topic``; ``say`` gets each progress line.
+
+    ``state``: a loaded checkpoint to resume from (its loader positions win
+    over ``start``). ``t0``: when the command started, for the time to the
+    first step.
+    """
+    import torch
+
+    from kfeed.loader import Loader
+
+    torch.manual_seed(0)
+    device = resolve_device(opts.device)
+    task = _LMTask(opts, device) if opts.task == "lm" else _MLPTask(opts, device)
+    out = Outcome(task=task)
+    model = task.model
+    optimizer = torch.optim.Adam(model.parameters(), lr=opts.lr)
+    ckpt = Path(opts.checkpoint) if opts.checkpoint else None
+    loader = Loader(config, opts.topic, task.schema, task.batch_size, device=device,
+                    until="end" if opts.until_end else None, format=opts.format,
+                    start=start, connect_timeout_s=opts.connect_timeout,
+                    **task.loader_kwargs())
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["loader"])
+        out.step = out.first_step = int(state["step"])
+        out.resumed_from = ckpt
+        say(f"resumed from {ckpt} at step {out.step}")
+    seen_log = open(opts.log_ids, "a", buffering=1) if opts.log_ids else None  # noqa: SIM115
+    if seen_log is not None and opts.resume:
+        # Marks where this run starts, even from scratch, so a log of many
+        # killed-and-resumed runs can be accounted for exactly.
+        seen_log.write(f"# resumed at step {out.step}\n")
+
+    def checkpoint() -> None:
+        if ckpt is None or out.step in (out.saved_step, out.first_step):
+            return
+        if seen_log is not None:
+            seen_log.write(f"# checkpoint {out.step}\n")
+            seen_log.flush()
+            os.fsync(seen_log.fileno())
+        save_checkpoint(ckpt, {"task": task.name, "model": model.state_dict(),
+                               "optimizer": optimizer.state_dict(),
+                               "loader": loader.state_dict(), "step": out.step})
+        out.saved_step = out.step
+
+    # Windows run on the loader's clock, which starts at the first batch, so
+    # the first line's rate leaves joining the group out, as the summary does.
+    e_last, w_last = 0.0, 0.0
+    loss = None
+    try:
+        with loader:
+            while guard.signum is None:
+                guard.waiting = True
+                try:
+                    batch = next(loader)
+                except (StopIteration, _Stopped):
+                    break
+                finally:
+                    guard.waiting = False
+                loss = task.loss(batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                out.step += 1
+                if out.step == out.first_step + 1:
+                    out.start_to_first_step_s = time.monotonic() - t0
+                if seen_log is not None:
+                    seen_log.write(" ".join(map(str, batch["id"].tolist())) + "\n")
+                if ckpt is not None and out.step % opts.checkpoint_every == 0:
+                    checkpoint()
+                if out.step % opts.log_every == 0:
+                    st = loader.stats()
+                    span = max(st["elapsed_s"] - e_last, 1e-9)
+                    rate = task.rate(st, span)
+                    stall = min(1.0, (st["wait_s"] - w_last) / span)
+                    e_last, w_last = st["elapsed_s"], st["wait_s"]
+                    say(f"step {out.step}  loss {loss.item():.4f}  {rate}  "
+                        f"stall {100 * stall:.1f}%  {lag_text(st['lag'])}")
+                if opts.steps and out.step >= opts.steps:
+                    break
+            # The last steps since a periodic checkpoint, on a clean end and
+            # on a signal alike: a resume then repeats nothing.
+            checkpoint()
+            out.stats = loader.stats()
+            out.positions = loader.state_dict().get("positions", {})
+    finally:
+        out.signum = guard.signum
+        if seen_log is not None:
+            seen_log.close()
+    out.loss = loss.item() if loss is not None else float("nan")
+    return out
+
+
+def lag_text(lag: dict[str, int]) -> str:
+    """``lag N`` summed over partitions; ``lag n/a`` before the loader knows any."""
+    return f"lag {sum(lag.values())}" if lag else "lag n/a"
