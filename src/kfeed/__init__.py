@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kfeed._kafka import create_topic
 from kfeed.errors import (
     ClusterError,
     ConfigError,
@@ -40,6 +41,7 @@ __all__ = [
     "Shuffle",
     "ShuffleBuffer",
     "BufferPool",
+    "create_topic",
     "murmur2",
     "partition_for",
     "partitions_for",

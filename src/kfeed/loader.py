@@ -50,14 +50,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
+from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier, default_device
-from kfeed.errors import ConfigError, ConsumeError, DecodeError, KfeedError, LoaderError
+from kfeed.errors import ConfigError, ConsumeError, KfeedError, LoaderError
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, Committed, KafkaSource, MemorySource, Position, Source
@@ -71,12 +71,6 @@ _POLL_S = 0.1
 _SERVE_S = 0.5  # the longest the feeder goes without polling the consumer
 _MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
 _STATE_VERSION = 1
-
-
-class BadRecordPolicy(str, Enum):
-    DEAD_LETTER = "dead_letter"
-    SKIP = "skip"
-    RAISE = "raise"
 
 
 class Batch(dict):
@@ -103,6 +97,21 @@ class Batch(dict):
         self.size = size
         self.offsets = offsets
         self.pack = pack
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        # torch's default_collate copies the first item and update()s it with
+        # the items stacked: with DataLoader(batch_size=k) that would make
+        # [k, batch, ...] tensors and fail on the epoch's shorter last batch.
+        new = dict(*args, **kwargs)
+        for key, value in new.items():
+            old = self.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and \
+                    value.dim() == old.dim() + 1:
+                raise ConfigError(
+                    "kfeed yields whole batches: a DataLoader with batch_size set would stack "
+                    "them; use DataLoader(dataset, batch_size=None) and give the batch size "
+                    "to KafkaIterableDataset")
+        super().update(new)
 
 
 class _Failure:
@@ -140,7 +149,7 @@ class _Feeder:
 
     def __init__(self, source: Source, schema: Schema, fmt: Format, pool: BufferPool,
                  copier: DeviceCopier, prefetch: int, *, bounded: bool, drop_last: bool,
-                 max_wait_s: float, on_bad: BadRecordPolicy, start: Any,
+                 max_wait_s: float, on_bad: BadRecords, start: Any,
                  assignment: list[TP] | None) -> None:
         self.source = source
         self.schema = schema
@@ -189,7 +198,6 @@ class _Feeder:
         # Counters (read by stats() without the lock; ints are atomic enough).
         self.samples = 0
         self.value_bytes = 0
-        self.bad = 0
         self.epoch_over = False
 
     # -- thread ---------------------------------------------------------------
@@ -230,6 +238,8 @@ class _Feeder:
                     self._serve()  # batches made from records held: no fetch for a while
                 if finished:
                     break
+            if self.bounded and not self.stop.is_set():
+                self.on_bad.end_of_read()
             self.epoch_over = True
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - everything goes to the caller
@@ -520,8 +530,10 @@ class _Feeder:
             if tp not in meta.first:
                 meta.first[tp] = (m.offset(), start if res.consumed == 0 else 0)
             meta.end[tp] = (m.offset(), res.partial)
+        if res.rows:
+            self.on_bad.good()
         for k, reason in res.bad:
-            self._bad(msgs[i + k], reason)
+            self.on_bad.bad(msgs[i + k], reason)
         self.value_bytes += nbytes
         self.samples += res.rows
         slot.rows += res.rows
@@ -561,15 +573,6 @@ class _Feeder:
         self.handed.update(handed)
         self.used.update(handed)
 
-    def _bad(self, m: Any, reason: str) -> None:
-        self.bad += 1
-        tp = (m.topic(), m.partition())
-        if self.on_bad is BadRecordPolicy.RAISE:
-            raise DecodeError(f"bad record: {reason}", topic=tp[0], partition=tp[1],
-                              offset=m.offset())
-        log.warning("bad record at %s[%d]@%d: %s", tp[0], tp[1], m.offset(), reason)
-        if self.on_bad is BadRecordPolicy.DEAD_LETTER:
-            self.source.dead_letter(m, reason)
 
 
 _STAGE_ROWS = 1024  # records decoded at a time on the shuffle path
@@ -770,8 +773,10 @@ class _RecordFeeder(_Feeder):
                     emitted += push(tp, off, doc.copy() if copy else doc, sub)
                     d += 1
         self.samples += d
+        if d:
+            self.on_bad.good()
         for j, reason in docs.bad:
-            self._bad(msgs[j], reason)
+            self.on_bad.bad(msgs[j], reason)
         self._deliver(emitted)
 
     def _push_samples(self, msgs: list[Any], vals: list[Any]) -> None:
@@ -784,8 +789,10 @@ class _RecordFeeder(_Feeder):
                 res = self.schema.decode_into([v], self.stage_target, 0, self.fmt,
                                               start=start, split=True)
                 if res.bad:
-                    self._bad(m, res.bad[0][1])
+                    self.on_bad.bad(m, res.bad[0][1])
                     break
+                if res.rows:
+                    self.on_bad.good()
                 with self.lock:
                     for r in range(res.rows):
                         emitted += self.order.push(tp, off, tuple(a[r].copy() for a in stage),
@@ -861,6 +868,15 @@ class Loader:
     host three pinned pool slots. On the CPU the host holds ``prefetch + 2``
     slots and ``next()`` copies each batch into tensors the caller owns.
 
+    A message the codec rejects never reaches a batch: ``on_bad_record``
+    sends it to ``<topic>.dlq`` (default; each message at most once, see
+    ``KafkaSource.dead_letter``), skips it, or raises ``DecodeError``.
+    Warnings come at most once per reason every few seconds. When the first
+    ``fail_fast`` messages read are all rejected (a schema that does not
+    match the topic, say), ``next()`` raises one ``DecodeError`` that says
+    what the loader expects and what the topic holds, and nothing was
+    dead-lettered or committed; ``fail_fast=None`` never does.
+
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
     ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
@@ -880,6 +896,7 @@ class Loader:
         until: str | None = None,
         start: str | datetime = "committed",
         on_bad_record: str | BadRecordPolicy = "dead_letter",
+        fail_fast: int | None = 32,
         drop_last: bool = False,
         max_wait_ms: float = 200.0,
         rank: int | None = None,
@@ -914,6 +931,8 @@ class Loader:
             raise ConfigError(
                 f"on_bad_record must be 'dead_letter', 'skip' or 'raise', got {on_bad_record!r}"
             ) from None
+        if fail_fast is not None and (not isinstance(fail_fast, int) or fail_fast < 1):
+            raise ConfigError(f"fail_fast must be None or an int >= 1, got {fail_fast!r}")
         if on_revoke is not None and not callable(on_revoke):
             raise ConfigError("on_revoke must be a callable taking the revoked partitions")
         if assignment not in ("group", "static"):
@@ -937,7 +956,7 @@ class Loader:
         self.format = fmt
         self.topics = topics
         self.batch_size = batch_size
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = _check_device(device)
         self.until = until
         self.rank, self.world_size = rank, world_size
         self.assignment_mode = assignment
@@ -962,7 +981,9 @@ class Loader:
         self._pool = BufferPool(schema, batch_size, slots=slots, packer=packer)
         args = (source, schema, fmt, self._pool, self._copier, prefetch)
         kwargs = dict(bounded=until == "end", drop_last=drop_last,
-                      max_wait_s=max_wait_ms / 1000.0, on_bad=policy, start=start,
+                      max_wait_s=max_wait_ms / 1000.0,
+                      on_bad=BadRecords(schema, fmt, policy, source, fail_fast=fail_fast),
+                      start=start,
                       assignment=None)
         self._feeder: _Feeder
         if pack is None and shuffle is None:
@@ -1214,6 +1235,13 @@ class Loader:
         elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
         with f.lock:
             positions = {tp: off for tp, (off, _skip) in f.delivered().items()}
+        if self._exhausted and f.epoch_over:
+            # Everything up to each partition's end at the start was read;
+            # what lies between the last record and that end (transaction
+            # markers) is no lag.
+            for tp, end in f.ends.items():
+                if tp in positions:
+                    positions[tp] = max(positions[tp], end)
         lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag(positions).items())}
         return {
             "samples": self._samples_out,
@@ -1224,7 +1252,7 @@ class Loader:
             "elapsed_s": elapsed,
             "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
             "mb_per_s": f.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
-            "bad_records": f.bad,
+            "bad_records": f.on_bad.count,
             "lag": lag,
             "wait_s": self._wait_s,
             "longest_wait_s": self._longest_wait_s,
@@ -1271,6 +1299,26 @@ def _by_topic(positions: Mapping[TP, Position]) -> dict[str, dict[int, list[int]
     for (topic, part), (off, skip) in sorted(positions.items()):
         out.setdefault(topic, {})[part] = [off, skip]
     return out
+
+
+def _check_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={str(device)!r}, but torch sees no CUDA device "
+                              "(torch.cuda.is_available() is False): pass device='cpu', "
+                              "or leave device unset to take cuda only where there is one")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={str(device)!r}, but torch sees "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device={str(device)!r}: kfeed copies batches to 'cuda' or 'cpu'")
+    return dev
 
 
 def _dist_ready() -> bool:

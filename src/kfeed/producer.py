@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kfeed._kafka import ConnectionLog, unavailable_message, unreachable_message
+from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
@@ -126,26 +128,31 @@ class Producer:
             try:
                 if err.fatal() or err.code() in _REFUSALS:
                     self._fatal = err
-                log.warning("kafka: %s", err)
+                warn.log(logging.WARNING, "kafka: %s", err)
                 if user_error_cb is not None:
                     user_error_cb(err)
             except BaseException:  # noqa: BLE001 - raising here would break librdkafka's dispatch
                 log.exception("the error callback failed")
 
+        warn = ConnectionLog(log)
         self._fatal: Any = None
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
         self._failures: deque[Any] = deque()
         config["error_cb"] = error_cb
-        config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
+        config.setdefault("logger", ConnectionLog())
+        self._servers = str(config["bootstrap.servers"])
         try:
             self._producer = _Producer(config)
         except KafkaException as e:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._timeout = connect_timeout_s
         self.num_partitions = self._partition_count()
+        # The schema travels with each message (~60 bytes), so that a loader
+        # with another schema can say what the topic holds.
         self._headers = [
-            ("kfeed.fingerprint", schema.fingerprint.to_bytes(8, "little")),
+            (FINGERPRINT_HEADER, schema.fingerprint.to_bytes(8, "little")),
+            (SCHEMA_HEADER, schema_header(schema)),
             ("kfeed.format", self.format.value.encode()),
         ]
         self.samples = 0
@@ -177,10 +184,14 @@ class Producer:
                 if time.monotonic() < deadline:
                     continue
                 self._raise_fatal()
-                raise self._error(f"cannot reach the brokers within {self._timeout:g}s", e) from e
+                err = _kafka_error(e)
+                raise ProduceError(
+                    unreachable_message(self._servers, self._timeout,
+                                        err.str() if err is not None else repr(e)),
+                    topic=self.topic, code=err.code() if err is not None else None) from e
             found = topic_partitions(md, self.topic, since, deadline)
             if isinstance(found, TopicUnavailable):
-                raise ProduceError(f"topic {self.topic!r} is not available: {found.why}",
+                raise ProduceError(unavailable_message(self.topic, self._servers, found.why),
                                    topic=self.topic, code=found.code)
             if found is not None:
                 return len(found)

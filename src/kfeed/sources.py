@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from kfeed._kafka import ConnectionLog, client_config, unavailable_message, unreachable_message
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
@@ -65,6 +66,29 @@ _FATAL_CODES = {
 _GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
 _GONE_GRACE_S = 5.0
 _LEADER_NOT_AVAILABLE = 5
+
+# The headers of a dead-lettered message that name where it came from.
+DLQ_TOPIC_HEADER = "kfeed.source.topic"
+DLQ_PARTITION_HEADER = "kfeed.source.partition"
+DLQ_OFFSET_HEADER = "kfeed.source.offset"
+_DLQ_WINDOW = 1000
+
+# NOTE [ One copy per bad message ]
+#
+# Every group that reads a topic meets its bad messages, and each used to
+# copy them all to <topic>.dlq again. The rule now:
+# - <topic>.dlq is created with as many partitions as <topic>, and a bad
+#   message of partition p goes to partition p (p modulo the count, for a
+#   dead-letter topic made otherwise), in offset order;
+# - before its first copy from partition p, a loader reads the end of that
+#   dead-letter partition for the highest source offset of p there, and
+#   copies only messages above it.
+# So a second group, or a trainer resumed from an older checkpoint, copies
+# nothing twice. The rule is a prefix: a message below the highest copied
+# offset counts as copied, so a reader that started past earlier bad
+# messages (start="latest", or a time) leaves those out of the dead-letter
+# topic for later readers too; they stay in the source topic. Two loaders that meet the same bad message at the same
+# moment may both copy it: the check is not a transaction.
 
 
 class TopicUnavailable(NamedTuple):
@@ -209,7 +233,8 @@ class KafkaSource(Source):
             # also covers a transaction marker or aborted records at the tail.
             config.setdefault("enable.partition.eof", True)
         config["error_cb"] = self._chain(self._on_error, config.get("error_cb"))
-        config.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
+        config.setdefault("logger", ConnectionLog())
+        self._warn = ConnectionLog(log)
         # Lag comes from librdkafka's own statistics, so reading it never
         # blocks on a broker (one that is down, say).
         config.setdefault("statistics.interval.ms", 1000)
@@ -222,7 +247,8 @@ class KafkaSource(Source):
         self.connect_timeout = connect_timeout
         self._config = config
         self._dlq_producer: Any = None
-        self._dlq_topics: set[str] = set()
+        self._dlq_partitions: dict[str, int] = {}  # dead-letter topic -> partitions
+        self._dlq_done: dict[TP, int] = {}  # source partition -> highest offset copied
         try:
             self._consumer = Consumer(config)
         except KafkaException as e:
@@ -241,7 +267,7 @@ class KafkaSource(Source):
             self._fatal = err
         elif code in _GONE_CODES and self._gone is None:
             self._gone = (time.monotonic(), err)
-        log.warning("kafka: %s", err)
+        self._warn.log(logging.WARNING, "kafka: %s", err)
 
     def _raise_fatal(self) -> None:
         err = self._fatal
@@ -290,7 +316,18 @@ class KafkaSource(Source):
         ``consumer_lag`` (from the committed offset), when it has one.
         """
         out = dict(self._lag)
-        for tp, end in self._ends.items():
+        ends = dict(self._ends)
+        for tp in positions:
+            if tp not in ends:
+                # Before the first statistics (a second in): the end that
+                # librdkafka's last fetch saw, which costs no request.
+                try:
+                    _lo, hi = self._consumer.get_watermark_offsets(self._tp(tp), cached=True)
+                except Exception:  # noqa: BLE001 - closed, or nothing cached
+                    continue
+                if hi is not None and hi >= 0:
+                    ends[tp] = hi
+        for tp, end in ends.items():
             if tp in positions:
                 out[tp] = max(0, end - positions[tp])
         return out
@@ -324,14 +361,15 @@ class KafkaSource(Source):
                         continue
                     self._raise_fatal()
                     raise ConsumeError(
-                        f"cannot reach the brokers at {self._config['bootstrap.servers']} "
-                        f"within {self.connect_timeout:g}s: {e.args[0].str()}",
+                        unreachable_message(self._config["bootstrap.servers"],
+                                            self.connect_timeout, e.args[0].str()),
                         topic=topic,
                     ) from e
                 found = topic_partitions(md, topic, since, deadline)
                 if isinstance(found, TopicUnavailable):
-                    raise ConsumeError(f"topic {topic!r} is not available: {found.why}",
-                                       topic=topic, code=found.code)
+                    raise ConsumeError(
+                        unavailable_message(topic, self._config["bootstrap.servers"], found.why),
+                        topic=topic, code=found.code)
                 if found is not None:
                     result.extend((topic, p) for p in found)
                     break
@@ -490,26 +528,37 @@ class KafkaSource(Source):
 
         Waiting matters: the offsets past this message may be committed right
         after, and a bad record must not be lost with a crash in between.
+
+        Each message is copied at most once, whichever group reads it (see
+        NOTE [ One copy per bad message ]).
         """
         from confluent_kafka import Producer
 
         topic = f"{msg.topic()}.dlq"
+        src = (msg.topic(), msg.partition())
         if self._dlq_producer is None:
             conf = self._client_config()
-            conf.update({"acks": "all", "enable.idempotence": True})
+            conf.update({"acks": "all", "enable.idempotence": True,
+                         "logger": ConnectionLog()})
             self._dlq_producer = Producer(conf)
-        if topic not in self._dlq_topics:
-            self._ensure_topic(topic)
-            self._dlq_topics.add(topic)
+        if topic not in self._dlq_partitions:
+            self._dlq_partitions[topic] = self._ensure_topic(topic, msg.topic())
+        part = msg.partition() % self._dlq_partitions[topic]
+        done = self._dlq_done.get(src)
+        if done is None:
+            done = self._dlq_done[src] = self._dead_lettered_up_to(topic, part, src)
+        if msg.offset() <= done:
+            log.info("%s[%d]@%d is in %s already", src[0], src[1], msg.offset(), topic)
+            return
         errors: list[Any] = []
         headers = [
-            ("kfeed.source.topic", msg.topic().encode()),
-            ("kfeed.source.partition", str(msg.partition()).encode()),
-            ("kfeed.source.offset", str(msg.offset()).encode()),
+            (DLQ_TOPIC_HEADER, msg.topic().encode()),
+            (DLQ_PARTITION_HEADER, str(msg.partition()).encode()),
+            (DLQ_OFFSET_HEADER, str(msg.offset()).encode()),
             ("kfeed.reason", reason.encode()),
         ]
         self._dlq_producer.produce(
-            topic, value=msg.value(), key=msg.key(), headers=headers,
+            topic, value=msg.value(), key=msg.key(), headers=headers, partition=part,
             on_delivery=lambda err, _m: err is not None and errors.append(err),
         )
         left = self._dlq_producer.flush(self.connect_timeout)
@@ -518,27 +567,85 @@ class KafkaSource(Source):
                 f"could not write a bad record to {topic}: {errors[0] if errors else 'timed out'}",
                 topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
             )
+        self._dlq_done[src] = msg.offset()
 
-    def _ensure_topic(self, topic: str) -> None:
+    def _dead_lettered_up_to(self, topic: str, part: int, src: TP) -> int:
+        """The highest offset of ``src`` already in partition ``part`` of ``topic``; -1 if none.
+
+        Reads the partition backwards in windows of ``_DLQ_WINDOW`` messages
+        until one from ``src`` turns up: one window when the dead-letter
+        topic has as many partitions as the source, the usual case.
+        """
+        from confluent_kafka import Consumer, TopicPartition
+
+        reader = Consumer({**self._client_config(), "group.id": "kfeed-dlq-reader",
+                           "enable.auto.commit": False, "enable.partition.eof": True,
+                           "isolation.level": "read_uncommitted",
+                           "logger": ConnectionLog()})
+        try:
+            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
+                                                  timeout=self.connect_timeout)
+            end = hi
+            while end > lo:
+                start = max(lo, end - _DLQ_WINDOW)
+                best = self._scan_dead_letters(reader, TopicPartition(topic, part, start),
+                                               end, src)
+                if best >= 0:
+                    return best
+                end = start
+            return -1
+        finally:
+            reader.close()
+
+    def _scan_dead_letters(self, reader: Any, start: Any, end: int, src: TP) -> int:
+        reader.assign([start])
+        best = -1
+        deadline = time.monotonic() + self.connect_timeout
+        while time.monotonic() < deadline:
+            for m in reader.consume(500, 0.5):
+                if m.error() is not None:
+                    continue  # partition EOF: the offset check below ends the scan
+                h = dict(m.headers() or ())
+                if h.get(DLQ_TOPIC_HEADER) == src[0].encode() and \
+                        h.get(DLQ_PARTITION_HEADER) == str(src[1]).encode():
+                    best = max(best, int(h.get(DLQ_OFFSET_HEADER, b"-1")))
+                if m.offset() >= end - 1:
+                    return best
+        raise ConsumeError(f"could not read {start.topic}[{start.partition}] within "
+                           f"{self.connect_timeout:g}s to find what is dead-lettered already",
+                           topic=start.topic, partition=start.partition)
+
+    def _ensure_topic(self, topic: str, like: str) -> int:
+        """Create dead-letter topic ``topic`` with as many partitions as ``like``; its count."""
         from confluent_kafka import KafkaException
         from confluent_kafka.admin import AdminClient, NewTopic
 
         md = self._consumer.list_topics(timeout=self.connect_timeout)
-        if topic in md.topics and md.topics[topic].error is None:
-            return
+        have = md.topics.get(topic)
+        if have is not None and have.error is None and have.partitions:
+            return len(have.partitions)
+        source = md.topics.get(like)
+        count = len(source.partitions) if source is not None and source.partitions else 1
         admin = AdminClient(self._client_config())
-        futures = admin.create_topics([NewTopic(topic, num_partitions=1)])
+        futures = admin.create_topics([NewTopic(topic, num_partitions=count)])
         try:
             futures[topic].result(self.connect_timeout)
         except KafkaException as e:
             if e.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise ConsumeError(f"cannot create dead-letter topic {topic}: {e.args[0].str()}",
                                    topic=topic) from e
+        deadline = time.monotonic() + self.connect_timeout
+        while time.monotonic() < deadline:
+            have = self._consumer.list_topics(topic, timeout=self.connect_timeout).topics.get(topic)
+            if have is not None and have.error is None and have.partitions and \
+                    all(p.leader >= 0 for p in have.partitions.values()):
+                return len(have.partitions)
+            time.sleep(0.1)
+        raise ConsumeError(f"dead-letter topic {topic} has no leaders", topic=topic)
 
     def _client_config(self) -> dict[str, Any]:
         """The connection and security settings, for the DLQ producer and admin."""
-        return {k: v for k, v in self._config.items()
-                if k.startswith(("bootstrap.", "security.", "sasl.", "ssl."))}
+        return client_config(self._config)
 
     def close(self) -> None:
         if self._dlq_producer is not None:

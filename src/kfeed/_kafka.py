@@ -1,0 +1,184 @@
+"""What every Kafka call site shares: connection settings, topic checks, error shapes.
+
+The producer, the loader's Kafka source, the dead-letter queue and the CLI
+all talk to brokers through confluent-kafka. This module holds what they must
+do alike, so that a user sees one behaviour whichever side they start from:
+
+- ``client_config``: the connection and security subset of a librdkafka dict,
+  for an admin client or a helper producer;
+- ``create_topic``: the public way to create a topic (``kfeed.create_topic``);
+- ``unavailable_message`` / ``unreachable_message``: the one-line errors for a
+  topic that does not exist and for brokers that do not answer, worded the
+  same for the producer and the loader;
+- ``ConnectionLog``: librdkafka's log lines with repeated connection trouble
+  folded to one line per broker every few seconds.
+
+It knows nothing of batches, schemas or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kfeed.errors import ConfigError, KfeedError
+
+__all__ = ["create_topic", "client_config", "unavailable_message", "unreachable_message",
+           "ConnectionLog"]
+
+log = logging.getLogger(__name__)
+
+_CONNECTION_KEYS = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.",
+                    "broker.address.", "reconnect.")
+
+
+def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that say where the brokers are and how to log in; nothing else."""
+    return {k: v for k, v in kafka_config.items()
+            if isinstance(k, str) and k.startswith(_CONNECTION_KEYS)}
+
+
+def create_topic(
+    kafka_config: Mapping[str, Any],
+    name: str,
+    *,
+    partitions: int = 1,
+    replication: int | None = None,
+    config: Mapping[str, Any] | None = None,
+    exist_ok: bool = True,
+    timeout_s: float = 30.0,
+) -> bool:
+    """Create topic ``name``; True if this call created it, False if it existed.
+
+    ``replication=None`` takes the brokers' ``default.replication.factor``
+    (``kfeed cluster up`` sets it to the node count, at most 3). ``config``
+    holds topic settings such as ``{"retention.ms": 86400000}``. The call
+    returns once the topic's partitions all have a leader, so a producer or
+    loader made right after finds it.
+
+    >>> kfeed.create_topic({"bootstrap.servers": "127.0.0.1:39092"}, "train", partitions=4)
+    """
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
+        raise ConfigError("kafka_config must be a dict of librdkafka settings "
+                          "with 'bootstrap.servers'")
+    if not isinstance(name, str) or not name or len(name) > 249 or \
+            not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in (".", ".."):
+        raise ConfigError(f"topic name {name!r} is not valid: use up to 249 of "
+                          "a-z A-Z 0-9 . _ -")
+    if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+        raise ConfigError(f"partitions must be an int >= 1, got {partitions!r}")
+    if replication is not None and (not isinstance(replication, int)
+                                    or isinstance(replication, bool) or replication < 1):
+        raise ConfigError(f"replication must be None or an int >= 1, got {replication!r}")
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    servers = kafka_config["bootstrap.servers"]
+    conf = client_config(kafka_config)
+    conf.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
+    admin = AdminClient(conf)
+    deadline = time.monotonic() + timeout_s
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as e:
+        raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
+                         topic=name) from e
+    topic = NewTopic(name, num_partitions=partitions,
+                     replication_factor=-1 if replication is None else replication,
+                     config={k: str(v) for k, v in (config or {}).items()})
+    created = True
+    try:
+        admin.create_topics([topic], operation_timeout=timeout_s)[name].result(timeout_s)
+    except KafkaException as e:
+        err = e.args[0]
+        if err.name() != "TOPIC_ALREADY_EXISTS":
+            raise KfeedError(f"cannot create topic {name!r}: {err.str()}", topic=name,
+                             code=err.code()) from e
+        if not exist_ok:
+            raise KfeedError(f"topic {name!r} already exists", topic=name,
+                             code=err.code()) from e
+        created = False
+    _wait_for_leaders(admin, name, deadline)
+    if created:
+        log.info("created topic %s with %d partition(s)", name, partitions)
+    return created
+
+
+def _wait_for_leaders(admin: Any, name: str, deadline: float) -> None:
+    # CreateTopics returns before every broker's metadata names the leaders;
+    # a client made right away would see "unknown topic" for a moment.
+    while True:
+        meta = admin.list_topics(topic=name, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        tmd = meta.topics.get(name)
+        if tmd is not None and tmd.error is None and tmd.partitions and \
+                all(p.leader >= 0 for p in tmd.partitions.values()):
+            return
+        if time.monotonic() >= deadline:
+            raise KfeedError(f"topic {name!r} has no leader for every partition yet", topic=name)
+        time.sleep(0.1)
+
+
+def unavailable_message(topic: str, servers: str, why: str) -> str:
+    """A topic the brokers do not have: what happened and how to create it."""
+    return (f"topic {topic!r} is not available at {servers}: {why}; create it with "
+            f"kfeed.create_topic(config, {topic!r}, partitions=N) or "
+            f"`kfeed produce --topic {topic} ...` (brokers here do not create topics "
+            f"on first use)")
+
+
+def unreachable_message(servers: str, seconds: float, why: str) -> str:
+    """Brokers that did not answer: the same words for the producer and the loader."""
+    return f"cannot reach the brokers at {servers} within {seconds:g}s: {why}"
+
+
+# -- connection trouble in librdkafka's log ------------------------------------
+
+# librdkafka logs every refused connect (twice: the socket error and the
+# broker state change), about 1,000 lines a client in 30 s while brokers are
+# down. These are the messages that say so.
+_CONNECT_TROUBLE = re.compile(
+    r"(Connect to .* failed|Connection refused|Disconnected|all brokers down|"
+    r"Failed to resolve|timed out|Receive failed|Send failed)", re.IGNORECASE)
+_BROKER = re.compile(r"(?:ssl|sasl_ssl|sasl_plaintext|plaintext)?:?/{0,2}"
+                     r"([A-Za-z0-9_.\-]+:\d+)(?:/\S*)?")
+
+
+class ConnectionLog(logging.Handler):
+    """librdkafka's logger: connection trouble at most once per broker every ``every_s``.
+
+    confluent-kafka calls ``logger.log`` for each librdkafka line. Lines about
+    a broker that cannot be reached are folded: the first is logged, the
+    next ones within ``every_s`` only counted, and the count goes with the
+    next line that passes. Everything else is passed on unchanged to
+    ``target`` (the ``kfeed.librdkafka`` logger by default).
+    """
+
+    def __init__(self, target: logging.Logger | None = None, every_s: float = 5.0) -> None:
+        super().__init__()
+        self.target = target or logging.getLogger("kfeed.librdkafka")
+        self.every_s = every_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    # confluent-kafka takes any object with a ``log(level, fmt, *args)`` method.
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        text = fmt % args if args else fmt
+        if _CONNECT_TROUBLE.search(text):
+            m = _BROKER.search(text)
+            broker = m.group(1) if m else "?"
+            now = time.monotonic()
+            last, held = self._last.get(broker, (-1e18, 0))
+            if now - last < self.every_s:
+                self._last[broker] = (last, held + 1)
+                return
+            self._last[broker] = (now, 0)
+            if held:
+                text = f"{text} ({held} more like it in the last {now - last:.0f}s)"
+        self.target.log(level, "%s", text)
+
+    def emit(self, record: logging.LogRecord) -> None:  # as a plain logging.Handler
+        self.log(record.levelno, record.getMessage())

@@ -1,0 +1,206 @@
+"""What the loader does with a message the codec rejected.
+
+The decode stage hands every rejected message here, with the codec's reason.
+``BadRecords`` then:
+
+- explains it: a schema mismatch names what the loader expects and what the
+  message was written with (the producer's ``kfeed.schema`` header, checked
+  against the fingerprint in the block header); a raw value of the wrong size
+  names both sizes;
+- stops a read that cannot work: when the first ``fail_fast`` messages of a
+  read are all rejected, for one reason, before any record was good, it
+  raises one ``DecodeError`` instead of dripping a warning per message and
+  dead-lettering the whole topic; nothing was dead-lettered or committed by
+  then;
+- warns at a bounded rate: one line per reason every ``WARN_EVERY_S``, with
+  the count since the last line;
+- routes it as the caller chose: raise, skip (counted), or the dead-letter
+  queue (``Source.dead_letter``, which copies a message at most once).
+
+A bad message never becomes part of a batch: the codec rejects it whole
+before any of its bytes reach a slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from enum import Enum
+from typing import Any
+
+from kfeed.errors import DecodeError
+from kfeed.schema import Format, Schema
+
+__all__ = ["BadRecordPolicy", "BadRecords", "SCHEMA_HEADER", "FINGERPRINT_HEADER",
+           "schema_header", "describe_schema"]
+
+log = logging.getLogger("kfeed.loader")
+
+# The headers kfeed.Producer writes on every message.
+SCHEMA_HEADER = "kfeed.schema"
+FINGERPRINT_HEADER = "kfeed.fingerprint"
+
+WARN_EVERY_S = 5.0
+_FINGERPRINT_REASON = "schema fingerprint mismatch"
+_RAW_SIZE_REASON = "raw value size is not the record size"
+_MAGIC = b"KFDB"
+
+
+class BadRecordPolicy(str, Enum):
+    DEAD_LETTER = "dead_letter"
+    SKIP = "skip"
+    RAISE = "raise"
+
+
+def _canonical(fields: list[list[Any]]) -> str:
+    return json.dumps(fields, separators=(",", ":"))
+
+
+def schema_header(schema: Schema) -> bytes:
+    """The ``kfeed.schema`` header: the fields the schema's fingerprint stands for."""
+    return _canonical([[f.name, f.dtype, list(f.shape)] for f in schema.fields]).encode()
+
+
+def describe_schema(fields: list[list[Any]] | Schema) -> str:
+    """``features float32[768], label int64, tokens uint16[*]``."""
+    if isinstance(fields, Schema):
+        fields = [[f.name, f.dtype, list(f.shape)] for f in fields.fields]
+    parts = []
+    for name, dtype, shape in fields:
+        dims = ",".join("*" if d is None else str(d) for d in shape)
+        parts.append(f"{name} {dtype}[{dims}]" if shape else f"{name} {dtype}")
+    return ", ".join(parts)
+
+
+def _header(msg: Any, name: str) -> bytes | None:
+    try:
+        headers = msg.headers()
+    except AttributeError:  # a recorded message (MemorySource) may have none
+        return None
+    for key, value in headers or ():
+        if key == name:
+            return value
+    return None
+
+
+def _written_with(msg: Any) -> str:
+    """What the producer of ``msg`` says its schema was, when it says it truthfully."""
+    value = msg.value()
+    found = None
+    if value is not None and len(value) >= 24 and bytes(value[:4]) == _MAGIC:
+        found = int.from_bytes(bytes(value[16:24]), "little")
+    text = _header(msg, SCHEMA_HEADER)
+    if text is not None:
+        try:
+            fields = json.loads(text)
+            digest = hashlib.blake2b(b"kfeed.schema.v1:" + _canonical(fields).encode(),
+                                     digest_size=8).digest()
+            if found is None or int.from_bytes(digest, "little") == found:
+                return describe_schema(fields)
+        except (ValueError, TypeError):
+            pass
+    if found is not None:
+        return f"another schema (fingerprint {found:#018x}; no kfeed.schema header says which)"
+    return "another schema"
+
+
+class BadRecords:
+    """Explains, counts, rate-limits and routes the messages the codec rejected."""
+
+    def __init__(self, schema: Schema, fmt: Format, policy: BadRecordPolicy, source: Any,
+                 *, fail_fast: int | None) -> None:
+        self.schema = schema
+        self.fmt = fmt
+        self.policy = policy
+        self.source = source
+        self.fail_fast = fail_fast
+        self.count = 0
+        self.by_reason: Counter[str] = Counter()
+        self.good_seen = False
+        # Before the first good record: rejected messages held back, so that
+        # a read that is wrong from the start dead-letters nothing.
+        self._held: list[tuple[Any, str]] = []
+        self._warned: dict[str, tuple[float, int]] = {}  # reason -> (last line, since then)
+
+    def explain(self, msg: Any, reason: str) -> str:
+        if reason == _FINGERPRINT_REASON:
+            return (f"schema mismatch: the loader expects {describe_schema(self.schema)}; "
+                    f"the message was written with {_written_with(msg)}")
+        if reason == _RAW_SIZE_REASON and self.schema.varlen is None:
+            value = msg.value()
+            return (f"raw value of {len(value)} bytes, but the schema's record is "
+                    f"{self.schema.record_size} bytes ({describe_schema(self.schema)})")
+        return reason
+
+    def good(self) -> None:
+        """Records decoded well: the held messages were stray ones, route them now."""
+        if self.good_seen:
+            return
+        self.good_seen = True
+        held, self._held = self._held, []
+        for msg, reason in held:
+            self._route(msg, reason)
+
+    def bad(self, msg: Any, reason: str) -> None:
+        self.count += 1
+        why = self.explain(msg, reason)
+        self.by_reason[why] += 1
+        tp = (msg.topic(), msg.partition())
+        if self.policy is BadRecordPolicy.RAISE:
+            raise DecodeError(f"bad record: {why}", topic=tp[0], partition=tp[1],
+                              offset=msg.offset())
+        if self.good_seen or self.fail_fast is None:
+            self._route(msg, why)
+            return
+        self._held.append((msg, why))
+        if len(self._held) >= self.fail_fast:
+            self._give_up()
+        self._warn(msg, why, "held back until a record decodes")
+
+    def end_of_read(self) -> None:
+        """A bounded read is over: if it held only bad messages, that is the error."""
+        if not self.good_seen and self._held:
+            self._give_up()
+
+    def _give_up(self) -> None:
+        reasons = Counter(why for _m, why in self._held)
+        first = self._held[0][0]
+        n = len(self._held)
+        if len(reasons) == 1:
+            why = next(iter(reasons))
+            what = f"all {n} messages read so far were rejected: {why}"
+        else:
+            top = "; ".join(f"{c}x {w}" for w, c in reasons.most_common(3))
+            what = f"all {n} messages read so far were rejected ({top})"
+        raise DecodeError(
+            f"{what}. Nothing was dead-lettered or committed: fix the schema "
+            f"(or the topic) and read again",
+            topic=first.topic(), partition=first.partition(), offset=first.offset())
+
+    def _route(self, msg: Any, why: str) -> None:
+        dest = f"sent to {msg.topic()}.dlq" if self.policy is BadRecordPolicy.DEAD_LETTER \
+            else "skipped"
+        self._warn(msg, why, dest)
+        if self.policy is BadRecordPolicy.DEAD_LETTER:
+            self.source.dead_letter(msg, why)
+
+    def _warn(self, msg: Any, why: str, dest: str) -> None:
+        now = time.monotonic()
+        last, since = self._warned.get(why, (None, 0))
+        if last is not None and now - last < WARN_EVERY_S:
+            self._warned[why] = (last, since + 1)
+            return
+        self._warned[why] = (now, 0)
+        where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+        more = f" (and {since} more in the last {now - last:.0f}s)" if since else ""
+        log.warning("bad record at %s, %s: %s%s", where, dest, why, more)
+
+    def summary(self) -> str | None:
+        """One line on everything rejected so far, or None."""
+        if not self.count:
+            return None
+        top = "; ".join(f"{c}x {w}" for w, c in self.by_reason.most_common(3))
+        return f"{self.count} bad record(s): {top}"
