@@ -340,8 +340,9 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any]) -> None:
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  exist_ok=True, timeout_s=args.connect_timeout)
     if created:
-        print(f"created topic {args.topic} with {partitions} partitions (replication: the "
-              f"brokers' default)", file=sys.stderr)
+        print(f"created topic {args.topic} with {partitions} partition"
+              f"{'s' if partitions > 1 else ''} (replication: the brokers' default)",
+              file=sys.stderr)
 
 
 def _check_partitions(args: argparse.Namespace, producer: Any) -> None:

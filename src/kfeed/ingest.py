@@ -106,9 +106,9 @@ def read_columns(
     if not path.is_file():
         raise ConfigError(f"--from {path}: no such file: check the path")
     for flag, given in (("--dtype", dtypes), ("--fill", fills)):
-        for name in given:
+        for name, value in given.items():
             if name not in fields:
-                raise ConfigError(f"{flag} {name}=...: no field {name!r} is read (the fields are "
+                raise ConfigError(f"{flag} {name}={value}: no field {name!r} is read (the fields are "
                                   f"{', '.join(fields)}): name one of them, or add it with "
                                   f"--field {name}=COLUMN")
     for name, dtype in dtypes.items():

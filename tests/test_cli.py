@@ -1,0 +1,533 @@
+"""``kfeed produce`` and ``kfeed train`` as a new user meets them.
+
+Unit tests call ``kfeed.cli.main([...])`` (or run ``python -m kfeed`` where
+the imports matter) and need no broker: every mistake is one stderr line
+with its exit status, found before any connection. Integration tests run the
+command against the test cluster: topic creation, a group already at the
+end, --start, and checkpoints on a clean end and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kfeed import cli, ingest
+from kfeed.errors import ConfigError
+
+CLOSED = "127.0.0.1:1"  # nothing listens there: a test that connected would fail or hang
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], str]:
+    """Exit status, stderr lines and stdout of ``kfeed ARGV``."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, err.splitlines(), out
+
+
+def kfeed(*args: str, bootstrap: str = CLOSED, timeout: float = 120,
+          python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    return subprocess.run([sys.executable, *python_flags, "-m", "kfeed", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# -- one line per mistake, exit 2, before any connection ------------------------------
+
+PRODUCE = ("produce", "--bootstrap-servers", CLOSED, "--topic", "t")
+TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "g")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (TRAIN + ("--batch-size", "0"), "kfeed: --batch-size 0 is out of range: give an integer >= 1"),
+    (PRODUCE + ("--synthetic", "-3"), "kfeed: --synthetic -3 is out of range: give an integer >= 1"),
+    (PRODUCE + ("--synthetic-text", "0"),
+     "kfeed: --synthetic-text 0 is out of range: give an integer >= 1"),
+    (TRAIN + ("--checkpoint", "c.pt", "--checkpoint-every", "0"),
+     "kfeed: --checkpoint-every 0 is out of range: give an integer >= 1"),
+    (TRAIN + ("--log-every", "0"), "kfeed: --log-every 0 is out of range: give an integer >= 1"),
+    (TRAIN + ("--steps", "-1"), "kfeed: --steps -1 is out of range: give an integer >= 0"),
+    (PRODUCE + ("--synthetic", "5", "--block-records", "0"),
+     "kfeed: --block-records 0 is out of range: give an integer >= 1"),
+    (PRODUCE + ("--synthetic", "5", "--partitions", "-1"),
+     "kfeed: --partitions -1 is out of range: give an integer >= 1"),
+    (TRAIN + ("--task", "lm", "--seq-len", "0"),
+     "kfeed: --seq-len 0 is out of range: give an integer >= 2"),
+    (TRAIN + ("--task", "lm", "--shuffle", "-1"),
+     "kfeed: --shuffle -1 is out of range: give an integer >= 0"),
+    (TRAIN + ("--lr", "0"), "kfeed: --lr 0 is out of range: give a number > 0"),
+    (TRAIN + ("--lr", "nan"), "kfeed: --lr nan is out of range: give a number > 0"),
+    (TRAIN + ("--batch-size", "many"),
+     "kfeed: --batch-size 'many' is not a whole number: give an integer >= 1"),
+    (PRODUCE + ("--synthetic", "5", "--connect-timeout", "0"),
+     "kfeed: --connect-timeout 0 is out of range: give a number > 0"),
+    (TRAIN + ("--start", "yesterday"),
+     "kfeed: --start 'yesterday' is not a start: give earliest, latest, committed or an ISO "
+     "time such as 2024-05-01T12:00:00+00:00"),
+    (TRAIN + ("--task", "gpt"),
+     "kfeed: --task 'gpt' is not one of its choices: choose from 'mlp', 'lm'"),
+    (("train", "--topic", "t"), "kfeed: missing --group-id: see 'kfeed train --help'"),
+    (PRODUCE, "kfeed: give one of --synthetic, --synthetic-text, --from: see "
+              "'kfeed produce --help'"),
+    (PRODUCE + ("--synthetic", "5", "--synthetic-text", "5"),
+     "kfeed: --synthetic-text and --synthetic exclude each other: give one of them"),
+    (TRAIN + ("--bogus",), "kfeed: unknown argument --bogus: see 'kfeed train --help'"),
+    (PRODUCE + ("--synthetic",), "kfeed: --synthetic needs a value: see 'kfeed produce --help'"),
+])
+def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
+    code, err, out = run_main(capsys, *argv)
+    assert (code, err, out) == (2, [line], "")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (TRAIN + ("--resume",),
+     "kfeed: --resume needs --checkpoint PATH: name the checkpoint to go on from"),
+    (TRAIN + ("--checkpoint-every", "5"),
+     "kfeed: --checkpoint-every needs --checkpoint PATH: name where to save, or leave it out"),
+    (TRAIN + ("--checkpoint", "/no/such/folder/c.pt"),
+     "kfeed: --checkpoint /no/such/folder/c.pt: folder /no/such/folder does not exist: "
+     "create it first"),
+    (TRAIN + ("--seq-len", "64"),
+     "kfeed: --seq-len applies to --task lm, not to --task mlp: leave it out"),
+    (TRAIN + ("--token-dtype", "int32"),
+     "kfeed: --token-dtype applies to --task lm, not to --task mlp: leave it out"),
+    (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
+     "kfeed: --log-ids applies to --task mlp (samples with ids), not to --task lm: leave it out"),
+    (PRODUCE + ("--synthetic", "5", "--field", "features=x"),
+     "kfeed: --field applies to --from FILE samples (.npz, .npy, .parquet), not to "
+     "--synthetic: leave it out"),
+    (PRODUCE + ("--synthetic", "5", "--seed", "3"),
+     "kfeed: --seed applies to --synthetic-text, not to --synthetic: leave it out"),
+    (PRODUCE + ("--synthetic", "5", "--token-dtype", "int32"),
+     "kfeed: --token-dtype applies to token documents (--synthetic-text, or --from a corpus), "
+     "not to --synthetic: leave it out"),
+    (PRODUCE + ("--synthetic-text", "5", "--key-field", "src"),
+     "kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
+     "keyed with --keyed), not to --synthetic-text: leave it out"),
+    (PRODUCE + ("--synthetic", "5", "--format", "raw", "--block-records", "8"),
+     "kfeed: --block-records applies to --format block, not to raw (one record a message): "
+     "leave it out"),
+    (PRODUCE + ("--synthetic", "5", "-X", "acks"),
+     "kfeed: -X 'acks' is not KEY=VALUE: write it as e.g. -X fetch.min.bytes=1048576"),
+    (("produce", "--bootstrap-servers", "", "--topic", "t", "--synthetic", "5"),
+     "kfeed: no brokers given: pass --bootstrap-servers HOST:PORT or set KFEED_BOOTSTRAP"),
+])
+def test_flags_that_would_be_ignored_are_errors(capsys, argv, line) -> None:
+    code, err, out = run_main(capsys, *argv)
+    assert (code, err, out) == (2, [line], "")
+
+
+def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a document\n")
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--keyed")
+    assert (code, err) == (2, ["kfeed: --keyed applies to synthetic data, not to a corpus: key "
+                               "its documents with --key-field FIELD"])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--field", "features=x")
+    assert (code, err) == (2, ["kfeed: --field applies to --from FILE samples (.npz, .npy, "
+                               ".parquet), not to --from c.txt (a corpus): leave it out"])
+    missing = tmp_path / "none.npz"
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing))
+    assert (code, err) == (2, [f"kfeed: --from {missing}: no such file: check the path"])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing), "--field", "features")
+    assert (code, err) == (2, ["kfeed: --field 'features' is not FIELD=COLUMN: write it as "
+                               "e.g. --field features=COLUMN"])
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 3), np.float32), y=np.arange(4))
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "d.npz"),
+                            "--field", "features=x", "--keyed")
+    assert (code, err) == (2, ["kfeed: --keyed keys samples by their id field, and the fields "
+                               "read are features: add --field id=COLUMN, or leave --keyed out"])
+
+
+# -- files into columns (kfeed.ingest) ------------------------------------------------
+
+
+def write_parquet(path: Path, **columns: Any) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> None:
+    path = tmp_path / "d.npz"
+    np.savez(path, features=np.zeros((4, 3), np.float32), label=np.arange(4))
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path))
+    assert (code, err) == (2, ["kfeed: d.npz has no array 'id' for field 'id' (it has: features, "
+                               "label): map the field with --field id=ARRAY"])
+    np.save(tmp_path / "f.npy", np.zeros((4, 3), np.float32))
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "f.npy"))
+    assert (code, err) == (2, ["kfeed: f.npy holds one array, named 'f' after the file: map it "
+                               "to one field with --field FIELD=f (e.g. --field features=f)"])
+    got = ingest.read_columns(tmp_path / "f.npy", {"features": "f"})
+    assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
+
+
+def test_parquet_missing_column_names_the_columns(capsys, tmp_path) -> None:
+    path = write_parquet(tmp_path / "d.parquet", x=[1, 2], y=[3, 4])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=z")
+    assert (code, err) == (2, ["kfeed: d.parquet has no column 'z' for field 'label' (it has: "
+                               "x, y): map the field with --field label=COLUMN"])
+
+
+def test_parquet_types_map_by_the_rules(tmp_path) -> None:
+    import pyarrow as pa
+
+    features = pa.array([[0.5, 1.5, 2.5]] * 3, type=pa.list_(pa.float32()))
+    path = write_parquet(tmp_path / "d.parquet", features=features, label=[1, 2, 3],
+                         id=[7, 8, 9], score=[0.5, 1.0, 1.5])
+    got = ingest.read_columns(path, {"features": "features", "label": "label", "id": "id",
+                                     "score": "score"})
+    assert {k: (v.dtype.name, v.shape) for k, v in got.items()} == {
+        "features": ("float32", (3, 3)), "label": ("int64", (3,)), "id": ("int64", (3,)),
+        "score": ("float64", (3,))}
+    assert ingest.schema_for(got) == ingest.schema_for(
+        {"features": np.zeros((1, 3), np.float32), "label": np.zeros(1, np.int64),
+         "id": np.zeros(1, np.int64), "score": np.zeros(1)})
+
+
+def test_list_of_double_features_are_refused_unless_a_dtype_is_given(capsys, tmp_path) -> None:
+    import pyarrow as pa
+
+    path = write_parquet(tmp_path / "d.parquet",
+                         features=pa.array([[0.25, 1.0]] * 2, type=pa.list_(pa.float64())),
+                         label=[1, 2], id=[3, 4])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path))
+    assert (code, err) == (2, [
+        "kfeed: 'features' of d.parquet (field 'features') is float64[2] but kfeed train reads "
+        "features as float32: pass --dtype features=float32 to cast it, or --dtype "
+        "features=float64 to keep float64"])
+    cast = ingest.read_columns(path, dtypes={"features": "float32"})
+    assert cast["features"].dtype == np.float32
+    assert cast["features"].tolist() == [[0.25, 1.0]] * 2
+    kept = ingest.read_columns(path, dtypes={"features": "float64"})
+    assert kept["features"].dtype == np.float64
+
+
+def test_nulls_are_refused_with_their_count_unless_filled(capsys, tmp_path) -> None:
+    path = write_parquet(tmp_path / "d.parquet", features=[[1.0]] * 3, label=[1, None, 3],
+                         id=[1, 2, 3])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--dtype", "features=float32")
+    assert (code, err) == (2, ["kfeed: column 'label' of d.parquet (field 'label') has 1 null "
+                               "value(s): give --fill label=VALUE to replace them, or drop "
+                               "those rows"])
+    got = ingest.read_columns(path, dtypes={"features": "float32"}, fills={"label": "-1"})
+    assert got["label"].dtype == np.int64 and got["label"].tolist() == [1, -1, 3]
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--dtype", "features=float32",
+                            "--fill", "label=0.5")
+    assert (code, err) == (2, ["kfeed: --fill label=0.5: not a value of the column's type "
+                               "int64: give one (a whole number for an int column)"])
+
+
+def test_unsendable_columns_are_named_with_their_type(capsys, tmp_path) -> None:
+    path = write_parquet(tmp_path / "d.parquet", name=["a", "b"], ragged=[[1.0], [1.0, 2.0]])
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=name")
+    assert (code, err) == (2, ["kfeed: column 'name' of d.parquet is string: kfeed produce "
+                               "sends numbers and fixed-length lists of numbers; leave the "
+                               "column out (--field picks the columns) or convert it to "
+                               "numbers first"])
+    with pytest.raises(ConfigError, match=r"^column 'ragged' of d.parquet \(field 'x'\) holds "
+                                          r"lists of different lengths \(1 to 2\)"):
+        ingest.read_columns(path, {"x": "ragged"})
+    np.savez(tmp_path / "s.npz", features=np.array(["a", "b"]))
+    with pytest.raises(ConfigError, match=r"^'features' of s.npz \(field 'features'\) has dtype "
+                                          r"<U1, which kfeed cannot send"):
+        ingest.read_columns(tmp_path / "s.npz", {"features": "features"})
+
+
+def test_casts_check_the_values(tmp_path) -> None:
+    np.savez(tmp_path / "d.npz", y=np.array([1.0, 2.5]), big=np.array([300]))
+    with pytest.raises(ConfigError, match=r"^--dtype label=int64: 'y' of d.npz holds 1 value\(s\) "
+                                          r"that are not whole numbers"):
+        ingest.read_columns(tmp_path / "d.npz", {"label": "y"}, dtypes={"label": "int64"})
+    with pytest.raises(ConfigError, match=r"^--dtype x=uint8: 'big' of d.npz holds values "
+                                          r"300..300, outside uint8"):
+        ingest.read_columns(tmp_path / "d.npz", {"x": "big"}, dtypes={"x": "uint8"})
+    with pytest.raises(ConfigError, match=r"^--dtype z=int64: no field 'z' is read"):
+        ingest.read_columns(tmp_path / "d.npz", {"label": "y"}, dtypes={"z": "int64"})
+
+
+# -- failures while running: exit 1, one line ---------------------------------------
+
+
+def test_unexpected_exceptions_are_one_line_and_v_shows_the_traceback(capsys, monkeypatch) -> None:
+    def boom(args: Any) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "cmd_produce", boom)
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5")
+    assert (code, err) == (1, ["kfeed: unexpected RuntimeError: boom: rerun with -v for the "
+                               "traceback"])
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "-v")
+    assert code == 1 and err[0] == "Traceback (most recent call last):"
+    assert err[-1] == "kfeed: unexpected RuntimeError: boom: the traceback is above"
+
+
+def test_unreachable_brokers_are_one_line_naming_the_address(capsys) -> None:
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "--partitions", "2",
+                            "--connect-timeout", "1")
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"kfeed: cannot reach the brokers at {CLOSED} within 1s: "), err
+
+
+def fake_run(stats: dict[str, Any], positions: dict[str, Any], first_step: int = 0,
+             step: int = 0, resumed_from: Any = None, signum: int | None = None) -> Any:
+    task = SimpleNamespace(summary=lambda step, st: f"trained {step} steps",
+                           expects=lambda: "features float32[768], label int64, id int64")
+
+    def run(opts: Any, config: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(task=task, step=step, first_step=first_step, stats=stats,
+                               loss=float("nan"), resumed_from=resumed_from, saved_step=None,
+                               signum=signum, positions=positions, start_to_first_step_s=0.0)
+    return run
+
+
+STATS = {"startup_s": 0.0, "mb_per_s": 0.0, "stall_fraction": 0.0, "lag": {},
+         "bad_records": 0, "samples": 0}
+
+
+def test_train_every_record_bad_exits_1_naming_the_dead_letter_topic(capsys, monkeypatch) -> None:
+    from kfeed import _train
+
+    monkeypatch.setattr(_train, "run", fake_run({**STATS, "bad_records": 12}, {}))
+    code, err, out = run_main(capsys, *TRAIN, "--until-end")
+    assert code == 1
+    assert err == ["kfeed: all 12 records read from t were bad and went to the dead-letter "
+                   "topic t.dlq: they do not match what --task mlp reads (features "
+                   "float32[768], label int64, id int64); produce the topic for it, or check "
+                   "its dtype (e.g. --token-dtype)"]
+    assert out == ("trained 0 steps, startup 0.0s, 0.0 MB/s, data stall 0.0%, lag n/a, "
+                   "bad records 12, final loss nan\n")
+
+
+def test_train_says_why_nothing_was_read(capsys, monkeypatch) -> None:
+    from kfeed import _train
+
+    at_end = {"t": {"0": [40, 0], "1": [2, 0]}}
+    monkeypatch.setattr(_train, "run", fake_run(STATS, at_end))
+    assert run_main(capsys, *TRAIN, "--until-end")[:2] == (0, [
+        "kfeed: group g has already read t to its end (committed offsets at the end): use "
+        "--start earliest to read it again, or a new --group-id"])
+    monkeypatch.setattr(_train, "run", fake_run(STATS, {"t": {"0": [0, 0]}}))
+    assert run_main(capsys, *TRAIN, "--until-end")[:2] == (0, [
+        "kfeed: topic t is empty: produce to it first (kfeed produce --topic t)"])
+    monkeypatch.setattr(_train, "run", fake_run(STATS, at_end))
+    assert run_main(capsys, *TRAIN, "--until-end", "--start", "latest")[:2] == (0, [
+        "kfeed: t has no records after --start latest: give an earlier --start"])
+
+
+# -- progress: the bar and the final line on one clock --------------------------------
+
+
+def test_the_last_bar_and_the_final_line_give_the_same_rate() -> None:
+    bar = cli._sample_line(100_000, 100_000, 24.845, 308_800_000)
+    assert bar == ("[##############################] 100000/100000 4,025 samples/s, "
+                   "12.4 MB/s")
+    assert cli._rates(100_000, 308_800_000, 24.845, "samples") in bar
+    # Before the flush ends, only acknowledged samples count.
+    assert cli._sample_line(50_000, 100_000, 12.0, 0).startswith(
+        "[###############...............] 50000/100000 4,167 samples/s")
+
+
+def test_only_acknowledged_messages_count_as_done() -> None:
+    producer = SimpleNamespace(_producer=[None] * 30, messages=40)  # 30 still queued
+    assert cli._acknowledged(producer) == 0.25
+    assert cli._acknowledged(SimpleNamespace(_producer=[], messages=40)) == 1.0
+    assert cli._acknowledged(SimpleNamespace(_producer=[], messages=0)) == 0.0
+
+
+def test_lag_is_na_until_the_loader_knows_it() -> None:
+    from kfeed._train import lag_text
+
+    assert lag_text({}) == "lag n/a"
+    assert lag_text({"t[0]": 0, "t[1]": 0}) == "lag 0"
+    assert lag_text({"t[0]": 3, "t[1]": 4}) == "lag 7"
+
+
+# -- start-up: produce never imports torch; train reports mistakes before it ----------
+
+
+def test_produce_help_and_train_mistakes_never_import_torch() -> None:
+    done = kfeed("produce", "--help", python_flags=("-X", "importtime"))
+    assert done.returncode == 0 and "Exit status" in done.stdout
+    assert "torch" not in done.stderr
+    done = kfeed(*TRAIN, "--batch-size", "0", python_flags=("-X", "importtime"))
+    assert done.returncode == 2 and "torch" not in done.stderr
+    assert done.stderr.splitlines()[-1] == ("kfeed: --batch-size 0 is out of range: give an "
+                                            "integer >= 1")
+
+
+def test_names_that_tests_and_benches_import_stay_in_kfeed_cli() -> None:
+    from kfeed import _train, synthetic
+
+    assert cli.synthetic_schema is synthetic.synthetic_schema
+    assert cli.synthetic_columns is synthetic.synthetic_columns
+    assert (cli.tiny_lm, cli.lm_loss, cli.lm_logits, cli.document_mask) == (
+        _train.tiny_lm, _train.lm_loss, _train.lm_logits, _train.document_mask)
+    assert cli._skip_documents is ingest.skip_documents
+
+
+# -- against the cluster --------------------------------------------------------------
+
+
+def topic_partitions(bootstrap: str, topic: str) -> int:
+    from confluent_kafka.admin import AdminClient
+
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic=topic, timeout=30)
+    return len(md.topics[topic].partitions)
+
+
+def delete_topics(bootstrap: str, *topics: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    for future in AdminClient({"bootstrap.servers": bootstrap}).delete_topics(
+            list(topics), operation_timeout=30).values():
+        future.result(timeout=30)
+
+
+@pytest.mark.integration
+def test_produce_creates_a_missing_topic_and_says_so(bootstrap) -> None:
+    first, second = (f"kfeed-test-{uuid.uuid4().hex}" for _ in range(2))
+    try:
+        done = kfeed("produce", "--topic", first, "--synthetic", "10", bootstrap=bootstrap,
+                     python_flags=("-X", "importtime"))
+        assert done.returncode == 0, done.stderr
+        assert "torch" not in done.stderr  # a real produce run, not only --help
+        lines = [x for x in done.stderr.splitlines() if not x.startswith("import time:")]
+        assert lines == [f"created topic {first} with 4 partitions (replication: the brokers' "
+                         f"default)"]
+        assert topic_partitions(bootstrap, first) == 4
+        done = kfeed("produce", "--topic", second, "--synthetic", "10", "--partitions", "2",
+                     bootstrap=bootstrap)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.splitlines() == [
+            f"created topic {second} with 2 partitions (replication: the brokers' default)"]
+        assert topic_partitions(bootstrap, second) == 2
+        done = kfeed("produce", "--topic", second, "--synthetic", "10", "--partitions", "3",
+                     bootstrap=bootstrap)
+        assert (done.returncode, done.stderr.splitlines()) == (2, [
+            f"kfeed: --partitions 3: topic {second} exists with 2 partitions: leave "
+            f"--partitions out, or pick a new --topic"])
+    finally:
+        delete_topics(bootstrap, first, second)
+
+
+@pytest.mark.integration
+def test_every_record_bad_fails_in_one_line(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=1)
+    done = kfeed("produce", "--topic", topic, "--synthetic-text", "20", "--token-dtype", "int32",
+                 bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    done = kfeed("train", "--task", "lm", "--topic", topic, "--group-id", group_id,
+                 "--until-end", "--device", "cpu", bootstrap=bootstrap)
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("kfeed: all ") and "int32" in done.stderr, done.stderr
+
+
+def summary(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.integration
+def test_group_at_the_end_and_start(bootstrap, make_topic, group_id, tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    assert kfeed("produce", "--topic", topic, "--synthetic", "300",
+                 bootstrap=bootstrap).returncode == 0
+    args = ("train", "--topic", topic, "--group-id", group_id, "--until-end", "--device", "cpu")
+    done = kfeed(*args, bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    assert summary(done.stdout).startswith("trained 2 steps on 300 samples")
+    again = kfeed(*args, bootstrap=bootstrap)
+    assert again.returncode == 0
+    assert summary(again.stdout).startswith("trained 0 steps on 0 samples")
+    assert again.stderr.splitlines() == [
+        f"kfeed: group {group_id} has already read {topic} to its end (committed offsets at "
+        f"the end): use --start earliest to read it again, or a new --group-id"]
+    earliest = kfeed(*args, "--start", "earliest", bootstrap=bootstrap)
+    assert earliest.returncode == 0 and earliest.stderr == ""
+    assert summary(earliest.stdout).startswith("trained 2 steps on 300 samples")
+    latest = kfeed(*args, "--start", "latest", "--group-id", uuid.uuid4().hex,
+                   bootstrap=bootstrap)
+    assert latest.stderr.splitlines() == [
+        f"kfeed: {topic} has no records after --start latest: give an earlier --start"]
+
+
+@pytest.mark.integration
+def test_a_clean_end_saves_the_last_steps(bootstrap, make_topic, group_id, tmp_path) -> None:
+    import torch
+
+    topic = make_topic(partitions=2)
+    assert kfeed("produce", "--topic", topic, "--synthetic", "2000",
+                 bootstrap=bootstrap).returncode == 0
+    ckpt = tmp_path / "c.pt"
+    args = ("train", "--topic", topic, "--group-id", group_id, "--device", "cpu",
+            "--batch-size", "100", "--checkpoint", str(ckpt), "--resume")
+    done = kfeed(*args, "--steps", "7", "--checkpoint-every", "5", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    assert torch.load(ckpt, weights_only=False)["step"] == 7
+    rest = kfeed(*args, "--until-end", bootstrap=bootstrap)
+    assert rest.returncode == 0, rest.stderr
+    # 700 samples before, 1300 after: none repeated, none skipped.
+    assert summary(rest.stdout).startswith("trained 20 steps on 1300 samples"), rest.stdout
+
+
+def stop_after_step(proc: subprocess.Popen[str], sig: int, step_line: str) -> tuple[str, str]:
+    """Send ``sig`` once the run printed ``step_line``; its stdout and stderr."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(step_line):
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=120)
+    return "".join(seen) + out, err
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_a_checkpoint_and_exits(bootstrap, make_topic, group_id, tmp_path,
+                                               sig, code) -> None:
+    import torch
+
+    topic = make_topic(partitions=2)
+    # SIGINT while the stream has nothing more (the loader waits for data),
+    # SIGTERM in the middle of it.
+    total = 300 if sig == signal.SIGINT else 6000
+    assert kfeed("produce", "--topic", topic, "--synthetic", str(total),
+                 bootstrap=bootstrap).returncode == 0
+    ckpt = tmp_path / "c.pt"
+    args = ["train", "--topic", topic, "--group-id", group_id, "--device", "cpu",
+            "--batch-size", "100", "--checkpoint", str(ckpt), "--resume"]
+    proc = subprocess.Popen([sys.executable, "-m", "kfeed", *args, "--log-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "KFEED_BOOTSTRAP": bootstrap})
+    out, err = stop_after_step(proc, sig, "step 3 " if sig == signal.SIGINT else "step 1 ")
+    assert proc.returncode == code, err
+    step = torch.load(ckpt, weights_only=False)["step"]
+    assert step >= (3 if sig == signal.SIGINT else 1)
+    assert err.splitlines() == [
+        f"kfeed: stopped by {signal.Signals(sig).name} at step {step}: checkpoint saved to "
+        f"{ckpt} at step {step}: --resume goes on from there"]
+    assert summary(out).startswith(f"trained {step} steps on ")
+    first = samples_of(out)
+    rest = kfeed(*args, "--until-end", bootstrap=bootstrap)
+    assert rest.returncode == 0, rest.stderr
+    assert f"resumed from {ckpt} at step {step}" in rest.stdout
+    # Every sample once across the two runs.
+    assert first + samples_of(rest.stdout) == total, (out, rest.stdout)
+
+
+def samples_of(stdout: str) -> int:
+    return int(summary(stdout).split(" samples")[0].rsplit(" ", 1)[1])
