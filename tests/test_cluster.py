@@ -4,6 +4,11 @@
 every cluster started here lives in a temporary folder on a free port base of
 its own, and is stopped in a ``finally``. The failure cases that stop before any
 JVM starts are unmarked: they need no broker and take well under a second.
+
+Every test gets a cluster registry of its own (``KFEED_CLUSTER_REGISTRY``), so
+none reads or writes the user's records. The registry's unit tests run
+stand-in processes (a sleeping Python named ``java`` with ``kafka.Kafka`` on
+its command line) in place of nodes.
 """
 
 from __future__ import annotations
@@ -355,6 +360,19 @@ def test_the_cluster_tool_stays_light() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_status_from_anywhere_imports_no_torch(elsewhere: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kfeed", "cluster", "status"],
+        capture_output=True, text=True, env=env, cwd=elsewhere, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    modules = [line.rsplit("|", 1)[-1].strip() for line in lines]
+    assert "kfeed.cluster._registry" in modules  # the import log was read
+    assert [m for m in modules if m.split(".")[0] == "torch"] == []
+    assert result.returncode == 1
+
+
 def test_wipe_refuses_a_folder_that_is_not_a_cluster(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("precious")
     result = kfeed("down", "--dir", str(tmp_path), "--wipe")
@@ -537,7 +555,8 @@ def test_several_running_ask_for_dir(standins: StandIns, elsewhere: Path, comman
     b = standins.start("b", 41010)
     result = kfeed(command, cwd=elsewhere)
     assert result.returncode == 2
-    assert only_error(result) == f"kfeed cluster: 2 clusters are running; pick one with: kfeed cluster {command} --dir DIR"
+    expected = f"kfeed cluster: 2 clusters are running; pick one with: kfeed cluster {command} --dir DIR"
+    assert only_error(result) == expected
     listed = [f"{a}  1 node  127.0.0.1:41000  running", f"{b}  1 node  127.0.0.1:41010  running"]
     assert result.stdout.splitlines() == ([HERE] if command == "status" else []) + listed
     assert standins.alive(a) and standins.alive(b)
@@ -685,9 +704,11 @@ def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns
 @pytest.mark.parametrize(
     ("args", "error"),
     [
-        (["up", "--nodes", "2"], "argument --nodes: invalid choice: 2 (choose from 1, 3) (see: kfeed cluster up --help)"),
+        (["up", "--nodes", "2"], "argument --nodes: invalid choice: 2 (choose from 1, 3)"
+                                 " (see: kfeed cluster up --help)"),
         (["up", "--set", "oops"], "--set wants KEY=VALUE, not 'oops'"),
-        (["up", "--port", "80"], "base port 80 leaves the range 1024..65535 for this layout: choose one from 1024 to 65435"),
+        (["up", "--port", "80"], "base port 80 leaves the range 1024..65535 for this layout:"
+                                 " choose one from 1024 to 65435"),
         (["status", "--dir", "none"], "no cluster in none (start one with: kfeed cluster up --dir none;"
                                       " kfeed cluster list shows the others)"),
         (["list", "--all"], "unrecognized arguments: --all (see: kfeed cluster list --help)"),

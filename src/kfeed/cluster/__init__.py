@@ -13,6 +13,10 @@ folder (default ``.kfeed/cluster``) holds ``cluster.json``, the log4j2
 config and one ``node-<i>`` folder per node with its properties, data, logs
 and pid file.
 
+Each start is also recorded in the user's kfeed cache (``_registry``), so
+that ``kfeed cluster status``, ``down`` and ``list`` find the clusters this
+user started from any directory.
+
 ``up(secure=True)`` (``kfeed cluster up --secure``) serves clients on
 SASL_SSL with SCRAM-SHA-512 users and ACLs; its CA, broker key and
 passwords live, owner-only, in ``secure/`` (see ``_secure``).
