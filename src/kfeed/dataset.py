@@ -27,11 +27,11 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     the topic's partitions are shared among them.
     """
 
-    def __init__(self, kafka_config: Mapping[str, Any], topics: Any, schema: Schema,
+    def __init__(self, kafka_config: Mapping[str, Any] | None, topics: Any, schema: Schema,
                  batch_size: int, **loader_kwargs: Any) -> None:
         super().__init__()
         loader_kwargs.setdefault("device", "cpu")
-        self.kafka_config = dict(kafka_config)
+        self.kafka_config = dict(kafka_config or {})
         self.topics = topics
         self.schema = schema
         self.batch_size = batch_size

@@ -995,6 +995,7 @@ class Loader:
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
+        self._failed = False
         self._wait_s = 0.0          # waited in next() after the first batch
         self._startup_s = 0.0       # from the first next() to the first batch
         self._longest_wait_s = 0.0
@@ -1071,7 +1072,7 @@ class Loader:
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
             if isinstance(item, _Failure):
-                self._exhausted = True
+                self._exhausted = self._failed = True
                 exc = item.exc
                 if isinstance(exc, KfeedError):
                     raise exc
@@ -1274,7 +1275,11 @@ class Loader:
         try:
             if commit_current:
                 self._mark_used()
-            self._commit(asynchronous=False)
+            if not (self._failed and self._batches == 0):
+                # (A read that failed before its first batch moved nothing:
+                # committing its start positions would only make them look
+                # read, to a later start="latest" say.)
+                self._commit(asynchronous=False)
         except KfeedError as e:
             log.warning("final commit failed: %s", e)
         finally:

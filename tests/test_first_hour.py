@@ -1,0 +1,335 @@
+"""What a new user meets first: creating topics, wrong schemas, bad records, clear errors.
+
+Each test pins the exact wording a user reads, so that the message stays one
+clear line that says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from confluent_kafka import Consumer, Producer as KafkaProducer
+
+import kfeed
+from kfeed._kafka import ConnectionLog
+from kfeed.badrecords import BadRecordPolicy, BadRecords, describe_schema
+from kfeed.schema import Format
+from kfeed.sources import MemorySource
+from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+SCHEMA = synthetic_schema()
+FEATURES_ONLY = kfeed.Schema({"features": ("float32", (768,))})
+EXPECTED = "features float32[768], label int64, id int64"
+
+
+# -- unit: no broker ----------------------------------------------------------
+
+
+class _Msg:
+    def __init__(self, value: bytes, offset: int, headers=None, partition: int = 0) -> None:
+        self._value, self._offset, self._headers, self._partition = value, offset, headers, partition
+
+    def value(self) -> bytes:
+        return self._value
+
+    def offset(self) -> int:
+        return self._offset
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return self._partition
+
+    def headers(self):
+        return self._headers
+
+    def key(self) -> None:
+        return None
+
+
+def _block_of(schema: kfeed.Schema, n: int = 4) -> bytes:
+    cols = {f.name: np.zeros((n, *f.shape), f.storage) for f in schema.fields}
+    return schema.encode_block(cols)
+
+
+def test_describe_schema_names_every_field_with_dtype_and_shape() -> None:
+    assert describe_schema(SCHEMA) == EXPECTED
+    assert describe_schema(kfeed.Schema({"tokens": ("uint16", (None,))})) == "tokens uint16[*]"
+
+
+def test_a_schema_mismatch_says_what_the_loader_expects_and_what_the_topic_holds() -> None:
+    from kfeed.badrecords import SCHEMA_HEADER, schema_header
+
+    bad = BadRecords(SCHEMA, Format.BLOCK, BadRecordPolicy.SKIP, None, fail_fast=None)
+    value = _block_of(FEATURES_ONLY)
+    with_header = _Msg(value, 0, [(SCHEMA_HEADER, schema_header(FEATURES_ONLY))])
+    assert bad.explain(with_header, "schema fingerprint mismatch") == (
+        f"schema mismatch: the loader expects {EXPECTED}; the message was written with "
+        "features float32[768]")
+    # A header that does not hash to the block's fingerprint is not believed.
+    lying = _Msg(value, 0, [(SCHEMA_HEADER, schema_header(SCHEMA))])
+    fp = FEATURES_ONLY.fingerprint
+    assert bad.explain(lying, "schema fingerprint mismatch").endswith(
+        f"written with another schema (fingerprint {fp:#018x}; no kfeed.schema header says which)")
+
+
+def test_a_raw_value_of_the_wrong_size_names_both_sizes() -> None:
+    bad = BadRecords(SCHEMA, Format.RAW, BadRecordPolicy.SKIP, None, fail_fast=None)
+    assert bad.explain(_Msg(b"\0" * 3072, 0), "raw value size is not the record size") == (
+        f"raw value of 3072 bytes, but the schema's record is 3088 bytes ({EXPECTED})")
+
+
+def test_bad_record_warnings_come_once_per_reason_every_few_seconds(caplog) -> None:
+    src = MemorySource([])
+    bad = BadRecords(SCHEMA, Format.BLOCK, BadRecordPolicy.DEAD_LETTER, src, fail_fast=None)
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        for i in range(200):
+            bad.bad(_Msg(b"junk", i), "bad magic")
+        for i in range(200, 250):
+            bad.bad(_Msg(b"", i), "empty value (tombstone)")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["bad record at t[0]@0, sent to t.dlq: bad magic",
+                     "bad record at t[0]@200, sent to t.dlq: empty value (tombstone)"]
+    assert bad.count == 250 and len(src.dead_letters) == 250
+    assert bad.summary() == "250 bad record(s): 200x bad magic; 50x empty value (tombstone)"
+
+
+def test_a_read_whose_first_messages_are_all_bad_raises_one_error_and_routes_nothing() -> None:
+    values = [_block_of(FEATURES_ONLY)] * 40
+    src = MemorySource(values)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end")
+    with pytest.raises(kfeed.DecodeError) as e:
+        next(ld)
+    ld.close()
+    assert str(e.value) == (
+        "all 32 messages read so far were rejected: schema mismatch: the loader expects "
+        f"{EXPECTED}; the message was written with another schema (fingerprint "
+        f"{FEATURES_ONLY.fingerprint:#018x}; no kfeed.schema header says which). Nothing was "
+        "dead-lettered or committed: fix the schema (or the topic) and read again "
+        "(topic=memory, partition=0, offset=0)")
+    assert src.dead_letters == [] and src.commits == []  # not even the start positions
+
+
+def test_a_bounded_read_of_only_a_few_bad_messages_raises_at_its_end() -> None:
+    src = MemorySource([b"junk"] * 5)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end")
+    with pytest.raises(kfeed.DecodeError, match="^all 5 messages read so far were rejected: "
+                                                "shorter than the block header"):
+        next(ld)
+    ld.close()
+    assert src.dead_letters == []
+
+
+def test_bad_messages_before_the_first_good_one_are_dead_lettered_once_it_comes() -> None:
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(64)), 8)
+    src = MemorySource([b"junk"] * 3 + good)
+    with kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu", source=src, until="end") as ld:
+        ids = np.concatenate([b["id"].numpy() for b in ld])
+    assert np.array_equal(np.sort(ids), np.arange(64))
+    assert [m.offset() for m, _why in src.dead_letters] == [0, 1, 2]
+
+
+def test_fail_fast_none_routes_from_the_first_message() -> None:
+    src = MemorySource([b"junk"] * 40)
+    with kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end",
+                      fail_fast=None, on_bad_record="skip") as ld:
+        assert list(ld) == []
+        assert ld.stats()["bad_records"] == 40
+    with pytest.raises(kfeed.ConfigError, match="fail_fast must be None or an int >= 1"):
+        kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, fail_fast=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_config_error() -> None:
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(None, "memory", SCHEMA, 8, device="cuda", source=MemorySource([]))
+    assert str(e.value) == ("device='cuda', but torch sees no CUDA device "
+                            "(torch.cuda.is_available() is False): pass device='cpu', or leave "
+                            "device unset to take cuda only where there is one")
+
+
+def test_a_dataloader_with_batch_size_set_gets_a_clear_error() -> None:
+    values = SCHEMA.encode_blocks(synthetic_columns(np.arange(100)), 10)
+    ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
+                                    source=MemorySource(values))
+    with pytest.raises(kfeed.ConfigError, match=r"use DataLoader\(dataset, batch_size=None\)"):
+        list(torch.utils.data.DataLoader(ds, batch_size=4))
+    ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
+                                    source=MemorySource(values))
+    sizes = [len(b["id"]) for b in torch.utils.data.DataLoader(ds, batch_size=None)]
+    assert sizes == [16] * 6 + [4]
+
+
+def test_connection_trouble_is_logged_once_per_broker_every_few_seconds(caplog) -> None:
+    target = logging.getLogger("kfeed.test.conn")
+    folded = ConnectionLog(target, every_s=5.0)
+    with caplog.at_level(logging.DEBUG, logger="kfeed.test.conn"):
+        for _ in range(100):
+            for port in (9092, 9093):
+                folded.log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#consumer-1",
+                           f"127.0.0.1:{port}/bootstrap: Connect to ipv4#127.0.0.1:{port} "
+                           "failed: Connection refused (after 0ms in state CONNECT)")
+        folded.log(logging.INFO, "%s", "something else")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "127.0.0.1:9092/bootstrap" in lines[0] and "127.0.0.1:9093/bootstrap" in lines[1]
+    assert lines[2] == "something else"
+
+
+# -- against the cluster ------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_create_topic_makes_a_topic_that_producer_and_loader_use_at_once(bootstrap,
+                                                                         group_id) -> None:
+    name = f"kfeed-test-{uuid.uuid4().hex}"
+    config = {"bootstrap.servers": bootstrap}
+    assert kfeed.create_topic(config, name, partitions=3) is True
+    assert kfeed.create_topic(config, name, partitions=3) is False  # exist_ok
+    with pytest.raises(kfeed.KfeedError, match=f"^topic '{name}' already exists"):
+        kfeed.create_topic(config, name, exist_ok=False)
+    with kfeed.Producer(config, name, SCHEMA) as p:
+        assert p.num_partitions == 3
+        p.send(synthetic_columns(np.arange(300)))
+    with kfeed.Loader({**config, "group.id": group_id}, name, SCHEMA, 100, device="cpu",
+                      until="end") as ld:
+        batches = [b["id"].numpy().copy() for b in ld]
+    assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(300))
+
+
+def test_create_topic_refuses_bad_arguments_before_any_connection() -> None:
+    config = {"bootstrap.servers": "127.0.0.1:9"}
+    with pytest.raises(kfeed.ConfigError, match=r"^partitions must be an int >= 1, got 0$"):
+        kfeed.create_topic(config, "t", partitions=0)
+    with pytest.raises(kfeed.ConfigError, match=r"^topic name 'a b' is not valid"):
+        kfeed.create_topic(config, "a b")
+    with pytest.raises(kfeed.ConfigError, match="needs|with 'bootstrap.servers'"):
+        kfeed.create_topic({}, "t")
+
+
+def test_unreachable_brokers_read_the_same_for_create_topic_producer_and_loader() -> None:
+    config = {"bootstrap.servers": "127.0.0.1:9"}
+    with pytest.raises(kfeed.KfeedError,
+                       match=r"^cannot reach the brokers at 127\.0\.0\.1:9 within 2s: "):
+        kfeed.create_topic(config, "t", timeout_s=2)
+    with pytest.raises(kfeed.ProduceError,
+                       match=r"^cannot reach the brokers at 127\.0\.0\.1:9 within 2s: "):
+        kfeed.Producer(config, "t", SCHEMA, connect_timeout_s=2)
+    ld = kfeed.Loader({**config, "group.id": "g"}, "t", SCHEMA, 8, device="cpu",
+                      connect_timeout_s=2)
+    with pytest.raises(kfeed.ConsumeError,
+                       match=r"^cannot reach the brokers at 127\.0\.0\.1:9 within 2s: "):
+        next(ld)
+    ld.close()
+
+
+def test_an_unreachable_broker_logs_a_few_lines_not_hundreds(caplog) -> None:
+    with caplog.at_level(logging.DEBUG, logger="kfeed"), pytest.raises(kfeed.ProduceError):
+        kfeed.Producer({"bootstrap.servers": "127.0.0.1:9"}, "t", SCHEMA, connect_timeout_s=4)
+    # One line when the trouble starts, one at most every 5 s after: the
+    # log callback's and the error callback's.
+    assert len(caplog.records) <= 6, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.integration
+def test_a_missing_topic_says_how_to_create_it(bootstrap, group_id) -> None:
+    name = f"missing-{uuid.uuid4().hex}"
+    how = (f"create it with kfeed.create_topic(config, '{name}', partitions=N) or "
+           f"`kfeed produce --topic {name} ...`")
+    with pytest.raises(kfeed.ProduceError) as e:
+        kfeed.Producer({"bootstrap.servers": bootstrap}, name, SCHEMA, connect_timeout_s=5)
+    assert str(e.value).startswith(f"topic '{name}' is not available at {bootstrap}: ")
+    assert how in str(e.value)
+    ld = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group_id}, name, SCHEMA, 8,
+                      device="cpu", connect_timeout_s=5)
+    with pytest.raises(kfeed.ConsumeError) as e:
+        next(ld)
+    ld.close()
+    assert str(e.value).startswith(f"topic '{name}' is not available at {bootstrap}: ")
+    assert how in str(e.value)
+
+
+@pytest.mark.integration
+def test_a_loader_with_the_wrong_schema_names_both_schemas_and_commits_nothing(
+        bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, FEATURES_ONLY,
+                        block_records=8) as p:
+        p.send({"features": np.zeros((800, 768), np.float32)})
+    config = {"bootstrap.servers": bootstrap, "group.id": group_id}
+    ld = kfeed.Loader(config, topic, SCHEMA, 64, device="cpu")  # streaming: no until
+    with pytest.raises(kfeed.DecodeError) as e:
+        next(ld)
+    ld.close()
+    assert str(e.value).startswith(
+        f"all 32 messages read so far were rejected: schema mismatch: the loader expects "
+        f"{EXPECTED}; the message was written with features float32[768]. Nothing was "
+        "dead-lettered or committed")
+    admin_md = KafkaProducer({"bootstrap.servers": bootstrap}).list_topics(timeout=10)
+    assert f"{topic}.dlq" not in admin_md.topics
+    c = Consumer(config)
+    committed = c.committed([kfeed_tp(topic, 0), kfeed_tp(topic, 1)], timeout=10)
+    c.close()
+    assert all(p.offset < 0 for p in committed)
+
+
+def kfeed_tp(topic: str, part: int):
+    from confluent_kafka import TopicPartition
+
+    return TopicPartition(topic, part)
+
+
+@pytest.mark.integration
+def test_a_bad_message_is_dead_lettered_once_whichever_groups_read_it(bootstrap,
+                                                                      make_topic) -> None:
+    topic = make_topic(partitions=2)
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(256)), 32)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for part in (0, 1):
+        for i, v in enumerate(good[:4]):
+            p.produce(topic, value=v, partition=part)
+            if i in (1, 2):
+                p.produce(topic, value=b"junk %d" % i, partition=part)
+    assert p.flush(30) == 0
+    for _ in range(2):  # two groups read everything
+        with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex},
+                          topic, SCHEMA, 64, device="cpu", until="end") as ld:
+            assert sum(b.size for b in ld) == 256
+            assert ld.stats()["bad_records"] == 4
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest", "enable.partition.eof": True})
+    c.subscribe([f"{topic}.dlq"])
+    dead, eof, deadline = [], set(), time.monotonic() + 30
+    while len(eof) < 2 and time.monotonic() < deadline:
+        for m in c.consume(10, 0.5):
+            if m.error() is None:
+                dead.append(m)
+            else:
+                eof.add(m.partition())
+    c.close()
+    where = sorted((m.partition(), int(dict(m.headers())["kfeed.source.offset"])) for m in dead)
+    # Partition p's bad messages, at offsets 2 and 4, in dead-letter partition p, once.
+    assert where == [(0, 2), (0, 4), (1, 2), (1, 4)]
+
+
+@pytest.mark.integration
+def test_lag_is_known_from_the_first_batch_and_zero_after_a_full_epoch(bootstrap, make_topic,
+                                                                       group_id) -> None:
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+        p.send(synthetic_columns(np.arange(2000)), keys=np.arange(2000))
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group_id}, topic, SCHEMA,
+                      100, device="cpu", until="end") as ld:
+        next(ld)
+        first = ld.stats()["lag"]  # well before librdkafka's first statistics
+        for _ in ld:
+            pass
+        last = ld.stats()["lag"]
+    assert len(first) == 2 and sum(first.values()) > 0, first
+    assert last == {f"{topic}[0]": 0, f"{topic}[1]": 0}
