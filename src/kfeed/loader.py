@@ -199,6 +199,8 @@ class _Feeder:
         self.samples = 0
         self.value_bytes = 0
         self.epoch_over = False
+        self.failed = False
+        self.handed_any = False
 
     # -- thread ---------------------------------------------------------------
 
@@ -244,6 +246,7 @@ class _Feeder:
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - everything goes to the caller
             log.debug("feeder failed while %s", where, exc_info=True)
+            self.failed = True
             self._put(_Failure(e, where))
 
     def _put(self, item: Any, serve: bool = False) -> bool:
@@ -355,6 +358,8 @@ class _Feeder:
             self.gen += 1
             mine = self._give_up(tps)
             self.released.update(mine)
+            if self.failed and not self.handed_any:
+                mine = {}  # nothing was read: see Loader.close
             log.info("revoke commits %s", mine)
             try:
                 self.source.commit(mine, asynchronous=False)
@@ -548,6 +553,7 @@ class _Feeder:
 
     def accept(self, meta: _BatchMeta) -> None:
         """A batch is handed out: the state moves past it."""
+        self.handed_any = True
         self.handed.update(meta.end)
 
     def mark_used(self, batch: Batch) -> None:
@@ -824,6 +830,7 @@ class _RecordFeeder(_Feeder):
     # -- the caller's side (under ``lock``) ---------------------------------
 
     def accept(self, meta: _BatchMeta) -> None:
+        self.handed_any = True
         self.order.ack(meta.acks)
         self.pack_offset = meta.pack_offset
 
@@ -995,7 +1002,6 @@ class Loader:
         self._current: Batch | None = None
         self._closed = False
         self._exhausted = False
-        self._failed = False
         self._wait_s = 0.0          # waited in next() after the first batch
         self._startup_s = 0.0       # from the first next() to the first batch
         self._longest_wait_s = 0.0
@@ -1072,7 +1078,7 @@ class Loader:
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
             if isinstance(item, _Failure):
-                self._exhausted = self._failed = True
+                self._exhausted = True
                 exc = item.exc
                 if isinstance(exc, KfeedError):
                     raise exc
@@ -1275,7 +1281,7 @@ class Loader:
         try:
             if commit_current:
                 self._mark_used()
-            if not (self._failed and self._batches == 0):
+            if not (f.failed and not f.handed_any):
                 # (A read that failed before its first batch moved nothing:
                 # committing its start positions would only make them look
                 # read, to a later start="latest" say.)
