@@ -985,7 +985,10 @@ class Loader:
         # given back as soon as its copy is issued, and refilled once it is
         # done). CPU: a slot waits in the queue until next() copies it.
         slots = 3 if self._copier.cuda else prefetch + 2
-        self._pool = BufferPool(schema, batch_size, slots=slots, packer=packer)
+        # Pinned only for a CUDA device: pinning is for the copy to it, and
+        # costs page-locked host memory and start-up time otherwise.
+        self._pool = BufferPool(schema, batch_size, slots=slots, packer=packer,
+                                pin=self._copier.cuda)
         args = (source, schema, fmt, self._pool, self._copier, prefetch)
         kwargs = dict(bounded=until == "end", drop_last=drop_last,
                       max_wait_s=max_wait_ms / 1000.0,
@@ -1000,6 +1003,8 @@ class Loader:
         self._feeder.hook_revoke = on_revoke is not None
         self._feeder.lineages = set(self._lineages)
         self._current: Batch | None = None
+        self._agreement: _EpochAgreement | None = None
+        self._ahead: Any = None  # with ranks: the next step's item, taken a step early
         self._closed = False
         self._exhausted = False
         self._wait_s = 0.0          # waited in next() after the first batch
@@ -1040,15 +1045,10 @@ class Loader:
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
-        item = self._take()
-        if self.until == "end" and self.world_size > 1 and _dist_ready():
-            # Every rank stops at the same step, so DDP never waits on a rank
-            # that already ran out.
-            have = torch.tensor([0 if item is _END else 1])
-            torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
-            if have.item() == 0 and item is not _END:
-                self._drop(item)  # not handed out: its records stay unread
-                item = _END
+        if self._agreement is None and self.until == "end" and self.world_size > 1 \
+                and _dist_ready():
+            self._agreement = _EpochAgreement()
+        item = self._take() if self._agreement is None else self._agreed()
         batch = None
         while batch is None:
             if item is _END:
@@ -1066,6 +1066,27 @@ class Loader:
             self._wait_s += waited
             self._longest_wait_s = max(self._longest_wait_s, waited)
         return batch
+
+    def _agreed(self) -> Any:
+        """The next item, or ``_END`` once any rank has run out (see ``_EpochAgreement``)."""
+        ag = self._agreement
+        assert ag is not None
+        if self._ahead is None:  # the first step: this batch's question goes out now
+            self._ahead = self._take()
+            ag.post(self._ahead is not _END)
+        item = self._ahead
+        # One batch ahead: its question goes out now, and is answered by the
+        # time the next step asks, so no step waits on a collective.
+        self._ahead = _END if item is _END else self._take()
+        ag.post(self._ahead is not _END)
+        if ag.answer():
+            return item
+        for held in (item, self._ahead):  # not handed out: their records stay unread
+            if held is not _END:
+                self._drop(held)
+        ag.drain()
+        self._ahead = _END
+        return _END
 
     def _take(self) -> Any:
         f = self._feeder
@@ -1330,6 +1351,64 @@ def _check_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise ConfigError(f"device={str(device)!r}: kfeed copies batches to 'cuda' or 'cpu'")
     return dev
+
+
+def _collective_device(backend: str) -> torch.device:
+    """Where a collective's tensor must live: NCCL takes only CUDA tensors."""
+    if str(backend).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _EpochAgreement:
+    """Ranks of a bounded epoch stop at the same step, so DDP never waits on one that ran out.
+
+    Each step, every rank posts whether it has the batch of the step after
+    (an asynchronous ``all_reduce(MIN)``), and reads the answer for this
+    step, posted one step earlier: by then it has long arrived, so the step
+    waits on no collective and no device sync. The tensor lives on the
+    default group's device (CUDA for NCCL, which refuses CPU tensors); on
+    CUDA the collective and the copy of its answer to pinned host memory
+    run on a side stream, so reading the answer waits for them alone, not
+    for the training stream.
+    """
+
+    def __init__(self) -> None:
+        self.device = _collective_device(torch.distributed.get_backend())
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._posted: deque[tuple[Any, torch.Tensor, Any]] = deque()
+
+    def post(self, have: bool) -> None:
+        value = torch.tensor([1 if have else 0], dtype=torch.int32)
+        if not self.cuda:
+            work = torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN,
+                                                async_op=True)
+            self._posted.append((work, value, None))
+            return
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            t = value.to(self.device, non_blocking=True)
+            work = torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                                async_op=True)
+            work.wait()  # orders the side stream after the collective
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._posted.append((work, host, event))
+
+    def answer(self) -> bool:
+        """Whether every rank has the batch of the oldest question still open."""
+        work, value, event = self._posted.popleft()
+        if event is None:
+            work.wait()
+        else:
+            event.synchronize()
+        return bool(value.item())
+
+    def drain(self) -> None:
+        while self._posted:
+            self.answer()
 
 
 def _dist_ready() -> bool:

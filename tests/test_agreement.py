@@ -1,0 +1,71 @@
+"""Ranks of a bounded epoch stop at the same step: two gloo processes, no broker."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kfeed.loader import _collective_device
+
+WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    import numpy as np
+    import kfeed
+    from kfeed.loader import memory_loader
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+    dist.init_process_group("gloo", init_method="env://")
+    schema = synthetic_schema()
+    # Partition 0 (rank 0) holds 3000 samples, partition 1 (rank 1) 1000.
+    values = {p: schema.encode_blocks(synthetic_columns(np.arange(p * 10**6, p * 10**6 + n)), 100)
+              for p, n in ((0, 3000), (1, 1000))}
+    ld = memory_loader(values, schema, 256, device="cpu", until="end", assignment="static")
+    steps, ids = 0, []
+    for batch in ld:
+        steps += 1
+        ids += batch["id"].tolist()
+    ld.close()
+    print("RESULT", dist.get_rank(), steps, len(ids), len(set(ids)), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_collective_lives_where_the_backend_wants_it() -> None:
+    assert _collective_device("gloo") == torch.device("cpu")
+    assert _collective_device("GLOO") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert _collective_device("nccl").type == "cuda"
+    else:
+        # NCCL takes CUDA tensors only: without CUDA there is no device to name.
+        with pytest.raises((RuntimeError, AssertionError)):
+            _collective_device("nccl")
+
+
+def test_two_ranks_with_uneven_data_stop_at_the_same_step(tmp_path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        rank, steps, n, unique = map(int, out.split("RESULT", 1)[1].split())
+        results[rank] = (steps, n, unique)
+    # Rank 1's 1000 samples make 4 batches (3 x 256 + 232): both ranks stop after 4.
+    assert results[0] == (4, 4 * 256, 4 * 256)
+    assert results[1] == (4, 1000, 1000)
