@@ -180,7 +180,7 @@ class DocRun:
         if outcome is None:
             return
         if isinstance(outcome, (unittest.SkipTest, pytest.skip.Exception)):
-            pytest.skip(str(outcome))
+            pytest.skip(f"{rel(self.document.path)}:{self.blocks[index].line}: {outcome}")
         failed = [f"{rel(self.document.path)}:{b.line}" for b, o in zip(self.blocks[:index], self.outcomes)
                   if o is not None and not isinstance(o, (unittest.SkipTest, pytest.skip.Exception))]
         if failed and hasattr(outcome, "add_note"):
@@ -557,7 +557,7 @@ def test_a_skip_needs_a_reason_and_shows_it(tmp_path: Path) -> None:
     # Without a reason Sybil skips in silence: `false` never ran, and no test
     # would say so. Hence the rule.
     assert [type(o) for o in outcomes] == [type(None), unittest.SkipTest, type(None), type(None)]
-    assert str(outcomes[1]) == "needs a GPU"
+    assert str(outcomes[1]) == "needs a GPU"  # its test says: doc.md:2: needs a GPU
     with pytest.raises(AssertionError, match=r"doc.md:6: a skip needs its reason"):
         test_skips_say_why(path)
 
