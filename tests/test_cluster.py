@@ -510,6 +510,33 @@ def test_registry_records_a_start_reads_stopped_once_the_processes_are_gone_and_
     assert not file.exists()
 
 
+def test_the_start_time_lasts_while_a_node_keeps_running_and_a_stop_is_timed(
+    standins: StandIns, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    times = iter(["t1", "t2", "t3", "t4"])
+    monkeypatch.setattr(_registry, "_now", lambda: next(times))
+
+    def saved(state_dir: Path) -> tuple[object, object, object]:
+        record = json.loads(_registry.record_path(state_dir).read_text())
+        return record["started_at"], record["stopped_at"], record["pids"]
+
+    a = standins.start("a", 41000)
+    layout = Layout.load(a)
+    assert layout is not None
+    first = standins.procs[a][0].pid
+    assert saved(a) == ("t1", None, {"1": first})
+    _registry.update(layout, a)  # `up` on a cluster already up
+    assert saved(a) == ("t1", None, {"1": first})
+    standins.stop(a)
+    _registry.update(layout, a)
+    assert saved(a) == ("t1", "t3", {})
+    paths = layout.node_paths(a, 1)
+    standins.procs[a] = [standins.spawn(str(standins.java), "kafka.Kafka", str(paths.properties))]
+    paths.pid.write_text(f"{standins.procs[a][0].pid}\n")
+    _registry.update(layout, a)
+    assert saved(a) == ("t4", None, {"1": standins.procs[a][0].pid})
+
+
 def test_an_unreadable_record_is_deleted(registry: Path) -> None:
     registry.mkdir()
     (registry / "0123456789abcdef.json").write_text("{not json")

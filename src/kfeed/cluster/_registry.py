@@ -94,8 +94,13 @@ def update(layout: Layout, state_dir: Path) -> None:
     if previous is None and not pids:
         return
     now = _now()
-    kept = previous is not None and any(previous.pids.get(n) == pid for n, pid in pids.items())
-    started_at = previous.started_at if kept and previous is not None else now
+    if pids:
+        kept = previous is not None and any(previous.pids.get(n) == pid for n, pid in pids.items())
+        started_at = previous.started_at if kept and previous is not None else now
+        stopped_at = None
+    else:
+        started_at = previous.started_at if previous is not None else None
+        stopped_at = now
     record = {
         "version": _VERSION,
         "dir": str(state_dir),
@@ -105,8 +110,8 @@ def update(layout: Layout, state_dir: Path) -> None:
         "bootstrap": layout.bootstrap,
         "secure": layout.secure,
         "pids": {str(n): pid for n, pid in pids.items()},
-        "started_at": started_at if pids else (previous.started_at if previous else None),
-        "stopped_at": None if pids else now,
+        "started_at": started_at,
+        "stopped_at": stopped_at,
     }
     try:
         _write(record_path(state_dir), json.dumps(record, indent=2) + "\n")

@@ -3,7 +3,9 @@
 Each node is a detached JVM (``kafka.Kafka``) whose pid file lives in the
 state folder, so any later process (the CLI, a test, a fault injector) can
 find it again. A pid is only ever signalled after ``/proc/<pid>/cmdline``
-shows that it is ``kafka.Kafka`` running that node's properties file.
+shows that it is a ``java`` running ``kafka.Kafka`` with that node's
+properties file (``_procs``). Each start and stop also updates the user's
+record of the cluster (``_registry``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,12 @@ from kfeed.cluster._layout import (
     LOG4J_FILE,
     STATE_FILE,
     Layout,
-    UsageError,
     NodePaths,
+    UsageError,
     new_cluster_id,
     write_properties,
 )
-from kfeed.cluster._procs import is_node_jvm
-from kfeed.cluster._procs import running_pid as _running_pid
+from kfeed.cluster._procs import is_node_jvm, running_pid
 from kfeed.errors import ClusterError
 
 logger = logging.getLogger("kfeed.cluster")
@@ -97,7 +98,7 @@ def ensure_up(
     """
     state_dir = _state_dir(dir)
     layout = _layout_for(state_dir, dir, nodes, port, overrides, secure)
-    missing = [n for n in layout.node_ids if _running_pid(layout.node_paths(state_dir, n)) is None]
+    missing = [n for n in layout.node_ids if running_pid(layout.node_paths(state_dir, n)) is None]
     if missing:
         _start(layout, state_dir, missing, layout.node_ids, timeout, progress)
     else:
@@ -147,7 +148,7 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
     layout = _existing_layout(state_dir, dir)
     nodes = []
     for node_id in layout.node_ids:
-        pid = _running_pid(layout.node_paths(state_dir, node_id))
+        pid = running_pid(layout.node_paths(state_dir, node_id))
         nodes.append(
             {
                 "id": node_id,
@@ -245,7 +246,7 @@ def node_pids(dir: Path | str = DEFAULT_DIR) -> dict[int, int]:
     """Node id -> pid, for the nodes of ``dir`` that are running now."""
     state_dir = _state_dir(dir)
     layout = _existing_layout(state_dir, dir)
-    pids = {n: _running_pid(layout.node_paths(state_dir, n)) for n in layout.node_ids}
+    pids = {n: running_pid(layout.node_paths(state_dir, n)) for n in layout.node_ids}
     return {n: pid for n, pid in pids.items() if pid is not None}
 
 
@@ -261,7 +262,7 @@ def kill_node(
     state_dir = _state_dir(dir)
     layout = _existing_layout(state_dir, dir)
     paths = layout.node_paths(state_dir, node_id)
-    pid = _running_pid(paths)
+    pid = running_pid(paths)
     if pid is None:
         raise ClusterError(f"node {node_id} of the cluster in {dir} is not running")
     logger.info("sending signal %s to node %d (pid %d)", sig, node_id, pid)
@@ -282,7 +283,7 @@ def start_node(dir: Path | str, node_id: int, wait: bool = True, timeout: float 
     state_dir = _state_dir(dir)
     layout = _existing_layout(state_dir, dir)
     paths = layout.node_paths(state_dir, node_id)
-    pid = _running_pid(paths)
+    pid = running_pid(paths)
     if pid is not None:
         return pid
     if not paths.formatted:
@@ -513,7 +514,7 @@ def _wait_ready(
     while True:
         for node_id in started:
             paths = layout.node_paths(state_dir, node_id)
-            if _running_pid(paths) is None:
+            if running_pid(paths) is None:
                 raise ClusterError(f"node {node_id} exited while starting; {_log_tail(paths)}")
         pending = sorted(n for n in awaited if not _accepts(layout.broker_port(n)))
         if not pending:
@@ -560,7 +561,7 @@ def _stop(layout: Layout, state_dir: Path, node_ids: Iterable[int]) -> list[int]
     running = {}
     for node_id in node_ids:
         paths = layout.node_paths(state_dir, node_id)
-        pid = _running_pid(paths)
+        pid = running_pid(paths)
         if pid is None:
             paths.pid.unlink(missing_ok=True)
             continue
@@ -571,7 +572,7 @@ def _stop(layout: Layout, state_dir: Path, node_ids: Iterable[int]) -> list[int]
     # shuts down, so stopping them one by one would be slower, not safer.
     left = _wait_exited(running, STOP_GRACE_S)
     for node_id, paths in left.items():
-        pid = _running_pid(paths)
+        pid = running_pid(paths)
         if pid is not None:
             logger.warning("node %d (pid %d) ignored SIGTERM for %.0f s; killing it", node_id, pid, STOP_GRACE_S)
             _signal(pid, signal.SIGKILL)
@@ -587,7 +588,7 @@ def _wait_exited(nodes: dict[int, NodePaths], timeout: float) -> dict[int, NodeP
     deadline = time.monotonic() + timeout
     left = dict(nodes)
     while left:
-        left = {n: paths for n, paths in left.items() if _running_pid(paths) is not None}
+        left = {n: paths for n, paths in left.items() if running_pid(paths) is not None}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(_POLL_S)
