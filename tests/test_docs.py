@@ -39,10 +39,20 @@ What the harness changes, and nothing else:
    --dir <it> --wipe``. ``KFEED_CLUSTER_REGISTRY`` names a temporary folder
    and ``KFEED_CLUSTER_DIR`` is unset, so a document's ``kfeed cluster``
    commands never see the test cluster.
-3. Names a block uses and no block defines come from ``SUPPLIED`` (below),
-   put in each document's namespace before its first block. Keep them, and
-   the documents' own data, small: all the documents run in about two
-   minutes, most of it two `kfeed cluster up`s and `kfeed train`'s imports.
+3. Names a block uses and no block defines come from ``SUPPLIED``, put in
+   each document's namespace before its first block. Today there is one:
+
+   ======  ==============================================================
+   name    stands for
+   ======  ==============================================================
+   ``lm``  your language model, ``lm(tokens, position_ids=, cu_seqlens=,
+           max_seqlen=) -> loss`` (README.md, Token streams); it checks
+           the shapes and dtypes the loader hands it and returns 0
+   ======  ==============================================================
+
+   Keep them, and the documents' own data, small (1,000 samples, 200
+   documents): all the documents run in about a minute on the development
+   machine, most of it two ``kfeed cluster up`` and ``kfeed train``'s imports.
 
 After a document, the harness closes loaders its blocks left open, then
 deletes the topics and consumer groups that appeared on the test cluster
