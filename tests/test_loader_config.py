@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
+import pytest
 import torch
 
 import kfeed
@@ -22,3 +26,75 @@ def test_a_cpu_loader_never_pins_even_where_cuda_exists(monkeypatch) -> None:
                       source=MemorySource(values)) as ld:
         assert ld._pool.pinned is False
         assert sum(b.size for b in ld) == 64
+
+
+class _StuckSource(MemorySource):
+    """A source whose consume() hangs until ``release`` is set, like a call lost in Kafka."""
+
+    def __init__(self, values) -> None:
+        super().__init__(values)
+        self.release = threading.Event()
+
+    def consume(self, max_messages: int, timeout: float):
+        self.release.wait(30)
+        return []
+
+
+def test_close_names_the_stage_a_stuck_thread_is_in() -> None:
+    src = _StuckSource(SCHEMA.encode_blocks(synthetic_columns(np.arange(8)), 8))
+    ld = kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu", source=src, max_wait_ms=50)
+    ld._start()
+    deadline = time.monotonic() + 10
+    while ld._feeder.doing != "fetching messages (Source.consume)" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(kfeed.LoaderError) as e:
+        ld.close(timeout_s=0.3)
+    src.release.set()
+    assert str(e.value) == ("the loader thread did not stop within 0.3s: it is stuck fetching "
+                            "messages (Source.consume); the consumer was left open")
+    ld._feeder.thread.join(5)
+    assert not ld._feeder.thread.is_alive()
+
+
+class _AsyncSource(MemorySource):
+    """Asynchronous commits that the broker never answers (a coordinator gone, say)."""
+
+    def commit(self, positions, asynchronous):
+        if asynchronous:
+            self.lost = getattr(self, "lost", []) + [dict(positions)]
+            return {}
+        return super().commit(positions, asynchronous)
+
+
+def test_an_unanswered_asynchronous_commit_is_made_again_when_the_loader_closes() -> None:
+    src = _AsyncSource(SCHEMA.encode_blocks(synthetic_columns(np.arange(64)), 8))
+    with kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu", source=src, until="end",
+                      commit_interval_ms=0.001) as ld:
+        for _ in range(2):
+            next(ld)
+        next(ld)  # marks the second batch used: an asynchronous commit, never answered
+    assert {("memory", 0): (4, 0)} in src.lost and src.lost[-1] == {("memory", 0): (6, 0)}
+    # Recorded as committed only on an answer: close() commits it again,
+    # synchronously (before, it counted as done and close() skipped it).
+    assert src.commits == [{("memory", 0): (6, 0)}]
+
+
+def test_a_commit_waits_for_the_dead_letter_copies_before_it() -> None:
+    order = []
+
+    class Recording(MemorySource):
+        def settle(self):
+            order.append("settle")
+
+        def commit(self, positions, asynchronous):
+            order.append("commit")
+            return super().commit(positions, asynchronous)
+
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(32)), 8)
+    src = Recording(good[:2] + [b"junk"] + good[2:])
+    with kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end") as ld:
+        assert sum(b.size for b in ld) == 32
+        ld.state_dict()
+    assert order and all(order[i - 1] == "settle" for i, x in enumerate(order) if x == "commit")
+    assert order[-1] == "settle" or order[-2:] == ["settle", "commit"]
+    assert len(src.dead_letters) == 1

@@ -546,7 +546,7 @@ def test_secure_and_plaintext_clusters_are_not_switched(tmp_path: Path) -> None:
 
     _layout.Layout(nodes=1, port=41000, cluster_id="pPSYwmViQ-SqVjGzO3SKXQ").save(tmp_path)
     result = kfeed_cli("up", "--secure", "--dir", str(tmp_path))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "holds a plaintext cluster" in result.stderr and "--wipe" in result.stderr
     with pytest.raises(kfeed.ClusterError, match="not secure"):
         cluster.secure_client_config(tmp_path)

@@ -21,19 +21,25 @@ Two threads, one queue, one stop event::
     -------------                         ----------------------
     next(): ready.get(timeout) <--------- ready.put(batch | _END | _Failure)
     close(): stop.set(); pool.close() --> sees stop within one poll interval,
-             join(feeder)                  puts nothing more, returns
+             join(feeder, timeout)         puts nothing more, returns
              commit used positions
              source.close()
 
 - The feeder never blocks without a timeout: ``consume``, ``pool.acquire`` and
-  ``ready.put`` all wait at most ``_POLL_S`` and re-check ``stop``.
+  ``ready.put`` all wait at most ``_POLL_S`` and re-check ``stop``. Only a
+  synchronous commit on a revoke and a dead-letter flush wait longer, up to
+  ``connect_timeout_s``; ``close()`` waits that plus 5 s, then raises
+  ``LoaderError`` naming the stage the thread is stuck in (``_Feeder.doing``)
+  and leaves the consumer open rather than close it under the thread.
 - The feeder holds no reference to the ``Loader`` (only to ``_Feeder``), so a
   dropped loader is garbage-collected and ``__del__`` runs ``close()``.
 - An exception in the feeder travels to the caller as ``_Failure`` and is
   re-raised by the next ``next()`` as ``LoaderError`` naming where it happened
   (or as itself, for kfeed's own errors).
 - Only the caller thread commits after the feeder is gone; while it runs, the
-  feeder commits only from inside a rebalance callback, under ``lock``.
+  feeder commits only from inside a rebalance callback. ``lock`` guards the
+  positions, never a call to Kafka: a commit is computed under it and made
+  after it, and recorded only once the broker acknowledged it.
 - ``close()`` is idempotent; a ``with`` block that exits on an exception
   commits only the batches before the current one (its step did not finish).
 """
@@ -201,6 +207,7 @@ class _Feeder:
         self.epoch_over = False
         self.failed = False
         self.handed_any = False
+        self.doing = "starting"  # what the thread does now, named by close() if it hangs
 
     # -- thread ---------------------------------------------------------------
 
@@ -216,6 +223,7 @@ class _Feeder:
             self.source.open(self._on_assign, self._on_revoke, self.assignment)
             where = "filling a batch"
             while not self.stop.is_set():
+                self.doing = "waiting for a free pool slot (BufferPool.acquire)"
                 slot = self.pool.acquire(timeout=_POLL_S)
                 if slot is None:
                     self._serve()
@@ -250,6 +258,7 @@ class _Feeder:
             self._put(_Failure(e, where))
 
     def _put(self, item: Any, serve: bool = False) -> bool:
+        self.doing = "queueing a batch for the caller"
         while not self.stop.is_set():
             try:
                 self.ready.put(item, timeout=_POLL_S)
@@ -358,14 +367,17 @@ class _Feeder:
             self.gen += 1
             mine = self._give_up(tps)
             self.released.update(mine)
-            if self.failed and not self.handed_any:
-                mine = {}  # nothing was read: see Loader.close
-            log.info("revoke commits %s", mine)
-            try:
-                self.source.commit(mine, asynchronous=False)
-                self.committed.update(mine)
-            except KfeedError as e:  # partitions may already be lost to another member
-                log.warning("commit on revoke failed: %s", e)
+        if self.failed and not self.handed_any:
+            mine = {}  # nothing was read: see Loader.close
+        self.doing = "committing the revoked partitions (Source.commit)"
+        log.info("revoke commits %s", mine)
+        try:  # no network call under the lock: next() needs it
+            self.source.settle()
+            acked = self.source.commit(mine, asynchronous=False)
+            with self.lock:
+                self.committed.update(acked)
+        except KfeedError as e:  # partitions may already be lost to another member
+            log.warning("commit on revoke failed: %s", e)
         self.pend_msgs, self.pend_vals, self.pend_i, self.pend_start = [], [], 0, 0
         self.skip.clear()
         self.assigned.difference_update(tps)
@@ -436,7 +448,9 @@ class _Feeder:
         gen = self.gen
         self.starts = {}
         self.last_poll = time.monotonic()
+        self.doing = "fetching messages (Source.consume)"
         msgs = self.source.consume(n, timeout)
+        self.doing = "decoding"
         if self.gen != gen:
             # A rebalance ran inside this call. What it returned may hold
             # records fetched for the old assignment before the revoke, which
@@ -883,6 +897,9 @@ class Loader:
     match the topic, say), ``next()`` raises one ``DecodeError`` that says
     what the loader expects and what the topic holds, and nothing was
     dead-lettered or committed; ``fail_fast=None`` never does.
+    ``dlq_config`` holds the librdkafka settings (e.g. ``sasl.username``)
+    of a principal allowed to create and write the dead-letter topics,
+    when the consumer's own should not be.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
@@ -904,6 +921,7 @@ class Loader:
         start: str | datetime = "committed",
         on_bad_record: str | BadRecordPolicy = "dead_letter",
         fail_fast: int | None = 32,
+        dlq_config: Mapping[str, Any] | None = None,
         drop_last: bool = False,
         max_wait_ms: float = 200.0,
         rank: int | None = None,
@@ -938,6 +956,9 @@ class Loader:
             raise ConfigError(
                 f"on_bad_record must be 'dead_letter', 'skip' or 'raise', got {on_bad_record!r}"
             ) from None
+        if dlq_config is not None and not isinstance(dlq_config, Mapping):
+            raise ConfigError("dlq_config must be a dict of librdkafka settings (the "
+                              "connection and login of the dead-letter producer)")
         if fail_fast is not None and (not isinstance(fail_fast, int) or fail_fast < 1):
             raise ConfigError(f"fail_fast must be None or an int >= 1, got {fail_fast!r}")
         if on_revoke is not None and not callable(on_revoke):
@@ -968,10 +989,13 @@ class Loader:
         self.rank, self.world_size = rank, world_size
         self.assignment_mode = assignment
         self._commit_interval = commit_interval_ms / 1000.0
+        self._connect_timeout = connect_timeout_s
         self._last_commit = 0.0
         if source is None:
             source = KafkaSource(kafka_config or {}, topics, bounded=until == "end",
-                                 connect_timeout=connect_timeout_s)
+                                 connect_timeout=connect_timeout_s, dlq_config=dlq_config)
+        elif dlq_config is not None:
+            raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
         self._source = source
         # Names this loader and the ones resumed from its checkpoints in every
         # commit (see kfeed.sources.Committed).
@@ -1166,14 +1190,22 @@ class Loader:
     def _commit(self, asynchronous: bool) -> None:
         f = self._feeder
         with f.lock:
+            f.committed.update(self._source.acknowledged())
             # Only partitions this loader was given: a loaded state also
             # holds the other ranks' ones, which they commit themselves.
             todo = {tp: pos for tp, pos in f.used.items()
                     if f.committed.get(tp) != pos and tp in f.seen
                     and (tp in f.assigned or f.thread is None or not f.thread.is_alive())}
-            if todo:
-                self._source.commit(todo, asynchronous=asynchronous)
-                f.committed.update(todo)
+        if not todo:
+            return
+        # Outside the lock: a synchronous commit may retry for seconds, and
+        # the feeder's revoke takes the lock too. Dead-letter copies first:
+        # a bad record's offset is committed only once its copy is safe.
+        self._source.settle()
+        acked = self._source.commit(todo, asynchronous=asynchronous)
+        if acked:  # an asynchronous commit is recorded when its answer comes
+            with f.lock:
+                f.committed.update(acked)
 
     def commit(self) -> None:
         """Commit every batch handed out so far, including the current one."""
@@ -1185,6 +1217,7 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: per partition, the position after the batches handed out."""
         f = self._feeder
+        self._source.settle()  # the state may point past bad records: their copies are safe
         with f.lock:
             state = f.state()
         return {
@@ -1290,7 +1323,14 @@ class Loader:
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
 
-    def close(self, *, commit_current: bool = True) -> None:
+    def close(self, *, commit_current: bool = True, timeout_s: float | None = None) -> None:
+        """Stop the thread, commit what was used, close the consumer.
+
+        The thread stops within one poll interval, unless a call into Kafka
+        holds it (a commit or a dead-letter flush waits up to
+        ``connect_timeout_s``): after ``timeout_s`` (default: that plus 5 s)
+        ``LoaderError`` names where it is stuck.
+        """
         if self._closed:
             return
         self._closed = True
@@ -1298,7 +1338,14 @@ class Loader:
         f.stop.set()
         self._pool.close()
         if f.thread is not None:
-            f.thread.join()
+            limit = self._connect_timeout + 5.0 if timeout_s is None else timeout_s
+            f.thread.join(limit)
+            if f.thread.is_alive():
+                # Closing the consumer under a thread still inside it is not
+                # safe: it stays open, and the daemon thread dies with the
+                # process.
+                raise LoaderError(f"the loader thread did not stop within {limit:g}s: it is "
+                                  f"stuck {f.doing}; the consumer was left open")
         try:
             if commit_current:
                 self._mark_used()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -194,11 +195,27 @@ class Source:
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
         raise NotImplementedError
 
-    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> dict[TP, Position]:
+        """Commit ``positions``; those the broker acknowledged already.
+
+        An asynchronous commit returns before the answer: what the broker
+        acknowledges later comes from ``acknowledged()``.
+        """
         raise NotImplementedError
 
+    def acknowledged(self) -> dict[TP, Position]:
+        """Positions of asynchronous commits acknowledged since the last call."""
+        return {}
+
     def dead_letter(self, msg: Any, reason: str) -> None:
+        """Copy a rejected message to the dead-letter queue (``settle`` waits for it)."""
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Wait until every dead-lettered copy is acknowledged; raise if one failed.
+
+        Called before offsets past a bad message are committed or saved.
+        """
 
     def close(self) -> None:
         raise NotImplementedError
@@ -218,6 +235,7 @@ class KafkaSource(Source):
         *,
         bounded: bool,
         connect_timeout: float,
+        dlq_config: Mapping[str, Any] | None = None,
     ) -> None:
         from confluent_kafka import Consumer, KafkaException
 
@@ -238,6 +256,9 @@ class KafkaSource(Source):
         # Lag comes from librdkafka's own statistics, so reading it never
         # blocks on a broker (one that is down, say).
         config.setdefault("statistics.interval.ms", 1000)
+        config["on_commit"] = self._chain2(self._on_commit, config.get("on_commit"))
+        self._inflight: dict[tuple[TP, int], Position] = {}
+        self._acked: deque[tuple[TP, Position]] = deque()
         user_stats_cb = config.get("stats_cb")
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
         self._lag: dict[TP, int] = {}
@@ -246,7 +267,9 @@ class KafkaSource(Source):
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
+        self._dlq_config = dict(dlq_config) if dlq_config is not None else None
         self._dlq_producer: Any = None
+        self._dlq_errors: deque[tuple[Any, str]] = deque()
         self._dlq_partitions: dict[str, int] = {}  # dead-letter topic -> partitions
         self._dlq_done: dict[TP, int] = {}  # source partition -> highest offset copied
         try:
@@ -282,6 +305,16 @@ class KafkaSource(Source):
         def both(arg: Any) -> None:
             ours(arg)
             theirs(arg)
+        return both
+
+    @staticmethod
+    def _chain2(ours: Callable[[Any, Any], None], theirs: Callable[[Any, Any], None] | None) -> Any:
+        if theirs is None:
+            return ours
+
+        def both(a: Any, b: Any) -> None:
+            ours(a, b)
+            theirs(a, b)
         return both
 
     def _on_stats(self, text: str, user_cb: Callable[[str], None] | None) -> None:
@@ -510,24 +543,64 @@ class KafkaSource(Source):
             out[tp] = p.offset if p.offset >= 0 else self.watermarks(tp)[1]
         return out
 
-    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> dict[TP, Position]:
         from confluent_kafka import KafkaException
 
         if not positions:
-            return
+            return {}
         offsets = [self._tp(tp, off, _metadata(skip, self.lineage))
                    for tp, (off, skip) in positions.items()]
+        if asynchronous:
+            # The answer comes to _on_commit, served by a later consume().
+            for tp, pos in positions.items():
+                self._inflight[(tp, pos[0])] = pos
         try:
-            self._coordinated(lambda: self._consumer.commit(offsets=offsets,
-                                                            asynchronous=asynchronous))
+            parts = self._coordinated(lambda: self._consumer.commit(offsets=offsets,
+                                                                    asynchronous=asynchronous))
         except KafkaException as e:
             raise ConsumeError(f"offset commit failed: {e.args[0].str()}") from e
+        if asynchronous:
+            return {}
+        acked, failed = {}, []
+        for p in parts or ():
+            tp = (p.topic, p.partition)
+            if p.error is None and tp in positions:
+                acked[tp] = positions[tp]
+            elif p.error is not None:
+                failed.append(f"{p.topic}[{p.partition}]: {p.error.str()}")
+        if failed:
+            raise ConsumeError(f"offset commit failed for {', '.join(failed)}")
+        return acked
+
+    def _on_commit(self, err: Any, parts: list[Any]) -> None:
+        # Runs inside consume() or close(), on the thread that calls them.
+        # Records only; the loader takes the acknowledged positions when it
+        # next commits (see acknowledged()).
+        try:
+            for p in parts or ():
+                tp = (p.topic, p.partition)
+                pos = self._inflight.pop((tp, p.offset), None)
+                if err is None and p.error is None and pos is not None:
+                    self._acked.append((tp, pos))
+                elif err is not None or p.error is not None:
+                    self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
+                                   p.topic, p.partition, p.offset, err or p.error)
+        except BaseException:  # noqa: BLE001 - never into librdkafka's dispatch
+            log.exception("the commit callback failed")
+
+    def acknowledged(self) -> dict[TP, Position]:
+        out: dict[TP, Position] = {}
+        while self._acked:
+            tp, pos = self._acked.popleft()
+            if tp not in out or pos > out[tp]:
+                out[tp] = pos
+        return out
 
     def dead_letter(self, msg: Any, reason: str) -> None:
-        """Send a rejected value, untouched, to ``<topic>.dlq`` and wait for the ack.
+        """Send a rejected value, untouched, to ``<topic>.dlq``, without waiting.
 
-        Waiting matters: the offsets past this message may be committed right
-        after, and a bad record must not be lost with a crash in between.
+        The loader calls ``settle()`` before it commits or saves a position
+        past this message, so a crash never loses a bad record.
 
         Each message is copied at most once, whichever group reads it (see
         NOTE [ One copy per bad message ]).
@@ -550,7 +623,6 @@ class KafkaSource(Source):
         if msg.offset() <= done:
             log.info("%s[%d]@%d is in %s already", src[0], src[1], msg.offset(), topic)
             return
-        errors: list[Any] = []
         headers = [
             (DLQ_TOPIC_HEADER, msg.topic().encode()),
             (DLQ_PARTITION_HEADER, str(msg.partition()).encode()),
@@ -559,15 +631,26 @@ class KafkaSource(Source):
         ]
         self._dlq_producer.produce(
             topic, value=msg.value(), key=msg.key(), headers=headers, partition=part,
-            on_delivery=lambda err, _m: err is not None and errors.append(err),
+            on_delivery=self._on_dead_letter,
         )
-        left = self._dlq_producer.flush(self.connect_timeout)
-        if left or errors:
-            raise ConsumeError(
-                f"could not write a bad record to {topic}: {errors[0] if errors else 'timed out'}",
-                topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-            )
+        self._dlq_producer.poll(0)
+        # In offset order per source partition (one idempotent producer), so
+        # the prefix rule of NOTE [ One copy per bad message ] holds once
+        # the copies are acknowledged, which settle() waits for.
         self._dlq_done[src] = msg.offset()
+
+    def _on_dead_letter(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._dlq_errors.append((err, msg.topic()))
+
+    def settle(self) -> None:
+        left = 0
+        if self._dlq_producer is not None and len(self._dlq_producer):
+            left = self._dlq_producer.flush(self.connect_timeout)
+        if left or self._dlq_errors:
+            err, topic = self._dlq_errors[0] if self._dlq_errors else ("timed out", "")
+            raise ConsumeError(f"could not write {left + len(self._dlq_errors)} bad record(s) to "
+                               f"the dead-letter topic {topic}: {err}", topic=topic or None)
 
     def _dead_lettered_up_to(self, topic: str, part: int, src: TP) -> int:
         """The highest offset of ``src`` already in partition ``part`` of ``topic``; -1 if none.
@@ -644,12 +727,21 @@ class KafkaSource(Source):
         raise ConsumeError(f"dead-letter topic {topic} has no leaders", topic=topic)
 
     def _client_config(self) -> dict[str, Any]:
-        """The connection and security settings, for the DLQ producer and admin."""
+        """The connection and security settings of the dead-letter producer, admin and reader.
+
+        ``dlq_config`` when the loader was given one (a principal that may
+        create and write the dead-letter topics), else the consumer's own.
+        """
+        if self._dlq_config is not None:
+            return {**client_config(self._config), **self._dlq_config}
         return client_config(self._config)
 
     def close(self) -> None:
         if self._dlq_producer is not None:
-            self._dlq_producer.flush(self.connect_timeout)
+            left = self._dlq_producer.flush(self.connect_timeout)
+            if left or self._dlq_errors:
+                log.error("%d bad record(s) not written to the dead-letter topic",
+                          left + len(self._dlq_errors))
             self._dlq_producer = None
         self._consumer.close()
 
@@ -770,11 +862,12 @@ class MemorySource(Source):
         return {tp: next((r.offset() for r in self._data[tp] if r._ts >= ms), len(self._data[tp]))
                 for tp in tps}
 
-    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> None:
+    def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> dict[TP, Position]:
         if positions:
             self.commits.append(dict(positions))
             self.committed_positions.update(positions)
             self.committed_by.update(dict.fromkeys(positions, self.lineage))
+        return dict(positions)
 
     def dead_letter(self, msg: Any, reason: str) -> None:
         self.dead_letters.append((msg, reason))
