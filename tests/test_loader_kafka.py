@@ -406,3 +406,48 @@ def test_a_shuffling_member_joining_mid_stream_loses_nothing(bootstrap, make_top
     assert not np.array_equal(a[:1000], np.sort(a[:1000]))  # it did shuffle
     # Records emitted above the watermark come again: how many depends on the timing.
     print(f"repeated after the rebalance: {len(ids) - 16_000}")
+
+
+def test_asynchronous_commits_count_once_the_broker_answers(bootstrap, make_topic,
+                                                            group_id) -> None:
+    topic = make_topic(partitions=1)
+    produce(bootstrap, topic, 0, 2000)
+    with loader(bootstrap, topic, group_id, batch_size=100, commit_interval_ms=1) as ld:
+        it = iter(ld)
+        next(it)
+        f = ld._feeder
+        # Each next() commits the batch before asynchronously; its answer is
+        # served by the feeder's consume() and recorded by a later commit.
+        deadline = time.monotonic() + 20
+        while not f.committed and time.monotonic() < deadline:
+            next(it)
+            time.sleep(0.05)  # a training step
+        assert f.committed, "no asynchronous commit was acknowledged"
+        (tp, (off, skip)), = f.committed.items()
+        assert tp == (topic, 0) and 0 < off <= 2000 and skip >= 0
+        assert not ld._source._inflight or all(o > off for (_t, o) in ld._source._inflight)
+
+
+def test_a_dead_letter_copy_that_fails_stops_the_loader_before_any_commit_past_it(
+        bootstrap, make_topic, group_id) -> None:
+    # dlq_config names the dead-letter principal's connection; one that
+    # cannot connect proves it is used, and that nothing is committed past a
+    # bad record whose copy is not safe.
+    topic = make_topic(partitions=1)
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(256)), 64)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for v in [good[0], b"junk", *good[1:]]:
+        p.produce(topic, value=v)
+    assert p.flush(30) == 0
+    ld = loader(bootstrap, topic, group_id, batch_size=64, connect_timeout_s=3,
+                dlq_config={"bootstrap.servers": "127.0.0.1:9"})
+    with pytest.raises(kfeed.ConsumeError, match="cannot create dead-letter topic"):
+        for _ in ld:
+            pass
+    ld.close()
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id})
+    from confluent_kafka import TopicPartition
+
+    (committed,) = c.committed([TopicPartition(topic, 0)], timeout=10)
+    c.close()
+    assert committed.offset <= 1  # never past the bad record at offset 1

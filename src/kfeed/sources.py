@@ -14,6 +14,7 @@ its records were already handed out (a block may straddle two batches).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import deque
@@ -659,15 +660,19 @@ class KafkaSource(Source):
         until one from ``src`` turns up: one window when the dead-letter
         topic has as many partitions as the source, the usual case.
         """
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import Consumer, KafkaException, TopicPartition
 
         reader = Consumer({**self._client_config(), "group.id": "kfeed-dlq-reader",
                            "enable.auto.commit": False, "enable.partition.eof": True,
                            "isolation.level": "read_uncommitted",
                            "logger": ConnectionLog()})
         try:
-            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
-                                                  timeout=self.connect_timeout)
+            try:
+                lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
+                                                      timeout=self.connect_timeout)
+            except KafkaException as e:
+                raise ConsumeError(f"cannot read the end of {topic}[{part}]: "
+                                   f"{e.args[0].str()}", topic=topic, partition=part) from e
             end = hi
             while end > lo:
                 start = max(lo, end - _DLQ_WINDOW)
@@ -709,14 +714,19 @@ class KafkaSource(Source):
             return len(have.partitions)
         source = md.topics.get(like)
         count = len(source.partitions) if source is not None and source.partitions else 1
-        admin = AdminClient(self._client_config())
-        futures = admin.create_topics([NewTopic(topic, num_partitions=count)])
+        admin = AdminClient({**self._client_config(), "logger": ConnectionLog()})
+        futures = admin.create_topics([NewTopic(topic, num_partitions=count)],
+                                      request_timeout=self.connect_timeout)
         try:
             futures[topic].result(self.connect_timeout)
         except KafkaException as e:
             if e.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise ConsumeError(f"cannot create dead-letter topic {topic}: {e.args[0].str()}",
                                    topic=topic) from e
+        except concurrent.futures.TimeoutError as e:
+            raise ConsumeError(f"cannot create dead-letter topic {topic}: no answer from "
+                               f"{self._client_config().get('bootstrap.servers')} within "
+                               f"{self.connect_timeout:g}s", topic=topic) from e
         deadline = time.monotonic() + self.connect_timeout
         while time.monotonic() < deadline:
             have = self._consumer.list_topics(topic, timeout=self.connect_timeout).topics.get(topic)
