@@ -4,8 +4,15 @@ This is the hot path between Kafka message values and the buffer pool. Decode
 validates a whole value before any byte of it reaches the output, then copies
 each field with one memcpy (block) or one memcpy per record (raw), without the
 GIL and without creating a Python object per record. Knows nothing of Kafka or
-torch: the caller hands in message values and raw destination pointers;
-``kfeed.schema`` is its front. The format is documented in docs/FORMAT.md.
+torch; ``kfeed.schema`` is its front. The format is documented in
+docs/FORMAT.md.
+
+Every entry point is a thin ``def`` that checks its arguments and holds its
+buffers, around a ``nogil`` core that works on pointers derived here from
+those buffers: the caller hands in objects with the buffer protocol (message
+values, numpy arrays), never addresses, and each output buffer is checked to
+hold every row a core may write. One helper writes the 32-byte block header
+and one checks it, for both kinds of block.
 
 Schemas with a variable-length field (token documents) have their own layout
 class, ``DocLayout``, and their own entry points: ``decode_documents`` turns
@@ -17,7 +24,8 @@ import sys
 
 import numpy as np
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBUF_WRITABLE,
+                             PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
@@ -95,42 +103,65 @@ cdef inline uint64_t load_u64(const uint8_t* p) noexcept nogil:
     return v
 
 
-cdef class Layout:
-    """Byte sizes of a schema's fields, as the codec needs them."""
+cdef inline bint holds(uint64_t nbytes, uint64_t n, uint64_t size) noexcept nogil:
+    """Whether ``n`` items of ``size`` bytes are exactly ``nbytes`` (no wrap-around)."""
+    if size == 0:
+        return nbytes == 0
+    return nbytes % size == 0 and nbytes // size == n
 
-    cdef readonly Py_ssize_t nfields
-    cdef readonly uint64_t record_size
-    cdef readonly uint64_t fingerprint
-    cdef uint64_t* row_bytes
 
-    def __cinit__(self, row_bytes, uint64_t fingerprint):
-        self.nfields = len(row_bytes)
-        if self.nfields == 0:
-            raise ValueError("a layout needs at least one field")
-        self.row_bytes = <uint64_t*>malloc(self.nfields * sizeof(uint64_t))
-        if self.row_bytes == NULL:
-            raise MemoryError()
-        self.record_size = 0
-        for i, nbytes in enumerate(row_bytes):
-            if nbytes <= 0:
-                raise ValueError("every field needs a positive size")
-            self.row_bytes[i] = nbytes
-            self.record_size += nbytes
-        self.fingerprint = fingerprint
+# -- the block header: written by one helper, checked by one ------------------
 
-    def __dealloc__(self):
-        free(self.row_bytes)
 
-    cdef uint64_t block_size(self, uint64_t count) noexcept nogil:
-        cdef uint64_t total = HEADER_SIZE
-        cdef Py_ssize_t f
-        for f in range(self.nfields):
-            total += align_up(count * self.row_bytes[f])
-        return total
+cdef void write_header(uint8_t* p, uint8_t flags, uint64_t count, uint64_t fingerprint,
+                       uint64_t size) noexcept nogil:
+    """The 32-byte header of a block value of ``size`` bytes (docs/FORMAT.md, Header)."""
+    cdef uint32_t u32 = BLOCK_MAGIC
+    cdef uint64_t body = size - HEADER_SIZE
+    memset(p, 0, HEADER_SIZE)  # the reserved word and header_len's high byte
+    memcpy(p, &u32, 4)
+    p[4] = FORMAT_VERSION
+    p[5] = flags
+    p[6] = HEADER_SIZE  # header_len: writers put the first column right after the header
+    u32 = <uint32_t>count
+    memcpy(p + 8, &u32, 4)
+    memcpy(p + 16, &fingerprint, 8)
+    memcpy(p + 24, &body, 8)
 
-    def block_nbytes(self, uint64_t count):
-        """Size of a block message holding ``count`` records."""
-        return self.block_size(count)
+
+cdef Reason check_header(const uint8_t* p, Py_ssize_t size, uint8_t flags,
+                         uint64_t fingerprint, uint64_t max_count, uint64_t* count,
+                         uint64_t* header_len) noexcept nogil:
+    """Check what every block's header must say; on success give its count and header_len.
+
+    The order of the checks picks the reason a value is rejected with, and
+    the count is bounded before any size is computed from it, so no sum the
+    caller makes of ``count`` records can wrap around.
+    """
+    if size < HEADER_SIZE:
+        return R_SHORT
+    if load_u32(p) != BLOCK_MAGIC:
+        return R_MAGIC
+    if p[4] != FORMAT_VERSION:
+        return R_VERSION
+    if p[5] != flags:
+        return R_FLAGS
+    cdef uint64_t hl = p[6] | (<uint64_t>p[7] << 8)
+    if hl < HEADER_SIZE or hl % COLUMN_ALIGN or hl > <uint64_t>size:
+        return R_HEADER_LEN
+    if load_u64(p + 16) != fingerprint:
+        return R_FINGERPRINT
+    cdef uint64_t n = load_u32(p + 8)
+    if n > max_count:
+        return R_COUNT
+    if load_u64(p + 24) != <uint64_t>size - HEADER_SIZE:
+        return R_LENGTH
+    count[0] = n
+    header_len[0] = hl
+    return R_OK
+
+
+# -- buffers held for a nogil pass ----------------------------------------------
 
 
 cdef class _Values:
@@ -189,31 +220,176 @@ cdef class _Values:
         free(self.has_view)
 
 
+cdef class _Buffers:
+    """One C-contiguous buffer per field, held while the object lives.
+
+    Pointers and byte lengths come from the buffer protocol; ``writable``
+    asks the exporters for writable memory (a read-only numpy array is
+    refused). ``None`` stands for a field with no buffer (pointer NULL).
+    """
+    cdef Py_ssize_t n
+    cdef uint8_t** ptr
+    cdef uint64_t* nbytes
+    cdef Py_buffer* views
+    cdef uint8_t* held
+
+    def __cinit__(self, objs, bint writable, tuple names, str what):
+        cdef list items = list(objs)
+        self.n = len(items)
+        cdef Py_ssize_t m = self.n if self.n > 0 else 1
+        self.ptr = <uint8_t**>calloc(m, sizeof(uint8_t*))
+        self.nbytes = <uint64_t*>calloc(m, sizeof(uint64_t))
+        self.views = <Py_buffer*>malloc(m * sizeof(Py_buffer))
+        self.held = <uint8_t*>calloc(m, 1)
+        if not (self.ptr and self.nbytes and self.views and self.held):
+            raise MemoryError()
+        cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+        cdef Py_ssize_t i
+        for i in range(self.n):
+            if items[i] is None:
+                continue
+            try:
+                PyObject_GetBuffer(items[i], &self.views[i], flags)
+            except (TypeError, BufferError, ValueError) as e:
+                kind = "writable C-contiguous" if writable else "C-contiguous"
+                raise ValueError(
+                    f"{what} {names[i]!r} must be a {kind} buffer, got "
+                    f"{type(items[i]).__name__}: {e}") from None
+            self.held[i] = 1
+            self.ptr[i] = <uint8_t*>self.views[i].buf
+            self.nbytes[i] = self.views[i].len
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.held != NULL:
+            for i in range(self.n):
+                if self.held[i]:
+                    PyBuffer_Release(&self.views[i])
+        free(self.ptr)
+        free(self.nbytes)
+        free(self.views)
+        free(self.held)
+
+
+cdef tuple _names(object names, Py_ssize_t nfields):
+    if names is None:
+        return tuple(f"field {i}" for i in range(nfields))
+    names = tuple(str(x) for x in names)
+    if len(names) != nfields:
+        raise ValueError("one name per field is needed")
+    return names
+
+
+# -- fixed-shape schemas -----------------------------------------------------------
+
+
+cdef class Layout:
+    """Byte sizes of a schema's fields, as the codec needs them."""
+
+    cdef readonly Py_ssize_t nfields
+    cdef readonly uint64_t record_size
+    cdef readonly uint64_t fingerprint
+    cdef readonly tuple names
+    cdef uint64_t max_count          # records a block may claim before sizes could wrap
+    cdef uint64_t* row_bytes
+
+    def __cinit__(self, row_bytes, uint64_t fingerprint, names=None):
+        self.nfields = len(row_bytes)
+        if self.nfields == 0:
+            raise ValueError("a layout needs at least one field")
+        self.names = _names(names, self.nfields)
+        self.row_bytes = <uint64_t*>malloc(self.nfields * sizeof(uint64_t))
+        if self.row_bytes == NULL:
+            raise MemoryError()
+        self.record_size = 0
+        for i, nbytes in enumerate(row_bytes):
+            if nbytes <= 0:
+                raise ValueError("every field needs a positive size")
+            if nbytes > UINT64_MAX // 4 - self.record_size:
+                raise ValueError("the record size overflows")
+            self.row_bytes[i] = nbytes
+            self.record_size += nbytes
+        self.fingerprint = fingerprint
+        self.max_count = UINT64_MAX // 2 // self.record_size
+
+    def __dealloc__(self):
+        free(self.row_bytes)
+
+    cdef uint64_t block_size(self, uint64_t count) noexcept nogil:
+        cdef uint64_t total = HEADER_SIZE
+        cdef Py_ssize_t f
+        for f in range(self.nfields):
+            total += align_up(count * self.row_bytes[f])
+        return total
+
+    def block_nbytes(self, uint64_t count):
+        """Size of a block message holding ``count`` records."""
+        return self.block_size(count)
+
+
+cdef class Out:
+    """The output buffers of a fixed-shape decode: one per field, ``capacity`` rows each.
+
+    Built from objects with the buffer protocol (numpy arrays, a CPU
+    tensor's ``.numpy()``), never from addresses: each must be writable and
+    C-contiguous and hold a whole number of its field's rows, the same number
+    for every field. The buffers stay held (a numpy array cannot be resized)
+    while this object lives.
+    """
+
+    cdef readonly uint64_t capacity
+    cdef readonly Py_ssize_t nfields
+    cdef _Buffers bufs
+
+    def __cinit__(self, Layout layout, buffers):
+        buffers = list(buffers)
+        if len(buffers) != layout.nfields:
+            raise ValueError(f"one buffer per field is needed: {len(layout.names)} fields, "
+                             f"{len(buffers)} buffers")
+        self.nfields = layout.nfields
+        self.bufs = _Buffers(buffers, True, layout.names, "out")
+        cdef Py_ssize_t f
+        cdef uint64_t rb, rows
+        for f in range(self.nfields):
+            if buffers[f] is None:
+                raise ValueError(f"out {layout.names[f]!r} needs a buffer")
+            rb = layout.row_bytes[f]
+            if self.bufs.nbytes[f] % rb:
+                raise ValueError(f"out {layout.names[f]!r} holds {self.bufs.nbytes[f]} bytes, "
+                                 f"not a whole number of {rb}-byte rows")
+            rows = self.bufs.nbytes[f] // rb
+            if f == 0:
+                self.capacity = rows
+            elif rows != self.capacity:
+                raise ValueError(f"out {layout.names[f]!r} has {rows} rows, "
+                                 f"out {layout.names[0]!r} has {self.capacity}")
+
+    @property
+    def addresses(self):
+        """Where each buffer starts, for inspection: nothing takes addresses back."""
+        return tuple(<uintptr_t>self.bufs.ptr[f] for f in range(self.nfields))
+
+    cdef int fits(self, Layout layout) except -1:
+        """Refuse a layout whose rows would not fit: decode writes ``capacity`` rows at most."""
+        cdef Py_ssize_t f
+        if layout.nfields != self.nfields:
+            raise ValueError(f"out has {self.nfields} buffers, the layout {layout.nfields} fields")
+        for f in range(self.nfields):
+            if self.capacity > self.bufs.nbytes[f] // layout.row_bytes[f]:
+                raise ValueError(f"out {layout.names[f]!r} holds {self.bufs.nbytes[f]} bytes, "
+                                 f"less than {self.capacity} rows of this layout")
+        return 0
+
+
 cdef Reason check_block(Layout layout, const uint8_t* p, Py_ssize_t size,
                         uint64_t* count, uint64_t* start) noexcept nogil:
     """Validate a block value whole; on success give its count and column start."""
-    if size < HEADER_SIZE:
-        return R_SHORT
-    if load_u32(p) != BLOCK_MAGIC:
-        return R_MAGIC
-    if p[4] != FORMAT_VERSION:
-        return R_VERSION
-    if p[5] != 0:
-        return R_FLAGS
-    cdef uint64_t header_len = p[6] | (<uint64_t>p[7] << 8)
-    if header_len < HEADER_SIZE or header_len % COLUMN_ALIGN or header_len > <uint64_t>size:
-        return R_HEADER_LEN
-    if load_u64(p + 16) != layout.fingerprint:
-        return R_FINGERPRINT
-    cdef uint64_t n = load_u32(p + 8)
-    if n > UINT64_MAX // 2 // layout.record_size:
-        return R_COUNT
-    if load_u64(p + 24) != <uint64_t>size - HEADER_SIZE:
+    cdef Reason why = check_header(p, size, 0, layout.fingerprint, layout.max_count,
+                                   count, start)
+    if why != R_OK:
+        return why
+    if layout.block_size(count[0]) - HEADER_SIZE + start[0] != <uint64_t>size:
         return R_LENGTH
-    if layout.block_size(n) - HEADER_SIZE + header_len != <uint64_t>size:
-        return R_LENGTH
-    count[0] = n
-    start[0] = header_len
     return R_OK
 
 
@@ -239,163 +415,237 @@ cdef void copy_raw(Layout layout, const uint8_t* p, uint8_t** dst,
         p += rb
 
 
-def decode(Layout layout, values, const uint64_t[::1] dst_ptrs, uint64_t capacity,
-           uint64_t row, bint block, uint64_t start, bint split):
-    """Decode ``values`` into the field buffers at ``dst_ptrs`` from ``row`` on.
+cdef struct Decoded:
+    uint64_t rows           # rows written
+    Py_ssize_t consumed     # whole values used
+    uint64_t partial        # records taken from value ``consumed`` (split)
+    Py_ssize_t nbad         # entries of bad_idx / bad_why
+
+
+cdef void decode_values(Layout layout, const uint8_t** ptr, const Py_ssize_t* size,
+                        Py_ssize_t n, uint8_t** dst, uint64_t capacity, uint64_t row,
+                        bint block, uint64_t start, bint split, int64_t* counts,
+                        Py_ssize_t* bad_idx, Reason* bad_why, Decoded* res) noexcept nogil:
+    """The decode loop: values -> rows ``row``.. of ``dst``, ``capacity`` rows at most.
+
+    A negative ``size`` is a value rejected before (a Reason). ``counts``,
+    when not NULL, gets the records taken from each value looked at (0 for a
+    rejected one).
+    """
+    cdef Py_ssize_t i = 0, nbad = 0
+    cdef uint64_t out_row = row, count = 0, col = 0, first, take, partial = 0
+    cdef Reason why
+    while i < n and out_row < capacity:
+        if size[i] < 0:
+            why = <Reason>(-size[i])
+        elif block:
+            why = check_block(layout, ptr[i], size[i], &count, &col)
+        elif <uint64_t>size[i] != layout.record_size:
+            why = R_RAW_SIZE
+        else:
+            why = R_OK
+            count = 1
+        if why != R_OK:
+            bad_idx[nbad] = i
+            bad_why[nbad] = why
+            nbad += 1
+            if counts != NULL:
+                counts[i] = 0
+            i += 1
+            continue
+        first = start if i == 0 else 0
+        if first > count:
+            first = count
+        take = count - first
+        if take > capacity - out_row:
+            if not split:
+                break
+            take = capacity - out_row
+            partial = first + take
+        if block:
+            copy_block(layout, ptr[i], col, count, first, take, dst, out_row)
+        elif take:
+            copy_raw(layout, ptr[i], dst, out_row)
+        if counts != NULL:
+            counts[i] = take
+        out_row += take
+        if partial:
+            break
+        i += 1
+    res.rows = out_row - row
+    res.consumed = i
+    res.partial = partial
+    res.nbad = nbad
+
+
+cdef tuple _decode(Layout layout, values, Out out, uint64_t row, bint block, uint64_t start,
+                   bint split, int64_t* counts, Py_ssize_t ncounts):
+    out.fits(layout)
+    if row > out.capacity:
+        raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
+    cdef _Values vals = _Values(values)
+    if counts != NULL and ncounts < vals.n:
+        raise ValueError("counts needs one entry per value")
+    cdef Py_ssize_t m = vals.n if vals.n else 1
+    cdef Py_ssize_t* bad_idx = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+    cdef Reason* bad_why = <Reason*>malloc(m * sizeof(Reason))
+    cdef Decoded res
+    if bad_idx == NULL or bad_why == NULL:
+        free(bad_idx)
+        free(bad_why)
+        raise MemoryError()
+    try:
+        with nogil:
+            decode_values(layout, vals.ptr, vals.size, vals.n, out.bufs.ptr, out.capacity, row,
+                          block, start, split, counts, bad_idx, bad_why, &res)
+        bad = [(bad_idx[k], REASONS[bad_why[k]]) for k in range(res.nbad)]
+    finally:
+        free(bad_idx)
+        free(bad_why)
+    return res.rows, res.consumed, res.partial, bad
+
+
+def decode(Layout layout, values, Out out, uint64_t row, bint block, uint64_t start,
+           bint split):
+    """Decode ``values`` into ``out`` from ``row`` on.
 
     Returns ``(rows, consumed, partial, bad)``: rows written, whole values
     consumed, records already taken from value ``consumed`` when ``split`` let
     a block straddle the end of the buffers, and ``[(index, reason)]``.
     ``start`` records of the first value are skipped (taken earlier).
     """
-    if dst_ptrs.shape[0] != layout.nfields:
-        raise ValueError("one destination pointer per field is needed")
-    if row > capacity:
-        raise ValueError("row is past the end of the output")
-    cdef _Values vals = _Values(values)
-    cdef Py_ssize_t n = vals.n, i = 0, nbad = 0, f
-    cdef uint8_t** dst = <uint8_t**>malloc(layout.nfields * sizeof(uint8_t*))
-    cdef Py_ssize_t* bad_idx = <Py_ssize_t*>malloc((n if n else 1) * sizeof(Py_ssize_t))
-    cdef Reason* bad_why = <Reason*>malloc((n if n else 1) * sizeof(Reason))
-    if dst == NULL or bad_idx == NULL or bad_why == NULL:
-        free(dst); free(bad_idx); free(bad_why)
-        raise MemoryError()
+    return _decode(layout, values, out, row, block, start, split, NULL, 0)
+
+
+def decode_counted(Layout layout, values, Out out, uint64_t row, bint block, uint64_t start,
+                   bint split, int64_t[::1] counts):
+    """``decode``, and the records taken from each value into ``counts``.
+
+    ``counts[i]`` for ``i < consumed`` (and ``i == consumed`` when
+    ``partial``) is the number of rows value ``i`` wrote, 0 for a rejected
+    one; later entries are left as they were. With it a caller that decodes
+    many values into a staging area knows which rows came from which value.
+    """
+    if counts.shape[0] == 0:
+        return _decode(layout, values, out, row, block, start, split, NULL, 0)
+    return _decode(layout, values, out, row, block, start, split, &counts[0], counts.shape[0])
+
+
+def gather(Layout layout, Out src, const int64_t[::1] rows, Out dst, uint64_t row):
+    """Copy rows ``rows[k]`` of ``src`` to rows ``row + k`` of ``dst``, every field.
+
+    One call, without the GIL, for a batch of records picked by index (a
+    shuffle's choice) out of a staging area. IndexError if an index is
+    outside ``src`` or the rows would overflow ``dst``.
+    """
+    src.fits(layout)
+    dst.fits(layout)
+    cdef Py_ssize_t n = rows.shape[0], k, f
+    if row > dst.capacity or <uint64_t>n > dst.capacity - row:
+        raise IndexError(f"{n} rows from row {row} overflow the output ({dst.capacity} rows)")
+    for k in range(n):
+        if rows[k] < 0 or <uint64_t>rows[k] >= src.capacity:
+            raise IndexError(f"row {rows[k]} is outside the source ({src.capacity} rows)")
+    cdef uint8_t** s = src.bufs.ptr
+    cdef uint8_t** d = dst.bufs.ptr
+    cdef uint64_t rb
+    with nogil:
+        for f in range(layout.nfields):
+            rb = layout.row_bytes[f]
+            for k in range(n):
+                memcpy(d[f] + (row + k) * rb, s[f] + rows[k] * rb, rb)
+
+
+cdef _Buffers fixed_columns(Layout layout, list columns, uint64_t n):
+    """The encoders' input: one buffer per field, each exactly ``n`` rows long."""
+    if len(columns) != layout.nfields:
+        raise ValueError(f"one column per field is needed: {layout.nfields} fields, "
+                         f"{len(columns)} columns")
+    cdef _Buffers src = _Buffers(columns, False, layout.names, "column")
+    cdef Py_ssize_t f
     for f in range(layout.nfields):
-        dst[f] = <uint8_t*>dst_ptrs[f]
-    cdef uint64_t out_row = row, count = 0, col = 0, first, take, partial = 0
-    cdef Reason why
-    try:
-        with nogil:
-            while i < n and out_row < capacity:
-                if vals.size[i] < 0:
-                    why = <Reason>(-vals.size[i])
-                elif block:
-                    why = check_block(layout, vals.ptr[i], vals.size[i], &count, &col)
-                elif <uint64_t>vals.size[i] != layout.record_size:
-                    why = R_RAW_SIZE
-                else:
-                    why = R_OK
-                    count = 1
-                if why != R_OK:
-                    bad_idx[nbad] = i
-                    bad_why[nbad] = why
-                    nbad += 1
-                    i += 1
-                    continue
-                first = start if i == 0 else 0
-                if first > count:
-                    first = count
-                take = count - first
-                if take > capacity - out_row:
-                    if not split:
-                        break
-                    take = capacity - out_row
-                    partial = first + take
-                if block:
-                    copy_block(layout, vals.ptr[i], col, count, first, take, dst, out_row)
-                elif take:
-                    copy_raw(layout, vals.ptr[i], dst, out_row)
-                out_row += take
-                if partial:
-                    break
-                i += 1
-        bad = [(bad_idx[k], REASONS[bad_why[k]]) for k in range(nbad)]
-    finally:
-        free(dst)
-        free(bad_idx)
-        free(bad_why)
-    return out_row - row, i, partial, bad
-
-
-cdef const uint8_t** column_pointers(list columns, Py_ssize_t nfields) except NULL:
-    cdef const uint8_t** src = <const uint8_t**>malloc(nfields * sizeof(uint8_t*))
-    if src == NULL:
-        raise MemoryError()
-    cdef const uint8_t[::1] view
-    for f in range(nfields):
-        view = columns[f]
-        src[f] = &view[0] if view.shape[0] else NULL
+        if not holds(src.nbytes[f], n, layout.row_bytes[f]):
+            raise ValueError(_length_message(layout.names, src, layout_rows(layout), n))
     return src
+
+
+cdef list layout_rows(Layout layout):
+    return [layout.row_bytes[f] for f in range(layout.nfields)]
+
+
+cdef str _length_message(tuple names, _Buffers src, list row_bytes, uint64_t n):
+    parts = []
+    for f in range(len(names)):
+        rb = row_bytes[f]
+        if rb:
+            parts.append(f"{names[f]!r} {src.nbytes[f] / rb:g} ({src.nbytes[f]} bytes)")
+    return f"every column must hold {n} records; got " + ", ".join(parts)
+
+
+cdef void fill_block(Layout layout, uint8_t** src, uint64_t s, uint64_t k, uint8_t* p,
+                     uint64_t size) noexcept nogil:
+    """Records [s, s + k) of the columns ``src`` as one block value of ``size`` bytes."""
+    cdef uint64_t off = HEADER_SIZE, rb
+    cdef Py_ssize_t f
+    write_header(p, 0, k, layout.fingerprint, size)
+    for f in range(layout.nfields):
+        rb = layout.row_bytes[f]
+        if k:
+            memcpy(p + off, src[f] + s * rb, k * rb)
+        memset(p + off + k * rb, 0, align_up(k * rb) - k * rb)
+        off += align_up(k * rb)
 
 
 def encode_blocks(Layout layout, list columns, uint64_t n, uint64_t block_records):
     """Pack ``n`` records into block values of at most ``block_records`` each.
 
-    ``columns``: one C-contiguous uint8 view per field, ``n * row_bytes`` long,
-    kept alive by the caller.
+    ``columns``: one C-contiguous buffer per field, exactly ``n`` rows of it
+    (ValueError naming each column's length otherwise).
     """
-    if len(columns) != layout.nfields:
-        raise ValueError("one column per field is needed")
     if block_records == 0 or block_records > 0xFFFFFFFF:
         raise ValueError("block_records must be in 1..2**32-1")
-    cdef const uint8_t** src = column_pointers(columns, layout.nfields)
+    cdef _Buffers src = fixed_columns(layout, columns, n)
     cdef list out = []
-    cdef uint64_t s = 0, k, size, off, rb
-    cdef Py_ssize_t f
+    cdef uint64_t s = 0, k, size
     cdef uint8_t* p
-    cdef uint32_t u32
-    cdef uint64_t u64
-    try:
-        while s < n:
-            k = min(block_records, n - s)
-            size = layout.block_size(k)
-            b = PyBytes_FromStringAndSize(NULL, size)
-            p = <uint8_t*>PyBytes_AS_STRING(b)
-            with nogil:
-                memset(p, 0, HEADER_SIZE)
-                u32 = BLOCK_MAGIC
-                memcpy(p, &u32, 4)
-                p[4] = FORMAT_VERSION
-                p[5] = 0
-                p[6] = HEADER_SIZE
-                u32 = <uint32_t>k
-                memcpy(p + 8, &u32, 4)
-                u64 = layout.fingerprint
-                memcpy(p + 16, &u64, 8)
-                u64 = size - HEADER_SIZE
-                memcpy(p + 24, &u64, 8)
-                off = HEADER_SIZE
-                for f in range(layout.nfields):
-                    rb = layout.row_bytes[f]
-                    memcpy(p + off, src[f] + s * rb, k * rb)
-                    memset(p + off + k * rb, 0, align_up(k * rb) - k * rb)
-                    off += align_up(k * rb)
-            out.append(b)
-            s += k
-    finally:
-        free(src)
+    while s < n:
+        k = min(block_records, n - s)
+        size = layout.block_size(k)
+        b = PyBytes_FromStringAndSize(NULL, size)
+        p = <uint8_t*>PyBytes_AS_STRING(b)
+        with nogil:
+            fill_block(layout, src.ptr, s, k, p, size)
+        out.append(b)
+        s += k
     return out
+
+
+def empty_block(Layout layout):
+    """A valid block of no record: the header alone."""
+    b = PyBytes_FromStringAndSize(NULL, HEADER_SIZE)
+    write_header(<uint8_t*>PyBytes_AS_STRING(b), 0, 0, layout.fingerprint, HEADER_SIZE)
+    return b
 
 
 def encode_raw(Layout layout, list columns, uint64_t n):
     """One raw value per record: the fields concatenated in schema order."""
-    if len(columns) != layout.nfields:
-        raise ValueError("one column per field is needed")
-    cdef const uint8_t** src = column_pointers(columns, layout.nfields)
+    cdef _Buffers src = fixed_columns(layout, columns, n)
     cdef list out = []
     cdef uint64_t r, rb
     cdef Py_ssize_t f
     cdef uint8_t* p
-    try:
-        for r in range(n):
-            b = PyBytes_FromStringAndSize(NULL, layout.record_size)
-            p = <uint8_t*>PyBytes_AS_STRING(b)
-            for f in range(layout.nfields):
-                rb = layout.row_bytes[f]
-                memcpy(p, src[f] + r * rb, rb)
-                p += rb
-            out.append(b)
-    finally:
-        free(src)
+    for r in range(n):
+        b = PyBytes_FromStringAndSize(NULL, layout.record_size)
+        p = <uint8_t*>PyBytes_AS_STRING(b)
+        for f in range(layout.nfields):
+            rb = layout.row_bytes[f]
+            memcpy(p, src.ptr[f] + r * rb, rb)
+            p += rb
+        out.append(b)
     return out
 
 
 # -- schemas with a variable-length field (documents) ------------------------
-
-
-cdef inline uint8_t* array_data(object arr):
-    """Address of a numpy array's first byte (valid for empty arrays too)."""
-    return <uint8_t*><uintptr_t>arr.__array_interface__["data"][0]
 
 
 cdef class DocLayout:
@@ -410,14 +660,18 @@ cdef class DocLayout:
     cdef readonly uint64_t itemsize
     cdef readonly uint64_t fixed_size
     cdef readonly uint64_t fingerprint
+    cdef readonly tuple names
+    cdef uint64_t max_count
     cdef uint64_t* row_bytes
 
-    def __cinit__(self, row_bytes, Py_ssize_t varlen, uint64_t itemsize, uint64_t fingerprint):
+    def __cinit__(self, row_bytes, Py_ssize_t varlen, uint64_t itemsize, uint64_t fingerprint,
+                  names=None):
         self.nfields = len(row_bytes)
         if not 0 <= varlen < self.nfields:
             raise ValueError("varlen must be the index of a field")
         if itemsize not in (1, 2, 4, 8):
             raise ValueError("itemsize must be 1, 2, 4 or 8")
+        self.names = _names(names, self.nfields)
         self.row_bytes = <uint64_t*>malloc(self.nfields * sizeof(uint64_t))
         if self.row_bytes == NULL:
             raise MemoryError()
@@ -428,11 +682,14 @@ cdef class DocLayout:
                     raise ValueError("the variable-length field's row size must be 0")
             elif nbytes <= 0:
                 raise ValueError("every fixed field needs a positive size")
+            elif nbytes > UINT64_MAX // 4 - self.fixed_size:
+                raise ValueError("the record size overflows")
             self.row_bytes[i] = nbytes
             self.fixed_size += nbytes
         self.varlen = varlen
         self.itemsize = itemsize
         self.fingerprint = fingerprint
+        self.max_count = UINT64_MAX // 2 // (self.fixed_size + 4)
 
     def __dealloc__(self):
         free(self.row_bytes)
@@ -468,24 +725,11 @@ cdef Reason check_doc_block(DocLayout layout, const uint8_t* p, Py_ssize_t size,
     On success gives its document count, where its first column starts, and
     the total number of elements (the last offset).
     """
-    if size < HEADER_SIZE:
-        return R_SHORT
-    if load_u32(p) != BLOCK_MAGIC:
-        return R_MAGIC
-    if p[4] != FORMAT_VERSION:
-        return R_VERSION
-    if p[5] != FLAG_VARLEN:
-        return R_FLAGS
-    cdef uint64_t header_len = p[6] | (<uint64_t>p[7] << 8)
-    if header_len < HEADER_SIZE or header_len % COLUMN_ALIGN or header_len > <uint64_t>size:
-        return R_HEADER_LEN
-    if load_u64(p + 16) != layout.fingerprint:
-        return R_FINGERPRINT
-    cdef uint64_t n = load_u32(p + 8)
-    if n > UINT64_MAX // 2 // (layout.fixed_size + 4):
-        return R_COUNT
-    if load_u64(p + 24) != <uint64_t>size - HEADER_SIZE:
-        return R_LENGTH
+    cdef uint64_t n, header_len
+    cdef Reason why = check_header(p, size, FLAG_VARLEN, layout.fingerprint, layout.max_count,
+                                   &n, &header_len)
+    if why != R_OK:
+        return why
     cdef uint64_t table = header_len + layout.table_start(n)
     if table + 4 * (n + 1) > <uint64_t>size:
         return R_LENGTH
@@ -505,6 +749,94 @@ cdef Reason check_doc_block(DocLayout layout, const uint8_t* p, Py_ssize_t size,
     start[0] = header_len
     elements[0] = prev
     return R_OK
+
+
+cdef struct DocScan:
+    # Per value, from the first pass:
+    uint64_t* cnt           # documents in it
+    uint64_t* first         # documents skipped (``start`` of the first value)
+    uint64_t* hdr           # where its first column starts
+    uint64_t* elems         # elements in it
+    Reason* why
+    # In all:
+    uint64_t ndocs          # documents taken
+    uint64_t nelem          # elements taken
+
+
+cdef void scan_documents(DocLayout layout, const uint8_t** ptr, const Py_ssize_t* size,
+                         Py_ssize_t n, bint block, uint64_t start, DocScan* s) noexcept nogil:
+    """First pass: validate every value whole and size the outputs."""
+    cdef Py_ssize_t i
+    cdef uint64_t isz = layout.itemsize
+    cdef const uint8_t* q
+    s.ndocs = s.nelem = 0
+    for i in range(n):
+        s.cnt[i] = 0
+        if size[i] < 0:
+            s.why[i] = <Reason>(-size[i])
+        elif block:
+            s.why[i] = check_doc_block(layout, ptr[i], size[i], &s.cnt[i], &s.hdr[i],
+                                       &s.elems[i])
+        elif <uint64_t>size[i] % isz:
+            s.why[i] = R_RAW_ITEMSIZE
+        else:
+            s.why[i] = R_OK
+            s.cnt[i] = 1
+            s.hdr[i] = 0
+            s.elems[i] = <uint64_t>size[i] // isz
+        if s.why[i] != R_OK:
+            continue
+        s.first[i] = start if i == 0 else 0
+        if s.first[i] > s.cnt[i]:
+            s.first[i] = s.cnt[i]
+        s.ndocs += s.cnt[i] - s.first[i]
+        if s.first[i] == 0:
+            s.nelem += s.elems[i]
+        elif block:
+            q = ptr[i] + s.hdr[i] + layout.table_start(s.cnt[i])
+            s.nelem += s.elems[i] - load_u32(q + 4 * s.first[i])
+
+
+cdef void copy_documents(DocLayout layout, const uint8_t** ptr, Py_ssize_t n, bint block,
+                         const DocScan* s, uint8_t* out_elems, int64_t* out_len,
+                         int64_t* out_cnt, uint8_t** dst) noexcept nogil:
+    """Second pass: the validated values' documents into outputs sized by the first."""
+    cdef Py_ssize_t nf = layout.nfields, v = layout.varlen, f, i
+    cdef uint64_t isz = layout.itemsize, d = 0, e = 0, k, a, col, j, rb, cnt, first
+    cdef const uint8_t* p
+    cdef const uint8_t* q
+    for i in range(n):
+        if s.why[i] != R_OK:
+            out_cnt[i] = 0
+            continue
+        cnt = s.cnt[i]
+        first = s.first[i]
+        k = cnt - first
+        out_cnt[i] = k
+        p = ptr[i]
+        if not block:
+            if k:
+                out_len[d] = s.elems[i]
+                memcpy(out_elems + e * isz, p, s.elems[i] * isz)
+                e += s.elems[i]
+            d += k
+            continue
+        col = s.hdr[i]
+        for f in range(nf):
+            if f != v:
+                rb = layout.row_bytes[f]
+                memcpy(dst[f] + d * rb, p + col + first * rb, k * rb)
+                col += align_up(cnt * rb)
+                continue
+            q = p + col
+            for j in range(first, cnt):
+                out_len[d + j - first] = load_u32(q + 4 * (j + 1)) - load_u32(q + 4 * j)
+            a = load_u32(q + 4 * first)
+            col += align_up(4 * (cnt + 1))
+            memcpy(out_elems + e * isz, p + col + a * isz, (s.elems[i] - a) * isz)
+            e += s.elems[i] - a
+            col += align_up(s.elems[i] * isz)
+        d += k
 
 
 def decode_documents(DocLayout layout, values, bint block, uint64_t start):
@@ -529,143 +861,109 @@ def decode_documents(DocLayout layout, values, bint block, uint64_t start):
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = vals.n if vals.n > 0 else 1
     cdef Py_ssize_t nf = layout.nfields, v = layout.varlen, f, i
-    cdef uint64_t isz = layout.itemsize
-    cdef uint64_t* cnt = <uint64_t*>malloc(m * sizeof(uint64_t))
-    cdef uint64_t* first = <uint64_t*>malloc(m * sizeof(uint64_t))
-    cdef uint64_t* hdr = <uint64_t*>malloc(m * sizeof(uint64_t))
-    cdef uint64_t* elems = <uint64_t*>malloc(m * sizeof(uint64_t))
-    cdef Reason* why = <Reason*>malloc(m * sizeof(Reason))
-    cdef uint8_t** dst = <uint8_t**>calloc(nf, sizeof(uint8_t*))
-    if not (cnt and first and hdr and elems and why and dst):
-        free(cnt); free(first); free(hdr); free(elems); free(why); free(dst)
-        raise MemoryError()
-    cdef uint64_t ndocs = 0, nelem = 0, k, a, col, j, d, e
-    cdef const uint8_t* p
-    cdef const uint8_t* q
-    cdef uint8_t* out_elems
-    cdef int64_t* out_len
-    cdef int64_t* out_cnt
+    cdef DocScan s
+    s.cnt = <uint64_t*>malloc(m * sizeof(uint64_t))
+    s.first = <uint64_t*>malloc(m * sizeof(uint64_t))
+    s.hdr = <uint64_t*>malloc(m * sizeof(uint64_t))
+    s.elems = <uint64_t*>malloc(m * sizeof(uint64_t))
+    s.why = <Reason*>malloc(m * sizeof(Reason))
+    cdef _Buffers dst
+    cdef uint8_t[::1] out_elems
+    cdef int64_t[::1] out_len
+    cdef int64_t[::1] out_cnt
     try:
+        if not (s.cnt and s.first and s.hdr and s.elems and s.why):
+            raise MemoryError()
         with nogil:
-            for i in range(n):
-                cnt[i] = 0
-                if vals.size[i] < 0:
-                    why[i] = <Reason>(-vals.size[i])
-                elif block:
-                    why[i] = check_doc_block(layout, vals.ptr[i], vals.size[i],
-                                             &cnt[i], &hdr[i], &elems[i])
-                elif <uint64_t>vals.size[i] % isz:
-                    why[i] = R_RAW_ITEMSIZE
-                else:
-                    why[i] = R_OK
-                    cnt[i] = 1
-                    hdr[i] = 0
-                    elems[i] = <uint64_t>vals.size[i] // isz
-                if why[i] != R_OK:
-                    continue
-                first[i] = start if i == 0 else 0
-                if first[i] > cnt[i]:
-                    first[i] = cnt[i]
-                ndocs += cnt[i] - first[i]
-                if first[i] == 0:
-                    nelem += elems[i]
-                elif block:
-                    q = vals.ptr[i] + hdr[i] + layout.table_start(cnt[i])
-                    nelem += elems[i] - load_u32(q + 4 * first[i])
-        bad = [(i, _ALL_REASONS[why[i]]) for i in range(n) if why[i] != R_OK]
-        elements = np.empty(nelem * isz, np.uint8)
-        lengths = np.empty(ndocs, np.int64)
+            scan_documents(layout, vals.ptr, vals.size, n, block, start, &s)
+        bad = [(i, _ALL_REASONS[s.why[i]]) for i in range(n) if s.why[i] != R_OK]
+        elements = np.empty(s.nelem * layout.itemsize, np.uint8)
+        lengths = np.empty(s.ndocs, np.int64)
         counts = np.empty(n, np.int64)
-        fixed = [None if f == v else np.empty(ndocs * layout.row_bytes[f], np.uint8)
+        fixed = [None if f == v else np.empty(s.ndocs * layout.row_bytes[f], np.uint8)
                  for f in range(nf)]
-        out_elems = array_data(elements)
-        out_len = <int64_t*>array_data(lengths)
-        out_cnt = <int64_t*>array_data(counts)
-        for f in range(nf):
-            if f != v:
-                dst[f] = array_data(fixed[f])
+        # Every output is exactly as long as the first pass said, so the
+        # second pass writes inside these buffers.
+        out_elems, out_len, out_cnt = elements, lengths, counts
+        dst = _Buffers(fixed, True, layout.names, "output")
         with nogil:
-            d = 0
-            e = 0
-            for i in range(n):
-                if why[i] != R_OK:
-                    out_cnt[i] = 0
-                    continue
-                k = cnt[i] - first[i]
-                out_cnt[i] = k
-                p = vals.ptr[i]
-                if not block:
-                    if k:
-                        out_len[d] = elems[i]
-                        memcpy(out_elems + e * isz, p, elems[i] * isz)
-                        e += elems[i]
-                    d += k
-                    continue
-                col = hdr[i]
-                for f in range(nf):
-                    if f != v:
-                        memcpy(dst[f] + d * layout.row_bytes[f],
-                               p + col + first[i] * layout.row_bytes[f],
-                               k * layout.row_bytes[f])
-                        col += align_up(cnt[i] * layout.row_bytes[f])
-                        continue
-                    q = p + col
-                    for j in range(first[i], cnt[i]):
-                        out_len[d + j - first[i]] = load_u32(q + 4 * (j + 1)) - load_u32(q + 4 * j)
-                    a = load_u32(q + 4 * first[i])
-                    col += align_up(4 * (cnt[i] + 1))
-                    memcpy(out_elems + e * isz, p + col + a * isz, (elems[i] - a) * isz)
-                    e += elems[i] - a
-                    col += align_up(elems[i] * isz)
-                d += k
+            copy_documents(layout, vals.ptr, n, block, &s,
+                           &out_elems[0] if s.nelem else NULL,
+                           &out_len[0] if s.ndocs else NULL,
+                           &out_cnt[0] if n else NULL, dst.ptr)
     finally:
-        free(cnt); free(first); free(hdr); free(elems); free(why); free(dst)
+        free(s.cnt); free(s.first); free(s.hdr); free(s.elems); free(s.why)
     return elements, lengths, counts, fixed, bad
 
 
-cdef bytes doc_block(DocLayout layout, const uint8_t** src, const int64_t* offsets,
-                     uint64_t s, uint64_t k):
-    """One block of documents [s, s + k); ``src[varlen]`` holds the elements."""
+cdef _Buffers doc_columns(DocLayout layout, list columns, const int64_t[::1] offsets,
+                          uint64_t n):
+    """The document encoders' input, checked: columns of ``n`` rows, offsets into the elements.
+
+    ``offsets`` must hold ``n + 1`` entries from 0, never decreasing, the
+    last one the variable-length column's length in elements.
+    """
+    if len(columns) != layout.nfields:
+        raise ValueError(f"one column per field is needed: {layout.nfields} fields, "
+                         f"{len(columns)} columns")
+    if <uint64_t>offsets.shape[0] != n + 1:
+        raise ValueError(f"offsets must hold n + 1 = {n + 1} entries, got {offsets.shape[0]}")
+    cdef uint64_t i
+    if offsets[0] != 0:
+        raise ValueError(f"offsets must start at 0, got {offsets[0]}")
+    for i in range(n):
+        if offsets[i + 1] < offsets[i]:
+            raise ValueError(f"offsets decrease at document {i}")
+    cdef _Buffers src = _Buffers(columns, False, layout.names, "column")
+    cdef Py_ssize_t f
+    for f in range(layout.nfields):
+        if f == layout.varlen:
+            if not holds(src.nbytes[f], offsets[n], layout.itemsize):
+                raise ValueError(f"column {layout.names[f]!r} holds {src.nbytes[f]} bytes, "
+                                 f"the offsets say {offsets[n]} elements of {layout.itemsize}")
+        elif not holds(src.nbytes[f], n, layout.row_bytes[f]):
+            raise ValueError(_length_message(layout.names, src,
+                                             [layout.row_bytes[g] for g in range(layout.nfields)],
+                                             n))
+    return src
+
+
+cdef void fill_doc_block(DocLayout layout, uint8_t** src, const int64_t* offsets, uint64_t s,
+                         uint64_t k, uint8_t* p, uint64_t size) noexcept nogil:
+    """Documents [s, s + k) as one block of ``size`` bytes; ``src[varlen]`` holds the elements."""
     cdef uint64_t base = offsets[s] if k else 0
     cdef uint64_t total = offsets[s + k] - base if k else 0
+    cdef uint64_t off = HEADER_SIZE, rb, i, isz = layout.itemsize
+    cdef uint32_t u32
+    cdef Py_ssize_t f
+    write_header(p, FLAG_VARLEN, k, layout.fingerprint, size)
+    for f in range(layout.nfields):
+        if f == layout.varlen:
+            for i in range(k + 1):
+                u32 = <uint32_t>(offsets[s + i] - base) if k else 0
+                memcpy(p + off + 4 * i, &u32, 4)
+            memset(p + off + 4 * (k + 1), 0, align_up(4 * (k + 1)) - 4 * (k + 1))
+            off += align_up(4 * (k + 1))
+            if total:
+                memcpy(p + off, src[f] + base * isz, total * isz)
+            memset(p + off + total * isz, 0, align_up(total * isz) - total * isz)
+            off += align_up(total * isz)
+        else:
+            rb = layout.row_bytes[f]
+            if k:
+                memcpy(p + off, src[f] + s * rb, k * rb)
+            memset(p + off + k * rb, 0, align_up(k * rb) - k * rb)
+            off += align_up(k * rb)
+
+
+cdef bytes doc_block(DocLayout layout, _Buffers src, const int64_t[::1] offsets, uint64_t s,
+                     uint64_t k):
+    cdef uint64_t total = offsets[s + k] - offsets[s] if k else 0
     cdef uint64_t size = layout.block_size(k, total)
     b = PyBytes_FromStringAndSize(NULL, size)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(b)
-    cdef uint64_t off, rb, i, isz = layout.itemsize
-    cdef uint32_t u32
-    cdef uint64_t u64
-    cdef Py_ssize_t f
     with nogil:
-        memset(p, 0, HEADER_SIZE)
-        u32 = BLOCK_MAGIC
-        memcpy(p, &u32, 4)
-        p[4] = FORMAT_VERSION
-        p[5] = FLAG_VARLEN
-        p[6] = HEADER_SIZE
-        u32 = <uint32_t>k
-        memcpy(p + 8, &u32, 4)
-        u64 = layout.fingerprint
-        memcpy(p + 16, &u64, 8)
-        u64 = size - HEADER_SIZE
-        memcpy(p + 24, &u64, 8)
-        off = HEADER_SIZE
-        for f in range(layout.nfields):
-            if f == layout.varlen:
-                for i in range(k + 1):
-                    u32 = <uint32_t>(offsets[s + i] - base) if k else 0
-                    memcpy(p + off + 4 * i, &u32, 4)
-                memset(p + off + 4 * (k + 1), 0, align_up(4 * (k + 1)) - 4 * (k + 1))
-                off += align_up(4 * (k + 1))
-                if total:
-                    memcpy(p + off, src[f] + base * isz, total * isz)
-                memset(p + off + total * isz, 0, align_up(total * isz) - total * isz)
-                off += align_up(total * isz)
-            else:
-                rb = layout.row_bytes[f]
-                if k:
-                    memcpy(p + off, src[f] + s * rb, k * rb)
-                memset(p + off + k * rb, 0, align_up(k * rb) - k * rb)
-                off += align_up(k * rb)
+        fill_doc_block(layout, src.ptr, &offsets[0], s, k, p, size)
     return b
 
 
@@ -673,52 +971,43 @@ def encode_doc_blocks(DocLayout layout, list columns, const int64_t[::1] offsets
                       uint64_t n, uint64_t block_records, uint64_t block_bytes):
     """Pack ``n`` documents into blocks of at most ``block_records`` each.
 
-    ``columns``: one C-contiguous uint8 view per field: a fixed field's
-    ``n * row_bytes`` bytes, or at the variable-length field every document's
-    elements concatenated. ``offsets``: ``n + 1`` element offsets into those,
-    from 0, non-decreasing (checked by the caller). A block is also closed
-    before it would grow past ``block_bytes`` (0: no limit), unless it holds
-    a single document; and before its elements would overflow a uint32 offset.
-    ``n == 0`` gives one empty block.
+    ``columns``: one C-contiguous buffer per field: a fixed field's ``n``
+    rows, or at the variable-length field every document's elements
+    concatenated. ``offsets``: ``n + 1`` element offsets into those, from 0,
+    non-decreasing (ValueError otherwise, as for a column of another length).
+    A block is also closed before it would grow past ``block_bytes`` (0: no
+    limit), unless it holds a single document; and before its elements would
+    overflow a uint32 offset. ``n == 0`` gives one empty block.
     """
-    if len(columns) != layout.nfields:
-        raise ValueError("one column per field is needed")
-    if <uint64_t>offsets.shape[0] != n + 1:
-        raise ValueError("offsets must hold n + 1 entries")
     if block_records == 0 or block_records > 0xFFFFFFFF:
         raise ValueError("block_records must be in 1..2**32-1")
-    cdef const uint8_t** src = column_pointers(columns, layout.nfields)
+    cdef _Buffers src = doc_columns(layout, columns, offsets, n)
     cdef list out = []
     cdef uint64_t s = 0, k, span
-    try:
-        if n == 0:
-            return [doc_block(layout, src, &offsets[0], 0, 0)]
-        while s < n:
-            if <uint64_t>(offsets[s + 1] - offsets[s]) > 0xFFFFFFFF:
-                raise ValueError("a document holds more than 2**32-1 elements")
-            k = 1
-            while k < block_records and s + k < n:
-                span = offsets[s + k + 1] - offsets[s]
-                if span > 0xFFFFFFFF:
-                    break
-                if block_bytes and layout.block_size(k + 1, span) > block_bytes:
-                    break
-                k += 1
-            out.append(doc_block(layout, src, &offsets[0], s, k))
-            s += k
-    finally:
-        free(src)
+    if n == 0:
+        return [doc_block(layout, src, offsets, 0, 0)]
+    while s < n:
+        if <uint64_t>(offsets[s + 1] - offsets[s]) > 0xFFFFFFFF:
+            raise ValueError("a document holds more than 2**32-1 elements")
+        k = 1
+        while k < block_records and s + k < n:
+            span = offsets[s + k + 1] - offsets[s]
+            if span > 0xFFFFFFFF:
+                break
+            if block_bytes and layout.block_size(k + 1, span) > block_bytes:
+                break
+            k += 1
+        out.append(doc_block(layout, src, offsets, s, k))
+        s += k
     return out
 
 
-def encode_doc_raw(DocLayout layout, const uint8_t[::1] elements, const int64_t[::1] offsets,
-                   uint64_t n):
+def encode_doc_raw(DocLayout layout, elements, const int64_t[::1] offsets, uint64_t n):
     """One raw value per document: its elements, nothing else."""
     if layout.nfields != 1:
         raise ValueError("a raw value holds only the variable-length field")
-    if <uint64_t>offsets.shape[0] != n + 1:
-        raise ValueError("offsets must hold n + 1 entries")
-    cdef const uint8_t* base = &elements[0] if elements.shape[0] else NULL
+    cdef _Buffers src = doc_columns(layout, [elements], offsets, n)
+    cdef const uint8_t* base = src.ptr[0]
     cdef uint64_t isz = layout.itemsize, i
     cdef list out = []
     for i in range(n):

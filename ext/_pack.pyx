@@ -16,16 +16,21 @@ library where it can: position ids are a ``memcpy`` from a table of
 width are a ``memcpy``; the C library picks the widest stores the CPU has
 when it loads. The one loop left per token, the copy of token ids of another
 width, is built for several CPU levels in the same way (see ``KFEED_CLONES``).
+
+The front hands in objects with the buffer protocol, never addresses: a
+``Chunk`` holds one feed's token ids and offsets, ``Outputs`` one batch's
+output buffers, each checked for its element type and length when it is
+made, so no argument from Python can make the loop read or write outside them.
 """
 
 from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
-                          uint64_t, uintptr_t)
+                          uint64_t)
 from libc.stddef cimport wchar_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
-
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE,
+                             PyBuffer_Release, PyObject_GetBuffer)
 
 import numpy as np
 
@@ -179,13 +184,41 @@ cdef void count(uint8_t* d, int dc, Py_ssize_t n) noexcept nogil:
             (<int64_t*>d)[i] = i
 
 
-def address(obj):
-    """The address of the first byte of ``obj``, a C-contiguous buffer the caller keeps alive."""
-    cdef Py_buffer view
-    PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
-    cdef uintptr_t ptr = <uintptr_t>view.buf
-    PyBuffer_Release(&view)
-    return ptr
+
+cdef int element_code(const char* fmt, Py_ssize_t itemsize, bint out) noexcept:
+    """The element code of a buffer's struct format, 0 if it is not one we take.
+
+    Native integers only (a byte-order prefix other than this little-endian
+    host's is refused); ``out``: the output types, int32 and int64.
+    """
+    if fmt == NULL:
+        return 0 if out else C_UINT8  # no format means unsigned bytes
+    cdef char c = fmt[0]
+    if c == b"@" or c == b"=" or c == b"<":
+        fmt += 1
+        c = fmt[0]
+    if c == 0 or fmt[1] != 0:
+        return 0
+    cdef bint signed
+    if c == b"b" or c == b"h" or c == b"i" or c == b"l" or c == b"q":
+        signed = True
+    elif c == b"B" or c == b"H" or c == b"I" or c == b"L" or c == b"Q":
+        signed = False
+    else:
+        return 0
+    if out:
+        if not signed:
+            return 0
+        return C_INT32 if itemsize == 4 else C_INT64 if itemsize == 8 else 0
+    if itemsize == 1:
+        return C_INT8 if signed else C_UINT8
+    if itemsize == 2:
+        return C_INT16 if signed else C_UINT16
+    if itemsize == 4:
+        return C_INT32 if signed else C_UINT32
+    if itemsize == 8:
+        return C_INT64 if signed else C_UINT64
+    return 0
 
 
 def offsets(const int64_t[::1] lengths):
@@ -211,14 +244,66 @@ def offsets(const int64_t[::1] lengths):
     return out, total, nonempty
 
 
-cdef class Outputs:
-    """The output buffers of one batch, as raw addresses (kept alive by the caller).
+cdef class Chunk:
+    """Documents fed in one go: token ids and their offsets, held for the packing loop.
 
-    ``[rows, seq_len]`` C-contiguous token ids, position ids and document ids
-    (address 0: not written), and ``cu_seqlens`` with room for
-    ``rows * seq_len + 1`` int32 entries (address 0: not written).
+    ``tokens``: a 1-D C-contiguous buffer of integers (its element type is
+    read from the buffer's format); ``offsets``: int64, ``ndocs + 1`` entries
+    from 0, never decreasing, the last one ``len(tokens)``: document ``d`` is
+    ``tokens[offsets[d]:offsets[d + 1]]``. Both are checked here and held
+    while the chunk lives, so the loop reads inside them only.
     """
 
+    cdef Py_buffer view
+    cdef bint held
+    cdef const uint8_t* ids
+    cdef readonly int code
+    cdef readonly Py_ssize_t ndocs
+    cdef const int64_t[::1] offs
+
+    def __cinit__(self, tokens, const int64_t[::1] offsets):
+        try:
+            PyObject_GetBuffer(tokens, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        except (TypeError, BufferError, ValueError) as e:
+            raise ValueError(f"tokens must be a C-contiguous buffer: {e}") from None
+        self.held = True
+        self.code = element_code(self.view.format, self.view.itemsize, False)
+        if self.code == 0:
+            raise ValueError(f"tokens must hold native integers, got format "
+                             f"{(self.view.format or b'B').decode()!r}")
+        if offsets.shape[0] < 1:
+            raise ValueError("offsets needs ndocs + 1 entries")
+        cdef Py_ssize_t n = offsets.shape[0] - 1, d
+        cdef int64_t count = self.view.len // self.view.itemsize
+        if offsets[0] != 0:
+            raise ValueError(f"offsets must start at 0, got {offsets[0]}")
+        for d in range(n):
+            if offsets[d + 1] < offsets[d]:
+                raise ValueError(f"offsets decrease at document {d}")
+        if offsets[n] != count:
+            raise ValueError(f"the offsets end at {offsets[n]}, tokens holds {count}")
+        self.ids = <const uint8_t*>self.view.buf
+        self.ndocs = n
+        self.offs = offsets
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+cdef class Outputs:
+    """The output buffers of one batch, held while this object lives.
+
+    ``tokens`` (required), ``position_ids`` and ``doc_ids``: C-contiguous
+    int32 or int64 buffers of ``rows * seq_len`` elements (the ``[rows,
+    seq_len]`` arrays); ``cu_seqlens``: int32 with at least ``rows * seq_len
+    + 1`` entries. ``None``: not written. Objects with the buffer protocol,
+    never addresses: the element type and length come from the buffer, so
+    the loop cannot write past any of them.
+    """
+
+    cdef Py_buffer views[4]
+    cdef bint held[4]
     cdef uint8_t* tokens
     cdef int tok
     cdef uint8_t* pos
@@ -230,35 +315,57 @@ cdef class Outputs:
     cdef readonly Py_ssize_t rows
     cdef readonly Py_ssize_t seq_len
 
-    def __cinit__(self, Py_ssize_t rows, Py_ssize_t seq_len, uint64_t tok_ptr, int tok_code,
-                  uint64_t pos_ptr, int pos_code, uint64_t doc_ptr, int doc_code,
-                  uint64_t cu_ptr, Py_ssize_t cu_cap):
+    def __cinit__(self, Py_ssize_t rows, Py_ssize_t seq_len, tokens, position_ids=None,
+                  doc_ids=None, cu_seqlens=None):
         if rows <= 0 or seq_len <= 0:
             raise ValueError("rows and seq_len must be positive")
-        if tok_ptr == 0:
+        if rows > (<Py_ssize_t>1 << 62) // seq_len:
+            raise ValueError("rows * seq_len is too large")
+        if tokens is None:
             raise ValueError("the token buffer is required")
-        for code, ptr in ((tok_code, tok_ptr), (pos_code, pos_ptr), (doc_code, doc_ptr)):
-            if ptr and code not in OUT_CODES.values():
-                raise ValueError("output buffers hold int32 or int64")
-        if cu_ptr and cu_cap < rows * seq_len + 1:
-            raise ValueError("cu_seqlens needs rows * seq_len + 1 entries")
         self.rows = rows
         self.seq_len = seq_len
-        self.tokens = <uint8_t*>tok_ptr
-        self.tok = tok_code
-        self.pos = <uint8_t*>pos_ptr
-        self.pos_code = pos_code
-        self.docs = <uint8_t*>doc_ptr
-        self.doc_code = doc_code
-        self.cu = <int32_t*>cu_ptr
-        if pos_ptr:
-            self.positions = <uint8_t*>malloc(seq_len * out_size(pos_code))
+        cdef Py_ssize_t slots = rows * seq_len
+        self.tokens = self._hold(0, "tokens", tokens, slots, &self.tok)
+        self.pos = self._hold(1, "position_ids", position_ids, slots, &self.pos_code)
+        self.docs = self._hold(2, "doc_ids", doc_ids, slots, &self.doc_code)
+        cdef int cu_code = 0
+        self.cu = <int32_t*>self._hold(3, "cu_seqlens", cu_seqlens, -(slots + 1), &cu_code)
+        if self.cu != NULL and cu_code != C_INT32:
+            raise ValueError("cu_seqlens must hold int32")
+        if self.pos != NULL:
+            self.positions = <uint8_t*>malloc(seq_len * out_size(self.pos_code))
             if self.positions == NULL:
                 raise MemoryError()
-            count(self.positions, pos_code, seq_len)
+            count(self.positions, self.pos_code, seq_len)
+
+    cdef uint8_t* _hold(self, int i, str name, obj, Py_ssize_t n, int* code) except? NULL:
+        """Hold buffer ``i``: ``n`` elements exactly, or at least ``-n``; NULL for None."""
+        if obj is None:
+            return NULL
+        try:
+            PyObject_GetBuffer(obj, &self.views[i],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
+        except (TypeError, BufferError, ValueError) as e:
+            raise ValueError(f"{name} must be a writable C-contiguous buffer: {e}") from None
+        self.held[i] = True
+        cdef Py_buffer* v = &self.views[i]
+        code[0] = element_code(v.format, v.itemsize, True)
+        if code[0] == 0:
+            raise ValueError(f"{name} must hold int32 or int64, got format "
+                             f"{(v.format or b'B').decode()!r}")
+        cdef Py_ssize_t have = v.len // v.itemsize
+        if (n >= 0 and have != n) or (n < 0 and have < -n):
+            raise ValueError(f"{name} holds {have} elements, needs "
+                             f"{'' if n >= 0 else 'at least '}{n if n >= 0 else -n}")
+        return <uint8_t*>v.buf
 
     def __dealloc__(self):
         free(self.positions)
+        cdef int i
+        for i in range(4):
+            if self.held[i]:
+                PyBuffer_Release(&self.views[i])
 
 
 cdef inline void segment(uint8_t* pos, const uint8_t* positions, int pos_code, uint8_t* docs,
@@ -306,15 +413,12 @@ cdef class Core:
         self.pad = pad
         self.split_long = split_long
 
-    def batch(self, Outputs out, chunks, int src_code, Py_ssize_t doc, int64_t off,
-              bint finished):
+    def batch(self, Outputs out, chunks, Py_ssize_t doc, int64_t off, bint finished):
         """Pack the next batch into ``out`` from ``chunks``, starting at document ``doc``.
 
-        ``chunks``: the front's pending chunks in order, each a tuple whose
-        items 2 to 4 are the address of its token ids (``src_code``
-        elements), the address of its ``ndocs + 1`` int64 document offsets
-        (from 0, non-decreasing: the front checks) and ``ndocs``; ``off``
-        tokens of document ``doc`` of the first chunk are already out.
+        ``chunks``: the front's pending ``Chunk`` objects in order; ``off``
+        tokens of document ``doc`` of the first one are already out (EOS
+        counted, so less than that document's tokens plus its EOS).
         ``finished``: the stream ends with the last chunk, so the batch may
         have fewer rows, its last row padded.
 
@@ -325,21 +429,27 @@ cdef class Core:
         with ``off`` tokens of it out. One call per batch, so the front does
         no per-chunk work in Python.
         """
-        if not C_INT8 <= src_code <= C_UINT64:
-            raise ValueError("unknown element type")
         if out.seq_len != self.L:
             raise ValueError("out has another seq_len")
         cdef Py_ssize_t used = 0, last = len(chunks) - 1, ndocs = 0
         cdef bint complete = False
-        cdef tuple c
+        cdef Chunk c
+        cdef int64_t unit
         self.rows = self.col = self.segments = self.max_seqlen = 0
         self.tokens = self.truncated = self.doc_id = self.documents = 0
         for c in chunks:
-            ndocs = c[4]
+            ndocs = c.ndocs
             if not 0 <= doc <= ndocs:
                 raise ValueError("doc is outside the chunk's documents")
-            complete, doc, off = self._run(out, <const uint8_t*><uintptr_t>c[2], src_code,
-                                           <const int64_t*><uintptr_t>c[3], ndocs, doc, off,
+            if off:
+                # The cursor must lie inside the document, or the loop would
+                # write before the segment it starts.
+                unit = c.offs[doc + 1] - c.offs[doc] if doc < ndocs else 0
+                if unit:
+                    unit += self.has_eos
+                if off < 0 or off >= unit or not self.split_long:
+                    raise ValueError(f"off {off} is outside document {doc} ({unit} tokens)")
+            complete, doc, off = self._run(out, c.ids, c.code, &c.offs[0], ndocs, doc, off,
                                            finished and used == last)
             if complete:
                 break

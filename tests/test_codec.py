@@ -6,9 +6,12 @@ The ``oracle_*`` functions below write the wire format of docs/FORMAT.md with
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -18,7 +21,6 @@ from hypothesis import strategies as st
 
 import kfeed
 from kfeed import ConfigError, Schema
-from kfeed.schema import Target
 
 DTYPES = [
     "bool",
@@ -440,6 +442,26 @@ def test_a_released_memoryview_is_rejected_not_raised():
     assert_rows(out, [0, 1], 4)
 
 
+def untouchable(nbytes: int) -> np.ndarray:
+    """``nbytes`` of address space that may be neither read nor written, as a uint8 array.
+
+    Any touch is a segfault, so an output over it proves that a decode wrote
+    nothing, and it costs no memory however big the rows it stands for.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = libc.mmap(None, nbytes, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+    weakref.finalize(arr, libc.munmap, addr, nbytes)
+    return arr
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_ANONYMOUS"), reason="needs POSIX mmap")
 @pytest.mark.parametrize("split", [False, True])
 def test_a_count_that_would_overflow_is_rejected(split):
     # 2**31 records of 2**33 bytes is 2**64: the size would wrap to 0, so a
@@ -447,18 +469,15 @@ def test_a_count_that_would_overflow_is_rejected(split):
     huge = Schema({"big": ("uint8", (2**33,))})
     header = oracle_block(huge, [], 0, count_field=2**31, body_len=0)
     assert len(header) == 32
-    buf = np.full(64, 0xAB, np.uint8)  # stands in for a 1-row output: nothing may be written
-    target = Target(np.array([buf.ctypes.data], np.uint64), 1, (buf,))
+    # A one-row output nothing may touch: a write through it would crash.
+    target = huge.bind({"big": untouchable(2**33).reshape(1, 2**33)})
+    assert target.capacity == 1
     assert huge.decode_into([header], target, split=split) == (0, 1, [(0, COUNT)], 0)
-    assert (buf == 0xAB).all()
     max_count = (2**63 - 1) // 2**33
     over = oracle_block(huge, [], 0, count_field=max_count + 1, body_len=0)
     assert huge.decode_into([over], target).bad == [(0, COUNT)]
     at_limit = oracle_block(huge, [], 0, count_field=max_count, body_len=0)
     assert huge.decode_into([at_limit], target).bad == [(0, LENGTH)]
-
-
-# -- bounds and resumption ---------------------------------------------------
 
 
 def test_decode_stops_before_a_block_that_would_overflow():
@@ -678,6 +697,108 @@ def test_a_read_only_output_is_refused():
     out["k"].flags.writeable = False
     with pytest.raises(ConfigError, match="'k'.*read-only"):
         SMALL.decode_into([GOOD], out)
+
+
+def test_a_target_holds_the_buffers_it_was_bound_to():
+    out = {"v": torch.zeros(2, 3, dtype=torch.int32), "k": np.zeros(2, np.int64)}
+    target = SMALL.bind(out)
+    assert target.pointers.tolist() == [out["v"].data_ptr(), out["k"].ctypes.data]
+    bf = Schema({"w": ("bfloat16", (2,))})
+    w = torch.zeros(3, 2, dtype=torch.bfloat16)
+    assert bf.bind({"w": w}).pointers.tolist() == [w.data_ptr()]
+    with pytest.raises(ValueError, match="cannot resize"):
+        out["k"].resize(4)  # held by the target: its memory may not move
+
+
+def test_the_codec_takes_buffers_never_addresses():
+    layout = SMALL._layout
+    address = np.array([sentinel_out(2)["v"].ctypes.data, 0], np.uint64)
+    with pytest.raises(TypeError, match="expected kfeed._codec.Out"):
+        kfeed._codec.decode(layout, [GOOD], address, 0, True, 0, False)
+    with pytest.raises(ValueError, match="^out 'v' must be a writable C-contiguous buffer, got int"):
+        kfeed._codec.Out(layout, [int(address[0]), np.zeros(2, np.int64)])
+    with pytest.raises(ValueError, match="^out 'k' must be a writable C-contiguous buffer, got bytes"):
+        kfeed._codec.Out(layout, [np.zeros((2, 3), np.int32), bytes(16)])
+
+
+@pytest.mark.parametrize(
+    ("buffers", "match"),
+    [
+        ([np.zeros(25, np.uint8), np.zeros(2, np.int64)],
+         "^out 'v' holds 25 bytes, not a whole number of 12-byte rows$"),
+        ([np.zeros((2, 3), np.int32), np.zeros(3, np.int64)], "^out 'k' has 3 rows, out 'v' has 2$"),
+        ([np.zeros((2, 3), np.int32)], "^one buffer per field is needed: 2 fields, 1 buffers$"),
+        ([np.zeros((2, 3), np.int32), None], "^out 'k' needs a buffer$"),
+    ],
+)
+def test_out_buffers_hold_whole_rows_the_same_number_for_every_field(buffers, match):
+    with pytest.raises(ValueError, match=match):
+        kfeed._codec.Out(SMALL._layout, buffers)
+
+
+def test_a_target_of_another_schema_is_refused_before_any_write():
+    out = sentinel_out(2)
+    target = SMALL.bind(out)
+    wider = Schema({"v": ("int32", (4,)), "k": ("int64", ())})  # 16-byte rows of v
+    value = wider.encode_block({"v": np.ones((2, 4), np.int32), "k": np.ones(2, np.int64)})
+    with pytest.raises(ConfigError, match="^out 'v' holds 24 bytes, less than 2 rows of this layout$"):
+        wider.decode_into([value], target)
+    assert_rows(out, [], 2)
+
+
+@pytest.mark.parametrize("encode", ["encode_blocks", "encode_raw"])
+def test_the_encoders_check_every_column_holds_n_records(encode):
+    layout, cols = SMALL._layout, small_columns(0, 3)
+    v, k = cols["v"].view(np.uint8).reshape(-1), cols["k"].view(np.uint8).reshape(-1)
+    args = (64,) if encode == "encode_blocks" else ()
+    fn = getattr(kfeed._codec, encode)
+    with pytest.raises(ValueError, match=r"^every column must hold 3 records; got "
+                                         r"'v' 3 \(36 bytes\), 'k' 2 \(16 bytes\)$"):
+        fn(layout, [v, k[:16]], 3, *args)
+    # n past the columns' end would have read beyond them.
+    with pytest.raises(ValueError, match=r"^every column must hold 4 records; got "
+                                         r"'v' 3 \(36 bytes\), 'k' 3 \(24 bytes\)$"):
+        fn(layout, [v, k], 4, *args)
+    with pytest.raises(ValueError, match=r"'k' 2.5 \(20 bytes\)"):
+        fn(layout, [v, k[:20]], 3, *args)
+    with pytest.raises(ValueError, match="^one column per field is needed: 2 fields, 1 columns$"):
+        fn(layout, [v], 3, *args)
+    assert fn(layout, [v, k], 3, *args) == getattr(SMALL, encode)(cols)
+
+
+def test_decode_counts_gives_the_rows_of_each_value():
+    blocks = [SMALL.encode_block(small_columns(10 * i, i)) for i in range(4)]  # 0..3 records
+    values = [blocks[2], None, blocks[0], blocks[3], blocks[2], blocks[1]]
+    out = sentinel_out(5)
+    result, counts = SMALL.decode_counts(values, out, split=True, start=1)
+    assert result == (5, 4, [(1, TOMBSTONE)], 1)
+    assert counts.dtype == np.int64
+    # The first skips one record; the fifth gives one before the output is
+    # full (partial); the last is not reached.
+    assert counts.tolist() == [1, 0, 0, 3, 1, 0]
+    assert_rows(out, [21, 30, 31, 32, 20], 5)
+    result, counts = SMALL.decode_counts(iter([blocks[2], blocks[3]]), out, row=3)
+    assert (result, counts.tolist()) == ((2, 1, [], 0), [2, 0])
+    assert_rows(out, [21, 30, 31, 20, 21], 5)
+
+
+def test_take_copies_the_rows_picked_in_order():
+    stage = {"v": (np.arange(5)[:, None] * 10 + np.arange(3)).astype(np.int32),
+             "k": np.arange(5, dtype=np.int64)}
+    out = sentinel_out(6)
+    SMALL.take(stage, [4, 0, 4, 2], out, row=1)
+    np.testing.assert_array_equal(out["k"], [SENTINEL, 4, 0, 4, 2, SENTINEL])
+    np.testing.assert_array_equal(out["v"][1:5], stage["v"][[4, 0, 4, 2]])
+    assert (out["v"][[0, 5]] == SENTINEL).all()
+    with pytest.raises(ConfigError, match="^row 5 is outside the source \\(5 rows\\)$"):
+        SMALL.take(stage, [0, 5], out)
+    with pytest.raises(ConfigError, match="^row -1 is outside the source \\(5 rows\\)$"):
+        SMALL.take(stage, np.array([-1]), out)
+    with pytest.raises(ConfigError, match="^3 rows from row 4 overflow the output \\(6 rows\\)$"):
+        SMALL.take(stage, [0, 1, 2], out, row=4)
+    with pytest.raises(ConfigError, match="^rows must be a 1-D array of ints$"):
+        SMALL.take(stage, [0.5], out)
+    np.testing.assert_array_equal(out["k"], [SENTINEL, 4, 0, 4, 2, SENTINEL])
 
 
 @pytest.mark.parametrize(

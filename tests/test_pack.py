@@ -565,3 +565,108 @@ def test_bad_states_raise_config_error():
     packer.feed(np.arange(2, dtype=np.int32), [2])
     with pytest.raises(ConfigError, match="before the first feed"):
         packer.load_state({"docs": 0, "offset": 0})
+
+
+# -- the Cython core takes buffers, never addresses -------------------------------
+
+from kfeed import _pack  # noqa: E402 - the private core, for the checks it makes itself
+
+
+def test_the_core_has_no_address_to_take():
+    assert not hasattr(_pack, "address")
+    tokens = np.zeros((2, 4), np.int64)
+    with pytest.raises(ValueError, match="^tokens must be a writable C-contiguous buffer"):
+        _pack.Outputs(2, 4, tokens.ctypes.data)
+    with pytest.raises(ValueError, match="^tokens must be a C-contiguous buffer"):
+        _pack.Chunk(12345, np.zeros(1, np.int64))
+
+
+@pytest.mark.parametrize(
+    ("buffers", "match"),
+    [
+        ({"tokens": np.zeros(7, np.int64)}, "^tokens holds 7 elements, needs 8$"),
+        ({"tokens": np.zeros(9, np.int32)}, "^tokens holds 9 elements, needs 8$"),
+        ({"tokens": np.zeros(8, np.uint32)}, "^tokens must hold int32 or int64, got format 'I'$"),
+        ({"tokens": np.zeros(8, np.float64)}, "^tokens must hold int32 or int64, got format 'd'$"),
+        ({"tokens": np.zeros(8, ">i8")}, "^tokens must hold int32 or int64, got format '>q'$"),
+        ({"tokens": np.zeros(16, np.int64)[::2]}, "^tokens must be a writable C-contiguous"),
+        ({"tokens": np.zeros(8), "position_ids": np.zeros(8, np.int32)[:7]},
+         "^tokens must hold int32"),
+        ({"tokens": np.zeros(8, np.int64), "position_ids": np.zeros(7, np.int32)},
+         "^position_ids holds 7 elements, needs 8$"),
+        ({"tokens": np.zeros(8, np.int64), "doc_ids": np.zeros(9, np.int64)},
+         "^doc_ids holds 9 elements, needs 8$"),
+        ({"tokens": np.zeros(8, np.int64), "cu_seqlens": np.zeros(8, np.int32)},
+         "^cu_seqlens holds 8 elements, needs at least 9$"),
+        ({"tokens": np.zeros(8, np.int64), "cu_seqlens": np.zeros(9, np.int64)},
+         "^cu_seqlens must hold int32$"),
+        ({"tokens": b"\0" * 64}, "^tokens must be a writable C-contiguous buffer"),
+        ({"tokens": None}, "^the token buffer is required$"),
+    ],
+)
+def test_outputs_check_every_buffer_against_rows_and_seq_len(buffers, match):
+    with pytest.raises(ValueError, match=match):
+        _pack.Outputs(2, 4, **buffers)
+
+
+def test_outputs_hold_their_buffers():
+    tokens = np.zeros((2, 4), np.int64)
+    out = _pack.Outputs(2, 4, tokens)
+    with pytest.raises(ValueError, match="cannot resize"):
+        tokens.resize(100)  # held: its memory may not move
+    del out
+    tokens.resize(100)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "offsets", "match"),
+    [
+        (np.arange(5, dtype=np.int32), [1, 3, 5], "^offsets must start at 0, got 1$"),
+        (np.arange(5, dtype=np.int32), [0, 3, 2, 5], "^offsets decrease at document 1$"),
+        (np.arange(5, dtype=np.int32), [0, 3, 6], "^the offsets end at 6, tokens holds 5$"),
+        (np.arange(5, dtype=np.int32), [0, 3, 4], "^the offsets end at 4, tokens holds 5$"),
+        (np.arange(5, dtype=np.int32), [], "^offsets needs ndocs \\+ 1 entries$"),
+        (np.arange(4, dtype=np.float32), [0, 4], "^tokens must hold native integers, got format 'f'$"),
+        (np.arange(10, dtype=np.int32)[::2], [0, 5], "^tokens must be a C-contiguous buffer"),
+    ],
+)
+def test_a_chunk_checks_its_offsets_against_its_tokens(tokens, offsets, match):
+    with pytest.raises(ValueError, match=match):
+        _pack.Chunk(tokens, np.array(offsets, np.int64))
+
+
+def test_the_core_refuses_a_cursor_outside_the_document():
+    # A cursor past the document's end would have the loop write before the
+    # segment it starts: the core checks it against the chunk.
+    core = _pack.Core(4, True, 9, 0, True)
+    chunk = _pack.Chunk(np.arange(5, dtype=np.int32), np.array([0, 3, 5], np.int64))
+    tokens = np.full((2, 4), -1, np.int64)
+    out = _pack.Outputs(2, 4, tokens)
+    for doc, off in [(0, 4), (1, 3), (0, -1), (2, 1)]:
+        with pytest.raises(ValueError, match=f"^off {off} is outside document {doc} "):
+            core.batch(out, [chunk], doc, off, True)
+    assert (tokens == -1).all()
+    with pytest.raises(TypeError):
+        core.batch(out, [(None, None, 0, 0, 2)], 0, 0, True)
+    # Inside it, packing goes on from the cursor: document 0's last token and EOS.
+    assert core.batch(out, [chunk], 0, 2, True)[3] == 2
+    assert tokens.tolist() == [[2, 9, 3, 4], [9, 0, 0, 0]]
+
+
+def test_the_core_refuses_a_cursor_with_split_long_false():
+    core = _pack.Core(4, True, 9, 0, False)
+    chunk = _pack.Chunk(np.arange(5, dtype=np.int32), np.array([0, 3, 5], np.int64))
+    out = _pack.Outputs(2, 4, np.zeros((2, 4), np.int64))
+    with pytest.raises(ValueError, match="^off 1 is outside document 0 "):
+        core.batch(out, [chunk], 0, 1, True)
+
+
+def test_a_packer_target_over_torch_tensors_writes_into_them():
+    packer = Packer(Pack(4, eos_id=9), 2)
+    out = packer.empty(like="torch", token_dtype="int32")
+    target = packer.bind(out)
+    packer.feed(np.array([1, 2, 3, 4, 5], np.int16), [3, 2])
+    packer.finish()
+    assert packer.next_batch(target).rows == 2
+    assert out["tokens"].tolist() == [[1, 2, 3, 9], [4, 5, 9, 0]]
+    assert out["cu_seqlens"][:4].tolist() == [0, 4, 7, 8]

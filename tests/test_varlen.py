@@ -416,3 +416,56 @@ def test_fixed_columns_must_match_the_document_count():
         schema.encode_blocks({"id": np.arange(2), "tokens": DOCS3})
     with pytest.raises(ConfigError, match="'tokens' is missing"):
         schema.encode_blocks({"id": np.arange(2)})
+
+
+# -- the document encoders check their own inputs -------------------------------
+
+IDS = Schema({"id": ("int64", ()), "tokens": ("int32", (None,))})
+
+
+def ids_columns(n_ids: int, n_tokens: int) -> list[np.ndarray]:
+    return [np.arange(n_ids, dtype=np.int64).view(np.uint8),
+            np.arange(n_tokens, dtype=np.int32).view(np.uint8)]
+
+
+@pytest.mark.parametrize(
+    ("columns", "offsets", "match"),
+    [
+        (ids_columns(3, 5), [0, 2, 2], "^offsets must hold n \\+ 1 = 4 entries, got 3$"),
+        (ids_columns(3, 5), [1, 2, 3, 5], "^offsets must start at 0, got 1$"),
+        (ids_columns(3, 5), [0, 3, 2, 5], "^offsets decrease at document 1$"),
+        (ids_columns(3, 5), [0, 2, 2, 6],
+         "^column 'tokens' holds 20 bytes, the offsets say 6 elements of 4$"),
+        (ids_columns(3, 5)[:1], [0, 2, 2, 5], "^one column per field is needed: 2 fields, 1 columns$"),
+        (ids_columns(2, 5), [0, 2, 2, 5],
+         "^every column must hold 3 records; got 'id' 2 \\(16 bytes\\)$"),
+        (ids_columns(4, 5), [0, 2, 2, 5],
+         "^every column must hold 3 records; got 'id' 4 \\(32 bytes\\)$"),
+    ],
+)
+def test_the_document_block_encoder_checks_columns_and_offsets(columns, offsets, match):
+    # Past the end of a column, or with offsets going back, it would read
+    # outside the caller's buffers.
+    with pytest.raises(ValueError, match=match):
+        kfeed._codec.encode_doc_blocks(IDS._doc_layout, columns, np.array(offsets, np.int64),
+                                       3, 64, 0)
+
+
+def test_the_document_raw_encoder_checks_offsets_against_the_elements():
+    layout, elements = TOKENS._doc_layout, np.arange(5, dtype=np.int32).view(np.uint8)
+    with pytest.raises(ValueError, match="^column 'tokens' holds 20 bytes, the offsets say 7"):
+        kfeed._codec.encode_doc_raw(layout, elements, np.array([0, 3, 7], np.int64), 2)
+    with pytest.raises(ValueError, match="^offsets decrease at document 0$"):
+        kfeed._codec.encode_doc_raw(layout, elements, np.array([0, -1, 5], np.int64), 2)
+    assert kfeed._codec.encode_doc_raw(layout, elements, np.array([0, 3, 5], np.int64), 2) == (
+        TOKENS.encode_raw({"tokens": [np.arange(3, dtype=np.int32), np.arange(3, 5, dtype=np.int32)]})
+    )
+
+
+def test_an_empty_document_block_is_written_by_the_one_header_writer():
+    # Both kinds of empty block: a fixed schema's (header alone) and a
+    # document schema's (header and a one-entry offsets table).
+    fixed = Schema({"x": ("int8", ())})
+    assert fixed.encode_block({"x": np.zeros(0, np.int8)}) == _HEADER.pack(
+        b"KFDB", 1, 0, 32, 0, 0, fixed.fingerprint, 0)
+    assert TOKENS.encode_block({"tokens": []}) == oracle_doc_block(TOKENS, [], {})

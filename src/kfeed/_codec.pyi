@@ -1,7 +1,8 @@
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Buffer
 
 REASONS: dict[int, str]
 
@@ -9,23 +10,46 @@ class Layout:
     nfields: int
     record_size: int
     fingerprint: int
-    def __init__(self, row_bytes: Sequence[int], fingerprint: int) -> None: ...
+    names: tuple[str, ...]
+    def __init__(
+        self, row_bytes: Sequence[int], fingerprint: int, names: Sequence[str] | None = None
+    ) -> None: ...
     def block_nbytes(self, count: int) -> int: ...
+
+class Out:
+    capacity: int
+    nfields: int
+    def __init__(self, layout: Layout, buffers: Iterable[Buffer]) -> None: ...
+    @property
+    def addresses(self) -> tuple[int, ...]: ...
 
 def decode(
     layout: Layout,
-    values: Sequence[object],
-    dst_ptrs: npt.NDArray[np.uint64],
-    capacity: int,
+    values: Iterable[object],
+    out: Out,
     row: int,
     block: bool,
     start: int,
     split: bool,
 ) -> tuple[int, int, int, list[tuple[int, str]]]: ...
+def decode_counted(
+    layout: Layout,
+    values: Iterable[object],
+    out: Out,
+    row: int,
+    block: bool,
+    start: int,
+    split: bool,
+    counts: npt.NDArray[np.int64],
+) -> tuple[int, int, int, list[tuple[int, str]]]: ...
+def gather(
+    layout: Layout, src: Out, rows: npt.NDArray[np.int64], dst: Out, row: int
+) -> None: ...
 def encode_blocks(
-    layout: Layout, columns: list[npt.NDArray[np.uint8]], n: int, block_records: int
+    layout: Layout, columns: list[Buffer], n: int, block_records: int
 ) -> list[bytes]: ...
-def encode_raw(layout: Layout, columns: list[npt.NDArray[np.uint8]], n: int) -> list[bytes]: ...
+def empty_block(layout: Layout) -> bytes: ...
+def encode_raw(layout: Layout, columns: list[Buffer], n: int) -> list[bytes]: ...
 
 DOC_REASONS: dict[int, str]
 
@@ -35,13 +59,19 @@ class DocLayout:
     itemsize: int
     fixed_size: int
     fingerprint: int
+    names: tuple[str, ...]
     def __init__(
-        self, row_bytes: Sequence[int], varlen: int, itemsize: int, fingerprint: int
+        self,
+        row_bytes: Sequence[int],
+        varlen: int,
+        itemsize: int,
+        fingerprint: int,
+        names: Sequence[str] | None = None,
     ) -> None: ...
     def block_nbytes(self, count: int, elements: int) -> int: ...
 
 def decode_documents(
-    layout: DocLayout, values: Sequence[object], block: bool, start: int
+    layout: DocLayout, values: Iterable[object], block: bool, start: int
 ) -> tuple[
     npt.NDArray[np.uint8],
     npt.NDArray[np.int64],
@@ -51,12 +81,12 @@ def decode_documents(
 ]: ...
 def encode_doc_blocks(
     layout: DocLayout,
-    columns: list[npt.NDArray[np.uint8]],
+    columns: list[Buffer],
     offsets: npt.NDArray[np.int64],
     n: int,
     block_records: int,
     block_bytes: int,
 ) -> list[bytes]: ...
 def encode_doc_raw(
-    layout: DocLayout, elements: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], n: int
+    layout: DocLayout, elements: Buffer, offsets: npt.NDArray[np.int64], n: int
 ) -> list[bytes]: ...

@@ -1,11 +1,18 @@
 from collections.abc import Iterable
-from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
 
 CODES: dict[str, int]
 OUT_CODES: dict[str, int]
 
-def address(obj: Any) -> int: ...
-def offsets(lengths: Any) -> tuple[Any, int, int]: ...
+def offsets(lengths: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], int, int]: ...
+
+class Chunk:
+    code: int
+    ndocs: int
+    def __init__(self, tokens: Buffer, offsets: npt.NDArray[np.int64]) -> None: ...
 
 class Outputs:
     rows: int
@@ -14,14 +21,10 @@ class Outputs:
         self,
         rows: int,
         seq_len: int,
-        tok_ptr: int,
-        tok_code: int,
-        pos_ptr: int,
-        pos_code: int,
-        doc_ptr: int,
-        doc_code: int,
-        cu_ptr: int,
-        cu_cap: int,
+        tokens: Buffer,
+        position_ids: Buffer | None = None,
+        doc_ids: Buffer | None = None,
+        cu_seqlens: Buffer | None = None,
     ) -> None: ...
 
 class Core:
@@ -31,8 +34,7 @@ class Core:
     def batch(
         self,
         out: Outputs,
-        chunks: Iterable[tuple[Any, Any, int, int, int]],
-        src_code: int,
+        chunks: Iterable[Chunk],
         doc: int,
         off: int,
         finished: bool,

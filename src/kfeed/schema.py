@@ -3,8 +3,9 @@
 A ``Schema`` sits at both ends of the data flow. The producer encodes columns
 of samples into message values with it; the loader decodes message values into
 the buffer pool with it. The byte layout lives in ``ext/_codec.pyx`` and is
-documented in docs/FORMAT.md; this module checks arguments and turns arrays
-and tensors into the raw pointers the codec works on.
+documented in docs/FORMAT.md; this module checks arguments and hands the codec
+numpy views of arrays and tensors, whose buffers the codec holds and bounds
+itself (it takes no addresses).
 
 One field may instead be variable-length, shape ``(None,)``: token documents
 for language-model training. Such a schema encodes from a list of 1-D arrays
@@ -134,11 +135,16 @@ class Documents(NamedTuple):
 
 
 class Target(NamedTuple):
-    """Output buffers bound once: raw pointers, capacity, and the owners."""
+    """Output buffers bound once: the codec's hold on them, capacity, and the owners."""
 
-    pointers: np.ndarray
+    out: _codec.Out
     capacity: int
     owners: tuple[Any, ...]
+
+    @property
+    def pointers(self) -> np.ndarray:
+        """Where each field's buffer starts (uint64), for inspection only."""
+        return np.array(self.out.addresses, np.uint64)
 
 
 def _is_tensor(obj: object) -> bool:
@@ -191,13 +197,16 @@ class Schema:
         self._layout: _codec.Layout | None = None
         self._doc_layout: _codec.DocLayout | None = None
         if self.varlen is None:
-            self._layout = _codec.Layout([f.nbytes for f in self.fields], self.fingerprint)
+            self._layout = _codec.Layout(
+                [f.nbytes for f in self.fields], self.fingerprint, self.names
+            )
         else:
             self._doc_layout = _codec.DocLayout(
                 [f.nbytes for f in self.fields],
                 self.fields.index(self.varlen),
                 self.varlen.storage.itemsize,
                 self.fingerprint,
+                self.names,
             )
 
     # -- description ---------------------------------------------------------
@@ -328,7 +337,10 @@ class Schema:
                     "size fixed records with block_records"
                 )
             views, n, _owners = self._columns(columns)
-            return _codec.encode_blocks(self._layout, views, n, block_records)
+            try:
+                return _codec.encode_blocks(self._layout, views, n, block_records)
+            except ValueError as e:
+                raise _config_error(e) from None
         if block_bytes is not None and (
             not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 40
         ):
@@ -336,9 +348,12 @@ class Schema:
         views, offsets, n, _owners = self._doc_columns(columns)
         if n == 0:
             return []
-        return _codec.encode_doc_blocks(
-            self._doc_layout, views, offsets, n, block_records, block_bytes or 0
-        )
+        try:
+            return _codec.encode_doc_blocks(
+                self._doc_layout, views, offsets, n, block_records, block_bytes or 0
+            )
+        except ValueError as e:
+            raise _config_error(e) from None
 
     def encode_block(self, columns: Mapping[str, Any]) -> bytes:
         """All N samples as one block value."""
@@ -349,22 +364,21 @@ class Schema:
                     f"a block holds at most 2**32-1 records and 2**32-1 elements, got "
                     f"{n} records of {int(offsets[-1])} elements"
                 )
-            return _codec.encode_doc_blocks(self._doc_layout, views, offsets, n, max(n, 1), 0)[0]
+            try:
+                return _codec.encode_doc_blocks(
+                    self._doc_layout, views, offsets, n, max(n, 1), 0
+                )[0]
+            except ValueError as e:
+                raise _config_error(e) from None
         views, n, _owners = self._columns(columns)
         if n == 0:
-            return self._empty_block()
+            return _codec.empty_block(self._layout)
         if n > 0xFFFFFFFF:
             raise ConfigError(f"a block holds at most 2**32-1 records, got {n}")
-        return _codec.encode_blocks(self._layout, views, n, n)[0]
-
-    def _empty_block(self) -> bytes:
-        # Valid but holds nothing; the codec only writes blocks of >= 1 record.
-        header = bytearray(32)
-        header[0:4] = b"KFDB"
-        header[4] = 1
-        header[6] = 32
-        header[16:24] = self.fingerprint.to_bytes(8, "little")
-        return bytes(header)  # body length 0
+        try:
+            return _codec.encode_blocks(self._layout, views, n, n)[0]
+        except ValueError as e:
+            raise _config_error(e) from None
 
     def encode_raw(self, columns: Mapping[str, Any]) -> list[bytes]:
         """One raw value per sample: the fields concatenated in schema order.
@@ -375,9 +389,15 @@ class Schema:
         if self._doc_layout is not None:
             self._raw_documents_only()
             views, offsets, n, _owners = self._doc_columns(columns)
-            return _codec.encode_doc_raw(self._doc_layout, views[0], offsets, n)
+            try:
+                return _codec.encode_doc_raw(self._doc_layout, views[0], offsets, n)
+            except ValueError as e:
+                raise _config_error(e) from None
         views, n, _owners = self._columns(columns)
-        return _codec.encode_raw(self._layout, views, n)
+        try:
+            return _codec.encode_raw(self._layout, views, n)
+        except ValueError as e:
+            raise _config_error(e) from None
 
     def _raw_documents_only(self) -> None:
         if len(self.fields) != 1:
@@ -404,24 +424,30 @@ class Schema:
         raise ConfigError(f"like must be 'numpy' or 'torch', got {like!r}")
 
     def bind(self, out: Mapping[str, Any]) -> Target:
-        """Check output buffers once and keep their pointers for many decodes."""
-        self._fixed_only("bind")
+        """Check output buffers once and hold them for many decodes."""
+        layout = self._fixed_only("bind")
         if not isinstance(out, Mapping):
             raise ConfigError("out must be a mapping of field name -> array or tensor")
-        pointers = np.empty(len(self.fields), np.uint64)
+        views = []
         capacity = None
         owners = []
-        for i, f in enumerate(self.fields):
+        for f in self.fields:
             if f.name not in out:
                 raise ConfigError(f"field {f.name!r} is missing from out")
             buf = out[f.name]
-            pointers[i], rows = _out_pointer(f, buf)
+            view = _out_view(f, buf)
+            rows = int(view.shape[0])
             if capacity is None:
                 capacity = rows
             elif rows != capacity:
                 raise ConfigError(f"out[{f.name!r}] has {rows} rows, other fields have {capacity}")
+            views.append(view)
             owners.append(buf)
-        return Target(pointers, int(capacity or 0), tuple(owners))
+        try:
+            held = _codec.Out(layout, views)
+        except ValueError as e:
+            raise _config_error(e) from None
+        return Target(held, int(held.capacity), tuple(owners))
 
     def decode_into(
         self,
@@ -439,7 +465,36 @@ class Schema:
         fills ``out`` with part of a block and reports ``partial``). A bad
         value is rejected whole and listed in ``bad``; values after it go on.
         """
-        layout = self._fixed_only("decode_into")
+        return self._decode("decode_into", values, out, row, format, start, split, None)
+
+    def decode_counts(
+        self,
+        values: Sequence[Any],
+        out: Mapping[str, Any] | Target,
+        row: int = 0,
+        format: str | Format = "block",
+        *,
+        start: int = 0,
+        split: bool = False,
+    ) -> tuple[DecodeResult, np.ndarray]:
+        """``decode_into``, and how many rows each value gave.
+
+        The counts are int64, one per value: the rows value ``i`` wrote (0 if
+        it was rejected or not reached), so row ``row + counts[:i].sum() + k``
+        holds record ``k`` (after ``start``, for the first value) of value
+        ``i``. A caller that decodes many values into a staging area at once
+        knows from them which record each staged row is.
+        """
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        counts = np.zeros(len(values), np.int64)
+        return self._decode("decode_counts", values, out, row, format, start, split,
+                            counts), counts
+
+    def _decode(self, what: str, values: Sequence[Any], out: Mapping[str, Any] | Target,
+                row: int, format: str | Format, start: int, split: bool,
+                counts: np.ndarray | None) -> DecodeResult:
+        layout = self._fixed_only(what)
         target = out if isinstance(out, Target) else self.bind(out)
         fmt = Format.parse(format)
         if not isinstance(row, int) or not 0 <= row <= target.capacity:
@@ -448,17 +503,40 @@ class Schema:
                 or not 0 <= start <= 0xFFFFFFFF or (start and fmt is Format.RAW)):
             raise ConfigError(
                 f"start must be 0 for raw values and in 0..2**32-1 for blocks, got {start!r}")
-        rows, consumed, partial, bad = _codec.decode(
-            layout,
-            values,
-            target.pointers,
-            target.capacity,
-            row,
-            fmt is Format.BLOCK,
-            start,
-            split,
-        )
+        try:
+            if counts is None:
+                rows, consumed, partial, bad = _codec.decode(
+                    layout, values, target.out, row, fmt is Format.BLOCK, start, split
+                )
+            else:
+                rows, consumed, partial, bad = _codec.decode_counted(
+                    layout, values, target.out, row, fmt is Format.BLOCK, start, split, counts
+                )
+        except ValueError as e:  # a target bound for rows of another size
+            raise ConfigError(str(e)) from None
         return DecodeResult(rows, consumed, bad, partial)
+
+    def take(self, source: Mapping[str, Any] | Target, rows: Any,
+             out: Mapping[str, Any] | Target, row: int = 0) -> None:
+        """Copy rows ``rows`` of ``source`` to ``out`` from ``row`` on, every field.
+
+        One call, without the GIL and with no Python object per record, for a
+        batch of records picked by index (a shuffle's picks) out of a staging
+        area that ``decode_counts`` filled. ``rows``: 1-D ints; each must be
+        a row of ``source``, and ``out`` must have room from ``row`` on.
+        """
+        layout = self._fixed_only("take")
+        src = source if isinstance(source, Target) else self.bind(source)
+        dst = out if isinstance(out, Target) else self.bind(out)
+        idx = np.asarray(rows)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise ConfigError("rows must be a 1-D array of ints")
+        if not isinstance(row, int) or not 0 <= row <= dst.capacity:
+            raise ConfigError(f"row must be in 0..{dst.capacity}, got {row!r}")
+        try:
+            _codec.gather(layout, src.out, np.ascontiguousarray(idx, np.int64), dst.out, row)
+        except (IndexError, ValueError) as e:
+            raise ConfigError(str(e)) from None
 
     def decode_documents(
         self, values: Sequence[Any], format: str | Format = "block", *, start: int = 0
@@ -606,8 +684,13 @@ def _documents(f: Field, col: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(flat), offsets
 
 
-def _out_pointer(f: Field, buf: Any) -> tuple[int, int]:
-    """Address of row 0 of an output buffer, and its row count."""
+def _config_error(e: ValueError) -> ConfigError:
+    """The codec's argument errors as ConfigError (the checks here should catch them first)."""
+    return e if isinstance(e, ConfigError) else ConfigError(str(e))
+
+
+def _out_view(f: Field, buf: Any) -> np.ndarray:
+    """A numpy view of an output buffer (numpy array or CPU tensor), checked."""
     if _is_tensor(buf):
         if buf.device.type != "cpu":
             raise ConfigError(f"out[{f.name!r}] must be a CPU tensor, got {buf.device}")
@@ -617,7 +700,11 @@ def _out_pointer(f: Field, buf: Any) -> tuple[int, int]:
             raise ConfigError(
                 f"out[{f.name!r}] must be contiguous with shape (n, *{f.shape}), got {tuple(buf.shape)}"
             )
-        return buf.data_ptr(), int(buf.shape[0])
+        if f.dtype == "bfloat16":  # numpy has no bfloat16: its 2-byte words
+            import torch
+
+            buf = buf.view(torch.int16)
+        return buf.detach().numpy()
     if not isinstance(buf, np.ndarray):
         raise ConfigError(f"out[{f.name!r}] must be a numpy array or a torch tensor")
     if buf.dtype != f.storage:
@@ -628,4 +715,4 @@ def _out_pointer(f: Field, buf: Any) -> tuple[int, int]:
         )
     if not buf.flags.writeable:
         raise ConfigError(f"out[{f.name!r}] is read-only")
-    return buf.__array_interface__["data"][0], int(buf.shape[0])
+    return buf

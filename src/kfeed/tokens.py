@@ -98,7 +98,7 @@ class PackInfo(NamedTuple):
 
 
 class PackTarget(NamedTuple):
-    """Output buffers checked once: their addresses for the packer, and the buffers."""
+    """Output buffers checked once: the packer's hold on them, and the buffers."""
 
     outputs: _pack.Outputs
     owners: tuple[Any, ...]
@@ -112,19 +112,17 @@ def _dtype_name(buf: Any) -> str:
     return str(buf.dtype).removeprefix("torch.")
 
 
-def _address(name: str, buf: Any, shape: tuple[int, ...] | None, dtypes: tuple[str, ...],
-             min_len: int = 0) -> tuple[int, int]:
-    """Address and element code of an output buffer, checked."""
+def _out_view(name: str, buf: Any, shape: tuple[int, ...] | None, dtypes: tuple[str, ...],
+              min_len: int = 0) -> np.ndarray:
+    """A numpy view of an output buffer (numpy array or CPU tensor), checked."""
     if _is_tensor(buf):
         if buf.device.type != "cpu":
             raise ConfigError(f"out[{name!r}] must be a CPU tensor, got {buf.device}")
         contiguous = buf.is_contiguous()
-        address = buf.data_ptr()
     elif isinstance(buf, np.ndarray):
         if not buf.flags.writeable:
             raise ConfigError(f"out[{name!r}] is read-only")
         contiguous = buf.flags.c_contiguous
-        address = buf.__array_interface__["data"][0]
     else:
         raise ConfigError(f"out[{name!r}] must be a numpy array or a torch tensor")
     dtype = _dtype_name(buf)
@@ -137,7 +135,7 @@ def _address(name: str, buf: Any, shape: tuple[int, ...] | None, dtypes: tuple[s
         raise ConfigError(f"out[{name!r}] must be 1-D with at least {min_len} entries, got {got}")
     if not contiguous:
         raise ConfigError(f"out[{name!r}] must be contiguous")
-    return address, _pack.OUT_CODES[dtype]
+    return buf.detach().numpy() if _is_tensor(buf) else buf
 
 
 class Packer:
@@ -166,10 +164,10 @@ class Packer:
         self.pack = pack
         self.batch_size = int(batch_size)
         self._slots = self.batch_size * pack.seq_len
-        # Pending documents, in the chunks they were fed in: (tokens, offsets,
-        # their addresses, document count). Document d of a chunk is elements
-        # offsets[d]..offsets[d + 1]; the arrays keep the addresses valid.
-        self._chunks: deque[tuple[np.ndarray, np.ndarray, int, int, int]] = deque()
+        # Pending documents, in the chunks they were fed in. Document d of a
+        # chunk is elements offsets[d]..offsets[d + 1] of its tokens; the
+        # chunk holds both buffers.
+        self._chunks: deque[_pack.Chunk] = deque()
         self._core = _pack.Core(pack.seq_len, pack.eos_id is not None,
                                 0 if pack.eos_id is None else pack.eos_id, pack.pad_id,
                                 pack.split_long)
@@ -177,7 +175,6 @@ class Packer:
         # up to half of every row).
         self._need = self._slots if pack.split_long else (self._slots + 1) // 2
         self._dtype: np.dtype | None = None
-        self._code = 0
         self._doc = 0  # next document of the first chunk to pack
         self._off = 0  # tokens of it already out
         self._docs = 0  # documents packed whole, counted from the start
@@ -218,7 +215,6 @@ class Packer:
             raise ConfigError(f"lengths add up to {total}, tokens holds {len(flat)}")
         if self._dtype is None:
             self._dtype = flat.dtype
-            self._code = code
         elif flat.dtype != self._dtype:
             raise ConfigError(f"tokens must stay {self._dtype}, got {flat.dtype}")
         self._fed = True
@@ -233,8 +229,7 @@ class Packer:
                     f"the document resumed at holds {unit} tokens (EOS counted), not more "
                     f"than the {self._off} already out: fed from the wrong document"
                 )
-        self._chunks.append((flat, offsets, _pack.address(flat), _pack.address(offsets),
-                             len(lens)))
+        self._chunks.append(_pack.Chunk(flat, offsets))
         if self.pack.split_long:
             self._pending += total + (nonempty if self.pack.eos_id is not None else 0)
         else:
@@ -248,7 +243,7 @@ class Packer:
     @property
     def pending_documents(self) -> int:
         """Documents fed and not yet packed whole."""
-        return sum(c[4] for c in self._chunks) - self._doc
+        return sum(c.ndocs for c in self._chunks) - self._doc
 
     @property
     def pending_tokens(self) -> int:
@@ -297,19 +292,19 @@ class Packer:
             raise ConfigError("out needs 'tokens'")
         shape = (self.batch_size, self.pack.seq_len)
         ints = ("int32", "int64")
-        tok, tok_code = _address("tokens", out["tokens"], shape, ints)
-        pos = pos_code = doc = doc_code = cu = cu_cap = 0
-        if "position_ids" in out:
-            pos, pos_code = _address("position_ids", out["position_ids"], shape, ints)
-        if "doc_ids" in out:
-            doc, doc_code = _address("doc_ids", out["doc_ids"], shape, ints)
+        views: dict[str, np.ndarray] = {}
+        for key in ("tokens", "position_ids", "doc_ids"):
+            if key in out:
+                views[key] = _out_view(key, out[key], shape, ints)
         if "cu_seqlens" in out:
             if self._slots + 1 > _INT32_MAX:
                 raise ConfigError("batch_size * seq_len is too large for int32 cu_seqlens")
-            cu, _ = _address("cu_seqlens", out["cu_seqlens"], None, ("int32",), self._slots + 1)
-            cu_cap = int(out["cu_seqlens"].shape[0])
-        outputs = _pack.Outputs(self.batch_size, self.pack.seq_len, tok, tok_code, pos,
-                                pos_code, doc, doc_code, cu, cu_cap)
+            views["cu_seqlens"] = _out_view("cu_seqlens", out["cu_seqlens"], None, ("int32",),
+                                            self._slots + 1)
+        try:
+            outputs = _pack.Outputs(self.batch_size, self.pack.seq_len, **views)
+        except ValueError as e:  # the checks above should have said it first
+            raise ConfigError(str(e)) from None
         return PackTarget(outputs, tuple(out.values()))
 
     def next_batch(self, out: Mapping[str, Any] | PackTarget, *,
@@ -336,8 +331,7 @@ class Packer:
             # PackInfo.documents) with the next batch that has tokens.
             return None
         # One batch may take documents from several chunks; one call packs it.
-        res = self._core.batch(target.outputs, self._chunks, self._code, self._doc, self._off,
-                               final)
+        res = self._core.batch(target.outputs, self._chunks, self._doc, self._off, final)
         if res is None:
             return None
         used, self._doc, self._off, rows, segments, max_seqlen, real, truncated, done = res
