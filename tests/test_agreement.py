@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from kfeed.loader import _collective_device
+from kfeed.loader.agreement import collective_device as _collective_device
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist

@@ -45,7 +45,7 @@ def test_close_names_the_stage_a_stuck_thread_is_in() -> None:
     ld = kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu", source=src, max_wait_ms=50)
     ld._start()
     deadline = time.monotonic() + 10
-    while ld._feeder.doing != "fetching messages (Source.consume)" and time.monotonic() < deadline:
+    while ld._status.doing != "fetching messages (Source.consume)" and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(kfeed.LoaderError) as e:
         ld.close(timeout_s=0.3)

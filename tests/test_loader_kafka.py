@@ -415,7 +415,7 @@ def test_asynchronous_commits_count_once_the_broker_answers(bootstrap, make_topi
     with loader(bootstrap, topic, group_id, batch_size=100, commit_interval_ms=1) as ld:
         it = iter(ld)
         next(it)
-        f = ld._feeder
+        f = ld._ledger
         # Each next() commits the batch before asynchronously; its answer is
         # served by the feeder's consume() and recorded by a later commit.
         deadline = time.monotonic() + 20
@@ -451,3 +451,22 @@ def test_a_dead_letter_copy_that_fails_stops_the_loader_before_any_commit_past_i
     (committed,) = c.committed([TopicPartition(topic, 0)], timeout=10)
     c.close()
     assert committed.offset <= 1  # never past the bad record at offset 1
+
+
+def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
+        bootstrap, make_topic, group_id) -> None:
+    import torch
+
+    topic = make_topic(partitions=4)
+    produce(bootstrap, topic, 0, 4000)
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
+                                    topic, SCHEMA, 100, until="end")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
+                                     multiprocessing_context="fork")
+    ids = np.concatenate([b["id"].numpy() for b in dl])
+    assert len(ids) == 4000 and np.array_equal(np.sort(ids), np.arange(4000))
+
+
+def test_the_dataset_checks_its_settings_when_made() -> None:
+    with pytest.raises(kfeed.ConfigError, match="batch_size must be a positive int"):
+        kfeed.KafkaIterableDataset({"bootstrap.servers": "x", "group.id": "g"}, "t", SCHEMA, 0)

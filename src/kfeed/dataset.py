@@ -1,9 +1,10 @@
 """KafkaIterableDataset: the Loader behind torch's DataLoader interface.
 
 For code built around ``torch.utils.data.DataLoader``. It yields the Loader's
-batches (use ``DataLoader(dataset, batch_size=None)``), so batching, decoding
-and offsets stay kfeed's. It is the simpler and slower path: the DataLoader
-adds its own hand-over, cannot copy to the GPU on a side stream, and has no
+batches (use ``DataLoader(dataset, batch_size=None)``; a DataLoader with
+``batch_size`` set gets a ``ConfigError``), so batching, decoding and offsets
+stay kfeed's. It is the simpler and slower path: the DataLoader adds its own
+hand-over, cannot copy to the GPU on a side stream, and has no
 ``state_dict`` of the stream; prefer ``kfeed.Loader`` directly.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kfeed.loader import Batch, Loader
+from kfeed.loader import Batch, Loader, LoaderConfig
 from kfeed.schema import Schema
 
 __all__ = ["KafkaIterableDataset"]
@@ -23,21 +24,20 @@ __all__ = ["KafkaIterableDataset"]
 class KafkaIterableDataset(torch.utils.data.IterableDataset):
     """Each iteration opens a Loader on the CPU and yields its batches.
 
-    With DataLoader workers, every worker joins the same consumer group, so
-    the topic's partitions are shared among them.
+    The settings are checked here, when the dataset is made, not in a
+    worker. With DataLoader workers, every worker opens its own consumer
+    (after the fork) in the same consumer group, so the topic's partitions
+    are shared among them and each record is read by one worker once.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any] | None, topics: Any, schema: Schema,
                  batch_size: int, **loader_kwargs: Any) -> None:
         super().__init__()
         loader_kwargs.setdefault("device", "cpu")
+        self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
-        self.topics = topics
-        self.schema = schema
-        self.batch_size = batch_size
-        self.loader_kwargs = loader_kwargs
+        self.config = LoaderConfig(topics, schema, batch_size, **loader_kwargs)
 
     def __iter__(self) -> Iterator[Batch]:
-        with Loader(self.kafka_config, self.topics, self.schema, self.batch_size,
-                    **self.loader_kwargs) as loader:
+        with Loader.from_config(self.kafka_config, self.config, source=self.source) as loader:
             yield from loader

@@ -1,0 +1,600 @@
+"""Loader: Kafka messages -> batches of tensors on the device, exactly once.
+
+The consumer half of the data flow, as a pipeline of stages, each in its
+own module (docs/ARCHITECTURE.md draws them, with one batch's path):
+
+- fetch (``fetch.Fetcher``): the ``Source``, the assignment, pending
+  messages, bounded-epoch ends;
+- build (``build.SlotBuilder`` / ``build.RecordBuilder``): pending messages
+  decoded into a ``BufferPool`` slot, in order, shuffled or packed;
+- ledger (``ledger.Ledger`` / ``ledger.OrderLedger``): what was handed out,
+  what may be committed, ``state_dict()``;
+- device (``kfeed.device.DeviceCopier``): the slot's copy to the device.
+
+``feeder.Feeder`` runs fetch, build and (on CUDA) the copy on the loader's
+thread; ``Loader``, here, is the caller's side: ``next()`` takes a ready
+batch, makes the CPU copy, moves the ledger, and commits. Offsets follow
+the rule in DESIGN.md: a batch's offsets are committed only once the caller
+asks for the batch after it (so the step that used it has finished), on
+``commit()``, or on ``close()``; ``state_dict()`` holds the position after
+every batch handed out, and a new loader given it resumes exactly there.
+
+NOTE [ Loader Shutdown Logic ]
+==============================
+Two threads, one queue, one stop event::
+
+    caller thread                         feeder thread (daemon)
+    -------------                         ----------------------
+    next(): ready.get(timeout) <--------- ready.put(batch | _END | _Failure)
+    close(): stop.set(); pool.close() --> sees stop within one poll interval,
+             join(feeder, timeout)         puts nothing more, returns
+             commit used positions
+             source.close()
+
+- The feeder never blocks without a timeout: ``consume``, ``pool.acquire`` and
+  ``ready.put`` all wait at most ``_POLL_S`` and re-check ``stop``. Only a
+  synchronous commit on a revoke and a dead-letter flush wait longer, up to
+  ``connect_timeout_s``; ``close()`` waits that plus 5 s, then raises
+  ``LoaderError`` naming the stage the thread is stuck in (``Status.doing``)
+  and leaves the consumer open rather than close it under the thread.
+- The thread holds no reference to the ``Loader`` (only to ``Feeder``), so a
+  dropped loader is garbage-collected and ``__del__`` runs ``close()``.
+- An exception in the feeder travels to the caller as ``_Failure`` and is
+  re-raised by the next ``next()`` as ``LoaderError`` naming where it happened
+  (or as itself, for kfeed's own errors).
+- Only the caller thread commits after the feeder is gone; while it runs, the
+  feeder commits only from inside a rebalance callback. ``lock`` guards the
+  positions, never a call to Kafka: a commit is computed under it and made
+  after it, and recorded only once the broker acknowledged it.
+- ``close()`` is idempotent; a ``with`` block that exits on an exception
+  commits only the batches before the current one (its step did not finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import torch
+
+from kfeed.badrecords import BadRecordPolicy, BadRecords
+from kfeed.device import DeviceCopier
+from kfeed.errors import ConfigError, KfeedError, LoaderError
+from kfeed.loader.agreement import EpochAgreement
+from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
+from kfeed.loader.config import LoaderConfig, dist_ready
+from kfeed.loader.feeder import END, Failure, Feeder
+from kfeed.loader.fetch import POLL_S, Fetcher, Status
+from kfeed.loader.ledger import Ledger, OrderLedger
+from kfeed.pool import BufferPool
+from kfeed.schema import Format, Schema
+from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
+from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
+
+__all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"]
+
+log = logging.getLogger("kfeed.loader")
+
+_MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
+_STATE_VERSION = 1
+
+
+class Batch(dict):
+    """A mapping field -> tensor ``[n, *shape]`` on the loader's device.
+
+    ``offsets`` maps ``(topic, partition)`` to ``(first, end)`` positions,
+    each ``(offset, skip)``: where the batch's records start and where the
+    next batch continues. With ``shuffle`` or ``pack`` records do not come
+    in offset ranges and ``offsets`` is empty: the loader's ``state_dict()``
+    says where to resume.
+
+    With ``pack``, the mapping holds ``tokens``, ``position_ids``,
+    ``doc_ids`` (``[n, seq_len]``) and ``cu_seqlens`` (the segments' starts
+    and the total, int32), and ``pack`` is the ``PackInfo`` (``max_seqlen``,
+    ``tokens``, ``padding``, ...).
+    """
+
+    __slots__ = ("offsets", "size", "pack")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], size: int,
+                 offsets: dict[TP, tuple[Position, Position]],
+                 pack: PackInfo | None = None) -> None:
+        super().__init__(tensors)
+        self.size = size
+        self.offsets = offsets
+        self.pack = pack
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        # torch's default_collate copies the first item and update()s it with
+        # the items stacked: with DataLoader(batch_size=k) that would make
+        # [k, batch, ...] tensors and fail on the epoch's shorter last batch.
+        new = dict(*args, **kwargs)
+        for key, value in new.items():
+            old = self.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and \
+                    value.dim() == old.dim() + 1:
+                raise ConfigError(
+                    "kfeed yields whole batches: a DataLoader with batch_size set would stack "
+                    "them; use DataLoader(dataset, batch_size=None) and give the batch size "
+                    "to KafkaIterableDataset")
+        super().update(new)
+
+
+class Loader:
+    """An iterator of batches from Kafka topics, already on ``device``.
+
+    ``kafka_config`` is the librdkafka settings dict (``bootstrap.servers``
+    and ``group.id`` at least); kfeed's own settings are the keyword
+    arguments, checked by ``LoaderConfig``. See the module docstring for
+    the offset rule.
+
+    Up to ``prefetch`` batches wait ready. On CUDA their copies to
+    ``device`` are already issued; with the one being filled and the one the
+    caller holds, the device holds at most ``prefetch + 2`` batches, and the
+    host three pinned pool slots. On the CPU the host holds ``prefetch + 2``
+    slots and ``next()`` copies each batch into tensors the caller owns.
+
+    A message the codec rejects never reaches a batch: ``on_bad_record``
+    sends it to ``<topic>.dlq`` (default; each message at most once, see
+    NOTE [ One copy per bad message ] in ``kfeed.sources``), skips it, or
+    raises ``DecodeError``. Warnings come at most once per reason every few
+    seconds. When the first ``fail_fast`` messages read are all rejected (a
+    schema that does not match the topic, say), ``next()`` raises one
+    ``DecodeError`` that says what the loader expects and what the topic
+    holds, and nothing was dead-lettered or committed; ``fail_fast=None``
+    never does. ``dlq_config`` holds the librdkafka settings (e.g.
+    ``sasl.username``) of a principal allowed to create and write the
+    dead-letter topics, when the consumer's own should not be.
+
+    ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
+    makes each batch ``batch_size`` packed rows of documents;
+    ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
+    Both keep ``state_dict()`` exact (see ``OrderLedger``).
+    """
+
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any] | None,
+        topics: str | Sequence[str],
+        schema: Schema,
+        batch_size: int,
+        *,
+        device: str | torch.device | None = None,
+        format: str | Format = "block",
+        prefetch: int = 2,
+        until: str | None = None,
+        start: str | datetime = "committed",
+        on_bad_record: str | BadRecordPolicy = "dead_letter",
+        fail_fast: int | None = 32,
+        dlq_config: Mapping[str, Any] | None = None,
+        drop_last: bool = False,
+        max_wait_ms: float = 200.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        assignment: str = "group",
+        commit_interval_ms: float = 1000.0,
+        connect_timeout_s: float = 30.0,
+        pack: Pack | None = None,
+        shuffle: Shuffle | None = None,
+        on_revoke: Callable[[list[TP]], None] | None = None,
+        source: Source | None = None,
+    ) -> None:
+        config = LoaderConfig(
+            topics, schema, batch_size, device=device, format=format, prefetch=prefetch,
+            until=until, start=start, on_bad_record=on_bad_record, fail_fast=fail_fast,
+            dlq_config=dlq_config, drop_last=drop_last, max_wait_ms=max_wait_ms, rank=rank,
+            world_size=world_size, assignment=assignment,
+            commit_interval_ms=commit_interval_ms, connect_timeout_s=connect_timeout_s,
+            pack=pack, shuffle=shuffle, on_revoke=on_revoke)
+        self._setup(kafka_config, config, source)
+
+    @classmethod
+    def from_config(cls, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
+                    source: Source | None = None) -> Loader:
+        """A loader of ``config`` (a ``LoaderConfig``, checked when it was made)."""
+        if not isinstance(config, LoaderConfig):
+            raise ConfigError("config must be a kfeed.LoaderConfig")
+        self = cls.__new__(cls)
+        self._setup(kafka_config, config, source)
+        return self
+
+    def _setup(self, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
+               source: Source | None) -> None:
+        c = self.config = config
+        self.schema, self.format, self.topics = c.schema, c.format, list(c.topics)
+        self.batch_size, self.device, self.until = c.batch_size, c.device, c.until
+        self.rank, self.world_size = c.rank, c.world_size
+        self.assignment_mode = c.assignment
+        self._commit_interval = c.commit_interval_ms / 1000.0
+        self._last_commit = 0.0
+        # Set first: __del__ runs close() even when a later line raises.
+        self._closed = True
+        if source is None:
+            source = KafkaSource(kafka_config or {}, c.topics, bounded=c.bounded,
+                                 connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
+        elif c.dlq_config is not None:
+            raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
+        self._source = source
+        # Names this loader and the ones resumed from its checkpoints in every
+        # commit (see kfeed.sources.Committed).
+        source.lineage = uuid.uuid4().hex[:16]
+        self._lineages = [source.lineage]  # newest first, see Ledger.lineages
+        self._copier = DeviceCopier(self.device)
+        packer = Packer(c.pack, c.batch_size) if c.pack is not None else None
+        # CUDA: one filling, the others still being copied out (a slot is
+        # given back as soon as its copy is issued, and refilled once it is
+        # done). CPU: a slot waits in the queue until next() copies it.
+        # Pinned only for a CUDA device: pinning is for the copy to it, and
+        # costs page-locked host memory and start-up time otherwise.
+        slots = 3 if self._copier.cuda else c.prefetch + 2
+        self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
+                                pin=self._copier.cuda)
+        self._status = Status()
+        self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer) if c.records
+                                else Ledger(source, c.start))
+        self._ledger.lineages = set(self._lineages)
+        self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
+                               fail_fast=c.fail_fast)
+        fetcher = Fetcher(source, self._ledger, bounded=c.bounded, batch_size=c.batch_size,
+                          status=self._status)
+        self._fetcher = fetcher
+        stop_args = dict(batch_size=c.batch_size, max_wait_s=c.max_wait_ms / 1000.0)
+        builder: SlotBuilder
+        stop = threading.Event()  # set by close(); every wait of the thread watches it
+        if isinstance(self._ledger, OrderLedger):
+            builder = RecordBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,
+                                    stop=stop, packer=packer, **stop_args)
+        else:
+            builder = SlotBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,
+                                  stop=stop, **stop_args)
+        self._builder = builder
+        self._feeder = Feeder(fetcher, builder, self._ledger, self._bad, self._pool,
+                              self._copier, prefetch=c.prefetch, drop_last=c.drop_last,
+                              assignment=None, hook_revoke=c.on_revoke is not None,
+                              status=self._status, stop=stop)
+        self._on_revoke = c.on_revoke
+        self._current: Batch | None = None
+        self._agreement: EpochAgreement | None = None
+        self._ahead: Any = None  # with ranks: the next step's item, taken a step early
+        self._exhausted = False
+        self._wait_s = 0.0          # waited in next() after the first batch
+        self._startup_s = 0.0       # from the first next() to the first batch
+        self._longest_wait_s = 0.0
+        self._batches = 0
+        self._samples_out = 0
+        self._t0: float | None = None       # first next()
+        self._t_first: float | None = None  # first batch handed out
+        self._closed = False
+
+    # -- iteration ------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def _start(self) -> None:
+        f = self._feeder
+        if self.assignment_mode == "static":
+            parts = self._source.partitions()
+            f.assignment = [tp for i, tp in enumerate(parts) if i % self.world_size == self.rank]
+            if not f.assignment:
+                raise ConfigError(
+                    f"rank {self.rank} of {self.world_size} gets no partition: "
+                    f"the topics have only {len(parts)}")
+        f.start()
+        self._t0 = time.monotonic()
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise LoaderError("the loader is closed")
+        f = self._feeder
+        if f.thread is None:
+            self._start()
+        # The caller asks for a new batch: the step that used the last one is over.
+        self._mark_used()
+        self._run_revoke_hook()
+        if self._exhausted:
+            raise StopIteration
+        t = time.monotonic()
+        if self._agreement is None and self.until == "end" and self.world_size > 1 \
+                and dist_ready():
+            self._agreement = EpochAgreement()
+        item = self._take() if self._agreement is None else self._agreed()
+        batch = None
+        while batch is None:
+            if item is END:
+                self._exhausted = True
+                self._commit(asynchronous=False)
+                raise StopIteration
+            batch = self._hand_out(item)
+            if batch is None:  # dropped by a rebalance that came after _take
+                item = self._take()
+        if self._t_first is None:
+            self._t_first = time.monotonic()
+            self._startup_s = self._t_first - (self._t0 or t)
+        else:
+            waited = time.monotonic() - t
+            self._wait_s += waited
+            self._longest_wait_s = max(self._longest_wait_s, waited)
+        return batch
+
+    def _agreed(self) -> Any:
+        """The next item, or ``END`` once any rank has run out (see ``EpochAgreement``)."""
+        ag = self._agreement
+        assert ag is not None
+        if self._ahead is None:  # the first step: this batch's question goes out now
+            self._ahead = self._take()
+            ag.post(self._ahead is not END)
+        item = self._ahead
+        # One batch ahead: its question goes out now, and is answered by the
+        # time the next step asks, so no step waits on a collective.
+        self._ahead = END if item is END else self._take()
+        ag.post(self._ahead is not END)
+        if ag.answer():
+            return item
+        for held in (item, self._ahead):  # not handed out: their records stay unread
+            if held is not END:
+                held.release(self._pool)
+        ag.drain()
+        self._ahead = END
+        return END
+
+    def _take(self) -> Any:
+        f = self._feeder
+        while True:
+            try:
+                item = f.ready.get(timeout=POLL_S)
+            except queue.Empty:
+                self._run_revoke_hook()  # the thread may be waiting for it
+                if f.thread is not None and not f.thread.is_alive() and f.ready.empty():
+                    raise LoaderError("the loader thread stopped without a reason") from None
+                continue
+            if isinstance(item, Failure):
+                self._exhausted = True
+                exc = item.exc
+                if isinstance(exc, KfeedError):
+                    raise exc
+                tb = "".join(traceback.format_exception(exc))
+                raise LoaderError(f"error in the loader thread while {item.where}:\n{tb}") from exc
+            if item is END:
+                return item
+            with self._ledger.lock:
+                if item.gen == self._ledger.gen:
+                    return item
+            item.release(self._pool)  # from before a rebalance
+
+    def _hand_out(self, out: Handoff) -> Batch | None:
+        ledger = self._ledger
+        if out.slot is not None:  # CPU: copied before the batch counts as handed out
+            out.tensors, _ = self._copier.copy(out.slot)
+            out.release(self._pool)
+        with ledger.lock:
+            if out.gen != ledger.gen:
+                # A rebalance happened after _take: the caller's next() takes
+                # the next batch instead.
+                return None
+            ledger.accept(out.end, out.acks, out.pack_offset)
+        self._copier.adopt(out.tensors, out.event)
+        offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
+        batch = Batch(out.tensors, out.rows, offsets, out.info)
+        self._current = batch
+        self._batches += 1
+        self._samples_out += out.rows
+        return batch
+
+    def _mark_used(self) -> None:
+        if self._current is None:
+            return
+        with self._ledger.lock:
+            self._ledger.mark_used(self._current.offsets)
+        self._current = None
+        now = time.monotonic()
+        if now - self._last_commit >= self._commit_interval:
+            self._commit(asynchronous=self._commit_interval > 0)
+            self._last_commit = now
+
+    def _run_revoke_hook(self) -> None:
+        """Run ``on_revoke`` for partitions the thread is about to give up (caller's thread)."""
+        tps = self._feeder.take_revoking()
+        if tps is None:
+            return
+        try:
+            assert self._on_revoke is not None
+            self._on_revoke(tps)
+        finally:
+            self._feeder.revoke_done.set()
+
+    def _commit(self, asynchronous: bool) -> None:
+        ledger, fetcher, feeder = self._ledger, self._fetcher, self._feeder
+        with ledger.lock:
+            ledger.committed.update(self._source.acknowledged())
+            # Only partitions this loader was given: a loaded state also
+            # holds the other ranks' ones, which they commit themselves.
+            alive = feeder.alive()
+            todo = ledger.to_commit(lambda tp: tp in fetcher.assigned or not alive)
+        if not todo:
+            return
+        # Outside the lock: a synchronous commit may retry for seconds, and
+        # the thread's revoke takes the lock too. Dead-letter copies first:
+        # a bad record's offset is committed only once its copy is safe.
+        self._source.settle()
+        acked = self._source.commit(todo, asynchronous=asynchronous)
+        if acked:  # an asynchronous commit is recorded when its answer comes
+            with ledger.lock:
+                ledger.committed.update(acked)
+
+    def commit(self) -> None:
+        """Commit every batch handed out so far, including the current one."""
+        self._mark_used()
+        self._commit(asynchronous=False)
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: per partition, the position after the batches handed out."""
+        self._source.settle()  # the state may point past bad records: their copies are safe
+        with self._ledger.lock:
+            state = self._ledger.state()
+        return {
+            "version": _STATE_VERSION,
+            "schema_fingerprint": self.schema.fingerprint,
+            "format": self.format.value,
+            "topics": list(self.topics),
+            "lineages": list(self._lineages),
+            **state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``; its positions win over committed offsets."""
+        if self._feeder.thread is not None:
+            raise ConfigError("load_state_dict must be called before iterating")
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"not a kfeed loader state (version {_STATE_VERSION})")
+        if state.get("schema_fingerprint") != self.schema.fingerprint:
+            raise ConfigError("the state was saved with another schema")
+        if state.get("format") != self.format.value:
+            raise ConfigError(f"the state was saved for format {state.get('format')!r}")
+        with self._ledger.lock:
+            self._ledger.load_state(state)
+        # A resumed loader carries on its state's lineage: the commits of a
+        # run killed before its first checkpoint are then its own too.
+        resumed = [x for x in state.get("lineages", []) if isinstance(x, str)]
+        if resumed:
+            self._lineages = resumed[:_MAX_LINEAGES]
+            self._source.lineage = resumed[0]
+            self._ledger.lineages = set(self._lineages)
+
+    @staticmethod
+    def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state for every rank of a job, from each rank's ``state_dict()`` at one step.
+
+        In group mode a partition may be assigned to another rank after a
+        restart, so every rank loads the merged state: per partition the
+        furthest position, and every rank's lineage, so that no rank's
+        commits (which run ahead of the checkpoint) win over it. The states
+        must come from the same step of every rank (e.g. gathered with
+        ``torch.distributed.all_gather_object``); with ``shuffle`` or
+        ``pack`` use ``assignment="static"`` and save each rank's own state.
+        """
+        states = list(states)
+        if not states:
+            raise ConfigError("merge_states needs at least one state")
+        first = states[0]
+        for st in states:
+            if not isinstance(st, Mapping) or st.get("version") != _STATE_VERSION:
+                raise ConfigError(f"not a kfeed loader state (version {_STATE_VERSION})")
+            if "order" in st:
+                raise ConfigError("states with shuffle or pack cannot be merged: use "
+                                  "assignment='static' and save each rank's own state")
+            for key in ("schema_fingerprint", "format", "topics"):
+                if st.get(key) != first.get(key):
+                    raise ConfigError(f"the states differ in {key}")
+        positions: dict[str, dict[int, list[int]]] = {}
+        lineages: list[str] = []
+        for st in states:
+            for topic, parts in st.get("positions", {}).items():
+                merged = positions.setdefault(topic, {})
+                for part, pos in parts.items():
+                    part = int(part)
+                    if part not in merged or tuple(pos) > tuple(merged[part]):
+                        merged[part] = [int(pos[0]), int(pos[1])]
+            lineages += [x for x in st.get("lineages", []) if x not in lineages]
+        return {**first, "positions": positions, "lineages": lineages}
+
+    # -- observability --------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput, bad records, lag per partition and time spent waiting in next()."""
+        ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
+        # Rates and stall are over the steady state, from the first batch on;
+        # joining the group and the first fetch show as startup_s.
+        elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
+        with ledger.lock:
+            positions = {tp: off for tp, (off, _skip) in ledger.delivered().items()}
+        if self._exhausted and self._feeder.epoch_over:
+            # Everything up to each partition's end at the start was read;
+            # what lies between the last record and that end (transaction
+            # markers) is no lag.
+            for tp, end in fetcher.ends.items():
+                if tp in positions:
+                    positions[tp] = max(positions[tp], end)
+        lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag(positions).items())}
+        return {
+            "samples": self._samples_out,
+            "samples_decoded": builder.samples,
+            "bytes": builder.value_bytes,
+            "batches": self._batches,
+            "startup_s": self._startup_s,
+            "elapsed_s": elapsed,
+            "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
+            "mb_per_s": builder.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
+            "bad_records": self._bad.count,
+            "lag": lag,
+            "wait_s": self._wait_s,
+            "longest_wait_s": self._longest_wait_s,
+            "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
+            "pool_bytes": self._pool.nbytes,
+        }
+
+    # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
+
+    def close(self, *, commit_current: bool = True, timeout_s: float | None = None) -> None:
+        """Stop the thread, commit what was used, close the consumer.
+
+        The thread stops within one poll interval, unless a call into Kafka
+        holds it (a commit or a dead-letter flush waits up to
+        ``connect_timeout_s``): after ``timeout_s`` (default: that plus 5 s)
+        ``LoaderError`` names where it is stuck.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        f = self._feeder
+        f.stop.set()
+        self._pool.close()
+        if f.thread is not None:
+            limit = self.config.connect_timeout_s + 5.0 if timeout_s is None else timeout_s
+            f.thread.join(limit)
+            if f.thread.is_alive():
+                # Closing the consumer under a thread still inside it is not
+                # safe: it stays open, and the daemon thread dies with the
+                # process.
+                raise LoaderError(f"the loader thread did not stop within {limit:g}s: it is "
+                                  f"stuck {self._status.doing}; the consumer was left open")
+        try:
+            if commit_current:
+                self._mark_used()
+            if not (self._ledger.failed and not self._ledger.handed_any):
+                # (A read that failed before its first batch moved nothing:
+                # committing its start positions would only make them look
+                # read, to a later start="latest" say.)
+                self._commit(asynchronous=False)
+        except KfeedError as e:
+            log.warning("final commit failed: %s", e)
+        finally:
+            self._source.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(commit_current=exc_type is None)
+
+    def __del__(self) -> None:
+        try:
+            self.close(commit_current=False)
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
+            pass
+
+
+def memory_loader(values: Any, schema: Schema, batch_size: int, **kwargs: Any) -> Loader:
+    """A Loader over recorded message values (see ``MemorySource``)."""
+    loop = kwargs.pop("loop", False)
+    return Loader(None, "memory", schema, batch_size,
+                  source=MemorySource(values, loop=loop), **kwargs)

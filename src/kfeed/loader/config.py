@@ -1,0 +1,167 @@
+"""The loader's own settings, checked once and frozen.
+
+``LoaderConfig`` holds every kfeed setting of a loader (the Kafka settings
+stay the librdkafka dict, apart). ``Loader``, ``KafkaIterableDataset`` and
+``kfeed train`` all build one, so a bad value is refused the same way
+wherever it comes from, before any thread starts or any broker is asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import Any
+
+import torch
+
+from kfeed.badrecords import BadRecordPolicy
+from kfeed.device import default_device
+from kfeed.errors import ConfigError
+from kfeed.schema import Format, Schema
+from kfeed.tokens import Pack, Shuffle
+
+__all__ = ["LoaderConfig"]
+
+_STARTS = ("committed", "earliest", "latest")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Every kfeed setting of a loader; see ``kfeed.Loader`` for what each means."""
+
+    topics: tuple[str, ...]
+    schema: Schema
+    batch_size: int
+    device: Any = None
+    format: Any = "block"
+    prefetch: int = 2
+    until: str | None = None
+    start: Any = "committed"
+    on_bad_record: Any = "dead_letter"
+    fail_fast: int | None = 32
+    dlq_config: Mapping[str, Any] | None = None
+    drop_last: bool = False
+    max_wait_ms: float = 200.0
+    rank: int | None = None
+    world_size: int | None = None
+    assignment: str = "group"
+    commit_interval_ms: float = 1000.0
+    connect_timeout_s: float = 30.0
+    pack: Pack | None = None
+    shuffle: Shuffle | None = None
+    on_revoke: Callable[[list[tuple[str, int]]], None] | None = field(default=None,
+                                                                       compare=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        topics = self.topics
+        topics = [topics] if isinstance(topics, str) else list(topics or ())
+        if not topics or not all(isinstance(t, str) and t for t in topics):
+            raise ConfigError(f"topics must be a topic name or a list of them, got {self.topics!r}")
+        put("topics", tuple(topics))
+        if not isinstance(self.schema, Schema):
+            raise ConfigError("schema must be a kfeed.Schema")
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("prefetch", self.prefetch)
+        if self.until not in (None, "end"):
+            raise ConfigError(f"until must be None (stream) or 'end', got {self.until!r}")
+        if not (isinstance(self.start, datetime) or self.start in _STARTS):
+            raise ConfigError(f"start must be 'committed', 'earliest', 'latest' or a datetime, "
+                              f"got {self.start!r}")
+        try:
+            put("on_bad_record", BadRecordPolicy(self.on_bad_record))
+        except ValueError:
+            raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
+                              f"got {self.on_bad_record!r}") from None
+        if self.fail_fast is not None:
+            _positive_int("fail_fast", self.fail_fast, "None or an int >= 1")
+        if self.dlq_config is not None and not isinstance(self.dlq_config, Mapping):
+            raise ConfigError("dlq_config must be a dict of librdkafka settings (the "
+                              "connection and login of the dead-letter producer)")
+        if self.on_revoke is not None and not callable(self.on_revoke):
+            raise ConfigError("on_revoke must be a callable taking the revoked partitions")
+        if self.assignment not in ("group", "static"):
+            raise ConfigError(f"assignment must be 'group' or 'static', got {self.assignment!r}")
+        if not _number(self.max_wait_ms) or self.max_wait_ms <= 0:
+            raise ConfigError(f"max_wait_ms must be > 0, got {self.max_wait_ms!r}")
+        if not _number(self.connect_timeout_s) or self.connect_timeout_s <= 0:
+            raise ConfigError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+        if not _number(self.commit_interval_ms) or self.commit_interval_ms < 0:
+            raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
+        put("format", Format.parse(self.format))
+        if self.pack is not None and not isinstance(self.pack, Pack):
+            raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
+        if self.shuffle is not None and not isinstance(self.shuffle, Shuffle):
+            raise ConfigError(f"shuffle must be a kfeed.Shuffle, got {type(self.shuffle).__name__}")
+        varlen = self.schema.varlen
+        if self.pack is not None and varlen is None:
+            raise ConfigError("pack needs a schema with a variable-length token field, "
+                              "e.g. {'tokens': ('int32', (None,))}")
+        if self.pack is None and varlen is not None:
+            raise ConfigError(f"the schema's variable-length field {varlen.name!r} "
+                              f"needs pack=kfeed.Pack(seq_len=..., eos_id=...) to make batches")
+        put("device", _check_device(self.device))
+        rank, world = _rank_and_world(self.rank, self.world_size)
+        put("rank", rank)
+        put("world_size", world)
+
+    @property
+    def bounded(self) -> bool:
+        return self.until == "end"
+
+    @property
+    def records(self) -> bool:
+        """Whether records go one by one through an order (shuffle or pack)."""
+        return self.pack is not None or self.shuffle is not None
+
+    def replace(self, **changes: Any) -> LoaderConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return LoaderConfig(**{**values, **changes})
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _positive_int(name: str, value: Any, what: str = "a positive int") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def _check_device(device: Any) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={str(device)!r}, but torch sees no CUDA device "
+                              "(torch.cuda.is_available() is False): pass device='cpu', "
+                              "or leave device unset to take cuda only where there is one")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={str(device)!r}, but torch sees "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device={str(device)!r}: kfeed copies batches to 'cuda' or 'cpu'")
+    return dev
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if dist_ready():
+        rank = torch.distributed.get_rank() if rank is None else rank
+        world_size = torch.distributed.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
+            and 0 <= rank < world_size):
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size

@@ -1,0 +1,149 @@
+"""The loader's thread: fetch, build, copy, hand over, until stopped.
+
+``Feeder.run`` is the whole loop of the thread named ``kfeed-loader``: take
+a free pool slot, let the build stage fill it from the fetch stage, issue
+its copy to the device (CUDA; on the CPU the caller copies), and put it in
+the ready queue. The queue holds at most ``prefetch`` batches; the thread
+polls the consumer while it waits (see ``Fetcher.serve``). How it stops is
+NOTE [ Loader Shutdown Logic ] in ``kfeed/loader/__init__.py``.
+
+The thread holds no reference to the ``Loader``, so a loader dropped
+without ``close()`` is still garbage-collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+from kfeed.badrecords import BadRecords
+from kfeed.device import DeviceCopier
+from kfeed.loader.build import SlotBuilder
+from kfeed.loader.fetch import POLL_S, Fetcher, Status
+from kfeed.loader.ledger import Ledger
+from kfeed.pool import BufferPool
+from kfeed.sources import TP
+
+__all__ = ["Feeder", "Failure", "END"]
+
+log = logging.getLogger("kfeed.loader")
+
+END = object()  # the end of a bounded epoch, after its last batch
+
+
+class Failure:
+    """An exception of the thread, on its way to the caller's ``next()``."""
+
+    def __init__(self, exc: BaseException, where: str) -> None:
+        self.exc = exc
+        self.where = where
+
+
+class Feeder:
+    """The thread's loop, and the hand-over of the on_revoke hook to the caller."""
+
+    def __init__(self, fetcher: Fetcher, builder: SlotBuilder, ledger: Ledger,
+                 bad: BadRecords, pool: BufferPool, copier: DeviceCopier, *, prefetch: int,
+                 drop_last: bool, assignment: list[TP] | None, hook_revoke: bool,
+                 status: Status, stop: threading.Event) -> None:
+        self.fetcher = fetcher
+        self.builder = builder
+        self.ledger = ledger
+        self.bad = bad
+        self.pool = pool
+        self.copier = copier
+        self.bounded = fetcher.bounded
+        self.drop_last = drop_last
+        self.batch_size = pool.batch_size
+        self.assignment = assignment
+        self.status = status
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self.stop = stop
+        self.thread: threading.Thread | None = None
+        self.epoch_over = False
+        # The on_revoke hook: the thread posts the partitions, the caller
+        # runs the hook inside next() and sets revoke_done.
+        self.hook_revoke = hook_revoke
+        self.revoking: list[TP] | None = None
+        self.revoke_done = threading.Event()
+        fetcher.before_revoke = self._wait_for_caller
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="kfeed-loader", daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def run(self) -> None:
+        where = "opening the source"
+        try:
+            self.copier.bind_thread()
+            self.fetcher.open(self.assignment)
+            where = "filling a batch"
+            self._loop()
+            if self.bounded and not self.stop.is_set():
+                self.bad.end_of_read()
+            self.epoch_over = True
+            self._put(END)
+        except BaseException as e:  # noqa: BLE001 - everything goes to the caller
+            log.debug("the loader's thread failed while %s", where, exc_info=True)
+            self.ledger.failed = True
+            self._put(Failure(e, where))
+
+    def _loop(self) -> None:
+        builder, fetcher, pool = self.builder, self.fetcher, self.pool
+        while not self.stop.is_set():
+            self.status.doing = "waiting for a free pool slot (BufferPool.acquire)"
+            slot = pool.acquire(timeout=POLL_S)
+            if slot is None:
+                fetcher.serve()
+                continue
+            out = builder.fill(slot)
+            out.slot = slot
+            finished = self.bounded and builder.all_done()
+            if slot.rows == 0 or (finished and self.drop_last and slot.rows < self.batch_size):
+                out.release(pool)
+                if finished or self.stop.is_set():
+                    return
+                continue
+            out.rows = slot.rows
+            if self.copier.cuda:
+                # Issued here, the copy overlaps the caller's current step.
+                out.tensors, out.event = self.copier.copy(slot)
+                out.release(pool, out.event)
+            # On the CPU the slot travels to the caller, who copies it.
+            if not self._put(out, serve=True):
+                return
+            fetcher.serve_if_due()  # batches made from records held: no fetch for a while
+            if finished:
+                return
+
+    def _put(self, item: Any, serve: bool = False) -> bool:
+        self.status.doing = "queueing a batch for the caller"
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                if serve:
+                    self.fetcher.serve()
+        return False
+
+    def _wait_for_caller(self, tps: list[TP]) -> None:
+        """With an ``on_revoke`` hook: wait until the caller ran it at a step boundary."""
+        if not self.hook_revoke or self.stop.is_set():
+            return
+        self.revoke_done.clear()
+        with self.ledger.lock:
+            self.revoking = list(tps)
+        self.status.doing = "waiting for the caller to run on_revoke"
+        while not self.revoke_done.wait(POLL_S) and not self.stop.is_set():
+            pass
+
+    def take_revoking(self) -> list[TP] | None:
+        with self.ledger.lock:
+            tps, self.revoking = self.revoking, None
+        return tps

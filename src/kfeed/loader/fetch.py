@@ -1,0 +1,225 @@
+"""The fetch stage: messages from the source, in bulk, with the assignment they belong to.
+
+``Fetcher`` runs on the loader's thread. It opens the ``Source`` (Kafka or
+memory), asks it for messages about a batch's worth at a time, and keeps
+the ones not yet decoded as *pending*. It follows the assignment: on an
+assign it asks the ledger where each partition starts; on a revoke it drops
+what it held, lets the ledger commit the positions given up, and tells the
+build stage (``ledger.gen`` moves on). For a bounded epoch it knows each
+partition's end at the start and pauses a partition once it got there. It
+knows nothing of slots, decoding or tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kfeed.errors import ConsumeError, KfeedError
+from kfeed.loader.ledger import Ledger
+from kfeed.sources import TP, Position, Source
+
+__all__ = ["Fetcher", "Status", "POLL_S"]
+
+log = logging.getLogger("kfeed.loader")
+
+POLL_S = 0.1  # the longest any wait of the loader's thread goes without looking at stop
+SERVE_S = 0.5  # the longest the thread goes without polling the consumer
+
+
+class Status:
+    """What the loader's thread is doing now, for ``close()`` to name if it hangs."""
+
+    __slots__ = ("doing",)
+
+    def __init__(self) -> None:
+        self.doing = "starting"
+
+
+class Fetcher:
+    """Pending messages, the assignment, and bounded-epoch ends."""
+
+    def __init__(self, source: Source, ledger: Ledger, *, bounded: bool, batch_size: int,
+                 status: Status) -> None:
+        self.source = source
+        self.ledger = ledger
+        self.bounded = bounded
+        self.batch_size = batch_size
+        self.status = status
+        # Run inside a revoke, before anything is given up (the on_revoke hook).
+        self.before_revoke: Callable[[list[TP]], None] = lambda _tps: None
+        self.assigned: set[TP] = set()
+        self.ends: dict[TP, int] = {}   # bounded epoch: high watermarks at start
+        self.done: set[TP] = set()      # bounded epoch: partitions read to their end
+        self.skip: dict[TP, Position] = {}  # records to skip in a straddling block
+        self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
+        # Messages fetched and not yet decoded: msgs[i:], the first of which
+        # has its first ``start`` records decoded already.
+        self.msgs: list[Any] = []
+        self.vals: list[Any] = []
+        self.i = 0
+        self.start = 0
+        self.records_per_msg = 1.0
+        self.last_poll = time.monotonic()
+
+    # -- opening ------------------------------------------------------------
+
+    def open(self, assignment: list[TP] | None) -> None:
+        if self.bounded:
+            self.status.doing = "reading the high watermarks"
+            for tp in self.source.partitions():
+                self.ends[tp] = self.source.watermarks(tp)[1]
+        self.status.doing = "opening the source"
+        self.source.open(self.on_assign, self.on_revoke, assignment)
+
+    # -- assignment (inside the source's callbacks, on the loader's thread) ---
+
+    def on_assign(self, tps: list[TP]) -> dict[TP, Position]:
+        positions = self.ledger.positions(tps)
+        for tp in tps:
+            off, skip = positions[tp]
+            if skip:
+                self.skip[tp] = (off, skip)
+            if self.bounded:
+                end = self.ends.get(tp)
+                if end is None:  # a partition added after the epoch began
+                    end = self.ends[tp] = self.source.watermarks(tp)[1]
+                if off >= end:
+                    self.done.add(tp)
+                else:  # back after a rebalance, with records left to read
+                    self.done.discard(tp)
+        self.starts.update(positions)
+        self.assigned.update(tps)
+        done_now = [tp for tp in tps if tp in self.done]
+        if done_now:
+            self.source.pause(done_now)
+        log.info("assigned %s at %s", sorted(tps), positions)
+        return positions
+
+    def on_revoke(self, tps: list[TP]) -> None:
+        # Batches not yet handed out are dropped: their records will be read
+        # again, by us or by the partitions' new owner, from the handed-out
+        # positions, which are committed now so that owner starts right.
+        self.before_revoke(tps)
+        mine = self.ledger.revoke(tps)
+        if self.ledger.failed and not self.ledger.handed_any:
+            mine = {}  # nothing was read: see Loader.close
+        self.status.doing = "committing the revoked partitions (Source.commit)"
+        log.info("revoke commits %s", mine)
+        try:  # no network call under the lock: next() needs it
+            self.source.settle()
+            acked = self.source.commit(mine, asynchronous=False)
+            with self.ledger.lock:
+                self.ledger.committed.update(acked)
+        except KfeedError as e:  # partitions may already be lost to another member
+            log.warning("commit on revoke failed: %s", e)
+        self.msgs, self.vals, self.i, self.start = [], [], 0, 0
+        self.skip.clear()
+        self.assigned.difference_update(tps)
+        log.info("revoked %s", sorted(tps))
+
+    # -- fetching -------------------------------------------------------------
+
+    def all_done(self) -> bool:
+        """A bounded epoch: every assigned partition read to its end, nothing pending."""
+        return bool(self.assigned) and self.assigned <= self.done and not self.pending()
+
+    def pending(self) -> bool:
+        return self.i < len(self.msgs)
+
+    def messages_for(self, rows: int) -> int:
+        """Messages to ask for, to get about ``rows`` records."""
+        return max(1, min(10000, math.ceil(rows / self.records_per_msg)))
+
+    def learn(self, rows: int, messages: int) -> None:
+        """``messages`` good messages held ``rows`` records: for ``messages_for``."""
+        if messages > 0:
+            self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * max(1.0, rows / messages)
+
+    def fetch(self, n: int | None = None, timeout: float = POLL_S) -> None:
+        """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones."""
+        if n is None:
+            n = self.messages_for(self.batch_size)
+        gen = self.ledger.gen
+        self.starts = {}
+        self.last_poll = time.monotonic()
+        self.status.doing = "fetching messages (Source.consume)"
+        msgs = self.source.consume(n, timeout)
+        self.status.doing = "decoding"
+        if self.ledger.gen != gen:
+            # A rebalance ran inside this call. What it returned may hold
+            # records fetched for the old assignment before the revoke, which
+            # would land after our positions were reset (repeated, or, past
+            # the shuffle's read position, making the re-read ones look like
+            # repeats). Drop it all and read the partitions assigned in this
+            # call again from where they start.
+            if self.starts:
+                self.source.seek(self.starts)
+            if msgs:
+                log.info("dropped %d messages fetched across a rebalance", len(msgs))
+            msgs = []
+        keep, vals = [], []
+        bounded = self.bounded
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                self._on_message_error(m, err)
+                continue
+            if bounded:
+                tp = (m.topic(), m.partition())
+                end = self.ends.get(tp)
+                off = m.offset()
+                if end is not None and off >= end - 1:
+                    self.mark_done(tp)
+                    if off >= end:
+                        continue
+            keep.append(m)
+            vals.append(m.value())
+        if self.pending():
+            keep = self.msgs[self.i:] + keep
+            vals = self.vals[self.i:] + vals
+        else:
+            self.start = 0
+        self.msgs, self.vals, self.i = keep, vals, 0
+
+    def serve(self) -> None:
+        """While the thread waits, or works from records it holds, poll the consumer.
+
+        A member that stops polling holds up every rebalance of its group
+        (until max.poll.interval.ms): with ranks in one group that step
+        together, a rank whose queue is full would wait on one that waits
+        for its partitions. Polling also serves librdkafka's statistics,
+        where ``stats()`` finds each partition's end. At most one message
+        comes back; it waits with the pending ones.
+        """
+        self.fetch(1, 0)
+
+    def serve_if_due(self) -> None:
+        if time.monotonic() - self.last_poll >= SERVE_S:
+            self.serve()
+
+    def take(self) -> tuple[list[Any], list[Any]]:
+        """Every pending message and its value; none is pending after."""
+        msgs, vals = self.msgs[self.i:], self.vals[self.i:]
+        self.msgs, self.vals, self.i, self.start = [], [], 0, 0
+        return msgs, vals
+
+    def _on_message_error(self, m: Any, err: Any) -> None:
+        from confluent_kafka import KafkaError
+
+        tp = (m.topic(), m.partition())
+        if err.code() == KafkaError._PARTITION_EOF:
+            end = self.ends.get(tp)
+            if self.bounded and end is not None and m.offset() >= end:
+                self.mark_done(tp)
+            return
+        raise ConsumeError(f"consume error: {err.str()}", topic=tp[0], partition=tp[1],
+                           code=err.code())
+
+    def mark_done(self, tp: TP) -> None:
+        if tp not in self.done:
+            self.done.add(tp)
+            self.source.pause([tp])

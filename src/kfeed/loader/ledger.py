@@ -1,0 +1,287 @@
+"""The ledger stage: what was handed out, what may be committed, and the state.
+
+The offset rule of DESIGN.md lives here. Per partition the ledger keeps three
+positions, each ``(offset, skip)``:
+
+- *handed*: after every record of the batches handed to the caller; this is
+  what ``state_dict()`` saves, so a resume repeats and skips nothing;
+- *used*: after every batch whose step finished (the caller asked for the
+  next one); this is what may be committed;
+- *committed*: what the broker acknowledged, so a commit that failed or was
+  never answered is made again.
+
+It also decides where a newly assigned partition starts: the loaded state's
+position, unless another member of the group committed past it; a
+partition given back after a revoke starts where this loader left it.
+
+Two ledgers: ``Ledger`` for batches made in offset order, and
+``OrderLedger`` for records that go one by one through a ``ShuffleBuffer``
+(shuffle or pack), where the order itself says what was delivered.
+
+Every method that reads or writes the positions runs under ``lock``, and no
+method calls Kafka while holding it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from kfeed.errors import ConfigError
+from kfeed.sources import TP, Committed, Position, Source
+from kfeed.tokens import Packer, Shuffle, ShuffleBuffer
+
+__all__ = ["Ledger", "OrderLedger", "by_topic"]
+
+
+def by_topic(positions: Mapping[TP, Position]) -> dict[str, dict[int, list[int]]]:
+    """Positions as a state holds them: topic -> partition -> [offset, skip]."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for (topic, part), (off, skip) in sorted(positions.items()):
+        out.setdefault(topic, {})[part] = [off, skip]
+    return out
+
+
+class Ledger:
+    """Positions of batches made in offset order."""
+
+    def __init__(self, source: Source, start: str | datetime) -> None:
+        self.source = source
+        self.start = start
+        self.lock = threading.Lock()
+        # Bumped by every revoke: batches made before it are not handed out.
+        self.gen = 0
+        self.handed: dict[TP, Position] = {}
+        self.used: dict[TP, Position] = {}
+        self.committed: dict[TP, Position] = {}
+        self.handed_any = False
+        self.failed = False  # the loader's thread failed: see Loader.close
+        # Partitions this loader was ever given, and where it was when it
+        # gave one back.
+        self.seen: set[TP] = set()
+        self.released: dict[TP, Position] = {}
+        # Lineages whose commits never win over the state: this loader's own,
+        # and those of the loaders whose state it resumed (see Committed).
+        self.lineages: set[str | None] = set()
+
+    # -- assignment (feeder thread, inside the source's callbacks) -------------
+
+    def positions(self, tps: list[TP]) -> dict[TP, Position]:
+        """Where each newly assigned partition starts: the state's position, or ``start``.
+
+        A loaded state's position wins over the committed offset, unless
+        another member (another lineage, see ``Committed``) committed past
+        it: that member read the partition after this state was saved.
+        """
+        committed = self.source.committed(tps)
+        with self.lock:
+            for tp in [tp for tp in self.handed if tp not in tps]:
+                # A loaded state's partition that another member owns now.
+                del self.handed[tp]
+                self.used.pop(tp, None)
+            known = {tp: self._newer(self.handed[tp], committed.get(tp))
+                     for tp in tps if tp in self.handed}
+        need = [tp for tp in tps if tp not in known]
+        positions = {**known, **self.start_positions(need, committed)}
+        # A partition with nothing handed out yet is still part of the state:
+        # without it, a resume would start it from the committed offset,
+        # which may have moved on since the checkpoint. Its position is
+        # committed like a used one, so the next epoch starts there too.
+        with self.lock:
+            self.handed.update(positions)
+            for tp, pos in positions.items():
+                self.used.setdefault(tp, pos)
+            self.seen.update(tps)
+        return positions
+
+    def _newer(self, own: Position, committed: Committed | None) -> Position:
+        """Our position, or the committed one if another member committed past it."""
+        if committed is None or committed.by in self.lineages:
+            return own
+        theirs = (committed.offset, committed.skip)
+        return theirs if theirs > own else own
+
+    def start_positions(self, tps: list[TP],
+                        committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
+        out: dict[TP, Position] = {}
+        for tp in tps:
+            c = committed.get(tp)
+            mine = self.released.get(tp)
+            if mine is not None:
+                # Back after a revoke: where we left it, unless a member that
+                # had it since went further (our commit on revoke may have
+                # failed, e.g. with every broker down).
+                out[tp] = mine if c is None else max(mine, (c.offset, c.skip))
+            elif c is not None and (self.start == "committed" or tp in self.seen):
+                out[tp] = (c.offset, c.skip)
+            elif isinstance(self.start, datetime):
+                out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
+            elif self.start == "latest":
+                out[tp] = (self.source.watermarks(tp)[1], 0)
+            else:  # "earliest", or "committed" with nothing committed yet
+                out[tp] = (self.source.watermarks(tp)[0], 0)
+        return out
+
+    def revoke(self, tps: list[TP]) -> dict[TP, Position]:
+        """Partitions go: batches not handed out are dropped; their positions, to commit."""
+        with self.lock:
+            self.gen += 1
+            mine = self.give_up(tps)
+            self.released.update(mine)
+        return mine
+
+    def give_up(self, tps: list[TP]) -> dict[TP, Position]:
+        """Drop revoked partitions from the state (under ``lock``); their positions."""
+        mine = {tp: self.handed.pop(tp) for tp in tps if tp in self.handed}
+        for tp in tps:
+            self.used.pop(tp, None)
+        return mine
+
+    # -- the caller's side (under ``lock``) -------------------------------------
+
+    def accept(self, end: Mapping[TP, Position], acks: int, pack_offset: int) -> None:
+        """A batch is handed out: the state moves past it."""
+        self.handed_any = True
+        self.handed.update(end)
+
+    def mark_used(self, offsets: Mapping[TP, tuple[Position, Position]]) -> None:
+        """The step that used a batch with these ``(first, end)`` offsets is over."""
+        for tp, (_first, end) in offsets.items():
+            if tp in self.handed:  # not revoked since
+                self.used[tp] = end
+
+    def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
+        """Used positions not yet acknowledged, of the partitions ``mine`` accepts."""
+        return {tp: pos for tp, pos in self.used.items()
+                if self.committed.get(tp) != pos and tp in self.seen and mine(tp)}
+
+    def delivered(self) -> dict[TP, Position]:
+        """Per partition, the position after every record handed out."""
+        return dict(self.handed)
+
+    def state(self) -> dict[str, Any]:
+        return {"positions": by_topic(self.delivered())}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if "order" in state:
+            raise ConfigError("the state was saved by a loader with shuffle or pack")
+        handed: dict[TP, Position] = {}
+        for topic, parts in state.get("positions", {}).items():
+            for part, (off, skip) in parts.items():
+                handed[(topic, int(part))] = (int(off), int(skip))
+        self.handed.update(handed)
+        self.used.update(handed)
+
+
+class OrderLedger(Ledger):
+    """Positions of records that went one by one through a ``ShuffleBuffer``.
+
+    Every record (a fixed-shape sample, or a document) is pushed into the
+    order keyed ``(partition, offset, index in the message)``: seeded and
+    shuffling with ``shuffle``, in order without. The order runs with
+    acknowledgements: a record counts as delivered only when the batch
+    holding it (for a document, its last token) is handed out, so the state
+    taken at any moment covers exactly the batches handed out; what was
+    emitted into batches still queued comes out again, in the same order,
+    after a resume. With ``pack``, the state also holds how many tokens of
+    the first unfinished document are already out, so a resume continues
+    inside it. The same replay rebuilds the order after a rebalance, less
+    the partitions revoked (their new owner re-reads them from the
+    committed watermark, which with ``shuffle`` may repeat records emitted
+    above it).
+
+    The build stage pushes into ``order`` and drains it; whenever the order
+    is rebuilt, ``on_reset(pack_offset)`` tells the build stage to drop what
+    it holds and to continue a document ``pack_offset`` tokens in.
+    """
+
+    def __init__(self, source: Source, start: str | datetime, shuffle: Shuffle | None,
+                 packer: Packer | None) -> None:
+        super().__init__(source, start)
+        self.shuffle = shuffle
+        self.packer = packer
+        self.order = ShuffleBuffer(shuffle, ack=True)
+        self.pack_offset = 0  # tokens of the first unacknowledged document handed out
+        self.on_reset: Callable[[int], None] = lambda _offset: None
+
+    def positions(self, tps: list[TP]) -> dict[TP, Position]:
+        committed = self.source.committed(tps)
+        with self.lock:
+            marks = self.order.watermarks()
+            # Partitions another member owns now, or read past what we hold.
+            drop = {tp for tp in marks if tp not in tps}
+            drop.update(tp for tp in tps
+                        if tp in marks and self._newer(marks[tp], committed.get(tp)) != marks[tp])
+            if drop:
+                self._rebuild(drop)
+            resume = self.order.resume_offsets()
+        positions = {tp: (resume[tp], 0) for tp in tps if tp in resume}
+        need = [tp for tp in tps if tp not in positions]
+        if need:
+            fresh = self.start_positions(need, committed)
+            with self.lock:
+                for tp in need:
+                    # The order skips the records of a straddled block that
+                    # were delivered before.
+                    self.order.seek(tp, *fresh[tp])
+            positions.update({tp: (fresh[tp][0], 0) for tp in need})
+        with self.lock:
+            self.seen.update(tps)
+        return positions
+
+    def give_up(self, tps: list[TP]) -> dict[TP, Position]:
+        marks = self.order.watermarks()
+        mine = {tp: marks[tp] for tp in tps if tp in marks}
+        self._rebuild(set(tps))
+        return mine
+
+    def _rebuild(self, without: set[TP]) -> None:
+        """Start again from what was handed out, as a resume would, less ``without``."""
+        state = self.order.state()
+        head = state["outbox"][0] if state["outbox"] else None
+        kept = ShuffleBuffer.without(state, without)
+        offset = self.pack_offset if head is not None and kept["outbox"][:1] == [head] else 0
+        self._restore(kept, offset)
+
+    def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
+        self.order = ShuffleBuffer(self.shuffle, ack=True)
+        if order_state is not None:
+            self.order.load_state(order_state)
+        self.pack_offset = pack_offset
+        self.on_reset(pack_offset)
+
+    # -- the caller's side (under ``lock``) ---------------------------------
+
+    def accept(self, end: Mapping[TP, Position], acks: int, pack_offset: int) -> None:
+        self.handed_any = True
+        self.order.ack(acks)
+        self.pack_offset = pack_offset
+
+    def mark_used(self, offsets: Mapping[TP, tuple[Position, Position]]) -> None:
+        self.used.update(self.order.watermarks())
+
+    def delivered(self) -> dict[TP, Position]:
+        return self.order.watermarks()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **super().state(),
+            "order": self.order.state(),
+            "pack": self._pack_spec(),
+            "pack_offset": self.pack_offset,
+        }
+
+    def _pack_spec(self) -> list[Any] | None:
+        pack = self.packer.pack if self.packer is not None else None
+        return None if pack is None else [pack.seq_len, pack.eos_id, pack.pad_id, pack.split_long]
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if "order" not in state:
+            raise ConfigError("the state was saved by a loader without shuffle or pack")
+        want = self._pack_spec()
+        if state.get("pack") != want:
+            raise ConfigError(f"the state was saved with pack {state.get('pack')}, "
+                              f"this loader packs {want}")
+        self._restore(state["order"], int(state.get("pack_offset", 0)))
