@@ -30,8 +30,18 @@ def produce(bootstrap: str, topic: str, first: int, n: int, **kwargs) -> None:
 def loader(bootstrap: str, topic: str, group: str, **kwargs) -> kfeed.Loader:
     kwargs.setdefault("until", "end")
     kwargs.setdefault("device", "cpu")
-    return kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, SCHEMA,
-                        kwargs.pop("batch_size", 256), **kwargs)
+    extra = kwargs.pop("kafka", {})
+    return kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group, **extra}, topic,
+                        SCHEMA, kwargs.pop("batch_size", 256), **kwargs)
+
+
+# The three ways a group rebalances (kfeed.sources.group_protocol).
+PROTOCOLS = {
+    "eager": {"group.protocol": "classic", "partition.assignment.strategy": "range"},
+    "cooperative": {"group.protocol": "classic",
+                    "partition.assignment.strategy": "cooperative-sticky"},
+    "consumer": {"group.protocol": "consumer"},
+}
 
 
 def test_200k_samples_arrive_exactly_once_bit_equal(bootstrap, make_topic, group_id) -> None:
@@ -156,7 +166,9 @@ def trained_ids(log: str) -> list[int]:
     return ids
 
 
-def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topic) -> None:
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topic,
+                                                            protocol) -> None:
     topic = make_topic(partitions=4)
     produce(bootstrap, topic, 0, 16_000)
     group = uuid.uuid4().hex
@@ -166,7 +178,8 @@ def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topi
 
     def run(k: int) -> None:
         got = []
-        with loader(bootstrap, topic, group, batch_size=64) as ld:
+        with loader(bootstrap, topic, group, batch_size=64, kafka=PROTOCOLS[protocol]) as ld:
+            assert ld._source.protocol == protocol
             for b in ld:
                 got.append(b["id"].numpy().copy())
                 time.sleep(0.002)  # a step's worth of work, so both members get to join
@@ -366,15 +379,24 @@ def _join_mid_stream(bootstrap: str, topic: str, first_batches: int, **kwargs) -
 
     group = uuid.uuid4().hex
     results: dict[str, list[np.ndarray]] = {"a": [], "b": []}
-    a_started = threading.Event()
+    a_started, b_started = threading.Event(), threading.Event()
+    joined: dict[str, float] = {}
 
     def member(name: str) -> None:
+        t0 = time.monotonic()
         with loader(bootstrap, topic, group, batch_size=64, **kwargs) as ld:
             for i, b in enumerate(ld):
+                if i == 0:
+                    joined[name] = time.monotonic() - t0
+                    if name == "b":
+                        b_started.set()
                 results[name].append(b["id"].numpy().copy())
                 if name == "a" and i == first_batches:
                     a_started.set()
-                time.sleep(0.02)  # a step's work: the rebalance lands mid-stream
+                # A step's work: the rebalance lands mid-stream. A's steps are
+                # slower until B reads, so that A still holds partitions then
+                # (a new member waits for up to two heartbeats, 3-5 s each).
+                time.sleep(0.02 if b_started.is_set() else 0.06)
     a = threading.Thread(target=member, args=("a",))
     a.start()
     assert a_started.wait(60), "loader A handed out nothing"
@@ -383,23 +405,28 @@ def _join_mid_stream(bootstrap: str, topic: str, first_batches: int, **kwargs) -
     a.join(180)
     b.join(180)
     assert results["b"], "the rebalance gave B no batch: nothing was tested"
+    print(f"a member joining mid-stream read its first batch after {joined['b']:.2f} s")
     return [np.concatenate(results[k]) for k in ("a", "b")]
 
 
-def test_a_member_joining_mid_stream_loses_and_repeats_nothing(bootstrap, make_topic) -> None:
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_member_joining_mid_stream_loses_and_repeats_nothing(bootstrap, make_topic,
+                                                               protocol) -> None:
     topic = make_topic(partitions=4)
     produce(bootstrap, topic, 0, 16_000)
-    a, b = _join_mid_stream(bootstrap, topic, first_batches=20)
+    a, b = _join_mid_stream(bootstrap, topic, first_batches=20, kafka=PROTOCOLS[protocol])
     ids = np.concatenate([a, b])
     assert len(ids) == len(np.unique(ids)) == 16_000
 
 
-def test_a_shuffling_member_joining_mid_stream_loses_nothing(bootstrap, make_topic) -> None:
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_shuffling_member_joining_mid_stream_loses_nothing(bootstrap, make_topic,
+                                                             protocol) -> None:
     # Records of a moved partition that were emitted above its committed
     # watermark come again from the new owner (documented): nothing is lost.
     topic = make_topic(partitions=4)
     produce(bootstrap, topic, 0, 16_000)
-    a, b = _join_mid_stream(bootstrap, topic, first_batches=20,
+    a, b = _join_mid_stream(bootstrap, topic, first_batches=20, kafka=PROTOCOLS[protocol],
                             shuffle=kfeed.Shuffle(buffer=256, seed=1))
     ids = np.concatenate([a, b])
     assert np.array_equal(np.unique(ids), np.arange(16_000))

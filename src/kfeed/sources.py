@@ -55,6 +55,30 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
 
 _PREFIX = "kfeed:"
 
+# The group protocols, named as kfeed logs them:
+# - "consumer": Kafka 4's consumer group protocol (KIP-848, group.protocol=
+#   consumer): the brokers assign, and a rebalance moves only the partitions
+#   that change owner;
+# - "cooperative": the classic protocol with cooperative-sticky assignment;
+# - "eager": the classic protocol with range or roundrobin assignment, where
+#   every rebalance revokes every partition first.
+# The consumer protocol refuses these settings, which belong to the classic one.
+_CLASSIC_ONLY = ("session.timeout.ms", "heartbeat.interval.ms",
+                 "partition.assignment.strategy", "group.protocol.type")
+# What a loader uses when the settings do not say (see bench/RESULTS.md,
+# "Group protocols"), falling back to the classic protocol, eager, when the
+# brokers do not offer it.
+DEFAULT_GROUP_PROTOCOL = "consumer"
+_LOCAL_FATAL = -150  # librdkafka's ERR__FATAL
+
+
+def group_protocol(config: Mapping[str, Any]) -> str:
+    """"consumer", "cooperative" or "eager": how a consumer with ``config`` rebalances."""
+    if str(config.get("group.protocol", "classic")).lower() == "consumer":
+        return "consumer"
+    strategy = str(config.get("partition.assignment.strategy", "range"))
+    return "cooperative" if "cooperative" in strategy else "eager"
+
 # librdkafka error codes after which waiting is pointless.
 _FATAL_CODES = {
     -169,  # _AUTHENTICATION
@@ -159,6 +183,9 @@ class Source:
 
     lineage: str | None = None  # written with every commit (see Committed)
     group_member = False  # must keep polling for its group's rebalances to go on
+    # A rebalance moves only some partitions (cooperative-sticky, or Kafka 4's
+    # consumer protocol); the others keep their fetch position.
+    incremental = False
 
     def open(
         self,
@@ -184,6 +211,9 @@ class Source:
         raise NotImplementedError
 
     def pause(self, tps: Sequence[TP]) -> None:
+        raise NotImplementedError
+
+    def resume(self, tps: Sequence[TP]) -> None:
         raise NotImplementedError
 
     def committed(self, tps: Sequence[TP]) -> dict[TP, Committed | None]:
@@ -251,6 +281,14 @@ class KafkaSource(Source):
             # The end of a bounded epoch is seen as a partition EOF event, which
             # also covers a transaction marker or aborted records at the tail.
             config.setdefault("enable.partition.eof", True)
+        # The group protocol: the user's, or the default where no setting of
+        # the user's belongs to the classic one alone.
+        self._protocol_chosen = "group.protocol" not in kafka_config and \
+            not any(k in kafka_config for k in _CLASSIC_ONLY)
+        if self._protocol_chosen and DEFAULT_GROUP_PROTOCOL == "consumer":
+            config["group.protocol"] = "consumer"
+        self.protocol = group_protocol(config)
+        self.incremental = self.protocol != "eager"
         config["error_cb"] = self._chain(self._on_error, config.get("error_cb"))
         config.setdefault("logger", ConnectionLog())
         self._warn = ConnectionLog(log)
@@ -278,6 +316,8 @@ class KafkaSource(Source):
         except KafkaException as e:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._paused: set[TP] = set()
+        self._assigned_once = False
+        self._callbacks: tuple[Any, Any] | None = None
         self._callback_error: BaseException | None = None
         self._fatal: Any = None
         self._gone: tuple[float, Any] | None = None  # when a topic first looked deleted
@@ -421,7 +461,14 @@ class KafkaSource(Source):
                 tps = [(p.topic, p.partition) for p in parts]
                 self._paused.difference_update(tps)  # on_assign pauses what it wants paused
                 offsets = on_assign(tps)
-                consumer.assign([self._tp(tp, offsets[tp][0]) for tp in tps])
+                # The start positions go in the assignment itself: a seek
+                # right after an assign fails (librdkafka's fetcher is not
+                # started yet) or is undone by a late offset lookup.
+                start = [self._tp(tp, offsets[tp][0]) for tp in tps]
+                if self.incremental:  # assign() would fail and leave nothing assigned
+                    consumer.incremental_assign(start)
+                else:
+                    consumer.assign(start)
                 # librdkafka keeps a partition's pause flag across an eager
                 # rebalance: a partition paused at the end of an epoch and
                 # given back with records to read again must fetch.
@@ -440,8 +487,10 @@ class KafkaSource(Source):
 
         if assignment is None:
             self.group_member = True
+            self._callbacks = (assign_cb, revoke_cb)
             self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
                                      on_lost=revoke_cb)
+            log.info("joined group %s (%s protocol)", self._config.get("group.id"), self.protocol)
         else:
             offsets = on_assign(list(assignment))
             self._consumer.assign([self._tp(tp, offsets[tp][0]) for tp in assignment])
@@ -471,6 +520,8 @@ class KafkaSource(Source):
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
         msgs = self._consumer.consume(max_messages, timeout)
+        if self.protocol == "consumer" and self._protocol_chosen and not self._assigned_once:
+            msgs = self._fall_back_if_refused(msgs)
         if self._gone is not None:
             if msgs:
                 self._gone = None  # data still flows: it was a passing metadata hiccup
@@ -482,11 +533,46 @@ class KafkaSource(Source):
             raise e
         return msgs
 
+    def _fall_back_if_refused(self, msgs: list[Any]) -> list[Any]:
+        """Brokers without the consumer protocol: the classic one, with a log line.
+
+        Such brokers refuse the first ConsumerGroupHeartbeat, which
+        librdkafka reports as a fatal error in a message of ``consume()``;
+        the consumer is dead then, so a new one joins with the classic
+        protocol. Only before the first assignment: nothing was read yet.
+        """
+        fatal = [m for m in msgs if m.error() is not None and m.error().code() == _LOCAL_FATAL]
+        if not fatal:
+            if any(m.error() is None for m in msgs):
+                self._assigned_once = True
+            return msgs
+        from confluent_kafka import Consumer
+
+        log.warning("the brokers at %s refused the consumer group protocol (%s): "
+                    "using the classic protocol", self._config["bootstrap.servers"],
+                    fatal[0].error().str())
+        self._consumer.close()
+        config = {k: v for k, v in self._config.items() if k != "group.protocol"}
+        self._config = config
+        self.protocol = group_protocol(config)
+        self.incremental = self.protocol != "eager"
+        self._consumer = Consumer(config)
+        assign_cb, revoke_cb = self._callbacks
+        self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
+                                 on_lost=revoke_cb)
+        return []
+
     def pause(self, tps: Sequence[TP]) -> None:
         new = [tp for tp in tps if tp not in self._paused]
         if new:
             self._consumer.pause([self._tp(tp) for tp in new])
             self._paused.update(new)
+
+    def resume(self, tps: Sequence[TP]) -> None:
+        held = [tp for tp in tps if tp in self._paused]
+        if held:
+            self._consumer.resume([self._tp(tp) for tp in held])
+            self._paused.difference_update(held)
 
     def seek(self, positions: Mapping[TP, Position]) -> None:
         from confluent_kafka import KafkaException
@@ -851,6 +937,9 @@ class MemorySource(Source):
 
     def pause(self, tps: Sequence[TP]) -> None:
         self._paused.update(tps)
+
+    def resume(self, tps: Sequence[TP]) -> None:
+        self._paused.difference_update(tps)
 
     def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
         return {tp: max(0, self.watermarks(tp)[1] - positions.get(tp, nxt))

@@ -56,6 +56,8 @@ class Fetcher:
         self.done: set[TP] = set()      # bounded epoch: partitions read to their end
         self.skip: dict[TP, Position] = {}  # records to skip in a straddling block
         self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
+        self.fetched: set[TP] = set()  # partitions that delivered since their assignment
+        self.kept: set[TP] = set()  # kept through an incremental revoke: to read again
         # Messages fetched and not yet decoded: msgs[i:], the first of which
         # has its first ``start`` records decoded already.
         self.msgs: list[Any] = []
@@ -78,11 +80,24 @@ class Fetcher:
     # -- assignment (inside the source's callbacks, on the loader's thread) ---
 
     def on_assign(self, tps: list[TP]) -> dict[TP, Position]:
-        positions = self.ledger.positions(tps)
-        for tp in tps:
-            off, skip = positions[tp]
+        positions = self.ledger.positions(tps, self.assigned | set(tps))
+        self._starting(positions)
+        self.starts.update(positions)
+        self.assigned.update(tps)
+        self.fetched.difference_update(tps)
+        done_now = [tp for tp in tps if tp in self.done]
+        if done_now:
+            self.source.pause(done_now)
+        log.info("assigned %s at %s", sorted(tps), positions)
+        return positions
+
+    def _starting(self, positions: dict[TP, Position]) -> None:
+        """Partitions (re)start at ``positions``: a straddled block, a bounded epoch's end."""
+        for tp, (off, skip) in positions.items():
             if skip:
                 self.skip[tp] = (off, skip)
+            else:
+                self.skip.pop(tp, None)
             if self.bounded:
                 end = self.ends.get(tp)
                 if end is None:  # a partition added after the epoch began
@@ -91,19 +106,34 @@ class Fetcher:
                     self.done.add(tp)
                 else:  # back after a rebalance, with records left to read
                     self.done.discard(tp)
-        self.starts.update(positions)
-        self.assigned.update(tps)
-        done_now = [tp for tp in tps if tp in self.done]
-        if done_now:
-            self.source.pause(done_now)
-        log.info("assigned %s at %s", sorted(tps), positions)
-        return positions
 
+    def _restart(self, kept: set[TP]) -> None:
+        """After an incremental revoke: read the partitions kept again from the ledger's positions.
+
+        The revoke dropped every batch not handed out, and every pending
+        message, of all partitions; under an eager protocol each partition is
+        assigned again and starts where the ledger says, but the partitions
+        an incremental rebalance leaves in place go on fetching from where
+        they were. So they are sought back. Only those that delivered
+        messages since their assignment (so librdkafka's fetcher runs and a
+        seek holds); the others are still where they were assigned.
+        """
+        positions = self.ledger.positions(sorted(kept), self.assigned)
+        self._starting(positions)
+        moved = {tp: pos for tp, pos in positions.items() if tp in self.fetched}
+        if moved:
+            self.source.seek(moved)
+        again = [tp for tp in kept if tp not in self.done]
+        self.source.resume(again)
+        self.source.pause([tp for tp in kept if tp in self.done])
+        log.info("kept %s, read again from %s", sorted(kept), positions)
     def on_revoke(self, tps: list[TP]) -> None:
         # Batches not yet handed out are dropped: their records will be read
         # again, by us or by the partitions' new owner, from the handed-out
         # positions, which are committed now so that owner starts right.
         self.before_revoke(tps)
+        if self.source.incremental:
+            self.kept |= self.assigned - set(tps)
         mine = self.ledger.revoke(tps)
         if self.ledger.failed and not self.ledger.handed_any:
             mine = {}  # nothing was read: see Loader.close
@@ -119,6 +149,8 @@ class Fetcher:
         self.msgs, self.vals, self.i, self.start = [], [], 0, 0
         self.skip.clear()
         self.assigned.difference_update(tps)
+        self.fetched.difference_update(tps)
+        self.kept.difference_update(tps)
         log.info("revoked %s", sorted(tps))
 
     # -- fetching -------------------------------------------------------------
@@ -150,17 +182,7 @@ class Fetcher:
         msgs = self.source.consume(n, timeout)
         self.status.doing = "decoding"
         if self.ledger.gen != gen:
-            # A rebalance ran inside this call. What it returned may hold
-            # records fetched for the old assignment before the revoke, which
-            # would land after our positions were reset (repeated, or, past
-            # the shuffle's read position, making the re-read ones look like
-            # repeats). Drop it all and read the partitions assigned in this
-            # call again from where they start.
-            if self.starts:
-                self.source.seek(self.starts)
-            if msgs:
-                log.info("dropped %d messages fetched across a rebalance", len(msgs))
-            msgs = []
+            msgs = self._after_rebalance(msgs)
         keep, vals = [], []
         bounded = self.bounded
         for m in msgs:
@@ -178,12 +200,43 @@ class Fetcher:
                         continue
             keep.append(m)
             vals.append(m.value())
+        if keep:
+            self.fetched.update((m.topic(), m.partition()) for m in keep)
         if self.pending():
             keep = self.msgs[self.i:] + keep
             vals = self.vals[self.i:] + vals
         else:
             self.start = 0
         self.msgs, self.vals, self.i = keep, vals, 0
+
+    def _after_rebalance(self, msgs: list[Any]) -> list[Any]:
+        """A rebalance ran inside this fetch: keep only what belongs to the new assignment.
+
+        librdkafka drops the messages it fetched for an assignment that
+        changed since (its fetch version barrier), so those kept are read
+        from the positions the assignment gave. What this call returned of
+        revoked partitions, of partitions kept through an incremental revoke
+        (read again, see ``_restart``), or from below a new start, is dropped
+        here all the same. No seek right after an assign: librdkafka fails it.
+        """
+        kept, self.kept = self.kept, set()
+        starts = self.starts
+
+        def current(m: Any) -> bool:
+            tp = (m.topic(), m.partition())
+            if m.error() is not None:
+                return tp in self.assigned
+            start = starts.get(tp)
+            return tp in self.assigned and tp not in kept and (
+                start is None or m.offset() >= start[0])
+
+        out = [m for m in msgs if current(m)]
+        if len(out) < len(msgs):
+            log.info("dropped %d messages fetched across a rebalance", len(msgs) - len(out))
+        kept &= self.assigned
+        if kept:
+            self._restart(kept)
+        return out
 
     def serve(self) -> None:
         """While the thread waits, or works from records it holds, poll the consumer.

@@ -68,16 +68,18 @@ class Ledger:
 
     # -- assignment (feeder thread, inside the source's callbacks) -------------
 
-    def positions(self, tps: list[TP]) -> dict[TP, Position]:
-        """Where each newly assigned partition starts: the state's position, or ``start``.
+    def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
+        """Where each of ``tps`` (re)starts: the state's position, or ``start``.
 
+        ``owned`` is every partition the loader holds once ``tps`` are
+        assigned (an incremental rebalance assigns only the ones it adds).
         A loaded state's position wins over the committed offset, unless
         another member (another lineage, see ``Committed``) committed past
         it: that member read the partition after this state was saved.
         """
         committed = self.source.committed(tps)
         with self.lock:
-            for tp in [tp for tp in self.handed if tp not in tps]:
+            for tp in [tp for tp in self.handed if tp not in owned]:
                 # A loaded state's partition that another member owns now.
                 del self.handed[tp]
                 self.used.pop(tp, None)
@@ -206,12 +208,12 @@ class OrderLedger(Ledger):
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
         self.on_reset: Callable[[int], None] = lambda _offset: None
 
-    def positions(self, tps: list[TP]) -> dict[TP, Position]:
+    def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
         committed = self.source.committed(tps)
         with self.lock:
             marks = self.order.watermarks()
             # Partitions another member owns now, or read past what we hold.
-            drop = {tp for tp in marks if tp not in tps}
+            drop = {tp for tp in marks if tp not in owned}
             drop.update(tp for tp in tps
                         if tp in marks and self._newer(marks[tp], committed.get(tp)) != marks[tp])
             if drop:
