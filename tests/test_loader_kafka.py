@@ -497,3 +497,32 @@ def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
 def test_the_dataset_checks_its_settings_when_made() -> None:
     with pytest.raises(kfeed.ConfigError, match="batch_size must be a positive int"):
         kfeed.KafkaIterableDataset({"bootstrap.servers": "x", "group.id": "g"}, "t", SCHEMA, 0)
+
+
+def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
+        tmp_path, monkeypatch) -> None:
+    # A broker of its own, with the consumer group protocol switched off.
+    from kfeed import cluster
+
+    monkeypatch.setenv("KFEED_CLUSTER_REGISTRY", str(tmp_path / "registry"))
+    state = tmp_path / "classic-only"
+    servers = cluster.up(nodes=1, dir=state, port=cluster.free_port_base(1, 39692),
+                         overrides={"group.coordinator.rebalance.protocols": "classic"})
+    try:
+        kfeed.create_topic({"bootstrap.servers": servers}, "t", partitions=1)
+        with kfeed.Producer({"bootstrap.servers": servers}, "t", SCHEMA) as p:
+            p.send(synthetic_columns(np.arange(100)))
+        ld = kfeed.Loader({"bootstrap.servers": servers, "group.id": "g",
+                           "group.protocol": "consumer"}, "t", SCHEMA, 10, device="cpu",
+                          connect_timeout_s=10)
+        with pytest.raises(kfeed.ConsumeError) as e:
+            next(ld)
+        ld.close()
+        assert str(e.value).startswith(f"the brokers at {servers} refused group.protocol="
+                                       "consumer (")
+        assert str(e.value).endswith("set group.protocol=classic")
+        classic = loader(servers, "t", "g2", batch_size=10, kafka={"group.protocol": "classic"})
+        with classic:
+            assert sum(b.size for b in classic) == 100
+    finally:
+        cluster.down(state, wipe=True)
