@@ -857,10 +857,16 @@ class MemorySource(Source):
     With ``loop=True`` the recording repeats forever (offsets keep growing),
     which suits a streaming benchmark. Rejected values are kept in
     ``dead_letters``; commits are recorded in ``commits``.
+
+    ``rebalance()`` scripts a group's rebalances, played inside ``consume()``
+    as librdkafka plays them, so the loader's rebalance logic can be tested
+    step by step, without a broker; ``incremental=True`` plays them as
+    cooperative-sticky and the consumer protocol do (a revoke takes some
+    partitions, the others keep their read position).
     """
 
     def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
-                 topic: str = "memory", loop: bool = False) -> None:
+                 topic: str = "memory", loop: bool = False, incremental: bool = False) -> None:
         if not isinstance(values, Mapping):
             values = {0: values}
         self.topic = topic
@@ -876,15 +882,44 @@ class MemorySource(Source):
         self.committed_positions: dict[TP, Position] = {}
         self.committed_by: dict[TP, str | None] = {}
         self.dead_letters: list[tuple[Any, str]] = []
+        self.incremental = incremental
+        self.calls = 0  # consume() calls so far
+        self._script: list[tuple[int, list[TP], list[TP]]] = []
+        self._callbacks: tuple[AssignCallback, RevokeCallback] | None = None
 
     def partitions(self) -> list[TP]:
         return list(self._data)
 
+    def rebalance(self, at_call: int, *, revoke: Sequence[int] = (),
+                  assign: Sequence[int] = ()) -> None:
+        """Inside the ``at_call``-th ``consume()``: revoke partitions, then assign partitions.
+
+        Eager (the default): a revoke takes every partition and an assign
+        gives the whole new assignment. Incremental: each names the
+        partitions that change.
+        """
+        self._script.append((at_call, [(self.topic, p) for p in revoke],
+                             [(self.topic, p) for p in assign]))
+
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
              assignment: Sequence[TP] | None) -> None:
         tps = list(assignment) if assignment is not None else self.partitions()
+        self._callbacks = (on_assign, on_revoke)
         offsets = on_assign(tps)
         self._next = {tp: offsets[tp][0] for tp in tps}
+
+    def _play(self) -> None:
+        assert self._callbacks is not None
+        on_assign, on_revoke = self._callbacks
+        for at, revoke, assign in [x for x in self._script if x[0] == self.calls]:
+            if revoke:
+                on_revoke(revoke)
+                for tp in revoke:
+                    self._next.pop(tp, None)
+            if assign:
+                self._paused.difference_update(assign)
+                offsets = on_assign(assign)
+                self._next.update({tp: offsets[tp][0] for tp in assign})
 
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         if self.loop:
@@ -892,6 +927,9 @@ class MemorySource(Source):
         return (0, len(self._data[tp]))
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
+        self.calls += 1
+        if self._script:
+            self._play()
         out: list[Any] = []
         live = [tp for tp in self._next if tp not in self._paused]
         # Interleave partitions in runs, as a broker's fetches would.

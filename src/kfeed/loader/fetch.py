@@ -231,6 +231,9 @@ class Fetcher:
                 start is None or m.offset() >= start[0])
 
         out = [m for m in msgs if current(m)]
+        # A kept partition whose messages are dropped here has moved on too.
+        self.fetched.update(tp for tp in ((m.topic(), m.partition()) for m in msgs
+                                          if m.error() is None) if tp in kept)
         if len(out) < len(msgs):
             log.info("dropped %d messages fetched across a rebalance", len(msgs) - len(out))
         kept &= self.assigned
