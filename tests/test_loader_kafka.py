@@ -230,7 +230,7 @@ def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period()
     # again"; after it, the topic is not available. Fake metadata: no broker.
     from types import SimpleNamespace
 
-    from kfeed.sources import _GONE_GRACE_S, TopicUnavailable, topic_partitions
+    from kfeed._kafka import GONE_GRACE_S as _GONE_GRACE_S, TopicUnavailable, topic_partitions
 
     def answer(code=None, partitions=None):
         err = None if code is None else SimpleNamespace(code=lambda: code, str=lambda: f"E{code}")

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import kfeed
-from kfeed.producer import _kafka_error, _take_documents
+from kfeed._kafka import kafka_error as _kafka_error
+from kfeed.producer import _take_documents
 
 # A document's first token is its id, so that raw values (the documents
 # alone, no other field) still say which document they are.

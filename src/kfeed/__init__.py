@@ -23,8 +23,8 @@ from kfeed.errors import (
 from kfeed.partition import murmur2, partition_for, partitions_for
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Schema
-from kfeed.sources import MemorySource
-from kfeed.tokens import Pack, Packer, Shuffle, ShuffleBuffer
+from kfeed.sources import MemorySource, Source
+from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 __version__ = "0.1.0"
 
@@ -34,9 +34,13 @@ __all__ = [
     "DecodeResult",
     "Producer",
     "Loader",
+    "LoaderConfig",
+    "Batch",
     "KafkaIterableDataset",
+    "Source",
     "MemorySource",
     "Pack",
+    "PackInfo",
     "Packer",
     "Shuffle",
     "ShuffleBuffer",
@@ -59,12 +63,14 @@ __all__ = [
 _LAZY = {
     "BufferPool": "kfeed.pool",
     "Loader": "kfeed.loader",
+    "LoaderConfig": "kfeed.loader",
+    "Batch": "kfeed.loader",
     "KafkaIterableDataset": "kfeed.dataset",
 }
 
 if TYPE_CHECKING:
     from kfeed.dataset import KafkaIterableDataset
-    from kfeed.loader import Loader
+    from kfeed.loader import Batch, Loader, LoaderConfig
     from kfeed.pool import BufferPool
 
 

@@ -11,7 +11,10 @@ do alike, so that a user sees one behaviour whichever side they start from:
   topic that does not exist and for brokers that do not answer, worded the
   same for the producer and the loader;
 - ``ConnectionLog``: librdkafka's log lines with repeated connection trouble
-  folded to one line per broker every few seconds.
+  folded to one line per broker every few seconds;
+- the error codes no retry mends (``REFUSED``), the metadata answer for a
+  topic (``topic_partitions``), chaining kfeed's callbacks with a user's
+  (``chain``), and the KafkaError behind an exception (``kafka_error``).
 
 It knows nothing of batches, schemas or torch.
 """
@@ -21,13 +24,14 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from kfeed.errors import ConfigError, KfeedError
 
 __all__ = ["create_topic", "client_config", "unavailable_message", "unreachable_message",
-           "ConnectionLog"]
+           "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
+           "topic_partitions", "chain", "kafka_error"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,79 @@ def unavailable_message(topic: str, servers: str, why: str) -> str:
 def unreachable_message(servers: str, seconds: float, why: str) -> str:
     """Brokers that did not answer: the same words for the producer and the loader."""
     return f"cannot reach the brokers at {servers} within {seconds:g}s: {why}"
+
+
+# -- error codes, topic metadata, callbacks ---------------------------------------
+
+# Broker refusals that no retry mends (librdkafka error codes): bad
+# credentials, TLS, and every authorization failure.
+REFUSED = frozenset({
+    -169,  # _AUTHENTICATION
+    -181,  # _SSL
+    29,    # TOPIC_AUTHORIZATION_FAILED
+    30,    # GROUP_AUTHORIZATION_FAILED
+    31,    # CLUSTER_AUTHORIZATION_FAILED
+    53,    # TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+})
+# A topic that stays unknown this long after the stream began was deleted
+# (a new topic can look unknown for a moment while metadata spreads).
+GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
+GONE_GRACE_S = 5.0
+LEADER_NOT_AVAILABLE = 5
+
+
+class TopicUnavailable(NamedTuple):
+    """Why a topic cannot be read or written, and the Kafka error code if any."""
+
+    why: str
+    code: int | None
+
+
+def topic_partitions(md: Any, topic: str, since: float,
+                     deadline: float) -> list[int] | TopicUnavailable | None:
+    """``topic``'s partition ids in ``md``, a confluent-kafka ``list_topics`` answer.
+
+    None means ask again: the broker asked does not know the topic (or its
+    leaders) yet, and less than ``GONE_GRACE_S`` passed since the first
+    question (``since``, a ``time.monotonic()`` value), and ``deadline`` has
+    not passed. A topic created a moment ago looks like that while its
+    metadata spreads to every broker.
+    """
+    until = min(deadline, since + GONE_GRACE_S)
+    tmd = md.topics.get(topic)
+    if tmd is not None and tmd.error is None and tmd.partitions:
+        return sorted(tmd.partitions)
+    err = tmd.error if tmd is not None else None
+    code = err.code() if err is not None else None
+    if (code is None or code in GONE_CODES or code == LEADER_NOT_AVAILABLE) and \
+            time.monotonic() < until:
+        return None
+    return TopicUnavailable(err.str() if err is not None else "no partitions", code)
+
+
+def chain(ours: Callable[..., None], theirs: Callable[..., None] | None) -> Callable[..., None]:
+    """A librdkafka callback that runs kfeed's, then the user's own from their config."""
+    if theirs is None:
+        return ours
+
+    def both(*args: Any) -> None:
+        ours(*args)
+        theirs(*args)
+    return both
+
+
+def kafka_error(exc: BaseException) -> Any | None:
+    """The KafkaError behind ``exc``: a KafkaException's, or that of the one that caused it."""
+    from confluent_kafka import KafkaException
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # a cause chain can loop
+        if seen is None:
+            break
+        if isinstance(seen, KafkaException) and seen.args and hasattr(seen.args[0], "code"):
+            return seen.args[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 # -- connection trouble in librdkafka's log ------------------------------------

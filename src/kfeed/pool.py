@@ -26,7 +26,8 @@ from kfeed.errors import ConfigError, KfeedError
 from kfeed.schema import Schema
 from kfeed.tokens import Packer
 
-__all__ = ["BufferPool", "Slot", "SlotState"]
+# Slot and SlotState are the pool's own: the loader fills slots, users never see one.
+__all__ = ["BufferPool"]
 
 
 class SlotState(str, Enum):

@@ -23,12 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from kfeed._kafka import ConnectionLog, unavailable_message, unreachable_message
+from kfeed._kafka import (
+    REFUSED,
+    ConnectionLog,
+    TopicUnavailable,
+    kafka_error,
+    topic_partitions,
+    unavailable_message,
+    unreachable_message,
+)
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
-from kfeed.sources import TopicUnavailable, topic_partitions
 
 __all__ = ["Producer", "PRODUCER_DEFAULTS"]
 
@@ -126,7 +133,7 @@ class Producer:
             # get past (bad credentials, no access) is kept and raised by
             # send/flush.
             try:
-                if err.fatal() or err.code() in _REFUSALS:
+                if err.fatal() or err.code() in REFUSED:
                     self._fatal = err
                 warn.log(logging.WARNING, "kafka: %s", err)
                 if user_error_cb is not None:
@@ -178,13 +185,13 @@ class Producer:
                 md = self._producer.list_topics(
                     self.topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             except (KafkaException, SystemError) as e:
-                err = _kafka_error(e)
+                err = kafka_error(e)
                 if err is not None and err.fatal():
                     raise self._error("the producer cannot go on", e) from e
                 if time.monotonic() < deadline:
                     continue
                 self._raise_fatal()
-                err = _kafka_error(e)
+                err = kafka_error(e)
                 raise ProduceError(
                     unreachable_message(self._servers, self._timeout,
                                         err.str() if err is not None else repr(e)),
@@ -208,7 +215,7 @@ class Producer:
 
         A fatal error is kept, so that every later call raises it at once.
         """
-        err = _kafka_error(exc)
+        err = kafka_error(exc)
         if err is None:
             return ProduceError(f"{what}: {exc!r}", topic=self.topic)
         if err.code() == _LOCAL_FATAL and not err.fatal():
@@ -228,7 +235,7 @@ class Producer:
             try:
                 self._producer.poll(_SLICE_S)
             except (KafkaException, SystemError) as e:
-                err = _kafka_error(e)
+                err = kafka_error(e)
                 if err is not None and err.fatal():
                     return err
         return None
@@ -435,28 +442,11 @@ class Producer:
 #   it caused, becomes a ProduceError with the Kafka error's code, and a fatal
 #   error is kept, so that later calls raise it at once instead of waiting.
 
-# Broker refusals that retrying will not fix: authentication, SSL, and
-# topic, cluster and transactional-id authorization.
-_REFUSALS = (-169, -181, 29, 31, 53)
 # Under confluent-kafka's 200 ms chunk, so that each call runs librdkafka's
 # dispatch once (see NOTE [ Callbacks never raise ]).
 _SLICE_S = 0.1
 # librdkafka's ERR__FATAL: what produce() says once a fatal error was raised.
 _LOCAL_FATAL = -150
-
-
-def _kafka_error(exc: BaseException) -> Any | None:
-    """The KafkaError behind ``exc``: a KafkaException's, or that of the one that caused it."""
-    from confluent_kafka import KafkaException
-
-    seen: BaseException | None = exc
-    for _ in range(8):  # a cause chain can loop
-        if seen is None:
-            break
-        if isinstance(seen, KafkaException) and seen.args and hasattr(seen.args[0], "code"):
-            return seen.args[0]
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _key_bytes(key: Any) -> bytes:

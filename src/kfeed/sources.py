@@ -22,7 +22,18 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from kfeed._kafka import ConnectionLog, client_config, unavailable_message, unreachable_message
+from kfeed._kafka import (
+    GONE_CODES,
+    GONE_GRACE_S,
+    REFUSED,
+    ConnectionLog,
+    TopicUnavailable,
+    chain,
+    client_config,
+    topic_partitions,
+    unavailable_message,
+    unreachable_message,
+)
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
@@ -76,20 +87,6 @@ def group_protocol(config: Mapping[str, Any]) -> str:
     strategy = str(config.get("partition.assignment.strategy", "range"))
     return "cooperative" if "cooperative" in strategy else "eager"
 
-# librdkafka error codes after which waiting is pointless.
-_FATAL_CODES = {
-    -169,  # _AUTHENTICATION
-    29,    # TOPIC_AUTHORIZATION_FAILED
-    30,    # GROUP_AUTHORIZATION_FAILED
-    31,    # CLUSTER_AUTHORIZATION_FAILED
-    -181,  # _SSL
-}
-# A topic that stays unknown this long after the stream began was deleted
-# (a new topic can look unknown for a moment while metadata spreads).
-_GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
-_GONE_GRACE_S = 5.0
-_LEADER_NOT_AVAILABLE = 5
-
 # The headers of a dead-lettered message that name where it came from.
 DLQ_TOPIC_HEADER = "kfeed.source.topic"
 DLQ_PARTITION_HEADER = "kfeed.source.partition"
@@ -112,35 +109,6 @@ _DLQ_WINDOW = 1000
 # messages (start="latest", or a time) leaves those out of the dead-letter
 # topic for later readers too; they stay in the source topic. Two loaders that meet the same bad message at the same
 # moment may both copy it: the check is not a transaction.
-
-
-class TopicUnavailable(NamedTuple):
-    """Why a topic cannot be read or written, and the Kafka error code if any."""
-
-    why: str
-    code: int | None
-
-
-def topic_partitions(md: Any, topic: str, since: float,
-                     deadline: float) -> list[int] | TopicUnavailable | None:
-    """``topic``'s partition ids in ``md``, a confluent-kafka ``list_topics`` answer.
-
-    None means ask again: the broker asked does not know the topic (or its
-    leaders) yet, and less than ``_GONE_GRACE_S`` passed since the first
-    question (``since``, a ``time.monotonic()`` value), and ``deadline`` has
-    not passed. A topic created a moment ago looks like that while its
-    metadata spreads to every broker.
-    """
-    until = min(deadline, since + _GONE_GRACE_S)
-    tmd = md.topics.get(topic)
-    if tmd is not None and tmd.error is None and tmd.partitions:
-        return sorted(tmd.partitions)
-    err = tmd.error if tmd is not None else None
-    code = err.code() if err is not None else None
-    if (code is None or code in _GONE_CODES or code == _LEADER_NOT_AVAILABLE) and \
-            time.monotonic() < until:
-        return None
-    return TopicUnavailable(err.str() if err is not None else "no partitions", code)
 
 
 class Committed(NamedTuple):
@@ -280,13 +248,13 @@ class KafkaSource(Source):
             config.setdefault("enable.partition.eof", True)
         self.protocol = group_protocol(config)
         self.incremental = self.protocol != "eager"
-        config["error_cb"] = self._chain(self._on_error, config.get("error_cb"))
+        config["error_cb"] = chain(self._on_error, config.get("error_cb"))
         config.setdefault("logger", ConnectionLog())
         self._warn = ConnectionLog(log)
         # Lag comes from librdkafka's own statistics, so reading it never
         # blocks on a broker (one that is down, say).
         config.setdefault("statistics.interval.ms", 1000)
-        config["on_commit"] = self._chain2(self._on_commit, config.get("on_commit"))
+        config["on_commit"] = chain(self._on_commit, config.get("on_commit"))
         self._inflight: dict[tuple[TP, int], Position] = {}
         self._acked: deque[tuple[TP, Position]] = deque()
         user_stats_cb = config.get("stats_cb")
@@ -317,9 +285,9 @@ class KafkaSource(Source):
         # loader only stalls, so that is a warning. Errors no retry can mend
         # (bad credentials, no access, a deleted topic) end the stream.
         code = err.code()
-        if err.fatal() or code in _FATAL_CODES:
+        if err.fatal() or code in REFUSED:
             self._fatal = err
-        elif code in _GONE_CODES and self._gone is None:
+        elif code in GONE_CODES and self._gone is None:
             self._gone = (time.monotonic(), err)
         self._warn.log(logging.WARNING, "kafka: %s", err)
 
@@ -327,26 +295,6 @@ class KafkaSource(Source):
         err = self._fatal
         if err is not None:
             raise ConsumeError(f"{err.str()}", code=err.code())
-
-    @staticmethod
-    def _chain(ours: Callable[[Any], None], theirs: Callable[[Any], None] | None) -> Any:
-        if theirs is None:
-            return ours
-
-        def both(arg: Any) -> None:
-            ours(arg)
-            theirs(arg)
-        return both
-
-    @staticmethod
-    def _chain2(ours: Callable[[Any, Any], None], theirs: Callable[[Any, Any], None] | None) -> Any:
-        if theirs is None:
-            return ours
-
-        def both(a: Any, b: Any) -> None:
-            ours(a, b)
-            theirs(a, b)
-        return both
 
     def _on_stats(self, text: str, user_cb: Callable[[str], None] | None) -> None:
         import json
@@ -514,7 +462,7 @@ class KafkaSource(Source):
         if self._gone is not None:
             if msgs:
                 self._gone = None  # data still flows: it was a passing metadata hiccup
-            elif time.monotonic() - self._gone[0] >= _GONE_GRACE_S:
+            elif time.monotonic() - self._gone[0] >= GONE_GRACE_S:
                 self._fatal = self._gone[1]
         self._raise_fatal()
         if self._callback_error is not None:
