@@ -1,0 +1,93 @@
+"""The build stage against its baselines, from memory (no broker), in one run.
+
+Two ratios the loader's pipeline must hold (bench/RESULTS.md, "Build stage"):
+
+- ``shuffled / in order``: a fixed-shape stream (the seeds' 768 float32
+  features, label, id) through ``Loader(shuffle=Shuffle(buffer=...))``
+  against the same stream through a plain ``Loader``; target >= 0.7x;
+- ``Loader(pack=...) / Packer``: token documents through
+  ``Loader(pack=Pack(...))`` end to end (decode, order, pack, hand-out)
+  against the ``Packer`` alone packing the same documents, already decoded,
+  into the same rows; target >= 0.8x.
+
+Both sides of a ratio run interleaved, ``--repeat`` times, and the best
+of each is kept. Run: ``python bench/bench_build.py [--repeat 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import kfeed
+from kfeed.loader import memory_loader
+from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+
+def _drain(loader: kfeed.Loader) -> int:
+    n = 0
+    with loader:
+        for batch in loader:
+            n += batch.size
+    return n
+
+
+def shuffle_ratio(samples: int, buffer: int, repeat: int) -> tuple[float, float]:
+    schema = synthetic_schema()
+    values = schema.encode_blocks(synthetic_columns(np.arange(samples)), 64)
+    best = {"order": 0.0, "shuffled": 0.0}
+    for _ in range(repeat):
+        for name in best:
+            kw = {"shuffle": kfeed.Shuffle(buffer=buffer, seed=0)} if name == "shuffled" else {}
+            t = time.perf_counter()
+            n = _drain(memory_loader(values, schema, 256, device="cpu", until="end", **kw))
+            best[name] = max(best[name], n / (time.perf_counter() - t))
+            assert n == samples
+    return best["order"], best["shuffled"]
+
+
+def pack_ratio(docs: int, seq_len: int, rows: int, repeat: int) -> tuple[float, float]:
+    schema = kfeed.Schema({"tokens": ("uint16", (None,))})
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.5, 1.0, docs).astype(np.int64), 1, 4 * seq_len)
+    flat = rng.integers(0, 50000, int(lengths.sum())).astype(np.uint16)
+    values = schema.encode_blocks({"tokens": (flat, lengths)}, 64, block_bytes=1 << 20)
+    pack = kfeed.Pack(seq_len=seq_len, eos_id=65535, pad_id=0)
+    tokens_total = int(lengths.sum()) + docs  # with an EOS each
+    best = {"packer": 0.0, "loader": 0.0}
+    for _ in range(repeat):
+        t = time.perf_counter()
+        packer = kfeed.Packer(pack, rows)
+        out = packer.empty(like="numpy")
+        target = packer.bind(out)
+        packer.feed(flat, lengths)
+        packer.finish()
+        while packer.next_batch(target) is not None:
+            pass
+        best["packer"] = max(best["packer"], tokens_total / (time.perf_counter() - t))
+        t = time.perf_counter()
+        _drain(memory_loader(values, schema, rows, device="cpu", until="end", pack=pack))
+        best["loader"] = max(best["loader"], tokens_total / (time.perf_counter() - t))
+    return best["packer"], best["loader"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--samples", type=int, default=50_000)
+    p.add_argument("--buffer", type=int, default=10_000)
+    p.add_argument("--docs", type=int, default=20_000)
+    args = p.parse_args()
+    order, shuffled = shuffle_ratio(args.samples, args.buffer, args.repeat)
+    print(f"| fixed-shape stream, shuffle(buffer={args.buffer}) | {shuffled:,.0f} samples/s | "
+          f"in order {order:,.0f} samples/s | {shuffled / order:.2f}x (target >= 0.7x) |")
+    packer, loader = pack_ratio(args.docs, 2048, 8, args.repeat)
+    print(f"| Loader(pack=Pack(seq_len=2048)), [8, 2048] rows | {loader / 1e6:,.1f} M tokens/s | "
+          f"Packer alone {packer / 1e6:,.1f} M tokens/s | {loader / packer:.2f}x "
+          f"(target >= 0.8x) |")
+
+
+if __name__ == "__main__":
+    main()
