@@ -359,7 +359,7 @@ class PeakRss:
 
 def schema_of(workload: str) -> Any:
     from kfeed import Schema
-    from kfeed.cli import synthetic_schema
+    from kfeed.synthetic import synthetic_schema
 
     if workload in ("features", "normal"):
         return synthetic_schema()
@@ -378,7 +378,7 @@ def chunk_columns(ids: Any, workload: str) -> dict[str, Any]:
     """The samples with these ids; each depends on its id alone (tokens: on the chunk)."""
     import numpy as np
 
-    from kfeed.cli import synthetic_columns
+    from kfeed.synthetic import synthetic_columns
 
     if workload == "normal":
         rng = np.random.default_rng([11, int(ids[0]) if len(ids) else 0])

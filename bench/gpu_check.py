@@ -178,7 +178,7 @@ def make_workload(n: int) -> tuple[Any, list[bytes], dict[str, Any]]:
     """The schema, the recorded block values, and the samples decoded back by kfeed."""
     import numpy as np
 
-    from kfeed.cli import synthetic_columns, synthetic_schema
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
 
     schema = synthetic_schema()
     values: list[bytes] = []

@@ -55,7 +55,7 @@ _THREAD = re.compile(r"^thread \((\w+)\)(?::\s*(.*))?$")
 
 def cmd_run(args: argparse.Namespace) -> int:
     import kfeed
-    from kfeed.cli import synthetic_schema
+    from kfeed.synthetic import synthetic_schema
 
     bootstrap = args.bootstrap or os.environ.get("KFEED_BOOTSTRAP")
     if not bootstrap:

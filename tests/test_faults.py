@@ -261,15 +261,15 @@ import json, os, sys, time, torch.distributed as dist, kfeed
 from test_faults import SCHEMA
 dist.init_process_group("gloo", init_method="env://")
 rank = dist.get_rank()
-bootstrap, topic, group, folder, every = sys.argv[1:6]
+bootstrap, topic, group, folder, every, protocol = sys.argv[1:7]
 checkpoint = os.path.join(folder, "checkpoint.json")
 saved = None
 if os.path.exists(checkpoint):
     with open(checkpoint) as f:
         saved = json.load(f)
-# The shortest session the brokers allow, so the killed job's members leave soon.
-config = {"bootstrap.servers": bootstrap, "group.id": group, "session.timeout.ms": 6000,
-          "heartbeat.interval.ms": 500}
+# The shortest session the brokers allow, so the killed job's members leave
+# soon (under the consumer protocol the group's configs say so: see the test).
+config = {"bootstrap.servers": bootstrap, "group.id": group, **json.loads(protocol)}
 # A job with no checkpoint yet starts from scratch, whatever a crashed run committed.
 loader = kfeed.Loader(config, topic, SCHEMA, 50, until="end", device="cpu",
                       start="earliest" if saved is None else "committed")
@@ -301,8 +301,31 @@ dist.destroy_process_group()
 """
 
 
+# How each group protocol is asked for, with a 6 s session and 0.5 s heartbeats.
+PROTOCOLS = {
+    "eager": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500},
+    "cooperative": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
+                    "partition.assignment.strategy": "cooperative-sticky"},
+    "consumer": {"group.protocol": "consumer"},
+}
+
+
+def short_sessions(bootstrap: str, group: str) -> None:
+    """A consumer-protocol group's session and heartbeat are group configs, set by an admin."""
+    from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry,
+                                       ConfigResource, ResourceType)
+
+    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+               for k, v in (("consumer.session.timeout.ms", "6000"),
+                            ("consumer.heartbeat.interval.ms", "500"))]
+    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.incremental_alter_configs([resource])[resource].result(30)
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
 def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
-        bootstrap, make_topic, tmp_path) -> None:
+        bootstrap, make_topic, tmp_path, protocol) -> None:
     import os
     import socket
 
@@ -314,6 +337,8 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
     script = tmp_path / "rank.py"
     script.write_text(JOB_RANK)
     group = uuid.uuid4().hex
+    if protocol == "consumer":
+        short_sessions(bootstrap, group)
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
 
     def start() -> list[subprocess.Popen[bytes]]:
@@ -323,7 +348,8 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
         return [subprocess.Popen([sys.executable, str(script), bootstrap, topic, group,
-                                  str(tmp_path), str(every)], env={**env, "RANK": str(r)},
+                                  str(tmp_path), str(every), json.dumps(PROTOCOLS[protocol])],
+                                 env={**env, "RANK": str(r)},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 for r in (0, 1)]
 
@@ -355,7 +381,7 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
                       until="end", device="cpu") as rest:
         left = np.concatenate([b["id"].numpy() for b in rest] or [np.empty(0, np.int64)])
     lost, dup = count_ids(np.concatenate([trained, left]), n)
-    report("trainer_crash_two_ranks_one_group", samples=n, faults=kills, lost=lost,
+    report(f"trainer_crash_two_ranks_one_group_{protocol}", samples=n, faults=kills, lost=lost,
            duplicated=dup, left_for_the_next_epoch=len(left))
     assert kills == 5
     assert (lost, dup) == (0, 0)
@@ -411,7 +437,7 @@ def rss_bytes() -> int:
 
 
 def test_backpressure_keeps_memory_bounded_and_drops_nothing(bootstrap, make_topic) -> None:
-    from kfeed.cli import synthetic_columns, synthetic_schema
+    from kfeed.synthetic import synthetic_schema
 
     schema = synthetic_schema()
     topic = make_topic(partitions=4, replication=3)
@@ -450,7 +476,7 @@ def test_backpressure_keeps_memory_bounded_and_drops_nothing(bootstrap, make_top
 def test_topic_deleted_mid_stream_is_a_clear_error(bootstrap, make_topic) -> None:
     from confluent_kafka.admin import AdminClient
 
-    from kfeed.cli import synthetic_schema
+    from kfeed.synthetic import synthetic_schema
     from test_loader_kafka import produce
 
     topic = make_topic(partitions=2, replication=3)

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Consumer, Producer as KafkaProducer
 
 import kfeed
-from kfeed.cli import synthetic_columns, synthetic_schema
+from kfeed.synthetic import synthetic_columns, synthetic_schema
 
 pytestmark = pytest.mark.integration
 

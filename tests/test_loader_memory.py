@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kfeed
-from kfeed.cli import synthetic_columns, synthetic_schema
+from kfeed.synthetic import synthetic_columns, synthetic_schema
 from kfeed.loader import Loader, memory_loader
 
 SCHEMA = synthetic_schema()

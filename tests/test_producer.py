@@ -180,7 +180,7 @@ def test_sends_from_several_threads_at_once_lose_and_repeat_nothing(bootstrap: s
                                                                     make_topic: Any) -> None:
     import threading
 
-    from kfeed.cli import synthetic_columns, synthetic_schema
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
 
     schema = synthetic_schema()
     topic = make_topic(partitions=3)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import kfeed
-from kfeed.cli import synthetic_columns, synthetic_schema
+from kfeed.synthetic import synthetic_columns, synthetic_schema
 
 pytestmark = pytest.mark.integration
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, kfeed
-    from kfeed.cli import synthetic_schema
+    from kfeed.synthetic import synthetic_schema
     dist.init_process_group("gloo", init_method="env://")
     bootstrap, topic = sys.argv[1], sys.argv[2]
     loader = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": "ranks-" + topic}, topic,

@@ -203,6 +203,14 @@ class Layout:
             # Tests join groups one after another; the default 3 s delay would
             # add up across the suite.
             "group.initial.rebalance.delay.ms": "0",
+            # Kafka 4's consumer group protocol takes the session timeout from
+            # the broker (45 s, and no less); let a group ask for a classic-like
+            # 6 s (the group config consumer.session.timeout.ms), and heartbeats
+            # as frequent as classic ones may be, so a killed trainer's
+            # partitions move on as soon as with the classic protocol. The
+            # defaults (45 s, 5 s) stay what a group gets unless it asks.
+            "group.consumer.min.session.timeout.ms": "6000",
+            "group.consumer.min.heartbeat.interval.ms": "500",
             # A typo in a topic name must fail, not create a new topic.
             "auto.create.topics.enable": "false",
         }
