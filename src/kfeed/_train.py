@@ -219,14 +219,13 @@ class _Stopped(Exception):
     """Raised by ``StopGuard`` inside ``next(loader)`` while it only waits for data."""
 
 
-# Loader methods inside which an exception leaves nothing half done: the
-# batch being waited for is not handed out yet, so the loader's state (what
-# a checkpoint saves) still ends at the last batch trained. Any other frame
-# of kfeed.loader (handing a batch out, committing, running a revoke hook)
-# must finish first. Names from kfeed.loader; if they change, a signal simply
-# waits for the next step boundary.
+# The one loader method inside which an exception leaves nothing half done:
+# it waits for the next batch, which is not handed out yet, so the loader's
+# state (what a checkpoint saves) still ends at the last batch trained. Any
+# other kfeed.loader frame on the way (handing a batch out, committing,
+# running a revoke hook, releasing a slot) must finish first. If the name
+# changes in kfeed.loader, a signal simply waits for the next step boundary.
 _SAFE_WAIT = "_take"
-_UNSAFE = frozenset({"_hand_out", "_mark_used", "_run_revoke_hook", "_drop", "_commit"})
 
 
 @dataclass
@@ -265,15 +264,16 @@ class StopGuard:
 
 
 def _in_safe_wait(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is inside ``Loader.__next__`` only by way of its wait for data."""
     names = []
     while frame is not None:
-        code = frame.f_code
-        if frame.f_globals.get("__name__") == "kfeed.loader":
-            if code.co_name == "__next__":
-                break
-            names.append(code.co_name)
+        module = str(frame.f_globals.get("__name__", ""))
+        if module == "kfeed.loader" or module.startswith("kfeed.loader."):
+            if frame.f_code.co_name == "__next__":
+                return names == [_SAFE_WAIT]
+            names.append(frame.f_code.co_name)
         frame = frame.f_back
-    return _SAFE_WAIT in names and not _UNSAFE.intersection(names)
+    return False
 
 
 # -- the job ---------------------------------------------------------------------
