@@ -37,7 +37,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[
 def kfeed(*args: str, bootstrap: str = CLOSED, timeout: float = 120,
           python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
-    return subprocess.run([sys.executable, *python_flags, "-m", "kfeed", *args],
+    return subprocess.run([sys.executable, *python_flags, "-m", "kfeed", *args], check=False,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -71,13 +71,13 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (PRODUCE + ("--synthetic", "5", "--connect-timeout", "0"),
      "kfeed: --connect-timeout 0 is out of range: give a number > 0"),
     (TRAIN + ("--start", "yesterday"),
-     "kfeed: --start 'yesterday' is not a start: give earliest, latest, committed or an ISO "
-     "time such as 2024-05-01T12:00:00+00:00"),
+     ("kfeed: --start 'yesterday' is not a start: give earliest, latest, committed or an ISO "
+     "time such as 2024-05-01T12:00:00+00:00")),
     (TRAIN + ("--task", "gpt"),
      "kfeed: --task 'gpt' is not one of its choices: choose from 'mlp', 'lm'"),
     (("train", "--topic", "t"), "kfeed: missing --group-id: see 'kfeed train --help'"),
-    (PRODUCE, "kfeed: give one of --synthetic, --synthetic-text, --from: see "
-              "'kfeed produce --help'"),
+    (PRODUCE, ("kfeed: give one of --synthetic, --synthetic-text, --from: see "
+              "'kfeed produce --help'")),
     (PRODUCE + ("--synthetic", "5", "--synthetic-text", "5"),
      "kfeed: --synthetic-text and --synthetic exclude each other: give one of them"),
     (TRAIN + ("--bogus",), "kfeed: unknown argument --bogus: see 'kfeed train --help'"),
@@ -94,8 +94,8 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     (TRAIN + ("--checkpoint-every", "5"),
      "kfeed: --checkpoint-every needs --checkpoint PATH: name where to save, or leave it out"),
     (TRAIN + ("--checkpoint", "/no/such/folder/c.pt"),
-     "kfeed: --checkpoint /no/such/folder/c.pt: folder /no/such/folder does not exist: "
-     "create it first"),
+     ("kfeed: --checkpoint /no/such/folder/c.pt: folder /no/such/folder does not exist: "
+     "create it first")),
     (TRAIN + ("--seq-len", "64"),
      "kfeed: --seq-len applies to --task lm, not to --task mlp: leave it out"),
     (TRAIN + ("--token-dtype", "int32"),
@@ -103,19 +103,19 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
      "kfeed: --log-ids applies to --task mlp (samples with ids), not to --task lm: leave it out"),
     (PRODUCE + ("--synthetic", "5", "--field", "features=x"),
-     "kfeed: --field applies to --from FILE samples (.npz, .npy, .parquet), not to "
-     "--synthetic: leave it out"),
+     ("kfeed: --field applies to --from FILE samples (.npz, .npy, .parquet), not to "
+     "--synthetic: leave it out")),
     (PRODUCE + ("--synthetic", "5", "--seed", "3"),
      "kfeed: --seed applies to --synthetic-text, not to --synthetic: leave it out"),
     (PRODUCE + ("--synthetic", "5", "--token-dtype", "int32"),
-     "kfeed: --token-dtype applies to token documents (--synthetic-text, or --from a corpus), "
-     "not to --synthetic: leave it out"),
+     ("kfeed: --token-dtype applies to token documents (--synthetic-text, or --from a corpus), "
+     "not to --synthetic: leave it out")),
     (PRODUCE + ("--synthetic-text", "5", "--key-field", "src"),
-     "kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
-     "keyed with --keyed), not to --synthetic-text: leave it out"),
+     ("kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
+     "keyed with --keyed), not to --synthetic-text: leave it out")),
     (PRODUCE + ("--synthetic", "5", "--format", "raw", "--block-records", "8"),
-     "kfeed: --block-records applies to --format block, not to raw (one record a message): "
-     "leave it out"),
+     ("kfeed: --block-records applies to --format block, not to raw (one record a message): "
+     "leave it out")),
     (PRODUCE + ("--synthetic", "5", "-X", "acks"),
      "kfeed: -X 'acks' is not KEY=VALUE: write it as e.g. -X fetch.min.bytes=1048576"),
     (("produce", "--bootstrap-servers", "", "--topic", "t", "--synthetic", "5"),
@@ -130,22 +130,22 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("a document\n")
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--keyed")
-    assert (code, err) == (2, ["kfeed: --keyed applies to synthetic data, not to a corpus: key "
-                               "its documents with --key-field FIELD"])
+    assert (code, err) == (2, [("kfeed: --keyed applies to synthetic data, not to a corpus: key "
+                               "its documents with --key-field FIELD")])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--field", "features=x")
-    assert (code, err) == (2, ["kfeed: --field applies to --from FILE samples (.npz, .npy, "
-                               ".parquet), not to --from c.txt (a corpus): leave it out"])
+    assert (code, err) == (2, [("kfeed: --field applies to --from FILE samples (.npz, .npy, "
+                               ".parquet), not to --from c.txt (a corpus): leave it out")])
     missing = tmp_path / "none.npz"
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing))
     assert (code, err) == (2, [f"kfeed: --from {missing}: no such file: check the path"])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing), "--field", "features")
-    assert (code, err) == (2, ["kfeed: --field 'features' is not FIELD=COLUMN: write it as "
-                               "e.g. --field features=COLUMN"])
+    assert (code, err) == (2, [("kfeed: --field 'features' is not FIELD=COLUMN: write it as "
+                               "e.g. --field features=COLUMN")])
     np.savez(tmp_path / "d.npz", x=np.zeros((4, 3), np.float32), y=np.arange(4))
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "d.npz"),
                             "--field", "features=x", "--keyed")
-    assert (code, err) == (2, ["kfeed: --keyed keys samples by their id field, and the fields "
-                               "read are features: add --field id=COLUMN, or leave --keyed out"])
+    assert (code, err) == (2, [("kfeed: --keyed keys samples by their id field, and the fields "
+                               "read are features: add --field id=COLUMN, or leave --keyed out")])
 
 
 # -- files into columns (kfeed.ingest) ------------------------------------------------
@@ -163,12 +163,12 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
     path = tmp_path / "d.npz"
     np.savez(path, features=np.zeros((4, 3), np.float32), label=np.arange(4))
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path))
-    assert (code, err) == (2, ["kfeed: d.npz has no array 'id' for field 'id' (it has: features, "
-                               "label): map the field with --field id=ARRAY"])
+    assert (code, err) == (2, [("kfeed: d.npz has no array 'id' for field 'id' (it has: features, "
+                               "label): map the field with --field id=ARRAY")])
     np.save(tmp_path / "f.npy", np.zeros((4, 3), np.float32))
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "f.npy"))
-    assert (code, err) == (2, ["kfeed: f.npy holds one array, named 'f' after the file: map it "
-                               "to one field with --field FIELD=f (e.g. --field features=f)"])
+    assert (code, err) == (2, [("kfeed: f.npy holds one array, named 'f' after the file: map it "
+                               "to one field with --field FIELD=f (e.g. --field features=f)")])
     got = ingest.read_columns(tmp_path / "f.npy", {"features": "f"})
     assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
 
@@ -176,8 +176,8 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
 def test_parquet_missing_column_names_the_columns(capsys, tmp_path) -> None:
     path = write_parquet(tmp_path / "d.parquet", x=[1, 2], y=[3, 4])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=z")
-    assert (code, err) == (2, ["kfeed: d.parquet has no column 'z' for field 'label' (it has: "
-                               "x, y): map the field with --field label=COLUMN"])
+    assert (code, err) == (2, [("kfeed: d.parquet has no column 'z' for field 'label' (it has: "
+                               "x, y): map the field with --field label=COLUMN")])
 
 
 def test_parquet_types_map_by_the_rules(tmp_path) -> None:
@@ -204,9 +204,9 @@ def test_list_of_double_features_are_refused_unless_a_dtype_is_given(capsys, tmp
                          label=[1, 2], id=[3, 4])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path))
     assert (code, err) == (2, [
-        "kfeed: 'features' of d.parquet (field 'features') is float64[2] but kfeed train reads "
+        ("kfeed: 'features' of d.parquet (field 'features') is float64[2] but kfeed train reads "
         "features as float32: pass --dtype features=float32 to cast it, or --dtype "
-        "features=float64 to keep float64"])
+        "features=float64 to keep float64")])
     cast = ingest.read_columns(path, dtypes={"features": "float32"})
     assert cast["features"].dtype == np.float32
     assert cast["features"].tolist() == [[0.25, 1.0]] * 2
@@ -218,24 +218,24 @@ def test_nulls_are_refused_with_their_count_unless_filled(capsys, tmp_path) -> N
     path = write_parquet(tmp_path / "d.parquet", features=[[1.0]] * 3, label=[1, None, 3],
                          id=[1, 2, 3])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--dtype", "features=float32")
-    assert (code, err) == (2, ["kfeed: column 'label' of d.parquet (field 'label') has 1 null "
+    assert (code, err) == (2, [("kfeed: column 'label' of d.parquet (field 'label') has 1 null "
                                "value(s): give --fill label=VALUE to replace them, or drop "
-                               "those rows"])
+                               "those rows")])
     got = ingest.read_columns(path, dtypes={"features": "float32"}, fills={"label": "-1"})
     assert got["label"].dtype == np.int64 and got["label"].tolist() == [1, -1, 3]
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--dtype", "features=float32",
                             "--fill", "label=0.5")
-    assert (code, err) == (2, ["kfeed: --fill label=0.5: not a value of the column's type "
-                               "int64: give one (a whole number for an int column)"])
+    assert (code, err) == (2, [("kfeed: --fill label=0.5: not a value of the column's type "
+                               "int64: give one (a whole number for an int column)")])
 
 
 def test_unsendable_columns_are_named_with_their_type(capsys, tmp_path) -> None:
     path = write_parquet(tmp_path / "d.parquet", name=["a", "b"], ragged=[[1.0], [1.0, 2.0]])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=name")
-    assert (code, err) == (2, ["kfeed: column 'name' of d.parquet is string: kfeed produce "
+    assert (code, err) == (2, [("kfeed: column 'name' of d.parquet is string: kfeed produce "
                                "sends numbers and fixed-length lists of numbers; leave the "
                                "column out (--field picks the columns) or convert it to "
-                               "numbers first"])
+                               "numbers first")])
     with pytest.raises(ConfigError, match=r"^column 'ragged' of d.parquet \(field 'x'\) holds "
                                           r"lists of different lengths \(1 to 2\)"):
         ingest.read_columns(path, {"x": "ragged"})
@@ -266,8 +266,8 @@ def test_unexpected_exceptions_are_one_line_and_v_shows_the_traceback(capsys, mo
 
     monkeypatch.setattr(cli, "cmd_produce", boom)
     code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5")
-    assert (code, err) == (1, ["kfeed: unexpected RuntimeError: boom: rerun with -v for the "
-                               "traceback"])
+    assert (code, err) == (1, [("kfeed: unexpected RuntimeError: boom: rerun with -v for the "
+                               "traceback")])
     code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "-v")
     assert code == 1 and err[0] == "Traceback (most recent call last):"
     assert err[-1] == "kfeed: unexpected RuntimeError: boom: the traceback is above"
@@ -302,10 +302,10 @@ def test_train_every_record_bad_exits_1_naming_the_dead_letter_topic(capsys, mon
     monkeypatch.setattr(_train, "run", fake_run({**STATS, "bad_records": 12}, {}))
     code, err, out = run_main(capsys, *TRAIN, "--until-end")
     assert code == 1
-    assert err == ["kfeed: all 12 records read from t were bad and went to the dead-letter "
+    assert err == [("kfeed: all 12 records read from t were bad and went to the dead-letter "
                    "topic t.dlq: they do not match what --task mlp reads (features "
                    "float32[768], label int64, id int64); produce the topic for it, or check "
-                   "its dtype (e.g. --token-dtype)"]
+                   "its dtype (e.g. --token-dtype)")]
     assert out == ("trained 0 steps, startup 0.0s, 0.0 MB/s, data stall 0.0%, lag n/a, "
                    "bad records 12, final loss nan\n")
 
@@ -316,8 +316,8 @@ def test_train_says_why_nothing_was_read(capsys, monkeypatch) -> None:
     at_end = {"t": {"0": [40, 0], "1": [2, 0]}}
     monkeypatch.setattr(_train, "run", fake_run(STATS, at_end))
     assert run_main(capsys, *TRAIN, "--until-end")[:2] == (0, [
-        "kfeed: group g has already read t to its end (committed offsets at the end): use "
-        "--start earliest to read it again, or a new --group-id"])
+        ("kfeed: group g has already read t to its end (committed offsets at the end): use "
+        "--start earliest to read it again, or a new --group-id")])
     monkeypatch.setattr(_train, "run", fake_run(STATS, {"t": {"0": [0, 0]}}))
     assert run_main(capsys, *TRAIN, "--until-end")[:2] == (0, [
         "kfeed: topic t is empty: produce to it first (kfeed produce --topic t)"])
@@ -440,8 +440,8 @@ def test_produce_creates_a_missing_topic_and_says_so(bootstrap) -> None:
         assert done.returncode == 0, done.stderr
         assert "torch" not in done.stderr  # a real produce run, not only --help
         lines = [x for x in done.stderr.splitlines() if not x.startswith("import time:")]
-        assert lines == [f"created topic {first} with 4 partitions (replication: the brokers' "
-                         f"default)"]
+        assert lines == [(f"created topic {first} with 4 partitions (replication: the brokers' "
+                         f"default)")]
         assert topic_partitions(bootstrap, first) == 4
         done = kfeed("produce", "--topic", second, "--synthetic", "10", "--partitions", "2",
                      bootstrap=bootstrap)
@@ -452,8 +452,8 @@ def test_produce_creates_a_missing_topic_and_says_so(bootstrap) -> None:
         done = kfeed("produce", "--topic", second, "--synthetic", "10", "--partitions", "3",
                      bootstrap=bootstrap)
         assert (done.returncode, done.stderr.splitlines()) == (2, [
-            f"kfeed: --partitions 3: topic {second} exists with 2 partitions: leave "
-            f"--partitions out, or pick a new --topic"])
+            (f"kfeed: --partitions 3: topic {second} exists with 2 partitions: leave "
+            f"--partitions out, or pick a new --topic")])
     finally:
         delete_topics(bootstrap, first, second)
 
@@ -488,8 +488,8 @@ def test_group_at_the_end_and_start(bootstrap, make_topic, group_id, tmp_path) -
     assert again.returncode == 0
     assert summary(again.stdout).startswith("trained 0 steps on 0 samples")
     assert again.stderr.splitlines() == [
-        f"kfeed: group {group_id} has already read {topic} to its end (committed offsets at "
-        f"the end): use --start earliest to read it again, or a new --group-id"]
+        (f"kfeed: group {group_id} has already read {topic} to its end (committed offsets at "
+        f"the end): use --start earliest to read it again, or a new --group-id")]
     earliest = kfeed(*args, "--start", "earliest", bootstrap=bootstrap)
     assert earliest.returncode == 0 and earliest.stderr == ""
     assert summary(earliest.stdout).startswith("trained 2 steps on 300 samples")
@@ -552,8 +552,8 @@ def test_a_signal_saves_a_checkpoint_and_exits(bootstrap, make_topic, group_id, 
     step = torch.load(ckpt, weights_only=False)["step"]
     assert 1 <= step < total // 100
     assert err.splitlines() == [
-        f"kfeed: stopped by {signal.Signals(sig).name} at step {step}: checkpoint saved to "
-        f"{ckpt} at step {step}: --resume goes on from there"]
+        (f"kfeed: stopped by {signal.Signals(sig).name} at step {step}: checkpoint saved to "
+        f"{ckpt} at step {step}: --resume goes on from there")]
     assert summary(out).startswith(f"trained {step} steps on ")
     first = samples_of(out)
     rest = kfeed(*args, bootstrap=bootstrap)

@@ -49,7 +49,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
     try:
         state = torch.load(path, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
+    except Exception as e:  # torch raises many kinds for a file it did not write
         raise KfeedError(f"{path} is not a kfeed train checkpoint ({type(e).__name__}: {e}): "
                          f"give another --checkpoint path") from e
     if not isinstance(state, dict) or not {"model", "optimizer", "loader", "step"} <= set(state):

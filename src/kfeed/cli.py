@@ -42,8 +42,14 @@ from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_columns, synthetic_schema
 
-__all__ = ["main", "build_parser", "synthetic_columns", "synthetic_schema", "FEATURES",
-           "CLASSES"]
+__all__ = [
+    "CLASSES",
+    "FEATURES",
+    "build_parser",
+    "main",
+    "synthetic_columns",
+    "synthetic_schema",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +91,7 @@ def _usage_error(message: str, prog: str) -> str:
     m = re.fullmatch(r"one of the arguments (.*) is required", message)
     if m:
         return f"give one of {', '.join(m.group(1).split())}: {see}"
-    m = re.fullmatch(r"argument ([^:]+): (.*)", message, re.S)
+    m = re.fullmatch(r"argument ([^:]+): (.*)", message, re.DOTALL)
     if not m:
         return f"{message}: {see}"
     flag, what = m.group(1).split("/")[-1], m.group(2)
