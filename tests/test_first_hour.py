@@ -333,3 +333,19 @@ def test_lag_is_known_from_the_first_batch_and_zero_after_a_full_epoch(bootstrap
         last = ld.stats()["lag"]
     assert len(first) == 2 and sum(first.values()) > 0, first
     assert last == {f"{topic}[0]": 0, f"{topic}[1]": 0}
+
+
+@pytest.mark.integration
+def test_lag_names_every_partition_even_one_never_fetched(bootstrap, make_topic,
+                                                          group_id) -> None:
+    # Partition 1 stays empty: nothing is ever fetched from it, and before
+    # librdkafka's first statistics its end was unknown to the lag.
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        partitioner=lambda key, n: 0) as p:
+        p.send(synthetic_columns(np.arange(500)), keys=np.arange(500))
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group_id}, topic, SCHEMA,
+                      100, device="cpu", until="end") as ld:
+        next(ld)
+        lag = ld.stats()["lag"]
+    assert set(lag) == {f"{topic}[0]", f"{topic}[1]"} and lag[f"{topic}[1]"] == 0, lag

@@ -168,8 +168,13 @@ class Source:
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         raise NotImplementedError
 
-    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
-        """Messages from ``positions`` (the caller's, per partition) to each partition's end."""
+    def lag(self, positions: Mapping[TP, int],
+            known_ends: Mapping[TP, int] | None = None) -> dict[TP, int]:
+        """Messages from ``positions`` (the caller's, per partition) to each partition's end.
+
+        ``known_ends``: ends the caller knows (a bounded epoch's), for
+        partitions whose end the source has not seen yet.
+        """
         raise NotImplementedError
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
@@ -321,7 +326,8 @@ class KafkaSource(Source):
         if user_cb is not None:
             user_cb(text)
 
-    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
+    def lag(self, positions: Mapping[TP, int],
+            known_ends: Mapping[TP, int] | None = None) -> dict[TP, int]:
         """Messages from ``positions`` to each partition's end as the last statistics saw it.
 
         A partition with no position yet gets librdkafka's own
@@ -336,9 +342,11 @@ class KafkaSource(Source):
                 try:
                     _lo, hi = self._consumer.get_watermark_offsets(self._tp(tp), cached=True)
                 except Exception:  # noqa: BLE001 - closed, or nothing cached
-                    continue
+                    hi = None
                 if hi is not None and hi >= 0:
                     ends[tp] = hi
+                elif known_ends and tp in known_ends:  # nothing fetched from it yet
+                    ends[tp] = known_ends[tp]
         for tp, end in ends.items():
             if tp in positions:
                 out[tp] = max(0, end - positions[tp])
@@ -904,7 +912,8 @@ class MemorySource(Source):
     def resume(self, tps: Sequence[TP]) -> None:
         self._paused.difference_update(tps)
 
-    def lag(self, positions: Mapping[TP, int]) -> dict[TP, int]:
+    def lag(self, positions: Mapping[TP, int],
+            known_ends: Mapping[TP, int] | None = None) -> dict[TP, int]:
         return {tp: max(0, self.watermarks(tp)[1] - positions.get(tp, nxt))
                 for tp, nxt in self._next.items()}
 

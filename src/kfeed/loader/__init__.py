@@ -524,7 +524,8 @@ class Loader:
             for tp, end in fetcher.ends.items():
                 if tp in positions:
                     positions[tp] = max(positions[tp], end)
-        lag = {f"{t}[{p}]": n for (t, p), n in sorted(self._source.lag(positions).items())}
+        lag = {f"{t}[{p}]": n
+               for (t, p), n in sorted(self._source.lag(positions, fetcher.ends).items())}
         return {
             "samples": self._samples_out,
             "samples_decoded": builder.samples,
