@@ -561,3 +561,173 @@ cdef class Core:
         self.doc_id = doc_id
         self.documents = done
         return complete, doc, off
+
+
+# -- the shuffle's reservoir -----------------------------------------------------
+#
+# ``kfeed.tokens.ShuffleBuffer`` keeps its records as rows of int64 arrays
+# ``[partition id, offset, sub, item]`` (the item: an id the caller chose, a
+# staging row say) and its partitions as rows ``[read offset, read sub,
+# arrived offset, arrived sub]`` with two known flags each. The loops below
+# push, drain and take the minima of many records in one call, with the same
+# SplitMix64 draws in the same order as the buffer's Python ``_draw``, so a
+# seed gives one order however the records are grouped into calls.
+
+cdef extern from *:
+    """
+    /* The high 64 bits of a 64 x 64-bit product: Lemire's multiply-shift. */
+    static inline uint64_t kfeed_mulhi64(uint64_t a, uint64_t b) {
+    #if defined(__SIZEOF_INT128__)
+        return (uint64_t)(((unsigned __int128)a * b) >> 64);
+    #else
+        uint64_t a_lo = (uint32_t)a, a_hi = a >> 32, b_lo = (uint32_t)b, b_hi = b >> 32;
+        uint64_t lo_lo = a_lo * b_lo, hi_lo = a_hi * b_lo, lo_hi = a_lo * b_hi;
+        uint64_t cross = (lo_lo >> 32) + (uint32_t)hi_lo + lo_hi;
+        return a_hi * b_hi + (hi_lo >> 32) + (cross >> 32);
+    #endif
+    }
+    """
+    uint64_t kfeed_mulhi64(uint64_t a, uint64_t b) noexcept nogil
+
+
+cdef inline uint64_t draw(uint64_t* rng, uint64_t n) noexcept nogil:
+    """SplitMix64 (Steele, Lea, Flood 2014), then a slot below ``n``."""
+    rng[0] += <uint64_t>0x9E3779B97F4A7C15
+    cdef uint64_t z = rng[0]
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
+    return kfeed_mulhi64(z ^ (z >> 31), n)
+
+
+cdef inline void copy_key(int64_t[:, ::1] dst, Py_ssize_t i, const int64_t[:, ::1] src,
+                          Py_ssize_t j) noexcept nogil:
+    dst[i, 0] = src[j, 0]
+    dst[i, 1] = src[j, 1]
+    dst[i, 2] = src[j, 2]
+    dst[i, 3] = src[j, 3]
+
+
+cdef int check_rows(str name, const int64_t[:, ::1] a, Py_ssize_t need) except -1:
+    if a.shape[1] != 4:
+        raise ValueError(f"{name} must have 4 columns, got {a.shape[1]}")
+    if a.shape[0] < need:
+        raise ValueError(f"{name} has {a.shape[0]} rows, needs {need}")
+    return 0
+
+
+cdef int check_partitions(const int64_t[:, ::1] recs, Py_ssize_t m,
+                          Py_ssize_t nparts) except -1:
+    cdef Py_ssize_t i
+    for i in range(m):
+        if recs[i, 0] < 0 or recs[i, 0] >= nparts:
+            raise ValueError(f"record {i} names partition id {recs[i, 0]}, "
+                             f"not one of the {nparts} known")
+    return 0
+
+
+def reservoir_push(uint64_t rng, Py_ssize_t size, Py_ssize_t n, int64_t[:, ::1] held,
+                   int64_t[:, ::1] parts, uint8_t[:, ::1] known,
+                   const int64_t[:, ::1] recs, bint check, int64_t[:, ::1] emitted,
+                   int64_t[::1] skipped):
+    """Push ``recs`` (rows ``[partition id, offset, sub, item]``) through a reservoir.
+
+    ``held``: the ``n`` records held, slot by slot, room for ``size``
+    (``size`` 0: in order, every record comes out as it is pushed).
+    ``parts``/``known``: per partition id, the read and arrived positions
+    and whether each is known. ``check``: a record at or below its
+    partition's arrived position is a repeat, skipped (its item goes to
+    ``skipped``); otherwise it moves the arrived position. Every record
+    pushed moves the read position. Emitted records go to ``emitted`` in
+    order; both outputs need room for every record.
+
+    Returns ``(rng, n, emitted, skipped)``: the generator's state, the
+    records held, and how many rows of each output were written.
+    """
+    cdef Py_ssize_t m = recs.shape[0], nparts = parts.shape[0]
+    check_rows("held", held, size)
+    check_rows("parts", parts, 0)
+    check_rows("recs", recs, 0)
+    check_rows("emitted", emitted, m)
+    if known.shape[0] < nparts or known.shape[1] != 2:
+        raise ValueError("known needs 2 flags per partition")
+    if skipped.shape[0] < m:
+        raise ValueError(f"skipped has {skipped.shape[0]} entries, needs {m}")
+    if size < 0 or not 0 <= n <= size:
+        raise ValueError(f"{n} records held in a reservoir of {size}")
+    check_partitions(recs, m, nparts)
+    cdef Py_ssize_t i, j, ne = 0, ns = 0
+    cdef int64_t p, o, s
+    with nogil:
+        for i in range(m):
+            p = recs[i, 0]
+            o = recs[i, 1]
+            s = recs[i, 2]
+            if check:
+                if known[p, 1] and (o < parts[p, 2] or (o == parts[p, 2] and s < parts[p, 3])):
+                    skipped[ns] = recs[i, 3]
+                    ns += 1
+                    continue
+                parts[p, 2] = o
+                parts[p, 3] = s + 1
+                known[p, 1] = 1
+            parts[p, 0] = o
+            parts[p, 1] = s + 1
+            known[p, 0] = 1
+            if size == 0:
+                copy_key(emitted, ne, recs, i)
+                ne += 1
+            elif n < size:
+                copy_key(held, n, recs, i)
+                n += 1
+            else:
+                j = <Py_ssize_t>draw(&rng, <uint64_t>size)
+                copy_key(emitted, ne, held, j)
+                ne += 1
+                copy_key(held, j, recs, i)
+    return rng, n, ne, ns
+
+
+def reservoir_drain(uint64_t rng, Py_ssize_t n, int64_t[:, ::1] held,
+                    int64_t[:, ::1] emitted):
+    """Emit the ``n`` records held, in random order, into ``emitted``; the new ``rng``.
+
+    Each draw takes one of the records left and the last one fills its slot.
+    """
+    check_rows("held", held, n)
+    check_rows("emitted", emitted, n)
+    cdef Py_ssize_t j, k = 0
+    with nogil:
+        while n > 0:
+            j = <Py_ssize_t>draw(&rng, <uint64_t>n)
+            copy_key(emitted, k, held, j)
+            k += 1
+            n -= 1
+            copy_key(held, j, held, n)
+    return rng
+
+
+def key_minima(const int64_t[:, ::1] keys, int64_t[:, ::1] marks, uint8_t[::1] known):
+    """Lower ``marks[p]`` (``[offset, sub]`` per partition id) to every key of ``keys``.
+
+    ``keys``: rows ``[partition id, offset, sub, ...]``; ``known[p]`` is set
+    for a partition a key or an earlier mark named.
+    """
+    cdef Py_ssize_t m = keys.shape[0], nparts = marks.shape[0], i
+    if keys.shape[1] < 3 or marks.shape[1] != 2:
+        raise ValueError("keys need 3 columns and marks 2")
+    if known.shape[0] < nparts:
+        raise ValueError("known needs one flag per partition")
+    cdef int64_t p, o, s
+    for i in range(m):
+        if keys[i, 0] < 0 or keys[i, 0] >= nparts:
+            raise ValueError(f"key {i} names partition id {keys[i, 0]}, "
+                             f"not one of the {nparts} known")
+    with nogil:
+        for i in range(m):
+            p = keys[i, 0]
+            o = keys[i, 1]
+            s = keys[i, 2]
+            if not known[p] or o < marks[p, 0] or (o == marks[p, 0] and s < marks[p, 1]):
+                marks[p, 0] = o
+                marks[p, 1] = s
+                known[p] = 1

@@ -399,25 +399,47 @@ class Shuffle:
 _MASK64 = 2**64 - 1
 _GAMMA = 0x9E3779B97F4A7C15
 _STATE_VERSION = 1
+_HOLE = -1  # the item of a held record of a loaded state not pushed again yet
 
 Key = tuple[Hashable, int, int]  # (partition, offset, sub-index)
-
-
-class _Hole:
-    """A held record of a loaded state that has not been delivered again yet."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<hole>"
-
-
-_HOLE = _Hole()
 
 
 def _as_partition(p: Any) -> Hashable:
     # A state that went through JSON has lists where tuples were.
     return tuple(_as_partition(x) for x in p) if isinstance(p, list) else p
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.empty((n, 4), np.int64)
+
+
+class _Fifo:
+    """Record rows in the order they were appended, in chunks; counted from the start."""
+
+    __slots__ = ("chunks", "start", "end")
+
+    def __init__(self) -> None:
+        self.chunks: deque[np.ndarray] = deque()
+        self.start = 0  # the index of chunks[0]'s first row
+        self.end = 0    # rows appended
+
+    def append(self, rows: np.ndarray) -> None:
+        if len(rows):
+            self.chunks.append(rows)
+            self.end += len(rows)
+
+    def since(self, first: int) -> list[np.ndarray]:
+        """The rows from index ``first`` on, as views of the chunks."""
+        out, at = [], self.start
+        for c in self.chunks:
+            if at + len(c) > first:
+                out.append(c[max(0, first - at):])
+            at += len(c)
+        return out
+
+    def drop_before(self, first: int) -> None:
+        while self.chunks and self.start + len(self.chunks[0]) <= first:
+            self.start += len(self.chunks.popleft())
 
 
 class ShuffleBuffer:
@@ -428,7 +450,10 @@ class ShuffleBuffer:
     takes its place. ``drain()`` emits what is left, in random order, at the
     end of a bounded stream. The random numbers come from SplitMix64 seeded
     with ``seed`` and a slot is ``(draw * held) >> 64``, so the order depends
-    only on the seed and the order of the pushes, never on numpy's version.
+    only on the seed and the order of the pushes, never on numpy's version
+    nor on how the pushes are grouped: ``push_many`` offers many records in
+    one call (the loop in ``ext/_pack.pyx``), with integer items, and emits
+    exactly what as many ``push`` calls would.
 
     Records of one partition must be pushed in increasing ``(offset, sub)``
     order (Kafka's order); ``sub`` numbers the records inside one message
@@ -453,9 +478,17 @@ class ShuffleBuffer:
     was emitted until it is really used; ``ack(n)`` declares the next ``n``
     emitted records used. Until then they stay in ``state()``'s outbox and a
     resume emits them again, so nothing is lost with the downstream's buffers.
+    ``track_used=True`` (with ``ack``) keeps the records acknowledged since
+    the last ``mark_used()`` too, for ``watermarks(used=True)``: what a
+    consumer may commit is known without a pass over the buffer per batch.
+
+    Inside, records are rows ``[partition id, offset, sub, item]`` of int64
+    arrays (``pid`` gives a partition's id); ``push`` keeps its items in a
+    table and pushes their ids.
     """
 
-    def __init__(self, shuffle: Shuffle | None, *, ack: bool = False) -> None:
+    def __init__(self, shuffle: Shuffle | None, *, ack: bool = False,
+                 track_used: bool = False) -> None:
         if shuffle is None:
             # In order: every record comes out as it is pushed. The loader uses
             # this for packing without shuffling, for the same exact resume.
@@ -467,163 +500,270 @@ class ShuffleBuffer:
         self.shuffle = shuffle
         self._size = size
         self._ack = bool(ack)
+        self._track_used = bool(track_used) and self._ack
         self._rng = shuffle.seed & _MASK64
-        self._keys: list[Key] = []  # slot -> key of the record held there
-        self._items: list[Any] = []  # slot -> the record (_HOLE while restoring)
-        self._read: dict[Hashable, tuple[int, int]] = {}  # after the last record processed
-        self._arrived: dict[Hashable, tuple[int, int]] = {}  # after the last record pushed
-        self._outbox: deque[Key] = deque()  # emitted, not acknowledged (ack=True)
+        # Partitions: id -> [read offset, read sub, arrived offset, arrived sub]
+        # (read: after the last record processed; arrived: after the last
+        # pushed) and whether each is known.
+        self._pid: dict[Hashable, int] = {}
+        self._parts: list[Hashable] = []
+        self._pos = np.zeros((4, 4), np.int64)
+        self._known = np.zeros((4, 2), np.uint8)
+        self._held = _rows(max(size, 1))  # slot -> the record held there
+        self._n = 0
+        self._outbox = _Fifo()  # emitted (ack=True): acknowledged up to _acked
+        self._acked = 0
+        self._used = 0  # acknowledged and marked used (track_used)
         # Restoring a loaded state.
-        self._holes: dict[Key, int] = {}  # key -> slot, or -1 - index into _restore
-        self._restore: list[list[Any]] = []  # the saved outbox: [key, record]
-        self._waiting: list[tuple[Key, Any]] = []  # new records pushed while holes remain
+        self._holes: dict[tuple[int, int, int], int] = {}  # key -> slot, or -1 - restore row
+        self._restore = _rows(0)  # the saved outbox, its items filled as they come back
+        self._waiting: list[tuple[int, int, int, int]] = []  # pushed while holes remain
         self._touched = False
+        # push()'s items by id.
+        self._objs: dict[int, Any] = {}
+        self._next_obj = 0
         self.emitted = 0  # records emitted (and acknowledged, with ack=True)
         self.skipped = 0  # repeats skipped
+
+    # -- partitions ------------------------------------------------------------
+
+    def pid(self, partition: Hashable) -> int:
+        """The id of ``partition`` in the rows ``push_many`` takes (given on first use)."""
+        p = self._pid.get(partition)
+        if p is None:
+            p = self._pid[partition] = len(self._parts)
+            self._parts.append(partition)
+            if p == len(self._pos):
+                self._pos = np.concatenate([self._pos, np.zeros_like(self._pos)])
+                self._known = np.concatenate([self._known, np.zeros_like(self._known)])
+        return p
+
+    def _key(self, row: Any) -> Key:
+        return (self._parts[int(row[0])], int(row[1]), int(row[2]))
 
     # -- the stream ------------------------------------------------------------
 
     def _draw(self, n: int) -> int:
-        # SplitMix64 (Steele, Lea, Flood 2014), then Lemire's multiply-shift.
+        # SplitMix64 (Steele, Lea, Flood 2014), then Lemire's multiply-shift;
+        # ext/_pack.pyx draws the same numbers.
         self._rng = s = (self._rng + _GAMMA) & _MASK64
         z = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         return ((z ^ (z >> 31)) * n) >> 64
 
-    def _emit(self, key: Key, out: list[tuple[Key, Any]], item: Any) -> None:
-        out.append((key, item))
-        if self._ack:
-            self._outbox.append(key)
-        else:
-            self.emitted += 1
-
-    def _process(self, key: Key, item: Any, out: list[tuple[Key, Any]]) -> None:
-        self._read[key[0]] = (key[1], key[2] + 1)
-        if not self._size:
-            self._emit(key, out, item)
-            return
-        if len(self._keys) < self._size:
-            self._keys.append(key)
-            self._items.append(item)
-            return
-        j = self._draw(self._size)
-        self._emit(self._keys[j], out, self._items[j])
-        self._keys[j] = key
-        self._items[j] = item
-
     def push(self, partition: Hashable, offset: int, item: Any,
              sub: int = 0) -> list[tuple[Key, Any]]:
         """Offer one record; returns the records emitted now, as ``(key, item)``."""
+        oid = self._next_obj
+        self._next_obj += 1
+        self._objs[oid] = item
+        rec = np.array([[self.pid(partition), offset, sub, oid]], np.int64)
+        emitted, skipped = self.push_many(rec)
+        for s in skipped.tolist():
+            del self._objs[s]
+        return self._objects(emitted)
+
+    def _objects(self, emitted: np.ndarray) -> list[tuple[Key, Any]]:
+        return [(self._key(r), self._objs.pop(r[3])) for r in emitted.tolist()]
+
+    def push_many(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Offer records in order: rows ``[partition id, offset, sub, item]`` (int64).
+
+        ``item`` is any int >= 0 of the caller's (an index into its own
+        store of records). Returns the rows emitted, in order, and the items
+        of the repeats skipped.
+        """
         self._touched = True
-        key = (partition, offset, sub)
-        out: list[tuple[Key, Any]] = []
-        if self._holes:
-            where = self._holes.pop(key, None)
+        recs = np.ascontiguousarray(records, np.int64)
+        if recs.ndim != 2 or recs.shape[1] != 4:
+            raise ConfigError(f"records must be rows of 4 ints, got shape {recs.shape}")
+        emitted: list[np.ndarray] = []
+        skipped: list[np.ndarray] = []
+        i = 0
+        if self._holes and len(recs):
+            i = self._push_restoring(recs, emitted, skipped)
+        if i < len(recs):
+            self._process(recs[i:], True, emitted, skipped)
+        return _joined(emitted), (np.concatenate(skipped) if skipped
+                                  else np.empty(0, np.int64))
+
+    def _process(self, recs: np.ndarray, check: bool, emitted: list[np.ndarray],
+                 skipped: list[np.ndarray]) -> None:
+        m = len(recs)
+        out, skip = _rows(m), np.empty(m, np.int64)
+        try:
+            self._rng, self._n, ne, ns = _pack.reservoir_push(
+                self._rng, self._size, self._n, self._held, self._pos, self._known, recs,
+                check, out, skip)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.skipped += ns
+        if ns:
+            skipped.append(skip[:ns])
+        if ne:
+            self._emit(out[:ne], emitted)
+
+    def _emit(self, rows: np.ndarray, emitted: list[np.ndarray]) -> None:
+        emitted.append(rows)
+        if self._ack:
+            self._outbox.append(rows)
+        else:
+            self.emitted += len(rows)
+
+    def _push_restoring(self, recs: np.ndarray, emitted: list[np.ndarray],
+                        skipped: list[np.ndarray]) -> int:
+        """Records while a loaded state's are coming back; where the rest go on normally."""
+        pos, known = self._pos, self._known
+        skip: list[int] = []
+        done = len(recs)
+        for i, (p, o, s, item) in enumerate(recs.tolist()):
+            if not 0 <= p < len(self._parts):
+                raise ConfigError(f"record {i} names partition id {p}, "
+                                  f"not one of the {len(self._parts)} known")
+            where = self._holes.pop((p, o, s), None)
             if where is not None:
                 if where >= 0:
-                    self._items[where] = item
+                    self._held[where, 3] = item
                 else:
-                    self._restore[-1 - where][1] = item
+                    self._restore[-1 - where, 3] = item
                 if not self._holes:
-                    self._release(out)
-                return out
-        arrived = self._arrived.get(partition)
-        pos = (offset, sub)
-        if arrived is not None and pos < arrived:
-            self.skipped += 1
-            return out
-        self._arrived[partition] = (offset, sub + 1)
-        if self._holes:
-            self._waiting.append((key, item))
-        else:
-            self._process(key, item, out)
-        return out
+                    self._release(emitted, skipped)
+                    done = i + 1
+                    break
+                continue
+            if known[p, 1] and (o, s) < (pos[p, 2], pos[p, 3]):
+                self.skipped += 1
+                skip.append(item)
+                continue
+            pos[p, 2], pos[p, 3], known[p, 1] = o, s + 1, 1
+            self._waiting.append((p, o, s, item))
+        if skip:
+            skipped.insert(0, np.array(skip, np.int64))
+        return done
 
-    def _release(self, out: list[tuple[Key, Any]]) -> None:
+    def _release(self, emitted: list[np.ndarray], skipped: list[np.ndarray]) -> None:
         """Every held record is back: replay the outbox, then what waited."""
-        for key, item in self._restore:
-            out.append((key, item))  # already in _outbox with ack=True
+        restore, self._restore = self._restore, _rows(0)
+        if len(restore):
+            emitted.append(restore)  # already in the outbox with ack=True
             if not self._ack:
-                self.emitted += 1
-        self._restore = []
+                self.emitted += len(restore)
         waiting, self._waiting = self._waiting, []
-        for key, item in waiting:
-            self._process(key, item, out)
+        if waiting:
+            self._process(np.array(waiting, np.int64), False, emitted, skipped)
 
     def drain(self) -> list[tuple[Key, Any]]:
         """The end of a bounded stream: emit every record held, in random order."""
+        return self._objects(self.drain_many())
+
+    def drain_many(self) -> np.ndarray:
+        """``drain``, as rows ``[partition id, offset, sub, item]``."""
         if self._holes:
-            missing = sorted(self._holes, key=repr)[:5]
+            missing = sorted((self._parts[p], o, s) for p, o, s in self._holes)
             raise KfeedError(
                 f"{len(self._holes)} records of the loaded state were never pushed again "
-                f"(re-read every partition from resume_offsets()); first: {missing}"
+                f"(re-read every partition from resume_offsets()); first: {missing[:5]}"
             )
-        out: list[tuple[Key, Any]] = []
-        while self._keys:
-            j = self._draw(len(self._keys))
-            self._emit(self._keys[j], out, self._items[j])
-            self._keys[j] = self._keys[-1]
-            self._items[j] = self._items[-1]
-            self._keys.pop()
-            self._items.pop()
+        out = _rows(self._n)
+        if self._n:
+            self._rng = _pack.reservoir_drain(self._rng, self._n, self._held, out)
+            self._n = 0
+            self._emit(out, [])
         return out
 
     def seek(self, partition: Hashable, offset: int, sub: int = 0) -> None:
         """Records of a partition not seen yet start at ``(offset, sub)``; those below are repeats."""
-        if partition not in self._read:
-            self._read[partition] = self._arrived[partition] = (int(offset), int(sub))
+        p = self.pid(partition)
+        if not self._known[p, 0]:
+            self._pos[p] = (int(offset), int(sub), int(offset), int(sub))
+            self._known[p] = (1, 1)
 
     def ack(self, n: int = 1) -> None:
         """The next ``n`` records emitted are used (``ack=True``)."""
         if not self._ack:
             raise ConfigError("ack() needs ShuffleBuffer(..., ack=True)")
-        if not _is_int(n) or not 0 <= n <= len(self._outbox):
-            raise ConfigError(f"ack({n!r}): {len(self._outbox)} records are waiting for one")
-        for _ in range(n):
-            self._outbox.popleft()
-        self.emitted += n
+        waiting = self._outbox.end - self._acked
+        if not _is_int(n) or not 0 <= n <= waiting:
+            raise ConfigError(f"ack({n!r}): {waiting} records are waiting for one")
+        self._acked += int(n)
+        self.emitted += int(n)
+        self._outbox.drop_before(self._used if self._track_used else self._acked)
+
+    def mark_used(self) -> None:
+        """What was acknowledged so far is used (``track_used``): see ``watermarks(used=True)``."""
+        self._used = self._acked
+        self._outbox.drop_before(self._used)
 
     def __len__(self) -> int:
         """Records held (holes of a loaded state included) or waiting."""
-        return len(self._keys) + len(self._waiting)
+        return self._n + len(self._waiting)
 
     @property
     def restoring(self) -> bool:
         """Whether records of a loaded state are still to be pushed again."""
         return bool(self._holes)
 
+    # -- the items, for a caller that moves its stored records ------------------
+
+    def items(self) -> np.ndarray:
+        """Every item the buffer holds (held, waiting, or to be replayed); holes left out."""
+        parts = [self._held[:self._n, 3], self._restore[:, 3],
+                 np.array([w[3] for w in self._waiting], np.int64)]
+        out = np.concatenate(parts)
+        return out[out >= 0]
+
+    def remap(self, table: np.ndarray) -> None:
+        """Replace every item ``i`` the buffer holds by ``table[i]``."""
+        for a in (self._held[:self._n, 3], self._restore[:, 3]):
+            mask = a >= 0
+            a[mask] = table[a[mask]]
+        self._waiting = [(p, o, s, int(table[i])) for p, o, s, i in self._waiting]
+
     # -- state -----------------------------------------------------------------
 
-    def _unacked(self) -> list[Key]:
+    def _unacked(self, used: bool = False) -> list[np.ndarray]:
         if self._ack:
-            return list(self._outbox)
-        return [key for key, _ in self._restore]
+            return self._outbox.since(self._used if used else self._acked)
+        return [self._restore]
 
-    def watermarks(self) -> dict[Hashable, tuple[int, int]]:
-        """Per partition, the ``(offset, sub)`` below which every record was emitted."""
-        marks = dict(self._read)
-        for p, o, s in self._keys + self._unacked():
-            if p not in marks or (o, s) < marks[p]:
-                marks[p] = (o, s)
-        return marks
+    def watermarks(self, *, used: bool = False) -> dict[Hashable, tuple[int, int]]:
+        """Per partition, the ``(offset, sub)`` below which every record was emitted.
+
+        ``used=True`` (``track_used``): below which every record was emitted
+        and acknowledged before the last ``mark_used()``.
+        """
+        k = len(self._parts)
+        marks = self._pos[:k, :2].copy()
+        known = self._known[:k, 0].copy()
+        for rows in [self._held[:self._n]] + self._unacked(used):
+            if len(rows):
+                _pack.key_minima(rows, marks, known)
+        return {self._parts[p]: (int(o), int(s))
+                for p, (o, s) in enumerate(marks.tolist()) if known[p]}
 
     def resume_offsets(self) -> dict[Hashable, int]:
         """Per partition, the offset to re-read from after a resume."""
         return {p: o for p, (o, _s) in self.watermarks().items()}
 
+    def _keys(self, rows: list[np.ndarray]) -> list[list[Any]]:
+        parts = self._parts
+        return [[parts[p], o, s] for r in rows for p, o, s, _ in r.tolist()]
+
     def state(self) -> dict[str, Any]:
         """A small, JSON-friendly description of where the shuffle stands."""
         marks = self.watermarks()
+        read = {self._parts[p]: (int(o), int(s))
+                for p, (o, s) in enumerate(self._pos[:len(self._parts), :2].tolist())
+                if self._known[p, 0]}
         return {
             "version": _STATE_VERSION,
             "buffer": self._size,
             "seed": self.shuffle.seed,
             "rng": self._rng,
             "emitted": self.emitted,
-            "partitions": [[p, list(marks[p]), list(self._read.get(p, marks[p]))]
-                           for p in marks],
-            "held": [list(k) for k in self._keys],
-            "outbox": [list(k) for k in self._unacked()],
+            "partitions": [[p, list(marks[p]), list(read.get(p, marks[p]))] for p in marks],
+            "held": self._keys([self._held[:self._n]]),
+            "outbox": self._keys(self._unacked()),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -633,7 +773,8 @@ class ShuffleBuffer:
         try:
             version, size, seed = state["version"], state["buffer"], state["seed"]
             rng, emitted = int(state["rng"]), int(state["emitted"])
-            parts = [(_as_partition(p), tuple(w), tuple(r)) for p, w, r in state["partitions"]]
+            parts = [(_as_partition(p), tuple(w), (int(r[0]), int(r[1])))
+                     for p, w, r in state["partitions"]]
             held = [(_as_partition(p), int(o), int(s)) for p, o, s in state["held"]]
             outbox = [(_as_partition(p), int(o), int(s)) for p, o, s in state["outbox"]]
         except (KeyError, TypeError, ValueError) as e:
@@ -650,14 +791,20 @@ class ShuffleBuffer:
             raise ConfigError("not a shuffle state: held records repeat or overflow the buffer")
         self._rng = rng & _MASK64
         self.emitted = emitted
-        self._read = {p: (int(r[0]), int(r[1])) for p, _w, r in parts}
-        self._arrived = dict(self._read)
-        self._keys = held
-        self._items = [_HOLE] * len(held)
-        self._holes = {k: j for j, k in enumerate(held)}
-        self._restore = [[k, _HOLE] for k in outbox]
-        self._holes.update({k: -1 - i for i, k in enumerate(outbox)})
-        self._outbox = deque(outbox) if self._ack else deque()
+        for p, _w, (o, s) in parts:
+            i = self.pid(p)
+            self._pos[i] = (o, s, o, s)
+            self._known[i] = (1, 1)
+        held_rows = [(self.pid(p), o, s, _HOLE) for p, o, s in held]
+        out_rows = [(self.pid(p), o, s, _HOLE) for p, o, s in outbox]
+        if held_rows:
+            self._held[:len(held_rows)] = held_rows
+        self._n = len(held_rows)
+        self._holes = {r[:3]: j for j, r in enumerate(held_rows)}
+        self._restore = np.array(out_rows, np.int64).reshape(-1, 4)
+        self._holes.update({r[:3]: -1 - i for i, r in enumerate(out_rows)})
+        if self._ack:
+            self._outbox.append(self._restore.copy())
         self._touched = True
 
     @staticmethod
@@ -677,6 +824,11 @@ class ShuffleBuffer:
         return out
 
     def __repr__(self) -> str:
-        return (f"ShuffleBuffer({self.shuffle!r}, held={len(self._keys)}, "
+        return (f"ShuffleBuffer({self.shuffle!r}, held={self._n}, "
                 f"emitted={self.emitted}, restoring={self.restoring})")
 
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return _rows(0)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

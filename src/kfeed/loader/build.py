@@ -8,9 +8,13 @@ one interface:
 
 - ``SlotBuilder``: messages decoded in offset order by the schema's Cython
   codec, straight into the slot (block: one memcpy per field per message);
-- ``RecordBuilder``: records one by one through the ``OrderLedger``'s
-  order, shuffled or not, into the slot (fixed shapes) or into a
-  ``Packer`` whose rows are the slot (``pack``).
+- ``RecordBuilder``: records through the ``OrderLedger``'s order, shuffled
+  or not, into the slot (fixed shapes) or into a ``Packer`` whose rows are
+  the slot (``pack``). A whole fetch at a time: the codec decodes it in one
+  call (fixed shapes into a ``_Staging`` ring, documents into one flat
+  array), the order takes its keys as one array, and what comes out is
+  gathered into the slot, or fed to the packer, in one call more. In-order
+  packing feeds each fetch's documents straight to the packer.
 
 A new record format or a mixer of topics is a new builder. A message the
 codec rejects goes to ``BadRecords`` and never reaches a slot.
@@ -18,9 +22,10 @@ codec rejects goes to ``BadRecords`` and never reaches a slot.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,13 +35,15 @@ from kfeed.badrecords import BadRecords
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.pool import BufferPool, Slot
-from kfeed.schema import Format, Schema
+from kfeed.schema import Format, Schema, Target
 from kfeed.sources import TP, Position
 from kfeed.tokens import Packer, PackInfo
 
 __all__ = ["Handoff", "SlotBuilder", "RecordBuilder"]
 
-_STAGE_ROWS = 1024  # records decoded at a time on the fixed-shape shuffle path
+log = logging.getLogger("kfeed.loader")
+
+_SEGMENT_ROWS = 1024  # the most records staged per decode call, and per reclaim
 
 
 class Handoff:
@@ -181,11 +188,117 @@ class SlotBuilder:
         f.start = res.partial
 
 
-class RecordBuilder(SlotBuilder):
-    """Records one by one through the ledger's order: shuffled, packed, or both.
+class _Staging:
+    """Fixed-shape records a shuffle holds, in a ring of rows, by row index.
 
-    What the order emits goes into the slot (fixed shapes) or into the
-    ``Packer`` whose rows are the slot (``pack``).
+    Records are decoded in order at the head (one codec call per segment of
+    the ring, each bound once), and read back by row in any order
+    (``Schema.take``), so a record is copied once in and once out. A row is
+    *live* while the order holds the record or it waits for a slot. Before
+    the head needs the oldest segment, its live rows are moved to the head
+    (rarely many: a reservoir gives up old records first) and the order is
+    told their new rows; when the live rows no longer leave room, the ring
+    doubles.
+
+    Positions count rows ever written (row = position mod capacity); the
+    free rows are those from ``head`` to ``reclaim``.
+    """
+
+    def __init__(self, schema: Schema, rows: int, segment: int) -> None:
+        self.schema = schema
+        self.segment = segment
+        self._allocate(-(-rows // segment) * segment)
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.arrays = self.schema.empty(capacity, like="numpy")
+        self.target = self.schema.bind(self.arrays)
+        self.segments = [
+            self.schema.bind({k: v[s:s + self.segment] for k, v in self.arrays.items()})
+            for s in range(0, capacity, self.segment)]
+        self.live = np.zeros(capacity, np.bool_)
+        self.head = 0
+        self.reclaim = capacity
+
+    def clear(self) -> None:
+        self.live[:] = False
+        self.head, self.reclaim = 0, self.capacity
+
+    def room(self, remap: Callable[[np.ndarray], None]) -> tuple[Target, int, int]:
+        """Free rows at the head: ``(segment target, row in it, rows)``, at least one.
+
+        Makes room first when less than a segment is free; ``remap(table)``
+        then gets the new row of every row (``table[old]``), to update what
+        refers to rows.
+        """
+        while self.reclaim - self.head < self.segment:
+            if not self._reclaim(remap):
+                self._grow(remap)
+        at = self.head % self.capacity
+        seg, row = divmod(at, self.segment)
+        free = min(self.reclaim - self.head, self.segment - row)
+        return self.segments[seg], row, free
+
+    def wrote(self, n: int) -> np.ndarray:
+        """``n`` rows were written at the head: their rows, now live."""
+        at = self.head % self.capacity
+        rows = np.arange(at, at + n, dtype=np.int64)
+        self.live[at:at + n] = True
+        self.head += n
+        return rows
+
+    def free(self, rows: np.ndarray) -> None:
+        self.live[rows] = False
+
+    def _reclaim(self, remap: Callable[[np.ndarray], None]) -> bool:
+        """Free the oldest segment, moving its live rows to the head; False if no room."""
+        start = self.reclaim % self.capacity
+        moving = start + np.flatnonzero(self.live[start:start + self.segment])
+        if len(moving) > self.reclaim - self.head:
+            return False
+        if len(moving):
+            # The new rows follow the head, in two runs where the ring wraps.
+            first = self.head % self.capacity
+            cut = min(len(moving), self.capacity - first)
+            self.schema.take(self.target, moving[:cut], self.target, first)
+            if cut < len(moving):
+                self.schema.take(self.target, moving[cut:], self.target, 0)
+            to = (first + np.arange(len(moving))) % self.capacity
+            table = np.arange(self.capacity, dtype=np.int64)
+            table[moving] = to
+            remap(table)
+            self.live[moving] = False
+            self.live[to] = True
+            self.head += len(moving)
+        self.reclaim += self.segment
+        return True
+
+    def _grow(self, remap: Callable[[np.ndarray], None]) -> None:
+        """Double the ring: the live rows first, oldest first, then free rows."""
+        at = self.head % self.capacity
+        order = np.concatenate([np.arange(at, self.capacity), np.arange(0, at)])
+        moving = order[self.live[order]]
+        old = self.target
+        self._allocate(self.capacity * 2)
+        if len(moving):
+            self.schema.take(old, moving, self.target, 0)
+        table = np.zeros(self.capacity // 2, np.int64)
+        table[moving] = np.arange(len(moving))
+        remap(table)
+        self.live[:len(moving)] = True
+        self.head = len(moving)
+        self.reclaim = self.capacity
+        log.debug("shuffle staging grew to %d rows", self.capacity)
+
+
+class RecordBuilder(SlotBuilder):
+    """Records through the ledger's order, a fetch at a time: shuffled, packed, or both.
+
+    What the order emits goes into the slot (fixed shapes, gathered from a
+    ``_Staging`` ring) or into the ``Packer`` whose rows are the slot
+    (``pack``). The order sees each record as a row ``[partition id,
+    offset, index in the message, item]``; the item is the record's row in
+    the staging ring, or its document number here.
     """
 
     def __init__(self, fetcher: Fetcher, ledger: OrderLedger, schema: Schema, fmt: Format,
@@ -196,14 +309,20 @@ class RecordBuilder(SlotBuilder):
         self.order_ledger = ledger
         self.packer = packer
         self.shuffled = ledger.shuffle is not None
-        self.out: deque[tuple[np.ndarray, ...]] = deque()  # emitted samples not in a slot yet
         self.drained = False   # bounded epoch: the order gave up what it held
         self.finished = False  # ... and the packer its last batch
-        self.stage: dict[str, np.ndarray] = {}
+        # Fixed shapes: staging rows emitted, not in a slot yet (pending[taken:]).
+        self.pending = np.empty(0, np.int64)
+        self.taken = 0
+        self.staging: _Staging | None = None
         if packer is None:
-            self.stage = self.schema.empty(_STAGE_ROWS, like="numpy")
-            self.stage_target = self.schema.bind(self.stage)
-        self.arrays: dict[int, list[np.ndarray]] = {}  # slot index -> numpy views
+            size = ledger.shuffle.buffer if ledger.shuffle is not None else 0
+            segment = max(64, min(_SEGMENT_ROWS, size // 4))
+            self.staging = _Staging(schema, 2 * size + 2 * batch_size + 2 * segment, segment)
+        # Documents: those the order holds (shuffle, or a loaded state coming
+        # back), by number.
+        self.docs: dict[int, np.ndarray] = {}
+        self.next_doc = 0
         ledger.on_reset = self._reset
 
     def _reset(self, pack_offset: int) -> None:
@@ -212,11 +331,14 @@ class RecordBuilder(SlotBuilder):
             self.packer = Packer(self.packer.pack, self.batch_size)
             if pack_offset:
                 self.packer.load_state({"docs": 0, "offset": pack_offset})
-        self.out.clear()
+        self.pending, self.taken = np.empty(0, np.int64), 0
+        if self.staging is not None:
+            self.staging.clear()
+        self.docs.clear()
         self.drained = self.finished = False
 
     def all_done(self) -> bool:
-        return (self.fetcher.all_done() and self.drained and not self.out
+        return (self.fetcher.all_done() and self.drained and self.taken == len(self.pending)
                 and (self.packer is None or self.finished))
 
     def fill(self, slot: Slot) -> Handoff:
@@ -260,12 +382,13 @@ class RecordBuilder(SlotBuilder):
                 return False
             self._packed(slot, out, info)
             return True
-        n = min(self.batch_size - slot.rows, len(self.out))
+        n = min(self.batch_size - slot.rows, len(self.pending) - self.taken)
         if n:
-            arrays = self._arrays(slot)
-            for row in range(slot.rows, slot.rows + n):
-                for a, v in zip(arrays, self.out.popleft()):
-                    a[row] = v
+            assert self.staging is not None
+            rows = self.pending[self.taken:self.taken + n]
+            self.schema.take(self.staging.target, rows, slot.target, slot.rows)
+            self.staging.free(rows)
+            self.taken += n
             slot.rows += n
             out.acks += n
         return slot.rows == self.batch_size
@@ -281,91 +404,134 @@ class RecordBuilder(SlotBuilder):
         out.pack_offset = self.packer.state()["offset"]
         out.info = info
 
-    def _arrays(self, slot: Slot) -> list[np.ndarray]:
-        arrays = self.arrays.get(slot.index)
-        if arrays is None:
-            arrays = []
-            for fd in self.schema.fields:
-                t = slot.tensors[fd.name]
-                if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its 2-byte words
-                    t = t.view(torch.int16)
-                arrays.append(t.numpy().view(fd.storage))
-            self.arrays[slot.index] = arrays
-        return arrays
-
     def _push_pending(self) -> None:
         msgs, vals = self.fetcher.take()
         self.value_bytes += sum(len(v) for v in vals if v is not None)
-        if self.packer is not None:
-            self._push_documents(msgs, vals)
-        else:
-            self._push_samples(msgs, vals)
-
-    def _push_documents(self, msgs: list[Any], vals: list[Any]) -> None:
-        docs = self.schema.decode_documents(vals, self.fmt)
-        bad = dict(docs.bad)
-        ends = np.cumsum(docs.lengths)
-        starts = ends - docs.lengths
-        # A shuffle holds documents for long: copy them out of the chunk.
-        copy = self.shuffled
-        tokens, counts = docs.tokens, docs.counts.tolist()
-        emitted: list[Any] = []
-        d = 0
+        order = self.order_ledger.order
         with self.ledger.lock:
-            push = self.order_ledger.order.push
-            for j, m in enumerate(msgs):
-                if j in bad:
-                    continue
-                tp, off = (m.topic(), m.partition()), m.offset()
-                for sub in range(counts[j]):
-                    doc = tokens[starts[d]:ends[d]]
-                    emitted += push(tp, off, doc.copy() if copy else doc, sub)
-                    d += 1
-        self.samples += d
-        if d:
+            pids = np.array([order.pid((m.topic(), m.partition())) for m in msgs], np.int64)
+        offsets = np.array([m.offset() for m in msgs], np.int64)
+        if self.packer is not None:
+            self._push_documents(msgs, vals, pids, offsets)
+        else:
+            self._push_samples(msgs, vals, pids, offsets)
+
+    def _push_documents(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
+                        offsets: np.ndarray) -> None:
+        assert self.packer is not None
+        docs = self.schema.decode_documents(vals, self.fmt)
+        n = len(docs.lengths)
+        first = self.next_doc
+        self.next_doc += n
+        recs = _records(pids, offsets, docs.counts, 0, first)
+        with self.ledger.lock:
+            order = self.order_ledger.order
+            # In order, a loaded state's documents come back in its order,
+            # which need not be this fetch's.
+            direct = not (self.shuffled or order.restoring or self.docs)
+            emitted, skipped = order.push_many(recs)
+        self.samples += n
+        if n:
             self.bad.good()
         for j, reason in docs.bad:
             self.bad.bad(msgs[j], reason)
-        self._deliver(emitted)
+        ids = emitted[:, 3]
+        if direct:
+            # In order and nothing held back: the fetch's documents go to the
+            # packer in one call, less any repeats.
+            if len(ids) < n:
+                keep = np.zeros(n, np.bool_)
+                keep[ids - first] = True
+                tokens = docs.tokens[np.repeat(keep, docs.lengths)]
+                self.packer.feed(tokens, docs.lengths[keep], copy=False)
+            elif n:
+                self.packer.feed(docs.tokens, docs.lengths, copy=False)
+            return
+        # The order holds documents back (a shuffle, a loaded state coming
+        # back): each is kept apart, copied out of the fetch when a shuffle
+        # may hold it for long.
+        gone = set(skipped.tolist())
+        ends = np.cumsum(docs.lengths).tolist()
+        start = 0
+        tokens = docs.tokens
+        for d, end in enumerate(ends):
+            if first + d not in gone:
+                doc = tokens[start:end]
+                self.docs[first + d] = doc.copy() if self.shuffled else doc
+            start = end
+        self._deliver(ids)
 
-    def _push_samples(self, msgs: list[Any], vals: list[Any]) -> None:
-        stage = list(self.stage.values())
-        emitted: list[Any] = []
-        for m, v in zip(msgs, vals):
-            tp, off = (m.topic(), m.partition()), m.offset()
-            start = 0
-            while True:
-                res = self.schema.decode_into([v], self.stage_target, 0, self.fmt,
-                                              start=start, split=True)
-                if res.bad:
-                    self.bad.bad(m, res.bad[0][1])
-                    break
-                if res.rows:
-                    self.bad.good()
-                with self.ledger.lock:
-                    for r in range(res.rows):
-                        emitted += self.order_ledger.order.push(
-                            tp, off, tuple(a[r].copy() for a in stage), start + r)
-                self.samples += res.rows
-                if not res.partial:
-                    break
-                start = res.partial
-        self._deliver(emitted)
+    def _push_samples(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
+                      offsets: np.ndarray) -> None:
+        staging = self.staging
+        assert staging is not None
+        order = self.order_ledger.order
+        i, start, rows_total, good = 0, 0, 0, 0
+        while i < len(vals):
+            target, row, free = staging.room(self._remap)
+            res, counts = self.schema.decode_counts(vals[i:], target, row, self.fmt,
+                                                    start=start, split=True)
+            k = res.consumed + (1 if res.partial else 0)
+            items = staging.wrote(res.rows)
+            recs = _records(pids[i:i + k], offsets[i:i + k], counts[:k], start, 0)
+            recs[:, 3] = items
+            for j, reason in res.bad:
+                self.bad.bad(msgs[i + j], reason)
+            with self.ledger.lock:
+                emitted, skipped = order.push_many(recs)
+            staging.free(skipped)
+            self._deliver(emitted[:, 3])
+            rows_total += res.rows
+            good += res.consumed - len(res.bad)
+            i += res.consumed
+            start = res.partial
+        if rows_total:
+            self.bad.good()
+        self.samples += rows_total
+        self.fetcher.learn(rows_total, good)
 
-    def _deliver(self, emitted: list[Any]) -> None:
-        if not emitted:
+    def _remap(self, table: np.ndarray) -> None:
+        """Staging rows moved: ``table[old]`` is each one's new row."""
+        with self.ledger.lock:
+            self.order_ledger.order.remap(table)
+        rest = self.pending[self.taken:]
+        self.pending, self.taken = table[rest], 0
+
+    def _deliver(self, ids: np.ndarray) -> None:
+        if not len(ids):
             return
         if self.packer is None:
-            self.out.extend(item for _key, item in emitted)
+            rest = self.pending[self.taken:]
+            self.pending, self.taken = np.concatenate([rest, ids]), 0
             return
-        docs = [item for _key, item in emitted]
+        docs = [self.docs.pop(i) for i in ids.tolist()]
         lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
         self.packer.feed(np.concatenate(docs), lengths, copy=False)
 
     def _drain(self) -> None:
         with self.ledger.lock:
-            emitted = self.order_ledger.order.drain()
-        self._deliver(emitted)
+            emitted = self.order_ledger.order.drain_many()
+        self._deliver(emitted[:, 3])
         if self.packer is not None:
             self.packer.finish()
         self.drained = True
+
+
+def _records(pids: np.ndarray, offsets: np.ndarray, counts: np.ndarray, start: int,
+             first_item: int) -> np.ndarray:
+    """The order's rows for records decoded ``counts[j]`` from message ``j``.
+
+    ``[partition id, offset, index in the message, item]``; the first
+    message's records start at ``start``, items count from ``first_item``.
+    """
+    n = int(counts.sum())
+    recs = np.empty((n, 4), np.int64)
+    recs[:, 0] = np.repeat(pids, counts)
+    recs[:, 1] = np.repeat(offsets, counts)
+    begin = np.cumsum(counts) - counts
+    sub = np.arange(n, dtype=np.int64) - np.repeat(begin, counts)
+    if start and len(counts):
+        sub[:counts[0]] += start
+    recs[:, 2] = sub
+    recs[:, 3] = np.arange(first_item, first_item + n, dtype=np.int64)
+    return recs

@@ -204,7 +204,8 @@ class OrderLedger(Ledger):
         super().__init__(source, start)
         self.shuffle = shuffle
         self.packer = packer
-        self.order = ShuffleBuffer(shuffle, ack=True)
+        self.order = ShuffleBuffer(shuffle, ack=True, track_used=True)
+        self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
         self.on_reset: Callable[[int], None] = lambda _offset: None
 
@@ -237,6 +238,8 @@ class OrderLedger(Ledger):
         marks = self.order.watermarks()
         mine = {tp: marks[tp] for tp in tps if tp in marks}
         self._rebuild(set(tps))
+        for tp in tps:  # what was used of them is committed with the revoke, or not ours
+            self.used.pop(tp, None)
         return mine
 
     def _rebuild(self, without: set[TP]) -> None:
@@ -248,7 +251,8 @@ class OrderLedger(Ledger):
         self._restore(kept, offset)
 
     def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
-        self.order = ShuffleBuffer(self.shuffle, ack=True)
+        self._update_used()  # the records the new order forgets were used or handed out
+        self.order = ShuffleBuffer(self.shuffle, ack=True, track_used=True)
         if order_state is not None:
             self.order.load_state(order_state)
         self.pack_offset = pack_offset
@@ -262,7 +266,18 @@ class OrderLedger(Ledger):
         self.pack_offset = pack_offset
 
     def mark_used(self, offsets: Mapping[TP, tuple[Position, Position]]) -> None:
-        self.used.update(self.order.watermarks())
+        # O(1) per batch: the positions are worked out when a commit asks.
+        self.order.mark_used()
+        self.used_stale = True
+
+    def _update_used(self) -> None:
+        if self.used_stale:
+            self.used.update(self.order.watermarks(used=True))
+            self.used_stale = False
+
+    def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
+        self._update_used()
+        return super().to_commit(mine)
 
     def delivered(self) -> dict[TP, Position]:
         return self.order.watermarks()
