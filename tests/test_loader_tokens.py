@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_pack import oracle_batches
+from test_shuffle import reference_order
 
 import kfeed
 from kfeed import ConfigError, Pack, Schema, Shuffle
@@ -245,6 +246,70 @@ def test_a_shuffled_resume_across_partitions_loses_and_repeats_nothing() -> None
     rest, _ = run(values, SAMPLES, 128, state=state, shuffle=shuffle)
     got = np.sort(ids_of(first + rest))
     np.testing.assert_array_equal(got, np.sort(np.concatenate([np.arange(3000), np.arange(2000)])))
+
+
+@pytest.mark.parametrize(("buffer", "per_block", "fmt"), [(100, 10, "block"), (700, 64, "block"),
+                                                         (50, 1, "raw")])
+def test_shuffled_samples_of_one_partition_come_in_the_reservoirs_order(buffer, per_block,
+                                                                         fmt) -> None:
+    # One partition: the records reach the order in offset order however the
+    # fetches fall, so the batches follow the reference reservoir exactly,
+    # through the staging ring's moves (a small buffer moves rows often).
+    n = 4000
+    if fmt == "block":
+        values = sample_values(n, per_block)
+        keys = [(0, i // per_block, i % per_block) for i in range(n)]
+    else:
+        ids = np.arange(n)
+        x = np.stack([ids, ids * 2, ids * 3], 1).astype(np.float32)
+        values = SAMPLES.encode_raw({"x": x, "id": ids})
+        keys = [(0, i, 0) for i in range(n)]
+    got, _ = run(values, SAMPLES, 64, format=fmt, shuffle=Shuffle(buffer=buffer, seed=5))
+    ids = ids_of(got)
+    want = [o * per_block + s if fmt == "block" else o
+            for _p, o, s in reference_order(keys, buffer, 5)]
+    np.testing.assert_array_equal(ids, want)
+    for batch in got:  # rows stay whole
+        np.testing.assert_array_equal(batch["x"], np.stack([batch["id"]] * 3, 1) * [1, 2, 3])
+
+
+def test_the_staging_ring_moves_and_grows_without_losing_a_row() -> None:
+    from kfeed.loader.build import _Staging
+
+    ring = _Staging(SAMPLES, 256, 64)
+    refs: dict[int, int] = {}  # record id -> its row
+
+    def remap(table: np.ndarray) -> None:
+        for k in refs:
+            refs[k] = int(table[refs[k]])
+
+    def write(first: int, n: int) -> None:
+        while n:
+            target, row, free = ring.room(remap)
+            k = min(n, free)
+            block = SAMPLES.encode_block({"x": np.zeros((k, 3), np.float32),
+                                          "id": np.arange(first, first + k)})
+            SAMPLES.decode_into([block], target, row)
+            for r, i in zip(ring.wrote(k).tolist(), range(first, first + k)):
+                refs[i] = r
+            first, n = first + k, n - k
+
+    def check() -> None:
+        rows = np.array(list(refs.values()))
+        assert ring.live.sum() == len(refs) and ring.live[rows].all()
+        np.testing.assert_array_equal(ring.arrays["id"][rows], list(refs))
+
+    write(0, 64)
+    for i in range(64):  # three in four leave; the rest must move
+        if i % 4:
+            ring.free(np.array([refs.pop(i)]))
+    for first in range(64, 264, 40):  # the head comes round to them
+        write(first, 40)
+    assert ring.capacity == 256 and refs[0] != 0  # moved along, not grown
+    check()
+    write(264, 400)  # nothing leaves: 616 live rows, the ring doubles twice
+    assert ring.capacity == 1024
+    check()
 
 
 # -- configuration -----------------------------------------------------------------

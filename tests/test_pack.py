@@ -670,3 +670,53 @@ def test_a_packer_target_over_torch_tensors_writes_into_them():
     assert packer.next_batch(target).rows == 2
     assert out["tokens"].tolist() == [[1, 2, 3, 9], [4, 5, 9, 0]]
     assert out["cu_seqlens"][:4].tolist() == [0, 4, 7, 8]
+
+
+# -- the shuffle's reservoir loops ----------------------------------------------------
+
+
+def _reservoir_args(size=2, nparts=1, recs=((0, 0, 0, 0),), emitted=None, skipped=None):
+    held = np.zeros((max(size, 1), 4), np.int64)
+    parts = np.zeros((nparts, 4), np.int64)
+    known = np.zeros((nparts, 2), np.uint8)
+    recs = np.array(recs, np.int64).reshape(-1, 4)
+    out = np.zeros((len(recs) if emitted is None else emitted, 4), np.int64)
+    skip = np.zeros(len(recs) if skipped is None else skipped, np.int64)
+    return held, parts, known, recs, out, skip
+
+
+def test_the_reservoir_loops_refuse_what_would_go_outside_their_arrays():
+    held, parts, known, recs, out, skip = _reservoir_args(recs=[(1, 0, 0, 0)])
+    with pytest.raises(ValueError, match="record 0 names partition id 1, not one of the 1 known"):
+        _pack.reservoir_push(0, 2, 0, held, parts, known, recs, True, out, skip)
+    held, parts, known, recs, out, skip = _reservoir_args()
+    with pytest.raises(ValueError, match="held has 2 rows, needs 3"):
+        _pack.reservoir_push(0, 3, 0, held, parts, known, recs, True, out, skip)
+    with pytest.raises(ValueError, match="3 records held in a reservoir of 2"):
+        _pack.reservoir_push(0, 2, 3, held, parts, known, recs, True, out, skip)
+    _, _, _, _, out0, skip0 = _reservoir_args(emitted=0, skipped=0)
+    with pytest.raises(ValueError, match="emitted has 0 rows, needs 1"):
+        _pack.reservoir_push(0, 2, 0, held, parts, known, recs, True, out0, skip)
+    with pytest.raises(ValueError, match="skipped has 0 entries, needs 1"):
+        _pack.reservoir_push(0, 2, 0, held, parts, known, recs, True, out, skip0)
+    with pytest.raises(ValueError, match="known needs 2 flags per partition"):
+        _pack.reservoir_push(0, 2, 0, held, parts, np.zeros((1, 1), np.uint8), recs, True,
+                             out, skip)
+    with pytest.raises(ValueError, match="emitted has 0 rows, needs 2"):
+        _pack.reservoir_drain(0, 2, held, out0)
+    marks = np.zeros((1, 2), np.int64)
+    with pytest.raises(ValueError, match="key 0 names partition id 1"):
+        _pack.key_minima(np.array([[1, 0, 0]], np.int64), marks, np.zeros(1, np.uint8))
+
+
+def test_the_reservoir_loop_skips_repeats_and_keeps_the_positions():
+    held, parts, known, recs, out, skip = _reservoir_args(
+        size=0, recs=[(0, 3, 0, 7), (0, 3, 1, 8), (0, 3, 1, 9), (0, 2, 0, 10), (0, 4, 0, 11)])
+    rng, n, ne, ns = _pack.reservoir_push(5, 0, 0, held, parts, known, recs, True, out, skip)
+    assert (rng, n, ne, ns) == (5, 0, 3, 2)  # in order: no draw
+    assert out[:3, 3].tolist() == [7, 8, 11] and skip[:2].tolist() == [9, 10]
+    assert parts[0].tolist() == [4, 1, 4, 1] and known[0].tolist() == [1, 1]
+    marks = np.array([[9, 9]], np.int64)
+    flags = np.ones(1, np.uint8)
+    _pack.key_minima(out[:3], marks, flags)
+    assert marks[0].tolist() == [3, 0]

@@ -361,3 +361,155 @@ def test_shuffled_packing_resumes_token_exact(sizes, seed, buffer, seq_len, batc
     tokens = np.concatenate([b.reshape(-1) for b in whole]) if whole else np.empty(0)
     total = sum(len(d) for docs in parts_docs.values() for d in docs)
     assert not split_long or (tokens >= 3).sum() == total
+
+
+# -- many records per call, and the state format ---------------------------------------
+
+
+def reference_order(records: list[tuple], size: int, seed: int) -> list[tuple]:
+    """The reservoir in plain Python, the oracle of ``push_many``: keys emitted, then drained."""
+    mask = 2**64 - 1
+    rng = seed
+
+    def draw(n: int) -> int:
+        nonlocal rng
+        rng = s = (rng + 0x9E3779B97F4A7C15) & mask
+        z = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) * n) >> 64
+
+    held: list[tuple] = []
+    arrived: dict = {}
+    out = []
+    for p, o, s in records:
+        if p in arrived and (o, s) < arrived[p]:
+            continue  # a repeat
+        arrived[p] = (o, s + 1)
+        if len(held) < size:
+            held.append((p, o, s))
+            continue
+        j = draw(size)
+        out.append(held[j])
+        held[j] = (p, o, s)
+    while held:
+        j = draw(len(held))
+        out.append(held[j])
+        held[j] = held[-1]
+        held.pop()
+    return out
+
+
+@FAST
+@given(sizes=st.lists(st.integers(0, 80), min_size=1, max_size=3), per=st.integers(1, 4),
+       buffer=st.integers(1, 30), seed=st.integers(0, 2**64 - 1), data=st.data())
+def test_push_many_emits_what_the_reference_reservoir_emits(sizes, per, buffer, seed, data):
+    parts = make_partitions(sizes, per, seed % 1000)
+    order = interleave(parts, seed % 997)
+    # Repeats here and there, as a re-read would bring them.
+    dups = data.draw(st.lists(st.integers(0, max(0, len(order) - 1)), max_size=5))
+    for i in sorted(set(dups), reverse=True):
+        if order:
+            order.insert(i + 1, order[i])
+    buf = ShuffleBuffer(Shuffle(buffer, seed))
+    items = {}
+    rows = []
+    for n, (p, o, s) in enumerate(order):
+        rows.append([buf.pid(p), o, s, n])
+        items[n] = (p, o, s)
+    recs = np.array(rows, np.int64).reshape(-1, 4)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(recs)), max_size=4)))
+    emitted, skipped = [], []
+    for a, b in zip([0] + cuts, cuts + [len(recs)]):
+        e, s = buf.push_many(recs[a:b])
+        emitted += e.tolist()
+        skipped += s.tolist()
+    emitted += buf.drain_many().tolist()
+    want = reference_order(order, buffer, seed)
+    assert [items[it] for _p, _o, _s, it in emitted] == want
+    assert [(buf._parts[p], o, s) for p, o, s, _ in emitted] == want
+    assert len(skipped) == buf.skipped == len(order) - len(want)
+
+
+def test_in_order_push_many_emits_every_record_as_pushed():
+    buf = ShuffleBuffer(None, ack=True)
+    recs = np.array([[buf.pid("a"), 5, s, 10 + s] for s in range(4)], np.int64)
+    buf.seek("a", 5, 2)  # the first two were delivered before
+    emitted, skipped = buf.push_many(recs)
+    assert emitted[:, 3].tolist() == [12, 13] and skipped.tolist() == [10, 11]
+    assert buf.watermarks() == {"a": (5, 2)}
+    buf.ack(1)
+    assert buf.watermarks() == {"a": (5, 3)}
+
+
+# The state and the emitted order of a run of the buffer as it was before
+# push_many (one record per call, in Python): the format and the order are
+# part of every saved checkpoint.
+GOLDEN_STATE = {
+    "version": 1, "buffer": 3, "seed": 42, "rng": 18054082321272548835, "emitted": 2,
+    "partitions": [["a", [0, 1], [5, 2]], [["t", 1], [0, 1], [5, 2]]],
+    "held": [["a", 5, 1], ["a", 5, 0], [["t", 1], 5, 1]],
+    "outbox": [["a", 1, 0], ["a", 0, 1], ["a", 1, 1], [["t", 1], 0, 1], [["t", 1], 1, 1],
+               ["a", 2, 0], [["t", 1], 1, 0], [["t", 1], 2, 1], ["a", 2, 1], ["a", 3, 0],
+               [["t", 1], 3, 0], [["t", 1], 3, 1], ["a", 4, 0], ["a", 3, 1], [["t", 1], 4, 0],
+               ["a", 4, 1], [["t", 1], 4, 1], [["t", 1], 2, 0], [["t", 1], 5, 0]],
+}
+GOLDEN_FIRST = [(("t", 1), 0, 0), ("a", 0, 0)]  # the two acknowledged
+
+
+def test_the_state_format_and_the_order_are_those_of_saved_checkpoints():
+    buf = ShuffleBuffer(Shuffle(3, seed=42), ack=True)
+    out = []
+    for o in range(6):
+        for p in ("a", ("t", 1)):
+            for s in range(2):
+                out += buf.push(p, o, f"{p}{o}.{s}", s)
+    buf.ack(2)
+    assert [k for k, _ in out[:2]] == GOLDEN_FIRST
+    assert json.loads(json.dumps(buf.state())) == GOLDEN_STATE
+    assert [k for k, _ in out[2:]] == [_as_key(k) for k in GOLDEN_STATE["outbox"]]
+    resumed = ShuffleBuffer(Shuffle(3, seed=42), ack=True)
+    resumed.load_state(GOLDEN_STATE)
+    assert json.loads(json.dumps(resumed.state())) == GOLDEN_STATE
+
+
+def _as_key(k: list) -> tuple:
+    p = tuple(k[0]) if isinstance(k[0], list) else k[0]
+    return (p, k[1], k[2])
+
+
+def test_used_watermarks_stay_where_the_last_mark_used_left_them():
+    buf = ShuffleBuffer(None, ack=True, track_used=True)
+    for o in range(5):
+        buf.push(0, o, o)
+    buf.ack(2)
+    buf.mark_used()
+    buf.ack(2)  # handed out, its step not over
+    assert buf.watermarks(used=True) == {0: (2, 0)}
+    assert buf.watermarks() == {0: (4, 0)}
+    buf.mark_used()
+    assert buf.watermarks(used=True) == {0: (4, 0)}
+    assert buf.state()["outbox"] == [[0, 4, 0]]
+
+
+def test_remap_moves_every_item_held_waiting_or_to_replay():
+    first = ShuffleBuffer(Shuffle(2, seed=1), ack=True)
+    push_all(first, [(0, i, 0) for i in range(4)])
+    first.ack(1)
+    state = first.state()
+    held = [tuple(k) for k in state["held"]]
+    outbox = [tuple(k) for k in state["outbox"]]
+    buf = ShuffleBuffer(Shuffle(2, seed=1), ack=True)
+    buf.load_state(state)
+    p = buf.pid(0)
+    emitted, _ = buf.push_many(np.array([[p, *held[0][1:], 10], [p, 9, 0, 11]], np.int64))
+    assert len(emitted) == 0 and sorted(buf.items().tolist()) == [10, 11]
+    buf.remap(np.arange(20, dtype=np.int64) + 100)
+    assert sorted(buf.items().tolist()) == [110, 111]
+    rest = [[p, o, s, 20 + i] for i, (_p, o, s) in enumerate(sorted(held[1:] + outbox))]
+    emitted, _ = buf.push_many(np.array(rest, np.int64))
+    assert not buf.restoring
+    # The outbox comes out first, then the record that waited goes in:
+    # every item once, moved ones by their new number.
+    assert emitted[:len(outbox), 1:3].tolist() == [list(k[1:]) for k in outbox]
+    assert sorted(emitted[:, 3].tolist() + buf.items().tolist()) == \
+        sorted([110, 111] + [r[3] for r in rest])
