@@ -39,3 +39,22 @@ class Core:
         off: int,
         finished: bool,
     ) -> tuple[int, int, int, int, int, int, int, int, int] | None: ...
+
+def reservoir_push(
+    rng: int,
+    size: int,
+    n: int,
+    held: npt.NDArray[np.int64],
+    parts: npt.NDArray[np.int64],
+    known: npt.NDArray[np.uint8],
+    recs: npt.NDArray[np.int64],
+    check: bool,
+    emitted: npt.NDArray[np.int64],
+    skipped: npt.NDArray[np.int64],
+) -> tuple[int, int, int, int]: ...
+def reservoir_drain(
+    rng: int, n: int, held: npt.NDArray[np.int64], emitted: npt.NDArray[np.int64]
+) -> int: ...
+def key_minima(
+    keys: npt.NDArray[np.int64], marks: npt.NDArray[np.int64], known: npt.NDArray[np.uint8]
+) -> None: ...

@@ -416,7 +416,7 @@ def _rows(n: int) -> np.ndarray:
 class _Fifo:
     """Record rows in the order they were appended, in chunks; counted from the start."""
 
-    __slots__ = ("chunks", "start", "end")
+    __slots__ = ("chunks", "end", "start")
 
     def __init__(self) -> None:
         self.chunks: deque[np.ndarray] = deque()

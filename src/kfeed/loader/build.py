@@ -468,7 +468,7 @@ class RecordBuilder(SlotBuilder):
         order = self.order_ledger.order
         i, start, rows_total, good = 0, 0, 0, 0
         while i < len(vals):
-            target, row, free = staging.room(self._remap)
+            target, row, _free = staging.room(self._remap)
             res, counts = self.schema.decode_counts(vals[i:], target, row, self.fmt,
                                                     start=start, split=True)
             k = res.consumed + (1 if res.partial else 0)
