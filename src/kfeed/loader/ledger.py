@@ -15,8 +15,8 @@ position, unless another member of the group committed past it; a
 partition given back after a revoke starts where this loader left it.
 
 Two ledgers: ``Ledger`` for batches made in offset order, and
-``OrderLedger`` for records that go one by one through a ``ShuffleBuffer``
-(shuffle or pack), where the order itself says what was delivered.
+``OrderLedger`` for records that go through a ``ShuffleBuffer`` (shuffle or
+pack), where the order itself says what was delivered.
 
 Every method that reads or writes the positions runs under ``lock``, and no
 method calls Kafka while holding it.
@@ -178,7 +178,7 @@ class Ledger:
 
 
 class OrderLedger(Ledger):
-    """Positions of records that went one by one through a ``ShuffleBuffer``.
+    """Positions of records that went through a ``ShuffleBuffer``.
 
     Every record (a fixed-shape sample, or a document) is pushed into the
     order keyed ``(partition, offset, index in the message)``: seeded and
@@ -194,8 +194,11 @@ class OrderLedger(Ledger):
     committed watermark, which with ``shuffle`` may repeat records emitted
     above it).
 
-    The build stage pushes into ``order`` and drains it; whenever the order
-    is rebuilt, ``on_reset(pack_offset)`` tells the build stage to drop what
+    The build stage pushes into ``order`` (a fetch's records at a time) and
+    drains it. Per batch the caller's side only counts: ``accept``
+    acknowledges, ``mark_used`` marks; the used positions are worked out
+    from the order when a commit asks for them. Whenever the order is
+    rebuilt, ``on_reset(pack_offset)`` tells the build stage to drop what
     it holds and to continue a document ``pack_offset`` tokens in.
     """
 
