@@ -439,12 +439,14 @@ def test_asynchronous_commits_count_once_the_broker_answers(bootstrap, make_topi
                                                             group_id) -> None:
     topic = make_topic(partitions=1)
     produce(bootstrap, topic, 0, 2000)
-    with loader(bootstrap, topic, group_id, batch_size=100, commit_interval_ms=1) as ld:
+    with loader(bootstrap, topic, group_id, batch_size=100, commit_interval_ms=1,
+                until=None) as ld:
         it = iter(ld)
         next(it)
         f = ld._ledger
-        # Each next() commits the batch before asynchronously; its answer is
-        # served by the feeder's consume() and recorded by a later commit.
+        # Each next() asks for a commit of the batch before; the loader's
+        # thread makes it, asynchronously, and its answer is served by a later
+        # consume() and recorded by a later commit.
         deadline = time.monotonic() + 20
         while not f.committed and time.monotonic() < deadline:
             next(it)
@@ -488,10 +490,22 @@ def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
     produce(bootstrap, topic, 0, 4000)
     ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
                                     topic, SCHEMA, 100, until="end")
+    # forkserver, as the docs advise: a forked worker inherits the Kafka
+    # clients the parent process holds, whose librdkafka threads a fork does
+    # not copy (a worker crashed so once this process had made many).
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
-                                     multiprocessing_context="fork")
+                                     multiprocessing_context="forkserver")
     ids = np.concatenate([b["id"].numpy() for b in dl])
     assert len(ids) == 4000 and np.array_equal(np.sort(ids), np.arange(4000))
+
+
+def test_the_dataset_and_its_schema_travel_to_spawned_workers() -> None:
+    import pickle
+
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": "x", "group.id": "g"}, "t", SCHEMA,
+                                    10, until="end", shuffle=kfeed.Shuffle(buffer=8, seed=1))
+    back = pickle.loads(pickle.dumps(ds))
+    assert back.config == ds.config and back.config.schema.fingerprint == SCHEMA.fingerprint
 
 
 def test_the_dataset_checks_its_settings_when_made() -> None:
@@ -526,3 +540,17 @@ def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
             assert sum(b.size for b in classic) == 100
     finally:
         cluster.down(state, wipe=True)
+
+
+def test_stats_never_waits_for_the_loaders_thread(bootstrap, make_topic, group_id) -> None:
+    # A streaming loader that read everything sits in consume(); stats() on
+    # the caller's thread must not wait for it (a consumer call would).
+    topic = make_topic(partitions=1)
+    produce(bootstrap, topic, 0, 300)
+    with loader(bootstrap, topic, group_id, batch_size=100, until=None) as ld:
+        next(ld), next(ld), next(ld)
+        t = time.monotonic()
+        for _ in range(20):
+            ld.stats()
+        took = time.monotonic() - t
+    assert took < 2.0, took  # 20 calls; one wait for a consume() would be 0.1 s or more

@@ -74,7 +74,9 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
     # Documents of lengths 1..40 with their id as every token.
     docs = {p: [np.full(1 + (i * 7 + p) % 40, p * 1000 + i, np.int32) for i in range(60)]
             for p in range(2)}
-    values = {p: TOKENS.encode_blocks({"tokens": d}, 4) for p, d in docs.items()}
+    # One document per message: enough consume() calls for the script to play
+    # before a partition reaches its end.
+    values = {p: TOKENS.encode_blocks({"tokens": d}, 1) for p, d in docs.items()}
     src = MemorySource(values, incremental=incremental)
     if incremental:
         src.rebalance(3, revoke=[1])
@@ -83,6 +85,7 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
         src.rebalance(3, revoke=[0, 1], assign=[0])
         src.rebalance(6, revoke=[0], assign=[0, 1])
     batches = run(src, 4, schema=TOKENS, pack=kfeed.Pack(seq_len=32, eos_id=-1, pad_id=-2))
+    assert src.calls >= 6, "the script did not play"
     tokens = np.concatenate([b["tokens"].numpy().ravel() for b in batches])
     tokens = tokens[(tokens != -1) & (tokens != -2)]
     ids, counts = np.unique(tokens, return_counts=True)

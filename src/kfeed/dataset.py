@@ -25,9 +25,12 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     """Each iteration opens a Loader on the CPU and yields its batches.
 
     The settings are checked here, when the dataset is made, not in a
-    worker. With DataLoader workers, every worker opens its own consumer
-    (after the fork) in the same consumer group, so the topic's partitions
-    are shared among them and each record is read by one worker once.
+    worker. With DataLoader workers, every worker opens its own consumer in
+    the same consumer group, so the topic's partitions are shared among them
+    and each record is read by one worker once. Start the workers with
+    ``multiprocessing_context="forkserver"`` (or ``"spawn"``) when the
+    process holds Kafka clients of its own: a forked worker inherits them
+    without the librdkafka threads behind them, and may crash freeing them.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any] | None, topics: Any, schema: Schema,

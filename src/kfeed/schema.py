@@ -233,6 +233,11 @@ class Schema:
     def __repr__(self) -> str:
         return f"Schema({self.to_dict()!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields: the codec's layouts are made again, so a
+        # schema travels to spawned and forkserver DataLoader workers.
+        return (Schema, (self.to_dict(),))
+
     def block_nbytes(self, count: int, elements: int = 0) -> int:
         """Size of a block message value holding ``count`` records.
 

@@ -266,6 +266,7 @@ class KafkaSource(Source):
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
         self._lag: dict[TP, int] = {}
         self._ends: dict[TP, int] = {}
+        self._fetched_ends: dict[TP, int] = {}  # until the first statistics
         self._committed_only = config.get("isolation.level") == "read_committed"
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
@@ -334,19 +335,11 @@ class KafkaSource(Source):
         ``consumer_lag`` (from the committed offset), when it has one.
         """
         out = dict(self._lag)
-        ends = dict(self._ends)
-        for tp in positions:
-            if tp not in ends:
-                # Before the first statistics (a second in): the end that
-                # librdkafka's last fetch saw, which costs no request.
-                try:
-                    _lo, hi = self._consumer.get_watermark_offsets(self._tp(tp), cached=True)
-                except Exception:  # noqa: BLE001 - closed, or nothing cached
-                    hi = None
-                if hi is not None and hi >= 0:
-                    ends[tp] = hi
-                elif known_ends and tp in known_ends:  # nothing fetched from it yet
-                    ends[tp] = known_ends[tp]
+        # Before the first statistics (a second in): the ends librdkafka's
+        # fetches saw, as consume() noted them, or those the caller knows.
+        # Never a call to the consumer here: this runs on the caller's
+        # thread, and the consumer's calls wait while consume() runs.
+        ends = {**(known_ends or {}), **self._fetched_ends, **self._ends}
         for tp, end in ends.items():
             if tp in positions:
                 out[tp] = max(0, end - positions[tp])
@@ -465,6 +458,8 @@ class KafkaSource(Source):
 
     def consume(self, max_messages: int, timeout: float) -> list[Any]:
         msgs = self._consumer.consume(max_messages, timeout)
+        if msgs and not self._ends:
+            self._note_ends(msgs)
         if self.protocol == "consumer" and not self._assigned_once:
             self._check_protocol(msgs)
         if self._gone is not None:
@@ -477,6 +472,16 @@ class KafkaSource(Source):
             e, self._callback_error = self._callback_error, None
             raise e
         return msgs
+
+    def _note_ends(self, msgs: list[Any]) -> None:
+        """The ends of the partitions just read, as librdkafka's fetches saw them (no request)."""
+        for tp in {(m.topic(), m.partition()) for m in msgs}:
+            try:
+                _lo, hi = self._consumer.get_watermark_offsets(self._tp(tp), cached=True)
+            except Exception:  # noqa: BLE001 - nothing cached yet
+                continue
+            if hi is not None and hi >= 0:
+                self._fetched_ends[tp] = hi
 
     def _check_protocol(self, msgs: list[Any]) -> None:
         """Brokers without the consumer protocol refuse it: say so, and how to go on.

@@ -46,6 +46,13 @@ Two threads, one queue, one stop event::
   feeder commits only from inside a rebalance callback. ``lock`` guards the
   positions, never a call to Kafka: a commit is computed under it and made
   after it, and recorded only once the broker acknowledged it.
+- NOTE [ One thread calls the consumer ]: confluent-kafka lets one thread
+  at a time into a Consumer, and a thread that waits for it may wait as long
+  as another keeps calling (the loader's thread calls ``consume()`` in a
+  loop). So while the loader's thread runs, only it calls the consumer: the
+  caller's commits go to ``Fetcher.commits`` and are made between two
+  fetches; ``stats()`` reads what the consumer's callbacks noted. The caller
+  calls the consumer itself only before the thread starts and after it ended.
 - ``close()`` is idempotent; a ``with`` block that exits on an exception
   commits only the batches before the current one (its step did not finish).
 """
@@ -242,12 +249,12 @@ class Loader:
         self._ledger.lineages = set(self._lineages)
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
                                fail_fast=c.fail_fast)
+        stop = threading.Event()  # set by close(); every wait of the thread watches it
         fetcher = Fetcher(source, self._ledger, bounded=c.bounded, batch_size=c.batch_size,
-                          status=self._status)
+                          status=self._status, stop=stop)
         self._fetcher = fetcher
         stop_args = dict(batch_size=c.batch_size, max_wait_s=c.max_wait_ms / 1000.0)
         builder: SlotBuilder
-        stop = threading.Event()  # set by close(); every wait of the thread watches it
         if isinstance(self._ledger, OrderLedger):
             builder = RecordBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,
                                     stop=stop, packer=packer, **stop_args)
@@ -260,6 +267,7 @@ class Loader:
                               assignment=None, hook_revoke=c.on_revoke is not None,
                               status=self._status, stop=stop)
         self._on_revoke = c.on_revoke
+        self._in_hook = False
         self._current: Batch | None = None
         self._agreement: EpochAgreement | None = None
         self._ahead: Any = None  # with ranks: the next step's item, taken a step early
@@ -310,6 +318,8 @@ class Loader:
         while batch is None:
             if item is END:
                 self._exhausted = True
+                if self._feeder.epoch_over:  # it ends right after END
+                    self._feeder.join(self.config.connect_timeout_s + 5.0)
                 self._commit(asynchronous=False)
                 raise StopIteration
             batch = self._hand_out(item)
@@ -406,9 +416,12 @@ class Loader:
             return
         try:
             assert self._on_revoke is not None
+            self._in_hook = True
             self._on_revoke(tps)
         finally:
-            self._feeder.revoke_done.set()
+            self._in_hook = False
+            # Given up here, before this thread can hand out another batch.
+            self._feeder.revoked_by_caller(self._ledger.revoke(tps))
 
     def _commit(self, asynchronous: bool) -> None:
         ledger, fetcher, feeder = self._ledger, self._fetcher, self._feeder
@@ -420,9 +433,16 @@ class Loader:
             todo = ledger.to_commit(lambda tp: tp in fetcher.assigned or not alive)
         if not todo:
             return
-        # Outside the lock: a synchronous commit may retry for seconds, and
-        # the thread's revoke takes the lock too. Dead-letter copies first:
-        # a bad record's offset is committed only once its copy is safe.
+        if alive:
+            # The consumer takes calls from one thread at a time, and the
+            # loader's thread is in consume() most of the time: it makes the
+            # commit, between two fetches (NOTE [ One thread calls the consumer ]).
+            fetcher.commits.put(todo, wait=not asynchronous,
+                                timeout=self.config.connect_timeout_s + 5.0)
+            return
+        # Outside the lock: a synchronous commit may retry for seconds.
+        # Dead-letter copies first: a bad record's offset is committed only
+        # once its copy is safe.
         self._source.settle()
         acked = self._source.commit(todo, asynchronous=asynchronous)
         if acked:  # an asynchronous commit is recorded when its answer comes
@@ -432,7 +452,10 @@ class Loader:
     def commit(self) -> None:
         """Commit every batch handed out so far, including the current one."""
         self._mark_used()
-        self._commit(asynchronous=False)
+        # Inside the on_revoke hook the loader's thread waits for the hook:
+        # the revoke itself commits the partitions going, synchronously, and
+        # the others go with the next commit.
+        self._commit(asynchronous=self._in_hook)
 
     # -- checkpoints ----------------------------------------------------------
 

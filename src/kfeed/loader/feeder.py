@@ -24,7 +24,7 @@ from kfeed.loader.build import SlotBuilder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger
 from kfeed.pool import BufferPool
-from kfeed.sources import TP
+from kfeed.sources import TP, Position
 
 __all__ = ["Feeder", "Failure", "END"]
 
@@ -67,6 +67,7 @@ class Feeder:
         # runs the hook inside next() and sets revoke_done.
         self.hook_revoke = hook_revoke
         self.revoking: list[TP] | None = None
+        self.revoked: dict[TP, Position] | None = None
         self.revoke_done = threading.Event()
         fetcher.before_revoke = self._wait_for_caller
 
@@ -76,6 +77,10 @@ class Feeder:
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def run(self) -> None:
         where = "opening the source"
@@ -132,18 +137,29 @@ class Feeder:
                     self.fetcher.serve()
         return False
 
-    def _wait_for_caller(self, tps: list[TP]) -> None:
-        """With an ``on_revoke`` hook: wait until the caller ran it at a step boundary."""
+    def _wait_for_caller(self, tps: list[TP]) -> dict[TP, Position] | None:
+        """With an ``on_revoke`` hook: wait until the caller ran it and gave ``tps`` up.
+
+        The positions given up, or None when there is no hook (or the loader
+        closes meanwhile): then the revoke gives them up itself.
+        """
         if not self.hook_revoke or self.stop.is_set():
-            return
+            return None
         self.revoke_done.clear()
+        self.revoked = None
         with self.ledger.lock:
             self.revoking = list(tps)
         self.status.doing = "waiting for the caller to run on_revoke"
         while not self.revoke_done.wait(POLL_S) and not self.stop.is_set():
             pass
+        return self.revoked
 
     def take_revoking(self) -> list[TP] | None:
         with self.ledger.lock:
             tps, self.revoking = self.revoking, None
         return tps
+
+    def revoked_by_caller(self, positions: dict[TP, Position]) -> None:
+        """The caller ran the hook and gave the partitions up: the revoke goes on."""
+        self.revoked = positions
+        self.revoke_done.set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,18 +40,59 @@ class Status:
         self.doing = "starting"
 
 
+class Commits:
+    """Commits the caller's thread asks for, made by the loader's thread between fetches.
+
+    See NOTE [ One thread calls the consumer ] in ``kfeed/loader/__init__.py``.
+    Asynchronous requests merge (the newest position per partition wins); a
+    synchronous one waits until the loader's thread made it, and raises what
+    it raised.
+    """
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._todo: dict[TP, Position] = {}
+        self._waiters: list[list[Any]] = []  # [done event, error]
+        self._stop = stop
+
+    def put(self, positions: dict[TP, Position], *, wait: bool, timeout: float) -> None:
+        waiter: list[Any] = [threading.Event(), None]
+        with self._lock:
+            self._todo.update(positions)
+            if wait:
+                self._waiters.append(waiter)
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout
+        while not waiter[0].wait(POLL_S):
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                raise ConsumeError(f"the loader's thread did not make the commit within "
+                                   f"{timeout:g}s")
+        if waiter[1] is not None:
+            raise waiter[1]
+
+    def take(self) -> tuple[dict[TP, Position], list[list[Any]]]:
+        with self._lock:
+            todo, waiters = self._todo, self._waiters
+            self._todo, self._waiters = {}, []
+        return todo, waiters
+
+
 class Fetcher:
     """Pending messages, the assignment, and bounded-epoch ends."""
 
     def __init__(self, source: Source, ledger: Ledger, *, bounded: bool, batch_size: int,
-                 status: Status) -> None:
+                 status: Status, stop: threading.Event) -> None:
         self.source = source
+        self.commits = Commits(stop)
         self.ledger = ledger
         self.bounded = bounded
         self.batch_size = batch_size
         self.status = status
-        # Run inside a revoke, before anything is given up (the on_revoke hook).
-        self.before_revoke: Callable[[list[TP]], None] = lambda _tps: None
+        # Run inside a revoke, before anything is given up (the on_revoke hook);
+        # the positions given up, if it gave them up itself.
+        self.before_revoke: Callable[[list[TP]], dict[TP, Position] | None] = \
+            lambda _tps: None
         self.assigned: set[TP] = set()
         self.ends: dict[TP, int] = {}   # bounded epoch: high watermarks at start
         self.done: set[TP] = set()      # bounded epoch: partitions read to their end
@@ -131,10 +173,14 @@ class Fetcher:
         # Batches not yet handed out are dropped: their records will be read
         # again, by us or by the partitions' new owner, from the handed-out
         # positions, which are committed now so that owner starts right.
-        self.before_revoke(tps)
         if self.source.incremental:
             self.kept |= self.assigned - set(tps)
-        mine = self.ledger.revoke(tps)
+        # With an on_revoke hook the caller runs it and gives the partitions
+        # up right after, on its own thread, so no batch is handed out in
+        # between and the hook's checkpoint is exactly what is committed.
+        mine = self.before_revoke(tps)
+        if mine is None:
+            mine = self.ledger.revoke(tps)
         if self.ledger.failed and not self.ledger.handed_any:
             mine = {}  # nothing was read: see Loader.close
         self.status.doing = "committing the revoked partitions (Source.commit)"
@@ -175,6 +221,7 @@ class Fetcher:
         """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones."""
         if n is None:
             n = self.messages_for(self.batch_size)
+        self._commit()
         gen = self.ledger.gen
         self.starts = {}
         self.last_poll = time.monotonic()
@@ -208,6 +255,27 @@ class Fetcher:
         else:
             self.start = 0
         self.msgs, self.vals, self.i = keep, vals, 0
+
+    def _commit(self) -> None:
+        """Make the commits the caller asked for (see ``Commits``)."""
+        todo, waiters = self.commits.take()
+        if not todo and not waiters:
+            return
+        self.status.doing = "committing (Source.commit)"
+        error = None
+        try:
+            todo = {tp: pos for tp, pos in todo.items() if tp in self.assigned}
+            self.source.settle()  # a bad record's offset only once its copy is safe
+            acked = self.source.commit(todo, asynchronous=not waiters)
+            with self.ledger.lock:
+                self.ledger.committed.update(acked)
+        except KfeedError as e:
+            if not waiters:
+                log.warning("commit failed: %s", e)
+            error = e
+        for waiter in waiters:
+            waiter[1] = error
+            waiter[0].set()
 
     def _after_rebalance(self, msgs: list[Any]) -> list[Any]:
         """A rebalance ran inside this fetch: keep only what belongs to the new assignment.
