@@ -403,16 +403,6 @@ def test_produce_help_and_train_mistakes_never_import_torch() -> None:
                                             "integer >= 1")
 
 
-def test_names_that_tests_and_benches_import_stay_in_kfeed_cli() -> None:
-    from kfeed import _train, synthetic
-
-    assert cli.synthetic_schema is synthetic.synthetic_schema
-    assert cli.synthetic_columns is synthetic.synthetic_columns
-    assert (cli.tiny_lm, cli.lm_loss, cli.lm_logits, cli.document_mask) == (
-        _train.tiny_lm, _train.lm_loss, _train.lm_logits, _train.document_mask)
-    assert cli._skip_documents is ingest.skip_documents
-
-
 # -- against the cluster --------------------------------------------------------------
 
 

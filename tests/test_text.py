@@ -19,7 +19,7 @@ import torch
 
 import kfeed
 from kfeed import KfeedError
-from kfeed.cli import document_mask, lm_logits, lm_loss, tiny_lm
+from kfeed._train import document_mask, lm_logits, lm_loss, tiny_lm
 from kfeed.text import (
     BYTE_EOS_ID,
     ByteTokenizer,
@@ -215,7 +215,7 @@ def test_corpus_file_errors(tmp_path) -> None:
 
 
 def test_skip_docs_leaves_out_exactly_the_first_n_documents(tmp_path) -> None:
-    from kfeed.cli import _skip_documents
+    from kfeed.ingest import skip_documents as _skip_documents
 
     path = tmp_path / "c.jsonl"
     texts, keys = write_jsonl(path, 2500)  # chunks of 1024, 1024 and the rest

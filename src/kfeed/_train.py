@@ -320,7 +320,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     """
     import torch
 
-    from kfeed.loader import Loader
+    from kfeed.loader import Loader, LoaderConfig
 
     torch.manual_seed(0)
     device = resolve_device(opts.device)
@@ -329,10 +329,12 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     model = task.model
     optimizer = torch.optim.Adam(model.parameters(), lr=opts.lr)
     ckpt = Path(opts.checkpoint) if opts.checkpoint else None
-    loader = Loader(config, opts.topic, task.schema, task.batch_size, device=device,
-                    until="end" if opts.until_end else None, format=opts.format,
-                    start=start, connect_timeout_s=opts.connect_timeout,
-                    **task.loader_kwargs())
+    # The same checked settings as Loader(...) and KafkaIterableDataset take.
+    settings = LoaderConfig(opts.topic, task.schema, task.batch_size, device=device,
+                            until="end" if opts.until_end else None, format=opts.format,
+                            start=start, connect_timeout_s=opts.connect_timeout,
+                            **task.loader_kwargs())
+    loader = Loader.from_config(config, settings)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

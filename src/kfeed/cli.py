@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kfeed import cluster
-from kfeed._train import document_mask, lm_logits, lm_loss, tiny_lm  # noqa: F401 - re-exported
 from kfeed.errors import ConfigError, KfeedError
 from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
