@@ -140,3 +140,27 @@ def test_the_on_revoke_hook_runs_at_a_step_boundary_with_the_partitions_going() 
     assert {p: list(pos) for (_t, p), pos in committed_on_revoke.items()} == \
         {int(p): pos for p, pos in positions["memory"].items()}
     assert steps["n"] > 0
+
+
+def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() -> None:
+    # A consume() call that ran a revoke and an assign of partition 0 at
+    # offset 3 returns, say, records 5 and 6 fetched before the revoke, then
+    # the new fetch from 3: only the new fetch is kept. Records of a revoked
+    # partition, and from below a new start, go too.
+    from kfeed.loader.fetch import Fetcher, Status
+    from kfeed.loader.ledger import Ledger
+    from kfeed.sources import _Record
+
+    src = MemorySource({0: [b""] * 10, 1: [b""] * 10})
+    ledger = Ledger(src, "earliest")
+    fetcher = Fetcher(src, ledger, bounded=False, batch_size=8, status=Status(),
+                      stop=__import__("threading").Event())
+    fetcher.assigned = {("memory", 0)}
+    fetcher.starts = {("memory", 0): (3, 0)}
+
+    def rec(p: int, off: int) -> _Record:
+        return _Record("memory", p, off, b"", 0)
+
+    got = fetcher._after_rebalance([rec(0, 5), rec(1, 7), rec(0, 6), rec(0, 2), rec(0, 3),
+                                    rec(0, 4)])
+    assert [(m.partition(), m.offset()) for m in got] == [(0, 3), (0, 4)]

@@ -299,6 +299,20 @@ class Fetcher:
                 start is None or m.offset() >= start[0])
 
         out = [m for m in msgs if current(m)]
+        # Should a partition assigned in this call still show records fetched
+        # before its revoke, its offsets go back where the new fetch starts:
+        # keep only what comes after the last such step back.
+        last: dict[TP, int] = {}
+        restart: dict[TP, int] = {}
+        for i, m in enumerate(out):
+            tp = (m.topic(), m.partition())
+            if tp in starts and m.error() is None:
+                if tp in last and m.offset() <= last[tp]:
+                    restart[tp] = i
+                last[tp] = m.offset()
+        if restart:
+            out = [m for i, m in enumerate(out)
+                   if i >= restart.get((m.topic(), m.partition()), 0)]
         # A kept partition whose messages are dropped here has moved on too.
         self.fetched.update(tp for tp in ((m.topic(), m.partition()) for m in msgs
                                           if m.error() is None) if tp in kept)
