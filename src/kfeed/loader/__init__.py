@@ -441,13 +441,7 @@ class Loader:
                                 timeout=self.config.connect_timeout_s + 5.0)
             return
         # Outside the lock: a synchronous commit may retry for seconds.
-        # Dead-letter copies first: a bad record's offset is committed only
-        # once its copy is safe.
-        self._source.settle()
-        acked = self._source.commit(todo, asynchronous=asynchronous)
-        if acked:  # an asynchronous commit is recorded when its answer comes
-            with ledger.lock:
-                ledger.committed.update(acked)
+        fetcher.commit_now(todo, asynchronous=asynchronous)
 
     def commit(self) -> None:
         """Commit every batch handed out so far, including the current one."""

@@ -264,11 +264,8 @@ class Fetcher:
         self.status.doing = "committing (Source.commit)"
         error = None
         try:
-            todo = {tp: pos for tp, pos in todo.items() if tp in self.assigned}
-            self.source.settle()  # a bad record's offset only once its copy is safe
-            acked = self.source.commit(todo, asynchronous=not waiters)
-            with self.ledger.lock:
-                self.ledger.committed.update(acked)
+            self.commit_now({tp: pos for tp, pos in todo.items() if tp in self.assigned},
+                            asynchronous=not waiters)
         except KfeedError as e:
             if not waiters:
                 log.warning("commit failed: %s", e)
@@ -276,6 +273,19 @@ class Fetcher:
         for waiter in waiters:
             waiter[1] = error
             waiter[0].set()
+
+    def commit_now(self, positions: dict[TP, Position], *, asynchronous: bool) -> None:
+        """Commit ``positions``; record what the broker acknowledged already.
+
+        Dead-letter copies first: a bad record's offset is committed only once
+        its copy is safe. Called by the loader's thread, or by the caller's once
+        that thread is gone (NOTE [ One thread calls the consumer ]).
+        """
+        self.source.settle()
+        acked = self.source.commit(positions, asynchronous=asynchronous)
+        if acked:  # an asynchronous commit is recorded when its answer comes
+            with self.ledger.lock:
+                self.ledger.committed.update(acked)
 
     def _after_rebalance(self, msgs: list[Any]) -> list[Any]:
         """A rebalance ran inside this fetch: keep only what belongs to the new assignment.
