@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,10 +36,23 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_two_ranks(script: Path, *args: str) -> dict[int, tuple[int, ...]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo job; each rank's ``RESULT rank a b ...`` ints."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        rank, *figures = map(int, out.split("RESULT", 1)[1].split())
+        results[rank] = tuple(figures)
+    return results
 
 
 def test_the_collective_lives_where_the_backend_wants_it() -> None:
@@ -55,17 +69,7 @@ def test_the_collective_lives_where_the_backend_wants_it() -> None:
 def test_two_ranks_with_uneven_data_stop_at_the_same_step(tmp_path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    results = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        rank, steps, n, unique = map(int, out.split("RESULT", 1)[1].split())
-        results[rank] = (steps, n, unique)
+    results = run_two_ranks(script)
     # Rank 1's 1000 samples make 4 batches (3 x 256 + 232): both ranks stop after 4.
     assert results[0] == (4, 4 * 256, 4 * 256)
     assert results[1] == (4, 1000, 1000)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from test_agreement import run_two_ranks
 
 import kfeed
 from kfeed.synthetic import synthetic_columns, synthetic_schema
@@ -33,12 +30,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_stop_at_the_same_step(bootstrap, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=2)
     # Uneven partitions: rank 0 (partition 0) has 3x the data of rank 1.
@@ -48,17 +39,7 @@ def test_two_ranks_stop_at_the_same_step(bootstrap, make_topic, tmp_path) -> Non
         p.send(synthetic_columns(ids), keys=ids)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script), bootstrap, topic],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    results = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        rank, steps, n, unique = map(int, out.split("RESULT", 1)[1].split())
-        results[rank] = (steps, n, unique)
+    results = run_two_ranks(script, bootstrap, topic)
     # Partition 1 holds 1000 samples: 4 batches (3 of 256 and one of 232).
     assert results[0][0] == results[1][0] == 4
     assert results[1][1] == results[1][2] == 1000
