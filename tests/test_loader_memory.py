@@ -177,10 +177,27 @@ def test_streaming_yields_partial_batch_after_max_wait() -> None:
 
 
 def test_batches_are_owned_by_the_caller() -> None:
-    with memory_loader(blocks(0, 256), SCHEMA, 64, until="end", device="cpu") as loader:
+    # 64 batches kept, many more than the pool's slots: none is refilled.
+    with memory_loader(blocks(0, 2048), SCHEMA, 32, until="end", device="cpu") as loader:
         kept = list(loader)
     ids = np.concatenate([b["id"].numpy() for b in kept])
-    assert np.array_equal(ids, np.arange(256))
+    assert np.array_equal(ids, np.arange(2048))
+
+
+def test_views_and_arrays_the_caller_keeps_stay_valid() -> None:
+    # Every third batch kept as a view, a numpy array or not at all: the slots
+    # let go of are refilled, the others never.
+    kept = []
+    with memory_loader(blocks(0, 4096), SCHEMA, 32, until="end", device="cpu") as loader:
+        for i, batch in enumerate(loader):
+            if i % 3 == 0:
+                kept.append(batch["id"][1:])
+            elif i % 3 == 1:
+                kept.append(batch["id"].numpy())
+    ids = np.concatenate([np.asarray(k) for k in kept])
+    want = np.concatenate([np.arange(b * 32 + (1 if b % 3 == 0 else 0), b * 32 + 32)
+                           for b in range(128) if b % 3 != 2])
+    assert np.array_equal(ids, want)
 
 
 def test_stats_and_stall() -> None:

@@ -261,3 +261,73 @@ def test_a_thousand_cycles_allocate_nothing():
 
 def test_buffer_pool_is_public():
     assert kfeed.BufferPool is BufferPool
+
+
+# -- lent slots (the CPU: a batch's tensors are the slot's; NOTE [ Lent slots ]) ----------
+
+
+def _fill(pool: BufferPool, value: float) -> tuple:
+    slot = pool.acquire(timeout=0)
+    slot.tensors["x"].fill_(value)
+    slot.rows = 8
+    return slot, pool.lend(slot)
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "numpy", "nothing"])
+def test_a_lent_slot_is_refilled_only_once_the_caller_lets_go(keep):
+    pool = small_pool(slots=1)
+    slot, batch = _fill(pool, 1.0)
+    assert slot.state is SlotState.LENT
+    held = {"tensor": lambda: batch["x"], "view": lambda: batch["x"][2:5],
+            "numpy": lambda: batch["x"].numpy(), "nothing": lambda: None}[keep]()
+    del batch
+    again = pool.acquire(timeout=0)
+    if keep == "nothing":
+        assert again is slot  # taken back: no allocation
+    else:
+        assert again is not slot and slot.state is SlotState.LENT
+        again.tensors["x"].fill_(2.0)  # the new slot's memory is not the caller's
+        assert (np.asarray(held) == 1.0).all()
+        del held
+        pool.release(again)
+        pool.acquire(timeout=0)  # the FREE one first
+        assert pool.acquire(timeout=0) is slot  # now let go of
+
+
+def test_a_lent_tensor_moved_to_shared_memory_is_never_refilled():
+    # A DataLoader worker sends a tensor by moving its storage to shared
+    # memory; the slot's bound form would still point at the old memory.
+    pool = small_pool(slots=1)
+    slot, batch = _fill(pool, 1.0)
+    batch["x"].share_memory_()
+    del batch
+    assert pool.acquire(timeout=0) is not slot
+
+
+def test_past_most_lent_the_oldest_slot_is_the_callers_alone():
+    pool = BufferPool(SMALL, 8, 1, pin=False, most_lent=3)
+    kept = []
+    for i in range(10):
+        kept.append(_fill(pool, float(i))[1])
+    assert len(pool) <= 4  # the 3 lent ones tracked, and at most one more
+    for i, batch in enumerate(kept):  # nothing the caller kept was refilled
+        assert (batch["x"] == float(i)).all()
+    kept.clear()
+    before = len(pool)
+    _fill(pool, 0.0)
+    assert len(pool) == before  # one of those let go of came back
+
+
+def test_lending_in_a_steady_loop_allocates_nothing():
+    pool = BufferPool(SEEDS, 1024, 2, pin=False)
+    values = SEEDS.encode_blocks({"features": np.ones((64, 768), np.float32),
+                                  "label": np.arange(64), "id": np.arange(64)})
+    batch = None
+    pointers = set()
+    for _ in range(200):
+        slot = pool.acquire(timeout=0)
+        slot.rows = SEEDS.decode_into(values, slot.target).rows
+        batch = pool.lend(slot)  # the last batch is dropped only now, as a training loop does
+        pointers.add(batch["features"].data_ptr())
+    assert len(pool) <= 3
+    assert len(pointers) <= 3

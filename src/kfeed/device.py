@@ -7,14 +7,18 @@ tensors to the device on a side stream with ``non_blocking=True`` and
 records an event; the pool refills the slot only once that event completes.
 ``adopt``, on the caller's thread, makes the caller's current stream wait on
 the event, so the training step is ordered after the copy without the CPU
-ever blocking. On the CPU the copy is a plain memcpy into tensors the caller
-owns, so a batch stays valid however long the caller keeps it; ``next()``
-makes it, beside the loader's thread's next decode (made by that thread
-instead, it halved the loader's CPU throughput, 1.36M to 0.69M samples/s).
+ever blocking.
 
-Issuing the copy from ``next()`` instead cost the caller 150 us a batch on an
-H200 (three copies, a stream switch, an event, and the GIL lost to the
-loader's thread in between), about 7 % of a 2 ms step; see bench/RESULTS.md.
+On the CPU there is no device stage: the loader's thread lends the slot's
+tensors to the caller as they are (``BufferPool.lend``, NOTE [ Lent
+slots ]), so a batch stays valid however long the caller keeps it. A memcpy
+per batch made in ``next()`` cost the caller 120-160 us per 320 KB packed
+batch; made by the loader's thread, it halved the CPU throughput (1.36M to
+0.69M samples/s); see bench/RESULTS.md.
+
+Issuing the CUDA copy from ``next()`` instead cost the caller 150 us a batch
+on an H200 (three copies, a stream switch, an event, and the GIL lost to the
+loader's thread in between), about 7 % of a 2 ms step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import contextlib
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 from kfeed.pool import Slot
@@ -55,16 +58,13 @@ class DeviceCopier:
             self._bound = threading.get_ident()
 
     def copy(self, slot: Slot) -> tuple[dict[str, torch.Tensor], Any]:
-        """The slot's filled rows on the device, and the event that ends the copy.
+        """The slot's filled rows on the device (CUDA), and the event that ends the copy.
 
-        Any thread may call it. On CUDA the copy is only issued: the slot
-        must not be refilled before the event completes, and the tensors must
-        go through ``adopt`` before a stream other than the side stream uses
-        them.
+        Any thread may call it. The copy is only issued: the slot must not be
+        refilled before the event completes, and the tensors must go through
+        ``adopt`` before a stream other than the side stream uses them.
         """
         src = slot.view()
-        if not self.cuda:
-            return {name: _copy_single_threaded(t) for name, t in src.items()}, None
         on_side = threading.get_ident() == self._bound
         with contextlib.nullcontext() if on_side else torch.cuda.stream(self._stream):
             out = {name: t.to(self.device, non_blocking=True) for name, t in src.items()}
@@ -83,17 +83,3 @@ class DeviceCopier:
             # allocator they are used on the caller's stream too.
             t.record_stream(current)
 
-
-def _copy_single_threaded(t: torch.Tensor) -> torch.Tensor:
-    """A plain memcpy into a new tensor.
-
-    ``Tensor.clone`` runs on torch's OpenMP pool, whose threads fight the
-    loader's thread, librdkafka and the broker for the cores; one memcpy is
-    several times faster here (see bench/RESULTS.md).
-    """
-    out = torch.empty_like(t)
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: copy the 2-byte words
-        np.copyto(out.view(torch.int16).numpy(), t.view(torch.int16).numpy())
-    else:
-        np.copyto(out.numpy(), t.numpy())
-    return out

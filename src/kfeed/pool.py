@@ -1,16 +1,35 @@
 """BufferPool: the preallocated host batches that the codec decodes into.
 
 In the data flow it sits between the loader's background thread, which fills a
-free slot straight from Kafka message values, and the copy of the filled slot
-to the device (issued by that thread on CUDA, made by the caller's ``next()``
-on the CPU), after which the slot is given back. Slots are pinned when CUDA
-is available so that copy can run asynchronously; a slot carries the CUDA
+free slot straight from Kafka message values, and the device stage
+(``kfeed.device``), after which the slot is given back. For a CUDA device
+slots are pinned, so the copy runs asynchronously; a slot carries the CUDA
 event of its last copy and is not refilled before that event completes.
-Nothing is allocated per batch once the pool exists.
+On the CPU there is no copy: the slot's tensors themselves go to the caller
+(``lend``), and the slot is refilled once the caller has let go of them
+(NOTE [ Lent slots ]). Either way nothing is allocated per batch in a
+steady run.
 
 Slot life cycle::
 
     FREE --acquire()--> FILLING --release(slot, event=None)--> FREE
+                                 --lend(slot)--> LENT --(caller lets go)--> acquire()
+
+NOTE [ Lent slots ]
+~~~~~~~~~~~~~~~~~~~
+On the CPU a batch's tensors are the slot's own tensors, cut to the rows
+filled; the caller may keep them, or views of them, as long as it likes. A
+lent slot is filled again only when nothing but the pool refers to its
+storage: torch counts the references to a storage (every tensor and view
+over it, every numpy array made from one), so ``acquire`` compares each
+storage's count with the one taken when the slot was made, and checks that
+the storage still has the same memory (``share_memory_()``, as a
+DataLoader worker does to send a tensor, or ``resize_`` give a storage new
+memory, which the slot's bound form would not follow). A slot the caller
+still holds stays lent; past ``most_lent`` slots the oldest is forgotten,
+its tensors the caller's alone, and a new slot is made. The price of a
+batch is then one allocation, never a copy. Where torch does not count
+storage references, every slot lent is forgotten.
 """
 
 from __future__ import annotations
@@ -33,17 +52,35 @@ __all__ = ["BufferPool"]
 class SlotState(str, Enum):
     FREE = "free"
     FILLING = "filling"
+    LENT = "lent"
+
+
+# The references to a tensor's storage (tensors, views, numpy arrays over
+# it), counted by torch; None where this torch has no such count.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_marks(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Any, int, int, int], ...]:
+    """Per tensor: the tensor, its memory's address and size, and the references to it."""
+    if _storage_use_count is None:
+        return ()
+    marks = []
+    for t in tensors.values():
+        st = t.untyped_storage()
+        marks.append((t, st.data_ptr(), st.nbytes(), _storage_use_count(st._cdata)))
+    return tuple(marks)
 
 
 class Slot:
     """One preallocated batch: a tensor per field, ``[batch_size, *shape]``."""
 
-    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent")
+    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent", "marks")
 
     def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
         self.tensors = tensors
         self.target = target  # the bound form the filler writes through
+        self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
         self.state = SlotState.FREE
         self.event: Any = None  # CUDA event of the last copy out of this slot
         self.rows = 0
@@ -54,6 +91,17 @@ class Slot:
         rows, extent = self.rows, self.extent
         return {name: t[:extent.get(name, rows)] for name, t in self.tensors.items()}
 
+    def returned(self) -> bool:
+        """Whether a lent slot's tensors are the pool's alone again, on the same memory."""
+        if not self.marks:
+            return False
+        for t, ptr, nbytes, count in self.marks:
+            st = t.untyped_storage()
+            if st.data_ptr() != ptr or st.nbytes() != nbytes \
+                    or _storage_use_count(st._cdata) != count:
+                return False
+        return True
+
     def __repr__(self) -> str:
         return f"Slot({self.index}, {self.state.value}, rows={self.rows})"
 
@@ -63,12 +111,14 @@ class BufferPool:
 
     ``pin=None`` pins if CUDA is available; ``pin=True`` without CUDA is a
     ``ConfigError``. ``acquire`` blocks (up to ``timeout``) until a slot is
-    free and its last device copy has completed.
+    free and its last device copy has completed. Slots handed to the caller
+    with ``lend`` come back by themselves (NOTE [ Lent slots ]); at most
+    ``most_lent`` are kept track of.
     """
 
     def __init__(
         self, schema: Schema, batch_size: int, slots: int = 4, *, pin: bool | None = None,
-        packer: Packer | None = None,
+        packer: Packer | None = None, most_lent: int = 8,
     ) -> None:
         if not isinstance(schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
@@ -84,23 +134,29 @@ class BufferPool:
         self.schema = schema
         self.batch_size = batch_size
         self.pinned = bool(pin)
-        self._slots: list[Slot] = []
-        for i in range(slots):
-            # A packer's slots hold packed token rows instead of the schema's fields.
-            if packer is None:
-                tensors = schema.empty(batch_size, like="torch", pin_memory=self.pinned)
-                target: Any = schema.bind(tensors)
-            else:
-                tensors = packer.empty(like="torch", pin_memory=self.pinned)
-                target = packer.bind(tensors)
-            self._slots.append(Slot(i, tensors, target))
+        self._packer = packer
+        self._made = 0
+        self._slots = [self._make() for _ in range(slots)]
         self._free: deque[Slot] = deque(self._slots)
+        self._lent: deque[Slot] = deque()
+        self.most_lent = most_lent
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
 
+    def _make(self) -> Slot:
+        # A packer's slots hold packed token rows instead of the schema's fields.
+        if self._packer is None:
+            tensors = self.schema.empty(self.batch_size, like="torch", pin_memory=self.pinned)
+            target: Any = self.schema.bind(tensors)
+        else:
+            tensors = self._packer.empty(like="torch", pin_memory=self.pinned)
+            target = self._packer.bind(tensors)
+        self._made += 1
+        return Slot(self._made - 1, tensors, target)
+
     @property
     def nbytes(self) -> int:
-        """Host memory held by the pool."""
+        """Host memory held by the pool (lent slots included)."""
         return sum(t.nbytes for s in self._slots for t in s.tensors.values())
 
     @property
@@ -114,8 +170,14 @@ class BufferPool:
         return [s.state for s in self._slots]
 
     def acquire(self, timeout: float | None = None) -> Slot | None:
-        """A FREE slot, now FILLING; None if none frees up within ``timeout``."""
+        """A FREE slot, now FILLING; None if none frees up within ``timeout``.
+
+        While slots are lent, one the caller let go of is FREE too, and if
+        there is none a new slot is made: a lending pool does not wait.
+        """
         with self._cond:
+            if not self._free and self._lent and not self._closed:
+                self._free.append(self._take_back())
             if not self._free and not self._cond.wait_for(
                 lambda: self._free or self._closed, timeout
             ):
@@ -141,6 +203,28 @@ class BufferPool:
             slot.event = event
             self._free.append(slot)
             self._cond.notify()
+
+    def lend(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """The filled rows of ``slot``, the caller's to keep; the slot is LENT until let go."""
+        with self._cond:
+            if slot.state is not SlotState.FILLING:
+                raise KfeedError(f"slot {slot.index} lent while {slot.state.value}")
+            slot.state = SlotState.LENT
+            self._lent.append(slot)
+            if len(self._lent) > self.most_lent:
+                self._slots.remove(self._lent.popleft())  # the caller's alone now
+        return slot.view()
+
+    def _take_back(self) -> Slot:
+        """A lent slot the caller let go of, FREE now, or a new slot (under the lock)."""
+        for slot in self._lent:
+            if slot.returned():
+                self._lent.remove(slot)
+                slot.state = SlotState.FREE
+                return slot
+        slot = self._make()
+        self._slots.append(slot)
+        return slot
 
     def close(self) -> None:
         """Wake every waiter; acquire returns None from now on."""

@@ -145,8 +145,10 @@ class Loader:
     Up to ``prefetch`` batches wait ready. On CUDA their copies to
     ``device`` are already issued; with the one being filled and the one the
     caller holds, the device holds at most ``prefetch + 2`` batches, and the
-    host three pinned pool slots. On the CPU the host holds ``prefetch + 2``
-    slots and ``next()`` copies each batch into tensors the caller owns.
+    host three pinned pool slots. On the CPU there is no copy: a batch's
+    tensors are a pool slot's, the caller's to keep as long as it likes; the
+    slot is refilled once the caller let go of them (NOTE [ Lent slots ] in
+    ``kfeed.pool``).
 
     A message the codec rejects never reaches a batch: ``on_bad_record``
     sends it to ``<topic>.dlq`` (default; each message at most once, see
@@ -237,12 +239,13 @@ class Loader:
         packer = Packer(c.pack, c.batch_size) if c.pack is not None else None
         # CUDA: one filling, the others still being copied out (a slot is
         # given back as soon as its copy is issued, and refilled once it is
-        # done). CPU: a slot waits in the queue until next() copies it.
+        # done). CPU: slots are lent to the caller, and more are made while
+        # the caller holds them all.
         # Pinned only for a CUDA device: pinning is for the copy to it, and
         # costs page-locked host memory and start-up time otherwise.
         slots = 3 if self._copier.cuda else c.prefetch + 2
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
-                                pin=self._copier.cuda)
+                                pin=self._copier.cuda, most_lent=c.prefetch + 4)
         self._status = Status()
         self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer) if c.records
                                 else Ledger(source, c.start))
@@ -381,9 +384,6 @@ class Loader:
 
     def _hand_out(self, out: Handoff) -> Batch | None:
         ledger = self._ledger
-        if out.slot is not None:  # CPU: copied before the batch counts as handed out
-            out.tensors, _ = self._copier.copy(out.slot)
-            out.release(self._pool)
         with ledger.lock:
             if out.gen != ledger.gen:
                 # A rebalance happened after _take: the caller's next() takes

@@ -2,7 +2,7 @@
 
 ``Feeder.run`` is the whole loop of the thread named ``kfeed-loader``: take
 a free pool slot, let the build stage fill it from the fetch stage, issue
-its copy to the device (CUDA; on the CPU the caller copies), and put it in
+its copy to the device (on the CPU: lend its tensors to the caller), and put it in
 the ready queue. The queue holds at most ``prefetch`` batches; the thread
 polls the consumer while it waits (see ``Fetcher.serve``). How it stops is
 NOTE [ Loader Shutdown Logic ] in ``kfeed/loader/__init__.py``.
@@ -13,6 +13,7 @@ without ``close()`` is still garbage-collected.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -31,6 +32,42 @@ __all__ = ["Feeder", "Failure", "END"]
 log = logging.getLogger("kfeed.loader")
 
 END = object()  # the end of a bounded epoch, after its last batch
+
+
+class Ready:
+    """The batches ready for the caller: at most ``size``, first in first out.
+
+    ``queue.Queue`` makes a Python condition wait per blocked call, 15 us a
+    batch handed over with two batches ready; this is a C ``SimpleQueue`` and
+    one C lock the caller releases to say there is room again, 7 us. Both
+    ends wait at most the timeout they give and re-check.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._room = threading.Lock()  # held while the thread may wait for room
+        self._room.acquire()
+
+    def put(self, item: Any, timeout: float) -> bool:
+        """Queue ``item`` once there is room; False if there is none within ``timeout``."""
+        if self._items.qsize() >= self.size:
+            self._room.acquire(timeout=timeout)
+            if self._items.qsize() >= self.size:
+                return False
+        self._items.put(item)
+        return True
+
+    def get(self, timeout: float) -> Any:
+        """The oldest item; raises ``queue.Empty`` if none comes within ``timeout``."""
+        item = self._items.get(timeout=timeout)
+        if self._room.locked():
+            with contextlib.suppress(RuntimeError):  # released already: room was said
+                self._room.release()
+        return item
+
+    def empty(self) -> bool:
+        return self._items.empty()
 
 
 class Failure:
@@ -59,7 +96,7 @@ class Feeder:
         self.batch_size = pool.batch_size
         self.assignment = assignment
         self.status = status
-        self.ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self.ready = Ready(prefetch)
         self.stop = stop
         self.thread: threading.Thread | None = None
         self.epoch_over = False
@@ -119,7 +156,9 @@ class Feeder:
                 # Issued here, the copy overlaps the caller's current step.
                 out.tensors, out.event = self.copier.copy(slot)
                 out.release(pool, out.event)
-            # On the CPU the slot travels to the caller, who copies it.
+            else:  # the slot's own tensors go to the caller
+                out.tensors = pool.lend(slot)
+                out.slot = None
             if not self._put(out, serve=True):
                 return
             fetcher.serve_if_due()  # batches made from records held: no fetch for a while
@@ -129,12 +168,10 @@ class Feeder:
     def _put(self, item: Any, serve: bool = False) -> bool:
         self.status.doing = "queueing a batch for the caller"
         while not self.stop.is_set():
-            try:
-                self.ready.put(item, timeout=POLL_S)
+            if self.ready.put(item, timeout=POLL_S):
                 return True
-            except queue.Full:
-                if serve:
-                    self.fetcher.serve()
+            if serve:
+                self.fetcher.serve()
         return False
 
     def _wait_for_caller(self, tps: list[TP]) -> dict[TP, Position] | None:
