@@ -73,3 +73,32 @@ def test_two_ranks_with_uneven_data_stop_at_the_same_step(tmp_path) -> None:
     # Rank 1's 1000 samples make 4 batches (3 x 256 + 232): both ranks stop after 4.
     assert results[0] == (4, 4 * 256, 4 * 256)
     assert results[1] == (4, 1000, 1000)
+
+
+SHARED_RUN = textwrap.dedent("""
+    import torch.distributed as dist
+    import numpy as np
+    from kfeed.loader import memory_loader
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+    dist.init_process_group("gloo", init_method="env://")
+    schema = synthetic_schema()
+    values = schema.encode_blocks(synthetic_columns(np.arange(1000)), 100)
+    ld = memory_loader(values, schema, 100, device="cpu")  # group mode: partitions may move
+    before = ld._source.run
+    next(ld)
+    print("RESULT", dist.get_rank(), int(before, 16), int(ld._source.run, 16),
+          int(ld._ledger.run, 16), flush=True)
+    ld.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_the_ranks_of_a_group_job_commit_as_one_run(tmp_path) -> None:
+    # NOTE [ Whose commits win ]: each rank believes the others' commits
+    # because they name the same run, rank 0's.
+    script = tmp_path / "shared_run.py"
+    script.write_text(SHARED_RUN)
+    results = run_two_ranks(script)
+    (own0, run0, ledger0), (own1, run1, ledger1) = results[0], results[1]
+    assert own0 != own1  # each process drew its own
+    assert run0 == run1 == ledger0 == ledger1 == own0

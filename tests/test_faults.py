@@ -159,17 +159,46 @@ def test_broker_killed_mid_stream_loses_and_repeats_nothing(bootstrap, make_topi
     assert stats["longest_wait_s"] > 0
 
 
-def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_path) -> None:
+# How each group protocol is asked for, with a 6 s session and 0.5 s heartbeats.
+PROTOCOLS = {
+    "eager": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500},
+    "cooperative": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
+                    "partition.assignment.strategy": "cooperative-sticky"},
+    "consumer": {"group.protocol": "consumer"},
+}
+
+
+def short_sessions(bootstrap: str, group: str) -> None:
+    """A consumer-protocol group's session and heartbeat are group configs, set by an admin."""
+    from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry,
+                                       ConfigResource, ResourceType)
+
+    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+               for k, v in (("consumer.session.timeout.ms", "6000"),
+                            ("consumer.heartbeat.interval.ms", "500"))]
+    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.incremental_alter_configs([resource])[resource].result(30)
+
+
+@pytest.mark.parametrize("protocol", ["eager", "cooperative", "consumer"])
+def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_path,
+                                                   protocol) -> None:
     from test_loader_kafka import produce, trained_ids
 
     topic = make_topic(partitions=3, replication=3)
     n = 12_000
     produce(bootstrap, topic, 0, n)
     ckpt, log = tmp_path / "ck.pt", tmp_path / "ids.txt"
+    group = uuid.uuid4().hex
+    if protocol == "consumer":
+        short_sessions(bootstrap, group)
     cmd = [sys.executable, "-m", "kfeed", "train", "--bootstrap-servers", bootstrap,
-           "--topic", topic, "--group-id", uuid.uuid4().hex, "--until-end", "--batch-size", "100",
+           "--topic", topic, "--group-id", group, "--until-end", "--batch-size", "100",
            "--checkpoint", str(ckpt), "--checkpoint-every", "7", "--log-ids", str(log),
            "--device", "cpu", "--resume", "--log-every", "1000000"]
+    for key, value in PROTOCOLS[protocol].items():
+        cmd += ["-X", f"{key}={value}"]
     rng = np.random.default_rng(7)
     kills = 0
     for _ in range(5):
@@ -187,7 +216,7 @@ def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_pa
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     lost, dup = count_ids(np.array(trained_ids(log.read_text())), n)
-    report("trainer_crash", samples=n, faults=kills, lost=lost, duplicated=dup)
+    report(f"trainer_crash_{protocol}", samples=n, faults=kills, lost=lost, duplicated=dup)
     assert kills == 5
     assert (lost, dup) == (0, 0)
 
@@ -301,38 +330,7 @@ dist.destroy_process_group()
 """
 
 
-# How each group protocol is asked for, with a 6 s session and 0.5 s heartbeats.
-PROTOCOLS = {
-    "eager": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500},
-    "cooperative": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
-                    "partition.assignment.strategy": "cooperative-sticky"},
-    "consumer": {"group.protocol": "consumer"},
-}
-
-
-def short_sessions(bootstrap: str, group: str) -> None:
-    """A consumer-protocol group's session and heartbeat are group configs, set by an admin."""
-    from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry,
-                                       ConfigResource, ResourceType)
-
-    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
-               for k, v in (("consumer.session.timeout.ms", "6000"),
-                            ("consumer.heartbeat.interval.ms", "500"))]
-    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.incremental_alter_configs([resource])[resource].result(30)
-
-
-@pytest.mark.parametrize("protocol", [
-    "eager",
-    pytest.param("cooperative", marks=pytest.mark.xfail(
-        reason="not yet exact under cooperative-sticky: 0/0 in one run, 50 of 8,000 ids lost "
-               "in another (docs/RELIABILITY.md, item 3)", strict=False)),
-    pytest.param("consumer", marks=pytest.mark.xfail(
-        reason="not yet exact under Kafka 4's consumer protocol: 950 ids read twice in one "
-               "run, 50 lost and 450 twice in another (docs/RELIABILITY.md, item 3)",
-        strict=False)),
-])
+@pytest.mark.parametrize("protocol", ["eager", "cooperative", "consumer"])
 def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
         bootstrap, make_topic, tmp_path, protocol) -> None:
     import os

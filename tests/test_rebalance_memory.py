@@ -164,3 +164,103 @@ def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() ->
     got = fetcher._after_rebalance([rec(0, 5), rec(1, 7), rec(0, 6), rec(0, 2), rec(0, 3),
                                     rec(0, 4)])
     assert [(m.partition(), m.offset()) for m in got] == [(0, 3), (0, 4)]
+
+
+# -- whose commits win over a loaded state (NOTE [ Whose commits win ]) -------------------
+
+
+def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_commit() -> None:
+    # A first run hands out a few batches and checkpoints; it then reads on,
+    # commits past the checkpoint, and dies. Its reading after the
+    # checkpoint is lost with it.
+    first = MemorySource(sample_values())
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first) as ld:
+        before = [next(ld) for _ in range(6)]
+        state = ld.state_dict()
+    lineage = state["lineages"][0]
+    src = MemorySource(sample_values(), incremental=True, first=[0])
+    for p in range(PARTS):
+        src.committed_positions[("memory", p)] = (BLOCKS - 5, 0)
+        src.committed_by[("memory", p)] = (lineage, "crashed-run")
+    # The restart is first given partition 0 alone, as a cooperative group
+    # does while the crashed members' sessions run out, and 1 and 2 later.
+    src.rebalance(4, assign=[1, 2])
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=3) as ld:
+        ld.load_state_dict(state)
+        after = [b for b in ld]
+    assert src.calls > 4, "the script did not play"
+    ids = np.concatenate([b["id"].numpy() for b in before + after])
+    assert len(ids) == len(all_ids())
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+
+
+def _ledger(start: str = "committed", loaded: bool = True) -> tuple:
+    from kfeed.loader.ledger import Ledger
+
+    src = MemorySource(sample_values())
+    ledger = Ledger(src, start)
+    ledger.lineages, ledger.run = {"chain"}, "this-run"
+    if loaded:
+        ledger.load_state({"positions": {"memory": {p: [10, 0] for p in range(PARTS)}}})
+    return src, ledger
+
+
+@pytest.mark.parametrize("by, run, at, starts", [
+    ("chain", "crashed-run", 20, 10),  # the chain's earlier run: lost with it
+    ("chain", None, 20, 10),           # the same, written before commits named their run
+    ("chain", "this-run", 20, 20),     # another rank of this run read on
+    ("other", "other-run", 20, 20),    # another member read on
+    ("other", "other-run", 5, 10),     # behind the state
+    ("chain", "this-run", 5, 10),
+])
+@pytest.mark.parametrize("when", ["first", "later"])
+def test_whose_commit_wins_over_the_loaded_state(by, run, at, starts, when) -> None:
+    src, ledger = _ledger()
+    tp = ("memory", 1)
+    src.committed_positions[tp] = (at, 0)
+    src.committed_by[tp] = (by, run)
+    if when == "later":  # given first partition 0 alone, then partition 1
+        ledger.positions([("memory", 0)], {("memory", 0)})
+        owned = {("memory", 0), tp}
+    else:
+        owned = {tp}
+    assert ledger.positions([tp], owned)[tp] == (starts, 0)
+
+
+@pytest.mark.parametrize("run, starts", [("this-run", 20), ("other-run", 0)])
+def test_without_a_state_a_commit_of_this_run_wins_over_start_earliest(run, starts) -> None:
+    src, ledger = _ledger(start="earliest", loaded=False)
+    tp = ("memory", 2)
+    src.committed_positions[tp] = (20, 0)
+    src.committed_by[tp] = ("another-rank", run)
+    assert ledger.positions([tp], {tp})[tp] == (starts, 0)
+
+
+def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() -> None:
+    # A run crashed before its first checkpoint, having committed past where
+    # the restart from scratch (start="earliest") will checkpoint. The
+    # restart's state must outrank those commits when it is resumed in turn,
+    # even for a partition assigned late.
+    def crashed_commits(src: MemorySource) -> None:
+        for p in range(PARTS):
+            src.committed_positions[("memory", p)] = (BLOCKS - 5, 0)
+            src.committed_by[("memory", p)] = ("crashed-lineage", "crashed-run")
+
+    first = MemorySource(sample_values())
+    crashed_commits(first)
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first,
+                      start="earliest") as ld:
+        before = [next(ld) for _ in range(6)]
+        state = ld.state_dict()
+    assert "crashed-lineage" in state["lineages"]
+    src = MemorySource(sample_values(), incremental=True, first=[0])
+    crashed_commits(src)
+    src.rebalance(4, assign=[1, 2])
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=3) as ld:
+        ld.load_state_dict(state)
+        after = [b for b in ld]
+    ids = np.concatenate([b["id"].numpy() for b in before + after])
+    assert len(ids) == len(all_ids())
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))

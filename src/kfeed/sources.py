@@ -112,27 +112,32 @@ _DLQ_WINDOW = 1000
 
 
 class Committed(NamedTuple):
-    """A committed position and the lineage of the loader that committed it.
+    """A committed position, and which loader committed it.
 
-    The commit metadata is ``kfeed:skip=N,by=LINEAGE``: ``skip`` lets a plain
-    group restart skip the records of a split block; ``by`` names the chain
-    of loaders (a trainer and the runs resumed from its checkpoints) that
-    wrote it, so a resumed loader can tell its own commits, which may run
-    past its checkpoint, from another member's, which come after it.
+    The commit metadata is ``kfeed:skip=N,by=LINEAGE,run=RUN``: ``skip``
+    lets a plain group restart skip the records of a split block; ``by``
+    names the chain of loaders (a trainer and the runs resumed from its
+    checkpoints) that wrote it, and ``run`` the run of that chain: one start
+    of the job, shared by its ranks. A resumed loader can so tell the
+    commits of its chain's earlier runs, which may run past its checkpoint
+    and were lost with the crash, from those of its own run's other ranks
+    and of other members, which come after it (``Ledger.positions``).
     """
 
     offset: int
     skip: int
     by: str | None
+    run: str | None = None
 
 
-def _metadata(skip: int, by: str | None) -> str | None:
-    fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else [])
+def _metadata(skip: int, by: str | None, run: str | None) -> str | None:
+    fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else []) \
+        + ([f"run={run}"] if run else [])
     return _PREFIX + ",".join(fields) if fields else None
 
 
 def _parse_metadata(offset: int, metadata: str | None) -> Committed:
-    skip, by = 0, None
+    skip, by, run = 0, None, None
     if metadata and metadata.startswith(_PREFIX):
         for field in metadata[len(_PREFIX):].split(","):
             key, _, value = field.partition("=")
@@ -140,13 +145,16 @@ def _parse_metadata(offset: int, metadata: str | None) -> Committed:
                 skip = int(value)
             elif key == "by" and value:
                 by = value
-    return Committed(offset, skip, by)
+            elif key == "run" and value:
+                run = value
+    return Committed(offset, skip, by, run)
 
 
 class Source:
     """What the loader's thread needs from a stream of message values."""
 
-    lineage: str | None = None  # written with every commit (see Committed)
+    lineage: str | None = None  # written with every commit, with run (see Committed)
+    run: str | None = None
     group_member = False  # must keep polling for its group's rebalances to go on
     # A rebalance moves only some partitions (cooperative-sticky, or Kafka 4's
     # consumer protocol); the others keep their fetch position.
@@ -573,7 +581,7 @@ class KafkaSource(Source):
 
         if not positions:
             return {}
-        offsets = [self._tp(tp, off, _metadata(skip, self.lineage))
+        offsets = [self._tp(tp, off, _metadata(skip, self.lineage, self.run))
                    for tp, (off, skip) in positions.items()]
         if asynchronous:
             # The answer comes to _on_commit, served by a later consume().
@@ -823,11 +831,13 @@ class MemorySource(Source):
     as librdkafka plays them, so the loader's rebalance logic can be tested
     step by step, without a broker; ``incremental=True`` plays them as
     cooperative-sticky and the consumer protocol do (a revoke takes some
-    partitions, the others keep their read position).
+    partitions, the others keep their read position). ``first`` is the
+    group's first assignment (default: every partition).
     """
 
     def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
-                 topic: str = "memory", loop: bool = False, incremental: bool = False) -> None:
+                 topic: str = "memory", loop: bool = False, incremental: bool = False,
+                 first: Sequence[int] | None = None) -> None:
         if not isinstance(values, Mapping):
             values = {0: values}
         self.topic = topic
@@ -841,9 +851,10 @@ class MemorySource(Source):
         self._paused: set[TP] = set()
         self.commits: list[dict[TP, Position]] = []
         self.committed_positions: dict[TP, Position] = {}
-        self.committed_by: dict[TP, str | None] = {}
+        self.committed_by: dict[TP, tuple[str | None, str | None]] = {}  # (lineage, run)
         self.dead_letters: list[tuple[Any, str]] = []
         self.incremental = incremental
+        self._first = None if first is None else [(topic, p) for p in first]
         self.calls = 0  # consume() calls so far
         self._script: list[tuple[int, list[TP], list[TP]]] = []
         self._callbacks: tuple[AssignCallback, RevokeCallback] | None = None
@@ -864,7 +875,7 @@ class MemorySource(Source):
 
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
              assignment: Sequence[TP] | None) -> None:
-        tps = list(assignment) if assignment is not None else self.partitions()
+        tps = list(assignment) if assignment is not None else self._first or self.partitions()
         self._callbacks = (on_assign, on_revoke)
         offsets = on_assign(tps)
         self._next = {tp: offsets[tp][0] for tp in tps}
@@ -930,7 +941,7 @@ class MemorySource(Source):
         out: dict[TP, Committed | None] = {}
         for tp in tps:
             pos = self.committed_positions.get(tp)
-            out[tp] = None if pos is None else Committed(*pos, self.committed_by.get(tp))
+            out[tp] = None if pos is None else Committed(*pos, *self.committed_by.get(tp, (None, None)))
         return out
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
@@ -942,7 +953,7 @@ class MemorySource(Source):
         if positions:
             self.commits.append(dict(positions))
             self.committed_positions.update(positions)
-            self.committed_by.update(dict.fromkeys(positions, self.lineage))
+            self.committed_by.update(dict.fromkeys(positions, (self.lineage, self.run)))
         return dict(positions)
 
     def dead_letter(self, msg: Any, reason: str) -> None:

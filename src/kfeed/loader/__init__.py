@@ -70,11 +70,12 @@ from datetime import datetime
 from typing import Any
 
 import torch
+from torch.utils.data import get_worker_info
 
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError
-from kfeed.loader.agreement import EpochAgreement
+from kfeed.loader.agreement import EpochAgreement, shared_run
 from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
@@ -231,9 +232,11 @@ class Loader:
         elif c.dlq_config is not None:
             raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
         self._source = source
-        # Names this loader and the ones resumed from its checkpoints in every
-        # commit (see kfeed.sources.Committed).
+        # Names this loader and the ones resumed from its checkpoints, and
+        # this run of them, in every commit (NOTE [ Whose commits win ] in
+        # kfeed.loader.ledger).
         source.lineage = uuid.uuid4().hex[:16]
+        source.run = uuid.uuid4().hex[:12]
         self._lineages = [source.lineage]  # newest first, see Ledger.lineages
         self._copier = DeviceCopier(self.device)
         packer = Packer(c.pack, c.batch_size) if c.pack is not None else None
@@ -250,6 +253,7 @@ class Loader:
         self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer) if c.records
                                 else Ledger(source, c.start))
         self._ledger.lineages = set(self._lineages)
+        self._ledger.run = source.run
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
                                fail_fast=c.fail_fast)
         stop = threading.Event()  # set by close(); every wait of the thread watches it
@@ -298,6 +302,12 @@ class Loader:
                 raise ConfigError(
                     f"rank {self.rank} of {self.world_size} gets no partition: "
                     f"the topics have only {len(parts)}")
+        elif self.world_size > 1 and dist_ready() and get_worker_info() is None:
+            # Partitions move between the ranks: each must believe the
+            # others' commits, and not a crashed run's (NOTE [ Whose commits
+            # win ]). Once, before the first assignment.
+            run = shared_run(self._source.run or "")
+            self._source.run = self._ledger.run = run
         f.start()
         self._t0 = time.monotonic()
 
@@ -458,12 +468,13 @@ class Loader:
         self._source.settle()  # the state may point past bad records: their copies are safe
         with self._ledger.lock:
             state = self._ledger.state()
+            adopted = [x for x in self._ledger.adopted if x not in self._lineages]
         return {
             "version": _STATE_VERSION,
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
             "topics": list(self.topics),
-            "lineages": list(self._lineages),
+            "lineages": (self._lineages + adopted)[:_MAX_LINEAGES],
             **state,
         }
 

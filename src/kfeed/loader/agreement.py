@@ -1,8 +1,12 @@
-"""Ranks of one job that read a bounded epoch stop at the same step.
+"""What the ranks of one job agree on over ``torch.distributed``.
 
-Used by the loader's ``next()`` when ``until="end"`` and
-``torch.distributed`` is initialised: a rank that ran out of data must not
-leave the others waiting in DDP's gradient all-reduce.
+- A bounded epoch's end (``EpochAgreement``): used by the loader's
+  ``next()`` when ``until="end"``, so a rank that ran out of data does not
+  leave the others waiting in DDP's gradient all-reduce.
+- A resumed job's run (``shared_run``): rank 0's run id, which every rank
+  writes with its commits, so the ranks believe each other's commits and
+  not those of the run that crashed (NOTE [ Whose commits win ] in
+  ``kfeed.loader.ledger``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochAgreement", "collective_device"]
+__all__ = ["EpochAgreement", "collective_device", "shared_run"]
 
 
 def collective_device(backend: str) -> torch.device:
@@ -20,6 +24,14 @@ def collective_device(backend: str) -> torch.device:
     if str(backend).lower() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def shared_run(run: str) -> str:
+    """Rank 0's ``run``, on every rank (a collective: every rank calls it once)."""
+    box = [run]
+    torch.distributed.broadcast_object_list(
+        box, src=0, device=collective_device(torch.distributed.get_backend()))
+    return str(box[0])
 
 
 class EpochAgreement:

@@ -49,8 +49,9 @@ class Commits:
     it raised.
     """
 
-    def __init__(self, stop: threading.Event) -> None:
+    def __init__(self, stop: threading.Event, status: Status) -> None:
         self._lock = threading.Lock()
+        self._status = status
         self._todo: dict[TP, Position] = {}
         self._waiters: list[list[Any]] = []  # [done event, error]
         self._stop = stop
@@ -67,7 +68,7 @@ class Commits:
         while not waiter[0].wait(POLL_S):
             if self._stop.is_set() or time.monotonic() >= deadline:
                 raise ConsumeError(f"the loader's thread did not make the commit within "
-                                   f"{timeout:g}s")
+                                   f"{timeout:g}s; it is {self._status.doing}")
         if waiter[1] is not None:
             raise waiter[1]
 
@@ -84,7 +85,7 @@ class Fetcher:
     def __init__(self, source: Source, ledger: Ledger, *, bounded: bool, batch_size: int,
                  status: Status, stop: threading.Event) -> None:
         self.source = source
-        self.commits = Commits(stop)
+        self.commits = Commits(stop, status)
         self.ledger = ledger
         self.bounded = bounded
         self.batch_size = batch_size

@@ -10,9 +10,39 @@ positions, each ``(offset, skip)``:
 - *committed*: what the broker acknowledged, so a commit that failed or was
   never answered is made again.
 
-It also decides where a newly assigned partition starts: the loaded state's
-position, unless another member of the group committed past it; a
-partition given back after a revoke starts where this loader left it.
+It also decides where a newly assigned partition starts: where this loader
+left it, or the loaded state's position, unless somebody committed past
+it whose reading is not lost: another member of the group, or another rank
+of this run of the job. The commits of this loader's chain's earlier runs
+are lost with them, and never win (NOTE [ Whose commits win ]).
+
+NOTE [ Whose commits win ]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Every commit names its *lineage* (the chain of loaders a checkpoint was
+handed down: a trainer and every run resumed from its checkpoints) and its
+*run* (one start of the job; its ranks share it, ``Loader`` agrees on it
+over ``torch.distributed``). A resumed loader holds the lineages of the
+state it loaded. A committed position past the loaded state is
+
+- the chain's own, from an earlier run: that run read past the checkpoint
+  and died; what it read is lost with it, so the state wins;
+- from a rank of this run, or a member of another lineage: read after the
+  state was saved and not lost, so it wins.
+
+A job's ranks restarted together must tell the second case from the
+first while partitions move between them, and only a shared run can: two
+restarts from one checkpoint resume the same lineage. Without
+``torch.distributed`` each rank is its own run, and a partition that moves
+from one rank to another is read again from the state (repeated, never
+lost).
+
+A loader that decides where a partition starts has seen every commit made
+so far, and its state accounts for them: it adopts the lineage of each one
+it saw (``adopted``, saved with the state). Otherwise a job restarted from
+scratch (``start="earliest"``) after a crash before its first checkpoint
+would save states that a commit of the crashed run, past them, overrules
+as "another member's" (its ids lost with the crashed run's log). Adopting
+can only make a resume read again, never skip.
 
 Two ledgers: ``Ledger`` for batches made in offset order, and
 ``OrderLedger`` for records that go through a ``ShuffleBuffer`` (shuffle or
@@ -62,9 +92,14 @@ class Ledger:
         # gave one back.
         self.seen: set[TP] = set()
         self.released: dict[TP, Position] = {}
-        # Lineages whose commits never win over the state: this loader's own,
-        # and those of the loaders whose state it resumed (see Committed).
+        # The loaded state's positions, kept for partitions that come only
+        # later (an incremental rebalance may assign them after others).
+        self.loaded: dict[TP, Position] = {}
+        # This loader's lineages and run, and the lineages it adopted
+        # (NOTE [ Whose commits win ]).
         self.lineages: set[str | None] = set()
+        self.run: str | None = None
+        self.adopted: list[str] = []
 
     # -- assignment (feeder thread, inside the source's callbacks) -------------
 
@@ -73,9 +108,9 @@ class Ledger:
 
         ``owned`` is every partition the loader holds once ``tps`` are
         assigned (an incremental rebalance assigns only the ones it adds).
-        A loaded state's position wins over the committed offset, unless
-        another member (another lineage, see ``Committed``) committed past
-        it: that member read the partition after this state was saved.
+        A loaded state's position wins over the committed offset, unless a
+        member whose reading is not lost committed past it (NOTE [ Whose
+        commits win ]).
         """
         committed = self.source.committed(tps)
         with self.lock:
@@ -96,27 +131,44 @@ class Ledger:
             for tp, pos in positions.items():
                 self.used.setdefault(tp, pos)
             self.seen.update(tps)
+            self._adopt(committed)
         return positions
 
     def _newer(self, own: Position, committed: Committed | None) -> Position:
-        """Our position, or the committed one if another member committed past it."""
-        if committed is None or committed.by in self.lineages:
-            return own
+        """Our position, or the committed one if it is past ours and not lost."""
+        if committed is None or (committed.by in self.lineages and not self._ours(committed)):
+            return own  # none, or our chain's earlier run: lost with it
         theirs = (committed.offset, committed.skip)
         return theirs if theirs > own else own
+
+    def _adopt(self, committed: Mapping[TP, Committed | None]) -> None:
+        """Commits this loader decided about: their lineages' reading so far is history."""
+        for c in committed.values():
+            if c is not None and c.by is not None and c.by not in self.lineages \
+                    and not self._ours(c):
+                self.lineages.add(c.by)
+                self.adopted.append(c.by)
+
+    def _ours(self, committed: Committed) -> bool:
+        """Whether this run committed it (this loader, or another rank of its job)."""
+        return committed.run is not None and committed.run == self.run
 
     def start_positions(self, tps: list[TP],
                         committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
         out: dict[TP, Position] = {}
         for tp in tps:
             c = committed.get(tp)
-            mine = self.released.get(tp)
+            mine = self.released.get(tp, self.loaded.get(tp))
             if mine is not None:
-                # Back after a revoke: where we left it, unless a member that
+                # Back after a revoke, where we left it, or first assigned
+                # after others, where the state says; unless a member that
                 # had it since went further (our commit on revoke may have
                 # failed, e.g. with every broker down).
-                out[tp] = mine if c is None else max(mine, (c.offset, c.skip))
-            elif c is not None and (self.start == "committed" or tp in self.seen):
+                out[tp] = self._newer(mine, c)
+            elif c is not None and (self.start == "committed" or tp in self.seen
+                                    or self._ours(c)):
+                # Whatever the start, a partition another rank of this run
+                # read before us goes on from there.
                 out[tp] = (c.offset, c.skip)
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
@@ -175,6 +227,7 @@ class Ledger:
                 handed[(topic, int(part))] = (int(off), int(skip))
         self.handed.update(handed)
         self.used.update(handed)
+        self.loaded = dict(handed)
 
 
 class OrderLedger(Ledger):
@@ -235,6 +288,7 @@ class OrderLedger(Ledger):
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         with self.lock:
             self.seen.update(tps)
+            self._adopt(committed)
         return positions
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
