@@ -28,7 +28,7 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 cdef enum:
@@ -554,6 +554,269 @@ def gather(Layout layout, Out src, const int64_t[::1] rows, Out dst, uint64_t ro
             rb = layout.row_bytes[f]
             for k in range(n):
                 memcpy(d[f] + (row + k) * rb, s[f] + rows[k] * rb, rb)
+
+
+# -- records held in their message values (a shuffle's buffer) -------------------
+
+
+# An item's low 32 bits: the record's index in its value (a block counts in uint32).
+cdef int64_t ITEM_RECORD = 0xFFFFFFFF
+
+
+cdef class Held:
+    """Message values whose records a shuffle holds, read back record by record.
+
+    ``add`` checks fetched values whole, as ``decode`` does, and holds each
+    good one in a *slot* until every record taken from it has been gathered
+    into a batch (``gather``) or let go (``drop``). A record is named by an
+    *item*, ``slot << 32 | its index in the value``, which is all the
+    shuffle's order moves. So a shuffled record is copied once, from its
+    message straight into the batch, as a record in offset order is.
+
+    Items are checked against what is held before any byte moves: an item
+    of no held value, past its value's records, or of a record gathered or
+    dropped already, is an IndexError that changes nothing, never a read
+    outside a value. ``block``: the values are blocks, else raw records.
+    """
+
+    cdef Layout layout
+    cdef bint block
+    cdef Py_ssize_t cap
+    cdef Py_buffer* views
+    cdef const uint8_t** ptr
+    cdef uint64_t* count          # records in the value
+    cdef uint64_t* col            # where its first column starts (blocks)
+    cdef uint64_t* live           # its records not gathered nor dropped yet; 0: slot free
+    cdef uint8_t** gone           # per record of it: gathered or dropped already
+    cdef int64_t* free_slots
+    cdef Py_ssize_t nfree
+    cdef readonly Py_ssize_t values   # values held
+    cdef readonly uint64_t records    # records held
+    cdef readonly uint64_t nbytes     # bytes of the values held
+
+    def __cinit__(self, Layout layout, bint block):
+        self.layout = layout
+        self.block = block
+        self._grow(64)
+
+    cdef int _grow(self, Py_ssize_t cap) except -1:
+        cdef Py_ssize_t s, old = self.cap
+        cdef void* p
+        p = realloc(self.views, cap * sizeof(Py_buffer))
+        if p == NULL:
+            raise MemoryError()
+        self.views = <Py_buffer*>p
+        p = realloc(self.ptr, cap * sizeof(uint8_t*))
+        if p == NULL:
+            raise MemoryError()
+        self.ptr = <const uint8_t**>p
+        p = realloc(self.count, cap * sizeof(uint64_t))
+        if p == NULL:
+            raise MemoryError()
+        self.count = <uint64_t*>p
+        p = realloc(self.col, cap * sizeof(uint64_t))
+        if p == NULL:
+            raise MemoryError()
+        self.col = <uint64_t*>p
+        p = realloc(self.live, cap * sizeof(uint64_t))
+        if p == NULL:
+            raise MemoryError()
+        self.live = <uint64_t*>p
+        p = realloc(self.free_slots, cap * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError()
+        self.free_slots = <int64_t*>p
+        p = realloc(self.gone, cap * sizeof(uint8_t*))
+        if p == NULL:
+            raise MemoryError()
+        self.gone = <uint8_t**>p
+        # New slots are free; the lowest is handed out first.
+        for s in range(cap - 1, old - 1, -1):
+            self.ptr[s] = NULL
+            self.live[s] = 0
+            self.gone[s] = NULL
+            self.free_slots[self.nfree] = s
+            self.nfree += 1
+        self.cap = cap
+        return 0
+
+    cdef void _release(self, Py_ssize_t s):
+        self.nbytes -= self.views[s].len
+        PyBuffer_Release(&self.views[s])
+        free(self.gone[s])
+        self.gone[s] = NULL
+        self.ptr[s] = NULL
+        self.live[s] = 0
+        self.free_slots[self.nfree] = s
+        self.nfree += 1
+        self.values -= 1
+
+    def add(self, values, const int64_t[::1] pids, const int64_t[::1] offsets):
+        """Hold the good ones of ``values``: ``(records, counts, bad)``.
+
+        ``records``: int64 rows ``[pids[i], offsets[i], index in value i,
+        item]``, one per record of every good value, in order (the rows a
+        ``kfeed.tokens.ShuffleBuffer`` takes); ``counts``: int64, the
+        records of each value (0 for a rejected one); ``bad``: ``[(index,
+        reason)]`` for each value rejected whole.
+        """
+        cdef list vals = values if type(values) is list else list(values)
+        cdef Py_ssize_t n = len(vals), i, s, j = 0
+        if pids.shape[0] != n or offsets.shape[0] != n:
+            raise ValueError("one pid and one offset per value are needed")
+        counts = np.zeros(n, np.int64)
+        cdef int64_t[::1] cnt = counts
+        cdef list bad = []
+        cdef int64_t[::1] slot_of = np.empty(n, np.int64)
+        cdef uint64_t c = 0, start = 0, total = 0, k
+        cdef Reason why
+        cdef object v
+        cdef const uint8_t* p
+        for i in range(n):
+            v = vals[i]
+            slot_of[i] = -1
+            if v is None:
+                bad.append((i, REASONS[R_NONE]))
+                continue
+            if self.nfree == 0:
+                self._grow(2 * self.cap)
+            s = self.free_slots[self.nfree - 1]
+            try:
+                PyObject_GetBuffer(v, &self.views[s], PyBUF_SIMPLE)
+            except (TypeError, BufferError, ValueError):
+                bad.append((i, REASONS[R_NOT_BYTES]))
+                continue
+            p = <const uint8_t*>self.views[s].buf
+            if self.block:
+                why = check_block(self.layout, p, self.views[s].len, &c, &start)
+            elif <uint64_t>self.views[s].len != self.layout.record_size:
+                why = R_RAW_SIZE
+            else:
+                why, c, start = R_OK, 1, 0
+            if why != R_OK or c == 0:
+                PyBuffer_Release(&self.views[s])
+                if why != R_OK:
+                    bad.append((i, REASONS[why]))
+                continue
+            self.gone[s] = <uint8_t*>calloc(c, 1)
+            if self.gone[s] == NULL:
+                PyBuffer_Release(&self.views[s])
+                raise MemoryError()
+            self.nfree -= 1
+            self.ptr[s] = p
+            self.count[s] = c
+            self.col[s] = start
+            self.live[s] = c
+            self.values += 1
+            self.records += c
+            self.nbytes += self.views[s].len
+            cnt[i] = <int64_t>c
+            slot_of[i] = s
+            total += c
+        records = np.empty((total, 4), np.int64)
+        cdef int64_t[:, ::1] r = records
+        for i in range(n):
+            if slot_of[i] < 0:
+                continue
+            for k in range(<uint64_t>cnt[i]):
+                r[j, 0] = pids[i]
+                r[j, 1] = offsets[i]
+                r[j, 2] = <int64_t>k
+                r[j, 3] = (slot_of[i] << 32) | <int64_t>k
+                j += 1
+        return records, counts, bad
+
+    cdef int _take(self, const int64_t[::1] items) except -1:
+        """Count ``items`` out of their values; IndexError (nothing counted) for a bad one."""
+        cdef Py_ssize_t n = items.shape[0], k, m
+        cdef int64_t it, s, r
+        for k in range(n):
+            it = items[k]
+            s = it >> 32
+            r = it & ITEM_RECORD
+            if it < 0 or s >= self.cap or self.ptr[s] == NULL \
+                    or <uint64_t>r >= self.count[s] or self.gone[s][r]:
+                for m in range(k):
+                    self.live[items[m] >> 32] += 1
+                    self.gone[items[m] >> 32][items[m] & ITEM_RECORD] = 0
+                raise IndexError(f"item {it} names no record held")
+            self.live[s] -= 1
+            self.gone[s][r] = 1
+        self.records -= n
+        return 0
+
+    cdef void _settle(self, const int64_t[::1] items):
+        """Let go of the values whose last record ``items`` took."""
+        cdef Py_ssize_t k
+        cdef int64_t s
+        for k in range(items.shape[0]):
+            s = items[k] >> 32
+            if self.live[s] == 0 and self.ptr[s] != NULL:
+                self._release(s)
+
+    def gather(self, const int64_t[::1] items, Out dst, uint64_t row):
+        """Copy the records ``items`` to rows ``row``.. of ``dst``, every field; they are let go.
+
+        One call, the copies without the GIL, with no Python object per
+        record. IndexError if an item names no record held or the rows
+        would overflow ``dst``.
+        """
+        dst.fits(self.layout)
+        cdef Py_ssize_t n = items.shape[0], k, f, nf = self.layout.nfields
+        if row > dst.capacity or <uint64_t>n > dst.capacity - row:
+            raise IndexError(f"{n} rows from row {row} overflow the output ({dst.capacity} rows)")
+        self._take(items)
+        cdef uint8_t** d = dst.bufs.ptr
+        cdef const uint64_t* rbs = self.layout.row_bytes
+        cdef const uint8_t** ptr = self.ptr
+        cdef const uint64_t* count = self.count
+        cdef const uint64_t* col = self.col
+        cdef bint block = self.block
+        cdef uint64_t rb, at, rec, c
+        cdef int64_t s
+        with nogil:
+            for k in range(n):
+                s = items[k] >> 32
+                rec = <uint64_t>(items[k] & ITEM_RECORD)
+                c = count[s]
+                at = col[s]
+                for f in range(nf):
+                    rb = rbs[f]
+                    if block:
+                        memcpy(d[f] + (row + k) * rb, ptr[s] + at + rec * rb, rb)
+                        at += align_up(c * rb)
+                    else:
+                        memcpy(d[f] + (row + k) * rb, ptr[s] + at, rb)
+                        at += rb
+        self._settle(items)
+
+    def drop(self, const int64_t[::1] items):
+        """Let the records ``items`` go without copying them (repeats, a reset)."""
+        self._take(items)
+        self._settle(items)
+
+    def clear(self):
+        """Let every value go."""
+        cdef Py_ssize_t s
+        for s in range(self.cap):
+            if self.ptr[s] != NULL:
+                self._release(s)
+        self.records = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t s
+        if self.ptr != NULL:
+            for s in range(self.cap):
+                if self.ptr[s] != NULL:
+                    PyBuffer_Release(&self.views[s])
+                free(self.gone[s])
+        free(self.gone)
+        free(self.views)
+        free(self.ptr)
+        free(self.count)
+        free(self.col)
+        free(self.live)
+        free(self.free_slots)
 
 
 cdef _Buffers fixed_columns(Layout layout, list columns, uint64_t n):
