@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kfeed import _pack
 from kfeed.badrecords import BadRecords
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
@@ -292,7 +293,7 @@ class RecordBuilder(SlotBuilder):
         slot.rows = info.rows
         slot.extent = {"cu_seqlens": info.segments + 1}
         out.acks = info.documents
-        out.pack_offset = self.packer.state()["offset"]
+        out.pack_offset = self.packer.offset
         out.info = info
 
     def _push_pending(self) -> None:
@@ -314,7 +315,7 @@ class RecordBuilder(SlotBuilder):
         n = len(docs.lengths)
         first = self.next_doc
         self.next_doc += n
-        recs = _records(pids, offsets, docs.counts, 0, first)
+        recs = _pack.records(pids, offsets, docs.counts, first)
         with self.ledger.lock:
             order = self.order_ledger.order
             # In order, a loaded state's documents come back in its order,
@@ -401,23 +402,3 @@ class RecordBuilder(SlotBuilder):
         if self.packer is not None:
             self.packer.finish()
         self.drained = True
-
-
-def _records(pids: np.ndarray, offsets: np.ndarray, counts: np.ndarray, start: int,
-             first_item: int) -> np.ndarray:
-    """The order's rows for records decoded ``counts[j]`` from message ``j``.
-
-    ``[partition id, offset, index in the message, item]``; the first
-    message's records start at ``start``, items count from ``first_item``.
-    """
-    n = int(counts.sum())
-    recs = np.empty((n, 4), np.int64)
-    recs[:, 0] = np.repeat(pids, counts)
-    recs[:, 1] = np.repeat(offsets, counts)
-    begin = np.cumsum(counts) - counts
-    sub = np.arange(n, dtype=np.int64) - np.repeat(begin, counts)
-    if start and len(counts):
-        sub[:counts[0]] += start
-    recs[:, 2] = sub
-    recs[:, 3] = np.arange(first_item, first_item + n, dtype=np.int64)
-    return recs
