@@ -563,6 +563,35 @@ def gather(Layout layout, Out src, const int64_t[::1] rows, Out dst, uint64_t ro
 cdef int64_t ITEM_RECORD = 0xFFFFFFFF
 
 
+cdef struct HeldValue:
+    const uint8_t* ptr      # the value's bytes, or its kept rows once compacted; NULL: free
+    uint64_t count          # records in the value
+    uint64_t col            # where its first column starts (a block, in place)
+    uint64_t live           # records not gathered nor dropped yet
+    uint64_t nbytes         # bytes held for it
+    uint8_t* gone           # per record (compacted: per kept record): gathered or dropped
+    uint32_t* kept          # compacted: the indices of the records kept, ascending
+    uint64_t nkept          # compacted: how many
+    bint view               # views[slot] holds the value
+
+
+cdef inline int64_t held_row(const HeldValue* v, int64_t r) noexcept nogil:
+    """Where record ``r`` of a held value is: its index in place, its kept row, or -1."""
+    cdef int64_t lo = 0, hi, mid
+    if r < 0 or <uint64_t>r >= v.count:
+        return -1
+    if v.kept == NULL:
+        return r
+    hi = <int64_t>v.nkept
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if v.kept[mid] < r:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < <int64_t>v.nkept and v.kept[lo] == r else -1
+
+
 cdef class Held:
     """Message values whose records a shuffle holds, read back record by record.
 
@@ -573,6 +602,12 @@ cdef class Held:
     shuffle's order moves. So a shuffled record is copied once, from its
     message straight into the batch, as a record in offset order is.
 
+    A value is held whole while any of its records is, so a few records
+    left of many values could hold much more than they weigh: once the
+    values held pass ``limit`` bytes (0: no limit), each value whose records
+    left weigh a quarter of it or less is *compacted*: those records are
+    copied out, their items unchanged, and the value is let go.
+
     Items are checked against what is held before any byte moves: an item
     of no held value, past its value's records, or of a record gathered or
     dropped already, is an IndexError that changes nothing, never a read
@@ -581,22 +616,21 @@ cdef class Held:
 
     cdef Layout layout
     cdef bint block
+    cdef readonly uint64_t limit
     cdef Py_ssize_t cap
     cdef Py_buffer* views
-    cdef const uint8_t** ptr
-    cdef uint64_t* count          # records in the value
-    cdef uint64_t* col            # where its first column starts (blocks)
-    cdef uint64_t* live           # its records not gathered nor dropped yet; 0: slot free
-    cdef uint8_t** gone           # per record of it: gathered or dropped already
+    cdef HeldValue* v
     cdef int64_t* free_slots
     cdef Py_ssize_t nfree
-    cdef readonly Py_ssize_t values   # values held
-    cdef readonly uint64_t records    # records held
-    cdef readonly uint64_t nbytes     # bytes of the values held
+    cdef readonly Py_ssize_t values     # values held (compacted ones included)
+    cdef readonly uint64_t records      # records held
+    cdef readonly uint64_t nbytes       # bytes held: values, kept rows, flags
+    cdef readonly uint64_t compacted    # values compacted so far
 
-    def __cinit__(self, Layout layout, bint block):
+    def __cinit__(self, Layout layout, bint block, uint64_t limit=0):
         self.layout = layout
         self.block = block
+        self.limit = limit
         self._grow(64)
 
     cdef int _grow(self, Py_ssize_t cap) except -1:
@@ -606,47 +640,33 @@ cdef class Held:
         if p == NULL:
             raise MemoryError()
         self.views = <Py_buffer*>p
-        p = realloc(self.ptr, cap * sizeof(uint8_t*))
+        p = realloc(self.v, cap * sizeof(HeldValue))
         if p == NULL:
             raise MemoryError()
-        self.ptr = <const uint8_t**>p
-        p = realloc(self.count, cap * sizeof(uint64_t))
-        if p == NULL:
-            raise MemoryError()
-        self.count = <uint64_t*>p
-        p = realloc(self.col, cap * sizeof(uint64_t))
-        if p == NULL:
-            raise MemoryError()
-        self.col = <uint64_t*>p
-        p = realloc(self.live, cap * sizeof(uint64_t))
-        if p == NULL:
-            raise MemoryError()
-        self.live = <uint64_t*>p
+        self.v = <HeldValue*>p
         p = realloc(self.free_slots, cap * sizeof(int64_t))
         if p == NULL:
             raise MemoryError()
         self.free_slots = <int64_t*>p
-        p = realloc(self.gone, cap * sizeof(uint8_t*))
-        if p == NULL:
-            raise MemoryError()
-        self.gone = <uint8_t**>p
         # New slots are free; the lowest is handed out first.
         for s in range(cap - 1, old - 1, -1):
-            self.ptr[s] = NULL
-            self.live[s] = 0
-            self.gone[s] = NULL
+            memset(&self.v[s], 0, sizeof(HeldValue))
             self.free_slots[self.nfree] = s
             self.nfree += 1
         self.cap = cap
         return 0
 
     cdef void _release(self, Py_ssize_t s):
-        self.nbytes -= self.views[s].len
-        PyBuffer_Release(&self.views[s])
-        free(self.gone[s])
-        self.gone[s] = NULL
-        self.ptr[s] = NULL
-        self.live[s] = 0
+        cdef HeldValue* v = &self.v[s]
+        if v.view:
+            PyBuffer_Release(&self.views[s])
+        if v.kept != NULL:
+            free(<void*>v.ptr)
+        free(v.gone)
+        free(v.kept)
+        self.nbytes -= v.nbytes
+        self.records -= v.live
+        memset(v, 0, sizeof(HeldValue))
         self.free_slots[self.nfree] = s
         self.nfree += 1
         self.values -= 1
@@ -670,19 +690,20 @@ cdef class Held:
         cdef int64_t[::1] slot_of = np.empty(n, np.int64)
         cdef uint64_t c = 0, start = 0, total = 0, k
         cdef Reason why
-        cdef object v
+        cdef object val
         cdef const uint8_t* p
+        cdef HeldValue* v
         for i in range(n):
-            v = vals[i]
+            val = vals[i]
             slot_of[i] = -1
-            if v is None:
+            if val is None:
                 bad.append((i, REASONS[R_NONE]))
                 continue
             if self.nfree == 0:
                 self._grow(2 * self.cap)
             s = self.free_slots[self.nfree - 1]
             try:
-                PyObject_GetBuffer(v, &self.views[s], PyBUF_SIMPLE)
+                PyObject_GetBuffer(val, &self.views[s], PyBUF_SIMPLE)
             except (TypeError, BufferError, ValueError):
                 bad.append((i, REASONS[R_NOT_BYTES]))
                 continue
@@ -698,18 +719,21 @@ cdef class Held:
                 if why != R_OK:
                     bad.append((i, REASONS[why]))
                 continue
-            self.gone[s] = <uint8_t*>calloc(c, 1)
-            if self.gone[s] == NULL:
+            v = &self.v[s]
+            v.gone = <uint8_t*>calloc(c, 1)
+            if v.gone == NULL:
                 PyBuffer_Release(&self.views[s])
                 raise MemoryError()
             self.nfree -= 1
-            self.ptr[s] = p
-            self.count[s] = c
-            self.col[s] = start
-            self.live[s] = c
+            v.ptr = p
+            v.view = True
+            v.count = c
+            v.col = start
+            v.live = c
+            v.nbytes = self.views[s].len + c
             self.values += 1
             self.records += c
-            self.nbytes += self.views[s].len
+            self.nbytes += v.nbytes
             cnt[i] = <int64_t>c
             slot_of[i] = s
             total += c
@@ -724,24 +748,84 @@ cdef class Held:
                 r[j, 2] = <int64_t>k
                 r[j, 3] = (slot_of[i] << 32) | <int64_t>k
                 j += 1
+        if self.limit and self.nbytes > self.limit:
+            self._shrink()
         return records, counts, bad
+
+    cdef int _shrink(self) except -1:
+        """Compact every value whose records left weigh a quarter of it or less."""
+        cdef Py_ssize_t s
+        cdef HeldValue* v
+        for s in range(self.cap):
+            v = &self.v[s]
+            if v.ptr != NULL and v.kept == NULL \
+                    and 4 * v.live * (self.layout.record_size + 5) <= v.nbytes:
+                self._compact(s)
+        return 0
+
+    cdef int _compact(self, Py_ssize_t s) except -1:
+        """Copy the records left of value ``s`` out, fields side by side, and let it go."""
+        cdef HeldValue* v = &self.v[s]
+        cdef uint64_t n = v.live, rs = self.layout.record_size, r, j = 0, at, rb
+        cdef Py_ssize_t f
+        cdef uint8_t* rows = <uint8_t*>malloc(n * rs if n else 1)
+        cdef uint32_t* kept = <uint32_t*>malloc(n * sizeof(uint32_t) if n else 1)
+        cdef uint8_t* gone = <uint8_t*>calloc(n if n else 1, 1)
+        if rows == NULL or kept == NULL or gone == NULL:
+            free(rows)
+            free(kept)
+            free(gone)
+            raise MemoryError()
+        cdef uint8_t* dst = rows
+        with nogil:
+            for r in range(v.count):
+                if v.gone[r]:
+                    continue
+                kept[j] = <uint32_t>r
+                j += 1
+                at = v.col
+                for f in range(self.layout.nfields):
+                    rb = self.layout.row_bytes[f]
+                    if self.block:
+                        memcpy(dst, v.ptr + at + r * rb, rb)
+                        at += align_up(v.count * rb)
+                    else:
+                        memcpy(dst, v.ptr + at, rb)
+                        at += rb
+                    dst += rb
+        PyBuffer_Release(&self.views[s])
+        free(v.gone)
+        self.nbytes -= v.nbytes
+        v.view = False
+        v.ptr = rows
+        v.kept = kept
+        v.nkept = n
+        v.gone = gone
+        v.nbytes = n * (rs + 5)
+        self.nbytes += v.nbytes
+        self.compacted += 1
+        return 0
 
     cdef int _take(self, const int64_t[::1] items) except -1:
         """Count ``items`` out of their values; IndexError (nothing counted) for a bad one."""
         cdef Py_ssize_t n = items.shape[0], k, m
-        cdef int64_t it, s, r
+        cdef int64_t it, s, j
+        cdef HeldValue* v
         for k in range(n):
             it = items[k]
             s = it >> 32
-            r = it & ITEM_RECORD
-            if it < 0 or s >= self.cap or self.ptr[s] == NULL \
-                    or <uint64_t>r >= self.count[s] or self.gone[s][r]:
+            j = -1
+            if it >= 0 and s < self.cap and self.v[s].ptr != NULL:
+                v = &self.v[s]
+                j = held_row(v, it & ITEM_RECORD)
+            if j < 0 or v.gone[j]:
                 for m in range(k):
-                    self.live[items[m] >> 32] += 1
-                    self.gone[items[m] >> 32][items[m] & ITEM_RECORD] = 0
+                    v = &self.v[items[m] >> 32]
+                    v.gone[held_row(v, items[m] & ITEM_RECORD)] = 0
+                    v.live += 1
                 raise IndexError(f"item {it} names no record held")
-            self.live[s] -= 1
-            self.gone[s][r] = 1
+            v.gone[j] = 1
+            v.live -= 1
         self.records -= n
         return 0
 
@@ -751,7 +835,7 @@ cdef class Held:
         cdef int64_t s
         for k in range(items.shape[0]):
             s = items[k] >> 32
-            if self.live[s] == 0 and self.ptr[s] != NULL:
+            if self.v[s].live == 0 and self.v[s].ptr != NULL:
                 self._release(s)
 
     def gather(self, const int64_t[::1] items, Out dst, uint64_t row):
@@ -768,25 +852,29 @@ cdef class Held:
         self._take(items)
         cdef uint8_t** d = dst.bufs.ptr
         cdef const uint64_t* rbs = self.layout.row_bytes
-        cdef const uint8_t** ptr = self.ptr
-        cdef const uint64_t* count = self.count
-        cdef const uint64_t* col = self.col
         cdef bint block = self.block
-        cdef uint64_t rb, at, rec, c
-        cdef int64_t s
+        cdef uint64_t rb, at
+        cdef int64_t j
+        cdef const HeldValue* v
         with nogil:
             for k in range(n):
-                s = items[k] >> 32
-                rec = <uint64_t>(items[k] & ITEM_RECORD)
-                c = count[s]
-                at = col[s]
+                v = &self.v[items[k] >> 32]
+                j = held_row(v, items[k] & ITEM_RECORD)
+                if v.kept != NULL:  # compacted: the record's fields side by side
+                    at = <uint64_t>j * self.layout.record_size
+                    for f in range(nf):
+                        rb = rbs[f]
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at, rb)
+                        at += rb
+                    continue
+                at = v.col
                 for f in range(nf):
                     rb = rbs[f]
                     if block:
-                        memcpy(d[f] + (row + k) * rb, ptr[s] + at + rec * rb, rb)
-                        at += align_up(c * rb)
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at + <uint64_t>j * rb, rb)
+                        at += align_up(v.count * rb)
                     else:
-                        memcpy(d[f] + (row + k) * rb, ptr[s] + at, rb)
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at, rb)
                         at += rb
         self._settle(items)
 
@@ -799,23 +887,21 @@ cdef class Held:
         """Let every value go."""
         cdef Py_ssize_t s
         for s in range(self.cap):
-            if self.ptr[s] != NULL:
+            if self.v[s].ptr != NULL:
                 self._release(s)
-        self.records = 0
 
     def __dealloc__(self):
         cdef Py_ssize_t s
-        if self.ptr != NULL:
+        if self.v != NULL:
             for s in range(self.cap):
-                if self.ptr[s] != NULL:
+                if self.v[s].view:
                     PyBuffer_Release(&self.views[s])
-                free(self.gone[s])
-        free(self.gone)
+                if self.v[s].kept != NULL:
+                    free(<void*>self.v[s].ptr)
+                free(self.v[s].gone)
+                free(self.v[s].kept)
+        free(self.v)
         free(self.views)
-        free(self.ptr)
-        free(self.count)
-        free(self.col)
-        free(self.live)
         free(self.free_slots)
 
 

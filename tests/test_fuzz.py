@@ -495,14 +495,15 @@ def test_held_values_follow_the_format_and_gather_reads_nowhere_else(name, fmt, 
 
     Each value's verdict is the oracle's; the records of the good ones,
     gathered in any order a few at a time (some dropped instead), arrive
-    whole in the rows asked for and nowhere else; an item that names no
+    whole in the rows asked for and nowhere else, from their values or
+    from the rows kept when a value was compacted; an item that names no
     record held (made up, or gathered already) is an IndexError that
     changes nothing; once every record went, nothing is held.
     """
     schema = SCHEMAS[name]
     values = data.draw(st.lists(message_value(schema, fmt), max_size=8))
     n = len(values)
-    held = schema.hold(fmt)
+    held = schema.hold(fmt, limit=data.draw(st.sampled_from([0, 1, 10**9])))
     recs, counts, bad = held.add(values, np.arange(n, dtype=np.int64),
                                  np.arange(n, dtype=np.int64) * 7)
     verdicts = [oracle_parse(schema, v, fmt) for v in values]
@@ -536,6 +537,8 @@ def test_held_values_follow_the_format_and_gather_reads_nowhere_else(name, fmt, 
         with pytest.raises(IndexError):  # gone now
             held.drop(items[picked[:1]])
         at += k
+        if data.draw(st.booleans()):  # an add of nothing: past the limit, compaction
+            held.add([], np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert (held.values, held.records, held.nbytes) == (0, 0, 0)
     col = 0
     for f in schema.fields:

@@ -314,6 +314,29 @@ def test_held_values_go_once_their_records_are_gathered_or_dropped() -> None:
     assert (held.values, held.records, held.nbytes) == (0, 0, 0)
 
 
+def test_held_values_with_few_records_left_are_compacted_past_the_limit() -> None:
+    values = sample_values(256, 64)
+    held = SAMPLES.hold("block", limit=1)  # past it at once: compact what may be
+    zeros = np.zeros(4, np.int64)
+    recs, _, _ = held.add(values, zeros, zeros)
+    items = recs[:, 3]
+    assert held.compacted == 0  # every record left: nothing to gain
+    # Values 0 and 1 keep 10 records (their rows and flags weigh less than a
+    # quarter of the value), 2 keeps 20 (more), 3 all 64; an add compacts.
+    keep = np.r_[54:64, 64 + 54:128, 128 + 44:192, 192:256]
+    held.drop(np.setdiff1d(items, items[keep]))
+    before = held.nbytes
+    held.add([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert held.compacted == 2 and held.values == 4
+    assert before - held.nbytes == 2 * (len(values[0]) + 64 - 10 * (SAMPLES.record_size + 5))
+    out = SAMPLES.empty(len(keep))
+    order = np.random.default_rng(1).permutation(keep)
+    held.gather(items[order], SAMPLES.bind(out).out, 0)
+    np.testing.assert_array_equal(out["id"], order)
+    np.testing.assert_array_equal(out["x"], np.stack([order] * 3, 1) * [1, 2, 3])
+    assert (held.values, held.records, held.nbytes) == (0, 0, 0)
+
+
 # -- configuration -----------------------------------------------------------------
 
 

@@ -47,10 +47,12 @@ def gather(
 ) -> None: ...
 
 class Held:
+    limit: int
     values: int
     records: int
     nbytes: int
-    def __init__(self, layout: Layout, block: bool) -> None: ...
+    compacted: int
+    def __init__(self, layout: Layout, block: bool, limit: int = 0) -> None: ...
     def add(
         self,
         values: Iterable[object],

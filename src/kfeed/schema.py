@@ -543,7 +543,7 @@ class Schema:
         except (IndexError, ValueError) as e:
             raise ConfigError(str(e)) from None
 
-    def hold(self, format: str | Format = "block") -> _codec.Held:
+    def hold(self, format: str | Format = "block", *, limit: int = 0) -> _codec.Held:
         """A store of message values whose records are read back one by one (a shuffle's).
 
         ``Held.add(values, pids, offsets)`` checks the values whole, as
@@ -552,9 +552,14 @@ class Schema:
         picked by item straight from their values into a bound target, one
         call without the GIL, and lets them go; ``Held.drop(items)`` lets
         records go uncopied. A value is released once all its records are
-        gone. See ``_codec.Held``.
+        gone; past ``limit`` bytes held (0: none), values with few records
+        left are compacted (their records copied out, the value let go).
+        See ``_codec.Held``.
         """
-        return _codec.Held(self._fixed_only("hold"), Format.parse(format) is Format.BLOCK)
+        if not isinstance(limit, int) or limit < 0:
+            raise ConfigError(f"limit must be an int >= 0, got {limit!r}")
+        return _codec.Held(self._fixed_only("hold"), Format.parse(format) is Format.BLOCK,
+                           limit)
 
     def decode_documents(
         self, values: Sequence[Any], format: str | Format = "block", *, start: int = 0

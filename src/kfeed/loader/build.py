@@ -44,6 +44,10 @@ __all__ = ["Handoff", "SlotBuilder", "RecordBuilder"]
 
 log = logging.getLogger("kfeed.loader")
 
+# Held message values past this many times a shuffle's records (buffer and a
+# batch) are compacted (NOTE [ Held records ]).
+_HELD_LIMIT = 6
+
 class Handoff:
     """A batch on its way to the caller: its slot or copy, and what the ledger must know."""
 
@@ -209,7 +213,11 @@ class RecordBuilder(SlotBuilder):
         self.finished = False  # ... and the packer its last batch
         # Fixed shapes: the records' values, and the items emitted, not in a
         # slot yet (pending[taken:]).
-        self.held = schema.hold(fmt) if packer is None else None
+        self.held = None
+        if packer is None:
+            size = ledger.shuffle.buffer if ledger.shuffle is not None else 0
+            self.held = schema.hold(fmt, limit=_HELD_LIMIT * (size + batch_size)
+                                    * schema.record_size)
         self.pending = np.empty(0, np.int64)
         self.taken = 0
         # Documents: those the order holds (shuffle, or a loaded state coming
@@ -364,10 +372,15 @@ class RecordBuilder(SlotBuilder):
         # in offset order). A value goes once its last record is gathered,
         # skipped as a repeat, or dropped with the order (``_reset``). So
         # what is held is bounded by the order: at most one value per record
-        # it holds, ``buffer + batch_size`` of them; a reservoir of B records
+        # it holds, ``buffer + batch_size`` of them. A reservoir of B records
         # fed k records per value holds about B * (ln k + 0.58) records'
-        # worth of values (4.7 B for k = 64), the records' last survivors
-        # keeping their values.
+        # worth of values, a value's last survivors keeping it whole: 4.7 B
+        # for k = 64, where a staging ring of decoded rows held 2.2 B. Past
+        # ``_HELD_LIMIT * (buffer + batch_size)`` records' worth (many
+        # records per value, or an unlucky order), the values with a quarter
+        # of their bytes or less left are compacted: those records are
+        # copied out, their items unchanged, and the value goes. Compacting
+        # sooner costs the copy it saves: at 2x, 15% of the shuffle's speed.
         held = self.held
         assert held is not None
         recs, _counts, bad = held.add(vals, pids, offsets)
