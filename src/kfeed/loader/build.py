@@ -48,6 +48,7 @@ log = logging.getLogger("kfeed.loader")
 # batch) are compacted (NOTE [ Held records ]).
 _HELD_LIMIT = 6
 
+
 class Handoff:
     """A batch on its way to the caller: its slot or copy, and what the ledger must know."""
 
