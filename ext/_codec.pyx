@@ -28,7 +28,7 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 cdef enum:
@@ -554,6 +554,355 @@ def gather(Layout layout, Out src, const int64_t[::1] rows, Out dst, uint64_t ro
             rb = layout.row_bytes[f]
             for k in range(n):
                 memcpy(d[f] + (row + k) * rb, s[f] + rows[k] * rb, rb)
+
+
+# -- records held in their message values (a shuffle's buffer) -------------------
+
+
+# An item's low 32 bits: the record's index in its value (a block counts in uint32).
+cdef int64_t ITEM_RECORD = 0xFFFFFFFF
+
+
+cdef struct HeldValue:
+    const uint8_t* ptr      # the value's bytes, or its kept rows once compacted; NULL: free
+    uint64_t count          # records in the value
+    uint64_t col            # where its first column starts (a block, in place)
+    uint64_t live           # records not gathered nor dropped yet
+    uint64_t nbytes         # bytes held for it
+    uint8_t* gone           # per record (compacted: per kept record): gathered or dropped
+    uint32_t* kept          # compacted: the indices of the records kept, ascending
+    uint64_t nkept          # compacted: how many
+    bint view               # views[slot] holds the value
+
+
+cdef inline int64_t held_row(const HeldValue* v, int64_t r) noexcept nogil:
+    """Where record ``r`` of a held value is: its index in place, its kept row, or -1."""
+    cdef int64_t lo = 0, hi, mid
+    if r < 0 or <uint64_t>r >= v.count:
+        return -1
+    if v.kept == NULL:
+        return r
+    hi = <int64_t>v.nkept
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if v.kept[mid] < r:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < <int64_t>v.nkept and v.kept[lo] == r else -1
+
+
+cdef class Held:
+    """Message values whose records a shuffle holds, read back record by record.
+
+    ``add`` checks fetched values whole, as ``decode`` does, and holds each
+    good one in a *slot* until every record taken from it has been gathered
+    into a batch (``gather``) or let go (``drop``). A record is named by an
+    *item*, ``slot << 32 | its index in the value``, which is all the
+    shuffle's order moves. So a shuffled record is copied once, from its
+    message straight into the batch, as a record in offset order is.
+
+    A value is held whole while any of its records is, so a few records
+    left of many values could hold much more than they weigh: once the
+    values held pass ``limit`` bytes (0: no limit), each value whose records
+    left weigh a quarter of it or less is *compacted*: those records are
+    copied out, their items unchanged, and the value is let go.
+
+    Items are checked against what is held before any byte moves: an item
+    of no held value, past its value's records, or of a record gathered or
+    dropped already, is an IndexError that changes nothing, never a read
+    outside a value. ``block``: the values are blocks, else raw records.
+    """
+
+    cdef Layout layout
+    cdef bint block
+    cdef readonly uint64_t limit
+    cdef Py_ssize_t cap
+    cdef Py_buffer* views
+    cdef HeldValue* v
+    cdef int64_t* free_slots
+    cdef Py_ssize_t nfree
+    cdef readonly Py_ssize_t values     # values held (compacted ones included)
+    cdef readonly uint64_t records      # records held
+    cdef readonly uint64_t nbytes       # bytes held: values, kept rows, flags
+    cdef readonly uint64_t compacted    # values compacted so far
+
+    def __cinit__(self, Layout layout, bint block, uint64_t limit=0):
+        self.layout = layout
+        self.block = block
+        self.limit = limit
+        self._grow(64)
+
+    cdef int _grow(self, Py_ssize_t cap) except -1:
+        cdef Py_ssize_t s, old = self.cap
+        cdef void* p
+        p = realloc(self.views, cap * sizeof(Py_buffer))
+        if p == NULL:
+            raise MemoryError()
+        self.views = <Py_buffer*>p
+        p = realloc(self.v, cap * sizeof(HeldValue))
+        if p == NULL:
+            raise MemoryError()
+        self.v = <HeldValue*>p
+        p = realloc(self.free_slots, cap * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError()
+        self.free_slots = <int64_t*>p
+        # New slots are free; the lowest is handed out first.
+        for s in range(cap - 1, old - 1, -1):
+            memset(&self.v[s], 0, sizeof(HeldValue))
+            self.free_slots[self.nfree] = s
+            self.nfree += 1
+        self.cap = cap
+        return 0
+
+    cdef void _release(self, Py_ssize_t s):
+        cdef HeldValue* v = &self.v[s]
+        if v.view:
+            PyBuffer_Release(&self.views[s])
+        if v.kept != NULL:
+            free(<void*>v.ptr)
+        free(v.gone)
+        free(v.kept)
+        self.nbytes -= v.nbytes
+        self.records -= v.live
+        memset(v, 0, sizeof(HeldValue))
+        self.free_slots[self.nfree] = s
+        self.nfree += 1
+        self.values -= 1
+
+    def add(self, values, const int64_t[::1] pids, const int64_t[::1] offsets):
+        """Hold the good ones of ``values``: ``(records, counts, bad)``.
+
+        ``records``: int64 rows ``[pids[i], offsets[i], index in value i,
+        item]``, one per record of every good value, in order (the rows a
+        ``kfeed.tokens.ShuffleBuffer`` takes); ``counts``: int64, the
+        records of each value (0 for a rejected one); ``bad``: ``[(index,
+        reason)]`` for each value rejected whole.
+        """
+        cdef list vals = values if type(values) is list else list(values)
+        cdef Py_ssize_t n = len(vals), i, s, j = 0
+        if pids.shape[0] != n or offsets.shape[0] != n:
+            raise ValueError("one pid and one offset per value are needed")
+        counts = np.zeros(n, np.int64)
+        cdef int64_t[::1] cnt = counts
+        cdef list bad = []
+        cdef int64_t[::1] slot_of = np.empty(n, np.int64)
+        cdef uint64_t c = 0, start = 0, total = 0, k
+        cdef Reason why
+        cdef object val
+        cdef const uint8_t* p
+        cdef HeldValue* v
+        for i in range(n):
+            val = vals[i]
+            slot_of[i] = -1
+            if val is None:
+                bad.append((i, REASONS[R_NONE]))
+                continue
+            if self.nfree == 0:
+                self._grow(2 * self.cap)
+            s = self.free_slots[self.nfree - 1]
+            try:
+                PyObject_GetBuffer(val, &self.views[s], PyBUF_SIMPLE)
+            except (TypeError, BufferError, ValueError):
+                bad.append((i, REASONS[R_NOT_BYTES]))
+                continue
+            p = <const uint8_t*>self.views[s].buf
+            if self.block:
+                why = check_block(self.layout, p, self.views[s].len, &c, &start)
+            elif <uint64_t>self.views[s].len != self.layout.record_size:
+                why = R_RAW_SIZE
+            else:
+                why, c, start = R_OK, 1, 0
+            if why != R_OK or c == 0:
+                PyBuffer_Release(&self.views[s])
+                if why != R_OK:
+                    bad.append((i, REASONS[why]))
+                continue
+            v = &self.v[s]
+            v.gone = <uint8_t*>calloc(c, 1)
+            if v.gone == NULL:
+                PyBuffer_Release(&self.views[s])
+                raise MemoryError()
+            self.nfree -= 1
+            v.ptr = p
+            v.view = True
+            v.count = c
+            v.col = start
+            v.live = c
+            v.nbytes = self.views[s].len + c
+            self.values += 1
+            self.records += c
+            self.nbytes += v.nbytes
+            cnt[i] = <int64_t>c
+            slot_of[i] = s
+            total += c
+        records = np.empty((total, 4), np.int64)
+        cdef int64_t[:, ::1] r = records
+        for i in range(n):
+            if slot_of[i] < 0:
+                continue
+            for k in range(<uint64_t>cnt[i]):
+                r[j, 0] = pids[i]
+                r[j, 1] = offsets[i]
+                r[j, 2] = <int64_t>k
+                r[j, 3] = (slot_of[i] << 32) | <int64_t>k
+                j += 1
+        if self.limit and self.nbytes > self.limit:
+            self._shrink()
+        return records, counts, bad
+
+    cdef int _shrink(self) except -1:
+        """Compact every value whose records left weigh a quarter of it or less."""
+        cdef Py_ssize_t s
+        cdef HeldValue* v
+        for s in range(self.cap):
+            v = &self.v[s]
+            if v.ptr != NULL and v.kept == NULL \
+                    and 4 * v.live * (self.layout.record_size + 5) <= v.nbytes:
+                self._compact(s)
+        return 0
+
+    cdef int _compact(self, Py_ssize_t s) except -1:
+        """Copy the records left of value ``s`` out, fields side by side, and let it go."""
+        cdef HeldValue* v = &self.v[s]
+        cdef uint64_t n = v.live, rs = self.layout.record_size, r, j = 0, at, rb
+        cdef Py_ssize_t f
+        cdef uint8_t* rows = <uint8_t*>malloc(n * rs if n else 1)
+        cdef uint32_t* kept = <uint32_t*>malloc(n * sizeof(uint32_t) if n else 1)
+        cdef uint8_t* gone = <uint8_t*>calloc(n if n else 1, 1)
+        if rows == NULL or kept == NULL or gone == NULL:
+            free(rows)
+            free(kept)
+            free(gone)
+            raise MemoryError()
+        cdef uint8_t* dst = rows
+        with nogil:
+            for r in range(v.count):
+                if v.gone[r]:
+                    continue
+                kept[j] = <uint32_t>r
+                j += 1
+                at = v.col
+                for f in range(self.layout.nfields):
+                    rb = self.layout.row_bytes[f]
+                    if self.block:
+                        memcpy(dst, v.ptr + at + r * rb, rb)
+                        at += align_up(v.count * rb)
+                    else:
+                        memcpy(dst, v.ptr + at, rb)
+                        at += rb
+                    dst += rb
+        PyBuffer_Release(&self.views[s])
+        free(v.gone)
+        self.nbytes -= v.nbytes
+        v.view = False
+        v.ptr = rows
+        v.kept = kept
+        v.nkept = n
+        v.gone = gone
+        v.nbytes = n * (rs + 5)
+        self.nbytes += v.nbytes
+        self.compacted += 1
+        return 0
+
+    cdef int _take(self, const int64_t[::1] items) except -1:
+        """Count ``items`` out of their values; IndexError (nothing counted) for a bad one."""
+        cdef Py_ssize_t n = items.shape[0], k, m
+        cdef int64_t it, s, j
+        cdef HeldValue* v
+        for k in range(n):
+            it = items[k]
+            s = it >> 32
+            j = -1
+            if it >= 0 and s < self.cap and self.v[s].ptr != NULL:
+                v = &self.v[s]
+                j = held_row(v, it & ITEM_RECORD)
+            if j < 0 or v.gone[j]:
+                for m in range(k):
+                    v = &self.v[items[m] >> 32]
+                    v.gone[held_row(v, items[m] & ITEM_RECORD)] = 0
+                    v.live += 1
+                raise IndexError(f"item {it} names no record held")
+            v.gone[j] = 1
+            v.live -= 1
+        self.records -= n
+        return 0
+
+    cdef void _settle(self, const int64_t[::1] items):
+        """Let go of the values whose last record ``items`` took."""
+        cdef Py_ssize_t k
+        cdef int64_t s
+        for k in range(items.shape[0]):
+            s = items[k] >> 32
+            if self.v[s].live == 0 and self.v[s].ptr != NULL:
+                self._release(s)
+
+    def gather(self, const int64_t[::1] items, Out dst, uint64_t row):
+        """Copy the records ``items`` to rows ``row``.. of ``dst``, every field; they are let go.
+
+        One call, the copies without the GIL, with no Python object per
+        record. IndexError if an item names no record held or the rows
+        would overflow ``dst``.
+        """
+        dst.fits(self.layout)
+        cdef Py_ssize_t n = items.shape[0], k, f, nf = self.layout.nfields
+        if row > dst.capacity or <uint64_t>n > dst.capacity - row:
+            raise IndexError(f"{n} rows from row {row} overflow the output ({dst.capacity} rows)")
+        self._take(items)
+        cdef uint8_t** d = dst.bufs.ptr
+        cdef const uint64_t* rbs = self.layout.row_bytes
+        cdef bint block = self.block
+        cdef uint64_t rb, at
+        cdef int64_t j
+        cdef const HeldValue* v
+        with nogil:
+            for k in range(n):
+                v = &self.v[items[k] >> 32]
+                j = held_row(v, items[k] & ITEM_RECORD)
+                if v.kept != NULL:  # compacted: the record's fields side by side
+                    at = <uint64_t>j * self.layout.record_size
+                    for f in range(nf):
+                        rb = rbs[f]
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at, rb)
+                        at += rb
+                    continue
+                at = v.col
+                for f in range(nf):
+                    rb = rbs[f]
+                    if block:
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at + <uint64_t>j * rb, rb)
+                        at += align_up(v.count * rb)
+                    else:
+                        memcpy(d[f] + (row + k) * rb, v.ptr + at, rb)
+                        at += rb
+        self._settle(items)
+
+    def drop(self, const int64_t[::1] items):
+        """Let the records ``items`` go without copying them (repeats, a reset)."""
+        self._take(items)
+        self._settle(items)
+
+    def clear(self):
+        """Let every value go."""
+        cdef Py_ssize_t s
+        for s in range(self.cap):
+            if self.v[s].ptr != NULL:
+                self._release(s)
+
+    def __dealloc__(self):
+        cdef Py_ssize_t s
+        if self.v != NULL:
+            for s in range(self.cap):
+                if self.v[s].view:
+                    PyBuffer_Release(&self.views[s])
+                if self.v[s].kept != NULL:
+                    free(<void*>self.v[s].ptr)
+                free(self.v[s].gone)
+                free(self.v[s].kept)
+        free(self.v)
+        free(self.views)
+        free(self.free_slots)
 
 
 cdef _Buffers fixed_columns(Layout layout, list columns, uint64_t n):

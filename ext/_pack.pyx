@@ -625,6 +625,34 @@ cdef int check_partitions(const int64_t[:, ::1] recs, Py_ssize_t m,
     return 0
 
 
+def records(const int64_t[::1] pids, const int64_t[::1] offsets, const int64_t[::1] counts,
+            int64_t first_item):
+    """The rows to push for records taken ``counts[j]`` from message ``j``, in order.
+
+    ``[pids[j], offsets[j], index in message j, item]``, the items counting
+    from ``first_item``: one call per fetch, no Python object per record.
+    """
+    cdef Py_ssize_t m = counts.shape[0], j, at = 0
+    cdef int64_t k, total = 0
+    if pids.shape[0] != m or offsets.shape[0] != m:
+        raise ValueError("one pid, one offset and one count per message are needed")
+    for j in range(m):
+        if counts[j] < 0:
+            raise ValueError(f"count {counts[j]} of message {j} is negative")
+        total += counts[j]
+    out = np.empty((total, 4), np.int64)
+    cdef int64_t[:, ::1] r = out
+    with nogil:
+        for j in range(m):
+            for k in range(counts[j]):
+                r[at, 0] = pids[j]
+                r[at, 1] = offsets[j]
+                r[at, 2] = k
+                r[at, 3] = first_item + at
+                at += 1
+    return out
+
+
 def reservoir_push(uint64_t rng, Py_ssize_t size, Py_ssize_t n, int64_t[:, ::1] held,
                    int64_t[:, ::1] parts, uint8_t[:, ::1] known,
                    const int64_t[:, ::1] recs, bint check, int64_t[:, ::1] emitted,

@@ -486,6 +486,69 @@ def test_soak_decode_follows_the_format_and_writes_nowhere_else(fmt, data):
 # -- every cut, count, header length, fingerprint bit --------------------------------
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list(SCHEMAS))
+@PROPERTY
+@given(data=st.data())
+def test_held_values_follow_the_format_and_gather_reads_nowhere_else(name, fmt, data):
+    """``Schema.hold``: a shuffle's values, checked whole, records gathered by item.
+
+    Each value's verdict is the oracle's; the records of the good ones,
+    gathered in any order a few at a time (some dropped instead), arrive
+    whole in the rows asked for and nowhere else, from their values or
+    from the rows kept when a value was compacted; an item that names no
+    record held (made up, or gathered already) is an IndexError that
+    changes nothing; once every record went, nothing is held.
+    """
+    schema = SCHEMAS[name]
+    values = data.draw(st.lists(message_value(schema, fmt), max_size=8))
+    n = len(values)
+    held = schema.hold(fmt, limit=data.draw(st.sampled_from([0, 1, 10**9])))
+    recs, counts, bad = held.add(values, np.arange(n, dtype=np.int64),
+                                 np.arange(n, dtype=np.int64) * 7)
+    verdicts = [oracle_parse(schema, v, fmt) for v in values]
+    assert bad == [(i, why) for i, (why, _) in enumerate(verdicts) if why is not None]
+    assert counts.tolist() == [len(records) for _, records in verdicts]
+    keys = [(i, 7 * i, k) for i, (_, records) in enumerate(verdicts) for k in range(len(records))]
+    assert [tuple(r) for r in recs[:, :3].tolist()] == keys
+    records = [r for _, rs in verdicts for r in rs]
+    assert held.records == len(records)
+    items = recs[:, 3].copy()
+    whole, out = sentinel_out(schema, len(records))
+    target = schema.bind(out)
+    order = data.draw(st.permutations(range(len(records))))
+    made_up = data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3))
+    written: dict[int, bytes] = {}  # row -> record
+    at = 0
+    while at < len(order):
+        k = data.draw(st.integers(1, len(order) - at))
+        picked = np.array(order[at : at + k], np.int64)
+        for bogus in made_up:
+            if bogus not in set(items[order[at:]].tolist()):
+                with pytest.raises(IndexError):
+                    held.gather(np.append(items[picked], bogus), target.out, 0)
+        if data.draw(st.booleans()):
+            row = data.draw(st.integers(0, len(records) - k))
+            held.gather(items[picked], target.out, row)
+            for j, r in enumerate(picked.tolist()):
+                written[row + j] = records[r]
+        else:
+            held.drop(items[picked])
+        with pytest.raises(IndexError):  # gone now
+            held.drop(items[picked[:1]])
+        at += k
+        if data.draw(st.booleans()):  # an add of nothing: past the limit, compaction
+            held.add([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert (held.values, held.records, held.nbytes) == (0, 0, 0)
+    col = 0
+    for f in schema.fields:
+        want = np.full_like(whole[f.name], SENTINEL)
+        for row, rec in written.items():
+            want[GUARD_ROWS + row] = np.frombuffer(rec[col : col + f.nbytes], np.uint8)
+        col += f.nbytes
+        np.testing.assert_array_equal(whole[f.name], want, err_msg=f"field {f.name!r}")
+
+
 def around(schema: Schema, fmt: str, bad: object, seed: int = 0) -> list[object]:
     """``bad`` between good values, and again at both ends."""
     rng = np.random.default_rng(seed)

@@ -273,43 +273,68 @@ def test_shuffled_samples_of_one_partition_come_in_the_reservoirs_order(buffer, 
         np.testing.assert_array_equal(batch["x"], np.stack([batch["id"]] * 3, 1) * [1, 2, 3])
 
 
-def test_the_staging_ring_moves_and_grows_without_losing_a_row() -> None:
-    from kfeed.loader.build import _Staging
+def test_held_values_go_once_their_records_are_gathered_or_dropped() -> None:
+    # What a shuffle holds: records stay in their message values, picked by
+    # item in any order straight into a batch; a value goes with its last record.
+    held = SAMPLES.hold("block")
+    values = sample_values(200, 64) + [None, b"not a block"]  # 64, 64, 64, 8, then two bad
+    n = len(values)
+    recs, counts, bad = held.add(values, np.arange(n, dtype=np.int64) % 2,
+                                 np.arange(n, dtype=np.int64) + 100)
+    assert counts.tolist() == [64, 64, 64, 8, 0, 0]
+    assert [i for i, _ in bad] == [4, 5]
+    assert recs[:, 0].tolist() == [i % 2 for i in range(4) for _ in range(counts[i])]
+    assert recs[:, 1].tolist() == [i + 100 for i in range(4) for _ in range(counts[i])]
+    np.testing.assert_array_equal(recs[:, 2], np.arange(200) % 64)
+    assert (held.values, held.records) == (4, 200)
+    items = recs[:, 3]
+    order = np.random.default_rng(3).permutation(200)
+    out = SAMPLES.empty(100)
+    target = SAMPLES.bind(out)
+    held.gather(items[order[:100]], target.out, 0)
+    np.testing.assert_array_equal(out["id"], order[:100])
+    np.testing.assert_array_equal(out["x"], np.stack([order[:100]] * 3, 1) * [1, 2, 3])
+    assert held.records == 100
+    gone = set(range(4)) - {int(i) // 64 for i in order[100:]}
+    assert held.values == 4 - len(gone)
+    held.drop(items[order[100:150]])
+    held.gather(items[order[150:]], target.out, 0)
+    np.testing.assert_array_equal(out["id"][:50], order[150:])
+    assert (held.values, held.records, held.nbytes) == (0, 0, 0)
+    with pytest.raises(IndexError):  # every record went: no item names one
+        held.gather(items[:1], target.out, 0)
+    # A bad item changes nothing; a clear lets every value go.
+    recs, _, _ = held.add(values[:2], np.zeros(2, np.int64), np.zeros(2, np.int64))
+    with pytest.raises(IndexError):
+        held.gather(np.array([recs[0, 3], recs[1, 3], (7 << 32)], np.int64), target.out, 0)
+    with pytest.raises(IndexError):
+        held.drop(np.array([recs[-1, 3] + 1], np.int64))  # past its value's records
+    assert held.records == 128
+    held.clear()
+    assert (held.values, held.records, held.nbytes) == (0, 0, 0)
 
-    ring = _Staging(SAMPLES, 256, 64)
-    refs: dict[int, int] = {}  # record id -> its row
 
-    def remap(table: np.ndarray) -> None:
-        for k in refs:
-            refs[k] = int(table[refs[k]])
-
-    def write(first: int, n: int) -> None:
-        while n:
-            target, row, free = ring.room(remap)
-            k = min(n, free)
-            block = SAMPLES.encode_block({"x": np.zeros((k, 3), np.float32),
-                                          "id": np.arange(first, first + k)})
-            SAMPLES.decode_into([block], target, row)
-            for r, i in zip(ring.wrote(k).tolist(), range(first, first + k)):
-                refs[i] = r
-            first, n = first + k, n - k
-
-    def check() -> None:
-        rows = np.array(list(refs.values()))
-        assert ring.live.sum() == len(refs) and ring.live[rows].all()
-        np.testing.assert_array_equal(ring.arrays["id"][rows], list(refs))
-
-    write(0, 64)
-    for i in range(64):  # three in four leave; the rest must move
-        if i % 4:
-            ring.free(np.array([refs.pop(i)]))
-    for first in range(64, 264, 40):  # the head comes round to them
-        write(first, 40)
-    assert ring.capacity == 256 and refs[0] != 0  # moved along, not grown
-    check()
-    write(264, 400)  # nothing leaves: 616 live rows, the ring doubles twice
-    assert ring.capacity == 1024
-    check()
+def test_held_values_with_few_records_left_are_compacted_past_the_limit() -> None:
+    values = sample_values(256, 64)
+    held = SAMPLES.hold("block", limit=1)  # past it at once: compact what may be
+    zeros = np.zeros(4, np.int64)
+    recs, _, _ = held.add(values, zeros, zeros)
+    items = recs[:, 3]
+    assert held.compacted == 0  # every record left: nothing to gain
+    # Values 0 and 1 keep 10 records (their rows and flags weigh less than a
+    # quarter of the value), 2 keeps 20 (more), 3 all 64; an add compacts.
+    keep = np.r_[54:64, 64 + 54:128, 128 + 44:192, 192:256]
+    held.drop(np.setdiff1d(items, items[keep]))
+    before = held.nbytes
+    held.add([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert held.compacted == 2 and held.values == 4
+    assert before - held.nbytes == 2 * (len(values[0]) + 64 - 10 * (SAMPLES.record_size + 5))
+    out = SAMPLES.empty(len(keep))
+    order = np.random.default_rng(1).permutation(keep)
+    held.gather(items[order], SAMPLES.bind(out).out, 0)
+    np.testing.assert_array_equal(out["id"], order)
+    np.testing.assert_array_equal(out["x"], np.stack([order] * 3, 1) * [1, 2, 3])
+    assert (held.values, held.records, held.nbytes) == (0, 0, 0)
 
 
 # -- configuration -----------------------------------------------------------------

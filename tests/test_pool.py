@@ -259,6 +259,20 @@ def test_a_thousand_cycles_allocate_nothing():
         assert slot.view()["label"].tolist() == list(range(64))
 
 
+def test_a_view_is_new_tensors_over_the_slot_whole_or_cut():
+    pool = small_pool(slots=1, batch_size=8)
+    slot = pool.acquire()
+    slot.rows, slot.extent = 8, {"y": 3}
+    view = slot.view()
+    assert view["x"].shape == (8, 4) and view["y"].shape == (3,)
+    for name, t in view.items():  # never the slot's own tensor: the storage counts it
+        assert t is not slot.tensors[name]
+        assert t.data_ptr() == slot.tensors[name].data_ptr()
+    assert not slot.returned() or not slot.marks
+    del view, t
+    assert slot.returned() or not slot.marks
+
+
 def test_buffer_pool_is_public():
     assert kfeed.BufferPool is BufferPool
 

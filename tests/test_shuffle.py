@@ -513,3 +513,16 @@ def test_remap_moves_every_item_held_waiting_or_to_replay():
     assert emitted[:len(outbox), 1:3].tolist() == [list(k[1:]) for k in outbox]
     assert sorted(emitted[:, 3].tolist() + buf.items().tolist()) == \
         sorted([110, 111] + [r[3] for r in rest])
+
+
+def test_records_are_the_rows_a_fetch_pushes() -> None:
+    from kfeed import _pack
+
+    rows = _pack.records(np.array([3, 0, 4]), np.array([10, 11, 12]), np.array([2, 0, 3]), 5)
+    assert rows.tolist() == [[3, 10, 0, 5], [3, 10, 1, 6], [4, 12, 0, 7], [4, 12, 1, 8],
+                             [4, 12, 2, 9]]
+    assert _pack.records(*(np.zeros(0, np.int64),) * 3, 0).shape == (0, 4)
+    with pytest.raises(ValueError, match="negative"):
+        _pack.records(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([-1]), 0)
+    with pytest.raises(ValueError, match="one pid"):
+        _pack.records(np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)

@@ -45,6 +45,24 @@ def decode_counted(
 def gather(
     layout: Layout, src: Out, rows: npt.NDArray[np.int64], dst: Out, row: int
 ) -> None: ...
+
+class Held:
+    limit: int
+    values: int
+    records: int
+    nbytes: int
+    compacted: int
+    def __init__(self, layout: Layout, block: bool, limit: int = 0) -> None: ...
+    def add(
+        self,
+        values: Iterable[object],
+        pids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, str]]]: ...
+    def gather(self, items: npt.NDArray[np.int64], dst: Out, row: int) -> None: ...
+    def drop(self, items: npt.NDArray[np.int64]) -> None: ...
+    def clear(self) -> None: ...
+
 def encode_blocks(
     layout: Layout, columns: list[Buffer], n: int, block_records: int
 ) -> list[bytes]: ...

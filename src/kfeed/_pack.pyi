@@ -40,6 +40,12 @@ class Core:
         finished: bool,
     ) -> tuple[int, int, int, int, int, int, int, int, int] | None: ...
 
+def records(
+    pids: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
+    first_item: int,
+) -> npt.NDArray[np.int64]: ...
 def reservoir_push(
     rng: int,
     size: int,

@@ -74,11 +74,13 @@ def _storage_marks(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Any, int, in
 class Slot:
     """One preallocated batch: a tensor per field, ``[batch_size, *shape]``."""
 
-    __slots__ = ("index", "tensors", "target", "state", "event", "rows", "extent", "marks")
+    __slots__ = ("index", "tensors", "sizes", "target", "state", "event", "rows", "extent",
+                 "marks")
 
     def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
         self.tensors = tensors
+        self.sizes = tuple((name, t, len(t)) for name, t in tensors.items())
         self.target = target  # the bound form the filler writes through
         self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
         self.state = SlotState.FREE
@@ -87,9 +89,18 @@ class Slot:
         self.extent: dict[str, int] = {}  # entries filled, for tensors not counted in rows
 
     def view(self) -> dict[str, torch.Tensor]:
-        """The filled rows of each field."""
+        """The filled rows of each field, as new tensors over the slot's storage.
+
+        A field filled whole is a ``detach()`` of the slot's tensor (a third
+        of a slice's cost); either way a new tensor, which the storage's
+        reference count sees (NOTE [ Lent slots ]).
+        """
         rows, extent = self.rows, self.extent
-        return {name: t[:extent.get(name, rows)] for name, t in self.tensors.items()}
+        out = {}
+        for name, t, size in self.sizes:
+            n = extent.get(name, rows) if extent else rows
+            out[name] = t.detach() if n == size else t[:n]
+        return out
 
     def returned(self) -> bool:
         """Whether a lent slot's tensors are the pool's alone again, on the same memory."""

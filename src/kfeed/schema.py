@@ -543,6 +543,24 @@ class Schema:
         except (IndexError, ValueError) as e:
             raise ConfigError(str(e)) from None
 
+    def hold(self, format: str | Format = "block", *, limit: int = 0) -> _codec.Held:
+        """A store of message values whose records are read back one by one (a shuffle's).
+
+        ``Held.add(values, pids, offsets)`` checks the values whole, as
+        ``decode_into`` does, and keeps the good ones; each record is named
+        by an *item*. ``Held.gather(items, target.out, row)`` copies records
+        picked by item straight from their values into a bound target, one
+        call without the GIL, and lets them go; ``Held.drop(items)`` lets
+        records go uncopied. A value is released once all its records are
+        gone; past ``limit`` bytes held (0: none), values with few records
+        left are compacted (their records copied out, the value let go).
+        See ``_codec.Held``.
+        """
+        if not isinstance(limit, int) or limit < 0:
+            raise ConfigError(f"limit must be an int >= 0, got {limit!r}")
+        return _codec.Held(self._fixed_only("hold"), Format.parse(format) is Format.BLOCK,
+                           limit)
+
     def decode_documents(
         self, values: Sequence[Any], format: str | Format = "block", *, start: int = 0
     ) -> Documents:

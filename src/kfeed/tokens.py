@@ -356,6 +356,11 @@ class Packer:
 
     # -- state ---------------------------------------------------------------
 
+    @property
+    def offset(self) -> int:
+        """Tokens of the next document already out: ``state()["offset"]``, without the dict."""
+        return self._off
+
     def state(self) -> dict[str, int]:
         """``{"docs": D, "offset": K}``: where the next batch starts (see the class doc)."""
         return {"docs": self._docs, "offset": self._off}
