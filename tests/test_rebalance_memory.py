@@ -264,3 +264,32 @@ def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() ->
     ids = np.concatenate([b["id"].numpy() for b in before + after])
     assert len(ids) == len(all_ids())
     assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+
+
+def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
+    # NOTE [ A state covers every partition ]: a restart from scratch gets
+    # partition 0 alone while the crashed run's members still hold 1 and 2,
+    # and checkpoints; those come only to the run after it.
+    def crashed_commits(src: MemorySource) -> None:
+        for p in (1, 2):
+            src.committed_positions[("memory", p)] = (BLOCKS - 5, 0)
+            src.committed_by[("memory", p)] = ("crashed-lineage", "crashed-run")
+
+    first = MemorySource(sample_values(), incremental=True, first=[0])
+    crashed_commits(first)
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first,
+                      start="earliest") as ld:
+        before = [next(ld) for _ in range(6)]
+        state = ld.state_dict()
+    assert state["positions"]["memory"][1] == [0, 0] == state["positions"]["memory"][2]
+    src = MemorySource(sample_values(), incremental=True, first=[0])
+    crashed_commits(src)
+    src.rebalance(2, assign=[1, 2])  # before partition 0 ends the epoch
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=3) as ld:
+        ld.load_state_dict(state)
+        after = [b for b in ld]
+    assert src.calls > 2, "the script did not play"
+    ids = np.concatenate([b["id"].numpy() for b in before + after])
+    assert len(ids) == len(all_ids())
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))

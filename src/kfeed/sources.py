@@ -130,6 +130,11 @@ class Committed(NamedTuple):
     run: str | None = None
 
 
+# Kafka protocol error codes of a commit that goes through once the consumer
+# has been polled: REBALANCE_IN_PROGRESS, STALE_MEMBER_EPOCH (consumer protocol).
+_AFTER_POLL = frozenset((27, 113))
+
+
 def _metadata(skip: int, by: str | None, run: str | None) -> str | None:
     fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else []) \
         + ([f"run={run}"] if run else [])
@@ -591,7 +596,12 @@ class KafkaSource(Source):
             parts = self._coordinated(lambda: self._consumer.commit(offsets=offsets,
                                                                     asynchronous=asynchronous))
         except KafkaException as e:
-            raise ConsumeError(f"offset commit failed: {e.args[0].str()}") from e
+            error = ConsumeError(f"offset commit failed: {e.args[0].str()}")
+            # The group moves on (the consumer protocol's member epoch, a
+            # rebalance): the same commit goes through once the consumer has
+            # been polled and has taken its new assignment.
+            error.after_poll = e.args[0].code() in _AFTER_POLL
+            raise error from e
         if asynchronous:
             return {}
         acked, failed = {}, []

@@ -254,6 +254,7 @@ class Loader:
                                 else Ledger(source, c.start))
         self._ledger.lineages = set(self._lineages)
         self._ledger.run = source.run
+        self._ledger.cover_all = c.assignment == "group"
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
                                fail_fast=c.fail_fast)
         stop = threading.Event()  # set by close(); every wait of the thread watches it
@@ -337,7 +338,7 @@ class Loader:
                 raise StopIteration
             batch = self._hand_out(item)
             if batch is None:  # dropped by a rebalance that came after _take
-                item = self._take()
+                item = self._take() if self._agreement is None else self._instead()
         if self._t_first is None:
             self._t_first = time.monotonic()
             self._startup_s = self._t_first - (self._t0 or t)
@@ -367,6 +368,18 @@ class Loader:
         ag.drain()
         self._ahead = END
         return END
+
+    def _instead(self) -> Any:
+        """The item in place of one a rebalance dropped, with ranks in agreement.
+
+        The batch held one step ahead comes first, in offset order; what
+        takes its place was asked about already (it was there). Taken from
+        the queue instead, it would be handed out before the one held.
+        """
+        item = self._ahead
+        if item is not END:
+            self._ahead = self._take()
+        return item
 
     def _take(self) -> Any:
         f = self._feeder

@@ -72,6 +72,12 @@ class Commits:
         if waiter[1] is not None:
             raise waiter[1]
 
+    def again(self, todo: dict[TP, Position], waiters: list[list[Any]]) -> None:
+        """Put back what ``take`` gave, to be made later (newer positions win)."""
+        with self._lock:
+            self._todo = {**todo, **self._todo}
+            self._waiters = waiters + self._waiters
+
     def take(self) -> tuple[dict[TP, Position], list[list[Any]]]:
         with self._lock:
             todo, waiters = self._todo, self._waiters
@@ -268,6 +274,12 @@ class Fetcher:
             self.commit_now({tp: pos for tp, pos in todo.items() if tp in self.assigned},
                             asynchronous=not waiters)
         except KfeedError as e:
+            if getattr(e, "after_poll", False):
+                # Made again after the next consume(), which takes the
+                # group's new assignment; a caller waiting keeps waiting.
+                log.info("commit deferred to the next poll: %s", e)
+                self.commits.again(todo, waiters)
+                return
             if not waiters:
                 log.warning("commit failed: %s", e)
             error = e

@@ -36,13 +36,21 @@ restarts from one checkpoint resume the same lineage. Without
 from one rank to another is read again from the state (repeated, never
 lost).
 
-A loader that decides where a partition starts has seen every commit made
-so far, and its state accounts for them: it adopts the lineage of each one
-it saw (``adopted``, saved with the state). Otherwise a job restarted from
-scratch (``start="earliest"``) after a crash before its first checkpoint
-would save states that a commit of the crashed run, past them, overrules
-as "another member's" (its ids lost with the crashed run's log). Adopting
-can only make a resume read again, never skip.
+NOTE [ A state covers every partition ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At its first assignment a loader in group mode reads the committed offsets
+of every partition of its topics, decides where each would start, and
+adopts the lineage of every commit it saw (``adopted``, saved with the
+state): its state accounts for them. Its state then holds a position for
+every partition, the ones it does not hold too (``carried``: from the
+state it loaded, where it gave one back, or where it would have started
+one). So a job restarted before the crashed members' sessions ran out,
+which gets some partitions only later, still saves them; without that, a
+resume would take the crashed run's commit for them (its ids lost with
+the crashed run's log), or a restart from scratch (``start="earliest"``)
+would save states that such a commit overrules. Merged states take the
+furthest position per partition, so a rank's carried one never wins over
+the owner's. Adopting can only make a resume read again, never skip.
 
 Two ledgers: ``Ledger`` for batches made in offset order, and
 ``OrderLedger`` for records that go through a ``ShuffleBuffer`` (shuffle or
@@ -88,13 +96,16 @@ class Ledger:
         self.committed: dict[TP, Position] = {}
         self.handed_any = False
         self.failed = False  # the loader's thread failed: see Loader.close
-        # Partitions this loader was ever given, and where it was when it
-        # gave one back.
+        # Partitions this loader was ever given.
         self.seen: set[TP] = set()
-        self.released: dict[TP, Position] = {}
-        # The loaded state's positions, kept for partitions that come only
-        # later (an incremental rebalance may assign them after others).
-        self.loaded: dict[TP, Position] = {}
+        # Where each partition this loader does not hold stands, as far as it
+        # knows: the loaded state's, where it gave one back, or where it
+        # would have started one (NOTE [ A state covers every partition ]).
+        self.carried: dict[TP, Position] = {}
+        # Whether the state covers every partition of the topics (group
+        # mode; a static rank's state covers its own).
+        self.cover_all = False
+        self.decided = False  # the first assignment has been decided
         # This loader's lineages and run, and the lineages it adopted
         # (NOTE [ Whose commits win ]).
         self.lineages: set[str | None] = set()
@@ -112,16 +123,24 @@ class Ledger:
         member whose reading is not lost committed past it (NOTE [ Whose
         commits win ]).
         """
-        committed = self.source.committed(tps)
+        first = not self.decided
+        scope = tps
+        if first and self.cover_all:
+            scope = sorted(set(self.source.partitions()) | set(tps))
+        committed = self.source.committed(scope)
         with self.lock:
             for tp in [tp for tp in self.handed if tp not in owned]:
-                # A loaded state's partition that another member owns now.
-                del self.handed[tp]
+                # A loaded state's partition that another member owns now:
+                # carried, for the state and in case it comes back.
+                self.carried[tp] = self.handed.pop(tp)
                 self.used.pop(tp, None)
             known = {tp: self._newer(self.handed[tp], committed.get(tp))
                      for tp in tps if tp in self.handed}
         need = [tp for tp in tps if tp not in known]
         positions = {**known, **self.start_positions(need, committed)}
+        if first and self.cover_all:
+            rest = [tp for tp in scope if tp not in positions and tp not in self.carried]
+            self.carried.update(self.start_positions(rest, committed))
         # A partition with nothing handed out yet is still part of the state:
         # without it, a resume would start it from the committed offset,
         # which may have moved on since the checkpoint. Its position is
@@ -132,12 +151,13 @@ class Ledger:
                 self.used.setdefault(tp, pos)
             self.seen.update(tps)
             self._adopt(committed)
+            self.decided = True
         return positions
 
     def _newer(self, own: Position, committed: Committed | None) -> Position:
         """Our position, or the committed one if it is past ours and not lost."""
-        if committed is None or (committed.by in self.lineages and not self._ours(committed)):
-            return own  # none, or our chain's earlier run: lost with it
+        if committed is None or self._lost(committed):
+            return own
         theirs = (committed.offset, committed.skip)
         return theirs if theirs > own else own
 
@@ -153,17 +173,23 @@ class Ledger:
         """Whether this run committed it (this loader, or another rank of its job)."""
         return committed.run is not None and committed.run == self.run
 
+    def _lost(self, committed: Committed) -> bool:
+        """Whether an earlier run of this loader's chain committed it (lost with that run)."""
+        return committed.by in self.lineages and not self._ours(committed)
+
     def start_positions(self, tps: list[TP],
                         committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
         out: dict[TP, Position] = {}
         for tp in tps:
             c = committed.get(tp)
-            mine = self.released.get(tp, self.loaded.get(tp))
+            if c is not None and self._lost(c):
+                c = None
+            mine = self.carried.get(tp)
             if mine is not None:
-                # Back after a revoke, where we left it, or first assigned
-                # after others, where the state says; unless a member that
-                # had it since went further (our commit on revoke may have
-                # failed, e.g. with every broker down).
+                # Back after a revoke, where we left it; first assigned after
+                # others, where the state or the first assignment put it;
+                # unless a member that had it since went further (our commit
+                # on revoke may have failed, e.g. with every broker down).
                 out[tp] = self._newer(mine, c)
             elif c is not None and (self.start == "committed" or tp in self.seen
                                     or self._ours(c)):
@@ -183,7 +209,7 @@ class Ledger:
         with self.lock:
             self.gen += 1
             mine = self.give_up(tps)
-            self.released.update(mine)
+            self.carried.update(mine)
         return mine
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
@@ -216,7 +242,7 @@ class Ledger:
         return dict(self.handed)
 
     def state(self) -> dict[str, Any]:
-        return {"positions": by_topic(self.delivered())}
+        return {"positions": by_topic({**self.carried, **self.delivered()})}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" in state:
@@ -227,7 +253,7 @@ class Ledger:
                 handed[(topic, int(part))] = (int(off), int(skip))
         self.handed.update(handed)
         self.used.update(handed)
-        self.loaded = dict(handed)
+        self.carried = dict(handed)
 
 
 class OrderLedger(Ledger):
@@ -340,8 +366,10 @@ class OrderLedger(Ledger):
         return self.order.watermarks()
 
     def state(self) -> dict[str, Any]:
+        # Only the partitions in the order: a state with shuffle or pack is
+        # one rank's own (static assignment), never merged.
         return {
-            **super().state(),
+            "positions": by_topic(self.delivered()),
             "order": self.order.state(),
             "pack": self._pack_spec(),
             "pack_offset": self.pack_offset,
