@@ -219,13 +219,15 @@ class _Stopped(Exception):
     """Raised by ``StopGuard`` inside ``next(loader)`` while it only waits for data."""
 
 
-# The one loader method inside which an exception leaves nothing half done:
-# it waits for the next batch, which is not handed out yet, so the loader's
-# state (what a checkpoint saves) still ends at the last batch trained. Any
-# other kfeed.loader frame on the way (handing a batch out, committing,
-# running a revoke hook, releasing a slot) must finish first. If the name
-# changes in kfeed.loader, a signal simply waits for the next step boundary.
-_SAFE_WAIT = "_take"
+# The one loader wait inside which an exception leaves nothing half done:
+# ``Loader._take`` waiting in ``Ready.get`` for the next batch, which is not
+# handed out yet, so the loader's state (what a checkpoint saves) still ends
+# at the last batch trained (a batch taken off the queue and then dropped is
+# read again on resume). Any other kfeed.loader frame on the way (handing a
+# batch out, committing, running a revoke hook, releasing a slot) must finish
+# first. If the names change in kfeed.loader, a signal simply waits for the
+# next step boundary.
+_SAFE_WAITS = (["_take"], ["get", "_take"])  # innermost first
 
 
 @dataclass
@@ -237,7 +239,7 @@ class StopGuard:
     never cut in half. When the signal comes while ``next(loader)`` waits for
     data (a stream with nothing new), waiting for a boundary could last
     forever: then the handler raises out of the wait, which is safe only in
-    the loader's wait itself (see ``_SAFE_WAIT``).
+    the loader's wait itself (see ``_SAFE_WAITS``).
     """
 
     signum: int | None = None
@@ -270,7 +272,7 @@ def _in_safe_wait(frame: FrameType | None) -> bool:
         module = str(frame.f_globals.get("__name__", ""))
         if module == "kfeed.loader" or module.startswith("kfeed.loader."):
             if frame.f_code.co_name == "__next__":
-                return names == [_SAFE_WAIT]
+                return names in _SAFE_WAITS
             names.append(frame.f_code.co_name)
         frame = frame.f_back
     return False
