@@ -253,7 +253,7 @@ def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() ->
                       start="earliest") as ld:
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
-    assert "crashed-lineage" in state["lineages"]
+    assert "crashed-lineage/crashed-run" in state["superseded"]
     src = MemorySource(sample_values(), incremental=True, first=[0])
     crashed_commits(src)
     src.rebalance(4, assign=[1, 2])

@@ -91,6 +91,7 @@ __all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"
 log = logging.getLogger("kfeed.loader")
 
 _MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
+_MAX_SUPERSEDED = 256  # and this many runs whose commits it accounts for
 _STATE_VERSION = 1
 
 
@@ -481,13 +482,14 @@ class Loader:
         self._source.settle()  # the state may point past bad records: their copies are safe
         with self._ledger.lock:
             state = self._ledger.state()
-            adopted = [x for x in self._ledger.adopted if x not in self._lineages]
+            superseded = sorted(self._ledger.superseded.union(self._ledger.seen_runs))
         return {
             "version": _STATE_VERSION,
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
             "topics": list(self.topics),
-            "lineages": (self._lineages + adopted)[:_MAX_LINEAGES],
+            "lineages": list(self._lineages),
+            "superseded": superseded[-_MAX_SUPERSEDED:],
             **state,
         }
 
@@ -510,6 +512,7 @@ class Loader:
             self._lineages = resumed[:_MAX_LINEAGES]
             self._source.lineage = resumed[0]
             self._ledger.lineages = set(self._lineages)
+        self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
 
     @staticmethod
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -538,6 +541,7 @@ class Loader:
                     raise ConfigError(f"the states differ in {key}")
         positions: dict[str, dict[int, list[int]]] = {}
         lineages: list[str] = []
+        superseded: set[str] = set()
         for st in states:
             for topic, parts in st.get("positions", {}).items():
                 merged = positions.setdefault(topic, {})
@@ -546,7 +550,9 @@ class Loader:
                     if part not in merged or tuple(pos) > tuple(merged[part]):
                         merged[part] = [int(pos[0]), int(pos[1])]
             lineages += [x for x in st.get("lineages", []) if x not in lineages]
-        return {**first, "positions": positions, "lineages": lineages}
+            superseded.update(st.get("superseded", []))
+        return {**first, "positions": positions, "lineages": lineages,
+                "superseded": sorted(superseded)}
 
     # -- observability --------------------------------------------------------
 

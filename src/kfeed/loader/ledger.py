@@ -25,7 +25,8 @@ over ``torch.distributed``). A resumed loader holds the lineages of the
 state it loaded. A committed position past the loaded state is
 
 - the chain's own, from an earlier run: that run read past the checkpoint
-  and died; what it read is lost with it, so the state wins;
+  and died; what it read is lost with it, so the state wins (the same for a
+  run the state was saved knowing of, see below);
 - from a rank of this run, or a member of another lineage: read after the
   state was saved and not lost, so it wins.
 
@@ -40,9 +41,12 @@ NOTE [ A state covers every partition ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 At its first assignment a loader in group mode reads the committed offsets
 of every partition of its topics, decides where each would start, and
-adopts the lineage of every commit it saw (``adopted``, saved with the
-state): its state accounts for them. Its state then holds a position for
-every partition, the ones it does not hold too (``carried``: from the
+notes the run of every commit it saw of another lineage (``seen_runs``,
+saved with the state as ``superseded``): its state accounts for them, and
+a loader resumed from it takes those runs' commits for lost. Its own
+decisions do not change: the member that made one may be alive and go on.
+Its state then holds a position for every partition, the ones it does not
+hold too (``carried``: from the
 state it loaded, where it gave one back, or where it would have started
 one). So a job restarted before the crashed members' sessions ran out,
 which gets some partitions only later, still saves them; without that, a
@@ -50,7 +54,8 @@ resume would take the crashed run's commit for them (its ids lost with
 the crashed run's log), or a restart from scratch (``start="earliest"``)
 would save states that such a commit overrules. Merged states take the
 furthest position per partition, so a rank's carried one never wins over
-the owner's. Adopting can only make a resume read again, never skip.
+the owner's. A superseded run can only make a resume read again, never
+skip.
 
 Two ledgers: ``Ledger`` for batches made in offset order, and
 ``OrderLedger`` for records that go through a ``ShuffleBuffer`` (shuffle or
@@ -106,11 +111,13 @@ class Ledger:
         # mode; a static rank's state covers its own).
         self.cover_all = False
         self.decided = False  # the first assignment has been decided
-        # This loader's lineages and run, and the lineages it adopted
-        # (NOTE [ Whose commits win ]).
+        # This loader's lineages and run; the runs whose commits its state
+        # accounts for: loaded, and seen at its first assignment (NOTE [ A
+        # state covers every partition ]), as "lineage/run".
         self.lineages: set[str | None] = set()
         self.run: str | None = None
-        self.adopted: list[str] = []
+        self.superseded: set[str] = set()
+        self.seen_runs: list[str] = []
 
     # -- assignment (feeder thread, inside the source's callbacks) -------------
 
@@ -150,7 +157,8 @@ class Ledger:
             for tp, pos in positions.items():
                 self.used.setdefault(tp, pos)
             self.seen.update(tps)
-            self._adopt(committed)
+            if first:
+                self._adopt(committed)
             self.decided = True
         return positions
 
@@ -162,12 +170,13 @@ class Ledger:
         return theirs if theirs > own else own
 
     def _adopt(self, committed: Mapping[TP, Committed | None]) -> None:
-        """Commits this loader decided about: their lineages' reading so far is history."""
+        """Commits seen at the first assignment: their runs, for the state."""
         for c in committed.values():
             if c is not None and c.by is not None and c.by not in self.lineages \
                     and not self._ours(c):
-                self.lineages.add(c.by)
-                self.adopted.append(c.by)
+                key = f"{c.by}/{c.run or ''}"
+                if key not in self.seen_runs:
+                    self.seen_runs.append(key)
 
     def _ours(self, committed: Committed) -> bool:
         """Whether this run committed it (this loader, or another rank of its job)."""
@@ -175,7 +184,10 @@ class Ledger:
 
     def _lost(self, committed: Committed) -> bool:
         """Whether an earlier run of this loader's chain committed it (lost with that run)."""
-        return committed.by in self.lineages and not self._ours(committed)
+        if self._ours(committed):
+            return False
+        return committed.by in self.lineages \
+            or f"{committed.by}/{committed.run or ''}" in self.superseded
 
     def start_positions(self, tps: list[TP],
                         committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
@@ -314,7 +326,6 @@ class OrderLedger(Ledger):
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         with self.lock:
             self.seen.update(tps)
-            self._adopt(committed)
         return positions
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
