@@ -119,9 +119,14 @@ class Fetcher:
     # -- opening ------------------------------------------------------------
 
     def open(self, assignment: list[TP] | None) -> None:
+        if self.bounded or self.ledger.cover_all:
+            # Here, not inside a callback of consume(): librdkafka aborts on a
+            # poll made from within one, and listing topics polls.
+            self.status.doing = "reading the topics' partitions"
+            self.ledger.partitions = self.source.partitions()
         if self.bounded:
             self.status.doing = "reading the high watermarks"
-            for tp in self.source.partitions():
+            for tp in self.ledger.partitions:
                 self.ends[tp] = self.source.watermarks(tp)[1]
         self.status.doing = "opening the source"
         self.source.open(self.on_assign, self.on_revoke, assignment)

@@ -110,6 +110,7 @@ class Ledger:
         # Whether the state covers every partition of the topics (group
         # mode; a static rank's state covers its own).
         self.cover_all = False
+        self.partitions: list[TP] = []  # every partition of the topics, read at open
         self.decided = False  # the first assignment has been decided
         # This loader's lineages and run; the runs whose commits its state
         # accounts for: loaded, and seen at its first assignment (NOTE [ A
@@ -133,7 +134,7 @@ class Ledger:
         first = not self.decided
         scope = tps
         if first and self.cover_all:
-            scope = sorted(set(self.source.partitions()) | set(tps))
+            scope = sorted(set(self.partitions) | set(tps))
         committed = self.source.committed(scope)
         with self.lock:
             for tp in [tp for tp in self.handed if tp not in owned]:
