@@ -153,9 +153,11 @@ REFUSED = frozenset({
     53,    # TRANSACTIONAL_ID_AUTHORIZATION_FAILED
 })
 # A topic that stays unknown this long after the stream began was deleted
-# (a new topic can look unknown for a moment while metadata spreads).
+# (a new topic can look unknown for a moment while metadata spreads: on a
+# busy 3-broker cluster a producer made right after create_topic asked a
+# broker that still did not know the topic after 5 s).
 GONE_CODES = {3, -188, -190}  # UNKNOWN_TOPIC_OR_PART, _UNKNOWN_TOPIC, _UNKNOWN_PARTITION
-GONE_GRACE_S = 5.0
+GONE_GRACE_S = 10.0
 LEADER_NOT_AVAILABLE = 5
 
 
