@@ -169,6 +169,18 @@ def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() ->
 # -- whose commits win over a loaded state (NOTE [ Whose commits win ]) -------------------
 
 
+def resumed_exactly(src: MemorySource, state: dict, before: list, played: int = 0) -> None:
+    """Resume ``state`` from ``src`` to the end: with ``before``, every record once."""
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=3) as ld:
+        ld.load_state_dict(state)
+        after = [b for b in ld]
+    assert src.calls > played, "the script did not play"
+    ids = np.concatenate([b["id"].numpy() for b in before + after])
+    assert len(ids) == len(all_ids())
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+
+
 def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_commit() -> None:
     # A first run hands out a few batches and checkpoints; it then reads on,
     # commits past the checkpoint, and dies. Its reading after the
@@ -185,14 +197,7 @@ def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_co
     # The restart is first given partition 0 alone, as a cooperative group
     # does while the crashed members' sessions run out, and 1 and 2 later.
     src.rebalance(4, assign=[1, 2])
-    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
-                      prefetch=3) as ld:
-        ld.load_state_dict(state)
-        after = [b for b in ld]
-    assert src.calls > 4, "the script did not play"
-    ids = np.concatenate([b["id"].numpy() for b in before + after])
-    assert len(ids) == len(all_ids())
-    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+    resumed_exactly(src, state, before, played=4)
 
 
 def _ledger(start: str = "committed", loaded: bool = True) -> tuple:
@@ -257,13 +262,7 @@ def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() ->
     src = MemorySource(sample_values(), incremental=True, first=[0])
     crashed_commits(src)
     src.rebalance(4, assign=[1, 2])
-    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
-                      prefetch=3) as ld:
-        ld.load_state_dict(state)
-        after = [b for b in ld]
-    ids = np.concatenate([b["id"].numpy() for b in before + after])
-    assert len(ids) == len(all_ids())
-    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+    resumed_exactly(src, state, before)
 
 
 def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
@@ -285,11 +284,4 @@ def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
     src = MemorySource(sample_values(), incremental=True, first=[0])
     crashed_commits(src)
     src.rebalance(2, assign=[1, 2])  # before partition 0 ends the epoch
-    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
-                      prefetch=3) as ld:
-        ld.load_state_dict(state)
-        after = [b for b in ld]
-    assert src.calls > 2, "the script did not play"
-    ids = np.concatenate([b["id"].numpy() for b in before + after])
-    assert len(ids) == len(all_ids())
-    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+    resumed_exactly(src, state, before, played=2)
