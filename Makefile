@@ -12,7 +12,7 @@ DEMO_SAMPLES ?= 100000
 
 .PHONY: install demo demo-lm test fuzz-debug bench profile clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd)
+$(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.pxi)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

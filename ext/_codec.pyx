@@ -18,6 +18,10 @@ Schemas with a variable-length field (token documents) have their own layout
 class, ``DocLayout``, and their own entry points: ``decode_documents`` turns
 message values into one flat array of elements plus one length per document,
 ready for the packer (``kfeed._pack``), again with no Python object per record.
+
+Avro message values (one record each, as other services write them) are read
+by compiled plans into the same ``Out`` buffers: ``_avro.pxi``, included at
+the end of this module.
 """
 
 import sys
@@ -27,7 +31,8 @@ import numpy as np
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
+from libc.stdint cimport (INT64_MIN, UINT64_MAX, int8_t, int16_t, int32_t, int64_t, uint8_t,
+                          uint16_t, uint32_t, uint64_t, uintptr_t)
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
@@ -1366,3 +1371,6 @@ def encode_doc_raw(DocLayout layout, elements, const int64_t[::1] offsets, uint6
             out.append(PyBytes_FromStringAndSize(<const char*>(base + offsets[i] * isz),
                                                  (offsets[i + 1] - offsets[i]) * isz))
     return out
+
+
+include "_avro.pxi"

@@ -70,9 +70,24 @@ class Format(str, Enum):
 
 
 class Field(NamedTuple):
+    """One field: its name, dtype and shape; for records others write, where it comes from.
+
+    ``source``: the dotted path of the record field it is read from (Avro,
+    Protobuf, JSON); None means the field's own name. ``default``: the value
+    a null or missing source takes; None means such a record is bad. Neither
+    changes the schema's fingerprint: kfeed's own blocks do not use them.
+    """
+
     name: str
     dtype: str
     shape: tuple[int | None, ...]
+    source: str | None = None
+    default: Any = None
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The record field it is read from, as a path of names."""
+        return tuple((self.source or self.name).split("."))
 
     @property
     def storage(self) -> np.dtype:
@@ -221,8 +236,8 @@ class Schema:
     def __len__(self) -> int:
         return len(self.fields)
 
-    def to_dict(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
-        return {f.name: (f.dtype, f.shape) for f in self.fields}
+    def to_dict(self) -> dict[str, tuple[Any, ...]]:
+        return {f.name: (f.dtype, f.shape, *_options(f)) for f in self.fields}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Schema) and other.fields == self.fields
@@ -601,9 +616,11 @@ class Schema:
 def _parse_field(name: object, spec: object) -> Field:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"field names must be non-empty strings, got {name!r}")
-    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
-        raise ConfigError(f"field {name!r}: expected (dtype, shape), got {spec!r}")
-    dtype, shape = spec
+    if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
+        raise ConfigError(f"field {name!r}: expected (dtype, shape) or (dtype, shape, "
+                          f"{{'source': ..., 'default': ...}}), got {spec!r}")
+    dtype, shape = spec[:2]
+    source, default = _parse_options(name, spec[2] if len(spec) == 3 else {})
     if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
         dtype = np.dtype(dtype).name
     dtype = str(dtype).removeprefix("torch.")
@@ -626,12 +643,44 @@ def _parse_field(name: object, spec: object) -> Field:
                 f"field {name!r}: a variable-length field needs an integer dtype "
                 f"({', '.join(_VARLEN_DTYPES)}), got {dtype}"
             )
-        return Field(name, dtype, (None,))
+        return Field(name, dtype, (None,), source, default)
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
         raise ConfigError(f"field {name!r}: shape must be a tuple of ints, got {shape!r}")
     if any(d <= 0 for d in shape):
         raise ConfigError(f"field {name!r}: dimensions must be positive, got {tuple(shape)}")
-    return Field(name, dtype, tuple(int(d) for d in shape))
+    shape = tuple(int(d) for d in shape)
+    if default is not None:
+        try:
+            default = np.full(shape, default).astype(_STORAGE[dtype], casting="same_kind")
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"field {name!r}: default {default!r} is not a {dtype} value "
+                              f"({e})") from None
+        default = default.item() if default.ndim == 0 else _frozen(default.tolist())
+    return Field(name, dtype, shape, source, default)
+
+
+def _frozen(value: Any) -> Any:
+    # Nested tuples, so that a Field (and a Schema) stays hashable.
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _parse_options(name: str, options: object) -> tuple[str | None, Any]:
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"field {name!r}: options must be a dict, got {options!r}")
+    unknown = set(options) - {"source", "default"}
+    if unknown:
+        raise ConfigError(f"field {name!r}: unknown options {sorted(unknown)}; "
+                          f"known: 'source', 'default'")
+    source = options.get("source")
+    if source is not None and (not isinstance(source, str) or not all(source.split("."))):
+        raise ConfigError(f"field {name!r}: source must be a dotted path like 'user.age', "
+                          f"got {source!r}")
+    return source, options.get("default")
+
+
+def _options(f: Field) -> tuple[dict[str, Any], ...]:
+    options = {k: v for k, v in (("source", f.source), ("default", f.default)) if v is not None}
+    return (options,) if options else ()
 
 
 def _as_numpy(f: Field, col: Any) -> np.ndarray:

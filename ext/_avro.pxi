@@ -1,0 +1,662 @@
+# Avro binary -> fixed-shape rows, included into _codec.pyx (it writes into ``Out``).
+#
+# ``kfeed.avro`` compiles a writer schema and a kfeed Schema into a plan: a
+# graph of nodes, one per writer type, each either read into a field or
+# skipped. ``avro_decode`` walks the plan over each message value, writing
+# straight into the output rows without the GIL and without a Python object
+# per record. Every write is bounds-checked against the field's row, so no
+# plan, however made, can write outside the output. A record that fails at
+# any point is rejected whole: its row is written again by the next record.
+#
+# Wire facts (Avro 1.11 specification, "Binary Encoding"): int and long are
+# zig-zag varints; float and double little-endian IEEE 754; bytes and string
+# a long length then the bytes; fixed its size in bytes; enum an int index;
+# a union an int branch index then the branch; arrays and maps a series of
+# blocks, each a long count (negative: its absolute value, followed by the
+# block's size in bytes) and that many items, ended by a count of 0. The
+# Confluent framing puts a zero byte and a 4-byte big-endian schema id first.
+
+# Writer type of a node. K_BAD: a type the field cannot take (reason in the
+# plan's notes), failing every record that reaches it.
+cdef enum AvKind:
+    K_NULL = 0
+    K_BOOLEAN
+    K_INT
+    K_LONG
+    K_FLOAT
+    K_DOUBLE
+    K_BYTES
+    K_STRING
+    K_FIXED
+    K_ENUM
+    K_ARRAY
+    K_MAP
+    K_UNION
+    K_RECORD
+    K_BAD
+    K_KINDS
+
+# How a field stores an element.
+cdef enum AvCode:
+    C_BOOL = 1
+    C_I8
+    C_I16
+    C_I32
+    C_I64
+    C_U8
+    C_U16
+    C_U32
+    C_U64
+    C_F32
+    C_F64
+    C_CODES
+
+AVRO_CODES = {"bool": C_BOOL, "int8": C_I8, "int16": C_I16, "int32": C_I32, "int64": C_I64,
+              "uint8": C_U8, "uint16": C_U16, "uint32": C_U32, "uint64": C_U64,
+              "float32": C_F32, "float64": C_F64}
+AVRO_KINDS = {"null": K_NULL, "boolean": K_BOOLEAN, "int": K_INT, "long": K_LONG,
+              "float": K_FLOAT, "double": K_DOUBLE, "bytes": K_BYTES, "string": K_STRING,
+              "fixed": K_FIXED, "enum": K_ENUM, "array": K_ARRAY, "map": K_MAP,
+              "union": K_UNION, "record": K_RECORD, "bad": K_BAD}
+
+cdef enum AvErr:
+    A_OK = 0
+    A_TRUNCATED
+    A_VARINT
+    A_NEG_LENGTH
+    A_UNION
+    A_ENUM
+    A_BOOLEAN
+    A_RANGE
+    A_KIND
+    A_NULL
+    A_LENGTH
+    A_DEPTH
+    A_MISSING
+    A_TRAILING
+    A_FRAME
+    A_VALUE          # the value was rejected before decoding (a Reason in ``extra``)
+    A_PLAN           # no plan for the value's schema id (a str reason from the caller)
+
+cdef enum:
+    # Nesting deeper than this (recursive types) fails the record, not the stack.
+    AV_MAX_DEPTH = 200
+    # Items of an array or map block that take no bytes each (nulls, empty
+    # records) are bounded by this, so a forged count cannot spin the loop.
+    AV_FREE_ITEMS = 65536
+
+
+cdef struct AvNode:
+    int kind
+    int field           # the field written, -1: skipped
+    int code            # the field's AvCode when field >= 0
+    int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items
+    int64_t stride      # ARRAY into a field: elements per item
+    Py_ssize_t first    # children: kids[first:first + n]
+    Py_ssize_t n
+
+
+cdef struct AvPlan:
+    AvNode* nodes
+    Py_ssize_t nnodes
+    Py_ssize_t* kids
+    Py_ssize_t nfields
+    int* codes               # per field
+    uint64_t* nelem          # per field: elements in one row
+    const uint8_t** default  # per field: one row of its default, or NULL
+
+
+cdef struct AvCur:
+    const uint8_t* p
+    const uint8_t* end
+    const AvPlan* plan
+    uint8_t** row            # per field: the record's row in the output
+    uint8_t* written         # per field: set once the record wrote it
+    int depth
+    Py_ssize_t err_node
+    Py_ssize_t err_field
+    int64_t err_value
+
+
+cdef inline int code_size(int code) noexcept nogil:
+    if code == C_BOOL or code == C_I8 or code == C_U8:
+        return 1
+    if code == C_I16 or code == C_U16:
+        return 2
+    if code == C_I32 or code == C_U32 or code == C_F32:
+        return 4
+    return 8
+
+
+cdef class AvroPlan:
+    """A compiled writer schema: how to read its records into a layout's fields.
+
+    Made by ``kfeed.avro``, from arrays it checks here: ``nodes`` rows are
+    (kind, field, code, size, stride, first, n), ``kids`` the children's node
+    indices, ``codes`` each field's AvCode, ``defaults`` one row of bytes per
+    field or None. ``notes`` names each node for error messages (its path, or
+    why a K_BAD node cannot be read).
+    """
+
+    cdef AvPlan p
+    cdef readonly tuple notes
+    cdef readonly Py_ssize_t nfields
+    cdef tuple _defaults
+
+    def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[::1] kids,
+                  codes, defaults, notes):
+        cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = kids.shape[0]
+        cdef AvNode* nd
+        self.nfields = layout.nfields
+        if nodes.shape[1] != 7 or nn == 0:
+            raise ValueError("nodes must have shape (n >= 1, 7)")
+        if len(codes) != layout.nfields or len(defaults) != layout.nfields:
+            raise ValueError("one code and one default per field are needed")
+        if len(notes) != nn:
+            raise ValueError("one note per node is needed")
+        self.notes = tuple(str(x) for x in notes)
+        self._defaults = tuple(defaults)
+        self.p.nnodes = nn
+        self.p.nfields = layout.nfields
+        self.p.nodes = <AvNode*>calloc(nn, sizeof(AvNode))
+        self.p.kids = <Py_ssize_t*>calloc(nk if nk else 1, sizeof(Py_ssize_t))
+        self.p.codes = <int*>calloc(layout.nfields, sizeof(int))
+        self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+        self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+        if not (self.p.nodes and self.p.kids and self.p.codes and self.p.nelem
+                and self.p.default):
+            raise MemoryError()
+        for f in range(layout.nfields):
+            code = codes[f]
+            if not C_BOOL <= code < C_CODES:
+                raise ValueError(f"field {f}: unknown code {code}")
+            self.p.codes[f] = code
+            if layout.row_bytes[f] % code_size(code):
+                raise ValueError(f"field {f}: its row is not a whole number of elements")
+            self.p.nelem[f] = layout.row_bytes[f] // code_size(code)
+            d = defaults[f]
+            if d is not None:
+                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
+                    raise ValueError(f"field {f}: a default must be bytes of one row")
+                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        for i in range(nk):
+            if not 0 <= kids[i] < nn:
+                raise ValueError(f"kid {i} is not a node")
+            self.p.kids[i] = kids[i]
+        for i in range(nn):
+            nd = &self.p.nodes[i]
+            nd.kind, nd.field, nd.code = nodes[i, 0], nodes[i, 1], nodes[i, 2]
+            nd.size, nd.stride, nd.first, nd.n = nodes[i, 3], nodes[i, 4], nodes[i, 5], nodes[i, 6]
+            if not 0 <= nd.kind < K_KINDS:
+                raise ValueError(f"node {i}: unknown kind {nd.kind}")
+            if not -1 <= nd.field < layout.nfields:
+                raise ValueError(f"node {i}: field {nd.field} is not in the layout")
+            if nd.field >= 0 and nd.code != self.p.codes[nd.field]:
+                raise ValueError(f"node {i}: its code is not its field's")
+            if nd.first < 0 or nd.n < 0 or nd.first > nk or nd.n > nk - nd.first:
+                raise ValueError(f"node {i}: its children are not in kids")
+            if (nd.kind == K_ARRAY or nd.kind == K_MAP) and nd.n != 1:
+                raise ValueError(f"node {i}: an array or map has one child")
+            if nd.size < 0 or nd.stride < 0:
+                raise ValueError(f"node {i}: negative size")
+
+    def __dealloc__(self):
+        free(self.p.nodes)
+        free(self.p.kids)
+        free(self.p.codes)
+        free(self.p.nelem)
+        free(self.p.default)
+
+
+cdef inline int av_long(AvCur* c, int64_t* out) noexcept nogil:
+    cdef uint64_t v = 0, b
+    cdef int shift = 0
+    while True:
+        if c.p >= c.end:
+            return A_TRUNCATED
+        b = c.p[0]
+        c.p += 1
+        if shift == 63 and (b & 0xFE):
+            return A_VARINT
+        v |= (b & 0x7F) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+        if shift > 63:
+            return A_VARINT
+    out[0] = <int64_t>(v >> 1) ^ -(<int64_t>(v & 1))
+    return A_OK
+
+
+cdef inline int av_store_int(AvCur* c, const AvNode* nd, int64_t elem, int64_t v) noexcept nogil:
+    """Store integer ``v`` as element ``elem`` of the node's field, if it fits."""
+    cdef int f = nd.field
+    if elem < 0 or <uint64_t>elem >= c.plan.nelem[f]:
+        return A_LENGTH
+    cdef uint8_t* d = c.row[f]
+    cdef int code = nd.code
+    c.err_value = v
+    if code == C_I64:
+        (<int64_t*>d)[elem] = v
+    elif code == C_F32:
+        (<float*>d)[elem] = <float>v
+    elif code == C_F64:
+        (<double*>d)[elem] = <double>v
+    elif code == C_I32:
+        if v < -<int64_t>0x80000000 or v > <int64_t>0x7FFFFFFF:
+            return A_RANGE
+        (<int32_t*>d)[elem] = <int32_t>v
+    elif code == C_I16:
+        if v < -32768 or v > 32767:
+            return A_RANGE
+        (<int16_t*>d)[elem] = <int16_t>v
+    elif code == C_I8:
+        if v < -128 or v > 127:
+            return A_RANGE
+        (<int8_t*>d)[elem] = <int8_t>v
+    elif code == C_U8:
+        if v < 0 or v > 255:
+            return A_RANGE
+        d[elem] = <uint8_t>v
+    elif code == C_U16:
+        if v < 0 or v > 65535:
+            return A_RANGE
+        (<uint16_t*>d)[elem] = <uint16_t>v
+    elif code == C_U32:
+        if v < 0 or v > <int64_t>0xFFFFFFFF:
+            return A_RANGE
+        (<uint32_t*>d)[elem] = <uint32_t>v
+    elif code == C_U64:
+        if v < 0:
+            return A_RANGE
+        (<uint64_t*>d)[elem] = <uint64_t>v
+    elif code == C_BOOL:
+        if v != 0 and v != 1:
+            return A_KIND
+        d[elem] = <uint8_t>v
+    else:
+        return A_KIND
+    c.written[f] = 1
+    return A_OK
+
+
+cdef inline int av_store_float(AvCur* c, const AvNode* nd, int64_t elem, double v) noexcept nogil:
+    cdef int f = nd.field
+    if elem < 0 or <uint64_t>elem >= c.plan.nelem[f]:
+        return A_LENGTH
+    if nd.code == C_F32:
+        (<float*>c.row[f])[elem] = <float>v
+    elif nd.code == C_F64:
+        (<double*>c.row[f])[elem] = v
+    else:
+        return A_KIND
+    c.written[f] = 1
+    return A_OK
+
+
+cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexcept nogil:
+    """An array's or map's blocks; into the field when the node has one."""
+    cdef Py_ssize_t kid = c.plan.kids[nd.first]
+    cdef const AvNode* item = &c.plan.nodes[kid]
+    cdef int64_t count, nbytes, k = 0, j, left
+    cdef int r
+    cdef bint into = nd.field >= 0 and nd.kind == K_ARRAY
+    while True:
+        r = av_long(c, &count)
+        if r:
+            return r
+        if count == 0:
+            break
+        if count < 0:
+            if count == INT64_MIN:
+                return A_VARINT
+            count = -count
+            r = av_long(c, &nbytes)
+            if r:
+                return r
+            if nbytes < 0:
+                return A_NEG_LENGTH
+            if not into and item.field < 0 and nd.kind == K_ARRAY:
+                # Skipped whole: the block says how long it is.
+                if nbytes > c.end - c.p:
+                    return A_TRUNCATED
+                c.p += nbytes
+                continue
+        if count > c.end - c.p and count > AV_FREE_ITEMS:
+            return A_TRUNCATED
+        if into:
+            if count > nd.size - k:
+                c.err_node = i
+                c.err_value = k + count
+                return A_LENGTH
+            left = c.end - c.p
+            if item.kind == K_FLOAT and nd.code == C_F32 and nd.stride == 1:
+                if count * 4 > left:
+                    return A_TRUNCATED
+                if <uint64_t>(elem + k + count) > c.plan.nelem[nd.field]:
+                    return A_LENGTH
+                memcpy(c.row[nd.field] + (elem + k) * 4, c.p, count * 4)
+                c.p += count * 4
+                k += count
+                continue
+            if item.kind == K_DOUBLE and nd.code == C_F64 and nd.stride == 1:
+                if count * 8 > left:
+                    return A_TRUNCATED
+                if <uint64_t>(elem + k + count) > c.plan.nelem[nd.field]:
+                    return A_LENGTH
+                memcpy(c.row[nd.field] + (elem + k) * 8, c.p, count * 8)
+                c.p += count * 8
+                k += count
+                continue
+        for j in range(count):
+            if nd.kind == K_MAP:
+                r = av_long(c, &nbytes)  # the key, a string
+                if r:
+                    return r
+                if nbytes < 0:
+                    return A_NEG_LENGTH
+                if nbytes > c.end - c.p:
+                    return A_TRUNCATED
+                c.p += nbytes
+            r = av_read(c, kid, elem + (k + j) * nd.stride)
+            if r:
+                return r
+        k += count
+    if into:
+        if k != nd.size:
+            c.err_node = i
+            c.err_value = k
+            return A_LENGTH
+        c.written[nd.field] = 1
+    return A_OK
+
+
+cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
+    """Read one value of node ``i``; into element ``elem`` of its field, if it has one."""
+    cdef const AvNode* nd = &c.plan.nodes[i]
+    cdef int64_t v
+    cdef int r = A_OK
+    cdef Py_ssize_t k
+    cdef float fv
+    cdef double dv
+    cdef int kind = nd.kind
+    if kind == K_NULL:
+        if nd.field >= 0:  # an element cannot be null
+            r = A_NULL
+    elif kind == K_BOOLEAN:
+        if c.p >= c.end:
+            return A_TRUNCATED
+        v = c.p[0]
+        c.p += 1
+        if v > 1:
+            c.err_value = v
+            r = A_BOOLEAN
+        elif nd.field >= 0:
+            r = av_store_int(c, nd, elem, v)
+    elif kind == K_INT or kind == K_LONG or kind == K_ENUM:
+        r = av_long(c, &v)
+        if r == A_OK and kind == K_ENUM and (v < 0 or v >= nd.size):
+            c.err_value = v
+            r = A_ENUM
+        if r == A_OK and nd.field >= 0:
+            r = av_store_int(c, nd, elem, v)
+    elif kind == K_FLOAT:
+        if c.end - c.p < 4:
+            return A_TRUNCATED
+        if nd.field >= 0:
+            memcpy(&fv, c.p, 4)
+            r = av_store_float(c, nd, elem, fv)
+        c.p += 4
+    elif kind == K_DOUBLE:
+        if c.end - c.p < 8:
+            return A_TRUNCATED
+        if nd.field >= 0:
+            memcpy(&dv, c.p, 8)
+            r = av_store_float(c, nd, elem, dv)
+        c.p += 8
+    elif kind == K_BYTES or kind == K_STRING:
+        r = av_long(c, &v)
+        if r:
+            return r
+        if v < 0:
+            return A_NEG_LENGTH
+        if v > c.end - c.p:
+            return A_TRUNCATED
+        c.p += v
+    elif kind == K_FIXED:
+        if c.end - c.p < nd.size:
+            return A_TRUNCATED
+        if nd.field >= 0:
+            if elem < 0 or <uint64_t>(elem + nd.size) > c.plan.nelem[nd.field]:
+                r = A_LENGTH
+            else:
+                memcpy(c.row[nd.field] + elem, c.p, nd.size)
+                c.written[nd.field] = 1
+        c.p += nd.size
+    elif kind == K_UNION:
+        r = av_long(c, &v)
+        if r:
+            return r
+        if v < 0 or v >= nd.n:
+            c.err_value = v
+            r = A_UNION
+        else:
+            c.depth += 1
+            if c.depth > AV_MAX_DEPTH:
+                return A_DEPTH
+            r = av_read(c, c.plan.kids[nd.first + v], elem)
+            c.depth -= 1
+            return r
+    elif kind == K_RECORD:
+        c.depth += 1
+        if c.depth > AV_MAX_DEPTH:
+            return A_DEPTH
+        for k in range(nd.n):
+            r = av_read(c, c.plan.kids[nd.first + k], elem)
+            if r:
+                return r
+        c.depth -= 1
+    elif kind == K_ARRAY or kind == K_MAP:
+        c.depth += 1
+        if c.depth > AV_MAX_DEPTH:
+            return A_DEPTH
+        r = av_items(c, i, nd, elem)
+        c.depth -= 1
+    else:  # K_BAD
+        r = A_KIND
+    if r and c.err_node < 0:
+        c.err_node = i
+    return r
+
+
+cdef int av_record(AvCur* c, const AvPlan* plan, const uint8_t* p, const uint8_t* end,
+                   uint8_t** dst, uint64_t row) noexcept nogil:
+    """One record into row ``row`` of ``dst``; then defaults for the fields it left out."""
+    cdef Py_ssize_t f
+    c.plan = plan
+    c.p = p
+    c.end = end
+    c.depth = 0
+    c.err_node = -1
+    c.err_field = -1
+    c.err_value = 0
+    for f in range(plan.nfields):
+        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
+        c.written[f] = 0
+    cdef int r = av_read(c, 0, 0)
+    if r:
+        return r
+    if c.p != c.end:
+        c.err_value = c.end - c.p
+        return A_TRAILING
+    for f in range(plan.nfields):
+        if not c.written[f]:
+            if plan.default[f] == NULL:
+                c.err_field = f
+                return A_MISSING
+            memcpy(c.row[f], plan.default[f], plan.nelem[f] * code_size(plan.codes[f]))
+    return A_OK
+
+
+cdef struct AvBad:
+    Py_ssize_t index
+    int err
+    Py_ssize_t node
+    Py_ssize_t field
+    int64_t value
+    Py_ssize_t skip     # bytes of framing before the record
+
+
+def avro_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
+    """Decode Avro message values into ``out`` from ``row`` on, one record per value.
+
+    ``plans``: the ``AvroPlan`` of every value (not framed), or a dict from
+    Confluent schema id to its ``AvroPlan``, or to a str saying why its values
+    are rejected (framed). Returns ``(rows, consumed, bad, need)``: rows
+    written, values used, ``[(index, reason)]``, and the schema id of value
+    ``consumed`` when ``plans`` has no entry for it (None otherwise): the
+    caller compiles it and calls again from there.
+    """
+    out.fits(layout)
+    if row > out.capacity:
+        raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, f
+    cdef const AvPlan** vp = <const AvPlan**>calloc(m, sizeof(AvPlan*))
+    cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef AvroPlan plan
+    cdef AvCur c
+    cdef uint64_t out_row = row
+    cdef int r
+    cdef uint32_t sid, last_sid = 0
+    cdef const AvPlan* last = NULL
+    owners = {}  # AvPlan address -> its AvroPlan, for the reasons
+    reasons = {}
+    need = None
+    if not (vp and skip and bad and rowp and written):
+        free(vp); free(skip); free(bad); free(rowp); free(written)
+        raise MemoryError()
+    try:
+        if not framed:
+            if not isinstance(plans, AvroPlan):
+                raise TypeError("plans must be an AvroPlan for values without framing")
+            plan = <AvroPlan>plans
+            if plan.nfields != layout.nfields:
+                raise ValueError("the plan was made for another layout")
+            owners[<uintptr_t>&plan.p] = plan
+            for i in range(n):
+                vp[i] = &plan.p
+        else:
+            # Under the GIL: each value's plan, looked up when the id changes.
+            for i in range(n):
+                if vals.size[i] < 5:
+                    continue  # rejected in the loop below
+                if vals.ptr[i][0] != 0:
+                    continue
+                sid = load_u32_be(vals.ptr[i] + 1)
+                skip[i] = 5
+                if last != NULL and sid == last_sid:
+                    vp[i] = last
+                    continue
+                entry = plans.get(sid)
+                if entry is None:
+                    need = sid
+                    n = i
+                    break
+                if isinstance(entry, AvroPlan):
+                    plan = <AvroPlan>entry
+                    if plan.nfields != layout.nfields:
+                        raise ValueError("the plan was made for another layout")
+                    owners[<uintptr_t>&plan.p] = plan
+                    vp[i] = &plan.p
+                    last, last_sid = vp[i], sid
+                else:
+                    reasons[i] = str(entry)
+                    last = NULL
+        c.row = rowp
+        c.written = written
+        with nogil:
+            i = 0
+            while i < n and out_row < out.capacity:
+                if vals.size[i] < 0:
+                    r = A_VALUE
+                    c.err_value = -vals.size[i]
+                elif framed and (vals.size[i] < 5 or vals.ptr[i][0] != 0):
+                    r = A_FRAME
+                    c.err_value = vals.ptr[i][0] if vals.size[i] > 0 else -1
+                elif vp[i] == NULL:
+                    r = A_PLAN
+                else:
+                    r = av_record(&c, vp[i], vals.ptr[i] + skip[i], vals.ptr[i] + vals.size[i],
+                                  out.bufs.ptr, out_row)
+                if r == A_OK:
+                    out_row += 1
+                else:
+                    bad[nbad].index = i
+                    bad[nbad].err = r
+                    bad[nbad].node = c.err_node if r != A_VALUE else -1
+                    bad[nbad].field = c.err_field
+                    bad[nbad].value = c.err_value
+                    bad[nbad].skip = skip[i]
+                    c.err_node = -1
+                    c.err_field = -1
+                    nbad += 1
+                i += 1
+        if i < n:
+            need = None  # stopped on a full output, before the unknown id
+        rejected = []
+        for k in range(nbad):
+            idx = bad[k].index
+            if bad[k].err == A_PLAN:
+                rejected.append((idx, reasons.get(idx, "no plan for the value's schema")))
+            elif bad[k].err == A_VALUE:
+                rejected.append((idx, REASONS[bad[k].value]))
+            else:
+                owner = owners.get(<uintptr_t>vp[idx])
+                rejected.append((idx, _avro_reason(layout, owner, bad[k], vals.size[idx])))
+        return out_row - row, i, rejected, need
+    finally:
+        free(vp); free(skip); free(bad); free(rowp); free(written)
+
+
+cdef inline uint32_t load_u32_be(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+
+
+cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
+    cdef int err = b.err
+    if err == A_FRAME:
+        if size < 5:
+            return f"{size} bytes: too short for the Confluent framing (5 bytes)"
+        return f"magic byte {b.value}, expected 0 (Confluent framing)"
+    where = f" at {plan.notes[b.node]}" if plan is not None and b.node >= 0 else ""
+    if err == A_MISSING:
+        return f"field {layout.names[b.field]!r}: missing or null, and no default"
+    if err == A_TRUNCATED:
+        return f"truncated{where}"
+    if err == A_VARINT:
+        return f"malformed varint{where}"
+    if err == A_NEG_LENGTH:
+        return f"negative length{where}"
+    if err == A_UNION:
+        return f"union branch {b.value} does not exist{where}"
+    if err == A_ENUM:
+        return f"enum index {b.value} out of range{where}"
+    if err == A_BOOLEAN:
+        return f"boolean byte {b.value}{where}"
+    if err == A_RANGE:
+        return f"{b.value} does not fit the field's dtype{where}"
+    if err == A_KIND:
+        return f"cannot be read{where}"
+    if err == A_NULL:
+        return f"null element{where}"
+    if err == A_LENGTH:
+        return f"array of {b.value} items does not match the field's shape{where}"
+    if err == A_DEPTH:
+        return f"nested deeper than {AV_MAX_DEPTH}{where}"
+    if err == A_TRAILING:
+        return f"{b.value} bytes left after the record"
+    return f"error {err}{where}"

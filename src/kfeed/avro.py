@@ -1,0 +1,378 @@
+"""Avro records, as other services write them, decoded straight into the batch.
+
+Where it sits: in the build stage, in place of kfeed's own codec. The loader
+hands a fetch of message values to ``AvroDecoder.decode_into``, which writes
+one row per message into the pool slot through ``_codec.avro_decode`` (Cython,
+no GIL, no Python object per record).
+
+Each writer schema is compiled once, against the kfeed ``Schema``, into a
+plan (``_codec.AvroPlan``): one node per writer type, read into a field or
+skipped. Fields map to record fields by name, or by their dotted ``source``;
+record fields the schema does not name are skipped. Values convert as
+numpy's ``same_kind`` casting allows (int into int64 or float32, double into
+float32); an integer that does not fit, a value of another kind, an array of
+the wrong length, or a null without a ``default`` makes the record bad, with
+a reason naming where.
+
+With a ``registry``, values carry the Confluent framing (a zero byte, the
+4-byte big-endian schema id, the Avro binary), and each id's writer schema is
+fetched once and compiled; so a topic whose schema evolves just works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kfeed import _codec
+from kfeed.errors import ConfigError, ConsumeError
+from kfeed.schema import DecodeResult, Field, Schema, Target
+
+__all__ = ["Avro", "AvroDecoder"]
+
+log = logging.getLogger("kfeed.avro")
+
+_PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_FLOATS = ("float32", "float64")
+# A registry that does not answer is asked again for this long, then the
+# loader fails with ConsumeError: a record is never skipped for want of its schema.
+REGISTRY_RETRY_S = 30.0
+
+
+class Avro:
+    """Message values in Avro: ``Loader(..., format=kfeed.Avro(...))``.
+
+    ``registry``: where writer schemas come from, for values in the
+    Confluent wire format. The dict that confluent-kafka's
+    ``SchemaRegistryClient`` takes (``{"url": ...}``, basic auth, TLS), or a
+    client already made (anything with ``get_schema(schema_id)``).
+
+    ``schema``: the writer schema (a dict, its JSON text, or the path of an
+    ``.avsc`` file), for topics whose values are plain Avro binary, without
+    the framing.
+    """
+
+    value = "avro"
+
+    def __init__(self, schema: Mapping[str, Any] | str | Path | None = None,
+                 registry: Mapping[str, Any] | Any | None = None) -> None:
+        if (schema is None) == (registry is None):
+            raise ConfigError("kfeed.Avro needs schema= (values without framing) or "
+                              "registry= (values in the Confluent wire format), not both")
+        self.schema = _load_schema(schema) if schema is not None else None
+        if registry is not None and not isinstance(registry, Mapping) \
+                and not callable(getattr(registry, "get_schema", None)):
+            raise ConfigError("registry must be a SchemaRegistryClient config dict "
+                              "({'url': ...}) or a client with get_schema(schema_id)")
+        self.registry = registry
+        self._client: Any = None
+
+    @property
+    def framed(self) -> bool:
+        return self.registry is not None
+
+    def client(self) -> Any:
+        """The registry client, made once from the config dict."""
+        if self._client is None:
+            if isinstance(self.registry, Mapping):
+                try:
+                    from confluent_kafka.schema_registry import SchemaRegistryClient
+                except ImportError as e:
+                    raise ConfigError("kfeed.Avro(registry=...) needs confluent-kafka's "
+                                      "schema registry client: pip install "
+                                      "'confluent-kafka[schemaregistry]'") from e
+                self._client = SchemaRegistryClient(dict(self.registry))
+            else:
+                self._client = self.registry
+        return self._client
+
+    def decoder(self, schema: Schema) -> AvroDecoder:
+        return AvroDecoder(self, schema)
+
+    def __repr__(self) -> str:
+        return "Avro(registry=...)" if self.framed else "Avro(schema=...)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A client does not cross to DataLoader workers; its config does.
+        if self.framed and not isinstance(self.registry, Mapping):
+            raise ConfigError("a kfeed.Avro made with a registry client cannot be sent to "
+                              "DataLoader workers; give registry= its config dict instead")
+        return (Avro, (self.schema, self.registry))
+
+
+class AvroDecoder:
+    """One kfeed Schema's reader of Avro values: a plan per writer schema, made once."""
+
+    def __init__(self, fmt: Avro, schema: Schema) -> None:
+        self.fmt = fmt
+        self.schema = schema
+        self.layout = schema._fixed_only("Avro decoding")
+        for f in schema.fields:
+            if f.dtype not in _INTS + _FLOATS + ("bool",):
+                raise ConfigError(f"field {f.name!r}: Avro values decode into bool, integer, "
+                                  f"float32 or float64 fields, not {f.dtype}")
+        self.plans: dict[int, Any] = {}
+        self.single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
+
+    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
+        """Decode values into ``out`` from ``row`` on: one row per good value."""
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        if self.single is not None:
+            rows, consumed, bad, _ = _codec.avro_decode(self.layout, self.single, values,
+                                                        out.out, row, False)
+            return DecodeResult(rows, consumed, bad)
+        rows = consumed = 0
+        bad: list[tuple[int, str]] = []
+        while True:
+            r, c, b, need = _codec.avro_decode(self.layout, self.plans, values[consumed:],
+                                               out.out, row + rows, True)
+            bad.extend((consumed + i, why) for i, why in b)
+            rows += r
+            consumed += c
+            if need is None:
+                return DecodeResult(rows, consumed, bad)
+            self.plans[need] = self._plan_for(need)
+
+    def _plan_for(self, schema_id: int) -> Any:
+        """The plan of a schema id, or the reason its records are bad."""
+        text = self._fetch(schema_id)
+        if text is None:
+            return f"schema id {schema_id} is not in the registry"
+        try:
+            return compile_plan(_load_schema(text), self.schema)
+        except ConfigError as e:
+            log.warning("schema id %d cannot be read: %s", schema_id, e)
+            return f"schema id {schema_id}: {e}"
+
+    def _fetch(self, schema_id: int) -> str | None:
+        client = self.fmt.client()
+        deadline = time.monotonic() + REGISTRY_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                registered = client.get_schema(schema_id)
+            except Exception as e:  # noqa: BLE001 - the client raises several kinds
+                if getattr(e, "http_status_code", None) == 404:
+                    return None
+                if time.monotonic() + delay > deadline:
+                    raise ConsumeError(f"the schema registry did not give schema id {schema_id} "
+                                       f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
+                log.warning("schema registry: %s; asking again in %.1f s", e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            kind = getattr(registered, "schema_type", "AVRO") or "AVRO"
+            if kind != "AVRO":
+                return json.dumps({"kfeed:not-avro": kind})
+            return registered.schema_str
+
+
+# -- writer schemas ----------------------------------------------------------------
+
+
+def _load_schema(schema: Mapping[str, Any] | str | Path | list[Any]) -> Any:
+    """A writer schema as parsed JSON, from a dict, JSON text or an .avsc path."""
+    if isinstance(schema, Path) or (isinstance(schema, str) and schema.endswith(".avsc")):
+        try:
+            schema = Path(schema).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read the Avro schema {schema}: {e.strerror}") from None
+    if isinstance(schema, str):
+        try:
+            return json.loads(schema)
+        except json.JSONDecodeError:
+            if schema in _PRIMITIVES:
+                return schema
+            raise ConfigError(f"the Avro schema is not JSON: {schema[:80]!r}") from None
+    if isinstance(schema, (Mapping, list)):
+        return schema
+    raise ConfigError(f"an Avro schema is a dict, JSON text or an .avsc path, got "
+                      f"{type(schema).__name__}")
+
+
+class _Names:
+    """Named types (records, enums, fixed) by full name, as the specification resolves them."""
+
+    def __init__(self) -> None:
+        self.types: dict[str, dict[str, Any]] = {}
+
+    def resolve(self, s: Any, ns: str) -> Any:
+        """The schema ``s`` with every named reference replaced by its definition."""
+        if isinstance(s, str):
+            if s in _PRIMITIVES:
+                return {"type": s}
+            full = s if "." in s else (f"{ns}.{s}" if ns else s)
+            for name in (full, s):
+                if name in self.types:
+                    return self.types[name]
+            raise ConfigError(f"unknown Avro type {s!r}")
+        if isinstance(s, list):
+            return {"type": "union", "branches": [self.resolve(b, ns) for b in s]}
+        if not isinstance(s, Mapping) or "type" not in s:
+            raise ConfigError(f"not an Avro schema: {str(s)[:80]}")
+        t = s["type"]
+        if isinstance(t, (Mapping, list)) or (isinstance(t, str) and t not in _PRIMITIVES
+                                               and t not in ("record", "error", "enum",
+                                                             "fixed", "array", "map")):
+            return self.resolve(t, ns)
+        if t in _PRIMITIVES:
+            return {"type": t}
+        if t in ("record", "error", "enum", "fixed"):
+            name = s.get("name")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"an Avro {t} needs a name")
+            space = s.get("namespace", ns) if "." not in name else name.rsplit(".", 1)[0]
+            full = name if "." in name else (f"{space}.{name}" if space else name)
+            node: dict[str, Any] = {"type": "record" if t == "error" else t, "name": full}
+            self.types[full] = node  # before the fields: a record may refer to itself
+            if t == "enum":
+                node["symbols"] = list(s.get("symbols", []))
+            elif t == "fixed":
+                size = s.get("size")
+                if not isinstance(size, int) or size < 0:
+                    raise ConfigError(f"Avro fixed {full!r} needs a size")
+                node["size"] = size
+            else:
+                fields = s.get("fields")
+                if not isinstance(fields, list):
+                    raise ConfigError(f"Avro record {full!r} needs a list of fields")
+                node["fields"] = [(f["name"], self.resolve(f["type"], space or "")) for f in fields]
+            return node
+        if t == "array":
+            return {"type": "array", "items": self.resolve(s.get("items"), ns)}
+        return {"type": "map", "values": self.resolve(s.get("values"), ns)}
+
+
+# -- plans -------------------------------------------------------------------------
+
+
+class _Compiler:
+    """Writer schema + kfeed Schema -> the node arrays of an ``AvroPlan``."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.codes = [_codec.AVRO_CODES[f.dtype] for f in schema.fields]
+        self.nodes: list[list[int]] = []
+        self.kids: list[int] = []
+        self.notes: list[str] = []
+        self.skipped: dict[int, int] = {}  # id(type) -> its skip node, shared
+
+    def node(self, kind: str, note: str, field: int = -1, size: int = 0,
+             stride: int = 0) -> int:
+        code = self.codes[field] if field >= 0 else 0
+        self.nodes.append([_codec.AVRO_KINDS[kind], field, code, size, stride, 0, 0])
+        self.notes.append(note)
+        return len(self.nodes) - 1
+
+    def children(self, i: int, kids: list[int]) -> int:
+        self.nodes[i][5] = len(self.kids)
+        self.nodes[i][6] = len(kids)
+        self.kids.extend(kids)
+        return i
+
+    def walk(self, t: dict[str, Any], targets: dict[tuple[str, ...], int], path: str) -> int:
+        """Node of writer type ``t`` at ``path``; ``targets``: rest of a field's path -> field."""
+        if () in targets:
+            f = targets[()]
+            return self.value(t, f, self.schema.fields[f].shape, path, True)
+        if not targets:
+            return self.skip(t, path)
+        kind = t["type"]
+        if kind == "record":
+            i = self.node("record", path or "the record")
+            kids = []
+            for name, ft in t["fields"]:
+                sub = {p[1:]: f for p, f in targets.items() if p[0] == name}
+                kids.append(self.walk(ft, sub, f"{path}.{name}" if path else name))
+            return self.children(i, kids)
+        if kind == "union":
+            i = self.node("union", path)
+            return self.children(i, [self.walk(b, targets, path) for b in t["branches"]])
+        # Not a record: the fields below it are missing (their default, or bad).
+        return self.skip(t, path)
+
+    def skip(self, t: dict[str, Any], path: str) -> int:
+        key = id(t)
+        if key in self.skipped:
+            return self.skipped[key]
+        kind = t["type"]
+        if kind in _PRIMITIVES:
+            return self.node(kind, path)
+        if kind in ("fixed", "enum"):
+            return self.node(kind, path, size=t["size"] if kind == "fixed" else len(t["symbols"]))
+        i = self.node(kind, path)
+        if "name" in t:
+            self.skipped[key] = i  # before the children: recursive types end here
+        if kind == "record":
+            return self.children(i, [self.skip(ft, f"{path}.{n}" if path else n)
+                                     for n, ft in t["fields"]])
+        if kind == "union":
+            return self.children(i, [self.skip(b, path) for b in t["branches"]])
+        if kind == "array":
+            return self.children(i, [self.skip(t["items"], f"{path}[]")])
+        return self.children(i, [self.skip(t["values"], f"{path}{{}}")])
+
+    def value(self, t: dict[str, Any], f: int, dims: tuple[int, ...], path: str,
+              whole: bool) -> int:
+        """Node reading writer type ``t`` into field ``f``, ``dims`` of its shape left."""
+        field = self.schema.fields[f]
+        kind = t["type"]
+        if kind == "union":
+            i = self.node("union", path, f)
+            return self.children(i, [self.value(b, f, dims, path, whole) for b in t["branches"]])
+        if kind == "null":
+            # A null field takes its default; a null element fails the record.
+            return self.node("null", path) if whole else self.node("null", path, f)
+        if kind == "array":
+            if not dims:
+                return self.bad(field, "an array", path)
+            i = self.node("array", path, f, size=dims[0], stride=math.prod(dims[1:]))
+            return self.children(i, [self.value(t["items"], f, dims[1:], f"{path}[]", False)])
+        if kind == "fixed":
+            if field.dtype not in ("uint8", "int8") or dims != (t["size"],):
+                return self.bad(field, f"fixed({t['size']})", path)
+            return self.node("fixed", path, f, size=t["size"])
+        if dims:
+            return self.bad(field, f"a single {kind}", path)
+        ok = {"boolean": True,
+              "int": field.dtype != "bool", "long": field.dtype != "bool",
+              "enum": field.dtype != "bool",
+              "float": field.dtype in _FLOATS, "double": field.dtype in _FLOATS}
+        if not ok.get(kind, False):
+            return self.bad(field, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}", path)
+        size = len(t["symbols"]) if kind == "enum" else 0
+        return self.node(kind, path, f, size=size)
+
+    def bad(self, field: Field, what: str, path: str) -> int:
+        shape = "" if not field.shape else f" of shape {field.shape}"
+        return self.node("bad", f"{path}: {what} cannot be field {field.name!r} "
+                                f"({field.dtype}{shape})")
+
+
+def compile_plan(writer: Any, schema: Schema) -> Any:
+    """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields."""
+    if isinstance(writer, Mapping) and "kfeed:not-avro" in writer:
+        raise ConfigError(f"the registry's schema is {writer['kfeed:not-avro']}, not Avro")
+    root = _Names().resolve(writer, "")
+    if root["type"] != "record":
+        raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
+    c = _Compiler(schema)
+    c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
+    defaults = []
+    for f in schema.fields:
+        if f.default is None:
+            defaults.append(None)
+        else:
+            defaults.append(np.full(f.shape, f.default, f.storage).tobytes())
+    nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
+    return _codec.AvroPlan(schema._fixed_only("Avro decoding"), nodes,
+                           np.array(c.kids, np.int64), c.codes, defaults, c.notes)
