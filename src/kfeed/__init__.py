@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kfeed._kafka import create_topic
+from kfeed.avro import Avro
 from kfeed.errors import (
     ClusterError,
     ConfigError,
@@ -32,6 +33,7 @@ __all__ = [
     "__version__",
     "Schema",
     "DecodeResult",
+    "Avro",
     "Producer",
     "Loader",
     "LoaderConfig",

@@ -89,7 +89,9 @@ class Avro:
                     raise ConfigError("kfeed.Avro(registry=...) needs confluent-kafka's "
                                       "schema registry client: pip install "
                                       "'confluent-kafka[schemaregistry]'") from e
-                self._client = SchemaRegistryClient(dict(self.registry))
+                # new_client: a "mock://" url gives confluent-kafka's in-memory registry.
+                make = getattr(SchemaRegistryClient, "new_client", SchemaRegistryClient)
+                self._client = make(dict(self.registry))
             else:
                 self._client = self.registry
         return self._client

@@ -66,7 +66,8 @@ class Format(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ConfigError(f"format must be 'block' or 'raw', got {value!r}") from None
+            raise ConfigError(f"format must be 'block', 'raw' or kfeed.Avro(...), "
+                              f"got {value!r}") from None
 
 
 class Field(NamedTuple):

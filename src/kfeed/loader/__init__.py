@@ -82,6 +82,7 @@ from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.pool import BufferPool
+from kfeed.avro import Avro
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
@@ -164,6 +165,11 @@ class Loader:
     ``sasl.username``) of a principal allowed to create and write the
     dead-letter topics, when the consumer's own should not be.
 
+    ``format``: ``"block"`` (kfeed's own, from ``kfeed.Producer``),
+    ``"raw"``, or ``kfeed.Avro(registry=...)`` / ``kfeed.Avro(schema=...)``
+    for topics that other services write, one Avro record per message (see
+    ``kfeed.avro``; read in offset order).
+
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
     ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
@@ -178,7 +184,7 @@ class Loader:
         batch_size: int,
         *,
         device: str | torch.device | None = None,
-        format: str | Format = "block",
+        format: str | Format | Avro = "block",
         prefetch: int = 2,
         until: str | None = None,
         start: str | datetime = "committed",

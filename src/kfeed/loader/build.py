@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kfeed import _pack
+from kfeed.avro import Avro
 from kfeed.badrecords import BadRecords
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
@@ -99,6 +100,8 @@ class SlotBuilder:
         self.max_wait_s = max_wait_s
         self.stop = stop
         self.samples = 0       # records decoded
+        # Values others wrote (Avro): one record each, decoded by their own plans.
+        self.decoder = fmt.decoder(schema) if isinstance(fmt, Avro) else None
         self.value_bytes = 0   # bytes of the message values decoded
 
     def all_done(self) -> bool:
@@ -161,8 +164,11 @@ class SlotBuilder:
                 if m.offset() == sk[0]:
                     start = max(start, sk[1])
             vals = vals[:1]
-        res = self.schema.decode_into(vals, slot.target, slot.rows, self.fmt,
-                                      start=start, split=True)
+        if self.decoder is not None:
+            res = self.decoder.decode_into(vals, slot.target, slot.rows)
+        else:
+            res = self.schema.decode_into(vals, slot.target, slot.rows, self.fmt,
+                                          start=start, split=True)
         nbytes = 0
         for j in range(i, i + res.consumed):
             m = msgs[j]

@@ -1,0 +1,379 @@
+"""Avro topics as other services write them: kfeed's batches against confluent-kafka's own reader.
+
+The values come from confluent-kafka's ``AvroSerializer`` (Confluent framing,
+schemas registered in its in-memory registry client, ``mock://``) and from
+fastavro's ``schemaless_writer``; never from kfeed. Every field of every
+record kfeed decodes must equal what ``AvroDeserializer`` returns.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import pickle
+import time
+import uuid
+
+import fastavro
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, Producer as KafkaProducer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kfeed
+from kfeed import avro
+
+TOPIC = "clicks"
+CTX = SerializationContext(TOPIC, MessageField.VALUE)
+N_FEATURES = 16
+
+USER = {
+    "type": "record", "name": "User", "fields": [
+        {"name": "age", "type": "int"},
+        {"name": "country", "type": {"type": "enum", "name": "Country",
+                                     "symbols": ["US", "DE", "FR", "JP"]}},
+        {"name": "weights", "type": {"type": "array", "items": "double"}},
+        {"name": "tags", "type": {"type": "map", "values": "string"}},
+    ],
+}
+V1 = {
+    "type": "record", "name": "Click", "namespace": "shop.events", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "features", "type": {"type": "array", "items": "float"}},
+        {"name": "label", "type": "int"},
+        {"name": "score", "type": ["null", "double"], "default": None},
+        {"name": "user", "type": ["null", USER], "default": None},
+        {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+        {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+        {"name": "note", "type": "string"},
+        {"name": "digest", "type": {"type": "fixed", "name": "Digest", "size": 4}},
+    ],
+}
+# The schema evolves mid-topic: label widens to long, a field is added.
+V2 = json.loads(json.dumps(V1))
+V2["fields"][2]["type"] = "long"
+V2["fields"].append({"name": "extra", "type": "float", "default": 0.0})
+
+SCHEMA = kfeed.Schema({
+    "id": ("int64", ()),
+    "features": ("float32", (N_FEATURES,)),
+    "label": ("int32", ()),
+    "score": ("float32", (), {"default": -1.0}),
+    "age": ("int16", (), {"source": "user.age", "default": -1}),
+    "country": ("int8", (), {"source": "user.country", "default": -1}),
+    "weights": ("float32", (3,), {"source": "user.weights", "default": 0.0}),
+    "ts": ("int64", ()),
+    "day": ("int32", ()),
+    "digest": ("uint8", (4,)),
+    "extra": ("float32", (), {"default": 0.0}),
+})
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def make_record(i: int, rng: np.random.Generator) -> dict:
+    return {
+        "id": i,
+        "features": rng.standard_normal(N_FEATURES).astype(np.float32).tolist(),
+        "label": int(rng.integers(-1000, 1000)),
+        "score": None if i % 3 == 0 else float(rng.standard_normal()),
+        "user": None if i % 5 == 0 else {
+            "age": int(rng.integers(0, 100)),
+            "country": ["US", "DE", "FR", "JP"][i % 4],
+            "weights": rng.standard_normal(3).tolist(),
+            "tags": {f"k{j}": "v" * j for j in range(i % 3)},
+        },
+        "ts": EPOCH + dt.timedelta(milliseconds=1_700_000_000_000 + i),
+        "day": dt.date(2024, 1, 1) + dt.timedelta(days=i % 400),
+        "note": "n" * (i % 17),
+        "digest": int(i).to_bytes(4, "little"),
+    }
+
+
+def expected_columns(records: list[dict]) -> dict[str, np.ndarray]:
+    """The columns kfeed should give, from what confluent-kafka's deserializer returned."""
+    cols: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
+    symbols = USER["fields"][1]["type"]["symbols"]
+    for r in records:
+        user = r["user"]
+        cols["id"].append(r["id"])
+        cols["features"].append(r["features"])
+        cols["label"].append(r["label"])
+        cols["score"].append(-1.0 if r["score"] is None else r["score"])
+        cols["age"].append(-1 if user is None else user["age"])
+        cols["country"].append(-1 if user is None else symbols.index(user["country"]))
+        cols["weights"].append([0.0] * 3 if user is None else user["weights"])
+        cols["ts"].append((r["ts"] - EPOCH) // dt.timedelta(milliseconds=1))
+        cols["day"].append((r["day"] - dt.date(1970, 1, 1)).days)
+        cols["digest"].append(list(r["digest"]))
+        cols["extra"].append(r.get("extra", 0.0))
+    return {f.name: np.array(cols[f.name]).astype(f.storage) for f in SCHEMA.fields}
+
+
+@pytest.fixture
+def registry() -> SchemaRegistryClient:
+    # The in-memory registry keeps its schemas per client: kfeed gets this one.
+    return SchemaRegistryClient.new_client({"url": f"mock://{uuid.uuid4().hex}"})
+
+
+def serialized(registry: SchemaRegistryClient, n: int) -> tuple[list[bytes], list[dict]]:
+    """n records, the first half written with V1 and the rest with V2, and how they read back."""
+    rng = np.random.default_rng(7)
+    first = AvroSerializer(registry, json.dumps(V1))
+    second = AvroSerializer(registry, json.dumps(V2))
+    values = []
+    for i in range(n):
+        rec = make_record(i, rng)
+        if i >= n // 2:
+            rec["extra"] = float(i) / 8
+            values.append(second(rec, CTX))
+        else:
+            values.append(first(rec, CTX))
+    reader = AvroDeserializer(registry)
+    return values, [reader(v, CTX) for v in values]
+
+
+def decode_all(decoder: avro.AvroDecoder, values: list, rows: int = 1000):
+    """Every value through ``decode_into`` a ``rows``-row output at a time, as the loader does."""
+    out = {f.name: np.zeros((rows, *f.shape), f.storage) for f in SCHEMA.fields}
+    target = SCHEMA.bind(out)
+    got: dict[str, list[np.ndarray]] = {f.name: [] for f in SCHEMA.fields}
+    bad: list[tuple[int, str]] = []
+    i = 0
+    while i < len(values):
+        res = decoder.decode_into(values[i:], target, 0)
+        assert res.consumed > 0
+        for name in got:
+            got[name].append(out[name][:res.rows].copy())
+        bad.extend((i + k, why) for k, why in res.bad)
+        i += res.consumed
+    return {k: np.concatenate(v) for k, v in got.items()}, bad
+
+
+def test_every_field_equals_confluent_kafkas_deserializer_across_a_schema_change(registry):
+    values, records = serialized(registry, 10_000)
+    assert values[0][1:5] != values[-1][1:5]  # two schema ids in the topic
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), values)
+    assert bad == []
+    want = expected_columns(records)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
+    # Both branches of every union, and both schemas, were really exercised.
+    assert (got["score"] == -1).any() and (got["score"] != -1).any()
+    assert (got["age"] == -1).any() and (got["age"] != -1).any()
+    assert set(np.unique(got["country"])) == {-1, 0, 1, 2, 3}
+    assert (got["extra"][:5000] == 0).all() and (got["extra"][5001:] > 0).all()
+
+
+def test_plain_avro_without_framing_from_fastavro():
+    parsed = fastavro.parse_schema(json.loads(json.dumps(V1)))
+    rng = np.random.default_rng(3)
+    records, values = [], []
+    for i in range(500):
+        rec = make_record(i, rng)
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, rec)
+        values.append(buf.getvalue())
+        buf.seek(0)
+        records.append(fastavro.schemaless_reader(buf, parsed, None))
+    got, bad = decode_all(kfeed.Avro(schema=V1).decoder(SCHEMA), values, rows=64)
+    assert bad == []
+    want = expected_columns(records)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
+
+
+def corrupt_values(registry: SchemaRegistryClient) -> tuple[list[bytes], dict[int, str]]:
+    """Good values with corrupt ones between them; for each corrupt one, a part of its reason."""
+    rng = np.random.default_rng(1)
+    write = AvroSerializer(registry, json.dumps(V1))
+    good = [write(make_record(i, rng), CTX) for i in range(6)]
+    short = make_record(100, rng)
+    short["features"] = short["features"][:-1]
+    old = make_record(101, rng)
+    old["user"] = dict(old["user"] or make_record(1, rng)["user"], age=40_000)
+    values = [
+        good[0],
+        b"\x01" + good[1][1:],                              # wrong magic byte
+        good[1],
+        b"\x00" + (9999).to_bytes(4, "big") + good[2][5:],  # an id the registry lacks
+        good[2][:-3],                                       # truncated
+        good[3],
+        write(short, CTX),                                  # 15 features, not 16
+        b"\x00\x00",                                        # shorter than the framing
+        write(old, CTX),                                    # 40000 in an int16
+        good[3] + b"\x00",                                  # a byte after the record
+        good[4],
+    ]
+    reasons = {1: "magic byte 1, expected 0", 3: "schema id 9999 is not in the registry",
+               4: "truncated", 6: "array of 15 items does not match the field's shape at "
+               "features", 7: "too short for the Confluent framing",
+               8: "40000 does not fit the field's dtype at user.age",
+               9: "1 bytes left after the record"}
+    return values, reasons
+
+
+def test_corrupt_frames_are_rejected_whole_with_a_reason_and_neighbours_are_intact(registry):
+    values, reasons = corrupt_values(registry)
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), values, rows=4)
+    assert [i for i, _ in bad] == sorted(reasons)
+    for i, why in bad:
+        assert reasons[i] in why, (i, why)
+    assert got["id"].tolist() == [0, 1, 3, 4]
+
+
+def test_null_without_default_and_a_type_the_field_cannot_take():
+    writer = {"type": "record", "name": "R", "fields": [
+        {"name": "x", "type": ["null", "long"]},
+        {"name": "name", "type": "string"},
+    ]}
+    parsed = fastavro.parse_schema(writer)
+
+    def value(rec):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, rec)
+        return buf.getvalue()
+
+    vals = [value({"x": 5, "name": "a"}), value({"x": None, "name": "b"})]
+    schema = kfeed.Schema({"x": ("int64", ())})
+    out = {"x": np.zeros(4, np.int64)}
+    res = kfeed.Avro(schema=writer).decoder(schema).decode_into(vals, schema.bind(out), 0)
+    assert res.rows == 1 and out["x"][0] == 5
+    assert res.bad == [(1, "field 'x': missing or null, and no default")]
+
+    as_float = kfeed.Schema({"name": ("float32", ())})
+    res = kfeed.Avro(schema=writer).decoder(as_float).decode_into(
+        vals, as_float.bind({"name": np.zeros(4, np.float32)}), 0)
+    assert res.rows == 0
+    assert res.bad[0][1] == ("cannot be read at name: a string cannot be field 'name' "
+                             "(float32)")
+    # A double never goes into an integer field (numpy's same_kind casting).
+    with_double = {"type": "record", "name": "D", "fields": [{"name": "x", "type": "double"}]}
+    res = kfeed.Avro(schema=with_double).decoder(schema).decode_into(
+        [b"\x00" * 8], schema.bind(out), 0)
+    assert res.rows == 0 and "a double cannot be field 'x' (int64)" in res.bad[0][1]
+
+
+def test_recursive_types_are_skipped_and_bounded():
+    node = {"type": "record", "name": "Node", "fields": [
+        {"name": "v", "type": "long"},
+        {"name": "next", "type": ["null", "Node"]},
+    ]}
+    writer = {"type": "record", "name": "Top", "fields": [
+        {"name": "id", "type": "long"}, {"name": "list", "type": node}]}
+    parsed = fastavro.parse_schema(writer)
+    chain = None
+    for v in range(50):
+        chain = {"v": v, "next": chain}
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, {"id": 7, "list": chain})
+    schema = kfeed.Schema({"id": ("int64", ()), "head": ("int64", (), {"source": "list.v"})})
+    out = {"id": np.zeros(2, np.int64), "head": np.zeros(2, np.int64)}
+    # Nested deeper than the decoder goes: a bad record, not a crashed stack.
+    deep = b"\x0e" + b"\x00\x02" * 5000 + b"\x00\x00"
+    res = kfeed.Avro(schema=writer).decoder(schema).decode_into(
+        [buf.getvalue(), deep], schema.bind(out), 0)
+    assert res.rows == 1 and out["id"][0] == 7 and out["head"][0] == 49
+    assert res.bad[0][0] == 1 and "nested deeper than" in res.bad[0][1]
+
+
+def test_configuration_mistakes_get_one_clear_line(registry):
+    with pytest.raises(kfeed.ConfigError, match="needs schema= .* or registry="):
+        kfeed.Avro()
+    with pytest.raises(kfeed.ConfigError, match="not JSON"):
+        kfeed.Avro(schema="{not json")
+    with pytest.raises(kfeed.ConfigError, match="unknown Avro type 'Missing'"):
+        kfeed.Avro(schema={"type": "record", "name": "R",
+                           "fields": [{"name": "a", "type": "Missing"}]}).decoder(SCHEMA)
+    with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
+        kfeed.Avro(schema=V1).decoder(kfeed.Schema({"id": ("bfloat16", ())}))
+    with pytest.raises(kfeed.ConfigError, match="shuffle= and pack= need"):
+        kfeed.LoaderConfig(("t",), SCHEMA, 8, format=kfeed.Avro(schema=V1),
+                           shuffle=kfeed.Shuffle(buffer=16))
+    with pytest.raises(kfeed.ConfigError, match="give registry= its config dict"):
+        pickle.dumps(kfeed.Avro(registry=registry))
+    spec = kfeed.Avro(registry={"url": "mock://x"})
+    assert pickle.loads(pickle.dumps(spec)).registry == {"url": "mock://x"}
+
+
+def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkeypatch, registry):
+    values, _ = serialized(registry, 4)
+    monkeypatch.setattr(avro, "REGISTRY_RETRY_S", 1.0)
+    # Nothing listens on this loopback port: every request is refused.
+    decoder = kfeed.Avro(registry={"url": "http://127.0.0.1:9"}).decoder(SCHEMA)
+    out = {f.name: np.zeros((4, *f.shape), f.storage) for f in SCHEMA.fields}
+    with pytest.raises(kfeed.ConsumeError, match="did not give schema id 1"):
+        decoder.decode_into(values, SCHEMA.bind(out), 0)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_values_never_crash_and_never_half_write(data):
+    rng = np.random.default_rng(5)
+    parsed = fastavro.parse_schema(json.loads(json.dumps(V1)))
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, make_record(11, rng))
+    good = buf.getvalue()
+    mutated = bytearray(good)
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if kind == "flip" and mutated:
+            at = data.draw(st.integers(0, len(mutated) - 1))
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            del mutated[data.draw(st.integers(0, len(mutated))):]
+        else:
+            mutated += data.draw(st.binary(max_size=16))
+    out = {f.name: np.full((2, *f.shape), 7, f.storage) for f in SCHEMA.fields}
+    decoder = kfeed.Avro(schema=V1).decoder(SCHEMA)
+    res = decoder.decode_into([bytes(mutated), good], SCHEMA.bind(out), 0)
+    assert res.consumed == 2 and res.rows + len(res.bad) == 2
+    # The good value after it always lands whole, in the row after the good ones.
+    assert out["id"][res.rows - 1] == 11
+    assert out["digest"][res.rows - 1].tolist() == list((11).to_bytes(4, "little"))
+
+
+@pytest.mark.integration
+def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, make_topic,
+                                                                     registry):
+    topic = make_topic(partitions=3)
+    values, records = serialized(registry, 10_000)
+    corrupt, reasons = corrupt_values(registry)
+    bad_values = [corrupt[i] for i in sorted(reasons)]
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for i, v in enumerate(values):
+        p.produce(topic, v, key=str(i).encode())
+        if i == 5000:
+            for b in bad_values:
+                p.produce(topic, b, key=b"bad")
+        p.poll(0)
+    assert p.flush(60) == 0
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    ids, got = [], {f.name: [] for f in SCHEMA.fields}
+    with kfeed.Loader(config, topic, SCHEMA, 512, device="cpu", until="end",
+                      format=kfeed.Avro(registry=registry)) as loader:
+        for batch in loader:
+            for f in SCHEMA.fields:
+                got[f.name].append(batch[f.name].numpy().copy())
+    cols = {k: np.concatenate(v) for k, v in got.items()}
+    order = np.argsort(cols["id"])
+    ids = cols["id"][order]
+    np.testing.assert_array_equal(ids, np.arange(10_000))  # each record once
+    want = expected_columns(records)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([f"{topic}.dlq"])
+    dead, deadline = [], time.monotonic() + 60
+    while len(dead) < len(bad_values) and time.monotonic() < deadline:
+        dead += [m for m in c.consume(10, 1.0) if m.error() is None]
+    c.close()
+    assert sorted(m.value() for m in dead) == sorted(bad_values)
+    by_value = {corrupt[i]: why for i, why in reasons.items()}
+    for m in dead:
+        assert by_value[m.value()] in dict(m.headers())["kfeed.reason"].decode()
