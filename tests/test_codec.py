@@ -56,7 +56,7 @@ _HEADER = struct.Struct("<4sBBHIIQQ")
 
 
 def oracle_fingerprint(fields: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    canonical = json.dumps([[n, d, list(s)] for n, d, s in fields], separators=(",", ":"))
+    canonical = json.dumps([[n, d, list(s)] for n, d, s, *_ in fields], separators=(",", ":"))
     digest = hashlib.blake2b(b"kfeed.schema.v1:" + canonical.encode(), digest_size=8).digest()
     return struct.unpack("<Q", digest)[0]
 

@@ -43,6 +43,7 @@ replays with ``python tests/test_fuzz.py CRASH_FILE``.
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import struct
@@ -1187,6 +1188,103 @@ def test_atheris_finds_nothing(tmp_path):
 @pytest.mark.slow
 def test_soak_atheris_finds_nothing(tmp_path):
     run_atheris(tmp_path, 400 * EXAMPLES)
+
+
+# -- Avro: values other services write ------------------------------------------
+
+AVRO_WRITER = {
+    "type": "record", "name": "Event", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "v", "type": {"type": "array", "items": "float"}},
+        {"name": "d", "type": {"type": "array", "items": "double"}},
+        {"name": "who", "type": ["null", {"type": "record", "name": "Who", "fields": [
+            {"name": "age", "type": "int"},
+            {"name": "tags", "type": {"type": "map", "values": "string"}}]}]},
+        {"name": "kind", "type": {"type": "enum", "name": "K", "symbols": ["a", "b", "c"]}},
+        {"name": "ok", "type": "boolean"},
+        {"name": "h", "type": {"type": "fixed", "name": "H", "size": 3}},
+        {"name": "note", "type": "string"},
+    ],
+}
+AVRO_SCHEMA = Schema({
+    "id": ("int64", ()),
+    "v": ("float32", (4,)),
+    "d": ("float32", (2,)),
+    "age": ("uint8", (), {"source": "who.age", "default": 0}),
+    "kind": ("int16", ()),
+    "ok": ("bool", ()),
+    "h": ("uint8", (3,)),
+})
+
+
+def avro_record(i: int) -> dict:
+    return {"id": i, "v": [i + 0.5] * 4, "d": [i * 2.0, -1.0],
+            "who": None if i % 2 else {"age": i % 200, "tags": {"x": "y" * (i % 4)}},
+            "kind": "abc"[i % 3], "ok": bool(i % 2), "h": bytes([i % 256] * 3),
+            "note": "z" * (i % 9)}
+
+
+def avro_columns(record: dict) -> dict:
+    who = record["who"]
+    return {"id": record["id"], "v": record["v"], "d": record["d"],
+            "age": 0 if who is None else who["age"], "kind": "abc".index(record["kind"]),
+            "ok": record["ok"], "h": list(record["h"])}
+
+
+@PROPERTY
+@given(data=st.data())
+def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
+    import io
+
+    fastavro = pytest.importorskip("fastavro")
+    parsed = fastavro.parse_schema(AVRO_WRITER)
+    # kfeed skips the strings it does not read, without checking their UTF-8:
+    # the oracle reads them as bytes (the same encoding).
+    as_bytes = fastavro.parse_schema(
+        json.loads(json.dumps(AVRO_WRITER).replace('"string"', '"bytes"')))
+    values, oracle = [], []
+    for i in range(data.draw(st.integers(1, 5))):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, avro_record(data.draw(st.integers(0, 2**40))))
+        raw = bytearray(buf.getvalue())
+        for _ in range(data.draw(st.integers(0, 3))):
+            how = data.draw(st.sampled_from(["flip", "cut", "grow", "varint"]))
+            if how == "flip" and raw:
+                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+            elif how == "cut":
+                del raw[data.draw(st.integers(0, len(raw))):]
+            elif how == "grow":
+                raw += data.draw(st.binary(max_size=12))
+            else:  # a long varint or a huge count where a length or count is read
+                at = data.draw(st.integers(0, len(raw)))
+                raw[at:at] = b"\xff" * data.draw(st.integers(1, 12)) + b"\x01"
+        # Right against a guard page: a read past the value's end faults.
+        values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
+        oracle.append(bytes(raw))
+    capacity = data.draw(st.integers(1, len(values) + 1))
+    whole, out = sentinel_out(AVRO_SCHEMA, capacity)
+    before = {k: v.copy() for k, v in whole.items()}
+    decoder = kfeed.Avro(schema=AVRO_WRITER).decoder(AVRO_SCHEMA)
+    res = decoder.decode_into(values, AVRO_SCHEMA.bind(out), 0)
+    assert 0 < res.consumed <= len(values) and res.rows <= capacity
+    assert res.rows + len(res.bad) == res.consumed
+    bad = {i for i, _ in res.bad}
+    good = [i for i in range(res.consumed) if i not in bad]
+    for row, i in enumerate(good):
+        # What kfeed took, fastavro reads the same (fastavro may take more:
+        # it ignores bytes after the record).
+        record = fastavro.schemaless_reader(io.BytesIO(oracle[i]), as_bytes, None)
+        want = avro_columns(record)
+        for f in AVRO_SCHEMA.fields:
+            with np.errstate(over="ignore"):  # a flipped double past float32's range: inf
+                expect = np.array(want[f.name]).astype(f.storage)
+            np.testing.assert_array_equal(out[f.name][row], expect, err_msg=f.name)
+    # A rejected record may have begun its row (the one after the last good
+    # row), never one outside the output.
+    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
+    for name, arr in whole.items():
+        untouched = np.r_[0:GUARD_ROWS, GUARD_ROWS + scribbled:len(arr)]
+        assert (arr[untouched] == before[name][untouched]).all(), name
 
 
 def _fuzz_main(argv: list[str]) -> None:

@@ -125,7 +125,12 @@ class AvroDecoder:
         self.single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
-        """Decode values into ``out`` from ``row`` on: one row per good value."""
+        """Decode values into ``out`` from ``row`` on: one row per good value.
+
+        A rejected value adds no row, but may have begun writing the row after
+        the last good one (which the next good value overwrites); nothing
+        outside ``out`` is ever written.
+        """
         if not isinstance(values, (list, tuple)):
             values = list(values)
         if self.single is not None:

@@ -651,13 +651,27 @@ def _parse_field(name: object, spec: object) -> Field:
         raise ConfigError(f"field {name!r}: dimensions must be positive, got {tuple(shape)}")
     shape = tuple(int(d) for d in shape)
     if default is not None:
-        try:
-            default = np.full(shape, default).astype(_STORAGE[dtype], casting="same_kind")
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"field {name!r}: default {default!r} is not a {dtype} value "
-                              f"({e})") from None
+        default = _default_value(name, dtype, shape, default)
         default = default.item() if default.ndim == 0 else _frozen(default.tolist())
     return Field(name, dtype, shape, source, default)
+
+
+def _default_value(name: str, dtype: str, shape: tuple[int, ...], default: Any) -> np.ndarray:
+    # As values are read (numpy's same_kind casting), and an integer must fit.
+    storage = _STORAGE[dtype]
+    try:
+        given = np.asarray(default)
+        value = np.broadcast_to(given, shape)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"field {name!r}: default {default!r} does not fit shape {shape} "
+                          f"({e})") from None
+    ints = given.dtype.kind in "iub" and storage.kind in "iub"
+    if dtype == "bfloat16" or not (ints or np.can_cast(given.dtype, storage, "same_kind")):
+        raise ConfigError(f"field {name!r}: default {default!r} is not a {dtype} value")
+    out = value.astype(storage)
+    if ints and not (out == value).all():
+        raise ConfigError(f"field {name!r}: default {default!r} does not fit {dtype}")
+    return out
 
 
 def _frozen(value: Any) -> Any:
