@@ -1,0 +1,271 @@
+"""Avro topics others write: kfeed's loader against what users write today, in one run.
+
+Against the broker that ``$KFEED_BOOTSTRAP`` names, on fresh uuid topics (4
+partitions) written by confluent-kafka's ``AvroSerializer`` (Confluent
+framing; the schema in confluent-kafka's in-memory registry client, shared by
+every contender). Two workloads (bench/RESULTS.md, "Avro"):
+
+- ``3 KB``: a 768-float array, a long id, an int label, a nullable double;
+- ``200 B``: a dozen scalars (longs, ints, doubles, a boolean, an enum) and
+  a short string.
+
+Contenders, each reading its topic from the earliest offset to the end with a
+fresh group, batches of 256 as CPU tensors:
+
+- ``kfeed``: ``Loader(format=kfeed.Avro(registry=...), until="end")``;
+- ``AvroDeserializer loop``: ``consume(2048)``, confluent-kafka's
+  ``AvroDeserializer`` per message, the values copied into preallocated numpy
+  batches, ``torch.from_numpy`` per batch;
+- ``fastavro loop``: the same with ``fastavro.schemaless_reader`` on the
+  bytes after the 5-byte framing;
+- ``ceiling``: ``consume(2048)`` with kfeed's consumer settings, touching
+  nothing but ``error()``.
+
+And a micro-benchmark without a broker: 4,096 framed 3 KB records decoded
+by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
+(``np.copyto`` of one buffer).
+
+Each contender runs ``--repeat`` times, interleaved; the best run counts.
+Run: ``python bench/bench_avro.py [--samples 100000] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import fastavro
+import numpy as np
+import torch
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+import kfeed
+from kfeed.sources import CONSUMER_DEFAULTS
+
+BATCH = 256
+
+BIG = {"type": "record", "name": "Big", "fields": [
+    {"name": "id", "type": "long"},
+    {"name": "features", "type": {"type": "array", "items": "float"}},
+    {"name": "label", "type": "int"},
+    {"name": "score", "type": ["null", "double"]},
+]}
+BIG_SCHEMA = kfeed.Schema({"id": ("int64", ()), "features": ("float32", (768,)),
+                           "label": ("int64", ()),
+                           "score": ("float32", (), {"default": 0.0})})
+SMALL_FIELDS = ([("id", "long"), ("a", "long"), ("b", "long"), ("c", "int"), ("d", "int"),
+                 ("x", "double"), ("y", "double"), ("z", "double"), ("w", "float"),
+                 ("flag", "boolean")])
+SMALL = {"type": "record", "name": "Small", "fields": [
+    *({"name": n, "type": t} for n, t in SMALL_FIELDS),
+    {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["a", "b", "c"]}},
+    {"name": "note", "type": "string"},
+]}
+_DTYPE = {"long": "int64", "int": "int32", "double": "float64", "float": "float32",
+          "boolean": "bool"}
+SMALL_SCHEMA = kfeed.Schema({**{n: (_DTYPE[t], ()) for n, t in SMALL_FIELDS},
+                             "kind": ("int8", ())})
+
+
+def big_record(i: int, rng: np.random.Generator) -> dict:
+    return {"id": i, "features": rng.standard_normal(768).astype(np.float32).tolist(),
+            "label": i % 10, "score": None if i % 4 == 0 else float(i)}
+
+
+def small_record(i: int, rng: np.random.Generator) -> dict:
+    return {"id": i, "a": i * 3, "b": -i, "c": i % 1000, "d": 7, "x": i / 3, "y": 0.5,
+            "z": -1.25, "w": 2.0, "flag": bool(i % 2), "kind": "abc"[i % 3],
+            "note": f"user-{i % 977}:" + "x" * 130}
+
+
+def produce(bootstrap: str, registry: Any, topic: str, writer: dict,
+            make: Callable[[int, np.random.Generator], dict], n: int) -> int:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, 4, 1)])[topic].result()
+    ser = AvroSerializer(registry, json.dumps(writer))
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.size": 1 << 20})
+    rng = np.random.default_rng(0)
+    nbytes = 0
+    for i in range(n):
+        v = ser(make(i, rng), ctx)
+        nbytes += len(v)
+        while True:
+            try:
+                p.produce(topic, v)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    assert p.flush(120) == 0
+    return nbytes // n
+
+
+def consumer(bootstrap: str, topic: str) -> Consumer:
+    c = Consumer({**CONSUMER_DEFAULTS, "bootstrap.servers": bootstrap,
+                  "group.id": uuid.uuid4().hex, "enable.partition.eof": True})
+    c.subscribe([topic])
+    return c
+
+
+def drain(bootstrap: str, topic: str, n: int, per_message: Callable[[Any], None] | None,
+          flush: Callable[[], None] | None) -> int:
+    """consume(2048) to the end of 4 partitions; ``per_message`` on each value."""
+    c = consumer(bootstrap, topic)
+    seen, eofs = 0, set()
+    while seen < n or len(eofs) < 4:
+        for m in c.consume(2048, 0.1):
+            err = m.error()
+            if err is not None:
+                if err.code() == -191:  # _PARTITION_EOF
+                    eofs.add(m.partition())
+                continue
+            eofs.discard(m.partition())
+            seen += 1
+            if per_message is not None:
+                per_message(m.value())
+    if flush is not None:
+        flush()
+    c.close()
+    return seen
+
+
+def batched_loop(schema: kfeed.Schema, read: Callable[[bytes], dict]) -> tuple[Callable, Callable]:
+    """A loop body that decodes each value with ``read`` into preallocated numpy batches."""
+    cols = {f.name: np.zeros((BATCH, *f.shape), f.storage) for f in schema.fields}
+    names = [f.name for f in schema.fields]
+    state = {"row": 0, "batches": 0}
+
+    def per_message(value: bytes) -> None:
+        rec = read(value)
+        r = state["row"]
+        for name in names:
+            v = rec.get(name)
+            cols[name][r] = 0 if v is None else v
+        state["row"] = r + 1
+        if r + 1 == BATCH:
+            flush()
+
+    def flush() -> None:
+        if state["row"]:
+            {k: torch.from_numpy(v[:state["row"]]) for k, v in cols.items()}
+            state["batches"] += 1
+            state["row"] = 0
+
+    return per_message, flush
+
+
+def run_kfeed(bootstrap: str, topic: str, schema: kfeed.Schema, registry: Any) -> int:
+    n = 0
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    with kfeed.Loader(config, topic, schema, BATCH, device="cpu", until="end",
+                      format=kfeed.Avro(registry=registry)) as loader:
+        for batch in loader:
+            n += batch.size
+    return n
+
+
+def enum_index(symbols: list[str]) -> Callable[[dict], dict]:
+    def fix(rec: dict) -> dict:
+        if "kind" in rec:
+            rec["kind"] = symbols.index(rec["kind"])
+        return rec
+    return fix
+
+
+def contenders(bootstrap: str, topic: str, writer: dict, schema: kfeed.Schema,
+               registry: Any, n: int) -> dict[str, Callable[[], int]]:
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    fix = enum_index(["a", "b", "c"])
+    parsed = fastavro.parse_schema(writer)
+
+    def deserializer() -> int:
+        des = AvroDeserializer(registry)
+        per, flush = batched_loop(schema, lambda v: fix(des(v, ctx)))
+        return drain(bootstrap, topic, n, per, flush)
+
+    def fast() -> int:
+        per, flush = batched_loop(
+            schema, lambda v: fix(fastavro.schemaless_reader(io.BytesIO(v[5:]), parsed, None)))
+        return drain(bootstrap, topic, n, per, flush)
+
+    return {
+        "kfeed": lambda: run_kfeed(bootstrap, topic, schema, registry),
+        "AvroDeserializer loop": deserializer,
+        "fastavro loop": fast,
+        "ceiling": lambda: drain(bootstrap, topic, n, None, None),
+    }
+
+
+def micro(registry: Any, repeat: int) -> tuple[float, float]:
+    """4,096 framed 3 KB records: decode_into against memcpy of the same bytes (GB/s)."""
+    ser = AvroSerializer(registry, json.dumps(BIG))
+    ctx = SerializationContext("micro", MessageField.VALUE)
+    rng = np.random.default_rng(1)
+    values = [ser(big_record(i, rng), ctx) for i in range(4096)]
+    nbytes = sum(len(v) for v in values)
+    decoder = kfeed.Avro(registry=registry).decoder(BIG_SCHEMA)
+    out = {f.name: np.zeros((4096, *f.shape), f.storage) for f in BIG_SCHEMA.fields}
+    target = BIG_SCHEMA.bind(out)
+    src = np.frombuffer(b"".join(values), np.uint8)
+    dst = np.empty_like(src)
+    best = {"decode": 0.0, "memcpy": 0.0}
+    for _ in range(repeat * 20):
+        t = time.perf_counter()
+        res = decoder.decode_into(values, target, 0)
+        best["decode"] = max(best["decode"], nbytes / (time.perf_counter() - t))
+        assert res.rows == 4096
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best["memcpy"] = max(best["memcpy"], nbytes / (time.perf_counter() - t))
+    return best["decode"] / 1e9, best["memcpy"] / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
+    p.add_argument("--samples", type=int, default=100_000)
+    p.add_argument("--small-samples", type=int, default=300_000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    if not args.bootstrap:
+        raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
+    registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
+    decode, memcpy = micro(registry, args.repeat)
+    print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy {memcpy:.2f} GB/s "
+          f"| {decode / memcpy:.2f}x (target >= 0.5x) |")
+    admin = AdminClient({"bootstrap.servers": args.bootstrap})
+    for label, writer, schema, make, n in (
+            ("3 KB", BIG, BIG_SCHEMA, big_record, args.samples),
+            ("200 B", SMALL, SMALL_SCHEMA, small_record, args.small_samples)):
+        topic = f"bench-avro-{uuid.uuid4().hex[:8]}"
+        size = produce(args.bootstrap, registry, topic, writer, make, n)
+        runs = contenders(args.bootstrap, topic, writer, schema, registry, n)
+        best = dict.fromkeys(runs, 0.0)
+        for _ in range(args.repeat):
+            for name, run in runs.items():
+                t = time.perf_counter()
+                got = run()
+                best[name] = max(best[name], got / (time.perf_counter() - t))
+                assert got == n, (name, got, n)
+        admin.delete_topics([topic])
+        k = best["kfeed"]
+        print(f"\n{label} events ({size} bytes each, {n:,} of them), records/s, best of "
+              f"{args.repeat}:")
+        for name, rate in best.items():
+            ratio = "" if name == "kfeed" else f" | kfeed / this = {k / rate:.2f}x"
+            print(f"| {name} | {rate:,.0f}{ratio} |")
+
+
+if __name__ == "__main__":
+    main()
