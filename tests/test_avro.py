@@ -18,7 +18,8 @@ import uuid
 import fastavro
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer as KafkaProducer
+from confluent_kafka import Consumer
+from confluent_kafka import Producer as KafkaProducer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
@@ -147,8 +148,8 @@ def decode_all(decoder: avro.AvroDecoder, values: list, rows: int = 1000):
     while i < len(values):
         res = decoder.decode_into(values[i:], target, 0)
         assert res.consumed > 0
-        for name in got:
-            got[name].append(out[name][:res.rows].copy())
+        for name, parts in got.items():
+            parts.append(out[name][:res.rows].copy())
         bad.extend((i + k, why) for k, why in res.bad)
         i += res.consumed
     return {k: np.concatenate(v) for k, v in got.items()}, bad

@@ -167,7 +167,7 @@ class AvroDecoder:
         while True:
             try:
                 registered = client.get_schema(schema_id)
-            except Exception as e:  # noqa: BLE001 - the client raises several kinds
+            except Exception as e:
                 if getattr(e, "http_status_code", None) == 404:
                     return None
                 if time.monotonic() + delay > deadline:
