@@ -290,3 +290,32 @@ def test_state_holds_partitions_with_nothing_handed_out_yet() -> None:
     other = 1 - tp[1]
     assert positions[other] == [0, 0]
     loader.close()
+
+
+def test_fetch_scan_groups_runs_drops_past_the_end_and_sets_errors_aside() -> None:
+    # The fetch stage's one pass in C, on confluent-kafka's own Message objects.
+    from confluent_kafka import KafkaError, Message
+
+    from kfeed import _fetch
+
+    def msg(p: int, off: int, topic: str = "a") -> Message:
+        return Message(topic=topic, partition=p, offset=off, value=b"x" * off)
+
+    eof = Message(topic="a", partition=1, offset=3, error=KafkaError(KafkaError._PARTITION_EOF))
+    msgs = [msg(0, 0), msg(0, 1), msg(1, 0), eof, msg(1, 1), msg(0, 2), msg(0, 3),
+            msg(0, 0, "b"), msg(1, 2), msg(1, 3)]
+    keep, vals, runs, errors, done = _fetch.scan(msgs, None)
+    assert [(m.partition(), m.offset()) for m in keep] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (0, 0), (1, 2), (1, 3)]
+    assert vals == [m.value() for m in keep]
+    assert runs == [(0, 2, ("a", 0)), (2, 4, ("a", 1)), (4, 6, ("a", 0)), (6, 7, ("b", 0)),
+                    (7, 9, ("a", 1))]
+    assert errors == [(eof, eof.error())] and done == []
+    # A bounded epoch: partition a[0] ends at offset 3, a[1] at 2.
+    keep, _vals, runs, _errors, done = _fetch.scan(msgs, {("a", 0): 3, ("a", 1): 2})
+    assert [(m.topic(), m.partition(), m.offset()) for m in keep] == \
+        [("a", 0, 0), ("a", 0, 1), ("a", 1, 0), ("a", 1, 1), ("a", 0, 2), ("b", 0, 0)]
+    assert runs == [(0, 2, ("a", 0)), (2, 4, ("a", 1)), (4, 5, ("a", 0)), (5, 6, ("b", 0))]
+    assert set(done) == {("a", 0), ("a", 1)}
+    assert _fetch.value_bytes(vals, 1, 5) == 1 + 0 + 1 + 2
+    assert _fetch.value_bytes([b"ab", None, bytearray(3)], 0, 9) == 5

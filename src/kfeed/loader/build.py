@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kfeed import _pack
+from kfeed import _fetch, _pack
 from kfeed.avro import Avro
 from kfeed.badrecords import BadRecords
 from kfeed.loader.fetch import POLL_S, Fetcher
@@ -169,16 +169,12 @@ class SlotBuilder:
         else:
             res = self.schema.decode_into(vals, slot.target, slot.rows, self.fmt,
                                           start=start, split=True)
-        nbytes = 0
-        for j in range(i, i + res.consumed):
-            m = msgs[j]
-            tp = (m.topic(), m.partition())
-            off = m.offset()
+        # Per run of one partition (``Fetcher.runs``), not per message.
+        for tp, a, b in f.spans(i, i + res.consumed):
             if tp not in out.first:
-                out.first[tp] = (off, start if j == i else 0)
-            out.end[tp] = (off + 1, 0)
-            v = f.vals[j]
-            nbytes += len(v) if v is not None else 0
+                out.first[tp] = (msgs[a].offset(), start if a == i else 0)
+            out.end[tp] = (msgs[b - 1].offset() + 1, 0)
+        nbytes = _fetch.value_bytes(f.vals, i, i + res.consumed)
         if res.partial:
             m = msgs[i + res.consumed]
             tp = (m.topic(), m.partition())

@@ -16,9 +16,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from kfeed import _fetch
 from kfeed.errors import ConsumeError, KfeedError
 from kfeed.loader.ledger import Ledger
 from kfeed.sources import TP, Position, Source
@@ -108,9 +109,11 @@ class Fetcher:
         self.fetched: set[TP] = set()  # partitions that delivered since their assignment
         self.kept: set[TP] = set()  # kept through an incremental revoke: to read again
         # Messages fetched and not yet decoded: msgs[i:], the first of which
-        # has its first ``start`` records decoded already.
+        # has its first ``start`` records decoded already; ``runs`` groups
+        # msgs into stretches of one partition, (start, stop, tp).
         self.msgs: list[Any] = []
         self.vals: list[Any] = []
+        self.runs: list[tuple[int, int, TP]] = []
         self.i = 0
         self.start = 0
         self.records_per_msg = 1.0
@@ -204,7 +207,7 @@ class Fetcher:
                 self.ledger.committed.update(acked)
         except KfeedError as e:  # partitions may already be lost to another member
             log.warning("commit on revoke failed: %s", e)
-        self.msgs, self.vals, self.i, self.start = [], [], 0, 0
+        self._clear()
         self.skip.clear()
         self.assigned.difference_update(tps)
         self.fetched.difference_update(tps)
@@ -242,31 +245,35 @@ class Fetcher:
         self.status.doing = "decoding"
         if self.ledger.gen != gen:
             msgs = self._after_rebalance(msgs)
-        keep, vals = [], []
-        bounded = self.bounded
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                self._on_message_error(m, err)
-                continue
-            if bounded:
-                tp = (m.topic(), m.partition())
-                end = self.ends.get(tp)
-                off = m.offset()
-                if end is not None and off >= end - 1:
-                    self.mark_done(tp)
-                    if off >= end:
-                        continue
-            keep.append(m)
-            vals.append(m.value())
-        if keep:
-            self.fetched.update((m.topic(), m.partition()) for m in keep)
+        # One pass in C: no Python work per message (a raw or Avro topic has
+        # one record per message).
+        keep, vals, runs, errors, done = _fetch.scan(msgs, self.ends if self.bounded else None)
+        for m, err in errors:
+            self._on_message_error(m, err)
+        for tp in done:
+            self.mark_done(tp)
+        self.fetched.update(tp for _s, _e, tp in runs)
         if self.pending():
-            keep = self.msgs[self.i:] + keep
-            vals = self.vals[self.i:] + vals
+            i, held = self.i, len(self.msgs) - self.i
+            runs = [(max(s - i, 0), e - i, tp) for s, e, tp in self.runs if e > i] + \
+                [(s + held, e + held, tp) for s, e, tp in runs]
+            keep = self.msgs[i:] + keep
+            vals = self.vals[i:] + vals
         else:
             self.start = 0
-        self.msgs, self.vals, self.i = keep, vals, 0
+        self.msgs, self.vals, self.runs, self.i = keep, vals, runs, 0
+
+    def spans(self, lo: int, hi: int) -> Iterator[tuple[TP, int, int]]:
+        """``(tp, a, b)``: pending messages ``a..b-1`` of ``lo..hi-1`` are from partition ``tp``."""
+        for s, e, tp in self.runs:
+            if e <= lo:
+                continue
+            if s >= hi:
+                return
+            yield tp, max(s, lo), min(e, hi)
+
+    def _clear(self) -> None:
+        self.msgs, self.vals, self.runs, self.i, self.start = [], [], [], 0, 0
 
     def _commit(self) -> None:
         """Make the commits the caller asked for (see ``Commits``)."""
@@ -370,7 +377,7 @@ class Fetcher:
     def take(self) -> tuple[list[Any], list[Any]]:
         """Every pending message and its value; none is pending after."""
         msgs, vals = self.msgs[self.i:], self.vals[self.i:]
-        self.msgs, self.vals, self.i, self.start = [], [], 0, 0
+        self._clear()
         return msgs, vals
 
     def _on_message_error(self, m: Any, err: Any) -> None:

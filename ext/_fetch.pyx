@@ -1,0 +1,78 @@
+"""The fetch stage's one pass over a ``consume()`` result, in C.
+
+A topic of one record per message (raw values, Avro events) gives the loader
+hundreds of thousands of messages a second; a Python loop over them costs
+more than decoding them. ``scan`` makes the one pass the fetch stage needs:
+it sorts out errors, drops what lies past a bounded epoch's end, and groups
+the rest into runs of one partition, so that later stages work per run, not
+per message. ``value_bytes`` sums value sizes for the stats.
+
+It knows messages only through their methods (``error``, ``topic``,
+``partition``, ``offset``, ``value``): confluent-kafka's ``Message`` and
+``MemorySource``'s records alike. ``kfeed.loader.fetch`` is its only caller.
+"""
+
+from cpython.bytes cimport PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+
+
+def scan(list msgs, dict ends):
+    """One pass over consumed messages.
+
+    ``ends``: the end offset of each partition of a bounded epoch, or None.
+    Returns ``(keep, vals, runs, errors, done)``: the messages without an
+    error (and below their partition's end) and their values; ``runs``,
+    ``(start, stop, tp)`` for each maximal stretch of ``keep`` from one
+    partition; ``errors``, ``(msg, err)`` in order; ``done``, each partition
+    whose last offset before its end was seen (a partition may repeat).
+    """
+    cdef list keep = [], vals = [], runs = [], errors = [], done = []
+    cdef Py_ssize_t n = PyList_GET_SIZE(msgs), k, start = 0
+    cdef object m, err, topic, last_topic = None, tp = None, end = None
+    cdef long part, last_part = -1
+    cdef long long off, stop_at = 0
+    for k in range(n):
+        m = <object>PyList_GET_ITEM(msgs, k)
+        err = m.error()
+        if err is not None:
+            errors.append((m, err))
+            continue
+        topic = m.topic()
+        part = m.partition()
+        if tp is None or part != last_part or not (topic is last_topic or topic == last_topic):
+            if tp is not None and len(keep) > start:
+                runs.append((start, len(keep), tp))
+            tp = (topic, part)
+            start = len(keep)
+            last_topic, last_part = topic, part
+            end = ends.get(tp) if ends is not None else None
+            if end is not None:
+                stop_at = end
+        if end is not None:
+            off = m.offset()
+            if off >= stop_at - 1:
+                done.append(tp)
+                if off >= stop_at:
+                    continue
+        keep.append(m)
+        vals.append(m.value())
+    if tp is not None and len(keep) > start:
+        runs.append((start, len(keep), tp))
+    return keep, vals, runs, errors, done
+
+
+def value_bytes(list vals, Py_ssize_t start, Py_ssize_t stop):
+    """Total size of ``vals[start:stop]``: bytes values by their length, others by ``len``."""
+    cdef Py_ssize_t k, total = 0
+    cdef object v
+    if start < 0:
+        start = 0
+    if stop > PyList_GET_SIZE(vals):
+        stop = PyList_GET_SIZE(vals)
+    for k in range(start, stop):
+        v = <object>PyList_GET_ITEM(vals, k)
+        if type(v) is bytes:
+            total += PyBytes_GET_SIZE(v)
+        elif v is not None:
+            total += len(v)
+    return total
