@@ -5,11 +5,14 @@ hundreds of thousands of messages a second; a Python loop over them costs
 more than decoding them. ``scan`` makes the one pass the fetch stage needs:
 it sorts out errors, drops what lies past a bounded epoch's end, and groups
 the rest into runs of one partition, so that later stages work per run, not
-per message. ``value_bytes`` sums value sizes for the stats.
+per message. ``partitions`` lists the partitions a result holds (for the
+source's note of where they end); ``value_bytes`` sums value sizes for the
+stats.
 
 It knows messages only through their methods (``error``, ``topic``,
 ``partition``, ``offset``, ``value``): confluent-kafka's ``Message`` and
-``MemorySource``'s records alike. ``kfeed.loader.fetch`` is its only caller.
+``MemorySource``'s records alike. ``kfeed.loader.fetch``, ``kfeed.loader.build``
+and ``kfeed.sources`` call it.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
@@ -59,6 +62,24 @@ def scan(list msgs, dict ends):
     if tp is not None and len(keep) > start:
         runs.append((start, len(keep), tp))
     return keep, vals, runs, errors, done
+
+
+def partitions(list msgs):
+    """The set of ``(topic, partition)`` of the messages (events with no topic left out)."""
+    cdef set out = set()
+    cdef Py_ssize_t k
+    cdef object m, topic, last_topic = None
+    cdef long part, last_part = -1
+    for k in range(PyList_GET_SIZE(msgs)):
+        m = <object>PyList_GET_ITEM(msgs, k)
+        topic = m.topic()
+        if topic is None:
+            continue
+        part = m.partition()
+        if part != last_part or not (topic is last_topic or topic == last_topic):
+            out.add((topic, part))
+            last_topic, last_part = topic, part
+    return out
 
 
 def value_bytes(list vals, Py_ssize_t start, Py_ssize_t stop):

@@ -319,3 +319,4 @@ def test_fetch_scan_groups_runs_drops_past_the_end_and_sets_errors_aside() -> No
     assert set(done) == {("a", 0), ("a", 1)}
     assert _fetch.value_bytes(vals, 1, 5) == 1 + 0 + 1 + 2
     assert _fetch.value_bytes([b"ab", None, bytearray(3)], 0, 9) == 5
+    assert _fetch.partitions(msgs + [Message(partition=-1)]) == {("a", 0), ("a", 1), ("b", 0)}

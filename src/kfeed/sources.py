@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from kfeed import _fetch
 from kfeed._kafka import (
     GONE_CODES,
     GONE_GRACE_S,
@@ -488,7 +489,7 @@ class KafkaSource(Source):
 
     def _note_ends(self, msgs: list[Any]) -> None:
         """The ends of the partitions just read, as librdkafka's fetches saw them (no request)."""
-        for tp in {(m.topic(), m.partition()) for m in msgs}:
+        for tp in _fetch.partitions(msgs):
             try:
                 _lo, hi = self._consumer.get_watermark_offsets(self._tp(tp), cached=True)
             except Exception:  # noqa: BLE001 - nothing cached yet
