@@ -228,14 +228,11 @@ cdef inline int av_long(AvCur* c, int64_t* out) noexcept nogil:
     return A_OK
 
 
-cdef inline int av_store_int(AvCur* c, const AvNode* nd, int64_t elem, int64_t v) noexcept nogil:
-    """Store integer ``v`` as element ``elem`` of the node's field, if it fits."""
-    cdef int f = nd.field
-    if elem < 0 or <uint64_t>elem >= c.plan.nelem[f]:
+cdef inline int put_int(uint8_t* d, uint64_t nelem, int code, int64_t elem,
+                        int64_t v) noexcept nogil:
+    """Store integer ``v`` as element ``elem`` of a row of ``nelem`` ``code`` elements, if it fits."""
+    if elem < 0 or <uint64_t>elem >= nelem:
         return A_LENGTH
-    cdef uint8_t* d = c.row[f]
-    cdef int code = nd.code
-    c.err_value = v
     if code == C_I64:
         (<int64_t*>d)[elem] = v
     elif code == C_F32:
@@ -276,22 +273,35 @@ cdef inline int av_store_int(AvCur* c, const AvNode* nd, int64_t elem, int64_t v
         d[elem] = <uint8_t>v
     else:
         return A_KIND
-    c.written[f] = 1
     return A_OK
+
+
+cdef inline int put_float(uint8_t* d, uint64_t nelem, int code, int64_t elem,
+                          double v) noexcept nogil:
+    if elem < 0 or <uint64_t>elem >= nelem:
+        return A_LENGTH
+    if code == C_F32:
+        (<float*>d)[elem] = <float>v
+    elif code == C_F64:
+        (<double*>d)[elem] = v
+    else:
+        return A_KIND
+    return A_OK
+
+
+cdef inline int av_store_int(AvCur* c, const AvNode* nd, int64_t elem, int64_t v) noexcept nogil:
+    c.err_value = v
+    cdef int r = put_int(c.row[nd.field], c.plan.nelem[nd.field], nd.code, elem, v)
+    if r == A_OK:
+        c.written[nd.field] = 1
+    return r
 
 
 cdef inline int av_store_float(AvCur* c, const AvNode* nd, int64_t elem, double v) noexcept nogil:
-    cdef int f = nd.field
-    if elem < 0 or <uint64_t>elem >= c.plan.nelem[f]:
-        return A_LENGTH
-    if nd.code == C_F32:
-        (<float*>c.row[f])[elem] = <float>v
-    elif nd.code == C_F64:
-        (<double*>c.row[f])[elem] = v
-    else:
-        return A_KIND
-    c.written[f] = 1
-    return A_OK
+    cdef int r = put_float(c.row[nd.field], c.plan.nelem[nd.field], nd.code, elem, v)
+    if r == A_OK:
+        c.written[nd.field] = 1
+    return r
 
 
 cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexcept nogil:

@@ -20,8 +20,8 @@ message values into one flat array of elements plus one length per document,
 ready for the packer (``kfeed._pack``), again with no Python object per record.
 
 Avro message values (one record each, as other services write them) are read
-by compiled plans into the same ``Out`` buffers: ``_avro.pxi``, included at
-the end of this module.
+by compiled plans into the same ``Out`` buffers: ``_avro.pxi``, and Protobuf
+messages likewise by ``_protobuf.pxi``, both included at the end of this module.
 """
 
 import sys
@@ -1374,3 +1374,4 @@ def encode_doc_raw(DocLayout layout, elements, const int64_t[::1] offsets, uint6
 
 
 include "_avro.pxi"
+include "_protobuf.pxi"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kfeed._kafka import create_topic
 from kfeed.avro import Avro
+from kfeed.protobuf import Protobuf
 from kfeed.errors import (
     ClusterError,
     ConfigError,
@@ -34,6 +35,7 @@ __all__ = [
     "Schema",
     "DecodeResult",
     "Avro",
+    "Protobuf",
     "Producer",
     "Loader",
     "LoaderConfig",

@@ -33,6 +33,7 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError, ConsumeError
+from kfeed.formats import Decoder, RecordFormat, codes, defaults, fixed_layout
 from kfeed.schema import DecodeResult, Field, Schema, Target
 
 __all__ = ["Avro", "AvroDecoder"]
@@ -40,14 +41,13 @@ __all__ = ["Avro", "AvroDecoder"]
 log = logging.getLogger("kfeed.avro")
 
 _PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
-_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 _FLOATS = ("float32", "float64")
 # A registry that does not answer is asked again for this long, then the
 # loader fails with ConsumeError: a record is never skipped for want of its schema.
 REGISTRY_RETRY_S = 30.0
 
 
-class Avro:
+class Avro(RecordFormat):
     """Message values in Avro: ``Loader(..., format=kfeed.Avro(...))``.
 
     ``registry``: where writer schemas come from, for values in the
@@ -110,17 +110,13 @@ class Avro:
         return (Avro, (self.schema, self.registry))
 
 
-class AvroDecoder:
+class AvroDecoder(Decoder):
     """One kfeed Schema's reader of Avro values: a plan per writer schema, made once."""
 
     def __init__(self, fmt: Avro, schema: Schema) -> None:
         self.fmt = fmt
         self.schema = schema
-        self.layout = schema._fixed_only("Avro decoding")
-        for f in schema.fields:
-            if f.dtype not in _INTS + _FLOATS + ("bool",):
-                raise ConfigError(f"field {f.name!r}: Avro values decode into bool, integer, "
-                                  f"float32 or float64 fields, not {f.dtype}")
+        self.layout = fixed_layout(schema, "Avro")
         self.plans: dict[int, Any] = {}
         self.single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
 
@@ -267,7 +263,7 @@ class _Compiler:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.codes = [_codec.AVRO_CODES[f.dtype] for f in schema.fields]
+        self.codes = codes(schema)
         self.nodes: list[list[int]] = []
         self.kids: list[int] = []
         self.notes: list[str] = []
@@ -374,12 +370,6 @@ def compile_plan(writer: Any, schema: Schema) -> Any:
         raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
     c = _Compiler(schema)
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
-    defaults = []
-    for f in schema.fields:
-        if f.default is None:
-            defaults.append(None)
-        else:
-            defaults.append(np.full(f.shape, f.default, f.storage).tobytes())
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
-    return _codec.AvroPlan(schema._fixed_only("Avro decoding"), nodes,
-                           np.array(c.kids, np.int64), c.codes, defaults, c.notes)
+    return _codec.AvroPlan(fixed_layout(schema, "Avro"), nodes, np.array(c.kids, np.int64),
+                           c.codes, defaults(schema), c.notes)

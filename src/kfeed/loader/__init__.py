@@ -82,7 +82,7 @@ from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.pool import BufferPool
-from kfeed.avro import Avro
+from kfeed.formats import RecordFormat
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
@@ -166,9 +166,10 @@ class Loader:
     dead-letter topics, when the consumer's own should not be.
 
     ``format``: ``"block"`` (kfeed's own, from ``kfeed.Producer``),
-    ``"raw"``, or ``kfeed.Avro(registry=...)`` / ``kfeed.Avro(schema=...)``
-    for topics that other services write, one Avro record per message (see
-    ``kfeed.avro``; read in offset order).
+    ``"raw"``, or for topics that other services write, one record per
+    message, ``kfeed.Avro(registry=...)`` / ``kfeed.Avro(schema=...)`` (see
+    ``kfeed.avro``) or ``kfeed.Protobuf(message=...)`` (see
+    ``kfeed.protobuf``); these read in offset order.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;
@@ -184,7 +185,7 @@ class Loader:
         batch_size: int,
         *,
         device: str | torch.device | None = None,
-        format: str | Format | Avro = "block",
+        format: str | Format | RecordFormat = "block",
         prefetch: int = 2,
         until: str | None = None,
         start: str | datetime = "committed",

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kfeed import _fetch, _pack
-from kfeed.avro import Avro
+from kfeed.formats import RecordFormat
 from kfeed.badrecords import BadRecords
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
@@ -100,8 +100,8 @@ class SlotBuilder:
         self.max_wait_s = max_wait_s
         self.stop = stop
         self.samples = 0       # records decoded
-        # Values others wrote (Avro): one record each, decoded by their own plans.
-        self.decoder = fmt.decoder(schema) if isinstance(fmt, Avro) else None
+        # Values others wrote (Avro, Protobuf): one record each, decoded by their plans.
+        self.decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else None
         self.value_bytes = 0   # bytes of the message values decoded
 
     def all_done(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kfeed.avro import Avro
+from kfeed.formats import RecordFormat
 from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
@@ -92,10 +92,10 @@ class LoaderConfig:
             raise ConfigError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
         if not _number(self.commit_interval_ms) or self.commit_interval_ms < 0:
             raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
-        if isinstance(self.format, Avro):
+        if isinstance(self.format, RecordFormat):
             if self.pack is not None or self.shuffle is not None:
-                raise ConfigError("format=kfeed.Avro(...) reads in offset order: shuffle= and "
-                                  "pack= need kfeed's block or raw format")
+                raise ConfigError(f"format={self.format!r} reads in offset order: shuffle= and "
+                                  f"pack= need kfeed's block or raw format")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         else:
             put("format", Format.parse(self.format))

@@ -1,0 +1,545 @@
+# Protobuf binary -> fixed-shape rows, included into _codec.pyx after _avro.pxi
+# (it shares its element stores and error codes, and writes into ``Out``).
+#
+# ``kfeed.protobuf`` compiles a message class's descriptor and a kfeed Schema
+# into a plan: per message type, only the fields that lead to a kfeed field,
+# sorted by number. Every other field is skipped by its wire type, so unknown
+# fields cost a skip. ``pb_decode`` reads one message per value, without the
+# GIL and without a Python object per record.
+#
+# Wire facts (protobuf's "Encoding" guide): a record is a series of (tag,
+# value); the tag is a varint, field number << 3 | wire type; wire type 0 is
+# a varint, 1 eight little-endian bytes, 2 a varint length then that many
+# bytes (strings, bytes, messages, packed repeated scalars), 5 four bytes.
+# A field may appear several times: the last value of a scalar wins, a
+# repeated field collects them all, packed or not. int32 and enum negatives
+# are sign-extended to 10-byte varints; sint32/sint64 are zig-zag. Absent
+# fields read as zero (proto3). The Confluent framing puts a zero byte, a
+# 4-byte big-endian schema id and the message-index array (a zig-zag varint
+# count, then that many zig-zag varints; a single 0 byte for [0]) first.
+
+cdef enum PbKind:
+    P_INT32 = 0
+    P_INT64
+    P_UINT32
+    P_UINT64
+    P_SINT32
+    P_SINT64
+    P_BOOL
+    P_ENUM
+    P_FIXED32
+    P_SFIXED32
+    P_FLOAT
+    P_FIXED64
+    P_SFIXED64
+    P_DOUBLE
+    P_MESSAGE
+    P_KINDS
+
+PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_UINT64,
+            "sint32": P_SINT32, "sint64": P_SINT64, "bool": P_BOOL, "enum": P_ENUM,
+            "fixed32": P_FIXED32, "sfixed32": P_SFIXED32, "float": P_FLOAT,
+            "fixed64": P_FIXED64, "sfixed64": P_SFIXED64, "double": P_DOUBLE,
+            "message": P_MESSAGE}
+
+cdef enum:
+    A_WIRE = 100     # a field's wire type is not its type's
+    A_TAG            # field number 0, or a group
+    A_INDEXES        # the Confluent message-index array is malformed
+    PB_MAX_DEPTH = 100
+
+
+cdef struct PbEntry:
+    uint32_t number
+    int kind
+    int field        # the field written; P_MESSAGE: -1
+    int code
+    int repeated     # elements go one after another (a repeated scalar)
+    Py_ssize_t msg   # P_MESSAGE: the message type's index
+
+
+cdef struct PbMsg:
+    Py_ssize_t first   # entries[first:first + n], sorted by number
+    Py_ssize_t n
+
+
+cdef struct PbPlan:
+    PbEntry* entries
+    Py_ssize_t nentries
+    PbMsg* msgs
+    Py_ssize_t nmsgs
+    Py_ssize_t nfields
+    int* codes
+    uint64_t* nelem
+    uint8_t* repeated        # per field: filled by a repeated entry
+    const uint8_t** default  # per field: one row, or NULL (zeros, or bad if repeated)
+
+
+cdef struct PbCur:
+    const uint8_t* p
+    const PbPlan* plan
+    uint8_t** row
+    uint8_t* written
+    uint64_t* count
+    int depth
+    Py_ssize_t err_entry
+    Py_ssize_t err_field
+    int64_t err_value
+
+
+cdef class ProtobufPlan:
+    """A compiled message type: how to read its records into a layout's fields.
+
+    Made by ``kfeed.protobuf`` from arrays it checks here: ``entries`` rows
+    are (number, kind, field, code, repeated, msg), ``msgs`` rows (first, n)
+    with each message's entries sorted by number, message 0 the root;
+    ``codes`` and ``defaults`` per field as for ``AvroPlan``; ``notes`` names
+    each entry (its dotted path) for error messages.
+    """
+
+    cdef PbPlan p
+    cdef readonly tuple notes
+    cdef readonly Py_ssize_t nfields
+    cdef tuple _defaults
+
+    def __cinit__(self, Layout layout, const int64_t[:, ::1] entries, const int64_t[:, ::1] msgs,
+                  codes, defaults, notes):
+        cdef Py_ssize_t i, k, f, ne = entries.shape[0], nm = msgs.shape[0]
+        cdef PbEntry* e
+        if entries.shape[1] != 6 or msgs.shape[1] != 2 or nm == 0:
+            raise ValueError("entries must have shape (n, 6) and msgs (m >= 1, 2)")
+        if len(codes) != layout.nfields or len(defaults) != layout.nfields:
+            raise ValueError("one code and one default per field are needed")
+        if len(notes) != ne:
+            raise ValueError("one note per entry is needed")
+        self.nfields = layout.nfields
+        self.notes = tuple(str(x) for x in notes)
+        self._defaults = tuple(defaults)
+        self.p.nentries, self.p.nmsgs, self.p.nfields = ne, nm, layout.nfields
+        self.p.entries = <PbEntry*>calloc(ne if ne else 1, sizeof(PbEntry))
+        self.p.msgs = <PbMsg*>calloc(nm, sizeof(PbMsg))
+        self.p.codes = <int*>calloc(layout.nfields, sizeof(int))
+        self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+        self.p.repeated = <uint8_t*>calloc(layout.nfields, 1)
+        self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+        if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
+                and self.p.repeated and self.p.default):
+            raise MemoryError()
+        for f in range(layout.nfields):
+            code = codes[f]
+            if not C_BOOL <= code < C_CODES:
+                raise ValueError(f"field {f}: unknown code {code}")
+            self.p.codes[f] = code
+            if layout.row_bytes[f] % code_size(code):
+                raise ValueError(f"field {f}: its row is not a whole number of elements")
+            self.p.nelem[f] = layout.row_bytes[f] // code_size(code)
+            d = defaults[f]
+            if d is not None:
+                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
+                    raise ValueError(f"field {f}: a default must be bytes of one row")
+                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        for i in range(ne):
+            e = &self.p.entries[i]
+            if not 1 <= entries[i, 0] <= 0x1FFFFFFF:
+                raise ValueError(f"entry {i}: field number {entries[i, 0]} is out of range")
+            e.number = <uint32_t>entries[i, 0]
+            e.kind, e.field, e.code = entries[i, 1], entries[i, 2], entries[i, 3]
+            e.repeated, e.msg = entries[i, 4], entries[i, 5]
+            if not 0 <= e.kind < P_KINDS:
+                raise ValueError(f"entry {i}: unknown kind {e.kind}")
+            if e.kind == P_MESSAGE:
+                if e.field != -1 or e.repeated or not 0 <= e.msg < nm:
+                    raise ValueError(f"entry {i}: a message entry names a message, no field")
+            else:
+                if not 0 <= e.field < layout.nfields or e.code != self.p.codes[e.field]:
+                    raise ValueError(f"entry {i}: its field or code is not the layout's")
+                if e.repeated:
+                    self.p.repeated[e.field] = 1
+        for k in range(nm):
+            self.p.msgs[k].first, self.p.msgs[k].n = msgs[k, 0], msgs[k, 1]
+            if msgs[k, 0] < 0 or msgs[k, 1] < 0 or msgs[k, 0] + msgs[k, 1] > ne:
+                raise ValueError(f"message {k}: its entries are not in entries")
+            for i in range(msgs[k, 0] + 1, msgs[k, 0] + msgs[k, 1]):
+                if self.p.entries[i].number <= self.p.entries[i - 1].number:
+                    raise ValueError(f"message {k}: entries must be sorted by number, once each")
+
+    def __dealloc__(self):
+        free(self.p.entries)
+        free(self.p.msgs)
+        free(self.p.codes)
+        free(self.p.nelem)
+        free(self.p.repeated)
+        free(self.p.default)
+
+
+cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
+    cdef uint64_t v = 0, b
+    cdef int shift = 0
+    while True:
+        if c.p >= end:
+            return A_TRUNCATED
+        b = c.p[0]
+        c.p += 1
+        if shift == 63 and (b & 0x7E):
+            return A_VARINT
+        v |= (b & 0x7F) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+        if shift > 63:
+            return A_VARINT
+    out[0] = v
+    return A_OK
+
+
+cdef inline int pb_skip(PbCur* c, const uint8_t* end, int wt) noexcept nogil:
+    cdef uint64_t v
+    cdef int r
+    if wt == 0:
+        return pb_varint(c, end, &v)
+    if wt == 1:
+        if end - c.p < 8:
+            return A_TRUNCATED
+        c.p += 8
+        return A_OK
+    if wt == 5:
+        if end - c.p < 4:
+            return A_TRUNCATED
+        c.p += 4
+        return A_OK
+    if wt == 2:
+        r = pb_varint(c, end, &v)
+        if r:
+            return r
+        if v > <uint64_t>(end - c.p):
+            return A_TRUNCATED
+        c.p += v
+        return A_OK
+    return A_TAG  # 3 and 4 (groups, deprecated) or 6, 7 (none)
+
+
+cdef inline int pb_wire(int kind) noexcept nogil:
+    if kind == P_FIXED32 or kind == P_SFIXED32 or kind == P_FLOAT:
+        return 5
+    if kind == P_FIXED64 or kind == P_SFIXED64 or kind == P_DOUBLE:
+        return 1
+    return 0
+
+
+cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil:
+    """One scalar of entry ``e`` at ``c.p``, into its field."""
+    cdef uint64_t raw = 0
+    cdef uint32_t u32
+    cdef float fv
+    cdef double dv
+    cdef int64_t v, elem = 0
+    cdef int r, kind = e.kind
+    cdef bint floating = False
+    if kind == P_FLOAT:
+        if end - c.p < 4:
+            return A_TRUNCATED
+        memcpy(&fv, c.p, 4)
+        c.p += 4
+        dv = fv
+        floating = True
+    elif kind == P_DOUBLE:
+        if end - c.p < 8:
+            return A_TRUNCATED
+        memcpy(&dv, c.p, 8)
+        c.p += 8
+        floating = True
+    elif kind == P_FIXED32 or kind == P_SFIXED32:
+        if end - c.p < 4:
+            return A_TRUNCATED
+        memcpy(&u32, c.p, 4)
+        c.p += 4
+        raw = u32 if kind == P_FIXED32 else <uint64_t><int64_t>(<int32_t>u32)
+    elif kind == P_FIXED64 or kind == P_SFIXED64:
+        if end - c.p < 8:
+            return A_TRUNCATED
+        memcpy(&raw, c.p, 8)
+        c.p += 8
+    else:
+        r = pb_varint(c, end, &raw)
+        if r:
+            return r
+    if e.repeated:
+        elem = c.count[e.field]
+        c.count[e.field] += 1
+    if floating:
+        r = put_float(c.row[e.field], c.plan.nelem[e.field], e.code, elem, dv)
+    else:
+        if kind == P_INT32 or kind == P_ENUM:
+            v = <int32_t>raw
+        elif kind == P_UINT32:
+            v = <uint32_t>raw
+        elif kind == P_SINT32:
+            v = <int32_t>((raw >> 1) ^ -(raw & 1))
+        elif kind == P_SINT64:
+            v = <int64_t>((raw >> 1) ^ -(raw & 1))
+        elif kind == P_BOOL:
+            v = raw != 0
+        elif (kind == P_UINT64 or kind == P_FIXED64) and raw > <uint64_t>0x7FFFFFFFFFFFFFFF:
+            # Past int64: only a uint64 or a float field takes it.
+            if e.code == C_U64 and <uint64_t>elem < c.plan.nelem[e.field]:
+                (<uint64_t*>c.row[e.field])[elem] = raw
+                r = A_OK
+            elif e.code == C_F32 or e.code == C_F64:
+                r = put_float(c.row[e.field], c.plan.nelem[e.field], e.code, elem, <double>raw)
+            else:
+                c.err_value = -1
+                r = A_RANGE
+            if r == A_OK:
+                c.written[e.field] = 1
+            return r
+        else:
+            v = <int64_t>raw
+        c.err_value = v
+        r = put_int(c.row[e.field], c.plan.nelem[e.field], e.code, elem, v)
+    if r == A_OK:
+        c.written[e.field] = 1
+    elif r == A_LENGTH:
+        c.err_value = c.count[e.field]
+    return r
+
+
+cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
+    """Read the fields of message type ``mi`` from ``c.p`` to ``end``."""
+    cdef const PbMsg* m = &c.plan.msgs[mi]
+    cdef const PbEntry* e
+    cdef uint64_t tag, n
+    cdef uint32_t number
+    cdef int wt, r
+    cdef Py_ssize_t lo, hi, mid
+    cdef const uint8_t* stop
+    c.depth += 1
+    if c.depth > PB_MAX_DEPTH:
+        return A_DEPTH
+    while c.p < end:
+        r = pb_varint(c, end, &tag)
+        if r:
+            return r
+        wt = tag & 7
+        if (tag >> 3) == 0 or (tag >> 3) > 0x1FFFFFFF:
+            return A_TAG
+        number = <uint32_t>(tag >> 3)
+        # The entries of this message, by number.
+        e = NULL
+        lo, hi = m.first, m.first + m.n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if c.plan.entries[mid].number < number:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < m.first + m.n and c.plan.entries[lo].number == number:
+            e = &c.plan.entries[lo]
+        if e == NULL:
+            r = pb_skip(c, end, wt)
+            if r:
+                return r
+            continue
+        if e.kind == P_MESSAGE:
+            if wt != 2:
+                c.err_entry, c.err_value = lo, wt
+                return A_WIRE
+            r = pb_varint(c, end, &n)
+            if r:
+                return r
+            if n > <uint64_t>(end - c.p):
+                return A_TRUNCATED
+            stop = c.p + n
+            r = pb_message(c, e.msg, stop)
+            if r:
+                if c.err_entry < 0:
+                    c.err_entry = lo
+                return r
+            continue
+        if wt == pb_wire(e.kind):
+            r = pb_value(c, e, end)
+        elif wt == 2 and e.repeated:  # packed
+            r = pb_varint(c, end, &n)
+            if r:
+                return r
+            if n > <uint64_t>(end - c.p):
+                return A_TRUNCATED
+            stop = c.p + n
+            while c.p < stop and r == A_OK:
+                r = pb_value(c, e, stop)
+        else:
+            c.err_value = wt
+            r = A_WIRE
+        if r:
+            c.err_entry = lo
+            return r
+    if c.p != end:
+        return A_TRUNCATED
+    c.depth -= 1
+    return A_OK
+
+
+cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t* end,
+                   uint8_t** dst, uint64_t row) noexcept nogil:
+    cdef Py_ssize_t f
+    cdef uint64_t nbytes
+    c.plan = plan
+    c.p = p
+    c.depth = 0
+    c.err_entry = -1
+    c.err_field = -1
+    c.err_value = 0
+    for f in range(plan.nfields):
+        nbytes = plan.nelem[f] * code_size(plan.codes[f])
+        c.row[f] = dst[f] + row * nbytes
+        c.written[f] = 0
+        c.count[f] = 0
+    cdef int r = pb_message(c, 0, end)
+    if r:
+        return r
+    for f in range(plan.nfields):
+        nbytes = plan.nelem[f] * code_size(plan.codes[f])
+        if plan.repeated[f]:
+            if c.count[f] == 0:
+                if plan.default[f] == NULL:
+                    c.err_field = f
+                    return A_MISSING
+                memcpy(c.row[f], plan.default[f], nbytes)
+            elif c.count[f] != plan.nelem[f]:
+                c.err_field = f
+                c.err_value = c.count[f]
+                return A_LENGTH
+        elif not c.written[f]:
+            if plan.default[f] != NULL:
+                memcpy(c.row[f], plan.default[f], nbytes)
+            else:
+                memset(c.row[f], 0, nbytes)  # proto3: an absent scalar is zero
+    return A_OK
+
+
+cdef inline int64_t pb_zigzag_at(const uint8_t** p, const uint8_t* end, bint* ok) noexcept nogil:
+    cdef uint64_t v = 0, b
+    cdef int shift = 0
+    while True:
+        if p[0] >= end or shift > 63:
+            ok[0] = False
+            return 0
+        b = p[0][0]
+        p[0] += 1
+        v |= (b & 0x7F) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+    return <int64_t>(v >> 1) ^ -(<int64_t>(v & 1))
+
+
+cdef Py_ssize_t pb_frame(const uint8_t* p, Py_ssize_t size) noexcept nogil:
+    """Bytes of Confluent framing before the message: -1 if the frame is bad."""
+    if size < 6 or p[0] != 0:
+        return -1
+    cdef const uint8_t* q = p + 5
+    cdef const uint8_t* end = p + size
+    cdef bint ok = True
+    cdef int64_t count = pb_zigzag_at(&q, end, &ok), k
+    if not ok or count < 0 or count > 64:
+        return -2
+    for k in range(count):
+        if pb_zigzag_at(&q, end, &ok) < 0 or not ok:
+            return -2
+    return q - p
+
+
+def pb_decode(Layout layout, ProtobufPlan plan, values, Out out, uint64_t row, bint framed):
+    """Decode Protobuf message values into ``out`` from ``row`` on, one record per value.
+
+    Returns ``(rows, consumed, bad)`` as ``avro_decode`` does (a rejected
+    value may have begun the row after the last good one).
+    """
+    out.fits(layout)
+    if row > out.capacity:
+        raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
+    if plan.nfields != layout.nfields:
+        raise ValueError("the plan was made for another layout")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0, skip
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef PbCur c
+    cdef uint64_t out_row = row
+    cdef int r
+    if not (bad and rowp and written and count):
+        free(bad); free(rowp); free(written); free(count)
+        raise MemoryError()
+    c.row, c.written, c.count = rowp, written, count
+    try:
+        with nogil:
+            while i < n and out_row < out.capacity:
+                skip = 0
+                c.err_entry, c.err_field, c.err_value = -1, -1, 0
+                if vals.size[i] < 0:
+                    r = A_VALUE
+                    c.err_value = -vals.size[i]
+                else:
+                    if framed:
+                        skip = pb_frame(vals.ptr[i], vals.size[i])
+                    if skip == -1:
+                        r = A_FRAME
+                        c.err_value = vals.ptr[i][0] if vals.size[i] > 0 else -1
+                    elif skip == -2:
+                        r = A_INDEXES
+                    else:
+                        r = pb_record(&c, &plan.p, vals.ptr[i] + skip,
+                                      vals.ptr[i] + vals.size[i], out.bufs.ptr, out_row)
+                if r == A_OK:
+                    out_row += 1
+                else:
+                    bad[nbad].index = i
+                    bad[nbad].err = r
+                    bad[nbad].node = c.err_entry
+                    bad[nbad].field = c.err_field
+                    bad[nbad].value = c.err_value
+                    nbad += 1
+                i += 1
+        rejected = []
+        for k in range(nbad):
+            idx = bad[k].index
+            rejected.append((idx, _pb_reason(layout, plan, bad[k], vals.size[idx])))
+        return out_row - row, i, rejected
+    finally:
+        free(bad); free(rowp); free(written); free(count)
+
+
+cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
+    cdef int err = b.err
+    where = f" at {plan.notes[b.node]}" if b.node >= 0 else ""
+    if err == A_VALUE:
+        return REASONS[b.value]
+    if err == A_FRAME:
+        if size < 6:
+            return f"{size} bytes: too short for the Confluent framing (6 bytes or more)"
+        return f"magic byte {b.value}, expected 0 (Confluent framing)"
+    if err == A_INDEXES:
+        return "malformed message-index array (Confluent framing)"
+    if err == A_MISSING:
+        return f"field {layout.names[b.field]!r}: repeated field absent, and no default"
+    if err == A_LENGTH:
+        name = layout.names[b.field] if b.field >= 0 else "?"
+        if b.field < 0 and b.node >= 0:
+            name = layout.names[plan.p.entries[b.node].field]
+        return f"field {name!r}: {b.value} values do not match its shape{where}"
+    if err == A_WIRE:
+        return f"wire type {b.value} does not match the field's type{where}"
+    if err == A_TAG:
+        return "bad tag (field number 0, or a group)"
+    if err == A_TRUNCATED:
+        return f"truncated{where}"
+    if err == A_VARINT:
+        return f"malformed varint{where}"
+    if err == A_RANGE:
+        return f"{b.value} does not fit the field's dtype{where}"
+    if err == A_KIND:
+        return f"a value the field cannot take{where}"
+    if err == A_DEPTH:
+        return f"nested deeper than {PB_MAX_DEPTH}"
+    return f"error {err}{where}"

@@ -1,0 +1,62 @@
+"""Formats other services write (Avro, Protobuf): what they share.
+
+Where it sits: the build stage. ``Loader(format=...)`` takes a
+``RecordFormat``; ``SlotBuilder`` asks it for a decoder of the loader's
+``Schema`` and hands that decoder a fetch of message values at a time. The
+decoder writes one row per message straight into the pool slot (Cython, no
+GIL, no Python object per record), rejecting a message whole with a reason.
+``kfeed.avro`` and ``kfeed.protobuf`` are the formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kfeed import _codec
+from kfeed.errors import ConfigError
+from kfeed.schema import DecodeResult, Schema, Target
+
+__all__ = ["Decoder", "RecordFormat"]
+
+_NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+            "float32", "float64")
+
+
+class Decoder:
+    """Decodes message values of one format into one kfeed Schema's rows."""
+
+    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
+        raise NotImplementedError
+
+
+class RecordFormat:
+    """A format of one record per message; ``value`` names it (in ``state_dict()``)."""
+
+    value = ""
+
+    def decoder(self, schema: Schema) -> Decoder:
+        raise NotImplementedError
+
+
+def fixed_layout(schema: Schema, what: str) -> Any:
+    """The schema's codec layout, once its fields are all numeric and of fixed shape."""
+    layout = schema._fixed_only(f"{what} decoding")
+    for f in schema.fields:
+        if f.dtype not in _NUMERIC:
+            raise ConfigError(f"field {f.name!r}: {what} values decode into bool, integer, "
+                              f"float32 or float64 fields, not {f.dtype}")
+    return layout
+
+
+def codes(schema: Schema) -> list[int]:
+    """Each field's element code, as the Cython decoders store elements."""
+    return [_codec.AVRO_CODES[f.dtype] for f in schema.fields]
+
+
+def defaults(schema: Schema) -> list[bytes | None]:
+    """One row of each field's default, as bytes; None where it has none."""
+    return [None if f.default is None else np.full(f.shape, f.default, f.storage).tobytes()
+            for f in schema.fields]
