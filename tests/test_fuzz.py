@@ -1287,6 +1287,90 @@ def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
         assert (arr[untouched] == before[name][untouched]).all(), name
 
 
+# -- Protobuf: values other services write ---------------------------------------
+
+
+def _event_class() -> type:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="fuzz_event.proto", package="fuzz",
+                                             syntax="proto3")
+    who = fdp.message_type.add(name="Who")
+    who.field.add(name="age", number=1, type=f.TYPE_SINT32, label=f.LABEL_OPTIONAL)
+    who.field.add(name="tag", number=2, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)
+    ev = fdp.message_type.add(name="Event")
+    ev.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    ev.field.add(name="v", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
+    d = ev.field.add(name="d", number=3, type=f.TYPE_DOUBLE, label=f.LABEL_REPEATED)
+    d.options.packed = False
+    ev.field.add(name="who", number=4, type=f.TYPE_MESSAGE, type_name=".fuzz.Who",
+                 label=f.LABEL_OPTIONAL)
+    ev.field.add(name="k", number=5, type=f.TYPE_FIXED32, label=f.LABEL_OPTIONAL)
+    ev.field.add(name="ok", number=6, type=f.TYPE_BOOL, label=f.LABEL_OPTIONAL)
+    ev.field.add(name="note", number=7, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("fuzz.Event"))
+
+
+PB_SCHEMA = Schema({
+    "id": ("int64", ()),
+    "v": ("float32", (4,)),
+    "d": ("float64", (2,), {"default": 0.0}),
+    "age": ("int8", (), {"source": "who.age"}),
+    "k": ("uint32", ()),
+    "ok": ("bool", ()),
+})
+
+
+@PROPERTY
+@given(data=st.data())
+def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(data):
+    pytest.importorskip("google.protobuf")
+    event = _event_class()
+    values, oracle = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        i = data.draw(st.integers(0, 2**40))
+        m = event(id=i, v=[i + 0.5] * 4, k=i % 2**32, ok=bool(i % 2), note=bytes(i % 7))
+        if i % 3:
+            m.d.extend([1.0, -2.0])
+        if i % 2:
+            m.who.age = i % 100 - 50
+        raw = bytearray(m.SerializeToString())
+        for _ in range(data.draw(st.integers(0, 3))):
+            how = data.draw(st.sampled_from(["flip", "cut", "grow", "varint"]))
+            if how == "flip" and raw:
+                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+            elif how == "cut":
+                del raw[data.draw(st.integers(0, len(raw))):]
+            elif how == "grow":
+                raw += data.draw(st.binary(max_size=12))
+            else:
+                at = data.draw(st.integers(0, len(raw)))
+                raw[at:at] = b"\xff" * data.draw(st.integers(1, 12)) + b"\x01"
+        values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
+        oracle.append(bytes(raw))
+    capacity = data.draw(st.integers(1, len(values) + 1))
+    whole, out = sentinel_out(PB_SCHEMA, capacity)
+    before = {k: v.copy() for k, v in whole.items()}
+    res = kfeed.Protobuf(message=event).decoder(PB_SCHEMA).decode_into(
+        values, PB_SCHEMA.bind(out), 0)
+    assert 0 < res.consumed <= len(values) and res.rows <= capacity
+    assert res.rows + len(res.bad) == res.consumed
+    bad = {i for i, _ in res.bad}
+    for row, i in enumerate(j for j in range(res.consumed) if j not in bad):
+        parsed = event.FromString(oracle[i])  # what kfeed took, protobuf parses alike
+        assert out["id"][row] == parsed.id and out["k"][row] == parsed.k
+        assert out["ok"][row] == parsed.ok and out["age"][row] == parsed.who.age
+        np.testing.assert_array_equal(out["v"][row], np.array(parsed.v, np.float32))
+        np.testing.assert_array_equal(out["d"][row], np.array(list(parsed.d) or [0.0, 0.0]))
+    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
+    for name, arr in whole.items():
+        untouched = np.r_[0:GUARD_ROWS, GUARD_ROWS + scribbled:len(arr)]
+        assert (arr[untouched] == before[name][untouched]).all(), name
+
+
 def _fuzz_main(argv: list[str]) -> None:
     import atheris
 
