@@ -303,6 +303,24 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     return r
 
 
+cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept nogil:
+    """Packed floats into a float32 field (doubles into float64) as one memcpy."""
+    cdef uint64_t size = 4 if e.kind == P_FLOAT else 8
+    cdef uint64_t count = n // size, at = c.count[e.field]
+    if n % size:
+        return A_TRUNCATED
+    if count > c.plan.nelem[e.field] - at:
+        c.count[e.field] = at + count
+        c.err_value = at + count
+        return A_LENGTH
+    memcpy(c.row[e.field] + at * size, c.p, n)
+    c.p += n
+    c.count[e.field] = at + count
+    if count:
+        c.written[e.field] = 1
+    return A_OK
+
+
 cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     """Read the fields of message type ``mi`` from ``c.p`` to ``end``."""
     cdef const PbMsg* m = &c.plan.msgs[mi]
@@ -364,6 +382,8 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             if n > <uint64_t>(end - c.p):
                 return A_TRUNCATED
             stop = c.p + n
+            if (e.kind == P_FLOAT and e.code == C_F32) or (e.kind == P_DOUBLE and e.code == C_F64):
+                r = pb_packed_copy(c, e, n)  # the elements as they lie: one memcpy
             while c.p < stop and r == A_OK:
                 r = pb_value(c, e, stop)
         else:

@@ -1,32 +1,34 @@
-"""Avro topics others write: kfeed's loader against what users write today, in one run.
+"""Topics others write (Avro, Protobuf): kfeed's loader against what users write today.
 
 Against the broker that ``$KFEED_BOOTSTRAP`` names, on fresh uuid topics (4
-partitions) written by confluent-kafka's ``AvroSerializer`` (Confluent
-framing; the schema in confluent-kafka's in-memory registry client, shared by
-every contender). Two workloads (bench/RESULTS.md, "Avro"):
+partitions) written by confluent-kafka's ``AvroSerializer`` and
+``ProtobufSerializer`` (Confluent framing; schemas in confluent-kafka's
+in-memory registry client, shared by every contender). Two workloads per
+format (bench/RESULTS.md, "Avro" and "Protobuf"):
 
-- ``3 KB``: a 768-float array, a long id, an int label, a nullable double;
-- ``200 B``: a dozen scalars (longs, ints, doubles, a boolean, an enum) and
-  a short string.
+- ``3 KB``: a 768-float array, a long id, an int label, a double score;
+- ``200 B``: a dozen scalars (longs, ints, doubles, a float, a boolean, an
+  enum) and a string of about 140 characters.
 
 Contenders, each reading its topic from the earliest offset to the end with a
 fresh group, batches of 256 as CPU tensors:
 
-- ``kfeed``: ``Loader(format=kfeed.Avro(registry=...), until="end")``;
-- ``AvroDeserializer loop``: ``consume(2048)``, confluent-kafka's
-  ``AvroDeserializer`` per message, the values copied into preallocated numpy
-  batches, ``torch.from_numpy`` per batch;
-- ``fastavro loop``: the same with ``fastavro.schemaless_reader`` on the
-  bytes after the 5-byte framing;
+- ``kfeed``: ``Loader(format=kfeed.Avro(registry=...))`` or
+  ``kfeed.Protobuf(message=..., registry=...)``, ``until="end"``;
+- Avro: ``AvroDeserializer loop`` (confluent-kafka's deserializer per
+  message) and ``fastavro loop`` (``schemaless_reader`` on the bytes after
+  the 5-byte framing); Protobuf: ``ParseFromString loop`` (the generated
+  class's ``FromString`` on the bytes after the 6-byte framing); each copies
+  the fields into preallocated numpy batches, ``torch.from_numpy`` per batch;
 - ``ceiling``: ``consume(2048)`` with kfeed's consumer settings, touching
   nothing but ``error()``.
 
-And a micro-benchmark without a broker: 4,096 framed 3 KB records decoded
-by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
+And a micro-benchmark without a broker: 4,096 framed 3 KB Avro records
+decoded by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
 (``np.copyto`` of one buffer).
 
 Each contender runs ``--repeat`` times, interleaved; the best run counts.
-Run: ``python bench/bench_avro.py [--samples 100000] [--repeat 3]``.
+Run: ``python bench/bench_formats.py [--formats avro,protobuf] [--repeat 3]``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import kfeed
 from kfeed.sources import CONSUMER_DEFAULTS
@@ -88,17 +92,16 @@ def small_record(i: int, rng: np.random.Generator) -> dict:
             "note": f"user-{i % 977}:" + "x" * 130}
 
 
-def produce(bootstrap: str, registry: Any, topic: str, writer: dict,
-            make: Callable[[int, np.random.Generator], dict], n: int) -> int:
+def produce(bootstrap: str, topic: str, serialize: Callable[[int, np.random.Generator], bytes],
+            n: int) -> int:
+    """n values from ``serialize(i, rng)`` into a new 4-partition topic; their mean size."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, 4, 1)])[topic].result()
-    ser = AvroSerializer(registry, json.dumps(writer))
-    ctx = SerializationContext(topic, MessageField.VALUE)
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.size": 1 << 20})
     rng = np.random.default_rng(0)
     nbytes = 0
     for i in range(n):
-        v = ser(make(i, rng), ctx)
+        v = serialize(i, rng)
         nbytes += len(v)
         while True:
             try:
@@ -165,11 +168,11 @@ def batched_loop(schema: kfeed.Schema, read: Callable[[bytes], dict]) -> tuple[C
     return per_message, flush
 
 
-def run_kfeed(bootstrap: str, topic: str, schema: kfeed.Schema, registry: Any) -> int:
+def run_kfeed(bootstrap: str, topic: str, schema: kfeed.Schema, fmt: Any) -> int:
     n = 0
     config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
     with kfeed.Loader(config, topic, schema, BATCH, device="cpu", until="end",
-                      format=kfeed.Avro(registry=registry)) as loader:
+                      format=fmt) as loader:
         for batch in loader:
             n += batch.size
     return n
@@ -183,9 +186,14 @@ def enum_index(symbols: list[str]) -> Callable[[dict], dict]:
     return fix
 
 
-def contenders(bootstrap: str, topic: str, writer: dict, schema: kfeed.Schema,
-               registry: Any, n: int) -> dict[str, Callable[[], int]]:
+def avro_runs(bootstrap: str, registry: Any, big: bool, n: int
+              ) -> tuple[str, kfeed.Schema, dict[str, Callable[[], int]]]:
+    writer, schema, make = (BIG, BIG_SCHEMA, big_record) if big else \
+        (SMALL, SMALL_SCHEMA, small_record)
+    topic = f"bench-avro-{uuid.uuid4().hex[:8]}"
     ctx = SerializationContext(topic, MessageField.VALUE)
+    ser = AvroSerializer(registry, json.dumps(writer))
+    size = produce(bootstrap, topic, lambda i, rng: ser(make(i, rng), ctx), n)
     fix = enum_index(["a", "b", "c"])
     parsed = fastavro.parse_schema(writer)
 
@@ -199,10 +207,89 @@ def contenders(bootstrap: str, topic: str, writer: dict, schema: kfeed.Schema,
             schema, lambda v: fix(fastavro.schemaless_reader(io.BytesIO(v[5:]), parsed, None)))
         return drain(bootstrap, topic, n, per, flush)
 
-    return {
-        "kfeed": lambda: run_kfeed(bootstrap, topic, schema, registry),
+    return topic, size, {
+        "kfeed": lambda: run_kfeed(bootstrap, topic, schema, kfeed.Avro(registry=registry)),
         "AvroDeserializer loop": deserializer,
         "fastavro loop": fast,
+        "ceiling": lambda: drain(bootstrap, topic, n, None, None),
+    }
+
+
+def _pb_classes() -> tuple[type, type]:
+    """The Protobuf twins of BIG and SMALL, as protoc would generate them."""
+    f = descriptor_pb2.FieldDescriptorProto
+    types = {"long": f.TYPE_INT64, "int": f.TYPE_INT32, "double": f.TYPE_DOUBLE,
+             "float": f.TYPE_FLOAT, "boolean": f.TYPE_BOOL}
+    fdp = descriptor_pb2.FileDescriptorProto(name="bench_formats.proto", package="bench",
+                                             syntax="proto3")
+    kind = fdp.enum_type.add(name="Kind")
+    for i, name in enumerate("abc"):
+        kind.value.add(name=name.upper(), number=i)
+    big = fdp.message_type.add(name="Big")
+    big.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    big.field.add(name="features", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
+    big.field.add(name="label", number=3, type=f.TYPE_INT32, label=f.LABEL_OPTIONAL)
+    big.field.add(name="score", number=4, type=f.TYPE_DOUBLE, label=f.LABEL_OPTIONAL)
+    small = fdp.message_type.add(name="Small")
+    for number, (name, t) in enumerate(SMALL_FIELDS, 1):
+        small.field.add(name=name, number=number, type=types[t], label=f.LABEL_OPTIONAL)
+    small.field.add(name="kind", number=20, type=f.TYPE_ENUM, type_name=".bench.Kind",
+                    label=f.LABEL_OPTIONAL)
+    small.field.add(name="note", number=21, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"bench.{name}"))
+                 for name in ("Big", "Small"))
+
+
+def _framing(value: bytes) -> int:
+    """Bytes of Confluent Protobuf framing: magic, schema id, the message-index varints."""
+    at, count = 5, None
+    while count is None or count > 0:
+        shift = v = 0
+        while True:
+            byte = value[at]
+            at += 1
+            v |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        count = (v >> 1) if count is None else count - 1
+    return at
+
+
+def protobuf_runs(bootstrap: str, registry: Any, big: bool, n: int
+                  ) -> tuple[str, kfeed.Schema, dict[str, Callable[[], int]]]:
+    big_cls, small_cls = _pb_classes()
+    cls, schema, make = (big_cls, BIG_SCHEMA, big_record) if big else \
+        (small_cls, SMALL_SCHEMA, small_record)
+    topic = f"bench-protobuf-{uuid.uuid4().hex[:8]}"
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    ser = ProtobufSerializer(cls, registry, {"use.deprecated.format": False})
+
+    def serialize(i: int, rng: np.random.Generator) -> bytes:
+        rec = make(i, rng)
+        if "kind" in rec:
+            rec["kind"] = "abc".index(rec["kind"])
+        if rec.get("score", 0) is None:
+            rec["score"] = 0.0
+        return ser(cls(**rec), ctx)
+
+    size = produce(bootstrap, topic, serialize, n)
+    names = [f.name for f in schema.fields]
+    skip = _framing(serialize(0, np.random.default_rng(0)))
+
+    def parse() -> int:
+        def read(v: bytes) -> dict:
+            m = cls.FromString(v[skip:])
+            return {name: getattr(m, name) for name in names}
+        per, flush = batched_loop(schema, read)
+        return drain(bootstrap, topic, n, per, flush)
+
+    return topic, size, {
+        "kfeed": lambda: run_kfeed(bootstrap, topic, schema,
+                                   kfeed.Protobuf(message=cls, registry=registry)),
+        "ParseFromString loop": parse,
         "ceiling": lambda: drain(bootstrap, topic, n, None, None),
     }
 
@@ -234,37 +321,38 @@ def micro(registry: Any, repeat: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
-    p.add_argument("--samples", type=int, default=100_000)
-    p.add_argument("--small-samples", type=int, default=300_000)
+    p.add_argument("--formats", default="avro,protobuf")
+    p.add_argument("--samples", type=int, default=60_000)
+    p.add_argument("--small-samples", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     if not args.bootstrap:
         raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
     registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
-    decode, memcpy = micro(registry, args.repeat)
-    print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy {memcpy:.2f} GB/s "
-          f"| {decode / memcpy:.2f}x (target >= 0.5x) |")
+    formats = args.formats.split(",")
+    if "avro" in formats:
+        decode, memcpy = micro(registry, args.repeat)
+        print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy "
+              f"{memcpy:.2f} GB/s | {decode / memcpy:.2f}x (target >= 0.5x) |")
     admin = AdminClient({"bootstrap.servers": args.bootstrap})
-    for label, writer, schema, make, n in (
-            ("3 KB", BIG, BIG_SCHEMA, big_record, args.samples),
-            ("200 B", SMALL, SMALL_SCHEMA, small_record, args.small_samples)):
-        topic = f"bench-avro-{uuid.uuid4().hex[:8]}"
-        size = produce(args.bootstrap, registry, topic, writer, make, n)
-        runs = contenders(args.bootstrap, topic, writer, schema, registry, n)
-        best = dict.fromkeys(runs, 0.0)
-        for _ in range(args.repeat):
-            for name, run in runs.items():
-                t = time.perf_counter()
-                got = run()
-                best[name] = max(best[name], got / (time.perf_counter() - t))
-                assert got == n, (name, got, n)
-        admin.delete_topics([topic])
-        k = best["kfeed"]
-        print(f"\n{label} events ({size} bytes each, {n:,} of them), records/s, best of "
-              f"{args.repeat}:")
-        for name, rate in best.items():
-            ratio = "" if name == "kfeed" else f" | kfeed / this = {k / rate:.2f}x"
-            print(f"| {name} | {rate:,.0f}{ratio} |")
+    makers = {"avro": avro_runs, "protobuf": protobuf_runs}
+    for fmt in formats:
+        for label, big, n in (("3 KB", True, args.samples), ("200 B", False, args.small_samples)):
+            topic, size, runs = makers[fmt](args.bootstrap, registry, big, n)
+            best = dict.fromkeys(runs, 0.0)
+            for _ in range(args.repeat):
+                for name, run in runs.items():
+                    t = time.perf_counter()
+                    got = run()
+                    best[name] = max(best[name], got / (time.perf_counter() - t))
+                    assert got == n, (name, got, n)
+            admin.delete_topics([topic])
+            k = best["kfeed"]
+            print(f"\n{fmt}, {label} events ({size} bytes each, {n:,} of them), records/s, "
+                  f"best of {args.repeat}:")
+            for name, rate in best.items():
+                ratio = "" if name == "kfeed" else f" | kfeed / this = {k / rate:.2f}x"
+                print(f"| {name} | {rate:,.0f}{ratio} |")
 
 
 if __name__ == "__main__":
