@@ -207,7 +207,7 @@ class DocRun:
         problems: list[str] = []
         for value in list(self.document.namespace.values()):
             closer = getattr(value, "close", None)
-            if type(value).__module__.startswith("kfeed.") and callable(closer):
+            if (type(value).__module__ or "").startswith("kfeed.") and callable(closer):
                 with contextlib.suppress(Exception):
                     closer()
         for state in sorted(self.tmp.rglob("cluster.json")):
