@@ -21,7 +21,8 @@ ready for the packer (``kfeed._pack``), again with no Python object per record.
 
 Avro message values (one record each, as other services write them) are read
 by compiled plans into the same ``Out`` buffers: ``_avro.pxi``, and Protobuf
-messages likewise by ``_protobuf.pxi``, both included at the end of this module.
+messages likewise by ``_protobuf.pxi``, and JSON objects by ``_json.pxi``, all
+included at the end of this module.
 """
 
 import sys
@@ -1375,3 +1376,4 @@ def encode_doc_raw(DocLayout layout, elements, const int64_t[::1] offsets, uint6
 
 include "_avro.pxi"
 include "_protobuf.pxi"
+include "_json.pxi"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kfeed._kafka import create_topic
 from kfeed.avro import Avro
+from kfeed.jsonformat import Json
 from kfeed.protobuf import Protobuf
 from kfeed.errors import (
     ClusterError,
@@ -36,6 +37,7 @@ __all__ = [
     "DecodeResult",
     "Avro",
     "Protobuf",
+    "Json",
     "Producer",
     "Loader",
     "LoaderConfig",

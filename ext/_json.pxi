@@ -1,0 +1,669 @@
+# JSON objects -> fixed-shape rows, included into _codec.pyx after _protobuf.pxi
+# (it shares the element stores, the error codes and ``Out``).
+#
+# ``kfeed.jsonformat`` compiles a kfeed Schema into a plan: a tree of object
+# levels, each with the keys that lead to a field. ``json_decode`` parses one
+# object per message value in one pass, without the GIL and without a Python
+# object per record: wanted values are parsed into the field's dtype where
+# they lie, everything else is skipped (strings are skipped without decoding).
+#
+# Grammar (RFC 8259), plus what Python's json.loads also reads: NaN,
+# Infinity and -Infinity. Numbers without a fraction or exponent are
+# integers (json.loads gives an int), the others floats; a float never goes
+# into an integer field. A key repeated in one object: the last one wins. A
+# value starting with a zero byte carries the Confluent JSON Schema framing
+# (zero byte, 4-byte schema id), which is skipped.
+
+from libc.math cimport INFINITY, NAN
+from libc.stdlib cimport strtod
+from libc.string cimport memcmp
+
+cdef enum:
+    J_OBJECT = 0       # an object level: its children are keys
+    J_FIELD = 1        # a field's value (a scalar, or arrays nested ndim deep)
+    J_MAX_DEPTH = 128  # nesting of skipped values
+    J_MAX_DIMS = 8
+    A_JSON = 200       # not JSON where a value was expected
+    A_OBJECT           # a key that leads to fields holds neither an object nor null
+
+
+cdef struct JsNode:
+    int kind
+    int field
+    int code
+    Py_ssize_t first      # J_OBJECT: keys[first:first + n]
+    Py_ssize_t n
+
+
+cdef struct JsPlan:
+    JsNode* nodes
+    Py_ssize_t nnodes
+    Py_ssize_t* key_node     # per key: the node it leads to
+    Py_ssize_t* key_off      # per key: where its bytes start in ``names``
+    Py_ssize_t* key_len
+    const uint8_t* names
+    Py_ssize_t nfields
+    int* codes
+    uint64_t* nelem
+    int* ndim
+    int64_t* dims            # per field, J_MAX_DIMS each
+    const uint8_t** default
+
+
+cdef struct JsCur:
+    const uint8_t* p
+    const uint8_t* end
+    const JsPlan* plan
+    uint8_t** row
+    uint8_t* written
+    int depth
+    Py_ssize_t err_node
+    Py_ssize_t err_field
+    int64_t err_value
+
+
+cdef class JsonPlan:
+    """A kfeed Schema's fields as paths of JSON keys: what ``json_decode`` runs.
+
+    Made by ``kfeed.jsonformat``: ``nodes`` rows (kind, field, code, first,
+    n), node 0 the top object; ``keys`` rows (node, offset, length) into
+    ``names`` (UTF-8 key bytes, each object's keys in any order); per field
+    its code, shape and default row. ``notes`` names each node for errors.
+    """
+
+    cdef JsPlan p
+    cdef readonly tuple notes
+    cdef readonly Py_ssize_t nfields
+    cdef bytes _names
+    cdef tuple _defaults
+
+    def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[:, ::1] keys,
+                  bytes names, codes, shapes, defaults, notes):
+        cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = keys.shape[0]
+        cdef JsNode* nd
+        if nodes.shape[1] != 5 or keys.shape[1] != 3 or nn == 0:
+            raise ValueError("nodes must have shape (n >= 1, 5) and keys (k, 3)")
+        if len(codes) != layout.nfields or len(shapes) != layout.nfields \
+                or len(defaults) != layout.nfields or len(notes) != nn:
+            raise ValueError("one code, shape and default per field, one note per node")
+        self.nfields = layout.nfields
+        self.notes = tuple(str(x) for x in notes)
+        self._names = names
+        self._defaults = tuple(defaults)
+        self.p.nnodes, self.p.nfields = nn, layout.nfields
+        self.p.names = <const uint8_t*>PyBytes_AS_STRING(names)
+        self.p.nodes = <JsNode*>calloc(nn, sizeof(JsNode))
+        self.p.key_node = <Py_ssize_t*>calloc(nk if nk else 1, sizeof(Py_ssize_t))
+        self.p.key_off = <Py_ssize_t*>calloc(nk if nk else 1, sizeof(Py_ssize_t))
+        self.p.key_len = <Py_ssize_t*>calloc(nk if nk else 1, sizeof(Py_ssize_t))
+        self.p.codes = <int*>calloc(layout.nfields, sizeof(int))
+        self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+        self.p.ndim = <int*>calloc(layout.nfields, sizeof(int))
+        self.p.dims = <int64_t*>calloc(layout.nfields * J_MAX_DIMS, sizeof(int64_t))
+        self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+        if not (self.p.nodes and self.p.key_node and self.p.key_off and self.p.key_len
+                and self.p.codes and self.p.nelem and self.p.ndim and self.p.dims
+                and self.p.default):
+            raise MemoryError()
+        for f in range(layout.nfields):
+            code = codes[f]
+            if not C_BOOL <= code < C_CODES:
+                raise ValueError(f"field {f}: unknown code {code}")
+            self.p.codes[f] = code
+            shape = tuple(shapes[f])
+            if len(shape) > J_MAX_DIMS:
+                raise ValueError(f"field {f}: more than {J_MAX_DIMS} dimensions")
+            total = 1
+            for i, d in enumerate(shape):
+                if d <= 0:
+                    raise ValueError(f"field {f}: dimensions must be positive")
+                self.p.dims[f * J_MAX_DIMS + i] = d
+                total *= d
+            self.p.ndim[f] = len(shape)
+            if total * code_size(code) != layout.row_bytes[f]:
+                raise ValueError(f"field {f}: its shape and code are not its row")
+            self.p.nelem[f] = total
+            d = defaults[f]
+            if d is not None:
+                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
+                    raise ValueError(f"field {f}: a default must be bytes of one row")
+                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        for i in range(nk):
+            if not 0 < keys[i, 0] < nn or keys[i, 1] < 0 or keys[i, 2] < 0 \
+                    or keys[i, 1] + keys[i, 2] > len(names):
+                raise ValueError(f"key {i} is not in the plan")
+            self.p.key_node[i], self.p.key_off[i], self.p.key_len[i] = keys[i, 0], keys[i, 1], keys[i, 2]
+        for i in range(nn):
+            nd = &self.p.nodes[i]
+            nd.kind, nd.field, nd.code = nodes[i, 0], nodes[i, 1], nodes[i, 2]
+            nd.first, nd.n = nodes[i, 3], nodes[i, 4]
+            if nd.kind == J_FIELD:
+                if not 0 <= nd.field < layout.nfields or nd.code != self.p.codes[nd.field]:
+                    raise ValueError(f"node {i}: its field or code is not the layout's")
+            elif nd.kind != J_OBJECT or nd.first < 0 or nd.n < 0 or nd.first + nd.n > nk:
+                raise ValueError(f"node {i}: a bad object node")
+
+    def __dealloc__(self):
+        free(self.p.nodes)
+        free(self.p.key_node)
+        free(self.p.key_off)
+        free(self.p.key_len)
+        free(self.p.codes)
+        free(self.p.nelem)
+        free(self.p.ndim)
+        free(self.p.dims)
+        free(self.p.default)
+
+
+cdef inline void js_ws(JsCur* c) noexcept nogil:
+    cdef uint8_t b
+    while c.p < c.end:
+        b = c.p[0]
+        if b == 0x20 or b == 0x0A or b == 0x0D or b == 0x09:
+            c.p += 1
+        else:
+            return
+
+
+cdef inline bint js_lit(JsCur* c, const char* word, Py_ssize_t n) noexcept nogil:
+    """Consume ``word`` if it comes next."""
+    if c.end - c.p < n or memcmp(c.p, word, n) != 0:
+        return False
+    c.p += n
+    return True
+
+
+cdef int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
+                   bint* escaped) noexcept nogil:
+    """Skip a string at ``c.p`` (its opening quote); give the span between the quotes."""
+    cdef uint8_t b
+    c.p += 1
+    start[0] = c.p
+    escaped[0] = False
+    while c.p < c.end:
+        b = c.p[0]
+        if b == 0x22:
+            length[0] = c.p - start[0]
+            c.p += 1
+            return A_OK
+        if b == 0x5C:
+            if c.end - c.p < 2:
+                return A_TRUNCATED
+            escaped[0] = True
+            c.p += 2
+            continue
+        c.p += 1
+    return A_TRUNCATED
+
+
+cdef inline int js_hex(uint8_t b) noexcept nogil:
+    if 0x30 <= b <= 0x39:
+        return b - 0x30
+    if 0x61 <= b <= 0x66:
+        return b - 0x61 + 10
+    if 0x41 <= b <= 0x46:
+        return b - 0x41 + 10
+    return -1
+
+
+cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
+                            Py_ssize_t cap) noexcept nogil:
+    """A key's escapes undone into ``out`` as UTF-8; -1 if malformed or too long."""
+    cdef Py_ssize_t i = 0, o = 0
+    cdef uint32_t cp, lo
+    cdef int k, h
+    while i < n:
+        if o + 4 > cap:
+            return -1
+        if s[i] != 0x5C:
+            out[o] = s[i]
+            o += 1
+            i += 1
+            continue
+        if i + 1 >= n:
+            return -1
+        i += 1
+        if s[i] == 0x75:  # \\uXXXX, maybe a surrogate pair
+            cp = 0
+            if i + 4 >= n:
+                return -1
+            for k in range(1, 5):
+                h = js_hex(s[i + k])
+                if h < 0:
+                    return -1
+                cp = cp * 16 + h
+            i += 5
+            if 0xD800 <= cp < 0xDC00 and i + 5 < n and s[i] == 0x5C and s[i + 1] == 0x75:
+                lo = 0
+                for k in range(2, 6):
+                    h = js_hex(s[i + k])
+                    if h < 0:
+                        return -1
+                    lo = lo * 16 + h
+                if 0xDC00 <= lo < 0xE000:
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                    i += 6
+            if cp < 0x80:
+                out[o] = cp
+                o += 1
+            elif cp < 0x800:
+                out[o] = 0xC0 | (cp >> 6)
+                out[o + 1] = 0x80 | (cp & 0x3F)
+                o += 2
+            elif cp < 0x10000:
+                out[o] = 0xE0 | (cp >> 12)
+                out[o + 1] = 0x80 | ((cp >> 6) & 0x3F)
+                out[o + 2] = 0x80 | (cp & 0x3F)
+                o += 3
+            else:
+                out[o] = 0xF0 | (cp >> 18)
+                out[o + 1] = 0x80 | ((cp >> 12) & 0x3F)
+                out[o + 2] = 0x80 | ((cp >> 6) & 0x3F)
+                out[o + 3] = 0x80 | (cp & 0x3F)
+                o += 4
+            continue
+        if s[i] == 0x62:
+            out[o] = 0x08
+        elif s[i] == 0x66:
+            out[o] = 0x0C
+        elif s[i] == 0x6E:
+            out[o] = 0x0A
+        elif s[i] == 0x72:
+            out[o] = 0x0D
+        elif s[i] == 0x74:
+            out[o] = 0x09
+        elif s[i] == 0x22 or s[i] == 0x5C or s[i] == 0x2F:
+            out[o] = s[i]
+        else:
+            return -1
+        o += 1
+        i += 1
+    return o
+
+
+cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept nogil:
+    """A number at ``c.p`` (also NaN, Infinity, -Infinity), as json.loads reads it."""
+    cdef const uint8_t* s = c.p
+    cdef bint neg = False, big = False
+    cdef uint64_t acc = 0
+    cdef char buf[128]
+    cdef Py_ssize_t n
+    is_float[0] = False
+    if c.p < c.end and c.p[0] == 0x2D:
+        neg = True
+        c.p += 1
+    if js_lit(c, "Infinity", 8):
+        is_float[0] = True
+        dv[0] = -INFINITY if neg else INFINITY
+        return A_OK
+    if not neg and js_lit(c, "NaN", 3):
+        is_float[0] = True
+        dv[0] = NAN
+        return A_OK
+    if c.p >= c.end or not (0x30 <= c.p[0] <= 0x39):
+        return A_JSON
+    if c.p[0] == 0x30:
+        c.p += 1
+    else:
+        while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            if acc > (<uint64_t>0xFFFFFFFFFFFFFFFF - 9) // 10:
+                big = True
+            else:
+                acc = acc * 10 + (c.p[0] - 0x30)
+            c.p += 1
+    if c.p < c.end and c.p[0] == 0x2E:
+        is_float[0] = True
+        c.p += 1
+        if c.p >= c.end or not (0x30 <= c.p[0] <= 0x39):
+            return A_JSON
+        while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            c.p += 1
+    if c.p < c.end and (c.p[0] == 0x65 or c.p[0] == 0x45):
+        is_float[0] = True
+        c.p += 1
+        if c.p < c.end and (c.p[0] == 0x2B or c.p[0] == 0x2D):
+            c.p += 1
+        if c.p >= c.end or not (0x30 <= c.p[0] <= 0x39):
+            return A_JSON
+        while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            c.p += 1
+    if not is_float[0]:
+        if big or (not neg and acc > <uint64_t>0x7FFFFFFFFFFFFFFF) \
+                or (neg and acc > <uint64_t>0x8000000000000000):
+            c.err_value = 0
+            return A_RANGE
+        iv[0] = -<int64_t>acc if neg else <int64_t>acc
+        dv[0] = <double>iv[0]
+        return A_OK
+    n = c.p - s
+    if n >= 128:
+        return A_RANGE
+    memcpy(buf, s, n)
+    buf[n] = 0
+    dv[0] = strtod(buf, NULL)
+    return A_OK
+
+
+cdef int js_skip(JsCur* c) noexcept nogil:
+    """Skip one value of any kind at ``c.p``."""
+    cdef const uint8_t* s
+    cdef Py_ssize_t n
+    cdef bint esc, fl
+    cdef int64_t iv
+    cdef double dv
+    cdef int r
+    cdef uint8_t close
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    cdef uint8_t b = c.p[0]
+    if b == 0x22:
+        return js_string(c, &s, &n, &esc)
+    if b == 0x7B or b == 0x5B:
+        close = 0x7D if b == 0x7B else 0x5D
+        c.depth += 1
+        if c.depth > J_MAX_DEPTH:
+            return A_DEPTH
+        c.p += 1
+        js_ws(c)
+        if c.p < c.end and c.p[0] == close:
+            c.p += 1
+            c.depth -= 1
+            return A_OK
+        while True:
+            if b == 0x7B:
+                js_ws(c)
+                if c.p >= c.end or c.p[0] != 0x22:
+                    return A_JSON if c.p < c.end else A_TRUNCATED
+                r = js_string(c, &s, &n, &esc)
+                if r:
+                    return r
+                js_ws(c)
+                if c.p >= c.end or c.p[0] != 0x3A:
+                    return A_JSON if c.p < c.end else A_TRUNCATED
+                c.p += 1
+            r = js_skip(c)
+            if r:
+                return r
+            js_ws(c)
+            if c.p >= c.end:
+                return A_TRUNCATED
+            if c.p[0] == 0x2C:
+                c.p += 1
+                continue
+            if c.p[0] == close:
+                c.p += 1
+                c.depth -= 1
+                return A_OK
+            return A_JSON
+    if js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
+        return A_OK
+    return js_number(c, &fl, &iv, &dv)
+
+
+cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexcept nogil:
+    """The value at ``c.p`` into field ``f``: a scalar at ``elem``, or arrays from ``level`` on."""
+    cdef const JsNode* nd = &c.plan.nodes[ni]
+    cdef int ndim = c.plan.ndim[f], r
+    cdef int64_t k = 0, dim, stride = 1, iv
+    cdef int j
+    cdef bint fl
+    cdef double dv
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    if c.p[0] == 0x6E and js_lit(c, "null", 4):
+        if level == 0:
+            return A_OK  # the field stays unwritten: its default, or bad
+        return A_NULL
+    if level < ndim:
+        if c.p[0] != 0x5B:
+            r = js_skip(c)
+            return r if r else A_KIND
+        dim = c.plan.dims[f * J_MAX_DIMS + level]
+        for j in range(level + 1, ndim):
+            stride *= c.plan.dims[f * J_MAX_DIMS + j]
+        c.p += 1
+        js_ws(c)
+        if c.p < c.end and c.p[0] == 0x5D:
+            c.p += 1
+        else:
+            while True:
+                if k >= dim:
+                    c.err_value = k + 1
+                    return A_LENGTH
+                r = js_field(c, ni, f, level + 1, elem + k * stride)
+                if r:
+                    return r
+                k += 1
+                js_ws(c)
+                if c.p >= c.end:
+                    return A_TRUNCATED
+                if c.p[0] == 0x2C:
+                    c.p += 1
+                    continue
+                if c.p[0] == 0x5D:
+                    c.p += 1
+                    break
+                return A_JSON
+        if k != dim:
+            c.err_value = k
+            return A_LENGTH
+        if level == 0:
+            c.written[f] = 1
+        return A_OK
+    # A scalar.
+    if js_lit(c, "true", 4):
+        r = put_int(c.row[f], c.plan.nelem[f], nd.code, elem, 1)
+    elif js_lit(c, "false", 5):
+        r = put_int(c.row[f], c.plan.nelem[f], nd.code, elem, 0)
+    elif c.p[0] == 0x2D or c.p[0] == 0x4E or c.p[0] == 0x49 or 0x30 <= c.p[0] <= 0x39:
+        r = js_number(c, &fl, &iv, &dv)
+        if r:
+            return r
+        if fl:
+            r = put_float(c.row[f], c.plan.nelem[f], nd.code, elem, dv)  # A_KIND into ints
+        elif nd.code == C_BOOL:
+            r = A_KIND  # numpy: an int is not a bool
+        else:
+            c.err_value = iv
+            r = put_int(c.row[f], c.plan.nelem[f], nd.code, elem, iv)
+    else:
+        r = js_skip(c)
+        return r if r else A_KIND  # a string, object or array
+    if r == A_OK and level == 0:
+        c.written[f] = 1
+    return r
+
+
+cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
+    """The object at ``c.p`` (its ``{``), reading the keys of node ``ni``."""
+    cdef const JsNode* nd = &c.plan.nodes[ni]
+    cdef const uint8_t* key
+    cdef Py_ssize_t n, k, match
+    cdef bint esc
+    cdef int r
+    cdef uint8_t buf[256]
+    c.depth += 1
+    if c.depth > J_MAX_DEPTH:
+        return A_DEPTH
+    c.p += 1
+    js_ws(c)
+    if c.p < c.end and c.p[0] == 0x7D:
+        c.p += 1
+        c.depth -= 1
+        return A_OK
+    while True:
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] != 0x22:
+            return A_JSON
+        r = js_string(c, &key, &n, &esc)
+        if r:
+            return r
+        if esc:
+            n = js_unescape(key, n, buf, 256)
+            key = buf
+        match = -1
+        if n >= 0:
+            for k in range(nd.first, nd.first + nd.n):
+                if c.plan.key_len[k] == n and memcmp(c.plan.names + c.plan.key_off[k], key, n) == 0:
+                    match = c.plan.key_node[k]
+                    break
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] != 0x3A:
+            return A_JSON
+        c.p += 1
+        if match < 0:
+            r = js_skip(c)
+        elif c.plan.nodes[match].kind == J_FIELD:
+            r = js_field(c, match, c.plan.nodes[match].field, 0, 0)
+        else:
+            js_ws(c)
+            if c.p < c.end and c.p[0] == 0x7B:
+                r = js_object(c, match)
+            elif js_lit(c, "null", 4):
+                r = A_OK  # the fields below stay unwritten
+            else:
+                r = js_skip(c)
+                if r == A_OK:
+                    r = A_OBJECT
+        if r:
+            if c.err_node < 0:
+                c.err_node = match
+            return r
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] == 0x2C:
+            c.p += 1
+            continue
+        if c.p[0] == 0x7D:
+            c.p += 1
+            c.depth -= 1
+            return A_OK
+        return A_JSON
+
+
+cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t* end,
+                   uint8_t** dst, uint64_t row) noexcept nogil:
+    cdef Py_ssize_t f
+    cdef uint64_t nbytes
+    c.plan = plan
+    c.p = p
+    c.end = end
+    c.depth = 0
+    c.err_node = -1
+    c.err_field = -1
+    c.err_value = 0
+    for f in range(plan.nfields):
+        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
+        c.written[f] = 0
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    if c.p[0] != 0x7B:
+        return A_JSON
+    cdef int r = js_object(c, 0)
+    if r:
+        return r
+    js_ws(c)
+    if c.p != c.end:
+        c.err_value = c.end - c.p
+        return A_TRAILING
+    for f in range(plan.nfields):
+        if not c.written[f]:
+            if plan.default[f] == NULL:
+                c.err_field = f
+                return A_MISSING
+            nbytes = plan.nelem[f] * code_size(plan.codes[f])
+            memcpy(c.row[f], plan.default[f], nbytes)
+    return A_OK
+
+
+def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
+    """Decode JSON message values (one object each) into ``out`` from ``row`` on.
+
+    A value whose first byte is zero has the Confluent JSON Schema framing,
+    skipped. Returns ``(rows, consumed, bad)`` as ``avro_decode`` does.
+    """
+    out.fits(layout)
+    if row > out.capacity:
+        raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
+    if plan.nfields != layout.nfields:
+        raise ValueError("the plan was made for another layout")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0, skip
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef JsCur c
+    cdef uint64_t out_row = row
+    cdef int r
+    if not (bad and rowp and written):
+        free(bad); free(rowp); free(written)
+        raise MemoryError()
+    c.row, c.written = rowp, written
+    try:
+        with nogil:
+            while i < n and out_row < out.capacity:
+                c.err_node, c.err_field, c.err_value = -1, -1, 0
+                if vals.size[i] < 0:
+                    r = A_VALUE
+                    c.err_value = -vals.size[i]
+                elif vals.size[i] > 0 and vals.ptr[i][0] == 0 and vals.size[i] < 5:
+                    r = A_FRAME
+                else:
+                    skip = 5 if vals.size[i] > 0 and vals.ptr[i][0] == 0 else 0
+                    r = js_record(&c, &plan.p, vals.ptr[i] + skip, vals.ptr[i] + vals.size[i],
+                                  out.bufs.ptr, out_row)
+                if r == A_OK:
+                    out_row += 1
+                else:
+                    bad[nbad].index = i
+                    bad[nbad].err = r
+                    bad[nbad].node = c.err_node
+                    bad[nbad].field = c.err_field
+                    bad[nbad].value = c.err_value
+                    nbad += 1
+                i += 1
+        rejected = []
+        for k in range(nbad):
+            idx = bad[k].index
+            rejected.append((idx, _json_reason(layout, plan, bad[k], vals.size[idx])))
+        return out_row - row, i, rejected
+    finally:
+        free(bad); free(rowp); free(written)
+
+
+cdef str _json_reason(Layout layout, JsonPlan plan, AvBad b, Py_ssize_t size):
+    cdef int err = b.err
+    where = f" at {plan.notes[b.node]}" if b.node >= 0 else ""
+    if err == A_VALUE:
+        return REASONS[b.value]
+    if err == A_FRAME:
+        return f"{size} bytes: too short for the Confluent framing (5 bytes)"
+    if err == A_MISSING:
+        return f"field {layout.names[b.field]!r}: missing or null, and no default"
+    if err == A_JSON:
+        return f"not JSON{where}"
+    if err == A_OBJECT:
+        return f"not an object{where}"
+    if err == A_TRUNCATED:
+        return f"truncated{where}"
+    if err == A_RANGE:
+        return f"a number that does not fit the field's dtype{where}"
+    if err == A_KIND:
+        return f"a value of another kind than the field's{where}"
+    if err == A_NULL:
+        return f"null element{where}"
+    if err == A_LENGTH:
+        return f"array of {b.value} items does not match the field's shape{where}"
+    if err == A_DEPTH:
+        return f"nested deeper than {J_MAX_DEPTH}"
+    if err == A_TRAILING:
+        return f"{b.value} bytes left after the object"
+    return f"error {err}{where}"

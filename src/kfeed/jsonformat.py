@@ -1,0 +1,109 @@
+"""JSON events, one object per message, decoded straight into the batch.
+
+Where it sits: in the build stage, like ``kfeed.avro``. The kfeed ``Schema``
+is compiled once into a ``_codec.JsonPlan``: the keys, level by level, that
+lead to its fields. ``JsonDecoder.decode_into`` parses a fetch of values in
+one Cython pass into the pool slot (no GIL, no Python object per record):
+values the schema wants are parsed into the field's dtype where they lie,
+the rest skipped.
+
+Fields map to keys by name, or by a dotted ``source`` through nested objects.
+Values convert as numpy's ``same_kind`` casting allows, from what
+``json.loads`` would give: an integer into any integer field it fits or a
+float field, a number with a fraction or exponent into float fields only,
+``true``/``false`` into any field. Arrays fill a fixed shape exactly (nested
+arrays for more dimensions). A missing key or ``null`` takes the field's
+``default`` or makes the record bad; so does a value of another kind. A value
+that begins with a zero byte carries the Confluent JSON Schema framing (zero
+byte, schema id), which is skipped: the JSON Schema itself is not consulted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kfeed import _codec
+from kfeed.errors import ConfigError
+from kfeed.formats import Decoder, RecordFormat, codes, defaults, fixed_layout
+from kfeed.schema import DecodeResult, Schema, Target
+
+__all__ = ["Json", "JsonDecoder"]
+
+
+class Json(RecordFormat):
+    """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())``."""
+
+    value = "json"
+
+    def decoder(self, schema: Schema) -> JsonDecoder:
+        return JsonDecoder(schema)
+
+    def __repr__(self) -> str:
+        return "Json()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Json)
+
+    def __hash__(self) -> int:
+        return hash(Json)
+
+
+class JsonDecoder(Decoder):
+    """One kfeed Schema's reader of JSON objects."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.layout = fixed_layout(schema, "JSON")
+        self.plan = compile_plan(schema)
+
+    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
+        """Decode values into ``out`` from ``row`` on: one row per good value."""
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        rows, consumed, bad = _codec.json_decode(self.layout, self.plan, values, out.out, row)
+        return DecodeResult(rows, consumed, bad)
+
+
+def compile_plan(schema: Schema) -> Any:
+    """The ``_codec.JsonPlan`` of ``schema``'s fields, as paths of keys."""
+    field_codes = codes(schema)
+    nodes: list[list[int]] = []
+    keys: list[tuple[int, int, int]] = []
+    notes: list[str] = []
+    names = bytearray()
+
+    def level(targets: dict[tuple[str, ...], int], path: str) -> int:
+        index = len(nodes)
+        nodes.append([0, -1, 0, 0, 0])
+        notes.append(path or "the object")
+        by_first: dict[str, dict[tuple[str, ...], int]] = {}
+        for rest, f in targets.items():
+            by_first.setdefault(rest[0], {})[rest[1:]] = f
+        children = []
+        for key, sub in by_first.items():
+            where = f"{path}.{key}" if path else key
+            if () in sub:
+                f = sub[()]
+                if len(sub) > 1:
+                    other = schema.fields[next(g for r, g in sub.items() if r)]
+                    raise ConfigError(f"fields {schema.fields[f].name!r} and {other.name!r}: "
+                                      f"{where} cannot be both a value and an object")
+                nodes.append([1, f, field_codes[f], 0, 0])
+                notes.append(where)
+                child = len(nodes) - 1
+            else:
+                child = level(sub, where)
+            encoded = key.encode()
+            children.append((child, len(names), len(encoded)))
+            names.extend(encoded)
+        nodes[index][3] = len(keys)
+        nodes[index][4] = len(children)
+        keys.extend(children)
+        return index
+
+    level({f.path: i for i, f in enumerate(schema.fields)}, "")
+    return _codec.JsonPlan(fixed_layout(schema, "JSON"), np.array(nodes, np.int64).reshape(-1, 5),
+                           np.array(keys, np.int64).reshape(-1, 3), bytes(names), field_codes,
+                           [f.shape for f in schema.fields], defaults(schema), notes)
