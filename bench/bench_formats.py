@@ -43,7 +43,11 @@ from collections.abc import Callable
 from typing import Any
 
 import fastavro
+import msgspec
 import numpy as np
+import orjson
+import pyarrow as pa
+import simdjson
 import torch
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -52,6 +56,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from pyarrow import json as pa_json
 
 import kfeed
 from kfeed.sources import CONSUMER_DEFAULTS
@@ -294,6 +299,89 @@ def protobuf_runs(bootstrap: str, registry: Any, big: bool, n: int
     }
 
 
+def json_runs(bootstrap: str, registry: Any, big: bool, n: int
+              ) -> tuple[str, kfeed.Schema, dict[str, Callable[[], int]]]:
+    schema, make = (BIG_SCHEMA, big_record) if big else (SMALL_SCHEMA, small_record)
+    topic = f"bench-json-{uuid.uuid4().hex[:8]}"
+    size = produce(bootstrap, topic, lambda i, rng: _json_event(make(i, rng)), n)
+
+    def loop(loads: Callable[[bytes], Any]) -> Callable[[], int]:
+        def run() -> int:
+            per, flush = batched_loop(schema, loads)
+            return drain(bootstrap, topic, n, per, flush)
+        return run
+
+    return topic, size, {
+        "kfeed": lambda: run_kfeed(bootstrap, topic, schema, kfeed.Json()),
+        "json.loads loop": loop(json.loads),
+        "orjson loop": loop(orjson.loads),
+        "msgspec loop": loop(msgspec.json.Decoder().decode),
+        "ceiling": lambda: drain(bootstrap, topic, n, None, None),
+    }
+
+
+def _json_event(rec: dict) -> bytes:
+    rec = dict(rec)
+    if "kind" in rec:
+        rec["kind"] = "abc".index(rec["kind"])
+    return json.dumps(rec).encode()
+
+
+def json_micro(big: bool, repeat: int) -> dict[str, float]:
+    """4,096 JSON events decoded into numpy columns, each library its best way (records/s)."""
+    schema, make = (BIG_SCHEMA, big_record) if big else (SMALL_SCHEMA, small_record)
+    rng = np.random.default_rng(2)
+    values = [_json_event(make(i, rng)) for i in range(4096)]
+    names = [f.name for f in schema.fields]
+    out = {f.name: np.zeros((4096, *f.shape), f.storage) for f in schema.fields}
+    target = schema.bind(out)
+    decoder = kfeed.Json().decoder(schema)
+
+    def fill(records: Any) -> None:
+        for r, rec in enumerate(records):
+            for name in names:
+                v = rec.get(name)
+                out[name][r] = 0 if v is None else v
+
+    parser = simdjson.Parser()
+
+    def simd() -> None:
+        for r, v in enumerate(values):
+            doc = parser.parse(v)
+            for name in names:
+                x = doc.get(name)
+                out[name][r] = 0 if x is None else (x.as_list() if hasattr(x, "as_list") else x)
+            del doc
+
+    def arrow() -> None:
+        table = pa_json.read_json(io.BytesIO(b"\n".join(values)))
+        for name in names:
+            col = table.column(name).combine_chunks()
+            if pa.types.is_list(col.type):
+                out[name][:] = col.flatten().to_numpy(zero_copy_only=False).reshape(
+                    out[name].shape)
+            else:
+                out[name][:] = col.fill_null(0).to_numpy(zero_copy_only=False)
+
+    whole = msgspec.json.Decoder(list[dict])
+    runs = {
+        "kfeed": lambda: decoder.decode_into(values, target, 0),
+        "json.loads": lambda: fill(json.loads(v) for v in values),
+        "orjson": lambda: fill(orjson.loads(v) for v in values),
+        "msgspec (one decode of the fetch)": lambda: fill(whole.decode(b"[" + b",".join(values)
+                                                                        + b"]")),
+        "simdjson": simd,
+        "pyarrow.json.read_json (the fetch)": arrow,
+    }
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(repeat * 3):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            best[name] = max(best[name], 4096 / (time.perf_counter() - t))
+    return best
+
+
 def micro(registry: Any, repeat: int) -> tuple[float, float]:
     """4,096 framed 3 KB records: decode_into against memcpy of the same bytes (GB/s)."""
     ser = AvroSerializer(registry, json.dumps(BIG))
@@ -321,7 +409,7 @@ def micro(registry: Any, repeat: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
-    p.add_argument("--formats", default="avro,protobuf")
+    p.add_argument("--formats", default="avro,protobuf,json")
     p.add_argument("--samples", type=int, default=60_000)
     p.add_argument("--small-samples", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=3)
@@ -334,8 +422,15 @@ def main() -> None:
         decode, memcpy = micro(registry, args.repeat)
         print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy "
               f"{memcpy:.2f} GB/s | {decode / memcpy:.2f}x (target >= 0.5x) |")
+    if "json" in formats:
+        for label, big in (("3 KB", True), ("200 B", False)):
+            best = json_micro(big, args.repeat)
+            print(f"\nJSON decode of 4,096 {label} events into numpy columns, records/s:")
+            for name, rate in best.items():
+                ratio = "" if name == "kfeed" else f" | kfeed / this = {best['kfeed'] / rate:.2f}x"
+                print(f"| {name} | {rate:,.0f}{ratio} |")
     admin = AdminClient({"bootstrap.servers": args.bootstrap})
-    makers = {"avro": avro_runs, "protobuf": protobuf_runs}
+    makers = {"avro": avro_runs, "protobuf": protobuf_runs, "json": json_runs}
     for fmt in formats:
         for label, big, n in (("3 KB", True, args.samples), ("200 B", False, args.small_samples)):
             topic, size, runs = makers[fmt](args.bootstrap, registry, big, n)

@@ -281,13 +281,24 @@ cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
     return o
 
 
+cdef double* JS_POW10 = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+                          1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22]
+
+
 cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept nogil:
-    """A number at ``c.p`` (also NaN, Infinity, -Infinity), as json.loads reads it."""
+    """A number at ``c.p`` (also NaN, Infinity, -Infinity), as json.loads reads it.
+
+    A float is the double nearest its decimal, as json.loads gives it: exact
+    arithmetic when the digits fit 2**53 and the power of ten 10**22 (both
+    then exact doubles, so one rounding), else the C library's ``strtod``.
+    """
     cdef const uint8_t* s = c.p
-    cdef bint neg = False, big = False
-    cdef uint64_t acc = 0
+    cdef bint neg = False, big = False, exact = True, eneg = False
+    cdef uint64_t acc = 0, mant = 0
+    cdef int digits = 0, scale = 0, e10 = 0, d
     cdef char buf[128]
     cdef Py_ssize_t n
+    cdef double x
     is_float[0] = False
     if c.p < c.end and c.p[0] == 0x2D:
         neg = True
@@ -306,10 +317,18 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
         c.p += 1
     else:
         while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            d = c.p[0] - 0x30
             if acc > (<uint64_t>0xFFFFFFFFFFFFFFFF - 9) // 10:
                 big = True
             else:
-                acc = acc * 10 + (c.p[0] - 0x30)
+                acc = acc * 10 + d
+            if digits < 19:
+                mant = mant * 10 + d
+                digits += 1
+            else:
+                scale += 1
+                if d:
+                    exact = False
             c.p += 1
     if c.p < c.end and c.p[0] == 0x2E:
         is_float[0] = True
@@ -317,16 +336,29 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
         if c.p >= c.end or not (0x30 <= c.p[0] <= 0x39):
             return A_JSON
         while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            d = c.p[0] - 0x30
+            if digits < 19:
+                mant = mant * 10 + d
+                if mant:
+                    digits += 1
+                scale -= 1
+            elif d:
+                exact = False
             c.p += 1
     if c.p < c.end and (c.p[0] == 0x65 or c.p[0] == 0x45):
         is_float[0] = True
         c.p += 1
         if c.p < c.end and (c.p[0] == 0x2B or c.p[0] == 0x2D):
+            eneg = c.p[0] == 0x2D
             c.p += 1
         if c.p >= c.end or not (0x30 <= c.p[0] <= 0x39):
             return A_JSON
         while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
+            if e10 < 100000:
+                e10 = e10 * 10 + (c.p[0] - 0x30)
             c.p += 1
+        if eneg:
+            e10 = -e10
     if not is_float[0]:
         if big or (not neg and acc > <uint64_t>0x7FFFFFFFFFFFFFFF) \
                 or (neg and acc > <uint64_t>0x8000000000000000):
@@ -334,6 +366,12 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
             return A_RANGE
         iv[0] = -<int64_t>acc if neg else <int64_t>acc
         dv[0] = <double>iv[0]
+        return A_OK
+    e10 += scale
+    if exact and mant <= (<uint64_t>1 << 53) and -22 <= e10 <= 22:
+        x = <double>mant
+        x = x * JS_POW10[e10] if e10 >= 0 else x / JS_POW10[-e10]
+        dv[0] = -x if neg else x
         return A_OK
     n = c.p - s
     if n >= 128:

@@ -239,3 +239,23 @@ def test_loader_reads_a_topic_of_json_events(bootstrap, make_topic):
     want = expected(records)
     for f in SCHEMA.fields:
         np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                          st.decimals(allow_nan=False, allow_infinity=False, places=4,
+                                      min_value=-10**12, max_value=10**12).map(float),
+                          st.integers(-10**15, 10**15).map(lambda i: i / 1000)),
+                min_size=16, max_size=16))
+def test_floats_are_the_doubles_json_loads_gives(xs):
+    # The short decimals take the exact fast path, the long ones strtod:
+    # both must give json.loads's double, bit for bit.
+    schema = kfeed.Schema({"x": ("float64", (16,)), "y": ("float32", (16,))})
+    text = json.dumps({"x": xs, "y": xs}).encode()
+    out = {"x": np.zeros((1, 16)), "y": np.zeros((1, 16), np.float32)}
+    res = kfeed.Json().decoder(schema).decode_into([text], schema.bind(out), 0)
+    assert res.rows == 1, res.bad
+    want = json.loads(text)["x"]
+    assert out["x"][0].tobytes() == np.array(want, np.float64).tobytes()
+    with np.errstate(over="ignore"):  # past float32's range: inf, as the C cast gives
+        assert out["y"][0].tobytes() == np.array(want).astype(np.float32).tobytes()
