@@ -361,7 +361,8 @@ def json_micro(big: bool, repeat: int) -> dict[str, float]:
                 out[name][:] = col.flatten().to_numpy(zero_copy_only=False).reshape(
                     out[name].shape)
             else:
-                out[name][:] = col.fill_null(0).to_numpy(zero_copy_only=False)
+                zero = False if pa.types.is_boolean(col.type) else 0
+                out[name][:] = col.fill_null(zero).to_numpy(zero_copy_only=False)
 
     whole = msgspec.json.Decoder(list[dict])
     runs = {

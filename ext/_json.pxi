@@ -281,6 +281,18 @@ cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
     return o
 
 
+cdef extern from "<float.h>":
+    int LDBL_MANT_DIG
+
+# 10**k as x87 extended doubles (64-bit mantissa), exact up to 10**27; made once.
+cdef long double JS_POW10L[28]
+JS_POW10L[0] = 1
+for _k in range(1, 28):
+    JS_POW10L[_k] = JS_POW10L[_k - 1] * 10
+# The extended path needs the x87 format (x86-64 Linux and macOS); elsewhere strtod.
+cdef bint JS_EXTENDED = LDBL_MANT_DIG == 64 and sizeof(long double) >= 10
+
+
 cdef double* JS_POW10 = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
                           1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22]
 
@@ -299,6 +311,8 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
     cdef char buf[128]
     cdef Py_ssize_t n
     cdef double x
+    cdef long double ld
+    cdef uint64_t low
     is_float[0] = False
     if c.p < c.end and c.p[0] == 0x2D:
         neg = True
@@ -373,6 +387,17 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
         x = x * JS_POW10[e10] if e10 >= 0 else x / JS_POW10[-e10]
         dv[0] = -x if neg else x
         return A_OK
+    if exact and JS_EXTENDED and mant and -27 <= e10 <= 27:
+        # One rounding to the 64-bit mantissa (mant and 10**|e10| are exact),
+        # then one to double: right unless the first landed exactly on a tie
+        # of the second (the 11 bits dropped are 100 0000 0000), then strtod.
+        ld = <long double>mant
+        ld = ld * JS_POW10L[e10] if e10 >= 0 else ld / JS_POW10L[-e10]
+        memcpy(&low, &ld, 8)
+        if (low & 0x7FF) != 0x400:
+            x = <double>ld
+            dv[0] = -x if neg else x
+            return A_OK
     n = c.p - s
     if n >= 128:
         return A_RANGE
