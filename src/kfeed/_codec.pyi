@@ -108,3 +108,62 @@ def encode_doc_blocks(
 def encode_doc_raw(
     layout: DocLayout, elements: Buffer, offsets: npt.NDArray[np.int64], n: int
 ) -> list[bytes]: ...
+
+# -- formats others write (_avro.pxi, _protobuf.pxi, _json.pxi) ---------------------
+
+AVRO_CODES: dict[str, int]
+AVRO_KINDS: dict[str, int]
+PB_KINDS: dict[str, int]
+
+class AvroPlan:
+    notes: tuple[str, ...]
+    nfields: int
+    def __init__(
+        self,
+        layout: Layout,
+        nodes: npt.NDArray[np.int64],
+        kids: npt.NDArray[np.int64],
+        codes: list[int],
+        defaults: list[bytes | None],
+        notes: list[str],
+    ) -> None: ...
+
+class ProtobufPlan:
+    notes: tuple[str, ...]
+    nfields: int
+    def __init__(
+        self,
+        layout: Layout,
+        entries: npt.NDArray[np.int64],
+        msgs: npt.NDArray[np.int64],
+        codes: list[int],
+        defaults: list[bytes | None],
+        notes: list[str],
+    ) -> None: ...
+
+class JsonPlan:
+    notes: tuple[str, ...]
+    nfields: int
+    def __init__(
+        self,
+        layout: Layout,
+        nodes: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.int64],
+        names: bytes,
+        codes: list[int],
+        shapes: list[tuple[int, ...]],
+        defaults: list[bytes | None],
+        notes: list[str],
+    ) -> None: ...
+
+def avro_decode(
+    layout: Layout, plans: AvroPlan | dict[int, AvroPlan | str], values: Sequence[object],
+    out: Out, row: int, framed: bool,
+) -> tuple[int, int, list[tuple[int, str]], int | None]: ...
+def pb_decode(
+    layout: Layout, plan: ProtobufPlan, values: Sequence[object], out: Out, row: int,
+    framed: bool,
+) -> tuple[int, int, list[tuple[int, str]]]: ...
+def json_decode(
+    layout: Layout, plan: JsonPlan, values: Sequence[object], out: Out, row: int
+) -> tuple[int, int, list[tuple[int, str]]]: ...

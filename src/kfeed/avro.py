@@ -157,6 +157,7 @@ class AvroDecoder(Decoder):
             return f"schema id {schema_id}: {e}"
 
     def _fetch(self, schema_id: int) -> str | None:
+        log.info("fetching the writer schema of id %d from the registry", schema_id)
         client = self.fmt.client()
         deadline = time.monotonic() + REGISTRY_RETRY_S
         delay = 0.1
