@@ -12,19 +12,18 @@ import datetime as dt
 import io
 import json
 import pickle
-import time
 import uuid
 
 import fastavro
 import numpy as np
 import pytest
-from confluent_kafka import Consumer
 from confluent_kafka import Producer as KafkaProducer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from records import damage, decode_all, read_dlq
 
 import kfeed
 from kfeed import avro
@@ -138,27 +137,10 @@ def serialized(registry: SchemaRegistryClient, n: int) -> tuple[list[bytes], lis
     return values, [reader(v, CTX) for v in values]
 
 
-def decode_all(decoder: avro.AvroDecoder, values: list, rows: int = 1000):
-    """Every value through ``decode_into`` a ``rows``-row output at a time, as the loader does."""
-    out = {f.name: np.zeros((rows, *f.shape), f.storage) for f in SCHEMA.fields}
-    target = SCHEMA.bind(out)
-    got: dict[str, list[np.ndarray]] = {f.name: [] for f in SCHEMA.fields}
-    bad: list[tuple[int, str]] = []
-    i = 0
-    while i < len(values):
-        res = decoder.decode_into(values[i:], target, 0)
-        assert res.consumed > 0
-        for name, parts in got.items():
-            parts.append(out[name][:res.rows].copy())
-        bad.extend((i + k, why) for k, why in res.bad)
-        i += res.consumed
-    return {k: np.concatenate(v) for k, v in got.items()}, bad
-
-
 def test_every_field_equals_confluent_kafkas_deserializer_across_a_schema_change(registry):
     values, records = serialized(registry, 10_000)
     assert values[0][1:5] != values[-1][1:5]  # two schema ids in the topic
-    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), values)
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), SCHEMA, values)
     assert bad == []
     want = expected_columns(records)
     for f in SCHEMA.fields:
@@ -181,7 +163,7 @@ def test_plain_avro_without_framing_from_fastavro():
         values.append(buf.getvalue())
         buf.seek(0)
         records.append(fastavro.schemaless_reader(buf, parsed, None))
-    got, bad = decode_all(kfeed.Avro(schema=V1).decoder(SCHEMA), values, rows=64)
+    got, bad = decode_all(kfeed.Avro(schema=V1).decoder(SCHEMA), SCHEMA, values, rows=64)
     assert bad == []
     want = expected_columns(records)
     for f in SCHEMA.fields:
@@ -220,7 +202,7 @@ def corrupt_values(registry: SchemaRegistryClient) -> tuple[list[bytes], dict[in
 
 def test_corrupt_frames_are_rejected_whole_with_a_reason_and_neighbours_are_intact(registry):
     values, reasons = corrupt_values(registry)
-    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), values, rows=4)
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(SCHEMA), SCHEMA, values, rows=4)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:
         assert reasons[i] in why, (i, why)
@@ -319,16 +301,8 @@ def test_mutated_values_never_crash_and_never_half_write(data):
     buf = io.BytesIO()
     fastavro.schemaless_writer(buf, parsed, make_record(11, rng))
     good = buf.getvalue()
-    mutated = bytearray(good)
-    for _ in range(data.draw(st.integers(1, 4))):
-        kind = data.draw(st.sampled_from(["flip", "cut", "grow"]))
-        if kind == "flip" and mutated:
-            at = data.draw(st.integers(0, len(mutated) - 1))
-            mutated[at] = data.draw(st.integers(0, 255))
-        elif kind == "cut":
-            del mutated[data.draw(st.integers(0, len(mutated))):]
-        else:
-            mutated += data.draw(st.binary(max_size=16))
+    mutated = damage(data, bytearray(good), list(range(256)),
+                     [b"\xff" * k + b"\x01" for k in (1, 5, 12)], rounds=(1, 4))
     out = {f.name: np.full((2, *f.shape), 7, f.storage) for f in SCHEMA.fields}
     decoder = kfeed.Avro(schema=V1).decoder(SCHEMA)
     res = decoder.decode_into([bytes(mutated), good], SCHEMA.bind(out), 0)
@@ -367,13 +341,7 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     want = expected_columns(records)
     for f in SCHEMA.fields:
         np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
-                  "auto.offset.reset": "earliest"})
-    c.subscribe([f"{topic}.dlq"])
-    dead, deadline = [], time.monotonic() + 60
-    while len(dead) < len(bad_values) and time.monotonic() < deadline:
-        dead += [m for m in c.consume(10, 1.0) if m.error() is None]
-    c.close()
+    dead = read_dlq(bootstrap, topic, len(bad_values))
     assert sorted(m.value() for m in dead) == sorted(bad_values)
     by_value = {corrupt[i]: why for i, why in reasons.items()}
     for m in dead:

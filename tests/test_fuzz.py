@@ -81,6 +81,7 @@ from reasons import (  # noqa: E402 - the documented reason strings
     TOMBSTONE, NOT_BYTES, SHORT, MAGIC, VERSION, FLAGS, HEADER_LEN, FINGERPRINT, COUNT, LENGTH, RAW_SIZE,
     OFFSETS_START, OFFSETS_ORDER, OFFSETS_END, RAW_ITEMSIZE,
 )
+from records import damage, rows_untouched  # the formats' shared fuzz helpers
 
 SCHEMAS = {
     # 1-byte bool rows, odd row sizes (3, 10): every column needs padding.
@@ -1199,6 +1200,9 @@ def test_soak_atheris_finds_nothing(tmp_path):
 
 # -- Avro: values other services write ------------------------------------------
 
+# Inserted where a varint is read: 10 bytes or more of continuation, then an end.
+VARINTS = [b"\xff" * k + b"\x01" for k in (1, 5, 9, 12)]
+
 AVRO_WRITER = {
     "type": "record", "name": "Event", "fields": [
         {"name": "id", "type": "long"},
@@ -1253,18 +1257,8 @@ def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
     for i in range(data.draw(st.integers(1, 5))):
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, parsed, avro_record(data.draw(st.integers(0, 2**40))))
-        raw = bytearray(buf.getvalue())
-        for _ in range(data.draw(st.integers(0, 3))):
-            how = data.draw(st.sampled_from(["flip", "cut", "grow", "varint"]))
-            if how == "flip" and raw:
-                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-            elif how == "cut":
-                del raw[data.draw(st.integers(0, len(raw))):]
-            elif how == "grow":
-                raw += data.draw(st.binary(max_size=12))
-            else:  # a long varint or a huge count where a length or count is read
-                at = data.draw(st.integers(0, len(raw)))
-                raw[at:at] = b"\xff" * data.draw(st.integers(1, 12)) + b"\x01"
+        # Bytes rewritten, cut, grown; a long varint or a huge count where one is read.
+        raw = damage(data, bytearray(buf.getvalue()), list(range(256)), VARINTS)
         # Right against a guard page: a read past the value's end faults.
         values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
         oracle.append(bytes(raw))
@@ -1288,10 +1282,7 @@ def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
             np.testing.assert_array_equal(out[f.name][row], expect, err_msg=f.name)
     # A rejected record may have begun its row (the one after the last good
     # row), never one outside the output.
-    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
-    for name, arr in whole.items():
-        untouched = np.r_[0:GUARD_ROWS, GUARD_ROWS + scribbled:len(arr)]
-        assert (arr[untouched] == before[name][untouched]).all(), name
+    rows_untouched(whole, before, res, capacity, GUARD_ROWS)
 
 
 # -- Protobuf: values other services write ---------------------------------------
@@ -1344,18 +1335,7 @@ def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(d
             m.d.extend([1.0, -2.0])
         if i % 2:
             m.who.age = i % 100 - 50
-        raw = bytearray(m.SerializeToString())
-        for _ in range(data.draw(st.integers(0, 3))):
-            how = data.draw(st.sampled_from(["flip", "cut", "grow", "varint"]))
-            if how == "flip" and raw:
-                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-            elif how == "cut":
-                del raw[data.draw(st.integers(0, len(raw))):]
-            elif how == "grow":
-                raw += data.draw(st.binary(max_size=12))
-            else:
-                at = data.draw(st.integers(0, len(raw)))
-                raw[at:at] = b"\xff" * data.draw(st.integers(1, 12)) + b"\x01"
+        raw = damage(data, bytearray(m.SerializeToString()), list(range(256)), VARINTS)
         values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
         oracle.append(bytes(raw))
     capacity = data.draw(st.integers(1, len(values) + 1))
@@ -1372,10 +1352,7 @@ def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(d
         assert out["ok"][row] == parsed.ok and out["age"][row] == parsed.who.age
         np.testing.assert_array_equal(out["v"][row], np.array(parsed.v, np.float32))
         np.testing.assert_array_equal(out["d"][row], np.array(list(parsed.d) or [0.0, 0.0]))
-    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
-    for name, arr in whole.items():
-        untouched = np.r_[0:GUARD_ROWS, GUARD_ROWS + scribbled:len(arr)]
-        assert (arr[untouched] == before[name][untouched]).all(), name
+    rows_untouched(whole, before, res, capacity, GUARD_ROWS)
 
 
 # -- JSON: values other services write ---------------------------------------------
@@ -1397,19 +1374,9 @@ def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data
         event = {"note": "a\"b\\c" * (i % 3), "id": i, "v": [[i / 3, 1e-5], [2.5, -i]],
                  "who": None if i % 2 else {"age": i % 200, "tags": [1, {"x": None}]},
                  "ok": bool(i % 3)}
-        raw = bytearray(json.dumps(event).encode())
-        for _ in range(data.draw(st.integers(0, 3))):
-            how = data.draw(st.sampled_from(["flip", "cut", "grow", "nest"]))
-            if how == "flip" and raw:
-                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(
-                    st.sampled_from(list(b'{}[],:"\\0123456789.eE-+ntfu \x00\xff')))
-            elif how == "cut":
-                del raw[data.draw(st.integers(0, len(raw))):]
-            elif how == "grow":
-                raw += data.draw(st.binary(max_size=12))
-            else:
-                at = data.draw(st.integers(0, len(raw)))
-                raw[at:at] = b"[" * data.draw(st.integers(1, 300))
+        raw = damage(data, bytearray(json.dumps(event).encode()),
+                     list(b'{}[],:"\\0123456789.eE-+ntfu \x00\xff'),
+                     [b"[" * 300, b"9" * 25, b"e999"])
         values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
         oracle.append(bytes(raw))
     capacity = data.draw(st.integers(1, len(values) + 1))
@@ -1429,10 +1396,7 @@ def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data
         assert out["age"][row] == who.get("age", 0)
         with np.errstate(over="ignore"):
             np.testing.assert_array_equal(out["v"][row], np.array(record["v"], np.float32))
-    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
-    for name, arr in whole.items():
-        untouched = np.r_[0:GUARD_ROWS, GUARD_ROWS + scribbled:len(arr)]
-        assert (arr[untouched] == before[name][untouched]).all(), name
+    rows_untouched(whole, before, res, capacity, GUARD_ROWS)
 
 
 def _fuzz_main(argv: list[str]) -> None:

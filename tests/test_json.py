@@ -18,6 +18,7 @@ from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from records import damage, decode_all
 
 import kfeed
 
@@ -71,23 +72,6 @@ def expected(records: list[dict]) -> dict[str, np.ndarray]:
     return {f.name: np.array(cols[f.name]).astype(f.storage) for f in SCHEMA.fields}
 
 
-def decode_all(values: list, rows: int = 1000):
-    decoder = kfeed.Json().decoder(SCHEMA)
-    out = {f.name: np.zeros((rows, *f.shape), f.storage) for f in SCHEMA.fields}
-    target = SCHEMA.bind(out)
-    got: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
-    bad: list[tuple[int, str]] = []
-    i = 0
-    while i < len(values):
-        res = decoder.decode_into(values[i:], target, 0)
-        assert res.consumed > 0
-        for name, parts in got.items():
-            parts.append(out[name][:res.rows].copy())
-        bad.extend((i + k, why) for k, why in res.bad)
-        i += res.consumed
-    return {k: np.concatenate(v) for k, v in got.items()}, bad
-
-
 def test_every_field_equals_json_loads_plain_and_framed():
     rng = np.random.default_rng(2)
     records = [make(i, rng) for i in range(10_000)]
@@ -97,7 +81,7 @@ def test_every_field_equals_json_loads_plain_and_framed():
     values = [json.dumps(r, indent=1 if i % 7 == 0 else None, ensure_ascii=i % 2 == 0).encode()
               if i % 3 else framed(r, ctx) for i, r in enumerate(records)]
     assert values[0][0] == 0 and values[1][0] == ord("{")
-    got, bad = decode_all(values)
+    got, bad = decode_all(kfeed.Json().decoder(SCHEMA), SCHEMA, values)
     assert bad == []
     want = expected([json.loads(v[5:] if v[0] == 0 else v) for v in values])
     for f in SCHEMA.fields:
@@ -138,7 +122,7 @@ def test_bad_values_are_rejected_whole_with_a_reason():
                8: "2 bytes left after the object", 9: "not an object at user",
                10: "null element at features", 11: "not JSON",
                12: "too short for the Confluent framing", 13: "nested deeper than"}
-    got, bad = decode_all(values, rows=4)
+    got, bad = decode_all(kfeed.Json().decoder(SCHEMA), SCHEMA, values, rows=4)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:
         assert reasons[i] in why, (i, why)
@@ -178,19 +162,8 @@ def test_configuration_mistakes_get_one_clear_line():
 @given(st.data())
 def test_mutated_values_never_crash_and_read_as_json_loads_reads_them(data):
     good = json.dumps(make(data.draw(st.integers(0, 50)), np.random.default_rng(0)))
-    raw = bytearray(good.encode())
-    for _ in range(data.draw(st.integers(1, 4))):
-        how = data.draw(st.sampled_from(["flip", "cut", "grow", "digit"]))
-        if how == "flip" and raw:
-            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(
-                st.sampled_from(list(b'{}[],:"\\0123456789.eE-+ntfa \x00\xff')))
-        elif how == "cut":
-            del raw[data.draw(st.integers(0, len(raw))):]
-        elif how == "grow":
-            raw += data.draw(st.binary(max_size=8))
-        else:
-            at = data.draw(st.integers(0, len(raw)))
-            raw[at:at] = data.draw(st.sampled_from([b"9" * 25, b"e999", b".5", b"-"]))
+    raw = damage(data, bytearray(good.encode()), list(b'{}[],:"\\0123456789.eE-+ntfa \x00\xff'),
+                 [b"9" * 25, b"e999", b".5", b"-"], rounds=(1, 4))
     out = {f.name: np.zeros((2, *f.shape), f.storage) for f in SCHEMA.fields}
     res = kfeed.Json().decoder(SCHEMA).decode_into([bytes(raw), good.encode()],
                                                    SCHEMA.bind(out), 0)

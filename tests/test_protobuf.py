@@ -10,12 +10,10 @@ Every field of every record kfeed decodes must equal what
 from __future__ import annotations
 
 import pickle
-import time
 import uuid
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer
 from confluent_kafka import Producer as KafkaProducer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.protobuf import (
@@ -26,6 +24,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from records import damage, decode_all, read_dlq
 
 import kfeed
 
@@ -130,22 +129,6 @@ def expected(msgs: list) -> dict[str, np.ndarray]:
     return {f.name: np.array(cols[f.name], dtype=f.storage) for f in SCHEMA.fields}
 
 
-def decode_all(decoder, values: list, rows: int = 1000):
-    out = {f.name: np.zeros((rows, *f.shape), f.storage) for f in SCHEMA.fields}
-    target = SCHEMA.bind(out)
-    got: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
-    bad: list[tuple[int, str]] = []
-    i = 0
-    while i < len(values):
-        res = decoder.decode_into(values[i:], target, 0)
-        assert res.consumed > 0
-        for name, parts in got.items():
-            parts.append(out[name][:res.rows].copy())
-        bad.extend((i + k, why) for k, why in res.bad)
-        i += res.consumed
-    return {k: np.concatenate(v) for k, v in got.items()}, bad
-
-
 @pytest.fixture
 def registry() -> SchemaRegistryClient:
     return SchemaRegistryClient.new_client({"url": f"mock://{uuid.uuid4().hex}"})
@@ -167,7 +150,7 @@ def serialized(registry, n: int) -> tuple[list[bytes], list]:
 def test_every_field_equals_confluent_kafkas_deserializer(registry):
     values, msgs = serialized(registry, 10_000)
     got, bad = decode_all(kfeed.Protobuf(message=Click, registry=registry).decoder(SCHEMA),
-                          values)
+                          SCHEMA, values)
     assert bad == []
     want = expected(msgs)
     for f in SCHEMA.fields:
@@ -179,7 +162,7 @@ def test_every_field_equals_confluent_kafkas_deserializer(registry):
 def test_plain_values_without_framing():
     rng = np.random.default_rng(4)
     msgs = [make(Click, i, rng) for i in range(300)]
-    got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(SCHEMA),
+    got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(SCHEMA), SCHEMA,
                           [m.SerializeToString() for m in msgs], rows=64)
     assert bad == []
     want = expected([Click.FromString(m.SerializeToString()) for m in msgs])
@@ -213,7 +196,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
                6: "wire type 5 does not match the field's type at id",
                7: "too short for the Confluent framing"}
     got, bad = decode_all(kfeed.Protobuf(message=Click, registry=registry).decoder(SCHEMA),
-                          values, rows=3)
+                          SCHEMA, values, rows=3)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:
         assert reasons[i] in why, (i, why)
@@ -243,18 +226,8 @@ def test_configuration_mistakes_get_one_clear_line(registry):
 def test_mutated_values_never_crash_and_decode_as_protobuf_parses_them(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
     good = make(Click, 7, rng).SerializeToString()
-    raw = bytearray(good)
-    for _ in range(data.draw(st.integers(1, 4))):
-        how = data.draw(st.sampled_from(["flip", "cut", "grow", "varint"]))
-        if how == "flip" and raw:
-            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-        elif how == "cut":
-            del raw[data.draw(st.integers(0, len(raw))):]
-        elif how == "grow":
-            raw += data.draw(st.binary(max_size=16))
-        else:
-            at = data.draw(st.integers(0, len(raw)))
-            raw[at:at] = b"\xff" * data.draw(st.integers(1, 12)) + b"\x01"
+    raw = damage(data, bytearray(good), list(range(256)),
+                 [b"\xff" * k + b"\x01" for k in (1, 5, 12)], rounds=(1, 4))
     out = {f.name: np.zeros((2, *f.shape), f.storage) for f in SCHEMA.fields}
     decoder = kfeed.Protobuf(message=Click).decoder(SCHEMA)
     res = decoder.decode_into([bytes(raw), good], SCHEMA.bind(out), 0)
@@ -304,11 +277,5 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     want = expected(msgs)
     for f in SCHEMA.fields:
         np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
-                  "auto.offset.reset": "earliest"})
-    c.subscribe([f"{topic}.dlq"])
-    dead, deadline = [], time.monotonic() + 60
-    while len(dead) < len(bad_values) and time.monotonic() < deadline:
-        dead += [m for m in c.consume(10, 1.0) if m.error() is None]
-    c.close()
+    dead = read_dlq(bootstrap, topic, len(bad_values))
     assert sorted(m.value() for m in dead) == sorted(bad_values)

@@ -1,0 +1,78 @@
+"""What the tests of formats others write share (Avro, Protobuf, JSON).
+
+``decode_all`` runs values through a decoder as the loader does, a bounded
+output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
+``sentinel_check`` says a decode wrote nowhere but its rows; ``read_dlq``
+reads a dead-letter topic back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+import kfeed
+
+
+def decode_all(decoder: Any, schema: kfeed.Schema, values: list,
+               rows: int = 1000) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
+    """Every value through ``decode_into`` a ``rows``-row output at a time: columns and bad."""
+    out = {f.name: np.zeros((rows, *f.shape), f.storage) for f in schema.fields}
+    target = schema.bind(out)
+    got: dict[str, list[np.ndarray]] = {f.name: [] for f in schema.fields}
+    bad: list[tuple[int, str]] = []
+    i = 0
+    while i < len(values):
+        res = decoder.decode_into(values[i:], target, 0)
+        assert res.consumed > 0
+        for name, parts in got.items():
+            parts.append(out[name][:res.rows].copy())
+        bad.extend((i + k, why) for k, why in res.bad)
+        i += res.consumed
+    return {k: np.concatenate(v) for k, v in got.items()}, bad
+
+
+def damage(data: st.DataObject, raw: bytearray, flips: list[int], inserts: list[bytes],
+           rounds: tuple[int, int] = (0, 3)) -> bytearray:
+    """Rewrite ``raw`` a few times: a byte to one of ``flips``, cut, grown, an insert."""
+    for _ in range(data.draw(st.integers(*rounds))):
+        how = data.draw(st.sampled_from(["flip", "cut", "grow", "insert"]))
+        if how == "flip" and raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.sampled_from(flips))
+        elif how == "cut":
+            del raw[data.draw(st.integers(0, len(raw))):]
+        elif how == "grow":
+            raw += data.draw(st.binary(max_size=12))
+        else:
+            at = data.draw(st.integers(0, len(raw)))
+            raw[at:at] = data.draw(st.sampled_from(inserts))
+    return raw
+
+
+def rows_untouched(whole: dict[str, np.ndarray], before: dict[str, np.ndarray], res: Any,
+                   capacity: int, guard: int) -> None:
+    """Nothing written outside the output, nor past the row a rejected value may begin."""
+    scribbled = res.rows + (1 if res.bad and res.rows < capacity else 0)
+    for name, arr in whole.items():
+        untouched = np.r_[0:guard, guard + scribbled:len(arr)]
+        assert (arr[untouched] == before[name][untouched]).all(), name
+
+
+def read_dlq(bootstrap: str, topic: str, count: int, timeout: float = 60.0) -> list[Any]:
+    """The messages of ``topic``'s dead-letter topic, once ``count`` arrived (or the timeout)."""
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([f"{topic}.dlq"])
+    dead: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(dead) < count and time.monotonic() < deadline:
+        dead += [m for m in c.consume(10, 1.0) if m.error() is None]
+    c.close()
+    return dead
+
