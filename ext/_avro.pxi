@@ -128,6 +128,31 @@ cdef inline int code_size(int code) noexcept nogil:
     return 8
 
 
+cdef int plan_fields(Layout layout, codes, defaults, int* out_codes, uint64_t* nelem,
+                     const uint8_t** default) except -1:
+    """Each field's element code, elements per row and default row, checked against the layout.
+
+    The default rows point into ``defaults``' bytes: the plan holds that tuple.
+    """
+    cdef Py_ssize_t f
+    if len(codes) != layout.nfields or len(defaults) != layout.nfields:
+        raise ValueError("one code and one default per field are needed")
+    for f in range(layout.nfields):
+        code = codes[f]
+        if not C_BOOL <= code < C_CODES:
+            raise ValueError(f"field {f}: unknown code {code}")
+        out_codes[f] = code
+        if layout.row_bytes[f] % code_size(code):
+            raise ValueError(f"field {f}: its row is not a whole number of elements")
+        nelem[f] = layout.row_bytes[f] // code_size(code)
+        d = defaults[f]
+        if d is not None:
+            if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
+                raise ValueError(f"field {f}: a default must be bytes of one row")
+            default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+    return 0
+
+
 cdef class AvroPlan:
     """A compiled writer schema: how to read its records into a layout's fields.
 
@@ -150,8 +175,6 @@ cdef class AvroPlan:
         self.nfields = layout.nfields
         if nodes.shape[1] != 7 or nn == 0:
             raise ValueError("nodes must have shape (n >= 1, 7)")
-        if len(codes) != layout.nfields or len(defaults) != layout.nfields:
-            raise ValueError("one code and one default per field are needed")
         if len(notes) != nn:
             raise ValueError("one note per node is needed")
         self.notes = tuple(str(x) for x in notes)
@@ -166,19 +189,7 @@ cdef class AvroPlan:
         if not (self.p.nodes and self.p.kids and self.p.codes and self.p.nelem
                 and self.p.default):
             raise MemoryError()
-        for f in range(layout.nfields):
-            code = codes[f]
-            if not C_BOOL <= code < C_CODES:
-                raise ValueError(f"field {f}: unknown code {code}")
-            self.p.codes[f] = code
-            if layout.row_bytes[f] % code_size(code):
-                raise ValueError(f"field {f}: its row is not a whole number of elements")
-            self.p.nelem[f] = layout.row_bytes[f] // code_size(code)
-            d = defaults[f]
-            if d is not None:
-                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
-                    raise ValueError(f"field {f}: a default must be bytes of one row")
-                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
         for i in range(nk):
             if not 0 <= kids[i] < nn:
                 raise ValueError(f"kid {i} is not a node")

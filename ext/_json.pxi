@@ -105,11 +105,8 @@ cdef class JsonPlan:
                 and self.p.codes and self.p.nelem and self.p.ndim and self.p.dims
                 and self.p.default):
             raise MemoryError()
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
         for f in range(layout.nfields):
-            code = codes[f]
-            if not C_BOOL <= code < C_CODES:
-                raise ValueError(f"field {f}: unknown code {code}")
-            self.p.codes[f] = code
             shape = tuple(shapes[f])
             if len(shape) > J_MAX_DIMS:
                 raise ValueError(f"field {f}: more than {J_MAX_DIMS} dimensions")
@@ -120,14 +117,8 @@ cdef class JsonPlan:
                 self.p.dims[f * J_MAX_DIMS + i] = d
                 total *= d
             self.p.ndim[f] = len(shape)
-            if total * code_size(code) != layout.row_bytes[f]:
-                raise ValueError(f"field {f}: its shape and code are not its row")
-            self.p.nelem[f] = total
-            d = defaults[f]
-            if d is not None:
-                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
-                    raise ValueError(f"field {f}: a default must be bytes of one row")
-                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+            if total != self.p.nelem[f]:
+                raise ValueError(f"field {f}: its shape is not its row")
         for i in range(nk):
             if not 0 < keys[i, 0] < nn or keys[i, 1] < 0 or keys[i, 2] < 0 \
                     or keys[i, 1] + keys[i, 2] > len(names):

@@ -108,8 +108,6 @@ cdef class ProtobufPlan:
         cdef PbEntry* e
         if entries.shape[1] != 6 or msgs.shape[1] != 2 or nm == 0:
             raise ValueError("entries must have shape (n, 6) and msgs (m >= 1, 2)")
-        if len(codes) != layout.nfields or len(defaults) != layout.nfields:
-            raise ValueError("one code and one default per field are needed")
         if len(notes) != ne:
             raise ValueError("one note per entry is needed")
         self.nfields = layout.nfields
@@ -125,19 +123,7 @@ cdef class ProtobufPlan:
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
                 and self.p.repeated and self.p.default):
             raise MemoryError()
-        for f in range(layout.nfields):
-            code = codes[f]
-            if not C_BOOL <= code < C_CODES:
-                raise ValueError(f"field {f}: unknown code {code}")
-            self.p.codes[f] = code
-            if layout.row_bytes[f] % code_size(code):
-                raise ValueError(f"field {f}: its row is not a whole number of elements")
-            self.p.nelem[f] = layout.row_bytes[f] // code_size(code)
-            d = defaults[f]
-            if d is not None:
-                if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
-                    raise ValueError(f"field {f}: a default must be bytes of one row")
-                self.p.default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
         for i in range(ne):
             e = &self.p.entries[i]
             if not 1 <= entries[i, 0] <= 0x1FFFFFFF:
