@@ -8,6 +8,9 @@ must equal what ``json.loads`` reads, cast to the field's dtype.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -232,3 +235,71 @@ def test_floats_are_the_doubles_json_loads_gives(xs):
     assert out["x"][0].tobytes() == np.array(want, np.float64).tobytes()
     with np.errstate(over="ignore"):  # past float32's range: inf, as the C cast gives
         assert out["y"][0].tobytes() == np.array(want).astype(np.float32).tobytes()
+
+
+def test_the_producer_s_json_reads_back_value_for_value():
+    # Producer(format=kfeed.Json()) writes what Loader(format=kfeed.Json()) reads: the same
+    # bytes for every value, NaN and infinities included, nested by the fields' sources.
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (2, 3)),
+                           "w": ("float64", (), {"source": "m.w"}),
+                           "n": ("uint16", (), {"source": "m.deep.n"}), "ok": ("bool", ())})
+    rng = np.random.default_rng(1)
+    cols = {"id": np.arange(500) - 250, "x": rng.standard_normal((500, 2, 3)).astype(np.float32),
+            "w": rng.standard_normal(500) * 1e300, "n": rng.integers(0, 65536, 500, np.uint16),
+            "ok": rng.integers(0, 2, 500).astype(bool)}
+    cols["x"][0, 0, 0], cols["w"][1], cols["w"][2] = np.nan, np.inf, -np.inf
+    values = kfeed.Json().encode(schema, cols)
+    assert json.loads(values[3])["m"]["deep"]["n"] == int(cols["n"][3])
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values, rows=64)
+    assert bad == []
+    for f in schema.fields:
+        assert got[f.name].tobytes() == cols[f.name].astype(f.storage).tobytes(), f.name
+    with pytest.raises(kfeed.ConfigError, match="cannot be both a value and an object"):
+        kfeed.Json().encode(kfeed.Schema({"a": ("int64", ()),
+                                          "b": ("int64", (), {"source": "a.b"})}), {})
+
+
+@pytest.mark.integration
+def test_produce_and_train_from_the_command_line_in_json(bootstrap, make_topic, group_id):
+    topic = make_topic(partitions=2)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+
+    def kfeed_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kfeed", *args], env=env, check=False,
+                              capture_output=True, text=True, timeout=300)
+
+    done = kfeed_cli("produce", "--topic", topic, "--synthetic", "300", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    done = kfeed_cli("train", "--topic", topic, "--group-id", group_id, "--until-end",
+                     "--device", "cpu", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("trained 2 steps on 300 samples")
+    refused = kfeed_cli("produce", "--topic", topic, "--synthetic", "3", "--format", "json",
+                        "--block-records", "8")
+    assert refused.returncode == 2
+    assert "--block-records applies to --format block, not to json" in refused.stderr
+
+
+@pytest.mark.integration
+def test_a_keyed_json_topic_reads_back_whole(bootstrap, make_topic):
+    topic = make_topic(partitions=3)
+    rng = np.random.default_rng(4)
+    cols = {"id": np.arange(2000), "features": rng.standard_normal((2000, 8)).astype(np.float32),
+            "grid": rng.integers(-9, 9, (2000, 2, 3)).astype(np.int16),
+            "label": rng.integers(0, 9, 2000).astype(np.int32), "score": rng.standard_normal(2000),
+            "age": rng.integers(0, 99, 2000).astype(np.uint8),
+            "vip": rng.integers(0, 2, 2000).astype(bool)}
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        format=kfeed.Json()) as p:
+        p.send(cols, keys=cols["id"])
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    got: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
+    with kfeed.Loader(config, topic, SCHEMA, 256, device="cpu", until="end",
+                      format=kfeed.Json()) as loader:
+        for batch in loader:
+            for name, parts in got.items():
+                parts.append(batch[name].numpy().copy())
+    order = np.argsort(np.concatenate(got["id"]))
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(np.concatenate(got[f.name])[order],
+                                      cols[f.name].astype(f.storage), err_msg=f.name)

@@ -300,9 +300,9 @@ def _check_produce(args: argparse.Namespace) -> str:
     if args.keyed and kind == "corpus":
         raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
                           "documents with --key-field FIELD")
-    if args.block_records is not None and args.format == "raw":
-        raise ConfigError("--block-records applies to --format block, not to raw (one record a "
-                          "message): leave it out")
+    if args.block_records is not None and args.format in ("raw", "json"):
+        raise ConfigError(f"--block-records applies to --format block, not to {args.format} "
+                          f"(one record a message): leave it out")
     return kind
 
 
@@ -357,10 +357,17 @@ def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
             f"{producer.num_partitions} partitions: leave --partitions out, or pick a new --topic")
 
 
+def _format(name: str) -> Any:
+    """--format's value as the Producer and the Loader take it."""
+    from kfeed.jsonformat import Json
+
+    return Json() if name == "json" else name
+
+
 def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> Any:
     from kfeed.producer import Producer
 
-    return Producer(config, args.topic, schema, format=args.format,
+    return Producer(config, args.topic, schema, format=_format(args.format),
                     block_records=args.block_records or 64, compression=args.compression,
                     connect_timeout_s=args.connect_timeout)
 
@@ -709,7 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
-    p.add_argument("--format", choices=["block", "raw"], default="block")
+    p.add_argument("--format", choices=["block", "raw", "json"], default="block",
+                   help="block (default), raw (one record a message) or json (one JSON "
+                        "object a message, for other consumers; kfeed reads it too)")
     p.add_argument("--block-records", type=_count(1), metavar="N",
                    help="records per block message (default 64)")
     p.add_argument("--compression", choices=["none", "gzip", "snappy", "lz4", "zstd"])
@@ -743,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
     t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
-    t.add_argument("--format", choices=["block", "raw"], default="block")
+    t.add_argument("--format", choices=["block", "raw", "json"], default="block")
     t.add_argument("--device", help="default: cuda if available, else cpu")
     t.add_argument("--steps", type=_count(0), default=0, metavar="N",
                    help="stop after this many steps (default 0: no limit)")

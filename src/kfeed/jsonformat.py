@@ -1,6 +1,7 @@
 """JSON events, one object per message, decoded straight into the batch.
 
-Where it sits: in the build stage, like ``kfeed.avro``. The kfeed ``Schema``
+Where it sits: in the build stage, like ``kfeed.avro``; and at the producer,
+whose ``send`` writes columns as JSON objects with ``format=kfeed.Json()``. The kfeed ``Schema``
 is compiled once into a ``_codec.JsonPlan``: the keys, level by level, that
 lead to its fields. ``JsonDecoder.decode_into`` parses a fetch of values in
 one Cython pass into the pool slot (no GIL, no Python object per record):
@@ -20,6 +21,7 @@ byte, schema id), which is skipped: the JSON Schema itself is not consulted.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +42,29 @@ class Json(RecordFormat):
 
     def decoder(self, schema: Schema) -> JsonDecoder:
         return JsonDecoder(schema)
+
+    def encode(self, schema: Schema, columns: Any) -> list[bytes]:
+        """N samples as N JSON objects, fields nested by their dotted ``source``.
+
+        Floats are written as Python's ``json`` writes doubles (NaN and
+        Infinity included), so a loader reads back the very same values.
+        """
+        fixed_layout(schema, "JSON")
+        _paths(schema)  # a path that is both a value and an object is refused here
+        _views, n, owners = schema._fixed_columns(columns, None)
+        lists = [owner.reshape(n, *f.shape).tolist()
+                 for f, owner in zip(schema.fields, owners, strict=True)]
+        paths = [f.path for f in schema.fields]
+        out = []
+        for i in range(n):
+            record: dict[str, Any] = {}
+            for path, values in zip(paths, lists, strict=True):
+                node = record
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = values[i]
+            out.append(json.dumps(record, separators=(",", ":")).encode())
+        return out
 
     def __repr__(self) -> str:
         return "Json()"
@@ -66,8 +91,20 @@ class JsonDecoder(Decoder):
         return DecodeResult(rows, consumed, bad)
 
 
+def _paths(schema: Schema) -> None:
+    """Refuse fields whose paths make one key both a value and an object."""
+    values = {f.path: f for f in schema.fields}
+    for f in schema.fields:
+        for k in range(1, len(f.path)):
+            if f.path[:k] in values:
+                other = values[f.path[:k]]
+                raise ConfigError(f"fields {other.name!r} and {f.name!r}: "
+                                  f"{'.'.join(f.path[:k])} cannot be both a value and an object")
+
+
 def compile_plan(schema: Schema) -> Any:
     """The ``_codec.JsonPlan`` of ``schema``'s fields, as paths of keys."""
+    _paths(schema)
     field_codes = codes(schema)
     nodes: list[list[int]] = []
     keys: list[tuple[int, int, int]] = []
@@ -84,12 +121,8 @@ def compile_plan(schema: Schema) -> Any:
         children = []
         for key, sub in by_first.items():
             where = f"{path}.{key}" if path else key
-            if () in sub:
+            if () in sub:  # a value (_paths made sure nothing lies below it)
                 f = sub[()]
-                if len(sub) > 1:
-                    other = schema.fields[next(g for r, g in sub.items() if r)]
-                    raise ConfigError(f"fields {schema.fields[f].name!r} and {other.name!r}: "
-                                      f"{where} cannot be both a value and an object")
                 nodes.append([1, f, field_codes[f], 0, 0])
                 notes.append(where)
                 child = len(nodes) - 1

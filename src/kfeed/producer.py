@@ -34,6 +34,7 @@ from kfeed._kafka import (
 )
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
+from kfeed.jsonformat import Json
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
 
@@ -72,7 +73,11 @@ def default_compression(schema: Schema) -> str:
 
 
 class Producer:
-    """Sends columns of samples to ``topic`` as block or raw messages.
+    """Sends columns of samples to ``topic`` as block or raw messages, or JSON objects.
+
+    ``format``: ``"block"`` (default), ``"raw"`` (one record a message) or
+    ``kfeed.Json()`` (one JSON object a message, for consumers other than
+    kfeed; ``Loader(format=kfeed.Json())`` reads it back).
 
     >>> with Producer({"bootstrap.servers": "127.0.0.1:39092"}, "train", schema) as p:
     ...     p.send({"features": x, "label": y, "id": ids}, keys=ids.astype(str))
@@ -84,7 +89,7 @@ class Producer:
         topic: str,
         schema: Schema,
         *,
-        format: str | Format = "block",
+        format: str | Format | Json = "block",
         block_records: int = 64,
         compression: str | None = None,
         transactional_id: str | None = None,
@@ -109,7 +114,9 @@ class Producer:
             raise ConfigError("partitioner must be 'murmur2' or a callable (key, n) -> partition")
         self.topic = topic
         self.schema = schema
-        self.format = Format.parse(format)
+        self.format = format if isinstance(format, Json) else Format.parse(format)
+        if isinstance(format, Json):
+            format.decoder(schema)  # its fields checked now: numeric, fixed shapes, paths
         self.block_records = block_records
         self.partitioner = partitioner
         config = {**PRODUCER_DEFAULTS, **kafka_config}
@@ -284,7 +291,11 @@ class Producer:
 
     def _send_group(self, columns: Mapping[str, Any], partition: int | None,
                     keys: list[Any] | None) -> None:
-        if self.format is Format.BLOCK:
+        if isinstance(self.format, Json):
+            values = self.format.encode(self.schema, columns)
+            for i, v in enumerate(values):
+                self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
+        elif self.format is Format.BLOCK:
             if self.schema.varlen is None:
                 values = self.schema.encode_blocks(columns, self.block_records)
             else:
