@@ -322,7 +322,6 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     """
     import torch
 
-    from kfeed.jsonformat import Json
     from kfeed.loader import Loader, LoaderConfig
 
     torch.manual_seed(0)
@@ -334,8 +333,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     ckpt = Path(opts.checkpoint) if opts.checkpoint else None
     # The same checked settings as Loader(...) and KafkaIterableDataset take.
     settings = LoaderConfig(opts.topic, task.schema, task.batch_size, device=device,
-                            until="end" if opts.until_end else None,
-                            format=Json() if opts.format == "json" else opts.format,
+                            until="end" if opts.until_end else None, format=opts.format,
                             start=start, connect_timeout_s=opts.connect_timeout,
                             **task.loader_kwargs())
     loader = Loader.from_config(config, settings)

@@ -357,17 +357,10 @@ def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
             f"{producer.num_partitions} partitions: leave --partitions out, or pick a new --topic")
 
 
-def _format(name: str) -> Any:
-    """--format's value as the Producer and the Loader take it."""
-    from kfeed.jsonformat import Json
-
-    return Json() if name == "json" else name
-
-
 def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> Any:
     from kfeed.producer import Producer
 
-    return Producer(config, args.topic, schema, format=_format(args.format),
+    return Producer(config, args.topic, schema, format=args.format,
                     block_records=args.block_records or 64, compression=args.compression,
                     connect_timeout_s=args.connect_timeout)
 

@@ -1,11 +1,12 @@
-"""Formats other services write (Avro, Protobuf): what they share.
+"""Formats other services write (Avro, Protobuf, JSON): what they share.
 
 Where it sits: the build stage. ``Loader(format=...)`` takes a
 ``RecordFormat``; ``SlotBuilder`` asks it for a decoder of the loader's
 ``Schema`` and hands that decoder a fetch of message values at a time. The
 decoder writes one row per message straight into the pool slot (Cython, no
 GIL, no Python object per record), rejecting a message whole with a reason.
-``kfeed.avro`` and ``kfeed.protobuf`` are the formats.
+``kfeed.avro``, ``kfeed.protobuf`` and ``kfeed.jsonformat`` are the formats.
+``resolve`` turns what ``format=`` was given into the format object.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError
-from kfeed.schema import DecodeResult, Schema, Target
+from kfeed.schema import DecodeResult, Format, Schema, Target
 
-__all__ = ["Decoder", "RecordFormat"]
+__all__ = ["Decoder", "RecordFormat", "resolve"]
 
 _NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float32", "float64")
@@ -39,6 +40,17 @@ class RecordFormat:
 
     def decoder(self, schema: Schema) -> Decoder:
         raise NotImplementedError
+
+
+def resolve(value: str | Format | RecordFormat) -> Format | RecordFormat:
+    """``format=`` as the loader and the producer use it: "json" is ``kfeed.Json()``."""
+    if isinstance(value, RecordFormat):
+        return value
+    if value == "json":
+        from kfeed.jsonformat import Json  # it builds on this module
+
+        return Json()
+    return Format.parse(value)
 
 
 def fixed_layout(schema: Schema, what: str) -> Any:

@@ -36,7 +36,7 @@ __all__ = ["Json", "JsonDecoder"]
 
 
 class Json(RecordFormat):
-    """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())``."""
+    """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())`` (or "json")."""
 
     value = "json"
 

@@ -34,6 +34,7 @@ from kfeed._kafka import (
 )
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
+from kfeed.formats import RecordFormat, resolve
 from kfeed.jsonformat import Json
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
@@ -114,9 +115,11 @@ class Producer:
             raise ConfigError("partitioner must be 'murmur2' or a callable (key, n) -> partition")
         self.topic = topic
         self.schema = schema
-        self.format = format if isinstance(format, Json) else Format.parse(format)
-        if isinstance(format, Json):
-            format.decoder(schema)  # its fields checked now: numeric, fixed shapes, paths
+        self.format = resolve(format)
+        if isinstance(self.format, RecordFormat) and not isinstance(self.format, Json):
+            raise ConfigError(f"the producer writes block, raw or json, not {self.format!r}")
+        if isinstance(self.format, Json):
+            self.format.decoder(schema)  # its fields checked now: numeric, fixed shapes, paths
         self.block_records = block_records
         self.partitioner = partitioner
         config = {**PRODUCER_DEFAULTS, **kafka_config}
@@ -291,11 +294,7 @@ class Producer:
 
     def _send_group(self, columns: Mapping[str, Any], partition: int | None,
                     keys: list[Any] | None) -> None:
-        if isinstance(self.format, Json):
-            values = self.format.encode(self.schema, columns)
-            for i, v in enumerate(values):
-                self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
-        elif self.format is Format.BLOCK:
+        if self.format is Format.BLOCK:
             if self.schema.varlen is None:
                 values = self.schema.encode_blocks(columns, self.block_records)
             else:
@@ -304,14 +303,11 @@ class Producer:
                                                    block_bytes=self._block_bytes)
             for v in values:
                 self._produce(v, None, partition)
-        else:
-            values = self.schema.encode_raw(columns)
-            if keys is None:
-                for v in values:
-                    self._produce(v, None, partition)
-            else:
-                for v, k in zip(values, keys):
-                    self._produce(v, _key_bytes(k), partition)
+        else:  # one record a message, each with its key
+            values = (self.format.encode(self.schema, columns) if isinstance(self.format, Json)
+                      else self.schema.encode_raw(columns))
+            for i, v in enumerate(values):
+                self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
 
     def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
         from confluent_kafka import KafkaException

@@ -66,8 +66,8 @@ class Format(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ConfigError(f"format must be 'block', 'raw' or kfeed.Avro(...), "
-                              f"got {value!r}") from None
+            raise ConfigError(f"format must be 'block', 'raw', 'json', kfeed.Avro(...) or "
+                              f"kfeed.Protobuf(...), got {value!r}") from None
 
 
 class Field(NamedTuple):

@@ -75,6 +75,7 @@ from torch.utils.data import get_worker_info
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError
+from kfeed.formats import RecordFormat
 from kfeed.loader.agreement import EpochAgreement, shared_run
 from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
@@ -82,7 +83,6 @@ from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.pool import BufferPool
-from kfeed.formats import RecordFormat
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
@@ -168,8 +168,9 @@ class Loader:
     ``format``: ``"block"`` (kfeed's own, from ``kfeed.Producer``),
     ``"raw"``, or for topics that other services write, one record per
     message, ``kfeed.Avro(registry=...)`` / ``kfeed.Avro(schema=...)`` (see
-    ``kfeed.avro``) or ``kfeed.Protobuf(message=...)`` (see
-    ``kfeed.protobuf``); these read in offset order.
+    ``kfeed.avro``), ``kfeed.Protobuf(message=...)`` (see
+    ``kfeed.protobuf``) or ``"json"`` / ``kfeed.Json()`` (see
+    ``kfeed.jsonformat``); these read in offset order.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents;

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from kfeed import _fetch, _pack
-from kfeed.formats import RecordFormat
 from kfeed.badrecords import BadRecords
+from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.pool import BufferPool, Slot

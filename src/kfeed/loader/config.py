@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from kfeed.formats import RecordFormat
 from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
-from kfeed.schema import Format, Schema
+from kfeed.formats import RecordFormat, resolve
+from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
 
 __all__ = ["LoaderConfig"]
@@ -92,13 +92,12 @@ class LoaderConfig:
             raise ConfigError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
         if not _number(self.commit_interval_ms) or self.commit_interval_ms < 0:
             raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
+        put("format", resolve(self.format))
         if isinstance(self.format, RecordFormat):
             if self.pack is not None or self.shuffle is not None:
                 raise ConfigError(f"format={self.format!r} reads in offset order: shuffle= and "
                                   f"pack= need kfeed's block or raw format")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
-        else:
-            put("format", Format.parse(self.format))
         if self.pack is not None and not isinstance(self.pack, Pack):
             raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
         if self.shuffle is not None and not isinstance(self.shuffle, Shuffle):
