@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kfeed._kafka import create_topic
 from kfeed.avro import Avro
+from kfeed.convert import ConvertStats, convert
 from kfeed.jsonformat import Json
 from kfeed.protobuf import Protobuf
 from kfeed.errors import (
@@ -39,6 +40,8 @@ __all__ = [
     "Protobuf",
     "Json",
     "Producer",
+    "convert",
+    "ConvertStats",
     "Loader",
     "LoaderConfig",
     "Batch",

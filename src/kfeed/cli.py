@@ -13,6 +13,8 @@ imports it. Only this module (and the cluster tool's CLI part) prints.
   (``--task lm``) a tiny causal transformer trained from a token topic with
   packed ``[batch, seq_len]`` rows; checkpoints (model, optimizer, loader
   state) and resumes exactly.
+- ``kfeed convert``: a topic of Avro, Protobuf, JSON or raw records into
+  blocks in another topic, exactly once (``kfeed.convert``).
 
 Every mistake is one line on stderr, ``kfeed: <what is wrong>: <how to
 fix>``, checked before any connection where it can be (see ``EXIT_CODES``).
@@ -154,10 +156,10 @@ def _one_line(text: str) -> str:
 # -- shared Kafka arguments ---------------------------------------------------------
 
 
-def _kafka_args(p: argparse.ArgumentParser) -> None:
+def _kafka_args(p: argparse.ArgumentParser, *aliases: str) -> None:
     p.add_argument("--bootstrap-servers", default=os.environ.get("KFEED_BOOTSTRAP"),
                    help="host:port,... (default: $KFEED_BOOTSTRAP)")
-    p.add_argument("--topic", required=True)
+    p.add_argument(*aliases, "--topic", dest="topic", required=True)
     p.add_argument("-X", dest="kafka", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra librdkafka setting (repeatable)")
     p.add_argument("--connect-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
@@ -661,6 +663,129 @@ TOPIC.dlq; a run whose every record was bad exits 1.
 """
 
 
+# -- convert -----------------------------------------------------------------------
+
+CONVERT_HELP = """\
+Re-encode a topic of one record per message (Avro, Protobuf, JSON, or kfeed raw)
+into kfeed's block format in another topic, once, so that every later epoch
+reads it at block speed. Exactly once: each round of records, its dead-letter
+copies and the source offsets are one Kafka transaction, so a convert that is
+killed and started again writes every record once. Progress goes to stderr
+every few seconds; --follow keeps converting new records until SIGINT/SIGTERM,
+which stop it after the round in hand.
+
+  --field NAME=DTYPE[SHAPE][@SOURCE] names a field of the blocks, e.g.
+  --field features=float32[768] --field label=int64 --field age=float32@user.age
+  (SOURCE: the record's field, dotted for nested ones; default NAME). Without
+  --field: features=float32[768], label=int64, id=int64, what kfeed train reads.
+  Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none).
+  Protobuf: --proto MODULE:MESSAGE, a generated class on the Python path
+  (--registry URL says the values carry the Confluent framing).
+"""
+
+_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[(\d+(?:,\d+)*)\])?(?:@([\w.]+))?")
+
+
+def _convert_schema(specs: list[str]) -> Any:
+    from kfeed.schema import Schema
+
+    if not specs:
+        return synthetic_schema()
+    fields: dict[str, Any] = {}
+    for spec in specs:
+        m = _FIELD.fullmatch(spec)
+        if m is None:
+            raise ConfigError(f"--field {spec!r} is not NAME=DTYPE[SHAPE][@SOURCE]: write it "
+                              f"as e.g. --field features=float32[768] or "
+                              f"--field age=float32@user.age")
+        name, dtype, dims, source = m.groups()
+        if name in fields:
+            raise ConfigError(f"--field {name} is given twice")
+        shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+        fields[name] = (dtype, shape, {"source": source}) if source else (dtype, shape)
+    return Schema(fields)
+
+
+def _convert_format(args: argparse.Namespace) -> Any:
+    import importlib
+
+    import kfeed
+
+    registry = {"url": args.registry} if args.registry else None
+    if args.format == "avro":
+        if args.proto:
+            raise ConfigError("--proto applies to --format protobuf, not avro")
+        if (registry is None) == (args.avro_schema is None):
+            raise ConfigError("--format avro needs --registry URL (Confluent framing) or "
+                              "--avro-schema FILE.avsc (no framing), one of them")
+        return kfeed.Avro(schema=args.avro_schema, registry=registry)
+    if args.avro_schema:
+        raise ConfigError(f"--avro-schema applies to --format avro, not {args.format}")
+    if args.format == "protobuf":
+        if not args.proto:
+            raise ConfigError("--format protobuf needs --proto MODULE:MESSAGE, the generated "
+                              "message class (e.g. --proto clicks_pb2:Click)")
+        module, sep, name = args.proto.partition(":")
+        if not sep or not module or not name:
+            raise ConfigError(f"--proto {args.proto!r} is not MODULE:MESSAGE")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"--proto {args.proto}: {e}: put the generated module on "
+                              f"PYTHONPATH") from None
+        return kfeed.Protobuf(message=cls, registry=registry)
+    if args.proto:
+        raise ConfigError(f"--proto applies to --format protobuf, not {args.format}")
+    if registry is not None and args.format == "raw":
+        raise ConfigError("--registry applies to avro, protobuf and json, not raw")
+    return args.format  # json (a Confluent frame is skipped by itself) or raw
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import kfeed
+
+    schema = _convert_schema(args.field)
+    fmt = _convert_format(args)
+    config = _kafka_config(args)
+    stop = threading.Event()
+    stopped: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stopped:  # a second signal: do not wait for the round
+            raise KeyboardInterrupt
+        stopped.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    last = [0.0]
+
+    def progress(st: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] >= args.progress_every:
+            last[0] = now
+            print(f"kfeed convert: {st.records:,} records, {st.bad:,} bad, "
+                  f"{_rates(st.records, st.bytes_in, st.elapsed_s, 'records')} in, "
+                  f"lag {st.lag:,} messages", file=sys.stderr, flush=True)
+
+    try:
+        st = kfeed.convert(config, args.topic, args.to_topic, schema, format=fmt,
+                           group_id=args.group_id, block_records=args.block_records,
+                           round_messages=args.round_messages,
+                           follow=args.follow, on_bad_record=args.on_bad_record,
+                           progress=progress, stop=stop, connect_timeout_s=args.connect_timeout)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"converted {st.records:,} records ({st.bad:,} bad) from {args.topic} to "
+          f"{args.to_topic} in {st.elapsed_s:.1f}s: "
+          f"{_rates(st.records, st.bytes_in, st.elapsed_s, 'records')} in, "
+          f"{st.bytes_out / max(st.bytes_in, 1):.2f}x the bytes out; {st.blocks:,} blocks "
+          f"in {st.transactions:,} transactions")
+    if stopped:
+        return 128 + stopped[0]
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kfeed", description="Feed GPU training from Apache Kafka.",
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -763,6 +888,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print a progress line every STEPS steps (default 100)")
     t.add_argument("--log-ids", metavar="PATH", help="append every trained id to this file")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser(
+        "convert", help="re-encode an Avro, Protobuf, JSON or raw topic into blocks, once",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=CONVERT_HELP, epilog=EXIT_CODES)
+    _kafka_args(c, "--from-topic")
+    c.add_argument("--to-topic", required=True,
+                   help="the block topic (made with the source's partitions if missing)")
+    c.add_argument("--format", choices=["avro", "protobuf", "json", "raw"], required=True)
+    c.add_argument("--field", action="append", default=[], metavar="NAME=DTYPE[SHAPE][@SOURCE]",
+                   help="a field of the blocks (repeatable; see above)")
+    c.add_argument("--registry", metavar="URL", help="the Schema Registry (Confluent framing)")
+    c.add_argument("--avro-schema", metavar="FILE.avsc", help="avro: the writer schema")
+    c.add_argument("--proto", metavar="MODULE:MESSAGE", help="protobuf: the message class")
+    c.add_argument("--group-id", help="the consumer group (default kfeed-convert.TO_TOPIC)")
+    c.add_argument("--block-records", type=_count(1), default=64, metavar="N",
+                   help="records per block message (default 64)")
+    c.add_argument("--round-messages", type=_count(1), default=10_000, metavar="N",
+                   help="source messages per transaction at most (default 10000)")
+    c.add_argument("--on-bad-record", choices=["dead_letter", "skip", "raise"],
+                   default="dead_letter",
+                   help="dead_letter (default: to FROM_TOPIC.dlq, in the transaction), skip, "
+                        "or raise")
+    c.add_argument("--follow", action="store_true",
+                   help="keep converting new records until SIGINT/SIGTERM")
+    c.add_argument("--progress-every", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="a progress line on stderr every SECONDS (default 5)")
+    c.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -252,23 +252,31 @@ class Producer:
 
     # -- sending --------------------------------------------------------------
 
-    def send(self, columns: Mapping[str, Any], keys: Sequence[Any] | None = None) -> int:
+    def send(self, columns: Mapping[str, Any], keys: Sequence[Any] | None = None, *,
+             partition: int | None = None) -> int:
         """Send N samples (columns with a shared first dimension); returns N.
 
         With a variable-length field, its column is a list of 1-D arrays (one
         document per sample) or ``(flat, lengths)``, as ``Schema.encode_blocks``
-        takes it; keys then give one partition per document.
+        takes it; keys then give one partition per document. ``partition``
+        sends them all to that partition instead (keys, if any, still go with
+        raw and JSON messages).
         """
         self._raise_fatal()
         views, n, _owners = self.schema._columns(columns)
-        if n == 0:
-            return 0
-        if keys is None:
-            self._send_group(columns, None, None)
-        else:
+        if partition is not None and (not isinstance(partition, int) or isinstance(partition, bool)
+                                      or not 0 <= partition < self.num_partitions):
+            raise ConfigError(f"partition must be an int in 0..{self.num_partitions - 1} "
+                              f"({self.topic} has {self.num_partitions}), got {partition!r}")
+        if keys is not None:
             keys = list(keys)
             if len(keys) != n:
                 raise ConfigError(f"{len(keys)} keys for {n} samples")
+        if n == 0:
+            return 0
+        if keys is None or partition is not None:
+            self._send_group(columns, partition, keys)
+        else:
             parts = self._partitions(keys)
             order = np.argsort(parts, kind="stable")
             bounds = np.flatnonzero(np.diff(parts[order])) + 1
@@ -309,14 +317,24 @@ class Producer:
             for i, v in enumerate(values):
                 self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
 
-    def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
+    def copy(self, msg: Any, topic: str, partition: int, headers: list[tuple[str, bytes]]) -> None:
+        """Send a consumed message's value and key, unchanged, to ``topic`` (a dead-letter copy).
+
+        Inside ``transaction()`` the copy is committed with everything else.
+        """
+        self._raise_fatal()
+        self._produce(msg.value(), msg.key(), partition, topic=topic, headers=headers)
+
+    def _produce(self, value: bytes, key: bytes | None, partition: int | None, *,
+                 topic: str | None = None, headers: list[tuple[str, bytes]] | None = None) -> None:
         from confluent_kafka import KafkaException
 
         kwargs: dict[str, Any] = {} if partition is None else {"partition": partition}
         try:
             while True:
                 try:
-                    self._producer.produce(self.topic, value, key, headers=self._headers,
+                    self._producer.produce(topic or self.topic, value, key,
+                                           headers=self._headers if headers is None else headers,
                                            on_delivery=self._on_delivery, **kwargs)
                     break
                 except BufferError:
@@ -325,7 +343,7 @@ class Producer:
                     self._producer.poll(_SLICE_S)
                     self._raise_fatal()
             self.messages += 1
-            self.bytes += len(value)
+            self.bytes += len(value or b"")
             self._producer.poll(0)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send", e) from e
@@ -401,6 +419,23 @@ class Producer:
                 except (KafkaException, SystemError) as e:
                     log.error("abort_transaction failed: %s", e)
             raise
+
+    def send_offsets(self, consumer: Any, offsets: Sequence[Any]) -> None:
+        """Inside ``transaction()``: commit ``consumer``'s ``offsets`` with it.
+
+        ``offsets`` are confluent-kafka ``TopicPartition``s, each the next
+        offset to read. They count only if the transaction commits
+        (consume-transform-produce: exactly once).
+        """
+        from confluent_kafka import KafkaException
+
+        if not self._transactional:
+            raise ConfigError("send_offsets() needs a transactional_id")
+        try:
+            self._producer.send_offsets_to_transaction(
+                list(offsets), consumer.consumer_group_metadata(), self._timeout)
+        except (KafkaException, SystemError) as e:
+            raise self._error("cannot send the offsets with the transaction", e) from e
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -1,0 +1,357 @@
+"""Re-encode a topic of one record per message into kfeed's block format, once.
+
+Where it sits: before the loader, beside the producer. A topic that other
+services write (Avro, Protobuf, JSON) or kfeed's raw format is read through
+the same Cython decoders the loader uses, and written again as block
+messages, so that every later epoch reads it at block speed::
+
+    from-topic --consume--> decoder.decode_into --> numpy rows
+               --Schema.encode_blocks--> block values --Producer--> to-topic
+
+Consume-transform-produce, exactly once (NOTE [ One transaction a round ]):
+each round's blocks, its dead-letter copies and the source offsets it read
+up to are one Kafka transaction. A convert that is killed and started again
+goes on from the last committed round: every record is written once.
+
+Source partition ``p`` goes to ``p % n`` of the to-topic, in order; a
+to-topic that does not exist is made with the from-topic's partitions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kfeed._kafka import client_config, create_topic, kafka_error
+from kfeed.badrecords import BadRecordPolicy, BadRecords
+from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
+from kfeed.formats import Decoder, RecordFormat, resolve
+from kfeed.producer import Producer
+from kfeed.schema import DecodeResult, Format, Schema, Target
+from kfeed.sources import (
+    CONSUMER_DEFAULTS,
+    DLQ_OFFSET_HEADER,
+    DLQ_PARTITION_HEADER,
+    DLQ_TOPIC_HEADER,
+)
+
+__all__ = ["ConvertStats", "convert"]
+
+log = logging.getLogger("kfeed.convert")
+
+_PARTITION_EOF = -191  # librdkafka's _PARTITION_EOF
+_RETRIES = 3           # rounds aborted in a row before convert gives up
+
+
+@dataclass
+class ConvertStats:
+    """What a convert did so far; ``progress`` gets it after every round."""
+
+    records: int = 0        # rows written
+    bad: int = 0            # messages rejected (dead-lettered or skipped)
+    messages: int = 0       # source messages read and committed
+    blocks: int = 0         # block messages written
+    bytes_in: int = 0
+    bytes_out: int = 0
+    transactions: int = 0
+    aborted: int = 0
+    lag: int = 0            # source messages not read yet, at the last round
+    elapsed_s: float = 0.0
+
+
+class _Raw(Decoder):
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+
+    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
+        return self.schema.decode_into(values, out, row, Format.RAW)
+
+
+def convert(
+    kafka_config: Mapping[str, Any],
+    from_topic: str,
+    to_topic: str,
+    schema: Schema,
+    *,
+    format: str | Format | RecordFormat,
+    group_id: str | None = None,
+    block_records: int = 64,
+    round_messages: int = 10_000,
+    follow: bool = False,
+    on_bad_record: str = "dead_letter",
+    progress: Callable[[ConvertStats], None] | None = None,
+    stop: threading.Event | None = None,
+    connect_timeout_s: float = 30.0,
+) -> ConvertStats:
+    """Re-encode ``from_topic`` (``format``: Avro, Protobuf, JSON or raw) into ``to_topic``'s blocks.
+
+    Reads with the consumer group ``group_id`` (default
+    ``kfeed-convert.<to_topic>``), whose offsets move only with committed
+    rounds; the transactional id is ``kfeed-convert.<from_topic>.<to_topic>``,
+    so a second convert of the same pair fences the first. Without
+    ``follow`` it returns once every partition is read to its end; with
+    ``follow`` it waits for new records until ``stop`` is set. A bad record
+    is dead-lettered to ``<from_topic>.dlq`` inside the round's transaction,
+    skipped, or raised (``on_bad_record``). Returns the final ``ConvertStats``.
+
+    >>> kfeed.convert({"bootstrap.servers": "127.0.0.1:39092"}, "clicks", "clicks.blocks",
+    ...               schema, format=kfeed.Avro(registry={"url": "http://registry:8081"}))
+    """
+    if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
+        raise ConfigError("kafka_config must be a dict of librdkafka settings "
+                          "with 'bootstrap.servers'")
+    if not isinstance(schema, Schema):
+        raise ConfigError("schema must be a kfeed.Schema")
+    for name, topic in (("from_topic", from_topic), ("to_topic", to_topic)):
+        if not isinstance(topic, str) or not topic:
+            raise ConfigError(f"{name} must be a non-empty string, got {topic!r}")
+    if from_topic == to_topic:
+        raise ConfigError(f"from_topic and to_topic are both {from_topic!r}: "
+                          "convert writes to another topic")
+    fmt = resolve(format)
+    if fmt is Format.BLOCK:
+        raise ConfigError(f"{from_topic} would be converted from block to block: convert "
+                          "reads avro, protobuf, json or raw topics")
+    if not isinstance(round_messages, int) or round_messages < 1:
+        raise ConfigError(f"round_messages must be a positive int, got {round_messages!r}")
+    try:
+        policy = BadRecordPolicy(on_bad_record)
+    except ValueError:
+        raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
+                          f"got {on_bad_record!r}") from None
+    decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else _Raw(schema)
+    job = _Convert(kafka_config, from_topic, to_topic, schema, fmt, decoder, policy,
+                   group_id or f"kfeed-convert.{to_topic}", block_records, round_messages,
+                   connect_timeout_s)
+    try:
+        return job.run(follow, progress, stop or threading.Event())
+    finally:
+        job.close()
+
+
+class _Convert:
+    """One convert: its consumer, its transactional producer, and the rounds."""
+
+    def __init__(self, kafka_config: Mapping[str, Any], from_topic: str, to_topic: str,
+                 schema: Schema, fmt: Any, decoder: Decoder, policy: BadRecordPolicy,
+                 group_id: str, block_records: int, round_messages: int,
+                 connect_timeout_s: float) -> None:
+        from confluent_kafka import Consumer, KafkaException
+
+        self.from_topic = from_topic
+        self.to_topic = to_topic
+        self.schema = schema
+        self.decoder = decoder
+        self.round_messages = round_messages
+        self.stats = ConvertStats()
+        self.timeout = connect_timeout_s
+        base = client_config(kafka_config)
+        nparts = self._source_partitions(kafka_config)
+        create_topic(base, to_topic, partitions=nparts, timeout_s=connect_timeout_s)
+        self.dlq_topic = f"{from_topic}.dlq"
+        self.dlq_parts = 0
+        if policy is BadRecordPolicy.DEAD_LETTER:
+            create_topic(base, self.dlq_topic, partitions=nparts, timeout_s=connect_timeout_s)
+            self.dlq_parts = nparts
+        config = {**CONSUMER_DEFAULTS, **kafka_config, "group.id": group_id,
+                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                  "enable.partition.eof": True}
+        try:
+            self.consumer = Consumer(config)
+        except KafkaException as e:
+            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
+        self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
+                                 transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
+                                 connect_timeout_s=connect_timeout_s)
+        self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
+        self.assigned: set[int] = set()
+        self.eof: set[int] = set()
+        self.rows = schema.empty(round_messages, like="numpy")
+        self.target = schema.bind(self.rows)
+        self.dead: list[tuple[Any, str]] = []  # this round's dead-letter copies
+
+    def _source_partitions(self, kafka_config: Mapping[str, Any]) -> int:
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient(client_config(kafka_config))
+        try:
+            md = admin.list_topics(self.from_topic, timeout=self.timeout)
+        except KafkaException as e:
+            raise ConsumeError(f"cannot list {self.from_topic}: {e.args[0].str()}",
+                               topic=self.from_topic) from e
+        tm = md.topics.get(self.from_topic)
+        if tm is None or tm.error is not None or not tm.partitions:
+            why = tm.error.str() if tm is not None and tm.error is not None else "no partitions"
+            raise ConsumeError(f"topic {self.from_topic} is not available: {why}",
+                               topic=self.from_topic)
+        return len(tm.partitions)
+
+    # -- the rounds ---------------------------------------------------------------
+
+    def run(self, follow: bool, progress: Callable[[ConvertStats], None] | None,
+            stop: threading.Event) -> ConvertStats:
+        t0 = time.monotonic()
+        self.consumer.subscribe([self.from_topic], on_assign=self._on_assign,
+                                on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        failures = 0
+        while not stop.is_set():
+            msgs = self._consume()
+            if msgs:
+                try:
+                    self._round(msgs)
+                    failures = 0
+                except ProduceError as e:
+                    failures += 1
+                    self.stats.aborted += 1
+                    if failures > _RETRIES:
+                        raise
+                    log.warning("round aborted (%s); reading its records again", e)
+                    self._rewind(msgs)
+            self.stats.elapsed_s = time.monotonic() - t0
+            if progress is not None and (msgs or not follow):
+                progress(self.stats)
+            if not follow and not msgs and self.assigned and self.assigned <= self.eof:
+                break
+        self.stats.elapsed_s = time.monotonic() - t0
+        return self.stats
+
+    def _consume(self) -> list[Any]:
+        """The next round's messages (errors and ends of partitions taken out)."""
+        got = self.consumer.consume(self.round_messages, 0.5)
+        msgs = []
+        for m in got:
+            err = m.error()
+            if err is None:
+                msgs.append(m)
+                self.eof.discard(m.partition())
+            elif err.code() == _PARTITION_EOF:
+                self.eof.add(m.partition())
+            elif err.fatal() or not err.retriable():
+                raise ConsumeError(f"cannot read {self.from_topic}: {err.str()}",
+                                   topic=self.from_topic, code=err.code())
+            else:
+                log.warning("kafka: %s", err.str())
+        return msgs
+
+    # NOTE [ One transaction a round ]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A round is what one consume() returned. Its records are decoded and
+    # encoded per source partition, in offset order, and then, in one
+    # transaction: the block messages, the dead-letter copies, and for each
+    # partition the offset after its last message, sent with the consumer's
+    # group metadata (so a convert fenced by a rebalance cannot commit). A
+    # crash before the commit aborts it all (the next convert's
+    # init_transactions does that); after it, all of it stands and the group
+    # reads on from there. No rebalance falls inside a transaction: they
+    # happen in consume(), between rounds. A round that fails to commit is
+    # aborted and its partitions rewound to its first offsets, then read
+    # again; a fatal error (another convert took the transactional id)
+    # raises.
+
+    def _round(self, msgs: list[Any]) -> None:
+        from confluent_kafka import TopicPartition
+
+        by_part: dict[int, list[Any]] = {}
+        for m in msgs:
+            by_part.setdefault(m.partition(), []).append(m)
+        self.dead = []
+        p = self.producer
+        stats = self.stats
+        rows = bad = blocks = nbytes = 0
+        out_before = p.bytes
+        messages_before = p.messages
+        with p.transaction():
+            for part, pms in by_part.items():
+                n, k = self._decode(pms)
+                rows += n
+                bad += k
+                nbytes += sum(len(m.value() or b"") for m in pms)
+                if n:
+                    p.send({name: a[:n] for name, a in self.rows.items()},
+                           partition=part % p.num_partitions)
+            self.bad.end_of_read()  # a round of bad records only: nothing commits
+            for m, why in self.dead:
+                p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts, [
+                    (DLQ_TOPIC_HEADER, m.topic().encode()),
+                    (DLQ_PARTITION_HEADER, str(m.partition()).encode()),
+                    (DLQ_OFFSET_HEADER, str(m.offset()).encode()),
+                    ("kfeed.reason", why.encode()),
+                ])
+            blocks = p.messages - messages_before - len(self.dead)
+            p.send_offsets(self.consumer, [
+                TopicPartition(self.from_topic, part, pms[-1].offset() + 1)
+                for part, pms in by_part.items()])
+        stats.records += rows
+        stats.bad += bad
+        stats.messages += len(msgs)
+        stats.blocks += blocks
+        stats.bytes_in += nbytes
+        stats.bytes_out += p.bytes - out_before
+        stats.transactions += 1
+        stats.lag = self._lag()
+
+    def _decode(self, msgs: list[Any]) -> tuple[int, int]:
+        """Decode one partition's messages of the round into ``self.rows``: (rows, bad)."""
+        values = [m.value() for m in msgs]
+        res = self.decoder.decode_into(values, self.target, 0)
+        if res.consumed != len(values):  # one row a message at most, and room for all
+            raise KfeedError(f"the decoder took {res.consumed} of {len(values)} values")
+        if res.rows:
+            self.bad.good()
+        for j, reason in res.bad:
+            self.bad.bad(msgs[j], reason)
+        return res.rows, len(res.bad)
+
+    def dead_letter(self, msg: Any, reason: str) -> None:
+        """``BadRecords`` routes a rejected message here: copied within the round."""
+        self.dead.append((msg, reason))
+
+    def _rewind(self, msgs: list[Any]) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        first: dict[int, int] = {}
+        for m in msgs:
+            first.setdefault(m.partition(), m.offset())
+        for part, offset in first.items():
+            if part not in self.assigned:
+                continue  # moved to another member: it reads from the committed offset
+            try:
+                self.consumer.seek(TopicPartition(self.from_topic, part, offset))
+            except KafkaException as e:
+                raise ConsumeError(f"cannot rewind {self.from_topic}[{part}] to {offset}: "
+                                   f"{e.args[0].str()}", topic=self.from_topic) from e
+
+    def _lag(self) -> int:
+        """Source messages not read yet (from the consumer's cached watermarks)."""
+        from confluent_kafka import TopicPartition
+
+        lag = 0
+        try:
+            for tp in self.consumer.position([TopicPartition(self.from_topic, p)
+                                              for p in sorted(self.assigned)]):
+                _low, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if tp.offset >= 0 and high >= 0:
+                    lag += max(0, high - tp.offset)
+        except Exception as e:  # noqa: BLE001 - the lag is only reported
+            log.debug("lag not known: %s", kafka_error(e) or e)
+        return lag
+
+    def _on_assign(self, _consumer: Any, parts: list[Any]) -> None:
+        self.assigned |= {tp.partition for tp in parts}
+
+    def _on_revoke(self, _consumer: Any, parts: list[Any]) -> None:
+        gone = {tp.partition for tp in parts}
+        self.assigned -= gone
+        self.eof -= gone
+
+    def close(self) -> None:
+        try:
+            self.consumer.close()
+        finally:
+            self.producer.close()
+

@@ -1,0 +1,214 @@
+"""kfeed convert: a topic others write, re-encoded into blocks once, exactly once.
+
+The source topics are written by confluent-kafka's ``AvroSerializer`` and by
+``json.dumps``; what the loader then reads from the block topic must equal
+what confluent-kafka's deserializer (or ``json.loads``) returns, record for
+record. A convert killed with SIGKILL mid-topic and started again must have
+written every record once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Producer as KafkaProducer
+from records import read_dlq
+from test_avro import SCHEMA, corrupt_values, expected_columns, registry, serialized  # noqa: F401
+
+import kfeed
+
+pytestmark = pytest.mark.integration
+
+
+def read_all(bootstrap: str, topic: str, schema: kfeed.Schema) -> dict[str, np.ndarray]:
+    """Every record of a block topic, as kfeed's loader reads it (read_committed)."""
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    got: dict[str, list] = {f.name: [] for f in schema.fields}
+    with kfeed.Loader(config, topic, schema, 1000, device="cpu", until="end") as loader:
+        for batch in loader:
+            for name, parts in got.items():
+                parts.append(batch[name].numpy().copy())
+    return {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in got.items()}
+
+
+def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer(
+        bootstrap, make_topic, registry):  # noqa: F811
+    src = make_topic(partitions=3)
+    values, records = serialized(registry, 10_000)  # a schema change at the half
+    corrupt, reasons = corrupt_values(registry)
+    bad_values = [corrupt[i] for i in sorted(reasons)]
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for i, v in enumerate(values):
+        p.produce(src, v, key=str(i).encode())
+        if i == 5000:
+            for b in bad_values:
+                p.produce(src, b, key=b"bad")
+        p.poll(0)
+    assert p.flush(60) == 0
+    seen = []
+    stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", SCHEMA,
+                          format=kfeed.Avro(registry=registry), round_messages=3000,
+                          progress=seen.append)
+    assert (stats.records, stats.bad, stats.messages) == (10_000, len(bad_values),
+                                                          10_000 + len(bad_values))
+    assert stats.transactions >= 4 and seen and seen[-1].records == 10_000
+    cols = read_all(bootstrap, src + ".blocks", SCHEMA)
+    order = np.argsort(cols["id"], kind="stable")
+    np.testing.assert_array_equal(cols["id"][order], np.arange(10_000))  # each record once
+    want = expected_columns(records)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
+    dead = read_dlq(bootstrap, src, len(bad_values))
+    assert sorted(m.value() for m in dead) == sorted(bad_values)
+    by_value = {corrupt[i]: why for i, why in reasons.items()}
+    for m in dead:
+        assert by_value[m.value()] in dict(m.headers())["kfeed.reason"].decode()
+    # Converted already: a second run finds nothing new and writes nothing.
+    again = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", SCHEMA,
+                          format=kfeed.Avro(registry=registry))
+    assert (again.records, again.transactions) == (0, 0)
+
+
+def test_a_raw_topic_converts_with_its_order_per_partition(bootstrap, make_topic):
+    src = make_topic(partitions=2)
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (4,))})
+    n = 3000
+    cols = {"id": np.arange(n), "x": np.random.default_rng(1).random((n, 4), np.float32)}
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, src, schema, format="raw") as p:
+        p.send({k: v[: n // 2] for k, v in cols.items()}, partition=0)
+        p.send({k: v[n // 2:] for k, v in cols.items()}, partition=1)
+    kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema, format="raw",
+                  block_records=100, round_messages=700)
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "enable.partition.eof": True, "isolation.level": "read_committed"})
+    out = schema.empty(n, like="numpy")
+    rows = {0: 0, 1: 0}
+    ids = {0: [], 1: []}
+    for part in (0, 1):
+        c.assign([TopicPartition(src + ".blocks", part, 0)])
+        while True:
+            m = c.poll(10)
+            assert m is not None
+            if m.error():
+                break
+            res = schema.decode_into([m.value()], out, 0)
+            assert 0 < res.rows <= 100 and not res.bad
+            ids[part].extend(out["id"][:res.rows].tolist())
+            np.testing.assert_array_equal(out["x"][:res.rows], cols["x"][out["id"][:res.rows]])
+            rows[part] += res.rows
+    c.close()
+    assert ids[0] == list(range(n // 2)) and ids[1] == list(range(n // 2, n))  # in order
+    assert rows[0] + rows[1] == n
+
+
+class Committed:
+    """The offsets a consumer group committed on a topic, summed over its partitions."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+        self.tps = [TopicPartition(topic, p) for p in range(partitions)]
+
+    def __call__(self) -> int:
+        return sum(max(tp.offset, 0) for tp in self.consumer.committed(self.tps, timeout=10))
+
+
+def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
+    src = make_topic(partitions=3)
+    dst = src + ".blocks"
+    n = 60_000
+    rng = np.random.default_rng(3)
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for i in range(n):
+        rec = {"id": i, "label": i % 10, "features": [round(x, 3) for x in rng.random(8)],
+               "note": "x" * (i % 50)}
+        p.produce(src, json.dumps(rec).encode(), partition=i % 3)
+        if i % 1000 == 0:
+            p.poll(0)
+    assert p.flush(60) == 0
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    cmd = [sys.executable, "-m", "kfeed", "convert", "--from-topic", src, "--to-topic", dst,
+           "--format", "json", "--field", "id=int64", "--field", "label=int64",
+           "--field", "features=float32[8]", "--progress-every", "0.2"]
+    committed = Committed(bootstrap, f"kfeed-convert.{dst}", src, 3)
+    proc = subprocess.Popen([*cmd, "--round-messages", "300"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    # Killed once some rounds are committed and before the last one.
+    while committed() == 0:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert committed() < n, "the convert finished before the kill"
+    # Started again, following, then stopped by SIGTERM once new records are in too.
+    proc = subprocess.Popen([*cmd, "--follow"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while committed() < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline + 120
+        time.sleep(0.2)
+    for i in range(n, n + 300):
+        p.produce(src, json.dumps({"id": i, "label": 1, "features": [0.5] * 8}).encode(),
+                  partition=i % 3)
+    assert p.flush(30) == 0
+    while committed() < n + 300:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline + 180
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "kfeed convert:" in err and "records" in err  # progress lines
+    assert out.startswith("converted ")
+    schema = kfeed.Schema({"id": ("int64", ()), "label": ("int64", ()),
+                           "features": ("float32", (8,))})
+    cols = read_all(bootstrap, dst, schema)
+    ids = np.sort(cols["id"])
+    np.testing.assert_array_equal(ids, np.arange(n + 300))  # every record once
+    np.testing.assert_array_equal(cols["label"][np.argsort(cols["id"])][:n], np.arange(n) % 10)
+    committed.consumer.close()
+
+
+def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
+    src = make_topic(partitions=1)
+    conf = {"bootstrap.servers": bootstrap}
+    schema = kfeed.Schema({"id": ("int64", ())})
+    with pytest.raises(kfeed.ConfigError, match="both 'a'"):
+        kfeed.convert(conf, "a", "a", schema, format="json")
+    with pytest.raises(kfeed.ConfigError, match="from block to block"):
+        kfeed.convert(conf, src, src + ".b", schema, format="block")
+    with pytest.raises(kfeed.ConfigError, match="on_bad_record"):
+        kfeed.convert(conf, src, src + ".b", schema, format="json", on_bad_record="drop")
+    with pytest.raises(kfeed.ConsumeError, match="not available"):
+        kfeed.convert(conf, f"missing-{uuid.uuid4().hex}", "x", schema, format="json",
+                      connect_timeout_s=5)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kfeed", "convert", "--from-topic", src,
+                               "--to-topic", src + ".b", *args], env=env, check=False,
+                              capture_output=True, text=True, timeout=120)
+
+    for args, says in [
+        (["--format", "avro"], "--format avro needs --registry URL"),
+        (["--format", "protobuf"], "needs --proto MODULE:MESSAGE"),
+        (["--format", "protobuf", "--proto", "no_such_module:X"], "put the generated module"),
+        (["--format", "json", "--field", "id:int64"], "is not NAME=DTYPE[SHAPE][@SOURCE]"),
+        (["--format", "json", "--field", "id=int64", "--field", "id=int32"], "given twice"),
+        (["--format", "raw", "--registry", "http://127.0.0.1:1"], "not raw"),
+        (["--format", "json", "--avro-schema", "x.avsc"], "applies to --format avro"),
+    ]:
+        done = cli(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], (args, done.stderr)
