@@ -27,8 +27,12 @@ And a micro-benchmark without a broker: 4,096 framed 3 KB Avro records
 decoded by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
 (``np.copyto`` of one buffer).
 
+``--formats convert``: ``kfeed.convert`` of each Avro topic into a block
+topic (records/s), and the loader on the block topic against the loader on
+the Avro topic, interleaved.
+
 Each contender runs ``--repeat`` times, interleaved; the best run counts.
-Run: ``python bench/bench_formats.py [--formats avro,protobuf] [--repeat 3]``.
+Run: ``python bench/bench_formats.py [--formats avro,protobuf,json,convert] [--repeat 3]``.
 """
 
 from __future__ import annotations
@@ -407,6 +411,38 @@ def micro(registry: Any, repeat: int) -> tuple[float, float]:
     return best["decode"] / 1e9, best["memcpy"] / 1e9
 
 
+def convert_runs(bootstrap: str, registry: Any, big: bool, n: int, repeat: int) -> None:
+    """``kfeed.convert`` of an Avro topic to blocks, and the loader on both topics."""
+    schema = BIG_SCHEMA if big else SMALL_SCHEMA
+    avro_topic, size, _runs = avro_runs(bootstrap, registry, big, n)
+    fmt = kfeed.Avro(registry=registry)
+    best = {"convert": 0.0, "loader on the Avro topic": 0.0, "loader on the block topic": 0.0}
+    topics = [avro_topic]
+    for _ in range(repeat):
+        blocks = f"{avro_topic}.blocks-{uuid.uuid4().hex[:6]}"
+        topics.append(blocks)
+        t = time.perf_counter()
+        stats = kfeed.convert({"bootstrap.servers": bootstrap}, avro_topic, blocks, schema,
+                              format=fmt)
+        best["convert"] = max(best["convert"], stats.records / (time.perf_counter() - t))
+        assert stats.records == n, stats
+        for name, topic, f in (("loader on the Avro topic", avro_topic, fmt),
+                               ("loader on the block topic", blocks, "block")):
+            t = time.perf_counter()
+            got = run_kfeed(bootstrap, topic, schema, f)
+            best[name] = max(best[name], got / (time.perf_counter() - t))
+            assert got == n, (name, got, n)
+    AdminClient({"bootstrap.servers": bootstrap}).delete_topics(topics)
+    print(f"\nconvert, {'3 KB' if big else '200 B'} Avro events ({size} bytes each, {n:,}), "
+          f"records/s, best of {repeat}:")
+    print(f"| kfeed.convert, Avro -> blocks (transactions of up to 10,000 messages) | "
+          f"{best['convert']:,.0f} ({best['convert'] * size / 1e6:,.1f} MB/s in) |")
+    for name in ("loader on the Avro topic", "loader on the block topic"):
+        print(f"| {name} | {best[name]:,.0f} |")
+    print(f"| block topic / Avro topic | "
+          f"{best['loader on the block topic'] / best['loader on the Avro topic']:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
@@ -430,6 +466,10 @@ def main() -> None:
             for name, rate in best.items():
                 ratio = "" if name == "kfeed" else f" | kfeed / this = {best['kfeed'] / rate:.2f}x"
                 print(f"| {name} | {rate:,.0f}{ratio} |")
+    if "convert" in formats:
+        for big, n in ((True, args.samples), (False, args.small_samples)):
+            convert_runs(args.bootstrap, registry, big, n, args.repeat)
+        formats.remove("convert")
     admin = AdminClient({"bootstrap.servers": args.bootstrap})
     makers = {"avro": avro_runs, "protobuf": protobuf_runs, "json": json_runs}
     for fmt in formats:
