@@ -681,3 +681,148 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
     if err == A_TRAILING:
         return f"{b.value} bytes left after the record"
     return f"error {err}{where}"
+
+
+# -- writing: fixed-shape rows -> Avro binary --------------------------------
+#
+# ``kfeed.avro.writer_schema`` derives the writer schema from a kfeed Schema:
+# one Avro field per kfeed field, nested records for dotted sources, nested
+# arrays for shapes, ``boolean``/``int``/``long``/``float``/``double`` for the
+# dtypes. ``avro_encode`` writes each row in that schema's order: ``order``
+# lists the fields as the schema meets them.
+
+cdef inline uint8_t* av_put_long(uint8_t* d, int64_t v) noexcept nogil:
+    cdef uint64_t z = (<uint64_t>v << 1) ^ <uint64_t>(v >> 63)
+    while z >= 0x80:
+        d[0] = <uint8_t>(z | 0x80)
+        d += 1
+        z >>= 7
+    d[0] = <uint8_t>z
+    return d + 1
+
+
+cdef inline uint8_t* av_put_elem(uint8_t* d, const uint8_t* s, int code) noexcept nogil:
+    """One element of ``code`` at ``s`` as its Avro type."""
+    cdef int8_t i8
+    cdef int16_t i16
+    cdef int32_t i32
+    cdef int64_t i64
+    cdef uint16_t u16
+    cdef uint32_t u32
+    if code == C_BOOL:
+        d[0] = 1 if s[0] else 0
+        return d + 1
+    if code == C_F32:
+        memcpy(d, s, 4)
+        return d + 4
+    if code == C_F64:
+        memcpy(d, s, 8)
+        return d + 8
+    if code == C_I8:
+        memcpy(&i8, s, 1)
+        i64 = i8
+    elif code == C_U8:
+        i64 = s[0]
+    elif code == C_I16:
+        memcpy(&i16, s, 2)
+        i64 = i16
+    elif code == C_U16:
+        memcpy(&u16, s, 2)
+        i64 = u16
+    elif code == C_I32:
+        memcpy(&i32, s, 4)
+        i64 = i32
+    elif code == C_U32:
+        memcpy(&u32, s, 4)
+        i64 = u32
+    else:  # C_I64 (C_U64 has no Avro type: refused before)
+        memcpy(&i64, s, 8)
+    return av_put_long(d, i64)
+
+
+cdef uint8_t* av_put_items(uint8_t* d, const uint8_t* s, int code, int size,
+                           const int64_t* dims, int ndim, int64_t* elem) noexcept nogil:
+    """A value of shape ``dims`` as nested Avro arrays (a scalar when ``ndim`` is 0)."""
+    cdef int64_t i
+    if ndim == 0:
+        d = av_put_elem(d, s + elem[0] * size, code)
+        elem[0] += 1
+        return d
+    if dims[0] > 0:
+        d = av_put_long(d, dims[0])
+        for i in range(dims[0]):
+            d = av_put_items(d, s, code, size, dims + 1, ndim - 1, elem)
+    d[0] = 0  # the end of the array
+    return d + 1
+
+
+def avro_encode(Layout layout, list columns, uint64_t n, list order, list field_codes,
+                list shapes, bytes prefix):
+    """``n`` rows of ``columns`` as Avro binary values, each after ``prefix``.
+
+    ``order``: the field indices in the writer schema's order;
+    ``field_codes``: each field's element code (``AVRO_CODES``; uint64 has no
+    Avro type and is refused before); ``shapes``: each field's shape, written
+    as nested arrays. A shape that does not match the field's row bytes is a
+    ValueError: no row is read past its end.
+    """
+    cdef _Buffers src = fixed_columns(layout, columns, n)
+    cdef Py_ssize_t nf = len(order), k, f, j
+    cdef int* codes = <int*>calloc(nf + 1, sizeof(int))
+    cdef int* sizes = <int*>calloc(nf + 1, sizeof(int))
+    cdef int* nd = <int*>calloc(nf + 1, sizeof(int))
+    cdef int* fidx = <int*>calloc(nf + 1, sizeof(int))
+    cdef int64_t* dims = <int64_t*>calloc(nf * 8 + 1, sizeof(int64_t))
+    cdef uint8_t* buf = NULL
+    cdef uint64_t bound = len(prefix), levels, nelem, r
+    cdef int64_t elem
+    cdef uint8_t* d
+    cdef list out = []
+    try:
+        if not (codes and sizes and nd and fidx and dims):
+            raise MemoryError()
+        for k in range(nf):
+            f = order[k]
+            shape = shapes[f]
+            if len(shape) > 8:
+                raise ValueError("at most 8 dimensions")
+            if not 0 <= f < layout.nfields:
+                raise ValueError(f"field {f} is not in the layout")
+            fidx[k] = f
+            codes[k] = field_codes[f]
+            if not C_BOOL <= codes[k] < C_CODES or codes[k] == C_U64:
+                raise ValueError(f"element code {codes[k]} has no Avro type")
+            sizes[k] = code_size(codes[k])
+            nd[k] = len(shape)
+            nelem = 1
+            levels = 0
+            for j in range(nd[k]):
+                dims[k * 8 + j] = shape[j]
+                if shape[j] < 0:
+                    raise ValueError("a negative dimension")
+                levels += nelem  # one count and one end per array met
+                nelem *= shape[j]
+            if nelem * sizes[k] != layout.row_bytes[f]:
+                raise ValueError(f"field {f}: shape {shape} is not its {layout.row_bytes[f]} "
+                                 f"bytes a row")
+            bound += nelem * 10 + levels * 11
+        buf = <uint8_t*>malloc(bound + 1)
+        if buf == NULL:
+            raise MemoryError()
+        memcpy(buf, PyBytes_AS_STRING(prefix), len(prefix))
+        for r in range(n):
+            d = buf + len(prefix)
+            for k in range(nf):
+                f = fidx[k]
+                elem = 0
+                d = av_put_items(d, src.ptr[f] + r * layout.row_bytes[f], codes[k], sizes[k],
+                                 dims + k * 8, nd[k], &elem)
+            out.append(PyBytes_FromStringAndSize(<char*>buf, d - buf))
+    finally:
+        free(codes)
+        free(sizes)
+        free(nd)
+        free(fidx)
+        free(dims)
+        free(buf)
+    return out

@@ -346,3 +346,185 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     by_value = {corrupt[i]: why for i, why in reasons.items()}
     for m in dead:
         assert by_value[m.value()] in dict(m.headers())["kfeed.reason"].decode()
+
+
+# -- writing: kfeed.Producer(format=kfeed.Avro(...)) ---------------------------------------
+
+WRITE = kfeed.Schema({
+    "id": ("int64", ()),
+    "features": ("float32", (5,)),
+    "grid": ("int16", (2, 3)),
+    "score": ("float64", ()),
+    "ok": ("bool", ()),
+    "count": ("uint32", ()),
+    "age": ("uint8", (), {"source": "user.age"}),
+    "vip": ("bool", (), {"source": "user.flags.vip"}),
+})
+
+
+def write_columns(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64, endpoint=True)
+    ids[:2] = [-2**63, 2**63 - 1]
+    score = rng.standard_normal(n)
+    score[:3] = [np.nan, np.inf, -0.0]
+    return {"id": ids, "features": rng.standard_normal((n, 5)).astype(np.float32),
+            "grid": rng.integers(-2**15, 2**15, (n, 2, 3)).astype(np.int16), "score": score,
+            "ok": rng.integers(0, 2, n).astype(bool),
+            "count": rng.integers(0, 2**32, n).astype(np.uint32),
+            "age": rng.integers(0, 256, n).astype(np.uint8),
+            "vip": rng.integers(0, 2, n).astype(bool)}
+
+
+def as_avro(cols: dict[str, np.ndarray], i: int) -> dict:
+    """Row ``i`` as confluent-kafka's deserializer returns it."""
+    return {"id": int(cols["id"][i]), "features": cols["features"][i].tolist(),
+            "grid": cols["grid"][i].tolist(), "score": float(cols["score"][i]),
+            "ok": bool(cols["ok"][i]), "count": int(cols["count"][i]),
+            "user": {"age": int(cols["age"][i]), "flags": {"vip": bool(cols["vip"][i])}}}
+
+
+def same_record(got: dict, want: dict) -> bool:
+    # NaN compares unequal to itself; json text of both sides compares it as a name.
+    return json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+def test_written_values_read_back_by_confluent_kafkas_deserializer_and_by_kfeed(registry):
+    n = 2000
+    cols = write_columns(n)
+    encoder = kfeed.Avro(registry=registry).encoder(WRITE, TOPIC)
+    values = encoder.encode(cols)
+    assert registry.get_latest_version(f"{TOPIC}-value").schema_id == encoder.schema_id
+    reader = AvroDeserializer(registry)
+    for i, v in enumerate(values):
+        assert v[:5] == b"\0" + encoder.schema_id.to_bytes(4, "big")
+        assert same_record(reader(v, CTX), as_avro(cols, i)), i
+    out, bad = decode_all(kfeed.Avro(registry=registry).decoder(WRITE), WRITE, values)
+    assert not bad
+    for f in WRITE.fields:
+        np.testing.assert_array_equal(out[f.name], cols[f.name], err_msg=f.name)
+
+
+def test_without_a_registry_the_writer_schema_must_be_kfeeds_own():
+    schema = avro.writer_schema(WRITE)
+    assert schema["fields"][6] == {"name": "user", "type": {
+        "type": "record", "name": "user", "fields": [
+            {"name": "age", "type": "int"},
+            {"name": "flags", "type": {"type": "record", "name": "user_flags",
+                                       "fields": [{"name": "vip", "type": "boolean"}]}}]}}
+    cols = write_columns(50, seed=1)
+    values = kfeed.Avro(schema=schema).encoder(WRITE, TOPIC).encode(cols)
+    parsed = fastavro.parse_schema(json.loads(json.dumps(schema)))
+    for i, v in enumerate(values):
+        assert same_record(fastavro.schemaless_reader(io.BytesIO(v), parsed, None),
+                           as_avro(cols, i))
+    with pytest.raises(kfeed.ConfigError, match="derives from the kfeed Schema"):
+        kfeed.Avro(schema=V1).encoder(WRITE, TOPIC)
+    with pytest.raises(kfeed.ConfigError, match="no type for uint64"):
+        avro.writer_schema(kfeed.Schema({"x": ("uint64", ())}))
+    with pytest.raises(kfeed.ConfigError, match="both a value and a record"):
+        avro.writer_schema(kfeed.Schema({"a": ("int32", ()),
+                                         "b": ("int32", (), {"source": "a.x"})}))
+    with pytest.raises(kfeed.ConfigError, match="two fields are written at a"):
+        avro.writer_schema(kfeed.Schema({"a": ("int32", ()), "b": ("int32", (), {"source": "a"})}))
+    with pytest.raises(kfeed.ConfigError, match="not an Avro name"):
+        avro.writer_schema(kfeed.Schema({"a": ("int32", (), {"source": "user.first-name"})}))
+    with pytest.raises(kfeed.ConfigError, match="field .age. has 9 rows, other fields have 50"):
+        kfeed.Avro(schema=schema).encoder(WRITE, TOPIC).encode({**cols, "age": cols["age"][:9]})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                 "uint32", "float32", "float64"]), min_size=1, max_size=6),
+       st.integers(1, 3), st.integers(0, 2**31))
+def test_any_numeric_schema_round_trips_through_kfeeds_writer_and_fastavro(dtypes, dim, seed):
+    rng = np.random.default_rng(seed)
+    fields = {f"f{i}": (d, () if i % 2 else (dim,)) for i, d in enumerate(dtypes)}
+    schema = kfeed.Schema(fields)
+    n = 7
+    cols = {}
+    for f in schema.fields:
+        shape = (n, *f.shape)
+        if f.dtype == "bool":
+            cols[f.name] = rng.integers(0, 2, shape).astype(bool)
+        elif f.dtype.startswith("float"):
+            cols[f.name] = rng.standard_normal(shape).astype(f.dtype) * 1e30
+        else:
+            info = np.iinfo(f.dtype)
+            cols[f.name] = rng.integers(info.min, info.max, shape, dtype=f.dtype, endpoint=True)
+    writer = avro.writer_schema(schema)
+    values = kfeed.Avro(schema=writer).encoder(schema, TOPIC).encode(cols)
+    parsed = fastavro.parse_schema(json.loads(json.dumps(writer)))
+    for i, v in enumerate(values):
+        rec = fastavro.schemaless_reader(io.BytesIO(v), parsed, None)
+        for f in schema.fields:
+            np.testing.assert_array_equal(np.array(rec[f.name], dtype=f.storage),
+                                          cols[f.name][i])
+    out, bad = decode_all(kfeed.Avro(schema=writer).decoder(schema), schema, values)
+    assert not bad
+    for f in schema.fields:
+        np.testing.assert_array_equal(out[f.name], cols[f.name])
+
+
+@pytest.mark.integration
+def test_the_producer_writes_a_topic_the_loader_and_confluent_kafka_read(bootstrap, make_topic,
+                                                                         registry):
+    topic = make_topic(partitions=3)
+    n = 3000
+    cols = write_columns(n, seed=2)
+    cols["id"] = np.arange(n)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, WRITE,
+                        format=kfeed.Avro(registry=registry)) as p:
+        p.send(cols, keys=cols["id"])
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    got: dict[str, list] = {f.name: [] for f in WRITE.fields}
+    with kfeed.Loader(config, topic, WRITE, 256, device="cpu", until="end",
+                      format=kfeed.Avro(registry=registry)) as loader:
+        for batch in loader:
+            for name, parts in got.items():
+                parts.append(batch[name].numpy().copy())
+    out = {k: np.concatenate(v) for k, v in got.items()}
+    order = np.argsort(out["id"])
+    np.testing.assert_array_equal(out["id"][order], np.arange(n))
+    for f in WRITE.fields:
+        np.testing.assert_array_equal(out[f.name][order], cols[f.name], err_msg=f.name)
+
+
+@pytest.mark.integration
+def test_kfeed_produce_format_avro_writes_framed_records(bootstrap, make_topic):
+    import os
+    import subprocess
+    import sys
+
+    from confluent_kafka import Consumer
+
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+    topic = make_topic(partitions=1)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    done = subprocess.run([sys.executable, "-m", "kfeed", "produce", "--topic", topic,
+                           "--synthetic", "40", "--format", "avro", "--registry",
+                           f"mock://{uuid.uuid4().hex}"], env=env, check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest", "enable.partition.eof": True})
+    c.subscribe([topic])
+    values = []
+    while True:
+        m = c.poll(10)
+        assert m is not None
+        if m.error():
+            break
+        values.append(m.value())
+    c.close()
+    schema = synthetic_schema()
+    parsed = fastavro.parse_schema(json.loads(json.dumps(avro.writer_schema(schema))))
+    want = synthetic_columns(range(40))
+    assert len(values) == 40
+    for v in values:
+        assert v[0] == 0  # the Confluent framing: a zero byte, then the schema id
+        rec = fastavro.schemaless_reader(io.BytesIO(v[5:]), parsed, None)
+        i = rec["id"]
+        np.testing.assert_array_equal(np.float32(rec["features"]), want["features"][i])
+        assert rec["label"] == want["label"][i]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from kfeed import _codec
-from kfeed.errors import ConfigError, ConsumeError
-from kfeed.formats import Decoder, RecordFormat, codes, defaults, fixed_layout
+from kfeed.errors import ConfigError, ConsumeError, ProduceError
+from kfeed.formats import Decoder, Encoder, RecordFormat, codes, defaults, fixed_layout
 from kfeed.schema import DecodeResult, Field, Schema, Target
 
-__all__ = ["Avro", "AvroDecoder"]
+__all__ = ["Avro", "AvroDecoder", "AvroEncoder", "writer_schema"]
 
 log = logging.getLogger("kfeed.avro")
 
@@ -98,6 +99,10 @@ class Avro(RecordFormat):
 
     def decoder(self, schema: Schema) -> AvroDecoder:
         return AvroDecoder(self, schema)
+
+    def encoder(self, schema: Schema, topic: str) -> AvroEncoder:
+        """The producer's writer of ``schema`` rows to ``topic`` (see ``AvroEncoder``)."""
+        return AvroEncoder(self, schema, topic)
 
     def __repr__(self) -> str:
         return "Avro(registry=...)" if self.framed else "Avro(schema=...)"
@@ -181,6 +186,125 @@ class AvroDecoder(Decoder):
 
 
 # -- writer schemas ----------------------------------------------------------------
+
+
+class AvroEncoder(Encoder):
+    """Writes rows of a kfeed Schema as Avro values: ``encode(columns) -> [bytes]``.
+
+    The writer schema is ``writer_schema(schema)``. With a registry it is
+    registered under ``<topic>-value`` (Confluent's topic name strategy) when
+    the encoder is made, and every value carries the Confluent framing with
+    its id. Without one, ``Avro(schema=...)`` must be that very schema, and
+    values are plain Avro binary.
+    """
+
+    def __init__(self, fmt: Avro, schema: Schema, topic: str) -> None:
+        self.layout = fixed_layout(schema, "Avro")
+        self.writer = writer_schema(schema)
+        self.codes = codes(schema)
+        self.shapes = [list(f.shape) for f in schema.fields]
+        self.order = _write_order(schema)
+        self.schema = schema
+        if fmt.framed:
+            self.schema_id = _register(fmt.client(), f"{topic}-value", self.writer)
+            self.prefix = b"\0" + self.schema_id.to_bytes(4, "big")
+        else:
+            if fmt.schema != self.writer:
+                raise ConfigError(
+                    "kfeed writes Avro with the schema it derives from the kfeed Schema: pass "
+                    "format=kfeed.Avro(registry=...) to register it, or "
+                    "kfeed.Avro(schema=kfeed.avro.writer_schema(schema)) for values without "
+                    "the framing")
+            self.schema_id = None
+            self.prefix = b""
+
+    def encode(self, columns: Any) -> list[bytes]:
+        _views, n, owners = self.schema._fixed_columns(columns, None)
+        return _codec.avro_encode(self.layout, owners, n, self.order, self.codes, self.shapes,
+                                  self.prefix)
+
+
+# dtype -> the Avro type it is written as (uint64 has none: Avro's long is signed).
+_WRITE_TYPES = {"bool": "boolean", "int8": "int", "int16": "int", "int32": "int",
+                "uint8": "int", "uint16": "int", "uint32": "long", "int64": "long",
+                "float32": "float", "float64": "double"}
+_AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def writer_schema(schema: Schema, name: str = "Record") -> dict[str, Any]:
+    """The Avro schema kfeed writes ``schema``'s rows with.
+
+    One field per kfeed field, at its dotted ``source`` (nested records named
+    after their path, ``user`` or ``user_address``); a shape becomes nested
+    arrays of the element type; bool is ``boolean``, int8 to uint16 and int32
+    ``int``, uint32 and int64 ``long``, float32 ``float``, float64 ``double``.
+    kfeed's Avro decoder reads it back value for value.
+    """
+    fixed_layout(schema, "Avro")
+    root: dict[str, Any] = {"type": "record", "name": name, "namespace": "kfeed",
+                            "fields": []}
+    records = {(): root}
+    for f in schema.fields:
+        avro_type = _WRITE_TYPES.get(f.dtype)
+        if avro_type is None:
+            raise ConfigError(f"field {f.name!r}: Avro has no type for {f.dtype} (its long is "
+                              f"signed): use int64")
+        for part in f.path:
+            if not _AVRO_NAME.fullmatch(part):
+                raise ConfigError(f"field {f.name!r}: {part!r} is not an Avro name "
+                                  f"([A-Za-z_][A-Za-z0-9_]*)")
+        t: Any = avro_type
+        for _ in f.shape:
+            t = {"type": "array", "items": t}
+        parent = _record_at(records, f.path[:-1], f.name)
+        if any(x["name"] == f.path[-1] for x in parent["fields"]):
+            raise ConfigError(f"field {f.name!r}: two fields are written at "
+                              f"{'.'.join(f.path)}")
+        parent["fields"].append({"name": f.path[-1], "type": t})
+    return root
+
+
+def _record_at(records: dict[tuple[str, ...], Any], path: tuple[str, ...], field: str) -> Any:
+    """The nested record at ``path``, made (with its parents) on first use."""
+    if path in records:
+        return records[path]
+    parent = _record_at(records, path[:-1], field)
+    if any(x["name"] == path[-1] for x in parent["fields"]):
+        raise ConfigError(f"field {field!r}: {'.'.join(path)} is both a value and a record")
+    record = {"type": "record", "name": "_".join(path), "fields": []}
+    parent["fields"].append({"name": path[-1], "type": record})
+    records[path] = record
+    return record
+
+
+def _write_order(schema: Schema) -> list[int]:
+    """Field indices in the order the writer schema meets them (depth first)."""
+    index = {f.path: i for i, f in enumerate(schema.fields)}
+    order: list[int] = []
+
+    def walk(record: Any, path: tuple[str, ...]) -> None:
+        for x in record["fields"]:
+            here = (*path, x["name"])
+            if isinstance(x["type"], dict) and x["type"]["type"] == "record":
+                walk(x["type"], here)
+            else:
+                order.append(index[here])
+
+    walk(writer_schema(schema), ())
+    return order
+
+
+def _register(client: Any, subject: str, writer: Any) -> int:
+    """Register ``writer`` under ``subject``; its schema id."""
+    try:
+        from confluent_kafka.schema_registry import Schema as RegistrySchema
+    except ImportError as e:
+        raise ConfigError("writing Avro with a registry needs confluent-kafka's schema "
+                          "registry client: pip install 'confluent-kafka[avro]'") from e
+    try:
+        return int(client.register_schema(subject, RegistrySchema(json.dumps(writer), "AVRO")))
+    except Exception as e:  # noqa: BLE001 - the registry's errors are of many kinds
+        raise ProduceError(f"cannot register the Avro schema under {subject}: {e}") from e
 
 
 def _load_schema(schema: Mapping[str, Any] | str | Path | list[Any]) -> Any:

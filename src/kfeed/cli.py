@@ -302,7 +302,11 @@ def _check_produce(args: argparse.Namespace) -> str:
     if args.keyed and kind == "corpus":
         raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
                           "documents with --key-field FIELD")
-    if args.block_records is not None and args.format in ("raw", "json"):
+    _wire_format(args)
+    if args.format == "avro" and kind in ("text", "corpus"):
+        raise ConfigError("--format avro writes fixed-shape samples, not token documents: "
+                          "leave --format out")
+    if args.block_records is not None and args.format in ("raw", "json", "avro"):
         raise ConfigError(f"--block-records applies to --format block, not to {args.format} "
                           f"(one record a message): leave it out")
     return kind
@@ -359,10 +363,24 @@ def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
             f"{producer.num_partitions} partitions: leave --partitions out, or pick a new --topic")
 
 
+def _wire_format(args: argparse.Namespace) -> Any:
+    """``--format`` (and ``--registry``) as the producer and the loader take it."""
+    if args.format == "avro":
+        if not args.registry:
+            raise ConfigError("--format avro needs --registry URL, the Schema Registry its "
+                              "schema is registered with")
+        from kfeed.avro import Avro
+
+        return Avro(registry={"url": args.registry})
+    if args.registry:
+        raise ConfigError(f"--registry applies to --format avro, not {args.format}")
+    return args.format
+
+
 def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> Any:
     from kfeed.producer import Producer
 
-    return Producer(config, args.topic, schema, format=args.format,
+    return Producer(config, args.topic, schema, format=_wire_format(args),
                     block_records=args.block_records or 64, compression=args.compression,
                     connect_timeout_s=args.connect_timeout)
 
@@ -546,6 +564,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              f"another --checkpoint")
     _check_task_flags(args)
     _lm_defaults(args)
+    args.format = _wire_format(args)
     args.checkpoint_every = args.checkpoint_every or 50
     # --resume ties the stream to the checkpoint: with none yet the model is
     # new, so it reads from the start, whatever a killed run committed.
@@ -834,9 +853,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
-    p.add_argument("--format", choices=["block", "raw", "json"], default="block",
-                   help="block (default), raw (one record a message) or json (one JSON "
-                        "object a message, for other consumers; kfeed reads it too)")
+    p.add_argument("--format", choices=["block", "raw", "json", "avro"], default="block",
+                   help="block (default), raw (one record a message), json (one JSON "
+                        "object a message) or avro (Confluent framing, with --registry): "
+                        "for other consumers; kfeed reads them too")
+    p.add_argument("--registry", metavar="URL",
+                   help="avro: the Schema Registry to register the schema with")
     p.add_argument("--block-records", type=_count(1), metavar="N",
                    help="records per block message (default 64)")
     p.add_argument("--compression", choices=["none", "gzip", "snappy", "lz4", "zstd"])
@@ -870,7 +892,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
     t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
-    t.add_argument("--format", choices=["block", "raw", "json"], default="block")
+    t.add_argument("--format", choices=["block", "raw", "json", "avro"], default="block")
+    t.add_argument("--registry", metavar="URL", help="avro: the Schema Registry")
     t.add_argument("--device", help="default: cuda if available, else cpu")
     t.add_argument("--steps", type=_count(0), default=0, metavar="N",
                    help="stop after this many steps (default 0: no limit)")

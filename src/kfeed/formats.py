@@ -20,7 +20,7 @@ from kfeed import _codec
 from kfeed.errors import ConfigError
 from kfeed.schema import DecodeResult, Format, Schema, Target
 
-__all__ = ["Decoder", "RecordFormat", "resolve"]
+__all__ = ["Decoder", "Encoder", "RecordFormat", "resolve"]
 
 _NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float32", "float64")
@@ -39,6 +39,17 @@ class RecordFormat:
     value = ""
 
     def decoder(self, schema: Schema) -> Decoder:
+        raise NotImplementedError
+
+    def encoder(self, schema: Schema, topic: str) -> Encoder:
+        """The producer's writer of ``schema`` rows to ``topic``, in this format."""
+        raise ConfigError(f"the producer writes block, raw, json or avro, not {self!r}")
+
+
+class Encoder:
+    """Writes rows of one kfeed Schema as message values of one format."""
+
+    def encode(self, columns: Any) -> list[bytes]:
         raise NotImplementedError
 
 

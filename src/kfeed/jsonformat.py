@@ -29,7 +29,7 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError
-from kfeed.formats import Decoder, RecordFormat, codes, defaults, fixed_layout
+from kfeed.formats import Decoder, Encoder, RecordFormat, codes, defaults, fixed_layout
 from kfeed.schema import DecodeResult, Schema, Target
 
 __all__ = ["Json", "JsonDecoder"]
@@ -42,6 +42,10 @@ class Json(RecordFormat):
 
     def decoder(self, schema: Schema) -> JsonDecoder:
         return JsonDecoder(schema)
+
+    def encoder(self, schema: Schema, topic: str) -> Encoder:
+        self.decoder(schema)  # its fields checked now: numeric, fixed shapes, paths
+        return _JsonEncoder(self, schema)
 
     def encode(self, schema: Schema, columns: Any) -> list[bytes]:
         """N samples as N JSON objects, fields nested by their dotted ``source``.
@@ -74,6 +78,15 @@ class Json(RecordFormat):
 
     def __hash__(self) -> int:
         return hash(Json)
+
+
+class _JsonEncoder(Encoder):
+    def __init__(self, fmt: Json, schema: Schema) -> None:
+        self.fmt = fmt
+        self.schema = schema
+
+    def encode(self, columns: Any) -> list[bytes]:
+        return self.fmt.encode(self.schema, columns)
 
 
 class JsonDecoder(Decoder):

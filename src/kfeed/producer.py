@@ -35,7 +35,6 @@ from kfeed._kafka import (
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import RecordFormat, resolve
-from kfeed.jsonformat import Json
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
 
@@ -74,11 +73,14 @@ def default_compression(schema: Schema) -> str:
 
 
 class Producer:
-    """Sends columns of samples to ``topic`` as block or raw messages, or JSON objects.
+    """Sends columns of samples to ``topic`` as block or raw messages, JSON objects or Avro records.
 
     ``format``: ``"block"`` (default), ``"raw"`` (one record a message) or
     ``kfeed.Json()`` (one JSON object a message, for consumers other than
-    kfeed; ``Loader(format=kfeed.Json())`` reads it back).
+    kfeed; ``Loader(format=kfeed.Json())`` reads it back), or
+    ``kfeed.Avro(registry=...)`` (Avro in the Confluent wire format, the
+    schema ``kfeed.avro.writer_schema(schema)`` registered under
+    ``<topic>-value`` when the producer is made).
 
     >>> with Producer({"bootstrap.servers": "127.0.0.1:39092"}, "train", schema) as p:
     ...     p.send({"features": x, "label": y, "id": ids}, keys=ids.astype(str))
@@ -90,7 +92,7 @@ class Producer:
         topic: str,
         schema: Schema,
         *,
-        format: str | Format | Json = "block",
+        format: str | Format | RecordFormat = "block",
         block_records: int = 64,
         compression: str | None = None,
         transactional_id: str | None = None,
@@ -116,10 +118,9 @@ class Producer:
         self.topic = topic
         self.schema = schema
         self.format = resolve(format)
-        if isinstance(self.format, RecordFormat) and not isinstance(self.format, Json):
-            raise ConfigError(f"the producer writes block, raw or json, not {self.format!r}")
-        if isinstance(self.format, Json):
-            self.format.decoder(schema)  # its fields checked now: numeric, fixed shapes, paths
+        # Formats others read (JSON, Avro): made, checked and (Avro) registered now.
+        self._encoder = (self.format.encoder(schema, topic)
+                         if isinstance(self.format, RecordFormat) else None)
         self.block_records = block_records
         self.partitioner = partitioner
         config = {**PRODUCER_DEFAULTS, **kafka_config}
@@ -312,7 +313,7 @@ class Producer:
             for v in values:
                 self._produce(v, None, partition)
         else:  # one record a message, each with its key
-            values = (self.format.encode(self.schema, columns) if isinstance(self.format, Json)
+            values = (self._encoder.encode(columns) if self._encoder is not None
                       else self.schema.encode_raw(columns))
             for i, v in enumerate(values):
                 self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
