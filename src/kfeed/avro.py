@@ -303,7 +303,7 @@ def _register(client: Any, subject: str, writer: Any) -> int:
                           "registry client: pip install 'confluent-kafka[avro]'") from e
     try:
         return int(client.register_schema(subject, RegistrySchema(json.dumps(writer), "AVRO")))
-    except Exception as e:  # noqa: BLE001 - the registry's errors are of many kinds
+    except Exception as e:  # the registry client raises errors of many kinds
         raise ProduceError(f"cannot register the Avro schema under {subject}: {e}") from e
 
 
