@@ -274,9 +274,9 @@ def test_configuration_mistakes_get_one_clear_line(registry):
                            "fields": [{"name": "a", "type": "Missing"}]}).decoder(SCHEMA)
     with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
         kfeed.Avro(schema=V1).decoder(kfeed.Schema({"id": ("bfloat16", ())}))
-    with pytest.raises(kfeed.ConfigError, match="shuffle= and pack= need"):
-        kfeed.LoaderConfig(("t",), SCHEMA, 8, format=kfeed.Avro(schema=V1),
-                           shuffle=kfeed.Shuffle(buffer=16))
+    with pytest.raises(kfeed.ConfigError, match="pack= needs a token field"):
+        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,))}), 8,
+                           format=kfeed.Avro(schema=V1), pack=kfeed.Pack(seq_len=8, eos_id=0))
     with pytest.raises(kfeed.ConfigError, match="give registry= its config dict"):
         pickle.dumps(kfeed.Avro(registry=registry))
     spec = kfeed.Avro(registry={"url": "mock://x"})

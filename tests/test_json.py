@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from records import damage, decode_all
 
 import kfeed
+from kfeed.loader import memory_loader
 
 SCHEMA = kfeed.Schema({
     "id": ("int64", ()),
@@ -157,8 +158,9 @@ def test_configuration_mistakes_get_one_clear_line():
                                            "b": ("int64", (), {"source": "a.b"})}))
     with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
         kfeed.Json().decoder(kfeed.Schema({"a": ("float16", ())}))
-    with pytest.raises(kfeed.ConfigError, match="shuffle= and pack= need"):
-        kfeed.LoaderConfig(("t",), SCHEMA, 8, format=kfeed.Json(), shuffle=kfeed.Shuffle(buffer=8))
+    with pytest.raises(kfeed.ConfigError, match="pack= needs a token field"):
+        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,))}), 8,
+                           format=kfeed.Json(), pack=kfeed.Pack(seq_len=8, eos_id=0))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -188,6 +190,51 @@ def test_mutated_values_never_crash_and_read_as_json_loads_reads_them(data):
     for f in SCHEMA.fields:
         with np.errstate(over="ignore", invalid="ignore"):
             np.testing.assert_array_equal(out[f.name][0], want[f.name][0], err_msg=f.name)
+
+
+def _ids(loader: kfeed.Loader, stop: int | None = None) -> list[int]:
+    got = []
+    for i, batch in enumerate(loader):
+        got += batch["id"].tolist()
+        if stop is not None and i == stop:
+            break
+    return got
+
+
+def test_json_records_shuffle_as_kfeeds_own_and_resume_exactly():
+    rng = np.random.default_rng(11)
+    n = 3000
+    records = [make(i, rng) for i in range(n)]
+    bad = {17: b"{oops", 1900: b'{"id": "x"}'}
+    values = {p: [bad.get(i, json.dumps(records[i]).encode()) for i in range(p, n, 2)]
+              for p in (0, 1)}
+    shuffle = kfeed.Shuffle(buffer=500, seed=3)
+
+    def loader(vals: dict, fmt) -> kfeed.Loader:
+        return memory_loader(vals, SCHEMA, 64, device="cpu", until="end",
+                             shuffle=shuffle, format=fmt)
+
+    got = _ids(loader(values, kfeed.Json()))
+    want = sorted(set(range(n)) - set(bad))
+    assert sorted(got) == want  # each good record once
+    # Shuffled through the buffer: records move by about its size.
+    assert np.abs(np.array(got) - np.array(want)).mean() > 500 / 4
+    cols = expected(records)
+    # Stopped after some batches and resumed from state_dict(): nothing lost or repeated.
+    first = loader(values, kfeed.Json())
+    before = _ids(first, stop=9)
+    state = first.state_dict()
+    first.close()
+    second = loader(values, kfeed.Json())
+    second.load_state_dict(state)
+    after = _ids(second)
+    assert sorted(before + after) == want
+    # Every field is what json.loads reads, whatever the order.
+    with loader(values, kfeed.Json()) as again:
+        for batch in again:
+            ids = batch["id"].numpy()
+            for f in SCHEMA.fields:
+                np.testing.assert_array_equal(batch[f.name].numpy(), cols[f.name][ids])
 
 
 @pytest.mark.integration

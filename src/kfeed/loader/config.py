@@ -94,9 +94,9 @@ class LoaderConfig:
             raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
         put("format", resolve(self.format))
         if isinstance(self.format, RecordFormat):
-            if self.pack is not None or self.shuffle is not None:
-                raise ConfigError(f"format={self.format!r} reads in offset order: shuffle= and "
-                                  f"pack= need kfeed's block or raw format")
+            if self.pack is not None:
+                raise ConfigError(f"format={self.format!r} gives fixed-shape records: pack= "
+                                  f"needs a token field, in kfeed's block or raw format")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         if self.pack is not None and not isinstance(self.pack, Pack):
             raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
