@@ -1091,13 +1091,17 @@ def test_the_build_is_the_one_expected():
 
 
 def fuzz_one_input(data: bytes) -> None:
-    """One atheris input -> one decode or decode_documents call, checked like the
-    Hypothesis ones."""
+    """One atheris input -> one decode, decode_documents, or Avro, Protobuf or JSON
+    decode call, checked like the Hypothesis ones."""
     import atheris
 
     fdp = atheris.FuzzedDataProvider(data)
-    if fdp.ConsumeBool():
+    kind = fdp.ConsumeIntInRange(0, 3)
+    if kind == 1:
         fuzz_documents(fdp)
+        return
+    if kind == 2:
+        fuzz_record_format(fdp)
         return
     schemas = list(SCHEMAS.values())
     schema = schemas[fdp.ConsumeIntInRange(0, len(schemas) - 1)]
@@ -1242,27 +1246,28 @@ def avro_columns(record: dict) -> dict:
             "ok": record["ok"], "h": list(record["h"])}
 
 
-@PROPERTY
-@given(data=st.data())
-def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
+def avro_value(i: int) -> bytes:
     import io
 
-    fastavro = pytest.importorskip("fastavro")
-    parsed = fastavro.parse_schema(AVRO_WRITER)
+    import fastavro
+
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(AVRO_WRITER), avro_record(i))
+    return buf.getvalue()
+
+
+def check_avro(oracle: list[bytes], at_end: list[bool], capacity: int) -> None:
+    """Decode ``oracle``'s values (each against a guard page) and check them against fastavro."""
+    import io
+
+    import fastavro
+
     # kfeed skips the strings it does not read, without checking their UTF-8:
     # the oracle reads them as bytes (the same encoding).
     as_bytes = fastavro.parse_schema(
         json.loads(json.dumps(AVRO_WRITER).replace('"string"', '"bytes"')))
-    values, oracle = [], []
-    for i in range(data.draw(st.integers(1, 5))):
-        buf = io.BytesIO()
-        fastavro.schemaless_writer(buf, parsed, avro_record(data.draw(st.integers(0, 2**40))))
-        # Bytes rewritten, cut, grown; a long varint or a huge count where one is read.
-        raw = damage(data, bytearray(buf.getvalue()), list(range(256)), VARINTS)
-        # Right against a guard page: a read past the value's end faults.
-        values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
-        oracle.append(bytes(raw))
-    capacity = data.draw(st.integers(1, len(values) + 1))
+    # Right against a guard page: a read past the value's end faults.
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
     whole, out = sentinel_out(AVRO_SCHEMA, capacity)
     before = {k: v.copy() for k, v in whole.items()}
     decoder = kfeed.Avro(schema=AVRO_WRITER).decoder(AVRO_SCHEMA)
@@ -1283,6 +1288,19 @@ def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
     # A rejected record may have begun its row (the one after the last good
     # row), never one outside the output.
     rows_untouched(whole, before, res, capacity, GUARD_ROWS)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_avro_values_decode_as_fastavro_reads_them_and_write_nowhere_else(data):
+    pytest.importorskip("fastavro")
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(avro_value(data.draw(st.integers(0, 2**40))))
+        # Bytes rewritten, cut, grown; a long varint or a huge count where one is read.
+        oracle.append(bytes(damage(data, raw, list(range(256)), VARINTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_avro(oracle, at_end, data.draw(st.integers(1, len(oracle) + 1)))
 
 
 # -- Protobuf: values other services write ---------------------------------------
@@ -1322,23 +1340,18 @@ PB_SCHEMA = Schema({
 })
 
 
-@PROPERTY
-@given(data=st.data())
-def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(data):
-    pytest.importorskip("google.protobuf")
-    event = _event_class()
-    values, oracle = [], []
-    for _ in range(data.draw(st.integers(1, 5))):
-        i = data.draw(st.integers(0, 2**40))
-        m = event(id=i, v=[i + 0.5] * 4, k=i % 2**32, ok=bool(i % 2), note=bytes(i % 7))
-        if i % 3:
-            m.d.extend([1.0, -2.0])
-        if i % 2:
-            m.who.age = i % 100 - 50
-        raw = damage(data, bytearray(m.SerializeToString()), list(range(256)), VARINTS)
-        values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
-        oracle.append(bytes(raw))
-    capacity = data.draw(st.integers(1, len(values) + 1))
+def protobuf_value(event: type, i: int) -> bytes:
+    m = event(id=i, v=[i + 0.5] * 4, k=i % 2**32, ok=bool(i % 2), note=bytes(i % 7))
+    if i % 3:
+        m.d.extend([1.0, -2.0])
+    if i % 2:
+        m.who.age = i % 100 - 50
+    return m.SerializeToString()
+
+
+def check_protobuf(event: type, oracle: list[bytes], at_end: list[bool], capacity: int) -> None:
+    """Decode ``oracle``'s values (each against a guard page) and check them against protobuf."""
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
     whole, out = sentinel_out(PB_SCHEMA, capacity)
     before = {k: v.copy() for k, v in whole.items()}
     res = kfeed.Protobuf(message=event).decoder(PB_SCHEMA).decode_into(
@@ -1355,6 +1368,19 @@ def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(d
     rows_untouched(whole, before, res, capacity, GUARD_ROWS)
 
 
+@PROPERTY
+@given(data=st.data())
+def test_protobuf_values_decode_as_protobuf_parses_them_and_write_nowhere_else(data):
+    pytest.importorskip("google.protobuf")
+    event = _event_class()
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(protobuf_value(event, data.draw(st.integers(0, 2**40))))
+        oracle.append(bytes(damage(data, raw, list(range(256)), VARINTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_protobuf(event, oracle, at_end, data.draw(st.integers(1, len(oracle) + 1)))
+
+
 # -- JSON: values other services write ---------------------------------------------
 
 JSON_SCHEMA = Schema({
@@ -1365,21 +1391,20 @@ JSON_SCHEMA = Schema({
 })
 
 
-@PROPERTY
-@given(data=st.data())
-def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data):
-    values, oracle = [], []
-    for _ in range(data.draw(st.integers(1, 5))):
-        i = data.draw(st.integers(-2**40, 2**40))
-        event = {"note": "a\"b\\c" * (i % 3), "id": i, "v": [[i / 3, 1e-5], [2.5, -i]],
-                 "who": None if i % 2 else {"age": i % 200, "tags": [1, {"x": None}]},
-                 "ok": bool(i % 3)}
-        raw = damage(data, bytearray(json.dumps(event).encode()),
-                     list(b'{}[],:"\\0123456789.eE-+ntfu \x00\xff'),
-                     [b"[" * 300, b"9" * 25, b"e999"])
-        values.append(guarded_bytes(bytes(raw), at_end=data.draw(st.booleans())))
-        oracle.append(bytes(raw))
-    capacity = data.draw(st.integers(1, len(values) + 1))
+JSON_FLIPS = list(b'{}[],:"\\0123456789.eE-+ntfu \x00\xff')
+JSON_INSERTS = [b"[" * 300, b"9" * 25, b"e999"]
+
+
+def json_value(i: int) -> bytes:
+    event = {"note": "a\"b\\c" * (i % 3), "id": i, "v": [[i / 3, 1e-5], [2.5, -i]],
+             "who": None if i % 2 else {"age": i % 200, "tags": [1, {"x": None}]},
+             "ok": bool(i % 3)}
+    return json.dumps(event).encode()
+
+
+def check_json(oracle: list[bytes], at_end: list[bool], capacity: int) -> None:
+    """Decode ``oracle``'s values (each against a guard page) and check them against json.loads."""
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
     whole, out = sentinel_out(JSON_SCHEMA, capacity)
     before = {k: v.copy() for k, v in whole.items()}
     res = kfeed.Json().decoder(JSON_SCHEMA).decode_into(values, JSON_SCHEMA.bind(out), 0)
@@ -1397,6 +1422,51 @@ def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data
         with np.errstate(over="ignore"):
             np.testing.assert_array_equal(out["v"][row], np.array(record["v"], np.float32))
     rows_untouched(whole, before, res, capacity, GUARD_ROWS)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data):
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(json_value(data.draw(st.integers(-2**40, 2**40))))
+        oracle.append(bytes(damage(data, raw, JSON_FLIPS, JSON_INSERTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_json(oracle, at_end, data.draw(st.integers(1, len(oracle) + 1)))
+
+
+def fuzz_record_format(fdp) -> None:
+    """The rest of an atheris input -> one Avro, Protobuf or JSON decode, checked as above."""
+    which = fdp.ConsumeIntInRange(0, 2)
+    if which == 1:
+        event = _event_class()
+    oracle, at_end = [], []
+    for _ in range(fdp.ConsumeIntInRange(1, 5)):
+        i = fdp.ConsumeIntInRange(0, 2**40)
+        raw = bytearray(avro_value(i) if which == 0 else protobuf_value(event, i) if which == 1
+                        else json_value(i - 2**39))
+        flips, inserts = (JSON_FLIPS, JSON_INSERTS) if which == 2 else (list(range(256)), VARINTS)
+        for _ in range(fdp.ConsumeIntInRange(0, 3)):  # as records.damage does
+            how = fdp.ConsumeIntInRange(0, 3)
+            if how == 0 and raw:
+                raw[fdp.ConsumeIntInRange(0, len(raw) - 1)] = flips[
+                    fdp.ConsumeIntInRange(0, len(flips) - 1)]
+            elif how == 1:
+                del raw[fdp.ConsumeIntInRange(0, len(raw)):]
+            elif how == 2:
+                raw += fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 12))
+            else:
+                at = fdp.ConsumeIntInRange(0, len(raw))
+                raw[at:at] = inserts[fdp.ConsumeIntInRange(0, len(inserts) - 1)]
+        oracle.append(bytes(raw))
+        at_end.append(fdp.ConsumeBool())
+    capacity = fdp.ConsumeIntInRange(1, len(oracle) + 1)
+    if which == 0:
+        check_avro(oracle, at_end, capacity)
+    elif which == 1:
+        check_protobuf(event, oracle, at_end, capacity)
+    else:
+        check_json(oracle, at_end, capacity)
 
 
 def _fuzz_main(argv: list[str]) -> None:
