@@ -279,3 +279,123 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
         np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
     dead = read_dlq(bootstrap, topic, len(bad_values))
     assert sorted(m.value() for m in dead) == sorted(bad_values)
+
+
+# -- writing: kfeed.Producer(format=kfeed.Protobuf(...)) -----------------------------------
+
+
+def write_columns(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(9)
+    return {
+        "id": np.arange(n, dtype=np.int64), "features": rng.standard_normal((n, N), np.float32),
+        "weights": rng.standard_normal((n, 2)).astype(np.float32),
+        "label": rng.integers(-2**31, 2**31, n).astype(np.int32),
+        "delta": rng.integers(-2**62, 2**62, n), "big": rng.integers(0, 2**64, n, np.uint64,
+                                                                     endpoint=False),
+        "flag": rng.integers(0, 2, n).astype(bool), "kind": (np.arange(n) % 3).astype(np.int8),
+        "f32": rng.integers(0, 2**32, n).astype(np.float64),
+        "s64": rng.integers(-2**63, 2**63 - 1, n, endpoint=True),
+        "age": rng.integers(-100, 100, n).astype(np.int16),
+        "score": rng.standard_normal(n).astype(np.float32),
+    }
+
+
+def test_written_values_read_back_by_confluent_kafkas_deserializer_and_by_kfeed(registry):
+    n = 500
+    cols = write_columns(n)
+    values = kfeed.Protobuf(message=Click, registry=registry).encoder(SCHEMA, "clicks").encode(
+        cols)
+    reader = ProtobufDeserializer(Click, CONF)
+    msgs = [reader(v, CTX) for v in values]
+    assert [m.id for m in msgs] == list(range(n))
+    assert registry.get_latest_version("clicks-value").schema_id == int.from_bytes(
+        values[0][1:5], "big")
+    want = expected(msgs)  # what the deserializer read, as kfeed columns
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(want[f.name], cols[f.name], err_msg=f.name)
+    out, bad = decode_all(kfeed.Protobuf(message=Click, registry=registry).decoder(SCHEMA),
+                          SCHEMA, values)
+    assert not bad
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(out[f.name], cols[f.name], err_msg=f.name)
+    # Without a registry: the bare messages.
+    plain = kfeed.Protobuf(message=Click.DESCRIPTOR).encoder(SCHEMA, "clicks").encode(cols)
+    assert [Click.FromString(v).id for v in plain] == list(range(n))
+    with pytest.raises(kfeed.ConfigError, match="0.5 is not a whole number, and f32 is an"):
+        kfeed.Protobuf(message=Click).encoder(SCHEMA, "clicks").encode(
+            {**cols, "f32": np.full(n, 0.5)})
+    with pytest.raises(kfeed.ConfigError, match="has no field 'nope'"):
+        kfeed.Protobuf(message=Click).encoder(kfeed.Schema({"nope": ("int32", ())}), "clicks")
+
+
+@pytest.mark.integration
+def test_the_producer_writes_protobuf_the_loader_reads(bootstrap, make_topic, registry):
+    topic = make_topic(partitions=2)
+    n = 1000
+    cols = write_columns(n)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        format=kfeed.Protobuf(message=Click, registry=registry)) as p:
+        p.send(cols, keys=cols["id"])
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    got: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
+    with kfeed.Loader(config, topic, SCHEMA, 128, device="cpu", until="end",
+                      format=kfeed.Protobuf(message=Click, registry=registry)) as loader:
+        for batch in loader:
+            for name, parts in got.items():
+                parts.append(batch[name].numpy().copy())
+    out = {k: np.concatenate(v) for k, v in got.items()}
+    order = np.argsort(out["id"])
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(out[f.name][order], cols[f.name], err_msg=f.name)
+
+
+SAMPLE_PROTO = '''
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+F = descriptor_pb2.FieldDescriptorProto
+fdp = descriptor_pb2.FileDescriptorProto(name="sample.proto", package="demo", syntax="proto3")
+m = fdp.message_type.add(name="Sample")
+m.field.add(name="features", number=1, type=F.TYPE_FLOAT, label=F.LABEL_REPEATED)
+m.field.add(name="label", number=2, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+m.field.add(name="id", number=3, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+pool = descriptor_pool.DescriptorPool()
+pool.Add(fdp)
+Sample = message_factory.GetMessageClass(pool.FindMessageTypeByName("demo.Sample"))
+'''
+
+
+@pytest.mark.integration
+def test_kfeed_produce_format_protobuf_writes_the_message_class(bootstrap, make_topic, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from confluent_kafka import Consumer
+
+    from kfeed.synthetic import synthetic_columns
+
+    (tmp_path / "sample_pb2.py").write_text(SAMPLE_PROTO)
+    topic = make_topic(partitions=1)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "kfeed", "produce", "--topic", topic,
+                           "--synthetic", "30", "--format", "protobuf", "--proto",
+                           "sample_pb2:Sample"], env=env, check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_pb2", tmp_path / "sample_pb2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the same class, in this process
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest", "enable.partition.eof": True})
+    c.subscribe([topic])
+    got = []
+    while (m := c.poll(10)) is not None and not m.error():
+        got.append(module.Sample.FromString(m.value()))
+    c.close()
+    want = synthetic_columns(range(30))
+    assert sorted(s.id for s in got) == list(range(30))
+    for s in got:
+        np.testing.assert_array_equal(np.float32(s.features), want["features"][s.id])
+        assert s.label == want["label"][s.id]

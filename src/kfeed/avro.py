@@ -34,7 +34,15 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError, ConsumeError, ProduceError
-from kfeed.formats import Decoder, Encoder, RecordFormat, codes, defaults, fixed_layout
+from kfeed.formats import (
+    Decoder,
+    Encoder,
+    RecordFormat,
+    codes,
+    defaults,
+    fixed_layout,
+    registry_client,
+)
 from kfeed.schema import DecodeResult, Field, Schema, Target
 
 __all__ = ["Avro", "AvroDecoder", "AvroEncoder", "writer_schema"]
@@ -83,18 +91,7 @@ class Avro(RecordFormat):
     def client(self) -> Any:
         """The registry client, made once from the config dict."""
         if self._client is None:
-            if isinstance(self.registry, Mapping):
-                try:
-                    from confluent_kafka.schema_registry import SchemaRegistryClient
-                except ImportError as e:
-                    raise ConfigError("kfeed.Avro(registry=...) needs confluent-kafka's "
-                                      "schema registry client: pip install "
-                                      "'confluent-kafka[schemaregistry]'") from e
-                # new_client: a "mock://" url gives confluent-kafka's in-memory registry.
-                make = getattr(SchemaRegistryClient, "new_client", SchemaRegistryClient)
-                self._client = make(dict(self.registry))
-            else:
-                self._client = self.registry
+            self._client = registry_client(self.registry, "kfeed.Avro")
         return self._client
 
     def decoder(self, schema: Schema) -> AvroDecoder:

@@ -303,10 +303,10 @@ def _check_produce(args: argparse.Namespace) -> str:
         raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
                           "documents with --key-field FIELD")
     _wire_format(args)
-    if args.format == "avro" and kind in ("text", "corpus"):
-        raise ConfigError("--format avro writes fixed-shape samples, not token documents: "
-                          "leave --format out")
-    if args.block_records is not None and args.format in ("raw", "json", "avro"):
+    if args.format in ("avro", "protobuf") and kind in ("text", "corpus"):
+        raise ConfigError(f"--format {args.format} writes fixed-shape samples, not token "
+                          f"documents: leave --format out")
+    if args.block_records is not None and args.format != "block":
         raise ConfigError(f"--block-records applies to --format block, not to {args.format} "
                           f"(one record a message): leave it out")
     return kind
@@ -361,20 +361,6 @@ def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
         raise ConfigError(
             f"--partitions {args.partitions}: topic {args.topic} exists with "
             f"{producer.num_partitions} partitions: leave --partitions out, or pick a new --topic")
-
-
-def _wire_format(args: argparse.Namespace) -> Any:
-    """``--format`` (and ``--registry``) as the producer and the loader take it."""
-    if args.format == "avro":
-        if not args.registry:
-            raise ConfigError("--format avro needs --registry URL, the Schema Registry its "
-                              "schema is registered with")
-        from kfeed.avro import Avro
-
-        return Avro(registry={"url": args.registry})
-    if args.registry:
-        raise ConfigError(f"--registry applies to --format avro, not {args.format}")
-    return args.format
 
 
 def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> Any:
@@ -725,46 +711,54 @@ def _convert_schema(specs: list[str]) -> Any:
     return Schema(fields)
 
 
-def _convert_format(args: argparse.Namespace) -> Any:
+def _wire_format(args: argparse.Namespace) -> Any:
+    """``--format`` with ``--registry``, ``--avro-schema`` and ``--proto``, as kfeed takes it."""
     import importlib
 
     import kfeed
 
     registry = {"url": args.registry} if args.registry else None
+    avro_schema = getattr(args, "avro_schema", None)
+    proto = getattr(args, "proto", None)
     if args.format == "avro":
-        if args.proto:
+        if proto:
             raise ConfigError("--proto applies to --format protobuf, not avro")
-        if (registry is None) == (args.avro_schema is None):
-            raise ConfigError("--format avro needs --registry URL (Confluent framing) or "
-                              "--avro-schema FILE.avsc (no framing), one of them")
-        return kfeed.Avro(schema=args.avro_schema, registry=registry)
-    if args.avro_schema:
+        if registry is None and avro_schema is None:
+            how = " (Confluent framing) or --avro-schema FILE.avsc (no framing)" \
+                if hasattr(args, "avro_schema") else ", the Schema Registry of its schema"
+            raise ConfigError(f"--format avro needs --registry URL{how}")
+        if registry is not None and avro_schema is not None:
+            raise ConfigError("--registry and --avro-schema: give one of them")
+        return kfeed.Avro(schema=avro_schema, registry=registry)
+    if avro_schema:
         raise ConfigError(f"--avro-schema applies to --format avro, not {args.format}")
     if args.format == "protobuf":
-        if not args.proto:
+        if not proto:
             raise ConfigError("--format protobuf needs --proto MODULE:MESSAGE, the generated "
                               "message class (e.g. --proto clicks_pb2:Click)")
-        module, sep, name = args.proto.partition(":")
+        module, sep, name = proto.partition(":")
         if not sep or not module or not name:
-            raise ConfigError(f"--proto {args.proto!r} is not MODULE:MESSAGE")
+            raise ConfigError(f"--proto {proto!r} is not MODULE:MESSAGE")
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"--proto {args.proto}: {e}: put the generated module on "
+            raise ConfigError(f"--proto {proto}: {e}: put the generated module on "
                               f"PYTHONPATH") from None
         return kfeed.Protobuf(message=cls, registry=registry)
-    if args.proto:
+    if proto:
         raise ConfigError(f"--proto applies to --format protobuf, not {args.format}")
-    if registry is not None and args.format == "raw":
-        raise ConfigError("--registry applies to avro, protobuf and json, not raw")
-    return args.format  # json (a Confluent frame is skipped by itself) or raw
+    if registry is not None:
+        why = " (kfeed skips a JSON value's Confluent frame without it)" \
+            if args.format == "json" else ""
+        raise ConfigError(f"--registry applies to avro and protobuf, not {args.format}{why}")
+    return args.format  # block, raw, or json
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     import kfeed
 
     schema = _convert_schema(args.field)
-    fmt = _convert_format(args)
+    fmt = _wire_format(args)
     config = _kafka_config(args)
     stop = threading.Event()
     stopped: list[int] = []
@@ -853,12 +847,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
-    p.add_argument("--format", choices=["block", "raw", "json", "avro"], default="block",
-                   help="block (default), raw (one record a message), json (one JSON "
-                        "object a message) or avro (Confluent framing, with --registry): "
-                        "for other consumers; kfeed reads them too")
+    p.add_argument("--format", choices=["block", "raw", "json", "avro", "protobuf"],
+                   default="block",
+                   help="block (default), raw (one record a message), or for other "
+                        "consumers one record a message in json, avro (with --registry) or "
+                        "protobuf (with --proto); kfeed reads them all")
     p.add_argument("--registry", metavar="URL",
-                   help="avro: the Schema Registry to register the schema with")
+                   help="avro, protobuf: the Schema Registry to register the schema with "
+                        "(values in the Confluent framing)")
+    p.add_argument("--proto", metavar="MODULE:MESSAGE",
+                   help="protobuf: the generated message class (on PYTHONPATH)")
     p.add_argument("--block-records", type=_count(1), metavar="N",
                    help="records per block message (default 64)")
     p.add_argument("--compression", choices=["none", "gzip", "snappy", "lz4", "zstd"])
@@ -892,8 +890,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
     t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
-    t.add_argument("--format", choices=["block", "raw", "json", "avro"], default="block")
-    t.add_argument("--registry", metavar="URL", help="avro: the Schema Registry")
+    t.add_argument("--format", choices=["block", "raw", "json", "avro", "protobuf"],
+                   default="block")
+    t.add_argument("--registry", metavar="URL", help="avro, protobuf: the Schema Registry")
+    t.add_argument("--proto", metavar="MODULE:MESSAGE",
+                   help="protobuf: the generated message class (on PYTHONPATH)")
     t.add_argument("--device", help="default: cuda if available, else cpu")
     t.add_argument("--steps", type=_count(0), default=0, metavar="N",
                    help="stop after this many steps (default 0: no limit)")

@@ -11,7 +11,7 @@ GIL, no Python object per record), rejecting a message whole with a reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ class RecordFormat:
 
     def encoder(self, schema: Schema, topic: str) -> Encoder:
         """The producer's writer of ``schema`` rows to ``topic``, in this format."""
-        raise ConfigError(f"the producer writes block, raw, json or avro, not {self!r}")
+        raise ConfigError(f"the producer writes block, raw, json, avro or protobuf, not {self!r}")
 
 
 class Encoder:
@@ -62,6 +62,20 @@ def resolve(value: str | Format | RecordFormat) -> Format | RecordFormat:
 
         return Json()
     return Format.parse(value)
+
+
+def registry_client(registry: Any, who: str) -> Any:
+    """A Schema Registry client from its config dict, or the client given."""
+    if not isinstance(registry, Mapping):
+        return registry
+    try:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+    except ImportError as e:
+        raise ConfigError(f"{who}(registry=...) needs confluent-kafka's schema registry "
+                          "client: pip install 'confluent-kafka[schemaregistry]'") from e
+    # new_client: a "mock://" url gives confluent-kafka's in-memory registry.
+    make = getattr(SchemaRegistryClient, "new_client", SchemaRegistryClient)
+    return make(dict(registry))
 
 
 def fixed_layout(schema: Schema, what: str) -> Any:
