@@ -5,7 +5,9 @@ the ``bootstrap`` fixture automatically: the cluster that ``KFEED_BOOTSTRAP``
 names (``make test`` starts a 3-node one and sets it, with
 ``KFEED_CLUSTER_DIR``), or else a 1-node cluster that this test run starts with
 ``kfeed.cluster`` in a temporary folder and always stops. Tests marked
-``cluster3`` are skipped when fewer than 3 brokers answer.
+``cluster3`` are skipped when fewer than 3 brokers answer. ``schema_registry``
+starts a real Schema Registry (``kfeed.cluster.start_schema_registry``) for the
+tests that ask for it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
         yield servers, state_dir
     finally:
         cluster.down(state_dir, wipe=True)
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a real Schema Registry (Apicurio, started here; stopped after the session)."""
+    import socket
+
+    from kfeed import cluster
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    state_dir = tmp_path_factory.mktemp("kfeed-schema-registry")
+    url = cluster.start_schema_registry(state_dir, port)
+    try:
+        yield url
+    finally:
+        assert cluster.stop_schema_registry(state_dir) is not None, "it was not running"
 
 
 @pytest.fixture(scope="session")

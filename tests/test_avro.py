@@ -314,7 +314,9 @@ def test_mutated_values_never_crash_and_never_half_write(data):
 
 @pytest.mark.integration
 def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, make_topic,
-                                                                     registry):
+                                                                     schema_registry):
+    # A real Schema Registry, asked over HTTP by the serializer and by kfeed.
+    registry = SchemaRegistryClient({"url": schema_registry})
     topic = make_topic(partitions=3)
     values, records = serialized(registry, 10_000)
     corrupt, reasons = corrupt_values(registry)
@@ -330,7 +332,7 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
     ids, got = [], {f.name: [] for f in SCHEMA.fields}
     with kfeed.Loader(config, topic, SCHEMA, 512, device="cpu", until="end",
-                      format=kfeed.Avro(registry=registry)) as loader:
+                      format=kfeed.Avro(registry={"url": schema_registry})) as loader:
         for batch in loader:
             for f in SCHEMA.fields:
                 got[f.name].append(batch[f.name].numpy().copy())

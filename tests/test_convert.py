@@ -212,3 +212,33 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
         assert done.returncode == 2, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], (args, done.stderr)
+
+
+def test_avro_across_processes_through_a_real_schema_registry(bootstrap, make_topic,
+                                                              schema_registry):
+    """Produce Avro (registering), train from it, convert it, train from the blocks."""
+    topic = make_topic(partitions=2)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "kfeed", *args], env=env, check=False,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (args, done.stderr)
+        return done
+
+    cli("produce", "--topic", topic, "--synthetic", "1000", "--format", "avro",
+        "--registry", schema_registry)
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    client = SchemaRegistryClient({"url": schema_registry})
+    assert f"{topic}-value" in client.get_subjects()
+    trained = cli("train", "--topic", topic, "--group-id", uuid.uuid4().hex, "--until-end",
+                  "--device", "cpu", "--format", "avro", "--registry", schema_registry)
+    assert "trained 4 steps on 1000 samples" in trained.stdout
+    assert "bad records 0" in trained.stdout
+    converted = cli("convert", "--from-topic", topic, "--to-topic", topic + ".blocks",
+                    "--format", "avro", "--registry", schema_registry)
+    assert converted.stdout.startswith("converted 1,000 records (0 bad)")
+    again = cli("train", "--topic", topic + ".blocks", "--group-id", uuid.uuid4().hex,
+                "--until-end", "--device", "cpu")
+    assert "trained 4 steps on 1000 samples" in again.stdout

@@ -22,6 +22,10 @@ SASL_SSL with SCRAM-SHA-512 users and ACLs; its CA, broker key and
 passwords live, owner-only, in ``secure/`` (see ``_secure``).
 :func:`secure_client_config`, :func:`add_user` and :func:`grant` connect,
 create users and allow them what a test needs.
+
+``up --schema-registry`` (:func:`start_schema_registry`) also runs a real
+Schema Registry, Apicurio Registry from Maven Central, on 127.0.0.1, for
+topics written in Avro or Protobuf (see ``_schema_registry``).
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from kfeed.cluster._tool import (
     node_pids,
     secure_client_config,
     start_node,
+    start_schema_registry,
     status,
+    stop_schema_registry,
     up,
 )
 
@@ -62,6 +68,8 @@ __all__ = [
     "node_pids",
     "kill_node",
     "start_node",
+    "start_schema_registry",
+    "stop_schema_registry",
     "node_properties",
     "free_port_base",
     "secure_client_config",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kfeed.cluster import _jars, _registry, _tool
+from kfeed.cluster import _jars, _registry, _schema_registry, _tool
 from kfeed.cluster._layout import (
     CONTROLLER_PORT_OFFSET,
     DEFAULT_DIR,
@@ -87,6 +87,19 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an extra broker setting, kept for later starts (repeatable)",
+    )
+    up.add_argument(
+        "--schema-registry",
+        action="store_true",
+        help="also run a Schema Registry (Apicurio, Confluent-compatible API) on 127.0.0.1; "
+        "Maven fetches it once",
+    )
+    up.add_argument(
+        "--schema-registry-port",
+        type=int,
+        default=_schema_registry.DEFAULT_PORT,
+        metavar="PORT",
+        help=f"its port (default {_schema_registry.DEFAULT_PORT})",
     )
     up.set_defaults(func=_up)
 
@@ -163,6 +176,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"started node{'s' if len(started) > 1 else ''} {_ids(started)} in {args.dir}")
     else:
         print(f"already up in {args.dir}")
+    if args.schema_registry:
+        _tool.start_schema_registry(args.dir, args.schema_registry_port, args.timeout, progress=_note)
     _print_status(_tool.status(args.dir))
     return 0
 
@@ -274,6 +289,8 @@ def _print_status(state: dict[str, Any]) -> None:
         alive = "alive" if node["alive"] else "dead"
         registered = "registered" if node["id"] in state["brokers"] else "unregistered"
         print(f"node {node['id']}  pid {pid}  {alive}  {registered}  port {node['port']}")
+    if state.get("schema_registry"):
+        print(f"schema registry {state['schema_registry']}")
     print(state["bootstrap"])
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from kfeed.cluster import _jars, _registry, _secure
+from kfeed.cluster import _jars, _registry, _schema_registry, _secure
 from kfeed.cluster._layout import (
     CONTROLLER_PORT_OFFSET,
     DEFAULT_DIR,
@@ -124,6 +124,7 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
             )
         return []
     try:
+        _schema_registry.stop(state_dir)
         stopped = _stop(layout, state_dir, layout.node_ids)
     finally:
         _registry.update(layout, state_dir)
@@ -141,8 +142,9 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
     ``security_protocol`` (``PLAINTEXT`` or ``SASL_SSL``), ``client_settings``
     (for a secure cluster, the file with the admin's librdkafka settings, else
     None), ``nodes`` (one dict per node: ``id``, ``pid``, ``alive``, ``port``,
-    ``controller_port``) and ``brokers`` (the ids that metadata lists). A
-    secure cluster is asked as its admin user.
+    ``controller_port``), ``brokers`` (the ids that metadata lists) and
+    ``schema_registry`` (its URL when ``up --schema-registry`` started one,
+    else None). A secure cluster is asked as its admin user.
     """
     state_dir = _state_dir(dir)
     layout = _existing_layout(state_dir, dir)
@@ -172,7 +174,30 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
         "client_settings": str(_secure.SecurePaths.of(state_dir).user(_secure.ADMIN)) if layout.secure else None,
         "nodes": nodes,
         "brokers": sorted(brokers),
+        "schema_registry": _schema_registry.url(state_dir),
     }
+
+
+def start_schema_registry(
+    dir: Path | str = DEFAULT_DIR,
+    port: int = _schema_registry.DEFAULT_PORT,
+    timeout: float = _schema_registry.START_TIMEOUT_S,
+    progress: Callable[[str], None] | None = None,
+) -> str:
+    """Run a Schema Registry (Apicurio) for the folder ``dir`` on ``port``; its URL once it answers.
+
+    The URL is the Confluent-compatible API (``http://127.0.0.1:PORT/apis/ccompat/v7``),
+    what ``kfeed.Avro(registry={"url": ...})`` and confluent-kafka's serializers take.
+    ``down`` stops it with the nodes. ``dir`` need not hold a cluster.
+    """
+    if _in_use(port) and _schema_registry.url(_state_dir(dir)) is None:
+        raise ClusterError(f"port {port} is in use: pass another port")
+    return _schema_registry.start(_state_dir(dir), port, timeout, progress)
+
+
+def stop_schema_registry(dir: Path | str = DEFAULT_DIR) -> int | None:
+    """Stop the Schema Registry started for ``dir``; its pid, or None if none ran."""
+    return _schema_registry.stop(_state_dir(dir))
 
 
 def bootstrap(dir: Path | str = DEFAULT_DIR) -> str:
