@@ -73,7 +73,8 @@ def home(progress: Callable[[str], None] | None = None) -> Path:
             done = subprocess.run(
                 [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(tmp / "pom.xml"), "package",
                  f"-DoutputDirectory={out}"],
-                capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+                capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+                check=False)
         except (OSError, subprocess.SubprocessError) as exc:
             raise ClusterError(f"could not run {mvn}: {exc}") from exc
         if done.returncode != 0:
