@@ -76,3 +76,17 @@ def read_dlq(bootstrap: str, topic: str, count: int, timeout: float = 60.0) -> l
     c.close()
     return dead
 
+
+
+def read_columns(bootstrap: str, topic: str, schema: kfeed.Schema, fmt: Any = "block",
+                 batch_size: int = 256) -> dict[str, np.ndarray]:
+    """Every record of ``topic`` as kfeed's loader reads it to the end, column by column."""
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    got: dict[str, list[np.ndarray]] = {f.name: [] for f in schema.fields}
+    with kfeed.Loader(config, topic, schema, batch_size, device="cpu", until="end",
+                      format=fmt) as loader:
+        for batch in loader:
+            for name, parts in got.items():
+                parts.append(batch[name].numpy().copy())
+    return {f.name: np.concatenate(got[f.name]) if got[f.name]
+            else np.empty((0, *f.shape), f.storage) for f in schema.fields}

@@ -23,7 +23,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from records import damage, decode_all, read_dlq
+from records import damage, decode_all, read_columns, read_dlq
 
 import kfeed
 from kfeed import avro
@@ -478,14 +478,7 @@ def test_the_producer_writes_a_topic_the_loader_and_confluent_kafka_read(bootstr
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, WRITE,
                         format=kfeed.Avro(registry=registry)) as p:
         p.send(cols, keys=cols["id"])
-    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
-    got: dict[str, list] = {f.name: [] for f in WRITE.fields}
-    with kfeed.Loader(config, topic, WRITE, 256, device="cpu", until="end",
-                      format=kfeed.Avro(registry=registry)) as loader:
-        for batch in loader:
-            for name, parts in got.items():
-                parts.append(batch[name].numpy().copy())
-    out = {k: np.concatenate(v) for k, v in got.items()}
+    out = read_columns(bootstrap, topic, WRITE, kfeed.Avro(registry=registry))
     order = np.argsort(out["id"])
     np.testing.assert_array_equal(out["id"][order], np.arange(n))
     for f in WRITE.fields:

@@ -21,23 +21,12 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Producer as KafkaProducer
-from records import read_dlq
+from records import read_columns, read_dlq
 from test_avro import SCHEMA, corrupt_values, expected_columns, registry, serialized  # noqa: F401
 
 import kfeed
 
 pytestmark = pytest.mark.integration
-
-
-def read_all(bootstrap: str, topic: str, schema: kfeed.Schema) -> dict[str, np.ndarray]:
-    """Every record of a block topic, as kfeed's loader reads it (read_committed)."""
-    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
-    got: dict[str, list] = {f.name: [] for f in schema.fields}
-    with kfeed.Loader(config, topic, schema, 1000, device="cpu", until="end") as loader:
-        for batch in loader:
-            for name, parts in got.items():
-                parts.append(batch[name].numpy().copy())
-    return {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in got.items()}
 
 
 def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer(
@@ -61,7 +50,7 @@ def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer
     assert (stats.records, stats.bad, stats.messages) == (10_000, len(bad_values),
                                                           10_000 + len(bad_values))
     assert stats.transactions >= 4 and seen and seen[-1].records == 10_000
-    cols = read_all(bootstrap, src + ".blocks", SCHEMA)
+    cols = read_columns(bootstrap, src + ".blocks", SCHEMA, batch_size=1000)
     order = np.argsort(cols["id"], kind="stable")
     np.testing.assert_array_equal(cols["id"][order], np.arange(10_000))  # each record once
     want = expected_columns(records)
@@ -172,7 +161,7 @@ def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
     assert out.startswith("converted ")
     schema = kfeed.Schema({"id": ("int64", ()), "label": ("int64", ()),
                            "features": ("float32", (8,))})
-    cols = read_all(bootstrap, dst, schema)
+    cols = read_columns(bootstrap, dst, schema)
     ids = np.sort(cols["id"])
     np.testing.assert_array_equal(ids, np.arange(n + 300))  # every record once
     np.testing.assert_array_equal(cols["label"][np.argsort(cols["id"])][:n], np.arange(n) % 10)

@@ -24,7 +24,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from records import damage, decode_all, read_dlq
+from records import damage, decode_all, read_columns, read_dlq
 
 import kfeed
 
@@ -336,14 +336,7 @@ def test_the_producer_writes_protobuf_the_loader_reads(bootstrap, make_topic, re
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
                         format=kfeed.Protobuf(message=Click, registry=registry)) as p:
         p.send(cols, keys=cols["id"])
-    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
-    got: dict[str, list] = {f.name: [] for f in SCHEMA.fields}
-    with kfeed.Loader(config, topic, SCHEMA, 128, device="cpu", until="end",
-                      format=kfeed.Protobuf(message=Click, registry=registry)) as loader:
-        for batch in loader:
-            for name, parts in got.items():
-                parts.append(batch[name].numpy().copy())
-    out = {k: np.concatenate(v) for k, v in got.items()}
+    out = read_columns(bootstrap, topic, SCHEMA, kfeed.Protobuf(message=Click, registry=registry))
     order = np.argsort(out["id"])
     for f in SCHEMA.fields:
         np.testing.assert_array_equal(out[f.name][order], cols[f.name], err_msg=f.name)

@@ -70,11 +70,16 @@ def java_major_version(version_output: str) -> int | None:
 
 def kafka_version() -> str:
     """The Kafka version the shipped ``pom.xml`` pins."""
-    root = ET.parse(POM).getroot()
+    return pom_property(POM, "kafka.version")
+
+
+def pom_property(pom: Path, name: str) -> str:
+    """The value of property ``name`` in ``pom``."""
+    root = ET.parse(pom).getroot()
     for element in root.iter():
-        if element.tag.rsplit("}", 1)[-1] == "kafka.version" and element.text:
+        if element.tag.rsplit("}", 1)[-1] == name and element.text:
             return element.text.strip()
-    raise ClusterError(f"{POM} names no kafka.version")
+    raise ClusterError(f"{pom} names no {name}")
 
 
 def cache_root() -> Path:

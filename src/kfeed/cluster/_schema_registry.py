@@ -26,7 +26,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,11 +43,7 @@ STOP_GRACE_S = 15.0
 
 
 def version() -> str:
-    root = ET.parse(POM).getroot()
-    for element in root.iter():
-        if element.tag.rsplit("}", 1)[-1] == "apicurio.version" and element.text:
-            return element.text.strip()
-    raise ClusterError(f"{POM} names no apicurio.version")
+    return _jars.pom_property(POM, "apicurio.version")
 
 
 def home(progress: Callable[[str], None] | None = None) -> Path:
