@@ -721,3 +721,262 @@ cdef str _json_reason(Layout layout, JsonPlan plan, AvBad b, Py_ssize_t size):
     if err == A_TRAILING:
         return f"{b.value} bytes left after the object"
     return f"error {err}{where}"
+
+
+# -- documents: one variable-length array of numbers per object ---------------------
+#
+# ``json_documents`` reads, from each object, the array at one path of keys
+# (a token field, for ``pack=``) into one growing flat buffer, everything
+# else skipped. The same grammar and the same conversions as ``json_decode``;
+# a repeated key: the last one wins. A bad object adds nothing.
+
+cdef struct JtCur:
+    const uint8_t* const* keys   # the path, one key per level
+    const Py_ssize_t* key_len
+    int nkeys
+    int code
+    int size
+    uint8_t* buf                 # the documents so far, ``len`` elements
+    Py_ssize_t cap
+    Py_ssize_t len
+    Py_ssize_t start             # where this object's document starts
+    bint found
+
+
+cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
+    """The array at ``c.p`` into ``t.buf`` as this object's document (any earlier one dropped)."""
+    cdef int r
+    cdef bint fl
+    cdef int64_t iv
+    cdef double dv
+    cdef uint8_t* grown
+    t.len = t.start
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    if c.p[0] != 0x5B:
+        r = js_skip(c)
+        return r if r else A_KIND
+    c.p += 1
+    js_ws(c)
+    if c.p < c.end and c.p[0] == 0x5D:
+        c.p += 1
+        t.found = True
+        return A_OK
+    while True:
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if t.len == t.cap:
+            grown = <uint8_t*>realloc(t.buf, 2 * t.cap * t.size)
+            if grown == NULL:
+                return A_DEPTH  # no memory: the value is refused, never half read
+            t.buf, t.cap = grown, 2 * t.cap
+        if c.p[0] == 0x6E and js_lit(c, "null", 4):
+            return A_NULL
+        if js_lit(c, "true", 4):
+            r = put_int(t.buf + t.len * t.size, 1, t.code, 0, 1)
+        elif js_lit(c, "false", 5):
+            r = put_int(t.buf + t.len * t.size, 1, t.code, 0, 0)
+        elif c.p[0] == 0x2D or c.p[0] == 0x4E or c.p[0] == 0x49 or 0x30 <= c.p[0] <= 0x39:
+            r = js_number(c, &fl, &iv, &dv)
+            if r:
+                return r
+            if fl:
+                r = put_float(t.buf + t.len * t.size, 1, t.code, 0, dv)
+            elif t.code == C_BOOL:
+                r = A_KIND
+            else:
+                c.err_value = iv
+                r = put_int(t.buf + t.len * t.size, 1, t.code, 0, iv)
+        else:
+            r = js_skip(c)
+            r = r if r else A_KIND
+        if r:
+            return r
+        t.len += 1
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] == 0x2C:
+            c.p += 1
+            continue
+        if c.p[0] == 0x5D:
+            c.p += 1
+            t.found = True
+            return A_OK
+        return A_JSON
+
+
+cdef int jt_object(JsCur* c, JtCur* t, int level) noexcept nogil:
+    """The object at ``c.p`` (its ``{``): the path's key at ``level`` read, the rest skipped."""
+    cdef const uint8_t* key
+    cdef Py_ssize_t n
+    cdef bint esc, match
+    cdef int r
+    cdef uint8_t kbuf[256]
+    c.depth += 1
+    if c.depth > J_MAX_DEPTH:
+        return A_DEPTH
+    c.p += 1
+    js_ws(c)
+    if c.p < c.end and c.p[0] == 0x7D:
+        c.p += 1
+        c.depth -= 1
+        return A_OK
+    while True:
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] != 0x22:
+            return A_JSON
+        r = js_string(c, &key, &n, &esc)
+        if r:
+            return r
+        if esc:
+            n = js_unescape(key, n, kbuf, 256)
+            key = kbuf
+        match = n >= 0 and n == t.key_len[level] and memcmp(key, t.keys[level], n) == 0
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] != 0x3A:
+            return A_JSON
+        c.p += 1
+        if not match:
+            r = js_skip(c)
+        elif level == t.nkeys - 1:
+            r = jt_array(c, t)
+        else:
+            # A repeated key: the last one wins, as json.loads reads it.
+            t.len, t.found = t.start, False
+            js_ws(c)
+            if c.p < c.end and c.p[0] == 0x7B:
+                r = jt_object(c, t, level + 1)
+            elif js_lit(c, "null", 4):
+                r = A_OK  # the document stays missing
+            else:
+                r = js_skip(c)
+                if r == A_OK:
+                    r = A_OBJECT
+        if r:
+            if match:
+                c.err_node = level
+            return r
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] == 0x2C:
+            c.p += 1
+            continue
+        if c.p[0] == 0x7D:
+            c.p += 1
+            c.depth -= 1
+            return A_OK
+        return A_JSON
+
+
+def json_documents(values, list keys, int code):
+    """The array at the path ``keys`` of each JSON object in ``values``, flat.
+
+    Returns ``(tokens, lengths, counts, bad)``: the documents' elements as
+    bytes (element code ``code``), one length per document, one count per
+    value (1, or 0 for a bad one) and ``(index, reason)`` per bad value. A
+    value starting with a zero byte has the Confluent framing, skipped.
+    """
+    if not keys or not C_BOOL <= code < C_CODES:
+        raise ValueError("a path of at least one key, and an element code")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, skip, k
+    cdef int nk = len(keys), r
+    cdef tuple held = tuple(bytes(x) for x in keys)
+    cdef const uint8_t** kp = <const uint8_t**>calloc(nk, sizeof(uint8_t*))
+    cdef Py_ssize_t* kl = <Py_ssize_t*>calloc(nk, sizeof(Py_ssize_t))
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    lengths = np.zeros(n, np.int64)
+    counts = np.zeros(n, np.int64)
+    cdef int64_t[::1] lens = lengths, cnts = counts
+    cdef JsCur c
+    cdef JtCur t
+    t.buf = NULL
+    try:
+        if not (kp and kl and bad):
+            raise MemoryError()
+        for k in range(nk):
+            kp[k] = <const uint8_t*>PyBytes_AS_STRING(held[k])
+            kl[k] = len(held[k])
+        t.keys, t.key_len, t.nkeys, t.code, t.size = kp, kl, nk, code, code_size(code)
+        t.cap, t.len = 1024, 0
+        t.buf = <uint8_t*>malloc(t.cap * t.size)
+        if t.buf == NULL:
+            raise MemoryError()
+        with nogil:
+            for i in range(n):
+                c.err_node, c.err_field, c.err_value, c.depth = -1, -1, 0, 0
+                t.start, t.found = t.len, False
+                if vals.size[i] < 0:
+                    r = A_VALUE
+                    c.err_value = -vals.size[i]
+                elif vals.size[i] > 0 and vals.ptr[i][0] == 0 and vals.size[i] < 5:
+                    r = A_FRAME
+                else:
+                    skip = 5 if vals.size[i] > 0 and vals.ptr[i][0] == 0 else 0
+                    c.p, c.end = vals.ptr[i] + skip, vals.ptr[i] + vals.size[i]
+                    js_ws(&c)
+                    if c.p >= c.end:
+                        r = A_TRUNCATED
+                    elif c.p[0] != 0x7B:
+                        r = A_JSON
+                    else:
+                        r = jt_object(&c, &t, 0)
+                        if r == A_OK:
+                            js_ws(&c)
+                            if c.p != c.end:
+                                c.err_value = c.end - c.p
+                                r = A_TRAILING
+                            elif not t.found:
+                                r = A_MISSING
+                if r == A_OK:
+                    lens[i] = t.len - t.start
+                    cnts[i] = 1
+                else:
+                    t.len = t.start
+                    bad[nbad].index, bad[nbad].err = i, r
+                    bad[nbad].node, bad[nbad].value = c.err_node, c.err_value
+                    nbad += 1
+        path = ".".join(x.decode(errors="replace") for x in held)
+        rejected = []
+        for k in range(nbad):
+            rejected.append((bad[k].index, _json_doc_reason(bad[k], path, vals.size[bad[k].index])))
+        tokens = PyBytes_FromStringAndSize(<char*>t.buf, t.len * t.size)
+        return tokens, lengths[counts > 0], counts, rejected
+    finally:
+        free(kp); free(kl); free(bad); free(t.buf)
+
+
+cdef str _json_doc_reason(AvBad b, str path, Py_ssize_t size):
+    cdef int err = b.err
+    where = f" at {path}" if b.node >= 0 else ""
+    if err == A_VALUE:
+        return REASONS[b.value]
+    if err == A_FRAME:
+        return f"{size} bytes: too short for the Confluent framing (5 bytes)"
+    if err == A_MISSING:
+        return f"{path}: missing or null"
+    if err == A_JSON:
+        return f"not JSON{where}"
+    if err == A_OBJECT:
+        return f"not an object{where}"
+    if err == A_TRUNCATED:
+        return f"truncated{where}"
+    if err == A_RANGE:
+        return f"a number that does not fit the field's dtype{where}"
+    if err == A_KIND:
+        return f"a value of another kind than the field's{where}"
+    if err == A_NULL:
+        return f"null element{where}"
+    if err == A_DEPTH:
+        return f"nested deeper than {J_MAX_DEPTH}"
+    if err == A_TRAILING:
+        return f"{b.value} bytes left after the object"
+    return f"error {err}{where}"

@@ -1435,17 +1435,60 @@ def test_json_values_decode_as_json_loads_reads_them_and_write_nowhere_else(data
     check_json(oracle, at_end, data.draw(st.integers(1, len(oracle) + 1)))
 
 
+TOKENS_AT = Schema({"tokens": ("int16", (None,), {"source": "doc.ids"})})
+
+
+def json_document(i: int) -> bytes:
+    doc = {"id": i, "doc": {"ids": [(i * 7919 + k) % 40000 - 20000 for k in range(i % 40)],
+                            "text": "q\"" * (i % 3)}, "z": [None, {"ids": 1}]}
+    if i % 5 == 0:
+        doc["doc"]["ids"].append(2**20)  # does not fit int16: a bad record
+    return json.dumps(doc).encode()
+
+
+def check_json_documents(oracle: list[bytes], at_end: list[bool]) -> None:
+    """Token documents out of ``oracle``'s objects (guard pages), against json.loads."""
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
+    docs = kfeed.Json().decoder(TOKENS_AT).decode_documents(values)
+    assert len(docs.counts) == len(values) and docs.lengths.sum() == len(docs.tokens)
+    bad = {i for i, _ in docs.bad}
+    assert {i for i, c in enumerate(docs.counts) if c == 0} == bad
+    start = 0
+    for i, raw in enumerate(oracle):
+        if i in bad:
+            continue
+        n = docs.lengths[docs.counts[:i].sum()]
+        try:
+            want = json.loads(raw)["doc"]["ids"]
+        except ValueError:
+            start += n  # json.loads refuses a string kfeed skipped (a raw control character)
+            continue
+        np.testing.assert_array_equal(docs.tokens[start:start + n], np.array(want, np.int16))
+        start += n
+
+
+@PROPERTY
+@given(data=st.data())
+def test_json_token_documents_read_as_json_loads_reads_them(data):
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(json_document(data.draw(st.integers(0, 2**20))))
+        oracle.append(bytes(damage(data, raw, JSON_FLIPS, JSON_INSERTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_json_documents(oracle, at_end)
+
+
 def fuzz_record_format(fdp) -> None:
     """The rest of an atheris input -> one Avro, Protobuf or JSON decode, checked as above."""
-    which = fdp.ConsumeIntInRange(0, 2)
+    which = fdp.ConsumeIntInRange(0, 3)
     if which == 1:
         event = _event_class()
     oracle, at_end = [], []
     for _ in range(fdp.ConsumeIntInRange(1, 5)):
         i = fdp.ConsumeIntInRange(0, 2**40)
         raw = bytearray(avro_value(i) if which == 0 else protobuf_value(event, i) if which == 1
-                        else json_value(i - 2**39))
-        flips, inserts = (JSON_FLIPS, JSON_INSERTS) if which == 2 else (list(range(256)), VARINTS)
+                        else json_value(i - 2**39) if which == 2 else json_document(i))
+        flips, inserts = (JSON_FLIPS, JSON_INSERTS) if which >= 2 else (list(range(256)), VARINTS)
         for _ in range(fdp.ConsumeIntInRange(0, 3)):  # as records.damage does
             how = fdp.ConsumeIntInRange(0, 3)
             if how == 0 and raw:
@@ -1465,8 +1508,10 @@ def fuzz_record_format(fdp) -> None:
         check_avro(oracle, at_end, capacity)
     elif which == 1:
         check_protobuf(event, oracle, at_end, capacity)
-    else:
+    elif which == 2:
         check_json(oracle, at_end, capacity)
+    else:
+        check_json_documents(oracle, at_end)
 
 
 def _fuzz_main(argv: list[str]) -> None:

@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 from confluent_kafka import Producer as KafkaProducer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
@@ -158,9 +159,12 @@ def test_configuration_mistakes_get_one_clear_line():
                                            "b": ("int64", (), {"source": "a.b"})}))
     with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
         kfeed.Json().decoder(kfeed.Schema({"a": ("float16", ())}))
-    with pytest.raises(kfeed.ConfigError, match="pack= needs a token field"):
-        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,))}), 8,
-                           format=kfeed.Json(), pack=kfeed.Pack(seq_len=8, eos_id=0))
+    with pytest.raises(kfeed.ConfigError, match="gives one field, 'tokens': leave 'id' out"):
+        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,)), "id": ("int64", ())}),
+                           8, format=kfeed.Json(), pack=kfeed.Pack(seq_len=8, eos_id=0))
+    with pytest.raises(kfeed.ConfigError, match="variable-length: read it with pack="):
+        kfeed.Json().decoder(kfeed.Schema({"tokens": ("int32", (None,))})).decode_into(
+            [], None, 0)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -235,6 +239,48 @@ def test_json_records_shuffle_as_kfeeds_own_and_resume_exactly():
             ids = batch["id"].numpy()
             for f in SCHEMA.fields:
                 np.testing.assert_array_equal(batch[f.name].numpy(), cols[f.name][ids])
+
+
+def test_token_documents_pack_as_kfeeds_own_and_resume_exactly():
+    rng = np.random.default_rng(5)
+    n = 1500
+    # Token ids other than the pad (0) and the EOS (65535).
+    docs = [rng.integers(1, 65535, int(rng.integers(1, 700)), dtype=np.uint16) for _ in range(n)]
+    events = [json.dumps({"id": i, "meta": {"lang": "en"}, "doc": {"ids": d.tolist()}}).encode()
+              for i, d in enumerate(docs)]
+    events[7] = b'{"doc": {"ids": [1, -1]}}'  # -1 is no uint16: rejected whole
+    tokens = kfeed.Schema({"tokens": ("uint16", (None,), {"source": "doc.ids"})})
+    pack = kfeed.Pack(seq_len=256, eos_id=65535, pad_id=0)
+    raw = kfeed.Schema({"tokens": ("uint16", (None,))})
+    same = raw.encode_raw({"tokens": [d if i != 7 else np.zeros(0, np.uint16)
+                                      for i, d in enumerate(docs)]})
+
+    def batches(values: list, schema: kfeed.Schema, fmt, **kw) -> list[dict]:
+        with memory_loader(values, schema, 8, device="cpu", until="end", pack=pack,
+                           format=fmt, **kw) as loader:
+            return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+    from_json = batches(events, tokens, kfeed.Json())
+    # The very batches kfeed's own raw token messages give (an empty one in place of the bad).
+    from_raw = batches(same, raw, "raw")
+    assert len(from_json) == len(from_raw) > 50
+    for a, b in zip(from_json, from_raw, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    # Shuffled, stopped and resumed from state_dict(): every token once.
+    shuffle = kfeed.Shuffle(buffer=200, seed=1)
+    with memory_loader(events, tokens, 8, device="cpu", until="end", pack=pack,
+                       format=kfeed.Json(), shuffle=shuffle) as first:
+        seen = [b["tokens"][b["tokens"] != 0].clone() for _, b in zip(range(20), first)]
+        state = first.state_dict()
+    with memory_loader(events, tokens, 8, device="cpu", until="end", pack=pack,
+                       format=kfeed.Json(), shuffle=shuffle) as second:
+        second.load_state_dict(state)
+        seen += [b["tokens"][b["tokens"] != 0] for b in second]
+    got = torch.cat(seen)
+    want = np.concatenate([d for i, d in enumerate(docs) if i != 7])
+    assert np.array_equal(np.sort(got[got != 65535].numpy().astype(np.uint16)), np.sort(want))
 
 
 @pytest.mark.integration

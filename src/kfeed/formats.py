@@ -18,7 +18,7 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError
-from kfeed.schema import DecodeResult, Format, Schema, Target
+from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
 
 __all__ = ["Decoder", "Encoder", "RecordFormat", "resolve"]
 
@@ -32,11 +32,17 @@ class Decoder:
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         raise NotImplementedError
 
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        """The schema's variable-length field of each value (for ``pack=``)."""
+        raise NotImplementedError
+
 
 class RecordFormat:
     """A format of one record per message; ``value`` names it (in ``state_dict()``)."""
 
     value = ""
+    # Whether its decoder reads a variable-length token field (``pack=``).
+    documents = False
 
     def decoder(self, schema: Schema) -> Decoder:
         raise NotImplementedError

@@ -30,15 +30,20 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError
 from kfeed.formats import Decoder, Encoder, RecordFormat, codes, defaults, fixed_layout
-from kfeed.schema import DecodeResult, Schema, Target
+from kfeed.schema import DecodeResult, Documents, Schema, Target
 
 __all__ = ["Json", "JsonDecoder"]
 
 
 class Json(RecordFormat):
-    """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())`` (or "json")."""
+    """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())`` (or "json").
+
+    With ``pack=``, the schema's one field is variable-length: an array of
+    numbers (token ids) in each object, at the field's path.
+    """
 
     value = "json"
+    documents = True
 
     def decoder(self, schema: Schema) -> JsonDecoder:
         return JsonDecoder(schema)
@@ -90,18 +95,41 @@ class _JsonEncoder(Encoder):
 
 
 class JsonDecoder(Decoder):
-    """One kfeed Schema's reader of JSON objects."""
+    """One kfeed Schema's reader of JSON objects: rows, or (a token field) documents."""
 
     def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.varlen = schema.varlen
+        if self.varlen is not None:
+            f = self.varlen
+            if len(schema.fields) != 1:
+                others = ", ".join(repr(x.name) for x in schema.fields if x is not f)
+                raise ConfigError(f"a JSON topic packed into token rows gives one field, "
+                                  f"{f.name!r}: leave {others} out of the schema")
+            self.path = [key.encode() for key in f.path]
+            self.code = codes(schema)[0]
+            return
         self.layout = fixed_layout(schema, "JSON")
         self.plan = compile_plan(schema)
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         """Decode values into ``out`` from ``row`` on: one row per good value."""
+        if self.varlen is not None:
+            raise ConfigError(f"field {self.varlen.name!r} is variable-length: read it with "
+                              f"pack=kfeed.Pack(...)")
         if not isinstance(values, (list, tuple)):
             values = list(values)
         rows, consumed, bad = _codec.json_decode(self.layout, self.plan, values, out.out, row)
         return DecodeResult(rows, consumed, bad)
+
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        """Each object's array at the token field's path, flat; a bad object gives none."""
+        if self.varlen is None:
+            raise ConfigError("decode_documents needs a schema with a variable-length field")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        tokens, lengths, counts, bad = _codec.json_documents(values, self.path, self.code)
+        return Documents(np.frombuffer(tokens, self.varlen.storage), lengths, counts, bad, {})
 
 
 def _paths(schema: Schema) -> None:

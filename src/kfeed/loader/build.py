@@ -327,7 +327,8 @@ class RecordBuilder(SlotBuilder):
     def _push_documents(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
                         offsets: np.ndarray) -> None:
         assert self.packer is not None
-        docs = self.schema.decode_documents(vals, self.fmt)
+        docs = (self.decoder.decode_documents(vals) if self.decoder is not None
+                else self.schema.decode_documents(vals, self.fmt))
         n = len(docs.lengths)
         first = self.next_doc
         self.next_doc += n

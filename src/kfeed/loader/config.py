@@ -94,9 +94,10 @@ class LoaderConfig:
             raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
         put("format", resolve(self.format))
         if isinstance(self.format, RecordFormat):
-            if self.pack is not None:
+            if self.pack is not None and not self.format.documents:
                 raise ConfigError(f"format={self.format!r} gives fixed-shape records: pack= "
-                                  f"needs a token field, in kfeed's block or raw format")
+                                  f"needs a token field, which kfeed reads from block, raw and "
+                                  f"JSON topics")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         if self.pack is not None and not isinstance(self.pack, Pack):
             raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
