@@ -14,6 +14,7 @@ from kfeed._kafka import create_topic
 from kfeed.avro import Avro
 from kfeed.convert import ConvertStats, convert
 from kfeed.jsonformat import Json
+from kfeed.lag import PartitionLag, group_lag
 from kfeed.protobuf import Protobuf
 from kfeed.errors import (
     ClusterError,
@@ -55,6 +56,8 @@ __all__ = [
     "ShuffleBuffer",
     "BufferPool",
     "create_topic",
+    "group_lag",
+    "PartitionLag",
     "murmur2",
     "partition_for",
     "partitions_for",

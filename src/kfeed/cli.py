@@ -15,6 +15,7 @@ imports it. Only this module (and the cluster tool's CLI part) prints.
   state) and resumes exactly.
 - ``kfeed convert``: a topic of Avro, Protobuf, JSON or raw records into
   blocks in another topic, exactly once (``kfeed.convert``).
+- ``kfeed lag``: a consumer group's lag per partition (``kfeed.lag``).
 
 Every mistake is one line on stderr, ``kfeed: <what is wrong>: <how to
 fix>``, checked before any connection where it can be (see ``EXIT_CODES``).
@@ -799,6 +800,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- lag ---------------------------------------------------------------------------
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    from kfeed.lag import group_lag
+
+    config = _kafka_config(args)
+    rows = group_lag(config, args.group_id, args.topic or None, args.connect_timeout)
+    if not rows:
+        raise KfeedError(f"group {args.group_id} committed no offsets: name its topics with "
+                         f"--topic T")
+    table = [("TOPIC", "PARTITION", "COMMITTED", "END", "LAG", "LAG_S", "MEMBER")]
+    for r in rows:
+        table.append((r.topic, str(r.partition), "-" if r.committed is None else str(r.committed),
+                      str(r.end), str(r.lag), "?" if r.lag_s is None else f"{r.lag_s:.1f}",
+                      r.member or "-"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+              + "  " + row[-1])
+    total = sum(r.lag for r in rows)
+    oldest = max((r.lag_s for r in rows if r.lag_s is not None), default=0.0)
+    print(f"group {args.group_id}: lag {total:,} messages over {len(rows)} partitions, "
+          f"oldest unread record {oldest:.1f}s old")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kfeed", description="Feed GPU training from Apache Kafka.",
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -940,6 +968,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--progress-every", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="a progress line on stderr every SECONDS (default 5)")
     c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser(
+        "lag", help="a consumer group's lag per partition, in messages and seconds",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Per partition: the group's committed offset, the end offset, the lag in "
+                    "messages and in seconds (the age of the next unread record), and the "
+                    "member that owns it; then one summary line.", epilog=EXIT_CODES)
+    g.add_argument("--bootstrap-servers", default=os.environ.get("KFEED_BOOTSTRAP"),
+                   help="host:port,... (default: $KFEED_BOOTSTRAP)")
+    g.add_argument("--group-id", required=True)
+    g.add_argument("--topic", action="append", default=[],
+                   help="a topic to report (repeatable; default: those the group committed on)")
+    g.add_argument("-X", dest="kafka", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra librdkafka setting (repeatable)")
+    g.add_argument("--connect-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the brokers (default 10)")
+    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log at DEBUG level and show tracebacks")
+    g.set_defaults(func=cmd_lag)
     return parser
 
 

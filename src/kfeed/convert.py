@@ -43,7 +43,6 @@ __all__ = ["ConvertStats", "convert"]
 
 log = logging.getLogger("kfeed.convert")
 
-_PARTITION_EOF = -191  # librdkafka's _PARTITION_EOF
 _RETRIES = 3           # rounds aborted in a row before convert gives up
 
 
@@ -222,6 +221,8 @@ class _Convert:
 
     def _consume(self) -> list[Any]:
         """The next round's messages (errors and ends of partitions taken out)."""
+        from confluent_kafka import KafkaError
+
         got = self.consumer.consume(self.round_messages, 0.5)
         msgs = []
         for m in got:
@@ -229,7 +230,7 @@ class _Convert:
             if err is None:
                 msgs.append(m)
                 self.eof.discard(m.partition())
-            elif err.code() == _PARTITION_EOF:
+            elif err.code() == KafkaError._PARTITION_EOF:
                 self.eof.add(m.partition())
             elif err.fatal() or not err.retriable():
                 raise ConsumeError(f"cannot read {self.from_topic}: {err.str()}",

@@ -1,0 +1,154 @@
+"""A consumer group's lag, per partition, as operators read it: ``kfeed lag``.
+
+Where it sits: beside the data flow, for the person watching a run (and for
+metrics). It asks the brokers, not a loader: the group's committed offsets,
+each partition's end offset, and the member that owns it (the view of
+``kafka-consumer-groups --describe``), plus the lag in seconds as
+kafka-lag-exporter defines it: how old the next unread record is (now minus
+the timestamp of the record at the committed offset; 0 when nothing is
+left).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kfeed._kafka import client_config
+from kfeed.errors import ConfigError, ConsumeError
+
+__all__ = ["PartitionLag", "group_lag"]
+
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """One partition of a group's topics: where it stands.
+
+    committed: the group's committed offset (None: it never committed one).
+    end: the partition's end (high watermark; aborted and control records
+    count as lag too). lag: messages from the committed offset (or the
+    log's start, when none) to the end. lag_s: the age of the next unread
+    record in seconds (0.0 when there is none; None when it could not be
+    read within the timeout). member: the owning member's
+    ``client_id@host (member_id)``, or None when no member holds it.
+    """
+
+    topic: str
+    partition: int
+    committed: int | None
+    end: int
+    lag: int
+    lag_s: float | None
+    member: str | None
+
+
+def group_lag(kafka_config: Mapping[str, Any], group_id: str,
+              topics: Sequence[str] | None = None, timeout_s: float = 10.0) -> list[PartitionLag]:
+    """Per partition of ``topics`` (default: those the group committed on), the group's lag.
+
+    >>> for p in kfeed.group_lag({"bootstrap.servers": "127.0.0.1:39092"}, "trainer"):
+    ...     print(p.topic, p.partition, p.lag, p.lag_s)
+    """
+    from confluent_kafka import (
+        ConsumerGroupTopicPartitions,
+        KafkaException,
+        TopicPartition,
+    )
+    from confluent_kafka.admin import AdminClient, OffsetSpec
+
+    if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
+        raise ConfigError("kafka_config must be a dict of librdkafka settings "
+                          "with 'bootstrap.servers'")
+    if not isinstance(group_id, str) or not group_id:
+        raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
+    config = client_config(kafka_config)
+    admin = AdminClient(config)
+    try:
+        committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
+        wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
+        parts = _partitions(admin, wanted, timeout_s)
+        ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
+                                  request_timeout=timeout_s)
+        end = {(tp.topic, tp.partition): f.result().offset for tp, f in ends.items()}
+        fresh = [tp for tp in parts if tp not in committed]  # no commit: from the log's start
+        firsts = admin.list_offsets({TopicPartition(t, p): OffsetSpec.earliest()
+                                     for t, p in fresh}, request_timeout=timeout_s) if fresh else {}
+        start = {**{(tp.topic, tp.partition): f.result().offset for tp, f in firsts.items()},
+                 **committed}
+        owners = _owners(admin, group_id, timeout_s)
+    except KafkaException as e:
+        raise ConsumeError(f"cannot read the lag of group {group_id}: {e.args[0].str()}") from e
+    left = {tp: start[tp] for tp in parts if start[tp] < end[tp]}
+    ages = _ages(config, left, timeout_s)
+    return [PartitionLag(t, p, committed.get((t, p)), end[(t, p)],
+                         max(0, end[(t, p)] - start[(t, p)]),
+                         ages.get((t, p)) if (t, p) in left else 0.0, owners.get((t, p)))
+            for t, p in parts]
+
+
+def _committed(admin: Any, request: Any, timeout_s: float) -> dict[tuple[str, int], int]:
+    futures = admin.list_consumer_group_offsets([request], request_timeout=timeout_s)
+    result = next(iter(futures.values())).result()
+    return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
+            if tp.offset >= 0}
+
+
+def _partitions(admin: Any, topics: list[str], timeout_s: float) -> list[tuple[str, int]]:
+    out = []
+    for topic in topics:
+        md = admin.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if md is None or md.error is not None:
+            why = md.error.str() if md is not None and md.error is not None else "unknown"
+            raise ConsumeError(f"topic {topic} is not available: {why}", topic=topic)
+        out += [(topic, p) for p in sorted(md.partitions)]
+    return out
+
+
+def _owners(admin: Any, group_id: str, timeout_s: float) -> dict[tuple[str, int], str]:
+    futures = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)
+    desc = futures[group_id].result()
+    owners = {}
+    for m in desc.members:
+        who = f"{m.client_id}@{m.host} ({m.member_id})"
+        for tp in (m.assignment.topic_partitions if m.assignment else []):
+            owners[(tp.topic, tp.partition)] = who
+    return owners
+
+
+def _ages(config: dict[str, Any], left: dict[tuple[str, int], int],
+          timeout_s: float) -> dict[tuple[str, int], float]:
+    """Per partition with records left, from its offset: the age of its next record, seconds.
+
+    A partition whose next readable record does not come within the timeout
+    is left out; one with none (only aborted or control records left) is 0.
+    """
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    if not left:
+        return {}
+    consumer = Consumer({**config, "group.id": "kfeed-lag-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "enable.partition.eof": True})
+    try:
+        consumer.assign([TopicPartition(t, p, o) for (t, p), o in left.items()])
+        out: dict[tuple[str, int], float] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < len(left) and time.monotonic() < deadline:
+            m = consumer.poll(0.2)
+            if m is None:
+                continue
+            key = (m.topic(), m.partition())
+            if key in out or key not in left:
+                continue
+            if m.error() is None:
+                out[key] = max(0.0, time.time() - m.timestamp()[1] / 1000)
+            elif m.error().code() == KafkaError._PARTITION_EOF:
+                out[key] = 0.0
+            else:
+                continue
+            consumer.incremental_unassign([TopicPartition(*key)])
+        return out
+    finally:
+        consumer.close()

@@ -1,0 +1,85 @@
+"""kfeed lag / kfeed.group_lag: a group's lag per partition, against a real broker.
+
+Records are written with known timestamps, the group's offsets committed by
+hand, so every figure the report gives is known beforehand.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Producer as KafkaProducer
+
+import kfeed
+
+pytestmark = pytest.mark.integration
+
+
+def test_lag_in_messages_and_seconds_and_the_owning_member(bootstrap, make_topic):
+    topic = make_topic(partitions=2)
+    group = uuid.uuid4().hex
+    now_ms = int(time.time() * 1000)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(60):  # record i of partition 0 is 100 - i seconds old
+        p.produce(topic, b"x", partition=0, timestamp=now_ms - (100 - i) * 1000)
+    for i in range(40):
+        p.produce(topic, b"y", partition=1, timestamp=now_ms - 500_000)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    c.commit(offsets=[TopicPartition(topic, 0, 20)], asynchronous=False)
+    c.close()
+    config = {"bootstrap.servers": bootstrap}
+    p0, p1 = kfeed.group_lag(config, group, [topic])
+    assert (p0.partition, p0.committed, p0.end, p0.lag, p0.member) == (0, 20, 60, 40, None)
+    assert 79 <= p0.lag_s <= 79 + 60  # the record at offset 20 was written 80 s ago
+    assert (p1.committed, p1.end, p1.lag) == (None, 40, 40)  # never committed: from the start
+    assert p1.lag_s >= 499
+    # Read to the end and committed: no lag, in either unit.
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    c.commit(offsets=[TopicPartition(topic, 0, 60), TopicPartition(topic, 1, 40)],
+             asynchronous=False)
+    c.close()
+    assert [(r.lag, r.lag_s) for r in kfeed.group_lag(config, group)] == [(0, 0.0), (0, 0.0)]
+    # A live member owns both partitions.
+    member = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                       "client.id": "trainer-7"})
+    member.subscribe([topic])
+    deadline = time.monotonic() + 60
+    while not member.assignment() and time.monotonic() < deadline:
+        member.poll(0.2)
+    try:
+        owners = {r.member for r in kfeed.group_lag(config, group)}
+        assert len(owners) == 1 and next(iter(owners)).startswith("trainer-7@")
+    finally:
+        member.close()
+
+
+def test_the_command_prints_a_table_and_a_summary(bootstrap, make_topic):
+    topic = make_topic(partitions=1)
+    group = uuid.uuid4().hex
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for _ in range(7):
+        p.produce(topic, b"z", partition=0)
+    assert p.flush(30) == 0
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+
+    def lag(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kfeed", "lag", "--group-id", group, *args],
+                              env=env, check=False, capture_output=True, text=True, timeout=120)
+
+    done = lag("--topic", topic)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].split() == ["TOPIC", "PARTITION", "COMMITTED", "END", "LAG", "LAG_S", "MEMBER"]
+    assert lines[1].split()[:5] == [topic, "0", "-", "7", "7"]
+    assert lines[-1].startswith(f"group {group}: lag 7 messages over 1 partitions")
+    none = lag()
+    assert none.returncode == 1
+    assert none.stderr.strip() == (f"kfeed: group {group} committed no offsets: name its "
+                                   f"topics with --topic T")
