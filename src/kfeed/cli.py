@@ -204,8 +204,7 @@ def _acknowledged(producer: Any) -> float:
     that counted them as done ran far ahead of the brokers (and of the final
     line, which includes the flush).
     """
-    # The confluent-kafka producer's len() is its messages not yet acknowledged.
-    waiting = len(producer._producer)
+    waiting = producer.stats()["queued"]
     return 1.0 - waiting / producer.messages if producer.messages else 0.0
 
 
@@ -313,11 +312,25 @@ def _check_produce(args: argparse.Namespace) -> str:
     return kind
 
 
+def _metrics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=_count(1), metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while running "
+                        "(needs pip install 'kfeed[metrics]')")
+
+
+def _serve_metrics(args: argparse.Namespace) -> None:
+    if args.metrics_port is not None:
+        from kfeed import metrics
+
+        metrics.serve(args.metrics_port)
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     from kfeed import ingest
 
     kind = _check_produce(args)
     config = _kafka_config(args)
+    _serve_metrics(args)
     if kind in ("text", "corpus"):
         return _produce_text(args, config)
     first = args.first_id or 0
@@ -552,6 +565,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_task_flags(args)
     _lm_defaults(args)
     args.format = _wire_format(args)
+    _serve_metrics(args)
     args.checkpoint_every = args.checkpoint_every or 50
     # --resume ties the stream to the checkpoint: with none yet the model is
     # new, so it reads from the start, whatever a killed run committed.
@@ -893,6 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_PARTITIONS}); an existing topic must have that many")
     p.add_argument("--keyed", action="store_true",
                    help="key samples by id (murmur2 partitioning, as Java would)")
+    _metrics_arg(p)
     p.set_defaults(func=cmd_produce)
 
     t = sub.add_parser(
@@ -939,6 +954,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=_count(1), default=100, metavar="STEPS",
                    help="print a progress line every STEPS steps (default 100)")
     t.add_argument("--log-ids", metavar="PATH", help="append every trained id to this file")
+    _metrics_arg(t)
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser(

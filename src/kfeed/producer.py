@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kfeed import metrics
 from kfeed._kafka import (
     REFUSED,
     ConnectionLog,
@@ -176,12 +177,14 @@ class Producer:
         self.samples = 0
         self.messages = 0
         self.bytes = 0
+        self.delivery_failures = 0
         self._transactional = transactional_id is not None
         if self._transactional:
             try:
                 self._producer.init_transactions(self._timeout)
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot start transactions", e) from e
+        metrics.LIVE.add(self)
 
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException
@@ -353,6 +356,12 @@ class Producer:
         # See NOTE [ Callbacks never raise ]: record, never lock, never raise.
         if err is not None:
             self._failures.append(err)
+            self.delivery_failures += 1
+
+    def stats(self) -> dict[str, int]:
+        """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
+        return {"samples": self.samples, "messages": self.messages, "bytes": self.bytes,
+                "delivery_failures": self.delivery_failures, "queued": len(self._producer)}
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every message to be acknowledged; raise if any failed."""

@@ -161,6 +161,7 @@ class Source:
 
     lineage: str | None = None  # written with every commit, with run (see Committed)
     run: str | None = None
+    group_id = ""  # the consumer group, for metrics and logs
     group_member = False  # must keep polling for its group's rebalances to go on
     # A rebalance moves only some partitions (cooperative-sticky, or Kafka 4's
     # consumer protocol); the others keep their fetch position.
@@ -285,6 +286,7 @@ class KafkaSource(Source):
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config
+        self.group_id = str(config["group.id"])
         self._dlq_config = dict(dlq_config) if dlq_config is not None else None
         self._dlq_producer: Any = None
         self._dlq_errors: deque[tuple[Any, str]] = deque()

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from kfeed import metrics
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError
@@ -296,7 +297,9 @@ class Loader:
         self._samples_out = 0
         self._t0: float | None = None       # first next()
         self._t_first: float | None = None  # first batch handed out
+        self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
         self._closed = False
+        metrics.LIVE.add(self)
 
     # -- iteration ------------------------------------------------------------
 
@@ -355,6 +358,7 @@ class Loader:
             waited = time.monotonic() - t
             self._wait_s += waited
             self._longest_wait_s = max(self._longest_wait_s, waited)
+            self._wait_hist.observe(waited)
         return batch
 
     def _agreed(self) -> Any:
@@ -565,7 +569,11 @@ class Loader:
     # -- observability --------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Throughput, bad records, lag per partition and time spent waiting in next()."""
+        """Throughput, bad records, lag per partition and time spent waiting in next().
+
+        Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``
+        and ``wait_histogram`` (the waits in next() after the first batch).
+        """
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
         # Rates and stall are over the steady state, from the first batch on;
         # joining the group and the first fetch show as startup_s.
@@ -596,6 +604,9 @@ class Loader:
             "longest_wait_s": self._longest_wait_s,
             "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
             "pool_bytes": self._pool.nbytes,
+            "group": self._source.group_id,
+            "bad_by_reason": dict(self._bad.by_reason),
+            "wait_histogram": self._wait_hist,
         }
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------

@@ -1,0 +1,147 @@
+"""Prometheus metrics of every live Loader and Producer: ``kfeed.metrics.serve(port)``.
+
+Where it sits: beside the data flow, read-only. Loaders and producers add
+themselves to ``LIVE`` when made (a weak set: nothing is kept alive for
+it), and keep their counters as they work; ``serve`` starts
+prometheus_client's HTTP endpoint, whose collector reads those counters at
+each scrape (``Loader.stats()``, ``Producer.stats()``), so a process that is
+never scraped pays nothing but the counters. ``prometheus_client`` is an
+optional dependency (``pip install 'kfeed[metrics]'``); without it kfeed
+imports and runs as before, and only ``serve`` says what is missing.
+
+Names follow Prometheus's conventions: the ``kfeed_`` prefix, the unit in
+the name, ``_total`` for counters. The consumer lag is also published as
+``kafka_consumergroup_lag{consumergroup,topic,partition}``, kafka_exporter's
+name, so that dashboards and autoscalers built on it work unchanged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from kfeed.errors import ConfigError
+
+__all__ = ["LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
+
+# Every Loader and Producer made in this process and not yet collected.
+LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+# The caller's wait in next() (the data stall), in seconds.
+WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                  1.0, 2.5, 5.0, 10.0)
+
+_LAG_KEY = re.compile(r"(.*)\[(\d+)\]")
+
+
+class Histogram:
+    """Counts of observations per bucket, kept by the loader (a bisect and an add each)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(le, count of observations <= le), ..., ("+Inf", all)]``, as Prometheus has it."""
+        out, total = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            total += n
+            out.append((repr(float(bound)), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve the metrics of every live Loader and Producer on ``addr:port`` (``/metrics``).
+
+    Returns the HTTP server (``shutdown()`` stops it). Port 0 picks a free
+    one: ``server.server_port``.
+    """
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as e:
+        raise ConfigError("kfeed.metrics.serve needs prometheus_client: "
+                          "pip install 'kfeed[metrics]'") from e
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be an int in 0..65535, got {port!r}")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    try:
+        server, _thread = start_http_server(port, addr, registry=registry)
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}") from e
+    return server
+
+
+class _Collector:
+    """Reads every live loader's and producer's counters at a scrape."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        loader_labels = ["consumergroup", "topics"]
+        c = {name: CounterMetricFamily(f"kfeed_loader_{name}", doc, labels=loader_labels)
+             for name, doc in (("samples", "samples handed out"),
+                               ("bytes", "message bytes decoded"),
+                               ("batches", "batches handed out"))}
+        bad = CounterMetricFamily("kfeed_loader_bad_records", "messages rejected, by reason",
+                                  labels=[*loader_labels, "reason"])
+        wait = HistogramMetricFamily("kfeed_loader_wait_seconds",
+                                     "the caller's wait in next() for a batch (the data stall)",
+                                     labels=loader_labels)
+        startup = GaugeMetricFamily("kfeed_loader_startup_seconds",
+                                    "from the first next() to the first batch",
+                                    labels=loader_labels)
+        pool = GaugeMetricFamily("kfeed_loader_pool_bytes", "host memory of the buffer pool",
+                                 labels=loader_labels)
+        lag = GaugeMetricFamily("kafka_consumergroup_lag",
+                                "messages not read yet, per partition (kafka_exporter's name)",
+                                labels=["consumergroup", "topic", "partition"])
+        producer_labels = ["topic"]
+        p = {name: CounterMetricFamily(f"kfeed_producer_{name}", doc, labels=producer_labels)
+             for name, doc in (("samples", "samples sent"), ("messages", "messages sent"),
+                               ("bytes", "message bytes sent"),
+                               ("delivery_failures", "messages the brokers did not take"))}
+        queued = GaugeMetricFamily("kfeed_producer_queue_messages",
+                                   "messages handed to librdkafka and not acknowledged yet",
+                                   labels=producer_labels)
+        for obj in list(LIVE):
+            stats = obj.stats()
+            if "lag" not in stats:  # a producer
+                labels = [obj.topic]
+                for name, family in p.items():
+                    family.add_metric(labels, stats[name])
+                queued.add_metric(labels, stats["queued"])
+                continue
+            group = stats["group"]
+            labels = [group, ",".join(obj.topics)]
+            for name, family in c.items():
+                family.add_metric(labels, stats[name])
+            for reason, n in stats["bad_by_reason"].items():
+                bad.add_metric([*labels, reason], n)
+            wait.add_metric(labels, stats["wait_histogram"].cumulative(),
+                            stats["wait_histogram"].sum)
+            startup.add_metric(labels, stats["startup_s"])
+            pool.add_metric(labels, stats["pool_bytes"])
+            for key, n in stats["lag"].items():
+                m = _LAG_KEY.fullmatch(key)
+                if m is not None:
+                    lag.add_metric([group, m.group(1), m.group(2)], n)
+        yield from c.values()
+        yield from (bad, wait, startup, pool, lag)
+        yield from p.values()
+        yield queued
