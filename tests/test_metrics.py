@@ -131,3 +131,133 @@ def test_the_producer_and_a_kafka_loader_under_their_real_names(server, bootstra
     lags = [s for s in got["kafka_consumergroup_lag"] if s.labels["consumergroup"] == group]
     assert sorted(s.labels["partition"] for s in lags) == ["0", "1"]
     assert all(s.value == 0 for s in lags)
+
+
+# -- a real Prometheus server scrapes a running loader -------------------------------------
+
+
+def prometheus_binary(tmp_root) -> str:
+    """Debian's prometheus: on PATH, or unpacked once from its package into kfeed's cache."""
+    import os
+    import shutil
+
+    from kfeed.cluster._jars import cache_root
+
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    unpacked = cache_root() / "prometheus-deb"
+    binary = unpacked / "usr" / "bin" / "prometheus"
+    if binary.exists():
+        return str(binary)
+    if not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
+        pytest.skip("no prometheus, and no apt-get to fetch Debian's package of it")
+    work = tmp_root / "deb"
+    work.mkdir()
+    got = subprocess.run(["apt-get", "download", "prometheus"], cwd=work, check=False,
+                         capture_output=True, timeout=600)
+    if got.returncode != 0:  # the package lists may be missing or stale
+        subprocess.run(["apt-get", "update"], check=True, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "download", "prometheus"], cwd=work, check=True,
+                       capture_output=True, timeout=600)
+    deb = next(work.glob("prometheus_*.deb"))
+    tmp = unpacked.with_name(f".prometheus-deb-{os.getpid()}")
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp)], check=True, timeout=300)
+    tmp.rename(unpacked)
+    return str(binary)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus(tmp_path, server):
+    """A Prometheus server scraping ``server`` every second; its query function."""
+    import json
+    import time
+    import urllib.parse
+
+    binary = prometheus_binary(tmp_path)
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: kfeed\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{server.server_port}']}}]\n")
+    with open(tmp_path / "prom.log", "wb") as log:
+        proc = subprocess.Popen([binary, f"--config.file={config}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=log)
+
+    def query(expr: str) -> list:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            body = json.load(answer)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    # Until it has scraped the endpoint once (it picks targets up about 5 s in).
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (tmp_path / "prom.log").read_text()[-3000:]
+        try:
+            if query('up{job="kfeed"} == 1'):
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "prometheus did not scrape kfeed's endpoint"
+        time.sleep(0.2)
+    try:
+        yield query
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.integration
+def test_a_real_prometheus_scrapes_the_lag_and_the_rates(prometheus, bootstrap, make_topic):
+    import time
+
+    topic = make_topic(partitions=2)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
+        p.send({"id": np.arange(6400)}, partition=0)
+        p.send({"id": np.arange(6400)}, partition=1)
+    group = uuid.uuid4().hex
+    loader = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, schema,
+                          64, device="cpu", prefetch=1)
+    try:
+        # Read for about 4 s, slowly: a few scrapes see the counters grow.
+        t0 = time.monotonic()
+        it = iter(loader)
+        while time.monotonic() - t0 < 4:
+            next(it)
+            time.sleep(0.05)
+        stats = loader.stats()
+        done = stats["samples"]
+        deadline = time.monotonic() + 30
+        while True:  # the scrape after the last batch
+            got = prometheus(f'kfeed_loader_samples_total{{consumergroup="{group}"}}')
+            if got and float(got[0]["value"][1]) == done:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.3)
+        rate = prometheus(f'rate(kfeed_loader_samples_total{{consumergroup="{group}"}}[10s])')
+        assert rate and float(rate[0]["value"][1]) > 0
+        lag = prometheus(f'kafka_consumergroup_lag{{consumergroup="{group}"}}')
+        by_partition = {r["metric"]["partition"]: float(r["value"][1]) for r in lag}
+        want = {key.split("[")[1].rstrip("]"): n for key, n in loader.stats()["lag"].items()}
+        assert set(by_partition) == {"0", "1"}
+        # What Prometheus last scraped, and what the loader says now: the same
+        # batches were handed out in between (none since), so the same lag.
+        assert by_partition == pytest.approx({k: float(v) for k, v in want.items()})
+        assert sum(by_partition.values()) == (12800 - done) / 64  # messages: blocks of 64
+    finally:
+        loader.close()
