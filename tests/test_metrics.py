@@ -259,5 +259,19 @@ def test_a_real_prometheus_scrapes_the_lag_and_the_rates(prometheus, bootstrap, 
         # batches were handed out in between (none since), so the same lag.
         assert by_partition == pytest.approx({k: float(v) for k, v in want.items()})
         assert sum(by_partition.values()) == (12800 - done) / 64  # messages: blocks of 64
+        # docs/grafana-kfeed.json: every panel's query is one Prometheus runs, and
+        # those of the loader's panels find this loader.
+        import json
+        from pathlib import Path
+
+        dashboard = json.loads((Path(__file__).parents[1] / "docs" /
+                                "grafana-kfeed.json").read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                result = prometheus(target["expr"].replace("$group", group))
+                if "kfeed_loader" in target["expr"] and "bad_records" not in target["expr"]:
+                    assert result, (panel["title"], target["expr"])
+                if "kafka_consumergroup_lag" in target["expr"]:
+                    assert sum(float(r["value"][1]) for r in result) == sum(by_partition.values())
     finally:
         loader.close()
