@@ -66,6 +66,10 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert sample(got, "kafka_consumergroup_lag", consumergroup="", topic="memory",
                   partition="0") == 0
     assert sample(got, "kfeed_loader_pool_bytes", **labels) == stats["pool_bytes"]
+    # Each batch's newest record: written when the recording was made, moments ago.
+    assert sample(got, "kfeed_loader_latency_seconds_count", **labels) == 10
+    assert sample(got, "kfeed_loader_latency_seconds_bucket", le="60.0", **labels) == 10
+    assert 0 < sample(got, "kfeed_loader_latency_seconds_sum", **labels) < 10 * 60
 
 
 def test_a_loader_let_go_is_no_longer_published(server):

@@ -25,7 +25,7 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 
-__all__ = ["LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
+__all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
 
 # Every Loader and Producer made in this process and not yet collected.
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -33,6 +33,10 @@ LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 # The caller's wait in next() (the data stall), in seconds.
 WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                   1.0, 2.5, 5.0, 10.0)
+
+# From a batch's newest record's Kafka timestamp to its hand-out, in seconds.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0, 300.0)
 
 _LAG_KEY = re.compile(r"(.*)\[(\d+)\]")
 
@@ -103,6 +107,10 @@ class _Collector:
         wait = HistogramMetricFamily("kfeed_loader_wait_seconds",
                                      "the caller's wait in next() for a batch (the data stall)",
                                      labels=loader_labels)
+        latency = HistogramMetricFamily(
+            "kfeed_loader_latency_seconds",
+            "from the Kafka timestamp of a batch's newest record to the batch's hand-out "
+            "(in offset order; not with shuffle or pack)", labels=loader_labels)
         startup = GaugeMetricFamily("kfeed_loader_startup_seconds",
                                     "from the first next() to the first batch",
                                     labels=loader_labels)
@@ -135,6 +143,8 @@ class _Collector:
                 bad.add_metric([*labels, reason], n)
             wait.add_metric(labels, stats["wait_histogram"].cumulative(),
                             stats["wait_histogram"].sum)
+            latency.add_metric(labels, stats["latency_histogram"].cumulative(),
+                               stats["latency_histogram"].sum)
             startup.add_metric(labels, stats["startup_s"])
             pool.add_metric(labels, stats["pool_bytes"])
             for key, n in stats["lag"].items():
@@ -142,6 +152,6 @@ class _Collector:
                 if m is not None:
                     lag.add_metric([group, m.group(1), m.group(2)], n)
         yield from c.values()
-        yield from (bad, wait, startup, pool, lag)
+        yield from (bad, wait, latency, startup, pool, lag)
         yield from p.values()
         yield queued

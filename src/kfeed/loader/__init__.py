@@ -298,6 +298,7 @@ class Loader:
         self._t0: float | None = None       # first next()
         self._t_first: float | None = None  # first batch handed out
         self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
+        self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
         self._closed = False
         metrics.LIVE.add(self)
 
@@ -427,6 +428,8 @@ class Loader:
                 return None
             ledger.accept(out.end, out.acks, out.pack_offset)
         self._copier.adopt(out.tensors, out.event)
+        if out.newest_ms > 0:
+            self._latency_hist.observe(max(0.0, time.time() - out.newest_ms / 1000.0))
         offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
         batch = Batch(out.tensors, out.rows, offsets, out.info)
         self._current = batch
@@ -571,8 +574,10 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Throughput, bad records, lag per partition and time spent waiting in next().
 
-        Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``
-        and ``wait_histogram`` (the waits in next() after the first batch).
+        Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``,
+        ``wait_histogram`` (the waits in next() after the first batch) and
+        ``latency_histogram`` (from each batch's newest record's Kafka
+        timestamp to its hand-out; in offset order only).
         """
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
         # Rates and stall are over the steady state, from the first batch on;
@@ -607,6 +612,7 @@ class Loader:
             "group": self._source.group_id,
             "bad_by_reason": dict(self._bad.by_reason),
             "wait_histogram": self._wait_hist,
+            "latency_histogram": self._latency_hist,
         }
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------

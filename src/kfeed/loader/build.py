@@ -56,7 +56,7 @@ class Handoff:
     """A batch on its way to the caller: its slot or copy, and what the ledger must know."""
 
     __slots__ = ("gen", "rows", "slot", "tensors", "event", "first", "end", "acks",
-                 "pack_offset", "info")
+                 "pack_offset", "info", "newest_ms")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
@@ -75,6 +75,9 @@ class Handoff:
         self.acks = 0
         self.pack_offset = 0
         self.info: PackInfo | None = None
+        # In offset order: the Kafka timestamp (ms) of the newest record's
+        # message, for the end-to-end latency (0: not known).
+        self.newest_ms = 0
 
     def release(self, pool: BufferPool, event: Any = None) -> None:
         """Give the slot back (once its copy is issued, or the batch is dropped)."""
@@ -176,6 +179,7 @@ class SlotBuilder:
             if tp not in out.first:
                 out.first[tp] = (msgs[a].offset(), start if a == i else 0)
             out.end[tp] = (msgs[b - 1].offset() + 1, 0)
+            out.newest_ms = max(out.newest_ms, msgs[b - 1].timestamp()[1])
         nbytes = _fetch.value_bytes(f.vals, i, i + res.consumed)
         if res.partial:
             m = msgs[i + res.consumed]
