@@ -66,6 +66,14 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert sample(got, "kafka_consumergroup_lag", consumergroup="", topic="memory",
                   partition="0") == 0
     assert sample(got, "kfeed_loader_pool_bytes", **labels) == stats["pool_bytes"]
+    assert sample(got, "kfeed_loader_dead_lettered_total", **labels) == 0  # skipped
+    assert sample(got, "kfeed_loader_rebalances_total", **labels) == 1
+    assert sample(got, "kfeed_loader_commits_total", **labels) == stats["commits"] >= 1
+    assert sample(got, "kfeed_loader_commit_failures_total", **labels) == 0
+    for name in ("fetch", "decode"):
+        assert sample(got, "kfeed_loader_stage_seconds_total", stage=name, **labels) > 0
+    assert sample(got, "kfeed_loader_stage_seconds_total", stage="copy", **labels) == 0  # CPU
+    assert sample(got, "kfeed_loader_pool_slots_in_use", **labels) == stats["pool_slots_in_use"]
     # Each batch's newest record: written when the recording was made, moments ago.
     assert sample(got, "kfeed_loader_latency_seconds_count", **labels) == 10
     assert sample(got, "kfeed_loader_latency_seconds_bucket", le="60.0", **labels) == 10

@@ -101,7 +101,18 @@ class _Collector:
         c = {name: CounterMetricFamily(f"kfeed_loader_{name}", doc, labels=loader_labels)
              for name, doc in (("samples", "samples handed out"),
                                ("bytes", "message bytes decoded"),
-                               ("batches", "batches handed out"))}
+                               ("batches", "batches handed out"),
+                               ("commits", "offset commits sent"),
+                               ("commit_failures", "offset commits (or partitions) refused"),
+                               ("dead_lettered", "messages copied to the dead-letter topic"),
+                               ("rebalances", "partition assignments received"))}
+        stage = CounterMetricFamily("kfeed_loader_stage_seconds",
+                                    "time the loader's thread spent, by stage: fetch "
+                                    "(consume), decode (decode, order, pack), copy (to the "
+                                    "device)", labels=[*loader_labels, "stage"])
+        slots = GaugeMetricFamily("kfeed_loader_pool_slots_in_use",
+                                  "pool slots filling, lent or being copied",
+                                  labels=loader_labels)
         bad = CounterMetricFamily("kfeed_loader_bad_records", "messages rejected, by reason",
                                   labels=[*loader_labels, "reason"])
         wait = HistogramMetricFamily("kfeed_loader_wait_seconds",
@@ -147,11 +158,14 @@ class _Collector:
                                stats["latency_histogram"].sum)
             startup.add_metric(labels, stats["startup_s"])
             pool.add_metric(labels, stats["pool_bytes"])
+            slots.add_metric(labels, stats["pool_slots_in_use"])
+            for name in ("fetch", "decode", "copy"):
+                stage.add_metric([*labels, name], stats[f"{name}_s"])
             for key, n in stats["lag"].items():
                 m = _LAG_KEY.fullmatch(key)
                 if m is not None:
                     lag.add_metric([group, m.group(1), m.group(2)], n)
         yield from c.values()
-        yield from (bad, wait, latency, startup, pool, lag)
+        yield from (bad, wait, latency, startup, pool, slots, stage, lag)
         yield from p.values()
         yield queued

@@ -162,6 +162,11 @@ class Source:
     lineage: str | None = None  # written with every commit, with run (see Committed)
     run: str | None = None
     group_id = ""  # the consumer group, for metrics and logs
+    # Counted for metrics: commit requests sent, commits (or partitions of
+    # one) refused, and messages copied to the dead-letter queue.
+    commits_sent = 0
+    commit_failures = 0
+    dead_lettered = 0
     group_member = False  # must keep polling for its group's rebalances to go on
     # A rebalance moves only some partitions (cooperative-sticky, or Kafka 4's
     # consumer protocol); the others keep their fetch position.
@@ -589,6 +594,7 @@ class KafkaSource(Source):
 
         if not positions:
             return {}
+        self.commits_sent += 1
         offsets = [self._tp(tp, off, _metadata(skip, self.lineage, self.run))
                    for tp, (off, skip) in positions.items()]
         if asynchronous:
@@ -599,6 +605,7 @@ class KafkaSource(Source):
             parts = self._coordinated(lambda: self._consumer.commit(offsets=offsets,
                                                                     asynchronous=asynchronous))
         except KafkaException as e:
+            self.commit_failures += 1
             error = ConsumeError(f"offset commit failed: {e.args[0].str()}")
             # The group moves on (the consumer protocol's member epoch, a
             # rebalance): the same commit goes through once the consumer has
@@ -615,6 +622,7 @@ class KafkaSource(Source):
             elif p.error is not None:
                 failed.append(f"{p.topic}[{p.partition}]: {p.error.str()}")
         if failed:
+            self.commit_failures += len(failed)
             raise ConsumeError(f"offset commit failed for {', '.join(failed)}")
         return acked
 
@@ -629,6 +637,7 @@ class KafkaSource(Source):
                 if err is None and p.error is None and pos is not None:
                     self._acked.append((tp, pos))
                 elif err is not None or p.error is not None:
+                    self.commit_failures += 1
                     self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
                                    p.topic, p.partition, p.offset, err or p.error)
         except BaseException:  # noqa: BLE001 - never into librdkafka's dispatch
@@ -680,6 +689,7 @@ class KafkaSource(Source):
             on_delivery=self._on_dead_letter,
         )
         self._dlq_producer.poll(0)
+        self.dead_lettered += 1
         # In offset order per source partition (one idempotent producer), so
         # the prefix rule of NOTE [ One copy per bad message ] holds once
         # the copies are acknowledged, which settle() waits for.
@@ -964,6 +974,7 @@ class MemorySource(Source):
 
     def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> dict[TP, Position]:
         if positions:
+            self.commits_sent += 1
             self.commits.append(dict(positions))
             self.committed_positions.update(positions)
             self.committed_by.update(dict.fromkeys(positions, (self.lineage, self.run)))
@@ -971,6 +982,7 @@ class MemorySource(Source):
 
     def dead_letter(self, msg: Any, reason: str) -> None:
         self.dead_letters.append((msg, reason))
+        self.dead_lettered += 1
 
     def close(self) -> None:
         pass

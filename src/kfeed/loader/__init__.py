@@ -83,7 +83,7 @@ from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
-from kfeed.pool import BufferPool
+from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
@@ -575,9 +575,13 @@ class Loader:
         """Throughput, bad records, lag per partition and time spent waiting in next().
 
         Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``,
-        ``wait_histogram`` (the waits in next() after the first batch) and
+        ``wait_histogram`` (the waits in next() after the first batch),
         ``latency_histogram`` (from each batch's newest record's Kafka
-        timestamp to its hand-out; in offset order only).
+        timestamp to its hand-out; in offset order only), ``commits`` (sent),
+        ``commit_failures``, ``dead_lettered``, ``rebalances`` (assignments
+        received), the seconds spent by stage (``fetch_s`` in consume,
+        ``decode_s`` decoding, ordering and packing, ``copy_s`` issuing device
+        copies) and ``pool_slots_in_use``.
         """
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
         # Rates and stall are over the steady state, from the first batch on;
@@ -613,6 +617,14 @@ class Loader:
             "bad_by_reason": dict(self._bad.by_reason),
             "wait_histogram": self._wait_hist,
             "latency_histogram": self._latency_hist,
+            "commits": self._source.commits_sent,
+            "commit_failures": self._source.commit_failures,
+            "dead_lettered": self._source.dead_lettered,
+            "rebalances": fetcher.rebalances,
+            "fetch_s": fetcher.fetch_s,
+            "decode_s": builder.decode_s,
+            "copy_s": self._feeder.copy_s,
+            "pool_slots_in_use": sum(s is not SlotState.FREE for s in self._pool.states()),
         }
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------

@@ -108,6 +108,7 @@ class SlotBuilder:
         # Values others wrote (Avro, Protobuf): one record each, decoded by their plans.
         self.decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else None
         self.value_bytes = 0   # bytes of the message values decoded
+        self.decode_s = 0.0    # decoding, ordering and packing, for metrics
 
     def all_done(self) -> bool:
         return self.fetcher.all_done()
@@ -154,6 +155,13 @@ class SlotBuilder:
         return True
 
     def _decode(self, slot: Slot, out: Handoff) -> None:
+        t = time.monotonic()
+        try:
+            self._decode_pending(slot, out)
+        finally:
+            self.decode_s += time.monotonic() - t
+
+    def _decode_pending(self, slot: Slot, out: Handoff) -> None:
         f = self.fetcher
         msgs, i = f.msgs, f.i
         vals = f.vals[i:]
@@ -317,6 +325,13 @@ class RecordBuilder(SlotBuilder):
         out.info = info
 
     def _push_pending(self) -> None:
+        t = time.monotonic()
+        try:
+            self._push_fetch()
+        finally:
+            self.decode_s += time.monotonic() - t
+
+    def _push_fetch(self) -> None:
         msgs, vals = self.fetcher.take()
         self.value_bytes += sum(len(v) for v in vals if v is not None)
         order = self.order_ledger.order

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from kfeed.badrecords import BadRecords
@@ -100,6 +101,7 @@ class Feeder:
         self.stop = stop
         self.thread: threading.Thread | None = None
         self.epoch_over = False
+        self.copy_s = 0.0  # issuing device copies, for metrics
         # The on_revoke hook: the thread posts the partitions, the caller
         # runs the hook inside next() and sets revoke_done.
         self.hook_revoke = hook_revoke
@@ -154,7 +156,9 @@ class Feeder:
             out.rows = slot.rows
             if self.copier.cuda:
                 # Issued here, the copy overlaps the caller's current step.
+                t = time.monotonic()
                 out.tensors, out.event = self.copier.copy(slot)
+                self.copy_s += time.monotonic() - t
                 out.release(pool, out.event)
             else:  # the slot's own tensors go to the caller
                 out.tensors = pool.lend(slot)

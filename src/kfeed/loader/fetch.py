@@ -97,6 +97,8 @@ class Fetcher:
         self.bounded = bounded
         self.batch_size = batch_size
         self.status = status
+        self.fetch_s = 0.0    # in Source.consume, for metrics
+        self.rebalances = 0   # assignments received
         # Run inside a revoke, before anything is given up (the on_revoke hook);
         # the positions given up, if it gave them up itself.
         self.before_revoke: Callable[[list[TP]], dict[TP, Position] | None] = \
@@ -137,6 +139,7 @@ class Fetcher:
     # -- assignment (inside the source's callbacks, on the loader's thread) ---
 
     def on_assign(self, tps: list[TP]) -> dict[TP, Position]:
+        self.rebalances += 1
         positions = self.ledger.positions(tps, self.assigned | set(tps))
         self._starting(positions)
         self.starts.update(positions)
@@ -241,7 +244,9 @@ class Fetcher:
         self.starts = {}
         self.last_poll = time.monotonic()
         self.status.doing = "fetching messages (Source.consume)"
+        t = time.monotonic()
         msgs = self.source.consume(n, timeout)
+        self.fetch_s += time.monotonic() - t
         self.status.doing = "decoding"
         if self.ledger.gen != gen:
             msgs = self._after_rebalance(msgs)
