@@ -329,21 +329,32 @@ def test_train_says_why_nothing_was_read(capsys, monkeypatch) -> None:
 # -- progress: the bar and the final line on one clock --------------------------------
 
 
-def test_the_last_bar_and_the_final_line_give_the_same_rate() -> None:
-    bar = cli._sample_line(100_000, 100_000, 24.845, 308_800_000)
-    assert bar == ("[##############################] 100000/100000 4,025 samples/s, "
-                   "12.4 MB/s")
-    assert cli._rates(100_000, 308_800_000, 24.845, "samples") in bar
-    # Before the flush ends, only acknowledged samples count.
-    assert cli._sample_line(50_000, 100_000, 12.0, 0).startswith(
-        "[###############...............] 50000/100000 4,167 samples/s")
-
-
 def test_only_acknowledged_messages_count_as_done() -> None:
-    producer = SimpleNamespace(_producer=[None] * 30, messages=40)  # 30 still queued
-    assert cli._acknowledged(producer) == 0.25
-    assert cli._acknowledged(SimpleNamespace(_producer=[], messages=40)) == 1.0
-    assert cli._acknowledged(SimpleNamespace(_producer=[], messages=0)) == 0.0
+    def producer(queued: int, messages: int) -> SimpleNamespace:
+        return SimpleNamespace(stats=lambda: {"queued": queued}, messages=messages)
+
+    assert cli._acknowledged(producer(30, 40)) == 0.25  # 30 still queued
+    assert cli._acknowledged(producer(0, 40)) == 1.0
+    assert cli._acknowledged(producer(0, 0)) == 0.0
+
+
+def test_progress_off_a_terminal_is_plain_lines_with_the_eta(capsys) -> None:
+    import time
+
+    t0 = time.monotonic() - 10.0  # 10 s in
+    state = [50_000.0]
+    progress = cli._Progress("kfeed produce", "samples",
+                             lambda: (state[0], 100_000.0, "12.4 MB/s"), t0, every_s=0.05)
+    time.sleep(0.3)
+    state[0] = 100_000.0
+    progress.close(final=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 2 and "\r" not in "".join(lines)
+    first = lines[0]
+    assert first.startswith("kfeed produce: 50,000/100,000 samples (50%), ")
+    rate = int(first.split(", ")[1].split()[0].replace(",", ""))
+    assert 4_500 <= rate <= 5_000  # 50,000 in about 10 s
+    assert ", ETA 10s, 12.4 MB/s" in first or ", ETA 11s, 12.4 MB/s" in first
 
 
 def test_lag_is_na_until_the_loader_knows_it() -> None:
@@ -555,3 +566,49 @@ def test_a_signal_saves_a_checkpoint_and_exits(bootstrap, make_topic, group_id, 
 
 def samples_of(stdout: str) -> int:
     return int(summary(stdout).split(" samples")[0].rsplit(" ", 1)[1])
+
+
+def on_a_terminal(args: list[str], stdout: Any = subprocess.PIPE) -> tuple[str, str, int]:
+    """Run ``kfeed args`` with stderr (and, with ``stdout=None``, stdout) on a pty."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kfeed", *args],
+                            stdout=slave if stdout is None else stdout, stderr=slave,
+                            stdin=subprocess.DEVNULL)
+    os.close(slave)
+    drawn = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the other end closed
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    out = proc.communicate(timeout=120)[0]
+    return drawn.decode(errors="replace"), (out or b"").decode(), proc.returncode
+
+
+@pytest.mark.integration
+def test_on_a_terminal_produce_and_train_draw_bars(bootstrap, make_topic, group_id) -> None:
+    topic = make_topic(partitions=1)
+    text, out, rc = on_a_terminal(["produce", "--bootstrap-servers", bootstrap, "--topic",
+                                   topic, "--synthetic", "30000", "--progress-every", "0.05"])
+    assert rc == 0
+    # tqdm's bar: the description, the count of the total, the rate.
+    assert "kfeed produce: 100%|" in text and "30.0k/30.0k" in text, text[-2000:]
+    assert "samples/s" in text and "MB/s" in text
+    assert out.startswith("produced 30000 samples")
+    text, _, rc = on_a_terminal(["train", "--bootstrap-servers", bootstrap, "--topic", topic,
+                                 "--group-id", group_id, "--steps", "6", "--log-every", "3",
+                                 "--device", "cpu"], stdout=None)
+    assert rc == 0, text[-2000:]
+    assert "kfeed train: 100%|" in text and "6/6" in text, text[-2000:]
+    assert "step 3  loss" in text and "trained 6 steps" in text

@@ -313,8 +313,11 @@ def resolve_device(spec: str | None) -> str:
 
 
 def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] | None,
-        say: Callable[[str], None], guard: StopGuard, t0: float) -> Outcome:
+        say: Callable[[str], None], guard: StopGuard, t0: float,
+        tick: Callable[[int], None] | None = None) -> Outcome:
     """Train ``opts.task`` from ``opts.topic``; ``say`` gets each progress line.
+
+    ``tick``, if given, gets the step count after every step (a live bar).
 
     ``state``: a loaded checkpoint to resume from (its loader positions win
     over ``start``). ``t0``: when the command started, for the time to the
@@ -381,6 +384,8 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                 loss.backward()
                 optimizer.step()
                 out.step += 1
+                if tick is not None:
+                    tick(out.step)
                 if out.step == out.first_step + 1:
                     out.start_to_first_step_s = time.monotonic() - t0
                 if seen_log is not None:
