@@ -694,14 +694,21 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
 
 
 cdef str _json_reason(Layout layout, JsonPlan plan, AvBad b, Py_ssize_t size):
-    cdef int err = b.err
     where = f" at {plan.notes[b.node]}" if b.node >= 0 else ""
+    missing = (f"field {layout.names[b.field]!r}: missing or null, and no default"
+               if b.err == A_MISSING else "")
+    return _json_error(b, where, missing, size)
+
+
+cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
+    """The reason a JSON value was rejected; ``missing`` says what was missing."""
+    cdef int err = b.err
     if err == A_VALUE:
         return REASONS[b.value]
     if err == A_FRAME:
         return f"{size} bytes: too short for the Confluent framing (5 bytes)"
     if err == A_MISSING:
-        return f"field {layout.names[b.field]!r}: missing or null, and no default"
+        return missing
     if err == A_JSON:
         return f"not JSON{where}"
     if err == A_OBJECT:
@@ -947,36 +954,10 @@ def json_documents(values, list keys, int code):
         path = ".".join(x.decode(errors="replace") for x in held)
         rejected = []
         for k in range(nbad):
-            rejected.append((bad[k].index, _json_doc_reason(bad[k], path, vals.size[bad[k].index])))
+            where = f" at {path}" if bad[k].node >= 0 else ""
+            rejected.append((bad[k].index, _json_error(bad[k], where, f"{path}: missing or null",
+                                                       vals.size[bad[k].index])))
         tokens = PyBytes_FromStringAndSize(<char*>t.buf, t.len * t.size)
         return tokens, lengths[counts > 0], counts, rejected
     finally:
         free(kp); free(kl); free(bad); free(t.buf)
-
-
-cdef str _json_doc_reason(AvBad b, str path, Py_ssize_t size):
-    cdef int err = b.err
-    where = f" at {path}" if b.node >= 0 else ""
-    if err == A_VALUE:
-        return REASONS[b.value]
-    if err == A_FRAME:
-        return f"{size} bytes: too short for the Confluent framing (5 bytes)"
-    if err == A_MISSING:
-        return f"{path}: missing or null"
-    if err == A_JSON:
-        return f"not JSON{where}"
-    if err == A_OBJECT:
-        return f"not an object{where}"
-    if err == A_TRUNCATED:
-        return f"truncated{where}"
-    if err == A_RANGE:
-        return f"a number that does not fit the field's dtype{where}"
-    if err == A_KIND:
-        return f"a value of another kind than the field's{where}"
-    if err == A_NULL:
-        return f"null element{where}"
-    if err == A_DEPTH:
-        return f"nested deeper than {J_MAX_DEPTH}"
-    if err == A_TRAILING:
-        return f"{b.value} bytes left after the object"
-    return f"error {err}{where}"

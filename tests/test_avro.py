@@ -313,41 +313,47 @@ def test_mutated_values_never_crash_and_never_half_write(data):
 
 
 @pytest.mark.integration
+def produce_clicks(bootstrap: str, topic: str, registry: SchemaRegistryClient
+                   ) -> tuple[list[dict], dict[bytes, str]]:
+    """10,000 records by ``AvroSerializer`` (a schema change at the half) into ``topic``,
+    corrupt frames among them; how they read back, and each corrupt value's reason."""
+    values, records = serialized(registry, 10_000)
+    corrupt, reasons = corrupt_values(registry)
+    bad = {corrupt[i]: why for i, why in reasons.items()}
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for i, v in enumerate(values):
+        p.produce(topic, v, key=str(i).encode())
+        if i == 5000:
+            for b in bad:
+                p.produce(topic, b, key=b"bad")
+        p.poll(0)
+    assert p.flush(60) == 0
+    return records, bad
+
+
+def check_clicks(cols: dict[str, np.ndarray], records: list[dict], bootstrap: str, topic: str,
+                 bad: dict[bytes, str]) -> None:
+    """Each record once and equal to what the deserializer read; each bad one dead-lettered."""
+    order = np.argsort(cols["id"], kind="stable")
+    np.testing.assert_array_equal(cols["id"][order], np.arange(10_000))  # each record once
+    want = expected_columns(records)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
+    dead = read_dlq(bootstrap, topic, len(bad))
+    assert sorted(m.value() for m in dead) == sorted(bad)
+    for m in dead:
+        assert bad[m.value()] in dict(m.headers())["kfeed.reason"].decode()
+
+
 def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, make_topic,
                                                                      schema_registry):
     # A real Schema Registry, asked over HTTP by the serializer and by kfeed.
     registry = SchemaRegistryClient({"url": schema_registry})
     topic = make_topic(partitions=3)
-    values, records = serialized(registry, 10_000)
-    corrupt, reasons = corrupt_values(registry)
-    bad_values = [corrupt[i] for i in sorted(reasons)]
-    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
-    for i, v in enumerate(values):
-        p.produce(topic, v, key=str(i).encode())
-        if i == 5000:
-            for b in bad_values:
-                p.produce(topic, b, key=b"bad")
-        p.poll(0)
-    assert p.flush(60) == 0
-    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
-    ids, got = [], {f.name: [] for f in SCHEMA.fields}
-    with kfeed.Loader(config, topic, SCHEMA, 512, device="cpu", until="end",
-                      format=kfeed.Avro(registry={"url": schema_registry})) as loader:
-        for batch in loader:
-            for f in SCHEMA.fields:
-                got[f.name].append(batch[f.name].numpy().copy())
-    cols = {k: np.concatenate(v) for k, v in got.items()}
-    order = np.argsort(cols["id"])
-    ids = cols["id"][order]
-    np.testing.assert_array_equal(ids, np.arange(10_000))  # each record once
-    want = expected_columns(records)
-    for f in SCHEMA.fields:
-        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
-    dead = read_dlq(bootstrap, topic, len(bad_values))
-    assert sorted(m.value() for m in dead) == sorted(bad_values)
-    by_value = {corrupt[i]: why for i, why in reasons.items()}
-    for m in dead:
-        assert by_value[m.value()] in dict(m.headers())["kfeed.reason"].decode()
+    records, bad = produce_clicks(bootstrap, topic, registry)
+    cols = read_columns(bootstrap, topic, SCHEMA, kfeed.Avro(registry={"url": schema_registry}),
+                        batch_size=512)
+    check_clicks(cols, records, bootstrap, topic, bad)
 
 
 # -- writing: kfeed.Producer(format=kfeed.Avro(...)) ---------------------------------------

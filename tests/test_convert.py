@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Producer as KafkaProducer
-from records import read_columns, read_dlq
-from test_avro import SCHEMA, corrupt_values, expected_columns, registry, serialized  # noqa: F401
+from records import read_columns
+from test_avro import SCHEMA, check_clicks, produce_clicks, registry  # noqa: F401
 
 import kfeed
 
@@ -32,35 +32,15 @@ pytestmark = pytest.mark.integration
 def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer(
         bootstrap, make_topic, registry):  # noqa: F811
     src = make_topic(partitions=3)
-    values, records = serialized(registry, 10_000)  # a schema change at the half
-    corrupt, reasons = corrupt_values(registry)
-    bad_values = [corrupt[i] for i in sorted(reasons)]
-    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
-    for i, v in enumerate(values):
-        p.produce(src, v, key=str(i).encode())
-        if i == 5000:
-            for b in bad_values:
-                p.produce(src, b, key=b"bad")
-        p.poll(0)
-    assert p.flush(60) == 0
+    records, bad = produce_clicks(bootstrap, src, registry)  # a schema change at the half
     seen = []
     stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", SCHEMA,
                           format=kfeed.Avro(registry=registry), round_messages=3000,
                           progress=seen.append)
-    assert (stats.records, stats.bad, stats.messages) == (10_000, len(bad_values),
-                                                          10_000 + len(bad_values))
+    assert (stats.records, stats.bad, stats.messages) == (10_000, len(bad), 10_000 + len(bad))
     assert stats.transactions >= 4 and seen and seen[-1].records == 10_000
     cols = read_columns(bootstrap, src + ".blocks", SCHEMA, batch_size=1000)
-    order = np.argsort(cols["id"], kind="stable")
-    np.testing.assert_array_equal(cols["id"][order], np.arange(10_000))  # each record once
-    want = expected_columns(records)
-    for f in SCHEMA.fields:
-        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
-    dead = read_dlq(bootstrap, src, len(bad_values))
-    assert sorted(m.value() for m in dead) == sorted(bad_values)
-    by_value = {corrupt[i]: why for i, why in reasons.items()}
-    for m in dead:
-        assert by_value[m.value()] in dict(m.headers())["kfeed.reason"].decode()
+    check_clicks(cols, records, bootstrap, src, bad)
     # Converted already: a second run finds nothing new and writes nothing.
     again = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", SCHEMA,
                           format=kfeed.Avro(registry=registry))

@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
 __all__ = ["create_topic", "client_config", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
-           "topic_partitions", "chain", "kafka_error"]
+           "topic_partitions", "admin_partitions", "chain", "kafka_error"]
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,32 @@ def topic_partitions(md: Any, topic: str, since: float,
             time.monotonic() < until:
         return None
     return TopicUnavailable(err.str() if err is not None else "no partitions", code)
+
+
+def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> list[int]:
+    """``topic``'s partition ids, asked of an ``AdminClient``; ConsumeError naming why not.
+
+    Asked again while the topic is new to the broker asked (``topic_partitions``).
+    """
+    from confluent_kafka import KafkaException
+
+    since = time.monotonic()
+    deadline = since + timeout_s
+    while True:
+        try:
+            md = admin.list_topics(topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+        except KafkaException as e:
+            if time.monotonic() < deadline:
+                continue
+            raise ConsumeError(unreachable_message(servers, timeout_s, e.args[0].str()),
+                               topic=topic) from e
+        found = topic_partitions(md, topic, since, deadline)
+        if isinstance(found, TopicUnavailable):
+            raise ConsumeError(unavailable_message(topic, servers, found.why), topic=topic,
+                               code=found.code)
+        if found is not None:
+            return found
+        time.sleep(0.1)
 
 
 def chain(ours: Callable[..., None], theirs: Callable[..., None] | None) -> Callable[..., None]:

@@ -200,7 +200,7 @@ class AvroEncoder(Encoder):
         self.writer = writer_schema(schema)
         self.codes = codes(schema)
         self.shapes = [list(f.shape) for f in schema.fields]
-        self.order = _write_order(schema)
+        self.order = _write_order(schema, self.writer)
         self.schema = schema
         if fmt.framed:
             self.schema_id = _register(fmt.client(), f"{topic}-value", self.writer)
@@ -274,8 +274,8 @@ def _record_at(records: dict[tuple[str, ...], Any], path: tuple[str, ...], field
     return record
 
 
-def _write_order(schema: Schema) -> list[int]:
-    """Field indices in the order the writer schema meets them (depth first)."""
+def _write_order(schema: Schema, writer: dict[str, Any]) -> list[int]:
+    """Field indices in the order ``writer`` (``writer_schema(schema)``) meets them, depth first."""
     index = {f.path: i for i, f in enumerate(schema.fields)}
     order: list[int] = []
 
@@ -287,7 +287,7 @@ def _write_order(schema: Schema) -> list[int]:
             else:
                 order.append(index[here])
 
-    walk(writer_schema(schema), ())
+    walk(writer, ())
     return order
 
 

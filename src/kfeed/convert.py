@@ -26,18 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import client_config, create_topic, kafka_error
+from kfeed._kafka import admin_partitions, client_config, create_topic, kafka_error
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Format, Schema, Target
-from kfeed.sources import (
-    CONSUMER_DEFAULTS,
-    DLQ_OFFSET_HEADER,
-    DLQ_PARTITION_HEADER,
-    DLQ_TOPIC_HEADER,
-)
+from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers
 
 __all__ = ["ConvertStats", "convert"]
 
@@ -174,21 +169,11 @@ class _Convert:
         self.dead: list[tuple[Any, str]] = []  # this round's dead-letter copies
 
     def _source_partitions(self, kafka_config: Mapping[str, Any]) -> int:
-        from confluent_kafka import KafkaException
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(client_config(kafka_config))
-        try:
-            md = admin.list_topics(self.from_topic, timeout=self.timeout)
-        except KafkaException as e:
-            raise ConsumeError(f"cannot list {self.from_topic}: {e.args[0].str()}",
-                               topic=self.from_topic) from e
-        tm = md.topics.get(self.from_topic)
-        if tm is None or tm.error is not None or not tm.partitions:
-            why = tm.error.str() if tm is not None and tm.error is not None else "no partitions"
-            raise ConsumeError(f"topic {self.from_topic} is not available: {why}",
-                               topic=self.from_topic)
-        return len(tm.partitions)
+        config = client_config(kafka_config)
+        return len(admin_partitions(AdminClient(config), self.from_topic,
+                                    str(config["bootstrap.servers"]), self.timeout))
 
     # -- the rounds ---------------------------------------------------------------
 
@@ -277,12 +262,8 @@ class _Convert:
                            partition=part % p.num_partitions)
             self.bad.end_of_read()  # a round of bad records only: nothing commits
             for m, why in self.dead:
-                p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts, [
-                    (DLQ_TOPIC_HEADER, m.topic().encode()),
-                    (DLQ_PARTITION_HEADER, str(m.partition()).encode()),
-                    (DLQ_OFFSET_HEADER, str(m.offset()).encode()),
-                    ("kfeed.reason", why.encode()),
-                ])
+                p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts,
+                       dead_letter_headers(m, why))
             blocks = p.messages - messages_before - len(self.dead)
             p.send_offsets(self.consumer, [
                 TopicPartition(self.from_topic, part, pms[-1].offset() + 1)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import client_config
+from kfeed._kafka import admin_partitions, client_config
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_lag"]
@@ -69,7 +69,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
-        parts = _partitions(admin, wanted, timeout_s)
+        servers = str(config["bootstrap.servers"])
+        parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
         end = {(tp.topic, tp.partition): f.result().offset for tp, f in ends.items()}
@@ -94,17 +95,6 @@ def _committed(admin: Any, request: Any, timeout_s: float) -> dict[tuple[str, in
     result = next(iter(futures.values())).result()
     return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
             if tp.offset >= 0}
-
-
-def _partitions(admin: Any, topics: list[str], timeout_s: float) -> list[tuple[str, int]]:
-    out = []
-    for topic in topics:
-        md = admin.list_topics(topic, timeout=timeout_s).topics.get(topic)
-        if md is None or md.error is not None:
-            why = md.error.str() if md is not None and md.error is not None else "unknown"
-            raise ConsumeError(f"topic {topic} is not available: {why}", topic=topic)
-        out += [(topic, p) for p in sorted(md.partitions)]
-    return out
 
 
 def _owners(admin: Any, group_id: str, timeout_s: float) -> dict[tuple[str, int], str]:

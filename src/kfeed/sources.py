@@ -38,7 +38,7 @@ from kfeed._kafka import (
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
-           "CONSUMER_DEFAULTS"]
+           "CONSUMER_DEFAULTS", "dead_letter_headers"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,16 @@ DLQ_TOPIC_HEADER = "kfeed.source.topic"
 DLQ_PARTITION_HEADER = "kfeed.source.partition"
 DLQ_OFFSET_HEADER = "kfeed.source.offset"
 _DLQ_WINDOW = 1000
+
+
+def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
+    """The headers of ``msg``'s dead-letter copy: where it came from, and why."""
+    return [
+        (DLQ_TOPIC_HEADER, msg.topic().encode()),
+        (DLQ_PARTITION_HEADER, str(msg.partition()).encode()),
+        (DLQ_OFFSET_HEADER, str(msg.offset()).encode()),
+        ("kfeed.reason", reason.encode()),
+    ]
 
 # NOTE [ One copy per bad message ]
 #
@@ -678,14 +688,9 @@ class KafkaSource(Source):
         if msg.offset() <= done:
             log.info("%s[%d]@%d is in %s already", src[0], src[1], msg.offset(), topic)
             return
-        headers = [
-            (DLQ_TOPIC_HEADER, msg.topic().encode()),
-            (DLQ_PARTITION_HEADER, str(msg.partition()).encode()),
-            (DLQ_OFFSET_HEADER, str(msg.offset()).encode()),
-            ("kfeed.reason", reason.encode()),
-        ]
         self._dlq_producer.produce(
-            topic, value=msg.value(), key=msg.key(), headers=headers, partition=part,
+            topic, value=msg.value(), key=msg.key(), headers=dead_letter_headers(msg, reason),
+            partition=part,
             on_delivery=self._on_dead_letter,
         )
         self._dlq_producer.poll(0)

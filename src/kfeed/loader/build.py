@@ -237,7 +237,9 @@ class RecordBuilder(SlotBuilder):
             self.held = schema.hold(Format.RAW if self.decoder is not None else fmt,
                                     limit=_HELD_LIMIT * (size + batch_size)
                                     * schema.record_size)
+            # Another format's fetch decoded here first, and its bound form.
             self.staging: dict[str, np.ndarray] = {}
+            self.staging_target: Any = None
         self.pending = np.empty(0, np.int64)
         self.taken = 0
         # Documents: those the order holds (shuffle, or a loaded state coming
@@ -440,7 +442,8 @@ class RecordBuilder(SlotBuilder):
         have = len(next(iter(self.staging.values()))) if self.staging else 0
         if have < n:
             self.staging = self.schema.empty(max(n, 2 * have), like="numpy")
-        res = self.decoder.decode_into(vals, self.schema.bind(self.staging), 0)
+            self.staging_target = self.schema.bind(self.staging)
+        res = self.decoder.decode_into(vals, self.staging_target, 0)
         if not res.bad:
             keep = slice(None)
             kept = msgs
