@@ -77,6 +77,7 @@ cdef enum AvErr:
     A_FRAME
     A_VALUE          # the value was rejected before decoding (a Reason in ``extra``)
     A_PLAN           # no plan for the value's schema id (a str reason from the caller)
+    A_MEMORY         # a document could not grow
 
 cdef enum:
     # Nesting deeper than this (recursive types) fails the record, not the stack.
@@ -90,7 +91,7 @@ cdef struct AvNode:
     int kind
     int field           # the field written, -1: skipped
     int code            # the field's AvCode when field >= 0
-    int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items
+    int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items (-1: any)
     int64_t stride      # ARRAY into a field: elements per item
     Py_ssize_t first    # children: kids[first:first + n]
     Py_ssize_t n
@@ -104,6 +105,34 @@ cdef struct AvPlan:
     int* codes               # per field
     uint64_t* nelem          # per field: elements in one row
     const uint8_t** default  # per field: one row of its default, or NULL
+    int varfield             # the variable-length field (a document), -1: none
+    uint64_t var_default     # its default's elements (when default[varfield])
+
+
+# Documents: one variable-length field per record, read into one growing
+# buffer (``av_documents``, ``pb_documents``). A record's document starts at
+# ``len``; ``reserve`` makes room for it and points the cursor's row there.
+cdef struct VarOut:
+    uint8_t* buf
+    int64_t cap              # elements
+    int64_t len              # elements of the documents taken so far
+    int size                 # bytes an element
+
+
+cdef int var_reserve(VarOut* v, int64_t need, uint8_t** row, uint64_t* nelem) noexcept nogil:
+    """Room for ``need`` elements of the document at ``v.len``; ``row`` and ``nelem`` follow."""
+    cdef int64_t cap = v.cap
+    cdef uint8_t* grown
+    if need > cap - v.len:
+        while need > cap - v.len:
+            cap *= 2
+        grown = <uint8_t*>realloc(v.buf, cap * v.size)
+        if grown == NULL:
+            return A_MEMORY
+        v.buf, v.cap = grown, cap
+    row[0] = v.buf + v.len * v.size
+    nelem[0] = v.cap - v.len
+    return A_OK
 
 
 cdef struct AvCur:
@@ -111,7 +140,10 @@ cdef struct AvCur:
     const uint8_t* end
     const AvPlan* plan
     uint8_t** row            # per field: the record's row in the output
+    uint64_t* nelem          # per field: elements the row holds
     uint8_t* written         # per field: set once the record wrote it
+    VarOut* var              # documents: where the variable-length field goes
+    int64_t vcount           # ... and the elements this record put there
     int depth
     Py_ssize_t err_node
     Py_ssize_t err_field
@@ -129,10 +161,12 @@ cdef inline int code_size(int code) noexcept nogil:
 
 
 cdef int plan_fields(Layout layout, codes, defaults, int* out_codes, uint64_t* nelem,
-                     const uint8_t** default) except -1:
+                     const uint8_t** default, Py_ssize_t varfield) except -1:
     """Each field's element code, elements per row and default row, checked against the layout.
 
     The default rows point into ``defaults``' bytes: the plan holds that tuple.
+    ``varfield``: the variable-length field (its row in the layout is one
+    element; its default a document of any length), or -1.
     """
     cdef Py_ssize_t f
     if len(codes) != layout.nfields or len(defaults) != layout.nfields:
@@ -146,7 +180,11 @@ cdef int plan_fields(Layout layout, codes, defaults, int* out_codes, uint64_t* n
             raise ValueError(f"field {f}: its row is not a whole number of elements")
         nelem[f] = layout.row_bytes[f] // code_size(code)
         d = defaults[f]
-        if d is not None:
+        if d is not None and f == varfield:
+            if type(d) is not bytes or len(<bytes>d) % code_size(code):
+                raise ValueError(f"field {f}: a document's default must be bytes of whole elements")
+            default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
+        elif d is not None:
             if type(d) is not bytes or len(<bytes>d) != layout.row_bytes[f]:
                 raise ValueError(f"field {f}: a default must be bytes of one row")
             default[f] = <const uint8_t*>PyBytes_AS_STRING(d)
@@ -169,7 +207,7 @@ cdef class AvroPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[::1] kids,
-                  codes, defaults, notes):
+                  codes, defaults, notes, Py_ssize_t varfield=-1):
         cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = kids.shape[0]
         cdef AvNode* nd
         self.nfields = layout.nfields
@@ -189,7 +227,21 @@ cdef class AvroPlan:
         if not (self.p.nodes and self.p.kids and self.p.codes and self.p.nelem
                 and self.p.default):
             raise MemoryError()
-        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
+        # A document: ``varfield``, read by nodes of no fixed size (arrays, bytes, strings).
+        if not -1 <= varfield < layout.nfields:
+            raise ValueError(f"field {varfield} is not in the layout")
+        self.p.varfield = varfield
+        for i in range(nn):
+            if nodes[i, 3] == -1 and (nodes[i, 1] != varfield or varfield < 0 or
+                                      nodes[i, 0] not in (K_ARRAY, K_BYTES, K_STRING)):
+                raise ValueError(f"node {i}: only arrays, bytes and strings into the "
+                                 f"variable-length field have no fixed size")
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default,
+                    self.p.varfield)
+        self.p.var_default = 0
+        if self.p.varfield >= 0 and defaults[self.p.varfield] is not None:
+            self.p.var_default = (len(defaults[self.p.varfield])
+                                  // code_size(self.p.codes[self.p.varfield]))
         for i in range(nk):
             if not 0 <= kids[i] < nn:
                 raise ValueError(f"kid {i} is not a node")
@@ -208,7 +260,8 @@ cdef class AvroPlan:
                 raise ValueError(f"node {i}: its children are not in kids")
             if (nd.kind == K_ARRAY or nd.kind == K_MAP) and nd.n != 1:
                 raise ValueError(f"node {i}: an array or map has one child")
-            if nd.size < 0 or nd.stride < 0:
+            if (nd.size < 0 and not (nd.size == -1 and nd.field == self.p.varfield >= 0)) \
+                    or nd.stride < 0:
                 raise ValueError(f"node {i}: negative size")
 
     def __dealloc__(self):
@@ -302,14 +355,14 @@ cdef inline int put_float(uint8_t* d, uint64_t nelem, int code, int64_t elem,
 
 cdef inline int av_store_int(AvCur* c, const AvNode* nd, int64_t elem, int64_t v) noexcept nogil:
     c.err_value = v
-    cdef int r = put_int(c.row[nd.field], c.plan.nelem[nd.field], nd.code, elem, v)
+    cdef int r = put_int(c.row[nd.field], c.nelem[nd.field], nd.code, elem, v)
     if r == A_OK:
         c.written[nd.field] = 1
     return r
 
 
 cdef inline int av_store_float(AvCur* c, const AvNode* nd, int64_t elem, double v) noexcept nogil:
-    cdef int r = put_float(c.row[nd.field], c.plan.nelem[nd.field], nd.code, elem, v)
+    cdef int r = put_float(c.row[nd.field], c.nelem[nd.field], nd.code, elem, v)
     if r == A_OK:
         c.written[nd.field] = 1
     return r
@@ -322,6 +375,7 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
     cdef int64_t count, nbytes, k = 0, j, left
     cdef int r
     cdef bint into = nd.field >= 0 and nd.kind == K_ARRAY
+    cdef bint var = into and nd.size < 0  # a document: any number of items
     while True:
         r = av_long(c, &count)
         if r:
@@ -345,16 +399,20 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
                 continue
         if count > c.end - c.p and count > AV_FREE_ITEMS:
             return A_TRUNCATED
+        if var:
+            if var_reserve(c.var, elem + (k + count) * nd.stride, &c.row[nd.field],
+                           &c.nelem[nd.field]):
+                return A_MEMORY
+        elif into and count > nd.size - k:
+            c.err_node = i
+            c.err_value = k + count
+            return A_LENGTH
         if into:
-            if count > nd.size - k:
-                c.err_node = i
-                c.err_value = k + count
-                return A_LENGTH
             left = c.end - c.p
             if item.kind == K_FLOAT and nd.code == C_F32 and nd.stride == 1:
                 if count * 4 > left:
                     return A_TRUNCATED
-                if <uint64_t>(elem + k + count) > c.plan.nelem[nd.field]:
+                if <uint64_t>(elem + k + count) > c.nelem[nd.field]:
                     return A_LENGTH
                 memcpy(c.row[nd.field] + (elem + k) * 4, c.p, count * 4)
                 c.p += count * 4
@@ -363,7 +421,7 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
             if item.kind == K_DOUBLE and nd.code == C_F64 and nd.stride == 1:
                 if count * 8 > left:
                     return A_TRUNCATED
-                if <uint64_t>(elem + k + count) > c.plan.nelem[nd.field]:
+                if <uint64_t>(elem + k + count) > c.nelem[nd.field]:
                     return A_LENGTH
                 memcpy(c.row[nd.field] + (elem + k) * 8, c.p, count * 8)
                 c.p += count * 8
@@ -383,11 +441,13 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
             if r:
                 return r
         k += count
+    if var:
+        c.vcount = k
+    elif into and k != nd.size:
+        c.err_node = i
+        c.err_value = k
+        return A_LENGTH
     if into:
-        if k != nd.size:
-            c.err_node = i
-            c.err_value = k
-            return A_LENGTH
         c.written[nd.field] = 1
     return A_OK
 
@@ -443,12 +503,21 @@ cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
             return A_NEG_LENGTH
         if v > c.end - c.p:
             return A_TRUNCATED
+        if nd.field >= 0:  # a document of bytes
+            if nd.field == c.plan.varfield and var_reserve(c.var, v, &c.row[nd.field],
+                                                           &c.nelem[nd.field]):
+                return A_MEMORY
+            if elem != 0 or <uint64_t>v > c.nelem[nd.field]:
+                return A_LENGTH
+            memcpy(c.row[nd.field], c.p, v)
+            c.vcount = v
+            c.written[nd.field] = 1
         c.p += v
     elif kind == K_FIXED:
         if c.end - c.p < nd.size:
             return A_TRUNCATED
         if nd.field >= 0:
-            if elem < 0 or <uint64_t>(elem + nd.size) > c.plan.nelem[nd.field]:
+            if elem < 0 or <uint64_t>(elem + nd.size) > c.nelem[nd.field]:
                 r = A_LENGTH
             else:
                 memcpy(c.row[nd.field] + elem, c.p, nd.size)
@@ -501,9 +570,15 @@ cdef int av_record(AvCur* c, const AvPlan* plan, const uint8_t* p, const uint8_t
     c.err_node = -1
     c.err_field = -1
     c.err_value = 0
+    c.vcount = 0
     for f in range(plan.nfields):
-        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
         c.written[f] = 0
+        if f == plan.varfield:  # at the documents' end, made room for as it is read
+            c.row[f] = c.var.buf + c.var.len * c.var.size
+            c.nelem[f] = c.var.cap - c.var.len
+            continue
+        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
+        c.nelem[f] = plan.nelem[f]
     cdef int r = av_read(c, 0, 0)
     if r:
         return r
@@ -515,6 +590,12 @@ cdef int av_record(AvCur* c, const AvPlan* plan, const uint8_t* p, const uint8_t
             if plan.default[f] == NULL:
                 c.err_field = f
                 return A_MISSING
+            if f == plan.varfield:
+                if var_reserve(c.var, plan.var_default, &c.row[f], &c.nelem[f]):
+                    return A_MEMORY
+                memcpy(c.row[f], plan.default[f], plan.var_default * c.var.size)
+                c.vcount = plan.var_default
+                continue
             memcpy(c.row[f], plan.default[f], plan.nelem[f] * code_size(plan.codes[f]))
     return A_OK
 
@@ -547,58 +628,19 @@ def avro_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed
     cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
-    cdef AvroPlan plan
     cdef AvCur c
     cdef uint64_t out_row = row
     cdef int r
-    cdef uint32_t sid, last_sid = 0
-    cdef const AvPlan* last = NULL
     owners = {}  # AvPlan address -> its AvroPlan, for the reasons
     reasons = {}
-    need = None
-    if not (vp and skip and bad and rowp and written):
-        free(vp); free(skip); free(bad); free(rowp); free(written)
+    if not (vp and skip and bad and rowp and nelem and written):
+        free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written)
         raise MemoryError()
     try:
-        if not framed:
-            if not isinstance(plans, AvroPlan):
-                raise TypeError("plans must be an AvroPlan for values without framing")
-            plan = <AvroPlan>plans
-            if plan.nfields != layout.nfields:
-                raise ValueError("the plan was made for another layout")
-            owners[<uintptr_t>&plan.p] = plan
-            for i in range(n):
-                vp[i] = &plan.p
-        else:
-            # Under the GIL: each value's plan, looked up when the id changes.
-            for i in range(n):
-                if vals.size[i] < 5:
-                    continue  # rejected in the loop below
-                if vals.ptr[i][0] != 0:
-                    continue
-                sid = load_u32_be(vals.ptr[i] + 1)
-                skip[i] = 5
-                if last != NULL and sid == last_sid:
-                    vp[i] = last
-                    continue
-                entry = plans.get(sid)
-                if entry is None:
-                    need = sid
-                    n = i
-                    break
-                if isinstance(entry, AvroPlan):
-                    plan = <AvroPlan>entry
-                    if plan.nfields != layout.nfields:
-                        raise ValueError("the plan was made for another layout")
-                    owners[<uintptr_t>&plan.p] = plan
-                    vp[i] = &plan.p
-                    last, last_sid = vp[i], sid
-                else:
-                    reasons[i] = str(entry)
-                    last = NULL
-        c.row = rowp
-        c.written = written
+        n, need = av_plans(plans, vals, framed, layout.nfields, False, vp, skip, owners, reasons)
+        c.row, c.nelem, c.written, c.var = rowp, nelem, written, NULL
         with nogil:
             i = 0
             while i < n and out_row < out.capacity:
@@ -640,7 +682,145 @@ def avro_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed
                 rejected.append((idx, _avro_reason(layout, owner, bad[k], vals.size[idx])))
         return out_row - row, i, rejected, need
     finally:
-        free(vp); free(skip); free(bad); free(rowp); free(written)
+        free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written)
+
+
+cdef tuple av_plans(plans, _Values vals, bint framed, Py_ssize_t nfields, bint documents,
+                    const AvPlan** vp, Py_ssize_t* skip, dict owners, dict reasons):
+    """Each value's plan into ``vp`` (and its framing's bytes into ``skip``), under the GIL.
+
+    Returns ``(n, need)``: the values looked up, and the schema id of value
+    ``n`` when ``plans`` has no entry for it (None when all were found).
+    Framed values look their id up only when it changes.
+    """
+    cdef Py_ssize_t i, n = vals.n
+    cdef AvroPlan plan
+    cdef uint32_t sid, last_sid = 0
+    cdef const AvPlan* last = NULL
+    if not framed:
+        if not isinstance(plans, AvroPlan):
+            raise TypeError("plans must be an AvroPlan for values without framing")
+        entries = [plans]
+    else:
+        entries = [e for e in plans.values() if isinstance(e, AvroPlan)]
+    for entry in entries:
+        plan = <AvroPlan>entry
+        if plan.nfields != nfields:
+            raise ValueError("the plan was made for another layout")
+        if (plan.p.varfield >= 0) != documents:
+            raise ValueError("documents need a plan with a variable-length field"
+                             if documents else "a plan with a variable-length field reads "
+                             "documents: avro_documents")
+    if not framed:
+        plan = <AvroPlan>plans
+        owners[<uintptr_t>&plan.p] = plan
+        for i in range(n):
+            vp[i] = &plan.p
+        return n, None
+    for i in range(n):
+        if vals.size[i] < 5 or vals.ptr[i][0] != 0:
+            continue  # rejected as a bad frame
+        sid = load_u32_be(vals.ptr[i] + 1)
+        skip[i] = 5
+        if last != NULL and sid == last_sid:
+            vp[i] = last
+            continue
+        entry = plans.get(sid)
+        if entry is None:
+            return i, sid
+        if isinstance(entry, AvroPlan):
+            plan = <AvroPlan>entry
+            owners[<uintptr_t>&plan.p] = plan
+            vp[i] = &plan.p
+            last, last_sid = vp[i], sid
+        else:
+            reasons[i] = str(entry)
+            last = NULL
+    return n, None
+
+
+def avro_documents(Layout layout, plans, values, bint framed, int code):
+    """The variable-length field of each Avro value in ``values``, flat.
+
+    ``layout`` has that one field, of element code ``code``; ``plans`` as
+    for ``avro_decode``, made with the field as a document. Returns ``(tokens,
+    lengths, counts, bad, need)``: the documents' elements as bytes, one
+    length per good value, one count per value (1, or 0 for a bad one),
+    ``(index, reason)`` per bad value, and ``need`` as ``avro_decode`` gives
+    it (the values from ``len(counts)`` on were not read).
+    """
+    if layout.nfields != 1:
+        raise ValueError("documents need a layout of one variable-length field")
+    if not C_BOOL <= code < C_CODES:
+        raise ValueError(f"unknown element code {code}")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
+    cdef const AvPlan** vp = <const AvPlan**>calloc(m, sizeof(AvPlan*))
+    cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t* rowp[1]
+    cdef uint64_t nelem[1]
+    cdef uint8_t written[1]
+    cdef VarOut var
+    cdef AvCur c
+    cdef int r
+    cdef int64_t[::1] lens, cnts
+    owners = {}
+    reasons = {}
+    var.buf = NULL
+    try:
+        if not (vp and skip and bad):
+            raise MemoryError()
+        n, need = av_plans(plans, vals, framed, 1, True, vp, skip, owners, reasons)
+        var.size, var.cap, var.len = code_size(code), 1024, 0
+        var.buf = <uint8_t*>malloc(var.cap * var.size)
+        if var.buf == NULL:
+            raise MemoryError()
+        lengths = np.zeros(n, np.int64)
+        counts = np.zeros(n, np.int64)
+        lens = lengths
+        cnts = counts
+        c.row, c.nelem, c.written, c.var = rowp, nelem, written, &var
+        with nogil:
+            for i in range(n):
+                c.err_node, c.err_field, c.err_value = -1, -1, 0
+                if vals.size[i] < 0:
+                    r = A_VALUE
+                    c.err_value = -vals.size[i]
+                elif framed and (vals.size[i] < 5 or vals.ptr[i][0] != 0):
+                    r = A_FRAME
+                    c.err_value = vals.ptr[i][0] if vals.size[i] > 0 else -1
+                elif vp[i] == NULL:
+                    r = A_PLAN
+                elif vp[i].codes[0] != code:
+                    r = A_KIND
+                else:
+                    r = av_record(&c, vp[i], vals.ptr[i] + skip[i], vals.ptr[i] + vals.size[i],
+                                  rowp, 0)
+                if r == A_OK:
+                    lens[i] = c.vcount
+                    cnts[i] = 1
+                    var.len += c.vcount
+                else:
+                    bad[nbad].index, bad[nbad].err = i, r
+                    bad[nbad].node = c.err_node if r != A_VALUE else -1
+                    bad[nbad].field, bad[nbad].value = c.err_field, c.err_value
+                    bad[nbad].skip = skip[i]
+                    nbad += 1
+        rejected = []
+        for k in range(nbad):
+            idx = bad[k].index
+            if bad[k].err == A_PLAN:
+                rejected.append((idx, reasons.get(idx, "no plan for the value's schema")))
+            elif bad[k].err == A_VALUE:
+                rejected.append((idx, REASONS[bad[k].value]))
+            else:
+                owner = owners.get(<uintptr_t>vp[idx])
+                rejected.append((idx, _avro_reason(layout, owner, bad[k], vals.size[idx])))
+        tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
+        return tokens, lengths[counts > 0], counts, rejected, need
+    finally:
+        free(vp); free(skip); free(bad); free(var.buf)
 
 
 cdef inline uint32_t load_u32_be(const uint8_t* p) noexcept nogil:
@@ -680,6 +860,8 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
         return f"nested deeper than {AV_MAX_DEPTH}{where}"
     if err == A_TRAILING:
         return f"{b.value} bytes left after the record"
+    if err == A_MEMORY:
+        return f"out of memory for the document{where}"
     return f"error {err}{where}"
 
 

@@ -105,7 +105,7 @@ cdef class JsonPlan:
                 and self.p.codes and self.p.nelem and self.p.ndim and self.p.dims
                 and self.p.default):
             raise MemoryError()
-        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default, -1)
         for f in range(layout.nfields):
             shape = tuple(shapes[f])
             if len(shape) > J_MAX_DIMS:
@@ -761,6 +761,9 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
+    if js_lit(c, "null", 4):
+        t.found = False  # missing: the default, or a bad object
+        return A_OK
     if c.p[0] != 0x5B:
         r = js_skip(c)
         return r if r else A_KIND
@@ -883,16 +886,23 @@ cdef int jt_object(JsCur* c, JtCur* t, int level) noexcept nogil:
         return A_JSON
 
 
-def json_documents(values, list keys, int code):
+def json_documents(values, list keys, int code, bytes default=None):
     """The array at the path ``keys`` of each JSON object in ``values``, flat.
 
     Returns ``(tokens, lengths, counts, bad)``: the documents' elements as
     bytes (element code ``code``), one length per document, one count per
     value (1, or 0 for a bad one) and ``(index, reason)`` per bad value. A
-    value starting with a zero byte has the Confluent framing, skipped.
+    value starting with a zero byte has the Confluent framing, skipped. An
+    array missing or null takes ``default`` (elements of ``code``), or makes
+    the value bad.
     """
     if not keys or not C_BOOL <= code < C_CODES:
         raise ValueError("a path of at least one key, and an element code")
+    if default is not None and len(default) % code_size(code):
+        raise ValueError("a default must be bytes of whole elements")
+    cdef const uint8_t* dflt = NULL if default is None else <const uint8_t*>PyBytes_AS_STRING(default)
+    cdef Py_ssize_t dlen = 0 if default is None else len(default) // code_size(code)
+    cdef uint8_t* grown
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, skip, k
     cdef int nk = len(keys), r
@@ -941,8 +951,19 @@ def json_documents(values, list keys, int code):
                             if c.p != c.end:
                                 c.err_value = c.end - c.p
                                 r = A_TRAILING
-                            elif not t.found:
+                            elif not t.found and dflt == NULL:
                                 r = A_MISSING
+                            elif not t.found:
+                                if t.len + dlen > t.cap:
+                                    grown = <uint8_t*>realloc(t.buf, (t.len + dlen + t.cap)
+                                                              * t.size)
+                                    if grown == NULL:
+                                        r = A_DEPTH  # no memory: refused, never half read
+                                    else:
+                                        t.buf, t.cap = grown, t.len + dlen + t.cap
+                                if r == A_OK:
+                                    memcpy(t.buf + t.len * t.size, dflt, dlen * t.size)
+                                    t.len += dlen
                 if r == A_OK:
                     lens[i] = t.len - t.start
                     cnts[i] = 1

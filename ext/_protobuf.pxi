@@ -34,13 +34,14 @@ cdef enum PbKind:
     P_SFIXED64
     P_DOUBLE
     P_MESSAGE
+    P_BYTES          # string or bytes: only into a document of bytes
     P_KINDS
 
 PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_UINT64,
             "sint32": P_SINT32, "sint64": P_SINT64, "bool": P_BOOL, "enum": P_ENUM,
             "fixed32": P_FIXED32, "sfixed32": P_SFIXED32, "float": P_FLOAT,
             "fixed64": P_FIXED64, "sfixed64": P_SFIXED64, "double": P_DOUBLE,
-            "message": P_MESSAGE}
+            "message": P_MESSAGE, "string": P_BYTES, "bytes": P_BYTES}
 
 cdef enum:
     A_WIRE = 100     # a field's wire type is not its type's
@@ -73,14 +74,18 @@ cdef struct PbPlan:
     uint64_t* nelem
     uint8_t* repeated        # per field: filled by a repeated entry
     const uint8_t** default  # per field: one row, or NULL (zeros, or bad if repeated)
+    int varfield             # the variable-length field (a document), -1: none
+    uint64_t var_default     # its default's elements (when default[varfield])
 
 
 cdef struct PbCur:
     const uint8_t* p
     const PbPlan* plan
     uint8_t** row
+    uint64_t* nelem          # per field: elements the row holds
     uint8_t* written
-    uint64_t* count
+    uint64_t* count          # per field: elements of a repeated field so far
+    VarOut* var              # documents: where the variable-length field goes
     int depth
     Py_ssize_t err_entry
     Py_ssize_t err_field
@@ -103,7 +108,7 @@ cdef class ProtobufPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] entries, const int64_t[:, ::1] msgs,
-                  codes, defaults, notes):
+                  codes, defaults, notes, Py_ssize_t varfield=-1):
         cdef Py_ssize_t i, k, f, ne = entries.shape[0], nm = msgs.shape[0]
         cdef PbEntry* e
         if entries.shape[1] != 6 or msgs.shape[1] != 2 or nm == 0:
@@ -123,7 +128,21 @@ cdef class ProtobufPlan:
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
                 and self.p.repeated and self.p.default):
             raise MemoryError()
-        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default)
+        # A document: ``varfield``, filled by a repeated scalar, or by bytes.
+        if not -1 <= varfield < layout.nfields:
+            raise ValueError(f"field {varfield} is not in the layout")
+        self.p.varfield = varfield
+        for i in range(ne):
+            if varfield >= 0 and entries[i, 2] == varfield and not (
+                    entries[i, 4] or entries[i, 1] == P_BYTES):
+                raise ValueError(f"entry {i}: a document is read from a repeated scalar "
+                                 f"or bytes")
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default,
+                    self.p.varfield)
+        self.p.var_default = 0
+        if self.p.varfield >= 0 and defaults[self.p.varfield] is not None:
+            self.p.var_default = (len(defaults[self.p.varfield])
+                                  // code_size(self.p.codes[self.p.varfield]))
         for i in range(ne):
             e = &self.p.entries[i]
             if not 1 <= entries[i, 0] <= 0x1FFFFFFF:
@@ -139,6 +158,9 @@ cdef class ProtobufPlan:
             else:
                 if not 0 <= e.field < layout.nfields or e.code != self.p.codes[e.field]:
                     raise ValueError(f"entry {i}: its field or code is not the layout's")
+                if e.kind == P_BYTES and (e.field != self.p.varfield or e.repeated
+                                          or code_size(e.code) != 1):
+                    raise ValueError(f"entry {i}: bytes go into a document of 1-byte elements")
                 if e.repeated:
                     self.p.repeated[e.field] = 1
         for k in range(nm):
@@ -205,6 +227,8 @@ cdef inline int pb_skip(PbCur* c, const uint8_t* end, int wt) noexcept nogil:
 
 
 cdef inline int pb_wire(int kind) noexcept nogil:
+    if kind == P_BYTES:
+        return 2
     if kind == P_FIXED32 or kind == P_SFIXED32 or kind == P_FLOAT:
         return 5
     if kind == P_FIXED64 or kind == P_SFIXED64 or kind == P_DOUBLE:
@@ -221,6 +245,19 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     cdef int64_t v, elem = 0
     cdef int r, kind = e.kind
     cdef bint floating = False
+    if kind == P_BYTES:  # the document is these bytes (the last occurrence wins)
+        r = pb_varint(c, end, &raw)
+        if r:
+            return r
+        if raw > <uint64_t>(end - c.p):
+            return A_TRUNCATED
+        if var_reserve(c.var, raw, &c.row[e.field], &c.nelem[e.field]):
+            return A_MEMORY
+        memcpy(c.row[e.field], c.p, raw)
+        c.p += raw
+        c.count[e.field] = raw
+        c.written[e.field] = 1
+        return A_OK
     if kind == P_FLOAT:
         if end - c.p < 4:
             return A_TRUNCATED
@@ -252,8 +289,11 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     if e.repeated:
         elem = c.count[e.field]
         c.count[e.field] += 1
+        if e.field == c.plan.varfield and var_reserve(c.var, elem + 1, &c.row[e.field],
+                                                      &c.nelem[e.field]):
+            return A_MEMORY
     if floating:
-        r = put_float(c.row[e.field], c.plan.nelem[e.field], e.code, elem, dv)
+        r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, dv)
     else:
         if kind == P_INT32 or kind == P_ENUM:
             v = <int32_t>raw
@@ -267,11 +307,11 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             v = raw != 0
         elif (kind == P_UINT64 or kind == P_FIXED64) and raw > <uint64_t>0x7FFFFFFFFFFFFFFF:
             # Past int64: only a uint64 or a float field takes it.
-            if e.code == C_U64 and <uint64_t>elem < c.plan.nelem[e.field]:
+            if e.code == C_U64 and <uint64_t>elem < c.nelem[e.field]:
                 (<uint64_t*>c.row[e.field])[elem] = raw
                 r = A_OK
             elif e.code == C_F32 or e.code == C_F64:
-                r = put_float(c.row[e.field], c.plan.nelem[e.field], e.code, elem, <double>raw)
+                r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, <double>raw)
             else:
                 c.err_value = -1
                 r = A_RANGE
@@ -281,7 +321,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
         else:
             v = <int64_t>raw
         c.err_value = v
-        r = put_int(c.row[e.field], c.plan.nelem[e.field], e.code, elem, v)
+        r = put_int(c.row[e.field], c.nelem[e.field], e.code, elem, v)
     if r == A_OK:
         c.written[e.field] = 1
     elif r == A_LENGTH:
@@ -295,7 +335,10 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
     cdef uint64_t count = n // size, at = c.count[e.field]
     if n % size:
         return A_TRUNCATED
-    if count > c.plan.nelem[e.field] - at:
+    if e.field == c.plan.varfield and var_reserve(c.var, at + count, &c.row[e.field],
+                                                  &c.nelem[e.field]):
+        return A_MEMORY
+    if count > c.nelem[e.field] - at:
         c.count[e.field] = at + count
         c.err_value = at + count
         return A_LENGTH
@@ -395,16 +438,28 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     c.err_field = -1
     c.err_value = 0
     for f in range(plan.nfields):
-        nbytes = plan.nelem[f] * code_size(plan.codes[f])
-        c.row[f] = dst[f] + row * nbytes
         c.written[f] = 0
         c.count[f] = 0
+        if f == plan.varfield:  # at the documents' end, made room for as it is read
+            c.row[f] = c.var.buf + c.var.len * c.var.size
+            c.nelem[f] = c.var.cap - c.var.len
+            continue
+        nbytes = plan.nelem[f] * code_size(plan.codes[f])
+        c.row[f] = dst[f] + row * nbytes
+        c.nelem[f] = plan.nelem[f]
     cdef int r = pb_message(c, 0, end)
     if r:
         return r
     for f in range(plan.nfields):
         nbytes = plan.nelem[f] * code_size(plan.codes[f])
-        if plan.repeated[f]:
+        if f == plan.varfield:
+            # Absent (or empty: proto3 cannot tell them apart): the default, or empty.
+            if c.count[f] == 0 and plan.default[f] != NULL:
+                if var_reserve(c.var, plan.var_default, &c.row[f], &c.nelem[f]):
+                    return A_MEMORY
+                memcpy(c.row[f], plan.default[f], plan.var_default * c.var.size)
+                c.count[f] = plan.var_default
+        elif plan.repeated[f]:
             if c.count[f] == 0:
                 if plan.default[f] == NULL:
                     c.err_field = f
@@ -465,38 +520,27 @@ def pb_decode(Layout layout, ProtobufPlan plan, values, Out out, uint64_t row, b
         raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
     if plan.nfields != layout.nfields:
         raise ValueError("the plan was made for another layout")
+    if plan.p.varfield >= 0:
+        raise ValueError("a plan with a variable-length field reads documents: pb_documents")
     cdef _Values vals = _Values(values)
-    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0, skip
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
     cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef PbCur c
     cdef uint64_t out_row = row
     cdef int r
-    if not (bad and rowp and written and count):
-        free(bad); free(rowp); free(written); free(count)
+    if not (bad and rowp and nelem and written and count):
+        free(bad); free(rowp); free(nelem); free(written); free(count)
         raise MemoryError()
-    c.row, c.written, c.count = rowp, written, count
+    c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, NULL
     try:
         with nogil:
             while i < n and out_row < out.capacity:
-                skip = 0
-                c.err_entry, c.err_field, c.err_value = -1, -1, 0
-                if vals.size[i] < 0:
-                    r = A_VALUE
-                    c.err_value = -vals.size[i]
-                else:
-                    if framed:
-                        skip = pb_frame(vals.ptr[i], vals.size[i])
-                    if skip == -1:
-                        r = A_FRAME
-                        c.err_value = vals.ptr[i][0] if vals.size[i] > 0 else -1
-                    elif skip == -2:
-                        r = A_INDEXES
-                    else:
-                        r = pb_record(&c, &plan.p, vals.ptr[i] + skip,
-                                      vals.ptr[i] + vals.size[i], out.bufs.ptr, out_row)
+                r = pb_value_at(&c, &plan.p, vals.ptr[i], vals.size[i], framed, out.bufs.ptr,
+                                out_row)
                 if r == A_OK:
                     out_row += 1
                 else:
@@ -513,7 +557,75 @@ def pb_decode(Layout layout, ProtobufPlan plan, values, Out out, uint64_t row, b
             rejected.append((idx, _pb_reason(layout, plan, bad[k], vals.size[idx])))
         return out_row - row, i, rejected
     finally:
-        free(bad); free(rowp); free(written); free(count)
+        free(bad); free(rowp); free(nelem); free(written); free(count)
+
+
+cdef int pb_value_at(PbCur* c, const PbPlan* plan, const uint8_t* p, Py_ssize_t size,
+                     bint framed, uint8_t** dst, uint64_t row) noexcept nogil:
+    """One value (its framing checked and skipped when ``framed``) into row ``row``."""
+    cdef Py_ssize_t skip = 0
+    c.err_entry, c.err_field, c.err_value = -1, -1, 0
+    if size < 0:
+        c.err_value = -size
+        return A_VALUE
+    if framed:
+        skip = pb_frame(p, size)
+    if skip == -1:
+        c.err_value = p[0] if size > 0 else -1
+        return A_FRAME
+    if skip == -2:
+        return A_INDEXES
+    return pb_record(c, plan, p + skip, p + size, dst, row)
+
+
+def pb_documents(Layout layout, ProtobufPlan plan, values, bint framed):
+    """The variable-length field of each Protobuf value in ``values``, flat.
+
+    ``layout`` has that one field, and ``plan`` reads it as a document: a
+    repeated scalar, or a string or bytes field. Returns
+    ``(tokens, lengths, counts, bad)`` as ``json_documents`` does.
+    """
+    if layout.nfields != 1 or plan.p.varfield != 0:
+        raise ValueError("documents need a layout and a plan of one variable-length field")
+    cdef _Values vals = _Values(values)
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
+    cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t* rowp[1]
+    cdef uint64_t nelem[1]
+    cdef uint8_t written[1]
+    cdef uint64_t count[1]
+    cdef VarOut var
+    cdef PbCur c
+    cdef int r
+    lengths = np.zeros(n, np.int64)
+    counts = np.zeros(n, np.int64)
+    cdef int64_t[::1] lens = lengths, cnts = counts
+    var.size, var.cap, var.len = code_size(plan.p.codes[0]), 1024, 0
+    var.buf = <uint8_t*>malloc(var.cap * var.size)
+    try:
+        if not (bad and var.buf):
+            raise MemoryError()
+        c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, &var
+        with nogil:
+            for i in range(n):
+                r = pb_value_at(&c, &plan.p, vals.ptr[i], vals.size[i], framed, rowp, 0)
+                if r == A_OK:
+                    lens[i] = count[0]
+                    cnts[i] = 1
+                    var.len += count[0]
+                else:
+                    bad[nbad].index, bad[nbad].err = i, r
+                    bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
+                    bad[nbad].value = c.err_value
+                    nbad += 1
+        rejected = []
+        for k in range(nbad):
+            idx = bad[k].index
+            rejected.append((idx, _pb_reason(layout, plan, bad[k], vals.size[idx])))
+        tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
+        return tokens, lengths[counts > 0], counts, rejected
+    finally:
+        free(bad); free(var.buf)
 
 
 cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
@@ -548,4 +660,6 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         return f"a value the field cannot take{where}"
     if err == A_DEPTH:
         return f"nested deeper than {PB_MAX_DEPTH}"
+    if err == A_MEMORY:
+        return f"out of memory for the document{where}"
     return f"error {err}{where}"

@@ -3,7 +3,8 @@
 ``decode_all`` runs values through a decoder as the loader does, a bounded
 output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
 ``sentinel_check`` says a decode wrote nowhere but its rows; ``read_dlq``
-reads a dead-letter topic back.
+reads a dead-letter topic back; ``check_packed_documents`` reads token
+documents with ``pack=`` against kfeed's own raw token messages.
 """
 
 from __future__ import annotations
@@ -90,3 +91,48 @@ def read_columns(bootstrap: str, topic: str, schema: kfeed.Schema, fmt: Any = "b
                 parts.append(batch[name].numpy().copy())
     return {f.name: np.concatenate(got[f.name]) if got[f.name]
             else np.empty((0, *f.shape), f.storage) for f in schema.fields}
+
+
+def check_packed_documents(values: list, schema: kfeed.Schema, fmt: Any,
+                           docs: list, pack: kfeed.Pack) -> None:
+    """``values`` of ``fmt`` packed: the batches kfeed's raw token messages of ``docs`` give.
+
+    ``docs[i]`` is value i's document, or None where the value is bad (an
+    empty document takes its place in the raw messages). Shuffled, stopped
+    and resumed from ``state_dict()``, every token arrives once. The token
+    ids must be neither the pad nor the EOS.
+    """
+    import torch
+
+    from kfeed.loader import memory_loader
+
+    name = schema.varlen.name
+    raw = kfeed.Schema({name: (schema.varlen.dtype, (None,))})
+    empty = np.zeros(0, raw.varlen.storage)
+    same = raw.encode_raw({name: [empty if d is None else np.asarray(d, raw.varlen.storage)
+                                  for d in docs]})
+
+    def batches(vals: list, sch: kfeed.Schema, f: Any) -> list[dict]:
+        with memory_loader(vals, sch, 8, device="cpu", until="end", pack=pack,
+                           format=f) as loader:
+            return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+    got, want = batches(values, schema, fmt), batches(same, raw, "raw")
+    assert len(got) == len(want) > 20
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    shuffle = kfeed.Shuffle(buffer=200, seed=1)
+    with memory_loader(values, schema, 8, device="cpu", until="end", pack=pack,
+                       format=fmt, shuffle=shuffle) as first:
+        seen = [b[name][b[name] != pack.pad_id].clone() for _, b in zip(range(20), first)]
+        state = first.state_dict()
+    with memory_loader(values, schema, 8, device="cpu", until="end", pack=pack,
+                       format=fmt, shuffle=shuffle) as second:
+        second.load_state_dict(state)
+        seen += [b[name][b[name] != pack.pad_id] for b in second]
+    tokens = torch.cat(seen).numpy()
+    tokens = tokens[tokens != pack.eos_id]
+    every = np.concatenate([np.asarray(d, raw.varlen.storage) for d in docs if d is not None])
+    assert np.array_equal(np.sort(tokens), np.sort(every.astype(tokens.dtype)))

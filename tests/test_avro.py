@@ -23,7 +23,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from records import damage, decode_all, read_columns, read_dlq
+from records import check_packed_documents, damage, decode_all, read_columns, read_dlq
 
 import kfeed
 from kfeed import avro
@@ -274,9 +274,13 @@ def test_configuration_mistakes_get_one_clear_line(registry):
                            "fields": [{"name": "a", "type": "Missing"}]}).decoder(SCHEMA)
     with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
         kfeed.Avro(schema=V1).decoder(kfeed.Schema({"id": ("bfloat16", ())}))
-    with pytest.raises(kfeed.ConfigError, match="pack= needs a token field"):
-        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,))}), 8,
+    with pytest.raises(kfeed.ConfigError, match="gives one field, 'tokens': leave 'id' out"):
+        kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,)),
+                                                 "id": ("int64", ())}), 8,
                            format=kfeed.Avro(schema=V1), pack=kfeed.Pack(seq_len=8, eos_id=0))
+    with pytest.raises(kfeed.ConfigError, match="variable-length: read it with pack="):
+        kfeed.Avro(schema=V1).decoder(kfeed.Schema({"tokens": ("int32", (None,))})).decode_into(
+            [], None, 0)
     with pytest.raises(kfeed.ConfigError, match="give registry= its config dict"):
         pickle.dumps(kfeed.Avro(registry=registry))
     spec = kfeed.Avro(registry={"url": "mock://x"})
@@ -312,7 +316,6 @@ def test_mutated_values_never_crash_and_never_half_write(data):
     assert out["digest"][res.rows - 1].tolist() == list((11).to_bytes(4, "little"))
 
 
-@pytest.mark.integration
 def produce_clicks(bootstrap: str, topic: str, registry: SchemaRegistryClient
                    ) -> tuple[list[dict], dict[bytes, str]]:
     """10,000 records by ``AvroSerializer`` (a schema change at the half) into ``topic``,
@@ -345,6 +348,7 @@ def check_clicks(cols: dict[str, np.ndarray], records: list[dict], bootstrap: st
         assert bad[m.value()] in dict(m.headers())["kfeed.reason"].decode()
 
 
+@pytest.mark.integration
 def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, make_topic,
                                                                      schema_registry):
     # A real Schema Registry, asked over HTTP by the serializer and by kfeed.
@@ -354,6 +358,113 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     cols = read_columns(bootstrap, topic, SCHEMA, kfeed.Avro(registry={"url": schema_registry}),
                         batch_size=512)
     check_clicks(cols, records, bootstrap, topic, bad)
+
+
+# -- token documents: pack= ---------------------------------------------------------------
+
+DOC = {
+    "type": "record", "name": "Doc", "namespace": "corpus", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "body", "type": {"type": "record", "name": "Body", "fields": [
+            {"name": "ids", "type": ["null", {"type": "array", "items": "int"}]},
+            {"name": "text", "type": "string"},
+        ]}},
+        {"name": "meta", "type": {"type": "map", "values": "string"}},
+    ],
+}
+
+
+def doc_values(registry: SchemaRegistryClient, n: int, seed: int = 5
+               ) -> tuple[list[bytes], list[dict]]:
+    """n documents by ``AvroSerializer``; how ``AvroDeserializer`` reads them back."""
+    rng = np.random.default_rng(seed)
+    ser = AvroSerializer(registry, json.dumps(DOC))
+    records = [{"id": i, "meta": {"lang": "en"},
+                "body": {"ids": rng.integers(1, 65535, int(rng.integers(0, 700))).tolist()
+                         if i % 50 else None,
+                         "text": "téxt " * int(rng.integers(0, 5))}}
+               for i in range(n)]
+    values = [ser(r, CTX) for r in records]
+    de = AvroDeserializer(registry)
+    return values, [de(v, CTX) for v in values]
+
+
+def test_token_documents_pack_as_kfeeds_own_and_resume_exactly(registry):
+    values, records = doc_values(registry, 1500)
+    values[7] = values[7][:-3]            # truncated: rejected whole
+    schema = kfeed.Schema({"tokens": ("uint16", (None,), {"source": "body.ids",
+                                                          "default": [3, 3]})})
+    docs = [None if i == 7 else [3, 3] if r["body"]["ids"] is None else r["body"]["ids"]
+            for i, r in enumerate(records)]
+    check_packed_documents(values, schema, kfeed.Avro(registry=registry), docs,
+                           kfeed.Pack(seq_len=256, eos_id=65535, pad_id=0))
+
+
+def test_documents_equal_the_deserializers_arrays_and_strings(registry):
+    values, records = doc_values(registry, 300)
+    ids = kfeed.Avro(registry=registry).decoder(kfeed.Schema(
+        {"tokens": ("int32", (None,), {"source": "body.ids"})})).decode_documents(values)
+    has = [r["body"]["ids"] is not None for r in records]
+    assert [i for i, why in ids.bad] == [i for i, h in enumerate(has) if not h]
+    assert all("missing or null" in why for _, why in ids.bad)
+    assert ids.lengths.tolist() == [len(r["body"]["ids"]) for r, h in zip(records, has) if h]
+    assert ids.tokens.tolist() == [t for r in records for t in r["body"]["ids"] or []]
+    # A string as a document of its UTF-8 bytes; uint16 ids do not fit int8.
+    text = kfeed.Avro(registry=registry).decoder(kfeed.Schema(
+        {"text": ("uint8", (None,), {"source": "body.text"})})).decode_documents(values)
+    assert text.tokens.tobytes() == "".join(r["body"]["text"] for r in records).encode()
+    small = kfeed.Avro(registry=registry).decoder(kfeed.Schema(
+        {"tokens": ("int8", (None,), {"source": "body.ids"})})).decode_documents(values[1:3])
+    assert [why for _, why in small.bad] == ["{} does not fit the field's dtype at "
+                                             "body.ids[]".format(records[k]["body"]["ids"][0])
+                                             for k in (1, 2)]
+    with pytest.raises(kfeed.ConfigError, match="default of a variable-length field is a "
+                                                "document, a 1-D sequence"):
+        kfeed.Schema({"t": ("int32", (None,), {"default": 5})})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_documents_never_crash_and_read_as_fastavro_reads_them(data):
+    parsed = fastavro.parse_schema(json.loads(json.dumps(DOC)))
+    buf = io.BytesIO()
+    n = data.draw(st.integers(0, 40))
+    fastavro.schemaless_writer(buf, parsed, {"id": 3, "meta": {"k": "v"},
+                                             "body": {"ids": list(range(-n, n)), "text": "ab"}})
+    mutated = bytes(damage(data, bytearray(buf.getvalue()), list(range(256)),
+                           [b"\xff" * k + b"\x01" for k in (1, 5, 12)], rounds=(1, 4)))
+    schema = kfeed.Schema({"t": ("int16", (None,), {"source": "body.ids"})})
+    got = kfeed.Avro(schema=DOC).decoder(schema).decode_documents([mutated, buf.getvalue()])
+    assert got.counts[1] == 1 and got.tokens[-2 * n:].tolist() == list(range(-n, n))
+    if got.counts[0]:
+        # kfeed took it whole: fastavro reads the same document from it.
+        try:
+            want = fastavro.schemaless_reader(io.BytesIO(mutated), parsed)
+        except Exception:  # noqa: BLE001 - fastavro's errors are of many kinds
+            return
+        assert got.tokens[:got.lengths[0]].tolist() == want["body"]["ids"]
+
+
+@pytest.mark.integration
+def test_loader_packs_an_avro_topic_of_documents(bootstrap, make_topic, registry):
+    topic = make_topic(partitions=2)
+    values, records = doc_values(registry, 3000, seed=8)
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for v in values:
+        p.produce(topic, v)
+    assert p.flush(60) == 0
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    schema = kfeed.Schema({"tokens": ("int32", (None,), {"source": "body.ids", "default": []})})
+    pack = kfeed.Pack(seq_len=512, eos_id=-1, pad_id=0)
+    seen = []
+    with kfeed.Loader(config, topic, schema, 8, device="cpu", until="end",
+                      format=kfeed.Avro(registry=registry), pack=pack) as loader:
+        for batch in loader:
+            t = batch["tokens"]
+            seen.append(t[(t != 0) & (t != -1)].clone())
+    got = np.sort(np.concatenate([s.numpy() for s in seen]))
+    want = np.sort(np.array([t for r in records for t in r["body"]["ids"] or []], np.int32))
+    np.testing.assert_array_equal(got, want)
 
 
 # -- writing: kfeed.Producer(format=kfeed.Avro(...)) ---------------------------------------

@@ -58,6 +58,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1446,10 +1447,15 @@ def json_document(i: int) -> bytes:
     return json.dumps(doc).encode()
 
 
-def check_json_documents(oracle: list[bytes], at_end: list[bool]) -> None:
-    """Token documents out of ``oracle``'s objects (guard pages), against json.loads."""
+def check_format_documents(decoder: Any, oracle: list[bytes], at_end: list[bool],
+                    parse: Any) -> None:
+    """Token documents out of ``oracle``'s values (guard pages), each against ``parse``.
+
+    ``parse(raw)`` gives a value's document as the format's own reader sees
+    it, or None where that reader refuses what kfeed skipped unread.
+    """
     values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
-    docs = kfeed.Json().decoder(TOKENS_AT).decode_documents(values)
+    docs = decoder.decode_documents(values)
     assert len(docs.counts) == len(values) and docs.lengths.sum() == len(docs.tokens)
     bad = {i for i, _ in docs.bad}
     assert {i for i, c in enumerate(docs.counts) if c == 0} == bad
@@ -1458,13 +1464,92 @@ def check_json_documents(oracle: list[bytes], at_end: list[bool]) -> None:
         if i in bad:
             continue
         n = docs.lengths[docs.counts[:i].sum()]
-        try:
-            want = json.loads(raw)["doc"]["ids"]
-        except ValueError:
-            start += n  # json.loads refuses a string kfeed skipped (a raw control character)
-            continue
-        np.testing.assert_array_equal(docs.tokens[start:start + n], np.array(want, np.int16))
+        want = parse(raw)
+        if want is not None:
+            np.testing.assert_array_equal(docs.tokens[start:start + n],
+                                          np.array(want, docs.tokens.dtype))
         start += n
+
+
+def json_ids(raw: bytes) -> list | None:
+    try:
+        return json.loads(raw)["doc"]["ids"]
+    except ValueError:
+        return None  # json.loads refuses a string kfeed skipped (a raw control character)
+
+
+def check_json_documents(oracle: list[bytes], at_end: list[bool]) -> None:
+    check_format_documents(kfeed.Json().decoder(TOKENS_AT), oracle, at_end, json_ids)
+
+
+AVRO_DOC_WRITER = {
+    "type": "record", "name": "Doc", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "doc", "type": {"type": "record", "name": "D", "fields": [
+            {"name": "text", "type": "string"},
+            {"name": "ids", "type": ["null", {"type": "array", "items": "int"}]}]}},
+    ],
+}
+
+
+def avro_document(i: int) -> bytes:
+    import io
+
+    import fastavro
+
+    ids = [(i * 7919 + k) % 40000 - 20000 for k in range(i % 40)]
+    if i % 5 == 0:
+        ids.append(2**20)  # does not fit int16: a bad record
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(AVRO_DOC_WRITER), {
+        "id": i, "doc": {"text": "q" * (i % 3), "ids": None if i % 7 == 0 else ids}})
+    return buf.getvalue()
+
+
+def check_avro_documents(oracle: list[bytes], at_end: list[bool]) -> None:
+    import io
+
+    import fastavro
+
+    as_bytes = fastavro.parse_schema(
+        json.loads(json.dumps(AVRO_DOC_WRITER).replace('"string"', '"bytes"')))
+    decoder = kfeed.Avro(schema=AVRO_DOC_WRITER).decoder(TOKENS_AT)
+    check_format_documents(decoder, oracle, at_end,
+                           lambda raw: fastavro.schemaless_reader(io.BytesIO(raw), as_bytes,
+                                                                  None)["doc"]["ids"])
+
+
+def _doc_class() -> type:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="fuzz_doc.proto", package="fuzzdoc",
+                                             syntax="proto3")
+    d = fdp.message_type.add(name="D")
+    d.field.add(name="text", number=1, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)
+    d.field.add(name="ids", number=2, type=f.TYPE_SINT32, label=f.LABEL_REPEATED)
+    doc = fdp.message_type.add(name="Doc")
+    doc.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    doc.field.add(name="doc", number=2, type=f.TYPE_MESSAGE, type_name=".fuzzdoc.D",
+                  label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("fuzzdoc.Doc"))
+
+
+def protobuf_document(doc: type, i: int) -> bytes:
+    ids = [(i * 7919 + k) % 40000 - 20000 for k in range(i % 40)]
+    if i % 5 == 0:
+        ids.append(2**20)  # does not fit int16: a bad record
+    m = doc(id=i)
+    m.doc.text = b"q" * (i % 3)
+    m.doc.ids.extend(ids)
+    return m.SerializeToString()
+
+
+def check_protobuf_documents(doc: type, oracle: list[bytes], at_end: list[bool]) -> None:
+    check_format_documents(kfeed.Protobuf(message=doc).decoder(TOKENS_AT), oracle, at_end,
+                           lambda raw: list(doc.FromString(raw).doc.ids))
 
 
 @PROPERTY
@@ -1478,17 +1563,47 @@ def test_json_token_documents_read_as_json_loads_reads_them(data):
     check_json_documents(oracle, at_end)
 
 
+@PROPERTY
+@given(data=st.data())
+def test_avro_token_documents_read_as_fastavro_reads_them(data):
+    pytest.importorskip("fastavro")
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(avro_document(data.draw(st.integers(0, 2**20))))
+        oracle.append(bytes(damage(data, raw, list(range(256)), VARINTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_avro_documents(oracle, at_end)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_protobuf_token_documents_read_as_protobuf_parses_them(data):
+    pytest.importorskip("google.protobuf")
+    doc = _doc_class()
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(protobuf_document(doc, data.draw(st.integers(0, 2**20))))
+        oracle.append(bytes(damage(data, raw, list(range(256)), VARINTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_protobuf_documents(doc, oracle, at_end)
+
+
 def fuzz_record_format(fdp) -> None:
     """The rest of an atheris input -> one Avro, Protobuf or JSON decode, checked as above."""
-    which = fdp.ConsumeIntInRange(0, 3)
+    which = fdp.ConsumeIntInRange(0, 5)
     if which == 1:
         event = _event_class()
+    if which == 5:
+        doc = _doc_class()
     oracle, at_end = [], []
     for _ in range(fdp.ConsumeIntInRange(1, 5)):
         i = fdp.ConsumeIntInRange(0, 2**40)
         raw = bytearray(avro_value(i) if which == 0 else protobuf_value(event, i) if which == 1
-                        else json_value(i - 2**39) if which == 2 else json_document(i))
-        flips, inserts = (JSON_FLIPS, JSON_INSERTS) if which >= 2 else (list(range(256)), VARINTS)
+                        else json_value(i - 2**39) if which == 2 else json_document(i)
+                        if which == 3 else avro_document(i) if which == 4
+                        else protobuf_document(doc, i))
+        text = which in (2, 3)
+        flips, inserts = (JSON_FLIPS, JSON_INSERTS) if text else (list(range(256)), VARINTS)
         for _ in range(fdp.ConsumeIntInRange(0, 3)):  # as records.damage does
             how = fdp.ConsumeIntInRange(0, 3)
             if how == 0 and raw:
@@ -1510,8 +1625,12 @@ def fuzz_record_format(fdp) -> None:
         check_protobuf(event, oracle, at_end, capacity)
     elif which == 2:
         check_json(oracle, at_end, capacity)
-    else:
+    elif which == 3:
         check_json_documents(oracle, at_end)
+    elif which == 4:
+        check_avro_documents(oracle, at_end)
+    else:
+        check_protobuf_documents(doc, oracle, at_end)
 
 
 def _fuzz_main(argv: list[str]) -> None:

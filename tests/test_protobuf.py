@@ -24,7 +24,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from records import damage, decode_all, read_columns, read_dlq
+from records import check_packed_documents, damage, decode_all, read_columns, read_dlq
 
 import kfeed
 
@@ -219,6 +219,72 @@ def test_configuration_mistakes_get_one_clear_line(registry):
             kfeed.Schema({"x": ("int64", (), {"source": "id.x"})}))
     with pytest.raises(kfeed.ConfigError, match="give registry= its config dict"):
         pickle.dumps(kfeed.Protobuf(message=Click, registry=registry))
+    with pytest.raises(kfeed.ConfigError, match=r"'label' \(int32 of shape \(None,\)\) cannot "
+                                                r"take label, a int32"):
+        kfeed.Protobuf(message=Click).decoder(kfeed.Schema({"label": ("int32", (None,))}))
+    with pytest.raises(kfeed.ConfigError, match="cannot take features, a repeated float"):
+        kfeed.Protobuf(message=Click).decoder(kfeed.Schema({"features": ("int32", (None,))}))
+    with pytest.raises(kfeed.ConfigError, match="cannot take note, a string"):
+        kfeed.Protobuf(message=Click).decoder(kfeed.Schema({"note": ("int32", (None,))}))
+
+
+def _doc_class() -> type:
+    fdp = descriptor_pb2.FileDescriptorProto(name="doc.proto", package="corpus", syntax="proto3")
+    doc = fdp.message_type.add(name="Doc")
+    doc.field.add(name="id", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    doc.field.add(name="ids", number=2, type=F.TYPE_UINT32, label=F.LABEL_REPEATED)  # packed
+    unpacked = doc.field.add(name="unpacked", number=3, type=F.TYPE_INT32,
+                             label=F.LABEL_REPEATED)
+    unpacked.options.packed = False
+    doc.field.add(name="text", number=4, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("corpus.Doc"))
+
+
+Doc = _doc_class()
+
+
+def doc_values(registry, n: int) -> tuple[list[bytes], list]:
+    """n documents by ``ProtobufSerializer``; how ``ProtobufDeserializer`` reads them back."""
+    rng = np.random.default_rng(5)
+    ser = ProtobufSerializer(Doc, registry, CONF)
+    values = []
+    for i in range(n):
+        ids = rng.integers(1, 65535, int(rng.integers(0, 700))).tolist()
+        values.append(ser(Doc(id=i, ids=ids, unpacked=ids[:50],
+                              text="t\u00e9xt " * int(rng.integers(0, 5))), CTX))
+    reader = ProtobufDeserializer(Doc, CONF)
+    return values, [reader(v, CTX) for v in values]
+
+
+def test_token_documents_pack_as_kfeeds_own_and_resume_exactly(registry):
+    values, msgs = doc_values(registry, 1500)
+    values[7] = values[7] + b"\x08"   # a tag without its value: rejected whole
+    # proto3 cannot tell an empty repeated field from an absent one: both take the default.
+    docs = [None if i == 7 else list(m.ids) or [3, 3] for i, m in enumerate(msgs)]
+    schema = kfeed.Schema({"tokens": ("uint16", (None,), {"source": "ids", "default": [3, 3]})})
+    check_packed_documents(values, schema, kfeed.Protobuf(message=Doc, registry=registry), docs,
+                           kfeed.Pack(seq_len=256, eos_id=65535, pad_id=0))
+
+
+def test_documents_equal_the_deserializers_repeated_fields_and_strings(registry):
+    values, msgs = doc_values(registry, 300)
+    fmt = kfeed.Protobuf(message=Doc, registry=registry)
+    for name in ("ids", "unpacked"):
+        got = fmt.decoder(kfeed.Schema({"t": ("int32", (None,), {"source": name})})
+                          ).decode_documents(values)
+        assert not got.bad
+        assert got.lengths.tolist() == [len(getattr(m, name)) for m in msgs]
+        assert got.tokens.tolist() == [t for m in msgs for t in getattr(m, name)]
+    text = fmt.decoder(kfeed.Schema({"text": ("uint8", (None,))})).decode_documents(values)
+    assert text.tokens.tobytes() == "".join(m.text for m in msgs).encode()
+    assert text.lengths.tolist() == [len(m.text.encode()) for m in msgs]
+    small = fmt.decoder(kfeed.Schema({"t": ("uint8", (None,), {"source": "ids"})})
+                        ).decode_documents(values[:20])
+    assert {i for i, _ in small.bad} == {i for i, m in enumerate(msgs[:20])
+                                         if max(m.ids, default=0) > 255}
+    assert all("does not fit the field's dtype at ids" in why for _, why in small.bad)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -248,6 +314,25 @@ def test_mutated_values_never_crash_and_decode_as_protobuf_parses_them(data):
             if f.name == "score" and parsed.user.score == 0:
                 continue  # a 0.0 on the wire and an absent score parse alike
             np.testing.assert_array_equal(out[f.name][0], want[f.name][0], err_msg=f.name)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_documents_never_crash_and_read_as_protobuf_parses_them(data):
+    n = data.draw(st.integers(0, 40))
+    good = Doc(id=3, ids=range(n), unpacked=range(n), text="ab").SerializeToString()
+    raw = bytes(damage(data, bytearray(good), list(range(256)),
+                       [b"\xff" * k + b"\x01" for k in (1, 5, 12)], rounds=(1, 4)))
+    name = data.draw(st.sampled_from(["ids", "unpacked"]))
+    schema = kfeed.Schema({"t": ("int64", (None,), {"source": name})})
+    got = kfeed.Protobuf(message=Doc).decoder(schema).decode_documents([raw, good])
+    assert got.counts[1] == 1 and got.tokens[len(got.tokens) - n:].tolist() == list(range(n))
+    if got.counts[0]:
+        try:
+            parsed = Doc.FromString(raw)
+        except Exception:  # noqa: BLE001 - DecodeError, or a RuntimeError on bad UTF-8
+            return
+        assert got.tokens[:got.lengths[0]].tolist() == list(getattr(parsed, name))
 
 
 @pytest.mark.integration

@@ -40,10 +40,11 @@ from kfeed.formats import (
     RecordFormat,
     codes,
     defaults,
+    document_layout,
     fixed_layout,
     registry_client,
 )
-from kfeed.schema import DecodeResult, Field, Schema, Target
+from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
 
 __all__ = ["Avro", "AvroDecoder", "AvroEncoder", "writer_schema"]
 
@@ -70,6 +71,7 @@ class Avro(RecordFormat):
     """
 
     value = "avro"
+    documents = True
 
     def __init__(self, schema: Mapping[str, Any] | str | Path | None = None,
                  registry: Mapping[str, Any] | Any | None = None) -> None:
@@ -118,7 +120,7 @@ class AvroDecoder(Decoder):
     def __init__(self, fmt: Avro, schema: Schema) -> None:
         self.fmt = fmt
         self.schema = schema
-        self.layout = fixed_layout(schema, "Avro")
+        self.layout = _layout(schema)
         self.plans: dict[int, Any] = {}
         self.single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
 
@@ -129,6 +131,9 @@ class AvroDecoder(Decoder):
         the last good one (which the next good value overwrites); nothing
         outside ``out`` is ever written.
         """
+        if self.schema.varlen is not None:
+            raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: read it "
+                              f"with pack=kfeed.Pack(...)")
         if not isinstance(values, (list, tuple)):
             values = list(values)
         if self.single is not None:
@@ -146,6 +151,31 @@ class AvroDecoder(Decoder):
             if need is None:
                 return DecodeResult(rows, consumed, bad)
             self.plans[need] = self._plan_for(need)
+
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        """Each record's token field (an array of ints, or bytes), flat; a bad record gives none."""
+        f = self.schema.varlen
+        if f is None:
+            raise ConfigError("decode_documents needs a schema with a variable-length field")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        code = codes(self.schema)[0]
+        plans = self.single if self.single is not None else self.plans
+        parts, lengths, counts, bad = [], [], [], []
+        done = 0
+        while True:
+            tokens, lens, cnts, b, need = _codec.avro_documents(
+                self.layout, plans, values[done:], self.fmt.framed, code)
+            parts.append(tokens)
+            lengths.append(lens)
+            counts.append(cnts)
+            bad.extend((done + i, why) for i, why in b)
+            done += len(cnts)
+            if need is None:
+                break
+            self.plans[need] = self._plan_for(need)
+        return Documents(np.frombuffer(b"".join(parts), f.storage), np.concatenate(lengths),
+                         np.concatenate(counts), bad, {})
 
     def _plan_for(self, schema_id: int) -> Any:
         """The plan of a schema id, or the reason its records are bad."""
@@ -460,8 +490,11 @@ class _Compiler:
         if kind == "array":
             if not dims:
                 return self.bad(field, "an array", path)
-            i = self.node("array", path, f, size=dims[0], stride=math.prod(dims[1:]))
+            size = -1 if dims[0] is None else dims[0]  # -1: a document, any length
+            i = self.node("array", path, f, size=size, stride=math.prod(dims[1:]))
             return self.children(i, [self.value(t["items"], f, dims[1:], f"{path}[]", False)])
+        if kind in ("bytes", "string") and dims == (None,) and field.dtype in ("uint8", "int8"):
+            return self.node(kind, path, f, size=-1)  # a document of its bytes
         if kind == "fixed":
             if field.dtype not in ("uint8", "int8") or dims != (t["size"],):
                 return self.bad(field, f"fixed({t['size']})", path)
@@ -493,5 +526,13 @@ def compile_plan(writer: Any, schema: Schema) -> Any:
     c = _Compiler(schema)
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
-    return _codec.AvroPlan(fixed_layout(schema, "Avro"), nodes, np.array(c.kids, np.int64),
-                           c.codes, defaults(schema), c.notes)
+    varfield = -1 if schema.varlen is None else 0
+    return _codec.AvroPlan(_layout(schema), nodes, np.array(c.kids, np.int64), c.codes,
+                           defaults(schema), c.notes, varfield)
+
+
+def _layout(schema: Schema) -> Any:
+    """Fixed-shape rows, or (a token field, for ``pack=``) documents."""
+    if schema.varlen is not None:
+        return document_layout(schema, "Avro")
+    return fixed_layout(schema, "Avro")

@@ -94,12 +94,32 @@ def fixed_layout(schema: Schema, what: str) -> Any:
     return layout
 
 
+def document_layout(schema: Schema, what: str) -> Any:
+    """The codec layout of a schema of one token field, read as documents (``pack=``).
+
+    The field's row is one element as far as the layout knows; the decoders
+    grow each document as they read it.
+    """
+    f = schema.varlen
+    assert f is not None
+    if len(schema.fields) != 1:
+        others = ", ".join(repr(x.name) for x in schema.fields if x is not f)
+        raise ConfigError(f"a {what} topic packed into token rows gives one field, "
+                          f"{f.name!r}: leave {others} out of the schema")
+    return _codec.Layout([f.storage.itemsize], schema.fingerprint, schema.names)
+
+
 def codes(schema: Schema) -> list[int]:
     """Each field's element code, as the Cython decoders store elements."""
     return [_codec.AVRO_CODES[f.dtype] for f in schema.fields]
 
 
 def defaults(schema: Schema) -> list[bytes | None]:
-    """One row of each field's default, as bytes; None where it has none."""
-    return [None if f.default is None else np.full(f.shape, f.default, f.storage).tobytes()
+    """One row of each field's default, as bytes; None where it has none.
+
+    A variable-length field's default is a whole document, of any length.
+    """
+    return [None if f.default is None
+            else np.asarray(f.default, f.storage).tobytes() if f.variable
+            else np.full(f.shape, f.default, f.storage).tobytes()
             for f in schema.fields]

@@ -29,7 +29,15 @@ import numpy as np
 
 from kfeed import _codec
 from kfeed.errors import ConfigError
-from kfeed.formats import Decoder, Encoder, RecordFormat, codes, defaults, fixed_layout
+from kfeed.formats import (
+    Decoder,
+    Encoder,
+    RecordFormat,
+    codes,
+    defaults,
+    document_layout,
+    fixed_layout,
+)
 from kfeed.schema import DecodeResult, Documents, Schema, Target
 
 __all__ = ["Json", "JsonDecoder"]
@@ -101,13 +109,10 @@ class JsonDecoder(Decoder):
         self.schema = schema
         self.varlen = schema.varlen
         if self.varlen is not None:
-            f = self.varlen
-            if len(schema.fields) != 1:
-                others = ", ".join(repr(x.name) for x in schema.fields if x is not f)
-                raise ConfigError(f"a JSON topic packed into token rows gives one field, "
-                                  f"{f.name!r}: leave {others} out of the schema")
-            self.path = [key.encode() for key in f.path]
+            document_layout(schema, "JSON")
+            self.path = [key.encode() for key in self.varlen.path]
             self.code = codes(schema)[0]
+            self.default = defaults(schema)[0]
             return
         self.layout = fixed_layout(schema, "JSON")
         self.plan = compile_plan(schema)
@@ -128,7 +133,8 @@ class JsonDecoder(Decoder):
             raise ConfigError("decode_documents needs a schema with a variable-length field")
         if not isinstance(values, (list, tuple)):
             values = list(values)
-        tokens, lengths, counts, bad = _codec.json_documents(values, self.path, self.code)
+        tokens, lengths, counts, bad = _codec.json_documents(values, self.path, self.code,
+                                                             self.default)
         return Documents(np.frombuffer(tokens, self.varlen.storage), lengths, counts, bad, {})
 
 

@@ -13,6 +13,11 @@ not, fill a fixed shape exactly. Absent fields read as proto3 does: zero,
 unless the kfeed field has a ``default``; an absent repeated field takes its
 ``default`` or makes the record bad. Everything about the layout is known
 from the class, so a field that cannot map is a ``ConfigError`` at once.
+
+A schema of one variable-length field (``pack=``) reads documents instead:
+``ProtobufDecoder.decode_documents`` (``_codec.pb_documents``) gathers each
+message's repeated integer field (or its string or bytes, into a uint8
+field) into one flat array, one length per message.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from kfeed.formats import (
     RecordFormat,
     codes,
     defaults,
+    document_layout,
     fixed_layout,
     registry_client,
 )
-from kfeed.schema import DecodeResult, Field, Schema, Target
+from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
 
 __all__ = ["Protobuf", "ProtobufDecoder", "ProtobufEncoder"]
 
@@ -57,6 +63,7 @@ class Protobuf(RecordFormat):
     """
 
     value = "protobuf"
+    documents = True
 
     def __init__(self, message: Any = None, registry: Mapping[str, Any] | Any | None = None
                  ) -> None:
@@ -95,16 +102,31 @@ class ProtobufDecoder(Decoder):
 
     def __init__(self, fmt: Protobuf, schema: Schema) -> None:
         self.fmt = fmt
-        self.layout = fixed_layout(schema, "Protobuf")
+        self.schema = schema
+        self.layout = _layout(schema)
         self.plan = compile_plan(fmt.descriptor, schema)
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         """Decode values into ``out`` from ``row`` on: one row per good value."""
+        if self.schema.varlen is not None:
+            raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: read it "
+                              f"with pack=kfeed.Pack(...)")
         if not isinstance(values, (list, tuple)):
             values = list(values)
         rows, consumed, bad = _codec.pb_decode(self.layout, self.plan, values, out.out, row,
                                                self.fmt.framed)
         return DecodeResult(rows, consumed, bad)
+
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        """Each message's token field (a repeated integer, or bytes), flat; a bad one gives none."""
+        f = self.schema.varlen
+        if f is None:
+            raise ConfigError("decode_documents needs a schema with a variable-length field")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        tokens, lengths, counts, bad = _codec.pb_documents(self.layout, self.plan, values,
+                                                           self.fmt.framed)
+        return Documents(np.frombuffer(tokens, f.storage), lengths, counts, bad, {})
 
 
 class ProtobufEncoder(Encoder):
@@ -235,10 +257,16 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
         for number, kind, field, code, repeated, msg, note in rows:
             entries.append((number, kind, field, code, repeated, msg))
             notes.append(note)
-    return _codec.ProtobufPlan(fixed_layout(schema, "Protobuf"),
-                               np.array(entries, np.int64).reshape(-1, 6),
+    return _codec.ProtobufPlan(_layout(schema), np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
-                               defaults(schema), notes)
+                               defaults(schema), notes, -1 if schema.varlen is None else 0)
+
+
+def _layout(schema: Schema) -> Any:
+    """Fixed-shape rows, or (a token field, for ``pack=``) documents."""
+    if schema.varlen is not None:
+        return document_layout(schema, "Protobuf")
+    return fixed_layout(schema, "Protobuf")
 
 
 def _describe(kind: str, fd: Any) -> str:
@@ -250,7 +278,13 @@ def _describe(kind: str, fd: Any) -> str:
 def _check(field: Field, kind: str, fd: Any, where: str) -> None:
     """Refuse, as a ConfigError, a message field that ``field`` cannot take."""
     what = _describe(kind, fd)
-    if kind in ("string", "bytes", "group", "message", "?"):
+    if field.variable:
+        # A document: a repeated integer, or the bytes of a string or bytes field.
+        if kind in ("string", "bytes"):
+            ok = not fd.is_repeated and field.dtype in ("uint8", "int8")
+        else:
+            ok = fd.is_repeated and kind not in ("group", "message", "?", *_FLOAT_KINDS)
+    elif kind in ("string", "bytes", "group", "message", "?"):
         ok = False
     elif kind in _FLOAT_KINDS:
         ok = field.dtype in _FLOATS
@@ -258,7 +292,7 @@ def _check(field: Field, kind: str, fd: Any, where: str) -> None:
         ok = True
     else:
         ok = field.dtype != "bool"
-    if ok:
+    if ok and not field.variable:
         ok = len(field.shape) == 1 if fd.is_repeated else field.shape == ()
     if not ok:
         shape = f" of shape {field.shape}" if field.shape else ""

@@ -644,6 +644,12 @@ def _parse_field(name: object, spec: object) -> Field:
                 f"field {name!r}: a variable-length field needs an integer dtype "
                 f"({', '.join(_VARLEN_DTYPES)}), got {dtype}"
             )
+        if default is not None:  # a whole document: a 1-D sequence of any length
+            if np.ndim(default) != 1:
+                raise ConfigError(f"field {name!r}: the default of a variable-length field is "
+                                  f"a document, a 1-D sequence (e.g. []), got {default!r}")
+            n = len(default)
+            default = _frozen(_default_value(name, dtype, (n,), default).tolist()) if n else ()
         return Field(name, dtype, (None,), source, default)
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
         raise ConfigError(f"field {name!r}: shape must be a tuple of ints, got {shape!r}")

@@ -96,8 +96,8 @@ class LoaderConfig:
         if isinstance(self.format, RecordFormat):
             if self.pack is not None and not self.format.documents:
                 raise ConfigError(f"format={self.format!r} gives fixed-shape records: pack= "
-                                  f"needs a token field, which kfeed reads from block, raw and "
-                                  f"JSON topics")
+                                  f"needs a token field, which kfeed reads from block, raw, "
+                                  f"JSON, Avro and Protobuf topics")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         if self.pack is not None and not isinstance(self.pack, Pack):
             raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
