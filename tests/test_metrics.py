@@ -145,6 +145,55 @@ def test_the_producer_and_a_kafka_loader_under_their_real_names(server, bootstra
     assert all(s.value == 0 for s in lags)
 
 
+@pytest.mark.integration
+def test_the_lag_in_seconds_is_the_age_of_the_groups_next_unread_record(bootstrap, make_topic):
+    import time
+
+    from confluent_kafka import Producer as KafkaProducer
+
+    topic = make_topic(partitions=2)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    # Records an hour old, a second apart: record k of a partition is k seconds younger.
+    base_ms = int(time.time() * 1000) - 3_600_000
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for part, n in ((0, 100), (1, 30)):
+        for k, v in enumerate(schema.encode_raw({"id": np.arange(n)})):
+            p.produce(topic, v, partition=part, timestamp=base_ms + k * 1000)
+    assert p.flush(30) == 0
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    server = metrics.serve(0, lag_interval_s=0.3)
+    try:
+        with kfeed.Loader(config, topic, schema, 10, device="cpu", format="raw") as loader:
+            it = iter(loader)
+            for _ in range(7):
+                next(it)
+            loader.commit()
+            deadline = time.monotonic() + 30
+            while True:
+                committed = {p.partition: p.committed for p in kfeed.group_lag(
+                    config, config["group.id"], [topic])}
+                if sum(c or 0 for c in committed.values()) == 130 - 60:
+                    break
+                assert time.monotonic() < deadline, committed
+                time.sleep(0.2)
+            want = {part: 0.0 if committed[part] == n
+                    else time.time() - (base_ms + committed[part] * 1000) / 1000
+                    for part, n in ((0, 100), (1, 30))}
+            deadline = time.monotonic() + 30
+            while True:  # a round of the lag reader after the commit
+                got = {int(s.labels["partition"]): s.value for s in
+                       scrape(server).get("kfeed_consumergroup_lag_seconds", [])
+                       if s.labels["consumergroup"] == config["group.id"]}
+                if got.keys() == {0, 1} and abs(got[0] - want[0]) < 5:
+                    break
+                assert time.monotonic() < deadline, got
+                time.sleep(0.2)
+        assert got == pytest.approx(want, abs=5)
+        assert 3400 < max(got.values()) < 3700
+    finally:
+        server.shutdown()
+
+
 # -- a real Prometheus server scrapes a running loader -------------------------------------
 
 

@@ -12,18 +12,28 @@ imports and runs as before, and only ``serve`` says what is missing.
 Names follow Prometheus's conventions: the ``kfeed_`` prefix, the unit in
 the name, ``_total`` for counters. The consumer lag is also published as
 ``kafka_consumergroup_lag{consumergroup,topic,partition}``, kafka_exporter's
-name, so that dashboards and autoscalers built on it work unchanged.
+name, so that dashboards and autoscalers built on it work unchanged. The lag
+in seconds, ``kfeed_consumergroup_lag_seconds{consumergroup,topic,partition}``,
+is how old the group's next unread record is, as kafka-lag-exporter defines
+it (now minus the timestamp of the record at the committed offset, 0 when
+nothing is left): a thread of ``serve`` asks the brokers for it every
+``lag_interval_s`` (``kfeed.lag.group_lag``), never the loader's own thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import logging
 import re
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from kfeed.errors import ConfigError
+from kfeed.errors import ConfigError, ConsumeError
+
+log = logging.getLogger("kfeed.metrics")
 
 __all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
 
@@ -65,11 +75,13 @@ class Histogram:
         return out
 
 
-def serve(port: int, addr: str = "127.0.0.1") -> Any:
+def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> Any:
     """Serve the metrics of every live Loader and Producer on ``addr:port`` (``/metrics``).
 
-    Returns the HTTP server (``shutdown()`` stops it). Port 0 picks a free
-    one: ``server.server_port``.
+    Returns the HTTP server (``shutdown()`` stops it, and the lag reader).
+    Port 0 picks a free one: ``server.server_port``. Every
+    ``lag_interval_s`` the brokers are asked how old each Kafka loader's
+    group's next unread record is (``kfeed_consumergroup_lag_seconds``).
     """
     try:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -78,17 +90,85 @@ def serve(port: int, addr: str = "127.0.0.1") -> Any:
                           "pip install 'kfeed[metrics]'") from e
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"port must be an int in 0..65535, got {port!r}")
+    if isinstance(lag_interval_s, bool) or not isinstance(lag_interval_s, (int, float)) \
+            or not lag_interval_s > 0:
+        raise ConfigError(f"lag_interval_s must be > 0, got {lag_interval_s!r}")
+    ages = _LagSeconds(float(lag_interval_s))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector())
+    registry.register(_Collector(ages))
     try:
         server, _thread = start_http_server(port, addr, registry=registry)
     except OSError as e:
         raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}") from e
+    ages.start()
+    # A round under way when the process exits must end first: librdkafka's
+    # clients do not survive the interpreter's teardown.
+    atexit.register(ages.close)
+    shutdown = server.shutdown
+
+    def stop() -> None:
+        shutdown()
+        ages.close()
+        atexit.unregister(ages.close)
+
+    server.shutdown = stop
     return server
+
+
+class _LagSeconds(threading.Thread):
+    """Every ``interval_s``: each live Kafka loader's group lag in seconds, from the brokers.
+
+    ``ages`` maps (group, topic, partition) to the age of the group's next
+    unread record; it is replaced whole after each round, so a scrape reads
+    one round's values. A round that fails (brokers away) drops that
+    group's values, with one warning until it works again.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__(name="kfeed-lag-seconds", daemon=True)
+        self.interval_s = interval_s
+        self.ages: dict[tuple[str, str, str], float] = {}
+        self.stopped = threading.Event()
+        self._failing: set[str] = set()
+
+    def close(self) -> None:
+        """Stop, once the round under way ends (within its brokers' timeout)."""
+        self.stopped.set()
+        if self.is_alive():
+            self.join(timeout=15.0)
+
+    def run(self) -> None:
+        from kfeed.lag import group_lag
+
+        while not self.stopped.is_set():
+            ages: dict[tuple[str, str, str], float] = {}
+            targets = {}
+            for obj in list(LIVE):
+                target = getattr(obj, "lag_target", lambda: None)()
+                if target is not None:
+                    targets[target[1]] = target
+            for config, group, topics in targets.values():
+                try:
+                    parts = group_lag(config, group, topics,
+                                      timeout_s=min(10.0, max(1.0, self.interval_s)))
+                except (ConsumeError, ConfigError) as e:
+                    if group not in self._failing:
+                        log.warning("lag in seconds of group %s: %s", group, e)
+                    self._failing.add(group)
+                    continue
+                self._failing.discard(group)
+                for p in parts:
+                    if p.lag_s is not None:
+                        ages[(group, p.topic, str(p.partition))] = p.lag_s
+            self.ages = ages
+            self.stopped.wait(self.interval_s)
 
 
 class _Collector:
     """Reads every live loader's and producer's counters at a scrape."""
+
+    def __init__(self, ages: _LagSeconds) -> None:
+        self.ages = ages
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -165,7 +245,12 @@ class _Collector:
                 m = _LAG_KEY.fullmatch(key)
                 if m is not None:
                     lag.add_metric([group, m.group(1), m.group(2)], n)
+        lag_s = GaugeMetricFamily("kfeed_consumergroup_lag_seconds",
+                                  "age of the group's next unread record (committed offset)",
+                                  labels=["consumergroup", "topic", "partition"])
+        for (group, topic, partition), age in self.ages.ages.items():
+            lag_s.add_metric([group, topic, partition], age)
         yield from c.values()
-        yield from (bad, wait, latency, startup, pool, slots, stage, lag)
+        yield from (bad, wait, latency, startup, pool, slots, stage, lag, lag_s)
         yield from p.values()
         yield queued

@@ -73,6 +73,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from kfeed import metrics
+from kfeed._kafka import client_config
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError
@@ -236,9 +237,12 @@ class Loader:
         self._last_commit = 0.0
         # Set first: __del__ runs close() even when a later line raises.
         self._closed = True
+        # Where the brokers are, for the metrics' lag in seconds (None: not Kafka).
+        self._connection: dict[str, Any] | None = None
         if source is None:
             source = KafkaSource(kafka_config or {}, c.topics, bounded=c.bounded,
                                  connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
+            self._connection = client_config(kafka_config or {})
         elif c.dlq_config is not None:
             raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
         self._source = source
@@ -628,6 +632,15 @@ class Loader:
         }
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
+
+    def lag_target(self) -> tuple[dict[str, Any], str, list[str]] | None:
+        """(connection settings, group, topics) whose lag the metrics ask the brokers for.
+
+        None for a source other than Kafka, or once closed.
+        """
+        if self._connection is None or self._closed:
+            return None
+        return self._connection, self._source.group_id, self.topics
 
     def close(self, *, commit_current: bool = True, timeout_s: float | None = None) -> None:
         """Stop the thread, commit what was used, close the consumer.
