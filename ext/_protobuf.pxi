@@ -300,7 +300,9 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
         elif kind == P_UINT32:
             v = <uint32_t>raw
         elif kind == P_SINT32:
-            v = <int32_t>((raw >> 1) ^ -(raw & 1))
+            # Cut to 32 bits first, as protobuf reads a sint32, then zig-zag.
+            u32 = <uint32_t>raw
+            v = <int32_t>((u32 >> 1) ^ -(u32 & 1))
         elif kind == P_SINT64:
             v = <int64_t>((raw >> 1) ^ -(raw & 1))
         elif kind == P_BOOL:
@@ -509,21 +511,122 @@ cdef Py_ssize_t pb_frame(const uint8_t* p, Py_ssize_t size) noexcept nogil:
     return q - p
 
 
-def pb_decode(Layout layout, ProtobufPlan plan, values, Out out, uint64_t row, bint framed):
+cdef tuple pb_plans(plans, _Values vals, bint framed, Py_ssize_t nfields, bint documents,
+                    const PbPlan** vp, Py_ssize_t* skip, dict owners, dict reasons):
+    """Each value's plan into ``vp`` and its framing's bytes into ``skip``, under the GIL.
+
+    ``plans``: one ``ProtobufPlan`` for every value, or (framed) a dict from
+    ``(schema id, message indexes)`` to the plan of that message, or to a str
+    saying why its values are rejected. ``skip[i]`` is -1 for a bad frame,
+    -2 for a malformed index array. Returns ``(n, need)``: the values looked
+    up, and the key of value ``n`` when the dict has no entry for it. A
+    value's key is made only when its framing differs from the value before.
+    """
+    cdef Py_ssize_t i, n = vals.n, last_skip = 0, k
+    cdef ProtobufPlan plan
+    cdef const PbPlan* last = NULL
+    cdef const uint8_t* last_p = NULL
+    cdef const uint8_t* q
+    cdef bint ok
+    single = isinstance(plans, ProtobufPlan)
+    if not single and not framed:
+        raise TypeError("plans must be a ProtobufPlan for values without framing")
+    for entry in ([plans] if single else plans.values()):
+        if isinstance(entry, ProtobufPlan):
+            plan = <ProtobufPlan>entry
+            if plan.nfields != nfields:
+                raise ValueError("the plan was made for another layout")
+            if (plan.p.varfield >= 0) != documents:
+                raise ValueError("documents need a plan with a variable-length field"
+                                 if documents else "a plan with a variable-length field reads "
+                                 "documents: pb_documents")
+            owners[<uintptr_t>&plan.p] = plan
+    for i in range(n):
+        skip[i] = 0
+        vp[i] = NULL
+        if vals.size[i] < 0:
+            continue
+        if framed:
+            skip[i] = pb_frame(vals.ptr[i], vals.size[i])
+            if skip[i] < 0:
+                continue
+        if single:
+            vp[i] = &(<ProtobufPlan>plans).p
+            continue
+        if last_p != NULL and skip[i] == last_skip and \
+                memcmp(vals.ptr[i] + 1, last_p + 1, skip[i] - 1) == 0:
+            vp[i] = last  # the same schema id and message indexes as the value before
+            continue
+        q = vals.ptr[i] + 5
+        ok = True
+        count = pb_zigzag_at(&q, vals.ptr[i] + skip[i], &ok)
+        indexes = tuple(pb_zigzag_at(&q, vals.ptr[i] + skip[i], &ok) for k in range(count))
+        key = (load_u32_be(vals.ptr[i] + 1), indexes or (0,))
+        entry = plans.get(key)
+        if entry is None:
+            return i, key
+        last_p, last_skip = vals.ptr[i], skip[i]
+        if isinstance(entry, ProtobufPlan):
+            vp[i] = &(<ProtobufPlan>entry).p
+            last = vp[i]
+        else:
+            reasons[key] = str(entry)
+            last = NULL
+    return n, None
+
+
+cdef int pb_one(PbCur* c, const PbPlan* plan, const uint8_t* p, Py_ssize_t size,
+                Py_ssize_t skip, bint framed, uint8_t** dst, uint64_t row) noexcept nogil:
+    """One value, its plan and framing looked up (``pb_plans``), into row ``row``."""
+    c.err_entry, c.err_field, c.err_value = -1, -1, 0
+    if size < 0:
+        c.err_value = -size
+        return A_VALUE
+    if skip == -1:
+        c.err_value = p[0] if size > 0 else -1
+        return A_FRAME
+    if skip == -2:
+        return A_INDEXES
+    if plan == NULL:
+        return A_PLAN
+    return pb_record(c, plan, p + skip, p + size, dst, row)
+
+
+cdef list pb_rejected(Layout layout, _Values vals, AvBad* bad, Py_ssize_t nbad,
+                      const PbPlan** vp, Py_ssize_t* skip, dict owners, dict reasons):
+    """``(index, reason)`` of each rejected value."""
+    rejected = []
+    for k in range(nbad):
+        idx = bad[k].index
+        if bad[k].err == A_PLAN:
+            q = vals.ptr[idx] + 5
+            ok = True
+            count = pb_zigzag_at(&q, vals.ptr[idx] + skip[idx], &ok)
+            indexes = tuple(pb_zigzag_at(&q, vals.ptr[idx] + skip[idx], &ok)
+                            for _ in range(count))
+            key = (load_u32_be(vals.ptr[idx] + 1), indexes or (0,))
+            rejected.append((idx, reasons.get(key, "no plan for the value's schema")))
+        else:
+            rejected.append((idx, _pb_reason(layout, owners.get(<uintptr_t>vp[idx]), bad[k],
+                                             vals.size[idx])))
+    return rejected
+
+
+def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
     """Decode Protobuf message values into ``out`` from ``row`` on, one record per value.
 
-    Returns ``(rows, consumed, bad)`` as ``avro_decode`` does (a rejected
-    value may have begun the row after the last good one).
+    ``plans`` as ``pb_plans`` takes them. Returns ``(rows, consumed, bad,
+    need)`` as ``avro_decode`` does (a rejected value may have begun the row
+    after the last good one; ``need``: the ``(schema id, message indexes)``
+    of value ``consumed`` when ``plans`` has no plan for it).
     """
     out.fits(layout)
     if row > out.capacity:
         raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
-    if plan.nfields != layout.nfields:
-        raise ValueError("the plan was made for another layout")
-    if plan.p.varfield >= 0:
-        raise ValueError("a plan with a variable-length field reads documents: pb_documents")
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0
+    cdef const PbPlan** vp = <const PbPlan**>calloc(m, sizeof(PbPlan*))
+    cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
     cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
@@ -532,63 +635,50 @@ def pb_decode(Layout layout, ProtobufPlan plan, values, Out out, uint64_t row, b
     cdef PbCur c
     cdef uint64_t out_row = row
     cdef int r
-    if not (bad and rowp and nelem and written and count):
-        free(bad); free(rowp); free(nelem); free(written); free(count)
+    owners = {}
+    reasons = {}
+    if not (vp and skip and bad and rowp and nelem and written and count):
+        free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written); free(count)
         raise MemoryError()
     c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, NULL
     try:
+        n, need = pb_plans(plans, vals, framed, layout.nfields, False, vp, skip, owners, reasons)
         with nogil:
             while i < n and out_row < out.capacity:
-                r = pb_value_at(&c, &plan.p, vals.ptr[i], vals.size[i], framed, out.bufs.ptr,
-                                out_row)
+                r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, out.bufs.ptr,
+                           out_row)
                 if r == A_OK:
                     out_row += 1
                 else:
-                    bad[nbad].index = i
-                    bad[nbad].err = r
-                    bad[nbad].node = c.err_entry
-                    bad[nbad].field = c.err_field
+                    bad[nbad].index, bad[nbad].err = i, r
+                    bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
                     bad[nbad].value = c.err_value
                     nbad += 1
                 i += 1
-        rejected = []
-        for k in range(nbad):
-            idx = bad[k].index
-            rejected.append((idx, _pb_reason(layout, plan, bad[k], vals.size[idx])))
-        return out_row - row, i, rejected
+        if i < n:
+            need = None  # stopped on a full output, before the unknown key
+        rejected = pb_rejected(layout, vals, bad, nbad, vp, skip, owners, reasons)
+        return out_row - row, i, rejected, need
     finally:
-        free(bad); free(rowp); free(nelem); free(written); free(count)
+        free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written); free(count)
 
 
-cdef int pb_value_at(PbCur* c, const PbPlan* plan, const uint8_t* p, Py_ssize_t size,
-                     bint framed, uint8_t** dst, uint64_t row) noexcept nogil:
-    """One value (its framing checked and skipped when ``framed``) into row ``row``."""
-    cdef Py_ssize_t skip = 0
-    c.err_entry, c.err_field, c.err_value = -1, -1, 0
-    if size < 0:
-        c.err_value = -size
-        return A_VALUE
-    if framed:
-        skip = pb_frame(p, size)
-    if skip == -1:
-        c.err_value = p[0] if size > 0 else -1
-        return A_FRAME
-    if skip == -2:
-        return A_INDEXES
-    return pb_record(c, plan, p + skip, p + size, dst, row)
-
-
-def pb_documents(Layout layout, ProtobufPlan plan, values, bint framed):
+def pb_documents(Layout layout, plans, values, bint framed, int code):
     """The variable-length field of each Protobuf value in ``values``, flat.
 
-    ``layout`` has that one field, and ``plan`` reads it as a document: a
-    repeated scalar, or a string or bytes field. Returns
-    ``(tokens, lengths, counts, bad)`` as ``json_documents`` does.
+    ``layout`` has that one field, of element code ``code``, and each plan
+    reads it as a document: a repeated scalar, or a string or bytes field.
+    Returns ``(tokens, lengths, counts, bad, need)`` as ``avro_documents``
+    does.
     """
-    if layout.nfields != 1 or plan.p.varfield != 0:
-        raise ValueError("documents need a layout and a plan of one variable-length field")
+    if layout.nfields != 1:
+        raise ValueError("documents need a layout of one variable-length field")
+    if not C_BOOL <= code < C_CODES:
+        raise ValueError(f"unknown element code {code}")
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
+    cdef const PbPlan** vp = <const PbPlan**>calloc(m, sizeof(PbPlan*))
+    cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t* rowp[1]
     cdef uint64_t nelem[1]
@@ -597,18 +687,26 @@ def pb_documents(Layout layout, ProtobufPlan plan, values, bint framed):
     cdef VarOut var
     cdef PbCur c
     cdef int r
-    lengths = np.zeros(n, np.int64)
-    counts = np.zeros(n, np.int64)
-    cdef int64_t[::1] lens = lengths, cnts = counts
-    var.size, var.cap, var.len = code_size(plan.p.codes[0]), 1024, 0
+    cdef int64_t[::1] lens, cnts
+    owners = {}
+    reasons = {}
+    var.size, var.cap, var.len = code_size(code), 1024, 0
     var.buf = <uint8_t*>malloc(var.cap * var.size)
     try:
-        if not (bad and var.buf):
+        if not (vp and skip and bad and var.buf):
             raise MemoryError()
+        n, need = pb_plans(plans, vals, framed, 1, True, vp, skip, owners, reasons)
+        lengths = np.zeros(n, np.int64)
+        counts = np.zeros(n, np.int64)
+        lens = lengths
+        cnts = counts
         c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, &var
         with nogil:
             for i in range(n):
-                r = pb_value_at(&c, &plan.p, vals.ptr[i], vals.size[i], framed, rowp, 0)
+                if vp[i] != NULL and vp[i].codes[0] != code:
+                    r = A_KIND
+                else:
+                    r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, rowp, 0)
                 if r == A_OK:
                     lens[i] = count[0]
                     cnts[i] = 1
@@ -618,19 +716,16 @@ def pb_documents(Layout layout, ProtobufPlan plan, values, bint framed):
                     bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
                     bad[nbad].value = c.err_value
                     nbad += 1
-        rejected = []
-        for k in range(nbad):
-            idx = bad[k].index
-            rejected.append((idx, _pb_reason(layout, plan, bad[k], vals.size[idx])))
+        rejected = pb_rejected(layout, vals, bad, nbad, vp, skip, owners, reasons)
         tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
-        return tokens, lengths[counts > 0], counts, rejected
+        return tokens, lengths[counts > 0], counts, rejected, need
     finally:
-        free(bad); free(var.buf)
+        free(vp); free(skip); free(bad); free(var.buf)
 
 
 cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
     cdef int err = b.err
-    where = f" at {plan.notes[b.node]}" if b.node >= 0 else ""
+    where = f" at {plan.notes[b.node]}" if plan is not None and b.node >= 0 else ""
     if err == A_VALUE:
         return REASONS[b.value]
     if err == A_FRAME:
@@ -643,7 +738,7 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         return f"field {layout.names[b.field]!r}: repeated field absent, and no default"
     if err == A_LENGTH:
         name = layout.names[b.field] if b.field >= 0 else "?"
-        if b.field < 0 and b.node >= 0:
+        if b.field < 0 and b.node >= 0 and plan is not None:
             name = layout.names[plan.p.entries[b.node].field]
         return f"field {name!r}: {b.value} values do not match its shape{where}"
     if err == A_WIRE:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from records import check_packed_documents, damage, decode_all, read_columns, read_dlq
 
 import kfeed
-from kfeed import avro
+from kfeed import avro, formats
 
 TOPIC = "clicks"
 CTX = SerializationContext(TOPIC, MessageField.VALUE)
@@ -289,7 +289,7 @@ def test_configuration_mistakes_get_one_clear_line(registry):
 
 def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkeypatch, registry):
     values, _ = serialized(registry, 4)
-    monkeypatch.setattr(avro, "REGISTRY_RETRY_S", 1.0)
+    monkeypatch.setattr(formats, "REGISTRY_RETRY_S", 1.0)
     # Nothing listens on this loopback port: every request is refused.
     decoder = kfeed.Avro(registry={"url": "http://127.0.0.1:9"}).decoder(SCHEMA)
     out = {f.name: np.zeros((4, *f.shape), f.storage) for f in SCHEMA.fields}

@@ -170,7 +170,7 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
 
     for args, says in [
         (["--format", "avro"], "--format avro needs --registry URL"),
-        (["--format", "protobuf"], "needs --proto MODULE:MESSAGE"),
+        (["--format", "protobuf"], "or --registry URL to read the schemas from"),
         (["--format", "protobuf", "--proto", "no_such_module:X"], "put the generated module"),
         (["--format", "json", "--field", "id:int64"], "is not NAME=DTYPE[SHAPE][@SOURCE]"),
         (["--format", "json", "--field", "id=int64", "--field", "id=int32"], "given twice"),

@@ -1588,6 +1588,15 @@ def test_protobuf_token_documents_read_as_protobuf_parses_them(data):
     check_protobuf_documents(doc, oracle, at_end)
 
 
+def test_a_sint32_varint_past_32_bits_reads_as_protobuf_reads_it():
+    # Found by the test above: protobuf cuts a sint32's varint to 32 bits, then zig-zags.
+    pytest.importorskip("google.protobuf")
+    doc = _doc_class()
+    value = bytes([0x12, 0x07, 0x12, 0x05, 0x81, 0x80, 0x80, 0x80, 0x10])  # 1 + 2**32
+    docs = kfeed.Protobuf(message=doc).decoder(TOKENS_AT).decode_documents([value])
+    assert docs.tokens.tolist() == list(doc.FromString(value).doc.ids) == [-1]
+
+
 def fuzz_record_format(fdp) -> None:
     """The rest of an atheris input -> one Avro, Protobuf or JSON decode, checked as above."""
     which = fdp.ConsumeIntInRange(0, 5)

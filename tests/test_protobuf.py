@@ -159,6 +159,37 @@ def test_every_field_equals_confluent_kafkas_deserializer(registry):
     assert (got["weights"] == 0).all(axis=1).any() and (got["score"] == -1).any()
 
 
+def test_without_the_class_each_schema_id_is_read_from_the_registry(registry):
+    from confluent_kafka.schema_registry import Schema
+
+    # Two writer schemas (Click is the file's second message), read with no generated code.
+    values, msgs = serialized(registry, 2_000)
+    got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(SCHEMA), SCHEMA, values)
+    assert bad == []
+    want = expected(msgs)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
+    # Ids the registry does not have, or has as something else: bad records, with the reason.
+    avro_id = registry.register_schema("other-value", Schema('"long"', "AVRO"))
+    text_id = registry.register_schema("text-value", Schema(
+        'syntax = "proto3"; message M { int64 id = 1; }', "PROTOBUF"))
+    frame = values[0][5:]
+    odd = [b"\x00" + i.to_bytes(4, "big") + frame for i in (99_999, avro_id, text_id)]
+    odd.append(values[0][:5] + b"\x02\x0e" + values[0][6:])  # message index 7: none
+    decoder = kfeed.Protobuf(registry=registry).decoder(SCHEMA)
+    got, bad = decode_all(decoder, SCHEMA, [*odd, values[1]])
+    assert got["id"].tolist() == [msgs[1].id]
+    assert [why for _, why in bad] == [
+        "schema id 99999 is not in the registry",
+        f"schema id {avro_id} is AVRO, not Protobuf",
+        f"schema id {text_id}: the registry gave the schema as .proto text, not as a "
+        f"serialized descriptor; give message=, the generated class",
+        f"schema id {int.from_bytes(values[0][1:5], 'big')}: clicks_v1.proto has no message at "
+        f"indexes [7]"]
+    with pytest.raises(kfeed.ConfigError, match="writing Protobuf needs message="):
+        kfeed.Protobuf(registry=registry).encoder(SCHEMA, "t")
+
+
 def test_plain_values_without_framing():
     rng = np.random.default_rng(4)
     msgs = [make(Click, i, rng) for i in range(300)]
@@ -204,8 +235,10 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
 
 
 def test_configuration_mistakes_get_one_clear_line(registry):
-    with pytest.raises(kfeed.ConfigError, match="needs message="):
+    with pytest.raises(kfeed.ConfigError, match="needs message= .* or registry="):
         kfeed.Protobuf()
+    with pytest.raises(kfeed.ConfigError, match="message= must be a generated message class"):
+        kfeed.Protobuf(message="Click")
     with pytest.raises(kfeed.ConfigError, match="shop.v1.Click has no field 'nope'"):
         kfeed.Protobuf(message=Click).decoder(kfeed.Schema({"nope": ("int64", ())}))
     with pytest.raises(kfeed.ConfigError, match=r"'note' \(float32\) cannot take note, a string"):
@@ -364,6 +397,24 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
         np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
     dead = read_dlq(bootstrap, topic, len(bad_values))
     assert sorted(m.value() for m in dead) == sorted(bad_values)
+
+
+@pytest.mark.integration
+def test_a_real_registry_gives_the_schemas_and_no_class_is_needed(bootstrap, make_topic,
+                                                                  schema_registry):
+    registry = SchemaRegistryClient({"url": schema_registry})
+    topic = make_topic(partitions=2)
+    values, msgs = serialized(registry, 3_000)
+    p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for v in values:
+        p.produce(topic, v)
+    assert p.flush(60) == 0
+    cols = read_columns(bootstrap, topic, SCHEMA,
+                        kfeed.Protobuf(registry={"url": schema_registry}), batch_size=256)
+    order = np.argsort(cols["id"])
+    want = expected(msgs)
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(cols[f.name][order], want[f.name], err_msg=f.name)
 
 
 # -- writing: kfeed.Producer(format=kfeed.Protobuf(...)) -----------------------------------

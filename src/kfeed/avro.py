@@ -25,26 +25,26 @@ import json
 import logging
 import math
 import re
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kfeed import _codec
-from kfeed.errors import ConfigError, ConsumeError, ProduceError
+from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
-    Decoder,
     Encoder,
+    PlanDecoder,
     RecordFormat,
     codes,
     defaults,
-    document_layout,
+    fetch_schema,
     fixed_layout,
+    plan_layout,
     registry_client,
 )
-from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
+from kfeed.schema import Field, Schema
 
 __all__ = ["Avro", "AvroDecoder", "AvroEncoder", "writer_schema"]
 
@@ -52,9 +52,6 @@ log = logging.getLogger("kfeed.avro")
 
 _PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
 _FLOATS = ("float32", "float64")
-# A registry that does not answer is asked again for this long, then the
-# loader fails with ConsumeError: a record is never skipped for want of its schema.
-REGISTRY_RETRY_S = 30.0
 
 
 class Avro(RecordFormat):
@@ -114,102 +111,29 @@ class Avro(RecordFormat):
         return (Avro, (self.schema, self.registry))
 
 
-class AvroDecoder(Decoder):
+class AvroDecoder(PlanDecoder):
     """One kfeed Schema's reader of Avro values: a plan per writer schema, made once."""
+
+    what = "Avro"
 
     def __init__(self, fmt: Avro, schema: Schema) -> None:
         self.fmt = fmt
-        self.schema = schema
-        self.layout = _layout(schema)
-        self.plans: dict[int, Any] = {}
-        self.single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
+        single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
+        super().__init__(schema, fmt.framed, single, _codec.avro_decode, _codec.avro_documents)
 
-    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
-        """Decode values into ``out`` from ``row`` on: one row per good value.
-
-        A rejected value adds no row, but may have begun writing the row after
-        the last good one (which the next good value overwrites); nothing
-        outside ``out`` is ever written.
-        """
-        if self.schema.varlen is not None:
-            raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: read it "
-                              f"with pack=kfeed.Pack(...)")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        if self.single is not None:
-            rows, consumed, bad, _ = _codec.avro_decode(self.layout, self.single, values,
-                                                        out.out, row, False)
-            return DecodeResult(rows, consumed, bad)
-        rows = consumed = 0
-        bad: list[tuple[int, str]] = []
-        while True:
-            r, c, b, need = _codec.avro_decode(self.layout, self.plans, values[consumed:],
-                                               out.out, row + rows, True)
-            bad.extend((consumed + i, why) for i, why in b)
-            rows += r
-            consumed += c
-            if need is None:
-                return DecodeResult(rows, consumed, bad)
-            self.plans[need] = self._plan_for(need)
-
-    def decode_documents(self, values: Sequence[Any]) -> Documents:
-        """Each record's token field (an array of ints, or bytes), flat; a bad record gives none."""
-        f = self.schema.varlen
-        if f is None:
-            raise ConfigError("decode_documents needs a schema with a variable-length field")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        code = codes(self.schema)[0]
-        plans = self.single if self.single is not None else self.plans
-        parts, lengths, counts, bad = [], [], [], []
-        done = 0
-        while True:
-            tokens, lens, cnts, b, need = _codec.avro_documents(
-                self.layout, plans, values[done:], self.fmt.framed, code)
-            parts.append(tokens)
-            lengths.append(lens)
-            counts.append(cnts)
-            bad.extend((done + i, why) for i, why in b)
-            done += len(cnts)
-            if need is None:
-                break
-            self.plans[need] = self._plan_for(need)
-        return Documents(np.frombuffer(b"".join(parts), f.storage), np.concatenate(lengths),
-                         np.concatenate(counts), bad, {})
-
-    def _plan_for(self, schema_id: int) -> Any:
+    def plan_for(self, schema_id: int) -> Any:
         """The plan of a schema id, or the reason its records are bad."""
-        text = self._fetch(schema_id)
-        if text is None:
+        registered = fetch_schema(self.fmt.client(), schema_id)
+        if registered is None:
             return f"schema id {schema_id} is not in the registry"
+        kind = getattr(registered, "schema_type", "AVRO") or "AVRO"
+        if kind != "AVRO":
+            return f"schema id {schema_id} is {kind}, not Avro"
         try:
-            return compile_plan(_load_schema(text), self.schema)
+            return compile_plan(_load_schema(registered.schema_str), self.schema)
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
-
-    def _fetch(self, schema_id: int) -> str | None:
-        log.info("fetching the writer schema of id %d from the registry", schema_id)
-        client = self.fmt.client()
-        deadline = time.monotonic() + REGISTRY_RETRY_S
-        delay = 0.1
-        while True:
-            try:
-                registered = client.get_schema(schema_id)
-            except Exception as e:
-                if getattr(e, "http_status_code", None) == 404:
-                    return None
-                if time.monotonic() + delay > deadline:
-                    raise ConsumeError(f"the schema registry did not give schema id {schema_id} "
-                                       f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
-                log.warning("schema registry: %s; asking again in %.1f s", e, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            kind = getattr(registered, "schema_type", "AVRO") or "AVRO"
-            if kind != "AVRO":
-                return json.dumps({"kfeed:not-avro": kind})
-            return registered.schema_str
 
 
 # -- writer schemas ----------------------------------------------------------------
@@ -518,21 +442,14 @@ class _Compiler:
 
 def compile_plan(writer: Any, schema: Schema) -> Any:
     """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields."""
-    if isinstance(writer, Mapping) and "kfeed:not-avro" in writer:
-        raise ConfigError(f"the registry's schema is {writer['kfeed:not-avro']}, not Avro")
     root = _Names().resolve(writer, "")
     if root["type"] != "record":
         raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
+    layout = plan_layout(schema, "Avro")  # the dtypes checked first
     c = _Compiler(schema)
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
     varfield = -1 if schema.varlen is None else 0
-    return _codec.AvroPlan(_layout(schema), nodes, np.array(c.kids, np.int64), c.codes,
+    return _codec.AvroPlan(layout, nodes, np.array(c.kids, np.int64), c.codes,
                            defaults(schema), c.notes, varfield)
 
-
-def _layout(schema: Schema) -> Any:
-    """Fixed-shape rows, or (a token field, for ``pack=``) documents."""
-    if schema.varlen is not None:
-        return document_layout(schema, "Avro")
-    return fixed_layout(schema, "Avro")

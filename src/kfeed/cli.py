@@ -753,7 +753,8 @@ which stop it after the round in hand.
   --field: features=float32[768], label=int64, id=int64, what kfeed train reads.
   Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none).
   Protobuf: --proto MODULE:MESSAGE, a generated class on the Python path
-  (--registry URL says the values carry the Confluent framing).
+  (--registry URL says the values carry the Confluent framing), or
+  --registry URL alone: each writer schema read from the registry.
 """
 
 _FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[(\d+(?:,\d+)*)\])?(?:@([\w.]+))?")
@@ -801,9 +802,12 @@ def _wire_format(args: argparse.Namespace) -> Any:
     if avro_schema:
         raise ConfigError(f"--avro-schema applies to --format avro, not {args.format}")
     if args.format == "protobuf":
+        if not proto and registry is not None:
+            return kfeed.Protobuf(registry=registry)  # the writer schemas read from it
         if not proto:
             raise ConfigError("--format protobuf needs --proto MODULE:MESSAGE, the generated "
-                              "message class (e.g. --proto clicks_pb2:Click)")
+                              "message class (e.g. --proto clicks_pb2:Click), or --registry "
+                              "URL to read the schemas from")
         module, sep, name = proto.partition(":")
         if not sep or not module or not name:
             raise ConfigError(f"--proto {proto!r} is not MODULE:MESSAGE")

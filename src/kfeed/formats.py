@@ -11,16 +11,24 @@ GIL, no Python object per record), rejecting a message whole with a reason.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kfeed import _codec
-from kfeed.errors import ConfigError
+from kfeed.errors import ConfigError, ConsumeError
 from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
 
-__all__ = ["Decoder", "Encoder", "RecordFormat", "resolve"]
+__all__ = ["Decoder", "Encoder", "PlanDecoder", "RecordFormat", "resolve"]
+
+log = logging.getLogger("kfeed.formats")
+
+# A registry that does not answer is asked again for this long, then the
+# loader fails with ConsumeError: a record is never skipped for want of its schema.
+REGISTRY_RETRY_S = 30.0
 
 _NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float32", "float64")
@@ -35,6 +43,108 @@ class Decoder:
     def decode_documents(self, values: Sequence[Any]) -> Documents:
         """The schema's variable-length field of each value (for ``pack=``)."""
         raise NotImplementedError
+
+
+class PlanDecoder(Decoder):
+    """A decoder through Cython plans: one given, or one per writer schema the values name.
+
+    ``single``: the plan of every value, or None: then each value's
+    Confluent framing names its writer schema, and ``plan_for(key)`` makes
+    the plan of a key the codec meets first (a schema id, or a schema id
+    and message indexes), or says why its values are bad; it is asked once
+    per key. ``decode(layout, plans, values, out, row, framed)`` and
+    ``documents(layout, plans, values, framed, code)`` are the codec's entry
+    points; both stop at a key without a plan and say which (``need``).
+    """
+
+    what = ""
+
+    def __init__(self, schema: Schema, framed: bool, single: Any, decode: Callable[..., Any],
+                 documents: Callable[..., Any]) -> None:
+        self.schema = schema
+        self.framed = framed
+        self.single = single
+        self.plans: dict[Any, Any] = {}
+        self._decode = decode
+        self._documents = documents
+        self.layout = plan_layout(schema, self.what)
+
+    def plan_for(self, key: Any) -> Any:
+        raise NotImplementedError
+
+    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
+        """Decode values into ``out`` from ``row`` on: one row per good value.
+
+        A rejected value adds no row, but may have begun writing the row after
+        the last good one (which the next good value overwrites); nothing
+        outside ``out`` is ever written.
+        """
+        if self.schema.varlen is not None:
+            raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: read it "
+                              f"with pack=kfeed.Pack(...)")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        plans = self.single if self.single is not None else self.plans
+        rows = consumed = 0
+        bad: list[tuple[int, str]] = []
+        while True:
+            r, c, b, need = self._decode(self.layout, plans, values[consumed:], out.out,
+                                         row + rows, self.framed)
+            bad.extend((consumed + i, why) for i, why in b)
+            rows += r
+            consumed += c
+            if need is None:
+                return DecodeResult(rows, consumed, bad)
+            self.plans[need] = self.plan_for(need)
+
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        """Each record's token field, flat; a bad record gives none."""
+        f = self.schema.varlen
+        if f is None:
+            raise ConfigError("decode_documents needs a schema with a variable-length field")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        code = codes(self.schema)[0]
+        plans = self.single if self.single is not None else self.plans
+        parts, lengths, counts = [], [], []
+        bad: list[tuple[int, str]] = []
+        done = 0
+        while True:
+            tokens, lens, cnts, b, need = self._documents(self.layout, plans, values[done:],
+                                                          self.framed, code)
+            parts.append(tokens)
+            lengths.append(lens)
+            counts.append(cnts)
+            bad.extend((done + i, why) for i, why in b)
+            done += len(cnts)
+            if need is None:
+                break
+            self.plans[need] = self.plan_for(need)
+        return Documents(np.frombuffer(b"".join(parts), f.storage), np.concatenate(lengths),
+                         np.concatenate(counts), bad, {})
+
+
+def fetch_schema(client: Any, schema_id: int, fmt: str | None = None) -> Any:
+    """The registered schema of ``schema_id`` (None: the registry has no such id).
+
+    A registry that does not answer is asked again, with a growing pause,
+    for ``REGISTRY_RETRY_S``; then ``ConsumeError``.
+    """
+    log.info("fetching the writer schema of id %d from the registry", schema_id)
+    deadline = time.monotonic() + REGISTRY_RETRY_S
+    delay = 0.1
+    while True:
+        try:
+            return client.get_schema(schema_id, None, fmt) if fmt else client.get_schema(schema_id)
+        except Exception as e:  # the registry client raises errors of many kinds
+            if getattr(e, "http_status_code", None) == 404:
+                return None
+            if time.monotonic() + delay > deadline:
+                raise ConsumeError(f"the schema registry did not give schema id {schema_id} "
+                                   f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
+            log.warning("schema registry: %s; asking again in %.1f s", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 class RecordFormat:
@@ -107,6 +217,13 @@ def document_layout(schema: Schema, what: str) -> Any:
         raise ConfigError(f"a {what} topic packed into token rows gives one field, "
                           f"{f.name!r}: leave {others} out of the schema")
     return _codec.Layout([f.storage.itemsize], schema.fingerprint, schema.names)
+
+
+def plan_layout(schema: Schema, what: str) -> Any:
+    """The layout a plan of ``what`` writes: fixed-shape rows, or (one token field) documents."""
+    if schema.varlen is not None:
+        return document_layout(schema, what)
+    return fixed_layout(schema, what)
 
 
 def codes(schema: Schema) -> list[int]:

@@ -22,7 +22,10 @@ field) into one flat array, one length per message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import base64
+import binascii
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -30,18 +33,20 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
-    Decoder,
     Encoder,
+    PlanDecoder,
     RecordFormat,
     codes,
     defaults,
-    document_layout,
-    fixed_layout,
+    fetch_schema,
+    plan_layout,
     registry_client,
 )
-from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
+from kfeed.schema import Field, Schema
 
 __all__ = ["Protobuf", "ProtobufDecoder", "ProtobufEncoder"]
+
+log = logging.getLogger("kfeed.protobuf")
 
 # FieldDescriptor.type -> the wire kind's name in _codec.PB_KINDS.
 _TYPES = {1: "double", 2: "float", 3: "int64", 4: "uint64", 5: "int32", 6: "fixed64",
@@ -57,9 +62,12 @@ class Protobuf(RecordFormat):
     ``message``: the generated message class (or its ``DESCRIPTOR``).
     ``registry``: given (its config dict or a client), the values carry the
     Confluent framing (magic byte, schema id, message indexes), which is
-    checked and skipped; the layout comes from ``message`` either way, as
-    with confluent-kafka's ``ProtobufDeserializer``, so the registry itself
-    is not asked.
+    checked and skipped. With ``message`` the layout comes from the class,
+    as with confluent-kafka's ``ProtobufDeserializer``, and the registry is
+    not asked. Without it, each schema id's writer schema is fetched once
+    from the registry (as a serialized ``FileDescriptorProto``, with its
+    references), the message the indexes name found in it, and compiled:
+    no generated code is needed, and a schema that evolves mid-topic works.
     """
 
     value = "protobuf"
@@ -68,25 +76,44 @@ class Protobuf(RecordFormat):
     def __init__(self, message: Any = None, registry: Mapping[str, Any] | Any | None = None
                  ) -> None:
         descriptor = getattr(message, "DESCRIPTOR", message)
-        if descriptor is None or not hasattr(descriptor, "fields_by_name"):
-            raise ConfigError("kfeed.Protobuf needs message=, the generated message class "
-                              "(as confluent-kafka's ProtobufDeserializer does)")
+        if message is None and registry is None:
+            raise ConfigError("kfeed.Protobuf needs message= (the generated message class) or "
+                              "registry= (values in the Confluent wire format, their schemas "
+                              "read from it)")
+        if message is not None and not hasattr(descriptor, "fields_by_name"):
+            raise ConfigError(f"message= must be a generated message class or its descriptor, "
+                              f"got {message!r}")
+        if registry is not None and not isinstance(registry, Mapping) \
+                and not callable(getattr(registry, "get_schema", None)):
+            raise ConfigError("registry must be a SchemaRegistryClient config dict "
+                              "({'url': ...}) or a client with get_schema(schema_id)")
         self.message = message
         self.descriptor = descriptor
         self.registry = registry
+        self._client: Any = None
 
     @property
     def framed(self) -> bool:
         return self.registry is not None
+
+    def client(self) -> Any:
+        """The registry client, made once from the config dict."""
+        if self._client is None:
+            self._client = registry_client(self.registry, "kfeed.Protobuf")
+        return self._client
 
     def decoder(self, schema: Schema) -> ProtobufDecoder:
         return ProtobufDecoder(self, schema)
 
     def encoder(self, schema: Schema, topic: str) -> ProtobufEncoder:
         """The producer's writer of ``schema`` rows to ``topic`` (see ``ProtobufEncoder``)."""
+        if self.descriptor is None:
+            raise ConfigError("writing Protobuf needs message=, the generated message class")
         return ProtobufEncoder(self, schema, topic)
 
     def __repr__(self) -> str:
+        if self.descriptor is None:
+            return "Protobuf(registry=...)"
         framing = ", registry=..." if self.framed else ""
         return f"Protobuf(message={self.descriptor.full_name}{framing})"
 
@@ -97,36 +124,95 @@ class Protobuf(RecordFormat):
         return (Protobuf, (self.message, self.registry))
 
 
-class ProtobufDecoder(Decoder):
-    """One kfeed Schema's reader of one message type's values."""
+class ProtobufDecoder(PlanDecoder):
+    """One kfeed Schema's reader of Protobuf values: the class's plan, or one per writer schema."""
+
+    what = "Protobuf"
 
     def __init__(self, fmt: Protobuf, schema: Schema) -> None:
         self.fmt = fmt
-        self.schema = schema
-        self.layout = _layout(schema)
-        self.plan = compile_plan(fmt.descriptor, schema)
+        single = compile_plan(fmt.descriptor, schema) if fmt.descriptor is not None else None
+        super().__init__(schema, fmt.framed, single, _codec.pb_decode, _codec.pb_documents)
 
-    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
-        """Decode values into ``out`` from ``row`` on: one row per good value."""
-        if self.schema.varlen is not None:
-            raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: read it "
-                              f"with pack=kfeed.Pack(...)")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        rows, consumed, bad = _codec.pb_decode(self.layout, self.plan, values, out.out, row,
-                                               self.fmt.framed)
-        return DecodeResult(rows, consumed, bad)
+    def plan_for(self, key: tuple[int, tuple[int, ...]]) -> Any:
+        """The plan of ``(schema id, message indexes)``, or the reason its records are bad."""
+        schema_id, indexes = key
+        registered = fetch_schema(self.fmt.client(), schema_id, "serialized")
+        if registered is None:
+            return f"schema id {schema_id} is not in the registry"
+        kind = getattr(registered, "schema_type", None) or "AVRO"
+        if kind != "PROTOBUF":
+            return f"schema id {schema_id} is {kind}, not Protobuf"
+        try:
+            descriptor = message_at(registry_pool(self.fmt.client(), registered), indexes)
+            return compile_plan(descriptor, self.schema)
+        except ConfigError as e:
+            log.warning("schema id %d cannot be read: %s", schema_id, e)
+            return f"schema id {schema_id}: {e}"
 
-    def decode_documents(self, values: Sequence[Any]) -> Documents:
-        """Each message's token field (a repeated integer, or bytes), flat; a bad one gives none."""
-        f = self.schema.varlen
-        if f is None:
-            raise ConfigError("decode_documents needs a schema with a variable-length field")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        tokens, lengths, counts, bad = _codec.pb_documents(self.layout, self.plan, values,
-                                                           self.fmt.framed)
-        return Documents(np.frombuffer(tokens, f.storage), lengths, counts, bad, {})
+
+def registry_pool(client: Any, registered: Any) -> Any:
+    """The file a registered Protobuf schema describes, in a pool with what it imports.
+
+    Its references are fetched (serialized) and added first; protobuf's
+    well-known types come from the runtime.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from google.protobuf.message import DecodeError
+
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(schema: Any, name: str) -> Any:
+        for ref in schema.references or []:
+            if ref.name in added:
+                continue
+            added.add(ref.name)
+            if ref.name.startswith("google/protobuf/"):
+                continue  # added below, from the runtime, when imported
+            add(client.get_version(ref.subject, ref.version, True, "serialized").schema, ref.name)
+        try:
+            proto = descriptor_pb2.FileDescriptorProto.FromString(
+                base64.b64decode(schema.schema_str, validate=True))
+        except (binascii.Error, ValueError, TypeError, DecodeError) as e:
+            raise ConfigError("the registry gave the schema as .proto text, not as a serialized "
+                              "descriptor; give message=, the generated class") from e
+        for dep in proto.dependency:
+            if dep.startswith("google/protobuf/") and dep not in added:
+                added.add(dep)
+                pool.Add(_well_known(dep))
+        if not proto.name:
+            proto.name = name
+        pool.Add(proto)
+        return pool.FindFileByName(proto.name)
+
+    return add(registered, "registered.proto")
+
+
+def message_at(file: Any, indexes: tuple[int, ...]) -> Any:
+    """The message type the Confluent message indexes name in ``file``."""
+    types = list(file.message_types_by_name.values())
+    try:
+        desc = types[indexes[0]]
+        for i in indexes[1:]:
+            desc = desc.nested_types[i]
+    except IndexError:
+        raise ConfigError(f"{file.name} has no message at indexes {list(indexes)}") from None
+    return desc
+
+
+def _well_known(name: str) -> Any:
+    """The FileDescriptorProto of one of protobuf's well-known types, from the runtime."""
+    import importlib
+
+    from google.protobuf import descriptor_pb2
+
+    module = "google.protobuf." + name[len("google/protobuf/"):-len(".proto")] + "_pb2"
+    try:
+        return descriptor_pb2.FileDescriptorProto.FromString(
+            importlib.import_module(module).DESCRIPTOR.serialized_pb)
+    except ImportError:
+        raise ConfigError(f"the schema imports {name}, which this protobuf runtime lacks") from None
 
 
 class ProtobufEncoder(Encoder):
@@ -216,6 +302,7 @@ def _at(descriptor: Any, path: tuple[str, ...]) -> Any:
 
 def compile_plan(descriptor: Any, schema: Schema) -> Any:
     """The ``_codec.ProtobufPlan`` reading ``descriptor``'s messages into ``schema``'s fields."""
+    layout = plan_layout(schema, "Protobuf")  # the dtypes checked first
     field_codes = codes(schema)
     tables: list[list[tuple[int, int, int, int, int, int, str]]] = []
 
@@ -257,16 +344,9 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
         for number, kind, field, code, repeated, msg, note in rows:
             entries.append((number, kind, field, code, repeated, msg))
             notes.append(note)
-    return _codec.ProtobufPlan(_layout(schema), np.array(entries, np.int64).reshape(-1, 6),
+    return _codec.ProtobufPlan(layout, np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
                                defaults(schema), notes, -1 if schema.varlen is None else 0)
-
-
-def _layout(schema: Schema) -> Any:
-    """Fixed-shape rows, or (a token field, for ``pack=``) documents."""
-    if schema.varlen is not None:
-        return document_layout(schema, "Protobuf")
-    return fixed_layout(schema, "Protobuf")
 
 
 def _describe(kind: str, fd: Any) -> str:
