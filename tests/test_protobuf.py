@@ -182,10 +182,10 @@ def test_without_the_class_each_schema_id_is_read_from_the_registry(registry):
     assert [why for _, why in bad] == [
         "schema id 99999 is not in the registry",
         f"schema id {avro_id} is AVRO, not Protobuf",
-        f"schema id {text_id}: the registry gave the schema as .proto text, not as a "
-        f"serialized descriptor; give message=, the generated class",
-        f"schema id {int.from_bytes(values[0][1:5], 'big')}: clicks_v1.proto has no message at "
-        f"indexes [7]"]
+        (f"schema id {text_id}: the registry gave the schema as .proto text, not as a "
+         f"serialized descriptor; give message=, the generated class"),
+        (f"schema id {int.from_bytes(values[0][1:5], 'big')}: clicks_v1.proto has no message "
+         f"at indexes [7]")]
     with pytest.raises(kfeed.ConfigError, match="writing Protobuf needs message="):
         kfeed.Protobuf(registry=registry).encoder(SCHEMA, "t")
 
