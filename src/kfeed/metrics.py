@@ -193,6 +193,9 @@ class _Collector:
         slots = GaugeMetricFamily("kfeed_loader_pool_slots_in_use",
                                   "pool slots filling, lent or being copied",
                                   labels=loader_labels)
+        depth = GaugeMetricFamily("kfeed_loader_prefetch_batches",
+                                  "batches the loader may hold ready (prefetch; 'auto' moves it)",
+                                  labels=loader_labels)
         bad = CounterMetricFamily("kfeed_loader_bad_records", "messages rejected, by reason",
                                   labels=[*loader_labels, "reason"])
         wait = HistogramMetricFamily("kfeed_loader_wait_seconds",
@@ -239,6 +242,7 @@ class _Collector:
             startup.add_metric(labels, stats["startup_s"])
             pool.add_metric(labels, stats["pool_bytes"])
             slots.add_metric(labels, stats["pool_slots_in_use"])
+            depth.add_metric(labels, stats["prefetch"])
             for name in ("fetch", "decode", "copy"):
                 stage.add_metric([*labels, name], stats[f"{name}_s"])
             for key, n in stats["lag"].items():
@@ -251,6 +255,6 @@ class _Collector:
         for (group, topic, partition), age in self.ages.ages.items():
             lag_s.add_metric([group, topic, partition], age)
         yield from c.values()
-        yield from (bad, wait, latency, startup, pool, slots, stage, lag, lag_s)
+        yield from (bad, wait, latency, startup, pool, slots, depth, stage, lag, lag_s)
         yield from p.values()
         yield queued

@@ -84,9 +84,16 @@ from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
+from kfeed.loader.tuning import (
+    AUTO_START,
+    PrefetchTuner,
+    batches_budget,
+    memory_settings,
+    prefetch_ceiling,
+)
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
-from kfeed.sources import TP, KafkaSource, MemorySource, Position, Source
+from kfeed.sources import CONSUMER_DEFAULTS, TP, KafkaSource, MemorySource, Position, Source
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
 
 __all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"]
@@ -189,7 +196,8 @@ class Loader:
         *,
         device: str | torch.device | None = None,
         format: str | Format | RecordFormat = "block",
-        prefetch: int = 2,
+        prefetch: int | str = 2,
+        max_memory_bytes: int | None = None,
         until: str | None = None,
         start: str | datetime = "committed",
         on_bad_record: str | BadRecordPolicy = "dead_letter",
@@ -209,6 +217,7 @@ class Loader:
     ) -> None:
         config = LoaderConfig(
             topics, schema, batch_size, device=device, format=format, prefetch=prefetch,
+            max_memory_bytes=max_memory_bytes,
             until=until, start=start, on_bad_record=on_bad_record, fail_fast=fail_fast,
             dlq_config=dlq_config, drop_last=drop_last, max_wait_ms=max_wait_ms, rank=rank,
             world_size=world_size, assignment=assignment,
@@ -239,10 +248,18 @@ class Loader:
         self._closed = True
         # Where the brokers are, for the metrics' lag in seconds (None: not Kafka).
         self._connection: dict[str, Any] | None = None
+        rdkafka: Mapping[str, Any] = {}
         if source is None:
-            source = KafkaSource(kafka_config or {}, c.topics, bounded=c.bounded,
+            if kafka_config is None:
+                kafka_config = {}
+            if isinstance(kafka_config, Mapping):  # (KafkaSource refuses anything else)
+                if c.max_memory_bytes is not None:  # librdkafka's buffers within the cap
+                    kafka_config = {**kafka_config,
+                                    **memory_settings(c.max_memory_bytes, kafka_config)}
+                rdkafka = {**CONSUMER_DEFAULTS, **kafka_config}
+            source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
                                  connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
-            self._connection = client_config(kafka_config or {})
+            self._connection = client_config(kafka_config)
         elif c.dlq_config is not None:
             raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
         self._source = source
@@ -260,9 +277,13 @@ class Loader:
         # the caller holds them all.
         # Pinned only for a CUDA device: pinning is for the copy to it, and
         # costs page-locked host memory and start-up time otherwise.
-        slots = 3 if self._copier.cuda else c.prefetch + 2
+        depth = AUTO_START if c.prefetch == "auto" else c.prefetch
+        slots = 3 if self._copier.cuda else depth + 2
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
-                                pin=self._copier.cuda, most_lent=c.prefetch + 4)
+                                pin=self._copier.cuda, most_lent=depth + 4)
+        batch_bytes = self._pool.nbytes // len(self._pool)
+        ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
+            c.max_memory_bytes, rdkafka, batch_bytes), batch_bytes)
         self._status = Status()
         self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer) if c.records
                                 else Ledger(source, c.start))
@@ -285,9 +306,11 @@ class Loader:
                                   stop=stop, **stop_args)
         self._builder = builder
         self._feeder = Feeder(fetcher, builder, self._ledger, self._bad, self._pool,
-                              self._copier, prefetch=c.prefetch, drop_last=c.drop_last,
+                              self._copier, prefetch=depth, drop_last=c.drop_last,
                               assignment=None, hook_revoke=c.on_revoke is not None,
                               status=self._status, stop=stop)
+        self._tuner = (PrefetchTuner(self._feeder.ready, self._pool, ceiling)
+                       if c.prefetch == "auto" else None)
         self._on_revoke = c.on_revoke
         self._in_hook = False
         self._current: Batch | None = None
@@ -344,6 +367,7 @@ class Loader:
         if self._agreement is None and self.until == "end" and self.world_size > 1 \
                 and dist_ready():
             self._agreement = EpochAgreement()
+        ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall
         item = self._take() if self._agreement is None else self._agreed()
         batch = None
         while batch is None:
@@ -360,10 +384,13 @@ class Loader:
             self._t_first = time.monotonic()
             self._startup_s = self._t_first - (self._t0 or t)
         else:
-            waited = time.monotonic() - t
+            now = time.monotonic()
+            waited = now - t
             self._wait_s += waited
             self._longest_wait_s = max(self._longest_wait_s, waited)
             self._wait_hist.observe(waited)
+            if self._tuner is not None:
+                self._tuner.observe(0.0 if ready else waited, now)
         return batch
 
     def _agreed(self) -> Any:
@@ -629,6 +656,7 @@ class Loader:
             "decode_s": builder.decode_s,
             "copy_s": self._feeder.copy_s,
             "pool_slots_in_use": sum(s is not SlotState.FREE for s in self._pool.states()),
+            "prefetch": self._feeder.ready.size,
         }
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------

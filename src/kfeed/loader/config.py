@@ -36,7 +36,8 @@ class LoaderConfig:
     batch_size: int
     device: Any = None
     format: Any = "block"
-    prefetch: int = 2
+    prefetch: int | str = 2
+    max_memory_bytes: int | None = None
     until: str | None = None
     start: Any = "committed"
     on_bad_record: Any = "dead_letter"
@@ -66,7 +67,10 @@ class LoaderConfig:
         if not isinstance(self.schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
         _positive_int("batch_size", self.batch_size)
-        _positive_int("prefetch", self.prefetch)
+        if self.prefetch != "auto":
+            _positive_int("prefetch", self.prefetch, "a positive int or 'auto'")
+        if self.max_memory_bytes is not None:
+            _positive_int("max_memory_bytes", self.max_memory_bytes, "a positive int or None")
         if self.until not in (None, "end"):
             raise ConfigError(f"until must be None (stream) or 'end', got {self.until!r}")
         if not (isinstance(self.start, datetime) or self.start in _STARTS):

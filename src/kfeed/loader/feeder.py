@@ -46,13 +46,22 @@ class Ready:
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.full_count = 0  # puts that found the queue full (the tune stage reads it)
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._room = threading.Lock()  # held while the thread may wait for room
         self._room.acquire()
 
+    def resize(self, size: int) -> None:
+        """Hold up to ``size`` items from now on (a waiting ``put`` sees it at once)."""
+        self.size = size
+        if self._room.locked():
+            with contextlib.suppress(RuntimeError):
+                self._room.release()
+
     def put(self, item: Any, timeout: float) -> bool:
         """Queue ``item`` once there is room; False if there is none within ``timeout``."""
         if self._items.qsize() >= self.size:
+            self.full_count += 1
             self._room.acquire(timeout=timeout)
             if self._items.qsize() >= self.size:
                 return False

@@ -1,0 +1,125 @@
+"""The tune stage: queue depth and librdkafka's buffers, within a memory cap.
+
+Where it sits: beside the hand-over between the loader's thread and the
+caller. ``Loader(prefetch="auto")`` deepens the ready queue while the
+training loop waits for batches that the thread could have made ahead;
+``max_memory_bytes`` bounds what the loader holds: librdkafka's pre-fetch
+queue and fetches (``memory_settings``) and the batches made ahead (the
+tuner's ceiling, or a ``ConfigError`` for a fixed ``prefetch`` that does not
+fit). Neither ever changes the batch size: only how far ahead the loader
+reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kfeed.errors import ConfigError
+
+__all__ = ["PrefetchTuner", "batches_budget", "memory_settings", "prefetch_ceiling"]
+
+log = logging.getLogger("kfeed.loader")
+
+# prefetch="auto" starts here and deepens at most to AUTO_MAX (or the cap).
+AUTO_START = 2
+AUTO_MAX = 64
+# A window is at least this long and this many batches.
+WINDOW_S = 0.5
+WINDOW_BATCHES = 8
+# The caller waiting more than this share of a window is a stall worth a deeper queue.
+STALL = 0.01
+# Batches a loader holds besides its queue: the one filling, the one the
+# caller holds, and one the caller let go of that is not refilled yet.
+HELD_BESIDES_QUEUE = 3
+# Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth, and a
+# fetch in flight another.
+_RDKAFKA_SHARE = 8
+
+
+def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]:
+    """librdkafka's buffer settings within ``cap`` bytes, where the user did not set them."""
+    share = max(1 << 20, cap // _RDKAFKA_SHARE)
+    wanted = {"queued.max.messages.kbytes": max(1024, share >> 10),
+              "fetch.max.bytes": share,
+              "max.partition.fetch.bytes": min(8 << 20, share)}
+    return {k: v for k, v in wanted.items() if k not in kafka_config}
+
+
+def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes: int
+                   ) -> int | None:
+    """How many batches of ``batch_bytes`` the cap leaves beside librdkafka's buffers."""
+    if cap is None:
+        return None
+    queue_kb = kafka_config.get("queued.max.messages.kbytes")
+    fetch = kafka_config.get("fetch.max.bytes")
+    rdkafka = (int(queue_kb) << 10 if queue_kb is not None else 0) + int(fetch or 0)
+    return max(0, cap - rdkafka) // max(1, batch_bytes)
+
+
+def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
+                     batch_bytes: int) -> int:
+    """The deepest queue allowed: ``prefetch`` itself, or for "auto" what the cap leaves."""
+    depth = AUTO_MAX if prefetch == "auto" else int(prefetch)
+    if budget is None:
+        return depth
+    fits = budget - HELD_BESIDES_QUEUE
+    if fits < 1 or (prefetch != "auto" and fits < depth):
+        need = (max(1, depth if prefetch != "auto" else 1) + HELD_BESIDES_QUEUE) * batch_bytes
+        raise ConfigError(
+            f"max_memory_bytes={cap} leaves room for {max(budget, 0)} batches of "
+            f"{batch_bytes} bytes beside librdkafka's buffers; prefetch={prefetch!r} needs "
+            f"{need} bytes for its batches (the queue and {HELD_BESIDES_QUEUE} more)")
+    return min(depth, fits)
+
+
+class PrefetchTuner:
+    """prefetch="auto": the ready queue deepens while the caller waits and the thread idles.
+
+    ``observe(stalled, now)`` after each batch handed out, ``stalled`` the
+    time the caller waited for it when none was ready (a wait for a batch
+    already queued is the hand-over's cost, not a stall). At the end of a
+    window, if the caller stalled more than ``STALL`` of it and the loader's
+    thread found the queue full in it (the loop's demand comes in bursts the
+    queue is too short to cover; a loader that is simply slower never fills
+    it, and a deeper queue would not help), the depth doubles, up to the
+    ceiling. ``changes`` keeps every decision: (time, old, new, stall).
+    """
+
+    def __init__(self, ready: Any, pool: Any, ceiling: int) -> None:
+        self.ready = ready
+        self.pool = pool
+        self.ceiling = ceiling
+        self.depth = min(AUTO_START, ceiling)
+        self._set(self.depth)
+        self.changes: list[tuple[float, int, int, float]] = []
+        self._start: float | None = None
+        self._waited = 0.0
+        self._batches = 0
+        self._full = ready.full_count
+
+    def _set(self, depth: int) -> None:
+        self.ready.resize(depth)
+        self.pool.most_lent = depth + HELD_BESIDES_QUEUE + 1
+
+    def observe(self, stalled: float, now: float) -> None:
+        if self._start is None:
+            self._start = now
+            return
+        self._waited += stalled
+        self._batches += 1
+        span = now - self._start
+        if span < WINDOW_S or self._batches < WINDOW_BATCHES:
+            return
+        stall = self._waited / span
+        full = self.ready.full_count != self._full
+        if stall > STALL and full and self.depth < self.ceiling:
+            new = min(self.ceiling, self.depth * 2)
+            log.info("prefetch %d -> %d: the loop waited %.1f%% of the last %.1f s while the "
+                     "loader's queue was full at times", self.depth, new, 100 * stall, span)
+            self.changes.append((now, self.depth, new, stall))
+            self.depth = new
+            self._set(new)
+        self._start, self._waited, self._batches = now, 0.0, 0
+        self._full = self.ready.full_count

@@ -1,0 +1,102 @@
+"""The tune stage: prefetch="auto" deepens the queue only when that helps, within max_memory_bytes.
+
+Throughput ratios are measured in bench/bench_tuning.py; here, which way the
+tuner decides, what the memory cap allows, and what it gives librdkafka.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+import uuid
+
+import numpy as np
+import pytest
+
+import kfeed
+from kfeed import metrics
+from kfeed.loader import memory_loader
+from kfeed.loader.tuning import AUTO_START, memory_settings
+
+SCHEMA = kfeed.Schema({"features": ("float32", (256,)), "id": ("int64", ())})
+BATCH = 256
+BATCH_BYTES = BATCH * SCHEMA.record_size
+
+
+def values(repeat: int = 400) -> list[bytes]:
+    cols = {"features": np.zeros((4096, 256), np.float32), "id": np.arange(4096)}
+    return list(SCHEMA.encode_blocks(cols, block_records=64)) * repeat
+
+
+def test_a_bursty_loop_deepens_the_queue_within_the_cap():
+    cap = 40 * BATCH_BYTES
+    with memory_loader(values(), SCHEMA, BATCH, device="cpu", until="end", prefetch="auto",
+                       max_memory_bytes=cap) as loader:
+        it = iter(loader)
+        assert loader.stats()["prefetch"] == AUTO_START
+        deadline = time.monotonic() + 20
+        while loader.stats()["prefetch"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.2)          # a pause: the loader fills its queue ...
+            for _ in range(40):      # ... and a burst that wants more than it holds
+                next(it)
+        changes = loader._tuner.changes
+        assert loader.stats()["prefetch"] >= 16, changes
+        # The decisions show in the metrics.
+        server = metrics.serve(0)
+        try:
+            page = urllib.request.urlopen(
+                f"http://127.0.0.1:{server.server_port}/metrics").read().decode()
+        finally:
+            server.shutdown()
+        assert f"kfeed_loader_prefetch_batches{{consumergroup=\"\",topics=\"memory\"}} " \
+               f"{float(loader.stats()['prefetch'])}" in page
+        assert [new for _, _, new, _ in changes] == [4, 8, 16, 32, 37][:len(changes)]
+        assert loader._tuner.ceiling == 40 - 3  # the queue and the 3 batches held besides
+        assert loader.stats()["pool_bytes"] <= cap
+
+
+def test_a_loop_that_never_stalls_keeps_its_depth():
+    with memory_loader(values(10), SCHEMA, BATCH, device="cpu", until="end",
+                       prefetch="auto") as loader:
+        for _ in loader:
+            time.sleep(0.01)  # slower than the loader: a batch is always ready
+        assert loader._feeder.ready.full_count > 0  # the thread did wait for room
+        assert loader.stats()["prefetch"] == AUTO_START and loader._tuner.changes == []
+
+
+def test_memory_cap_mistakes_get_one_clear_line():
+    with pytest.raises(kfeed.ConfigError, match="prefetch must be a positive int or 'auto'"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", prefetch="fast")
+    with pytest.raises(kfeed.ConfigError, match="max_memory_bytes must be a positive int"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", max_memory_bytes=0)
+    with pytest.raises(kfeed.ConfigError, match=r"leaves room for 10 batches of \d+ bytes .* "
+                                                r"prefetch=8 needs"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", prefetch=8,
+                      max_memory_bytes=10 * BATCH_BYTES + 5)
+    with pytest.raises(kfeed.ConfigError, match="prefetch='auto' needs"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", prefetch="auto",
+                      max_memory_bytes=3 * BATCH_BYTES)
+    memory_loader([], SCHEMA, BATCH, device="cpu", prefetch=8,
+                  max_memory_bytes=11 * BATCH_BYTES).close()
+
+
+def test_librdkafka_gets_its_share_of_the_cap_unless_the_user_set_it():
+    got = memory_settings(256 << 20, {"fetch.max.bytes": 1 << 20})
+    assert got == {"queued.max.messages.kbytes": 32768, "max.partition.fetch.bytes": 8 << 20}
+    assert memory_settings(1 << 20, {})["queued.max.messages.kbytes"] == 1024
+
+
+@pytest.mark.integration
+def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+        p.send({"features": np.zeros((5000, 256), np.float32), "id": np.arange(5000)})
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    cap = 64 << 20
+    with kfeed.Loader(config, topic, SCHEMA, BATCH, device="cpu", until="end",
+                      prefetch="auto", max_memory_bytes=cap) as loader:
+        ids = np.concatenate([b["id"].numpy() for b in loader])
+        settings = loader._source._config
+    assert np.array_equal(np.sort(ids), np.arange(5000))
+    assert settings["queued.max.messages.kbytes"] == (cap // 8) >> 10
+    assert settings["fetch.max.bytes"] == cap // 8
