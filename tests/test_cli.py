@@ -55,6 +55,10 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (TRAIN + ("--checkpoint", "c.pt", "--checkpoint-every", "0"),
      "kfeed: --checkpoint-every 0 is out of range: give an integer >= 1"),
     (TRAIN + ("--log-every", "0"), "kfeed: --log-every 0 is out of range: give an integer >= 1"),
+    (TRAIN + ("--prefetch", "0"),
+     "kfeed: --prefetch 0 is out of range: give an integer >= 1 or auto"),
+    (TRAIN + ("--prefetch", "fast"),
+     "kfeed: --prefetch 'fast' is not a whole number: give an integer >= 1 or auto"),
     (TRAIN + ("--steps", "-1"), "kfeed: --steps -1 is out of range: give an integer >= 0"),
     (PRODUCE + ("--synthetic", "5", "--block-records", "0"),
      "kfeed: --block-records 0 is out of range: give an integer >= 1"),
@@ -608,7 +612,8 @@ def test_on_a_terminal_produce_and_train_draw_bars(bootstrap, make_topic, group_
     assert out.startswith("produced 30000 samples")
     text, _, rc = on_a_terminal(["train", "--bootstrap-servers", bootstrap, "--topic", topic,
                                  "--group-id", group_id, "--steps", "6", "--log-every", "3",
-                                 "--device", "cpu"], stdout=None)
+                                 "--device", "cpu", "--prefetch", "auto",
+                                 "--max-memory-mb", "256"], stdout=None)
     assert rc == 0, text[-2000:]
     assert "kfeed train: 100%|" in text and "6/6" in text, text[-2000:]
     assert "step 3  loss" in text and "trained 6 steps" in text

@@ -338,6 +338,9 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     settings = LoaderConfig(opts.topic, task.schema, task.batch_size, device=device,
                             until="end" if opts.until_end else None, format=opts.format,
                             start=start, connect_timeout_s=opts.connect_timeout,
+                            prefetch=getattr(opts, "prefetch", 2),
+                            max_memory_bytes=(opts.max_memory_mb << 20
+                                              if getattr(opts, "max_memory_mb", None) else None),
                             **task.loader_kwargs())
     loader = Loader.from_config(config, settings)
     if state is not None:

@@ -125,6 +125,16 @@ def _count(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _prefetch(text: str) -> int | str:
+    """An argparse type: a queue depth >= 1, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return _count(1)(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} or auto") from None
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -1014,6 +1024,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=_count(1), default=100, metavar="STEPS",
                    help="print a progress line every STEPS steps (default 100)")
     t.add_argument("--log-ids", metavar="PATH", help="append every trained id to this file")
+    t.add_argument("--prefetch", type=_prefetch, default=2, metavar="N|auto",
+                   help="batches read ahead (default 2); auto deepens the queue while "
+                        "training waits in bursts")
+    t.add_argument("--max-memory-mb", type=_count(1), metavar="MIB",
+                   help="cap on the loader's memory: librdkafka's buffers and the batches "
+                        "read ahead")
     _metrics_arg(t)
     t.set_defaults(func=cmd_train)
 
