@@ -27,6 +27,10 @@ And a micro-benchmark without a broker: 4,096 framed 3 KB Avro records
 decoded by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
 (``np.copyto`` of one buffer).
 
+``--formats documents`` (no broker): token documents (arrays of int ids),
+framed, through ``decode_documents`` against a fastavro or
+``ParseFromString`` loop into one flat array and lengths (tokens/s).
+
 ``--formats convert``: ``kfeed.convert`` of each Avro topic into a block
 topic (records/s), and the loader on the block topic against the loader on
 the Avro topic, interleaved.
@@ -443,6 +447,58 @@ def convert_runs(bootstrap: str, registry: Any, big: bool, n: int, repeat: int) 
           f"{best['loader on the block topic'] / best['loader on the Avro topic']:.2f}x |")
 
 
+def documents_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
+    """Token documents (about 500 int ids each), framed: kfeed's decode_documents against
+    the per-message loops users write (to one flat array and lengths), tokens/s."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 50_000, int(rng.integers(100, 900))).tolist() for _ in range(2000)]
+    ntok = sum(len(d) for d in docs)
+    ctx = SerializationContext("docs", MessageField.VALUE)
+    writer = {"type": "record", "name": "Doc", "fields": [
+        {"name": "id", "type": "long"}, {"name": "ids", "type": {"type": "array",
+                                                                 "items": "int"}}]}
+    avro_vals = [AvroSerializer(registry, json.dumps(writer))({"id": i, "ids": d}, ctx)
+                 for i, d in enumerate(docs)]
+    parsed = fastavro.parse_schema(writer)
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="bench_doc.proto", package="bench",
+                                             syntax="proto3")
+    m = fdp.message_type.add(name="Doc")
+    m.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    m.field.add(name="ids", number=2, type=f.TYPE_INT32, label=f.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    doc = message_factory.GetMessageClass(pool.FindMessageTypeByName("bench.Doc"))
+    pb_vals = [ProtobufSerializer(doc, registry, {"use.deprecated.format": False})(
+        doc(id=i, ids=d), ctx) for i, d in enumerate(docs)]
+    schema = kfeed.Schema({"tokens": ("int32", (None,), {"source": "ids"})})
+    avro_dec = kfeed.Avro(registry=registry).decoder(schema)
+    pb_dec = kfeed.Protobuf(message=doc, registry=registry).decoder(schema)
+
+    def flat(arrays: list[Any]) -> None:
+        lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
+        np.concatenate([np.asarray(a, np.int32) for a in arrays]), lengths
+
+    runs = {
+        "avro": {"kfeed": lambda: avro_dec.decode_documents(avro_vals),
+                 "fastavro loop": lambda: flat([fastavro.schemaless_reader(
+                     io.BytesIO(v[5:]), parsed, None)["ids"] for v in avro_vals])},
+        "protobuf": {"kfeed": lambda: pb_dec.decode_documents(pb_vals),
+                     "ParseFromString loop": lambda: flat([doc.FromString(v[6:]).ids
+                                                           for v in pb_vals])},
+    }
+    best: dict[str, dict[str, float]] = {k: dict.fromkeys(r, 0.0) for k, r in runs.items()}
+    for _ in range(repeat):
+        for fmt, contenders in runs.items():
+            for name, run in contenders.items():
+                t = time.perf_counter()
+                run()
+                best[fmt][name] = max(best[fmt][name], ntok / (time.perf_counter() - t))
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
@@ -451,10 +507,20 @@ def main() -> None:
     p.add_argument("--small-samples", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
-    if not args.bootstrap:
-        raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
     registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
     formats = args.formats.split(",")
+    if not args.bootstrap and set(formats) - {"documents"}:
+        raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
+    if "documents" in formats:
+        for fmt, best in documents_micro(registry, args.repeat).items():
+            print(f"\n{fmt} token documents (2,000 of 100-900 int ids), tokens/s, "
+                  f"best of {args.repeat}:")
+            for name, rate in best.items():
+                ratio = "" if name == "kfeed" else f" | kfeed / this = {best['kfeed'] / rate:.2f}x"
+                print(f"| {name} | {rate:,.0f}{ratio} |")
+        formats.remove("documents")
+        if not formats:
+            return
     if "avro" in formats:
         decode, memcpy = micro(registry, args.repeat)
         print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy "

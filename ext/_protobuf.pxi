@@ -289,8 +289,8 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     if e.repeated:
         elem = c.count[e.field]
         c.count[e.field] += 1
-        if e.field == c.plan.varfield and var_reserve(c.var, elem + 1, &c.row[e.field],
-                                                      &c.nelem[e.field]):
+        if e.field == c.plan.varfield and <uint64_t>elem >= c.nelem[e.field] and \
+                var_reserve(c.var, elem + 1, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY
     if floating:
         r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, dv)
@@ -413,6 +413,9 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             if n > <uint64_t>(end - c.p):
                 return A_TRUNCATED
             stop = c.p + n
+            if e.field == c.plan.varfield and var_reserve(
+                    c.var, c.count[e.field] + n, &c.row[e.field], &c.nelem[e.field]):
+                return A_MEMORY  # room at once: n bytes hold at most n elements
             if (e.kind == P_FLOAT and e.code == C_F32) or (e.kind == P_DOUBLE and e.code == C_F64):
                 r = pb_packed_copy(c, e, n)  # the elements as they lie: one memcpy
             while c.p < stop and r == A_OK:
