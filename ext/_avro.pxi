@@ -763,7 +763,7 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
     cdef uint8_t written[1]
     cdef VarOut var
     cdef AvCur c
-    cdef int r
+    cdef int r = A_OK
     cdef int64_t[::1] lens, cnts
     owners = {}
     reasons = {}
@@ -797,6 +797,8 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
                 else:
                     r = av_record(&c, vp[i], vals.ptr[i] + skip[i], vals.ptr[i] + vals.size[i],
                                   rowp, 0)
+                if r == A_MEMORY:
+                    break  # not the record's fault: raised below, nothing rejected
                 if r == A_OK:
                     lens[i] = c.vcount
                     cnts[i] = 1
@@ -807,6 +809,8 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
                     bad[nbad].field, bad[nbad].value = c.err_field, c.err_value
                     bad[nbad].skip = skip[i]
                     nbad += 1
+        if r == A_MEMORY:
+            raise MemoryError("no memory to grow a document")
         rejected = []
         for k in range(nbad):
             idx = bad[k].index

@@ -780,7 +780,7 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         if t.len == t.cap:
             grown = <uint8_t*>realloc(t.buf, 2 * t.cap * t.size)
             if grown == NULL:
-                return A_DEPTH  # no memory: the value is refused, never half read
+                return A_MEMORY  # not the value's fault: json_documents raises MemoryError
             t.buf, t.cap = grown, 2 * t.cap
         if c.p[0] == 0x6E and js_lit(c, "null", 4):
             return A_NULL
@@ -905,7 +905,7 @@ def json_documents(values, list keys, int code, bytes default=None):
     cdef uint8_t* grown
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, skip, k
-    cdef int nk = len(keys), r
+    cdef int nk = len(keys), r = A_OK
     cdef tuple held = tuple(bytes(x) for x in keys)
     cdef const uint8_t** kp = <const uint8_t**>calloc(nk, sizeof(uint8_t*))
     cdef Py_ssize_t* kl = <Py_ssize_t*>calloc(nk, sizeof(Py_ssize_t))
@@ -958,12 +958,14 @@ def json_documents(values, list keys, int code, bytes default=None):
                                     grown = <uint8_t*>realloc(t.buf, (t.len + dlen + t.cap)
                                                               * t.size)
                                     if grown == NULL:
-                                        r = A_DEPTH  # no memory: refused, never half read
+                                        r = A_MEMORY
                                     else:
                                         t.buf, t.cap = grown, t.len + dlen + t.cap
                                 if r == A_OK:
                                     memcpy(t.buf + t.len * t.size, dflt, dlen * t.size)
                                     t.len += dlen
+                if r == A_MEMORY:
+                    break
                 if r == A_OK:
                     lens[i] = t.len - t.start
                     cnts[i] = 1
@@ -972,6 +974,8 @@ def json_documents(values, list keys, int code, bytes default=None):
                     bad[nbad].index, bad[nbad].err = i, r
                     bad[nbad].node, bad[nbad].value = c.err_node, c.err_value
                     nbad += 1
+        if r == A_MEMORY:
+            raise MemoryError("no memory to grow a document")
         path = ".".join(x.decode(errors="replace") for x in held)
         rejected = []
         for k in range(nbad):

@@ -689,7 +689,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
     cdef uint64_t count[1]
     cdef VarOut var
     cdef PbCur c
-    cdef int r
+    cdef int r = A_OK
     cdef int64_t[::1] lens, cnts
     owners = {}
     reasons = {}
@@ -706,10 +706,13 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
         c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, &var
         with nogil:
             for i in range(n):
+                c.err_entry, c.err_field, c.err_value = -1, -1, 0
                 if vp[i] != NULL and vp[i].codes[0] != code:
                     r = A_KIND
                 else:
                     r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, rowp, 0)
+                if r == A_MEMORY:
+                    break  # not the record's fault: raised below, nothing rejected
                 if r == A_OK:
                     lens[i] = count[0]
                     cnts[i] = 1
@@ -719,6 +722,8 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
                     bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
                     bad[nbad].value = c.err_value
                     nbad += 1
+        if r == A_MEMORY:
+            raise MemoryError("no memory to grow a document")
         rejected = pb_rejected(layout, vals, bad, nbad, vp, skip, owners, reasons)
         tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
         return tokens, lengths[counts > 0], counts, rejected, need

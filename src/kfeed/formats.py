@@ -125,22 +125,29 @@ class PlanDecoder(Decoder):
 
 
 def fetch_schema(client: Any, schema_id: int, fmt: str | None = None) -> Any:
-    """The registered schema of ``schema_id`` (None: the registry has no such id).
+    """The registered schema of ``schema_id`` (None: the registry has no such id)."""
+    log.info("fetching the writer schema of id %d from the registry", schema_id)
+    return ask_registry(lambda: client.get_schema(schema_id, None, fmt) if fmt
+                        else client.get_schema(schema_id), f"schema id {schema_id}")
+
+
+def ask_registry(call: Callable[[], Any], what: str) -> Any:
+    """``call()``'s answer; None when the registry says it has no such thing (404).
 
     A registry that does not answer is asked again, with a growing pause,
-    for ``REGISTRY_RETRY_S``; then ``ConsumeError``.
+    for ``REGISTRY_RETRY_S``; then ``ConsumeError``: a record is never
+    rejected for want of an answer.
     """
-    log.info("fetching the writer schema of id %d from the registry", schema_id)
     deadline = time.monotonic() + REGISTRY_RETRY_S
     delay = 0.1
     while True:
         try:
-            return client.get_schema(schema_id, None, fmt) if fmt else client.get_schema(schema_id)
+            return call()
         except Exception as e:  # the registry client raises errors of many kinds
             if getattr(e, "http_status_code", None) == 404:
                 return None
             if time.monotonic() + delay > deadline:
-                raise ConsumeError(f"the schema registry did not give schema id {schema_id} "
+                raise ConsumeError(f"the schema registry did not give {what} "
                                    f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
             log.warning("schema registry: %s; asking again in %.1f s", e, delay)
             time.sleep(delay)

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from kfeed.errors import ConfigError, ConsumeError
+from kfeed.errors import ConfigError
 
 log = logging.getLogger("kfeed.metrics")
 
@@ -115,6 +115,15 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
     return server
 
 
+def _live() -> list[Any]:
+    """The live loaders and producers (a copy: others may be made meanwhile)."""
+    while True:
+        try:
+            return list(LIVE)
+        except RuntimeError:  # the weak set changed during the copy
+            continue
+
+
 class _LagSeconds(threading.Thread):
     """Every ``interval_s``: each live Kafka loader's group lag in seconds, from the brokers.
 
@@ -143,15 +152,17 @@ class _LagSeconds(threading.Thread):
         while not self.stopped.is_set():
             ages: dict[tuple[str, str, str], float] = {}
             targets = {}
-            for obj in list(LIVE):
+            for obj in _live():
                 target = getattr(obj, "lag_target", lambda: None)()
                 if target is not None:
                     targets[target[1]] = target
             for config, group, topics in targets.values():
+                if self.stopped.is_set():
+                    return
                 try:
                     parts = group_lag(config, group, topics,
                                       timeout_s=min(10.0, max(1.0, self.interval_s)))
-                except (ConsumeError, ConfigError) as e:
+                except Exception as e:  # noqa: BLE001 - brokers away, or librdkafka's own errors
                     if group not in self._failing:
                         log.warning("lag in seconds of group %s: %s", group, e)
                     self._failing.add(group)
@@ -221,7 +232,7 @@ class _Collector:
         queued = GaugeMetricFamily("kfeed_producer_queue_messages",
                                    "messages handed to librdkafka and not acknowledged yet",
                                    labels=producer_labels)
-        for obj in list(LIVE):
+        for obj in _live():
             stats = obj.stats()
             if "lag" not in stats:  # a producer
                 labels = [obj.topic]

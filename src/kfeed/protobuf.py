@@ -38,6 +38,7 @@ from kfeed.formats import (
     RecordFormat,
     codes,
     defaults,
+    ask_registry,
     fetch_schema,
     plan_layout,
     registry_client,
@@ -161,16 +162,20 @@ def registry_pool(client: Any, registered: Any) -> Any:
     from google.protobuf.message import DecodeError
 
     pool = descriptor_pool.DescriptorPool()
-    added: set[str] = set()
+    added: set[str] = set()  # files in the pool, or on their way
 
     def add(schema: Any, name: str) -> Any:
         for ref in schema.references or []:
-            if ref.name in added:
-                continue
+            if ref.name in added or ref.name.startswith("google/protobuf/"):
+                continue  # protobuf's own types: from the runtime, below
             added.add(ref.name)
-            if ref.name.startswith("google/protobuf/"):
-                continue  # added below, from the runtime, when imported
-            add(client.get_version(ref.subject, ref.version, True, "serialized").schema, ref.name)
+            got = ask_registry(lambda ref=ref: client.get_version(ref.subject, ref.version, True,
+                                                                  "serialized"),
+                               f"{ref.name} ({ref.subject} version {ref.version})")
+            if got is None:
+                raise ConfigError(f"it imports {ref.name}, which the registry does not have "
+                                  f"({ref.subject} version {ref.version})")
+            add(got.schema, ref.name)
         try:
             proto = descriptor_pb2.FileDescriptorProto.FromString(
                 base64.b64decode(schema.schema_str, validate=True))
@@ -183,7 +188,10 @@ def registry_pool(client: Any, registered: Any) -> Any:
                 pool.Add(_well_known(dep))
         if not proto.name:
             proto.name = name
-        pool.Add(proto)
+        try:
+            pool.Add(proto)
+        except (TypeError, ValueError) as e:  # a missing import, or a name defined twice
+            raise ConfigError(f"{proto.name} cannot be loaded: {e}") from None
         return pool.FindFileByName(proto.name)
 
     return add(registered, "registered.proto")

@@ -86,6 +86,7 @@ from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
 from kfeed.loader.tuning import (
     AUTO_START,
+    HELD_BESIDES_QUEUE,
     PrefetchTuner,
     batches_budget,
     memory_settings,
@@ -280,7 +281,7 @@ class Loader:
         depth = AUTO_START if c.prefetch == "auto" else c.prefetch
         slots = 3 if self._copier.cuda else depth + 2
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
-                                pin=self._copier.cuda, most_lent=depth + 4)
+                                pin=self._copier.cuda, most_lent=depth + HELD_BESIDES_QUEUE - 1)
         batch_bytes = self._pool.nbytes // len(self._pool)
         ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
             c.max_memory_bytes, rdkafka, batch_bytes), batch_bytes)

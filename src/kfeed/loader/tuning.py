@@ -30,18 +30,25 @@ WINDOW_S = 0.5
 WINDOW_BATCHES = 8
 # The caller waiting more than this share of a window is a stall worth a deeper queue.
 STALL = 0.01
-# Batches a loader holds besides its queue: the one filling, the one the
-# caller holds, and one the caller let go of that is not refilled yet.
-HELD_BESIDES_QUEUE = 3
+# Batches the pool may hold besides the queue: on the CPU it keeps track of
+# depth + 4 lent slots (the queue, the caller's batch, the one before it
+# whose references may linger, and one more), plus the one filling.
+HELD_BESIDES_QUEUE = 5
 # Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth, and a
 # fetch in flight another.
 _RDKAFKA_SHARE = 8
 
 
+# librdkafka's ranges: fetch.max.bytes <= 2147483135, queued.max.messages.kbytes
+# <= 2097151; and fetch.max.bytes >= message.max.bytes (default 1000000).
+_FETCH_MAX = 2147483135
+
+
 def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]:
     """librdkafka's buffer settings within ``cap`` bytes, where the user did not set them."""
-    share = max(1 << 20, cap // _RDKAFKA_SHARE)
-    wanted = {"queued.max.messages.kbytes": max(1024, share >> 10),
+    message_max = int(kafka_config.get("message.max.bytes", 1_000_000))
+    share = min(_FETCH_MAX, max(1 << 20, message_max, cap // _RDKAFKA_SHARE))
+    wanted = {"queued.max.messages.kbytes": min(2097151, max(1024, share >> 10)),
               "fetch.max.bytes": share,
               "max.partition.fetch.bytes": min(8 << 20, share)}
     return {k: v for k, v in wanted.items() if k not in kafka_config}
@@ -101,7 +108,7 @@ class PrefetchTuner:
 
     def _set(self, depth: int) -> None:
         self.ready.resize(depth)
-        self.pool.most_lent = depth + HELD_BESIDES_QUEUE + 1
+        self.pool.most_lent = depth + HELD_BESIDES_QUEUE - 1
 
     def observe(self, stalled: float, now: float) -> None:
         if self._start is None:
