@@ -344,8 +344,11 @@ def test_bad_pack_and_shuffle_settings_are_config_errors() -> None:
     values = sample_values(10, 5)
     with pytest.raises(ConfigError, match="variable-length"):
         memory_loader(values, SAMPLES, 4, pack=Pack(seq_len=8, eos_id=0))
-    with pytest.raises(ConfigError, match="needs pack"):
-        memory_loader([], TOKENS, 4)
+    with pytest.raises(ConfigError, match="shuffle= takes it with pack= only"):
+        memory_loader([], TOKENS, 4, shuffle=kfeed.Shuffle(buffer=8))
+    with pytest.raises(ConfigError, match="'tokens_offsets': batches hold the offsets"):
+        memory_loader([], kfeed.Schema({"tokens": ("int32", (None,)),
+                                         "tokens_offsets": ("int64", ())}), 4)
     with pytest.raises(ConfigError, match="kfeed.Pack"):
         memory_loader([], TOKENS, 4, pack={"seq_len": 8})
     with pytest.raises(ConfigError, match="kfeed.Shuffle"):

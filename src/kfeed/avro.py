@@ -34,7 +34,9 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
+    Decoder,
     Encoder,
+    JaggedDecoder,
     PlanDecoder,
     RecordFormat,
     codes,
@@ -93,7 +95,9 @@ class Avro(RecordFormat):
             self._client = registry_client(self.registry, "kfeed.Avro")
         return self._client
 
-    def decoder(self, schema: Schema) -> AvroDecoder:
+    def decoder(self, schema: Schema) -> Decoder:
+        if JaggedDecoder.wanted(schema):
+            return JaggedDecoder(self, schema)
         return AvroDecoder(self, schema)
 
     def encoder(self, schema: Schema, topic: str) -> AvroEncoder:

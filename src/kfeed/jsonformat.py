@@ -32,6 +32,7 @@ from kfeed.errors import ConfigError
 from kfeed.formats import (
     Decoder,
     Encoder,
+    JaggedDecoder,
     RecordFormat,
     codes,
     defaults,
@@ -53,7 +54,9 @@ class Json(RecordFormat):
     value = "json"
     documents = True
 
-    def decoder(self, schema: Schema) -> JsonDecoder:
+    def decoder(self, schema: Schema) -> Decoder:
+        if JaggedDecoder.wanted(schema):
+            return JaggedDecoder(self, schema)
         return JsonDecoder(schema)
 
     def encoder(self, schema: Schema, topic: str) -> Encoder:

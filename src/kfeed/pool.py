@@ -48,6 +48,9 @@ from kfeed.tokens import Packer
 # Slot and SlotState are the pool's own: the loader fills slots, users never see one.
 __all__ = ["BufferPool"]
 
+# A jagged field's elements per record a slot starts with; it grows as batches need.
+JAGGED_START = 64
+
 
 class SlotState(str, Enum):
     FREE = "free"
@@ -79,14 +82,29 @@ class Slot:
 
     def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
-        self.tensors = tensors
-        self.sizes = tuple((name, t, len(t)) for name, t in tensors.items())
         self.target = target  # the bound form the filler writes through
-        self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
+        self._hold(tensors)
         self.state = SlotState.FREE
         self.event: Any = None  # CUDA event of the last copy out of this slot
         self.rows = 0
         self.extent: dict[str, int] = {}  # entries filled, for tensors not counted in rows
+
+    def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.sizes = tuple((name, t, len(t)) for name, t in tensors.items())
+        self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
+
+    def grow(self, name: str, length: int, pin: bool) -> torch.Tensor:
+        """Make ``name`` (a 1-D jagged field's elements) hold ``length``, keeping what it holds.
+
+        Only while FILLING: the old tensor was never lent in this fill.
+        """
+        old = self.tensors[name]
+        new = torch.empty(max(length, 2 * len(old)), dtype=old.dtype, pin_memory=pin)
+        used = self.extent.get(name, 0)
+        new[:used].copy_(old[:used])
+        self._hold({**self.tensors, name: new})
+        return new
 
     def view(self) -> dict[str, torch.Tensor]:
         """The filled rows of each field, as new tensors over the slot's storage.
@@ -156,14 +174,30 @@ class BufferPool:
 
     def _make(self) -> Slot:
         # A packer's slots hold packed token rows instead of the schema's fields.
-        if self._packer is None:
+        target: Any = None
+        if self._packer is None and self.schema.varlen is not None:
+            tensors = self._jagged_empty()
+        elif self._packer is None:
             tensors = self.schema.empty(self.batch_size, like="torch", pin_memory=self.pinned)
-            target: Any = self.schema.bind(tensors)
+            target = self.schema.bind(tensors)
         else:
             tensors = self._packer.empty(like="torch", pin_memory=self.pinned)
             target = self._packer.bind(tensors)
         self._made += 1
         return Slot(self._made - 1, tensors, target)
+
+    def _jagged_empty(self) -> dict[str, torch.Tensor]:
+        """A jagged schema's slot: fixed fields ``[batch, *shape]``, the variable-length
+        field's elements (1-D, grown as batches need: ``Slot.grow``), ``NAME_offsets``."""
+        n, pin = self.batch_size, self.pinned
+        out = {}
+        for f in self.schema.fields:
+            if f.variable:
+                out[f.name] = torch.empty(n * JAGGED_START, dtype=f.torch_dtype, pin_memory=pin)
+                out[f"{f.name}_offsets"] = torch.empty(n + 1, dtype=torch.int64, pin_memory=pin)
+            else:
+                out[f.name] = torch.empty((n, *f.shape), dtype=f.torch_dtype, pin_memory=pin)
+        return out
 
     @property
     def nbytes(self) -> int:

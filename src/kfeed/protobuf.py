@@ -33,7 +33,9 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
+    Decoder,
     Encoder,
+    JaggedDecoder,
     PlanDecoder,
     RecordFormat,
     ask_registry,
@@ -103,7 +105,9 @@ class Protobuf(RecordFormat):
             self._client = registry_client(self.registry, "kfeed.Protobuf")
         return self._client
 
-    def decoder(self, schema: Schema) -> ProtobufDecoder:
+    def decoder(self, schema: Schema) -> Decoder:
+        if JaggedDecoder.wanted(schema):
+            return JaggedDecoder(self, schema)
         return ProtobufDecoder(self, schema)
 
     def encoder(self, schema: Schema, topic: str) -> ProtobufEncoder:

@@ -11,7 +11,8 @@ One field may instead be variable-length, shape ``(None,)``: token documents
 for language-model training. Such a schema encodes from a list of 1-D arrays
 (one per document) or from ``(flat, lengths)``, and decodes with
 ``decode_documents`` into one flat array plus one length per document, which
-``kfeed.tokens.Packer`` packs into ``[batch, seq_len]`` rows.
+``kfeed.tokens.Packer`` packs into ``[batch, seq_len]`` rows, or the loader
+hands out jagged (elements and offsets) beside the fixed fields.
 """
 
 from __future__ import annotations

@@ -115,6 +115,9 @@ class Batch(dict):
     in offset ranges and ``offsets`` is empty: the loader's ``state_dict()``
     says where to resume.
 
+    A variable-length field without ``pack`` is ``NAME`` (the records'
+    elements, 1-D) and ``NAME_offsets`` (``[n + 1]`` int64).
+
     With ``pack``, the mapping holds ``tokens``, ``position_ids``,
     ``doc_ids`` (``[n, seq_len]``) and ``cu_seqlens`` (the segments' starts
     and the total, int32), and ``pack`` is the ``PackInfo`` (``max_seqlen``,
@@ -183,7 +186,9 @@ class Loader:
     ``kfeed.jsonformat``); these read in offset order.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
-    makes each batch ``batch_size`` packed rows of documents;
+    makes each batch ``batch_size`` packed rows of documents; without it, a
+    variable-length field comes jagged: ``NAME`` (the elements) and
+    ``NAME_offsets`` (see NOTE [ Jagged fields ] in ``kfeed.loader.build``);
     ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
     Both keep ``state_dict()`` exact (see ``OrderLedger``).
     """

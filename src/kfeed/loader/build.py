@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -226,12 +227,17 @@ class RecordBuilder(SlotBuilder):
         self.order_ledger = ledger
         self.packer = packer
         self.shuffled = ledger.shuffle is not None
+        # A variable-length field without pack: batches of its elements and
+        # offsets (NOTE [ Jagged fields ]); decoded documents wait in ``jagged``.
+        self.jagged_field = schema.varlen if packer is None else None
+        self.jagged: deque[list[Any]] = deque()
+        self.doc_rows: dict[int, dict[str, np.ndarray]] = {}
         self.drained = False   # bounded epoch: the order gave up what it held
         self.finished = False  # ... and the packer its last batch
         # Fixed shapes: the records' values, and the items emitted, not in a
         # slot yet (pending[taken:]).
         self.held = None
-        if packer is None:
+        if packer is None and self.jagged_field is None:
             size = ledger.shuffle.buffer if ledger.shuffle is not None else 0
             # Values others wrote are held as kfeed raw records (NOTE [ Held records ]).
             self.held = schema.hold(Format.RAW if self.decoder is not None else fmt,
@@ -258,11 +264,13 @@ class RecordBuilder(SlotBuilder):
         if self.held is not None:
             self.held.clear()
         self.docs.clear()
+        self.jagged.clear()
+        self.doc_rows.clear()
         self.drained = self.finished = False
 
     def all_done(self) -> bool:
         return (self.fetcher.all_done() and self.drained and self.taken == len(self.pending)
-                and (self.packer is None or self.finished))
+                and not self.jagged and (self.packer is None or self.finished))
 
     def fill(self, slot: Slot) -> Handoff:
         out = Handoff(self.ledger.gen)
@@ -295,6 +303,8 @@ class RecordBuilder(SlotBuilder):
 
     def _take_into(self, slot: Slot, out: Handoff) -> bool:
         """Move emitted records into the slot; whether it is complete."""
+        if self.jagged_field is not None:
+            return self._take_jagged(slot, out)
         packer = self.packer
         if packer is not None:
             if self.finished:
@@ -340,14 +350,13 @@ class RecordBuilder(SlotBuilder):
         with self.ledger.lock:
             pids = np.array([order.pid((m.topic(), m.partition())) for m in msgs], np.int64)
         offsets = np.array([m.offset() for m in msgs], np.int64)
-        if self.packer is not None:
+        if self.packer is not None or self.jagged_field is not None:
             self._push_documents(msgs, vals, pids, offsets)
         else:
             self._push_samples(msgs, vals, pids, offsets)
 
     def _push_documents(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
                         offsets: np.ndarray) -> None:
-        assert self.packer is not None
         docs = (self.decoder.decode_documents(vals) if self.decoder is not None
                 else self.schema.decode_documents(vals, self.fmt))
         n = len(docs.lengths)
@@ -368,14 +377,19 @@ class RecordBuilder(SlotBuilder):
         ids = emitted[:, 3]
         if direct:
             # In order and nothing held back: the fetch's documents go to the
-            # packer in one call, less any repeats.
+            # packer (or wait for jagged batches) in one call, less any repeats.
+            tokens, lengths, columns = docs.tokens, docs.lengths, docs.columns
             if len(ids) < n:
                 keep = np.zeros(n, np.bool_)
                 keep[ids - first] = True
-                tokens = docs.tokens[np.repeat(keep, docs.lengths)]
-                self.packer.feed(tokens, docs.lengths[keep], copy=False)
-            elif n:
-                self.packer.feed(docs.tokens, docs.lengths, copy=False)
+                tokens, lengths = tokens[np.repeat(keep, lengths)], lengths[keep]
+                columns = {k: v[keep] for k, v in columns.items()}
+            if not len(lengths):
+                return
+            if self.packer is not None:
+                self.packer.feed(tokens, lengths, copy=False)
+            else:
+                self._queue_jagged(columns, tokens, lengths)
             return
         # The order holds documents back (a shuffle, a loaded state coming
         # back): each is kept apart, copied out of the fetch when a shuffle
@@ -388,6 +402,8 @@ class RecordBuilder(SlotBuilder):
             if first + d not in gone:
                 doc = tokens[start:end]
                 self.docs[first + d] = doc.copy() if self.shuffled else doc
+                if self.jagged_field is not None:
+                    self.doc_rows[first + d] = {k: v[d] for k, v in docs.columns.items()}
             start = end
         self._deliver(ids)
 
@@ -460,13 +476,66 @@ class RecordBuilder(SlotBuilder):
     def _deliver(self, ids: np.ndarray) -> None:
         if not len(ids):
             return
-        if self.packer is None:
+        if self.packer is None and self.jagged_field is None:
             rest = self.pending[self.taken:]
             self.pending, self.taken = np.concatenate([rest, ids]), 0
             return
-        docs = [self.docs.pop(i) for i in ids.tolist()]
+        order = ids.tolist()
+        docs = [self.docs.pop(i) for i in order]
         lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
+        if self.jagged_field is not None:
+            rows = [self.doc_rows.pop(i) for i in order]
+            columns = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+            self._queue_jagged(columns, np.concatenate(docs), lengths)
+            return
+        assert self.packer is not None
         self.packer.feed(np.concatenate(docs), lengths, copy=False)
+
+    # NOTE [ Jagged fields ]
+    # ~~~~~~~~~~~~~~~~~~~~~~
+    # A variable-length field without pack comes out as two tensors: NAME,
+    # the batch's records' elements one after another, and NAME_offsets,
+    # batch + 1 int64 where record i's elements are NAME[off[i]:off[i+1]]
+    # (torch.nested.nested_tensor_from_jagged takes them as they are). Its
+    # records go through the OrderLedger in offset order, as packed
+    # documents do, so state_dict() is exact and a block cut between
+    # batches resumes inside it. The slot's elements tensor starts at
+    # JAGGED_START per record and grows (Slot.grow) when a batch needs more.
+
+    def _queue_jagged(self, columns: dict[str, np.ndarray], tokens: np.ndarray,
+                      lengths: np.ndarray) -> None:
+        starts = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        self.jagged.append([columns, tokens, starts, 0])
+
+    def _take_jagged(self, slot: Slot, out: Handoff) -> bool:
+        """Move waiting records into the slot; whether it is complete."""
+        f = self.jagged_field
+        assert f is not None
+        name, offsets_name = f.name, f"{f.name}_offsets"
+        while slot.rows < self.batch_size and self.jagged:
+            chunk = self.jagged[0]
+            columns, tokens, starts, at = chunk
+            k = min(self.batch_size - slot.rows, len(starts) - 1 - at)
+            row = slot.rows
+            for field, col in columns.items():
+                _host(slot.tensors[field])[row:row + k] = col[at:at + k]
+            used = slot.extent.get(name, 0)
+            a, b = int(starts[at]), int(starts[at + k])
+            if used + b - a > len(slot.tensors[name]):
+                slot.grow(name, used + b - a, slot.tensors[name].is_pinned())
+            _host(slot.tensors[name])[used:used + b - a] = tokens[a:b]
+            offs = _host(slot.tensors[offsets_name])
+            if row == 0:
+                offs[0] = 0
+            offs[row + 1:row + k + 1] = starts[at + 1:at + k + 1] - a + used
+            slot.extent = {name: used + b - a, offsets_name: row + k + 1}
+            slot.rows += k
+            out.acks += k
+            chunk[3] = at + k
+            if at + k == len(starts) - 1:
+                self.jagged.popleft()
+        return slot.rows == self.batch_size
 
     def _drain(self) -> None:
         with self.ledger.lock:
@@ -475,3 +544,9 @@ class RecordBuilder(SlotBuilder):
         if self.packer is not None:
             self.packer.finish()
         self.drained = True
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy, bfloat16 as its 2-byte words (as kfeed stores them)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 \
+        else t.numpy()

@@ -18,7 +18,7 @@ import torch
 from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
-from kfeed.formats import RecordFormat, resolve
+from kfeed.formats import RecordFormat, document_layout, resolve
 from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
 
@@ -102,6 +102,9 @@ class LoaderConfig:
                 raise ConfigError(f"format={self.format!r} gives fixed-shape records: pack= "
                                   f"needs a token field, which kfeed reads from block, raw, "
                                   f"JSON, Avro and Protobuf topics")
+            if self.pack is not None:  # the packer takes the token field alone
+                document_layout(self.schema, self.format.value.capitalize()
+                                if self.format.value != "json" else "JSON")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         if self.pack is not None and not isinstance(self.pack, Pack):
             raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
@@ -112,8 +115,13 @@ class LoaderConfig:
             raise ConfigError("pack needs a schema with a variable-length token field, "
                               "e.g. {'tokens': ('int32', (None,))}")
         if self.pack is None and varlen is not None:
-            raise ConfigError(f"the schema's variable-length field {varlen.name!r} "
-                              f"needs pack=kfeed.Pack(seq_len=..., eos_id=...) to make batches")
+            # Jagged: the field's elements, flat, and NAME_offsets (batch_size + 1).
+            if self.shuffle is not None:
+                raise ConfigError(f"the variable-length field {varlen.name!r} is read in "
+                                  f"offset order; shuffle= takes it with pack= only")
+            if f"{varlen.name}_offsets" in self.schema.names:
+                raise ConfigError(f"field {varlen.name + '_offsets'!r}: batches hold the "
+                                  f"offsets of {varlen.name!r} under that name")
         put("device", _check_device(self.device))
         rank, world = _rank_and_world(self.rank, self.world_size)
         put("rank", rank)
@@ -125,8 +133,13 @@ class LoaderConfig:
 
     @property
     def records(self) -> bool:
-        """Whether records go one by one through an order (shuffle or pack)."""
-        return self.pack is not None or self.shuffle is not None
+        """Whether records go one by one through an order (shuffle, pack, a jagged field)."""
+        return self.pack is not None or self.shuffle is not None or self.jagged
+
+    @property
+    def jagged(self) -> bool:
+        """Whether batches hold a variable-length field as elements and offsets (no pack)."""
+        return self.pack is None and self.schema.varlen is not None
 
     def replace(self, **changes: Any) -> LoaderConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
