@@ -31,6 +31,10 @@ decoded by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
 framed, through ``decode_documents`` against a fastavro or
 ``ParseFromString`` loop into one flat array and lengths (tokens/s).
 
+``--formats jagged`` (no broker): Avro events whose array is read as a
+fixed shape against the same array read as a jagged field, through the
+loader from memory (records/s).
+
 ``--formats convert``: ``kfeed.convert`` of each Avro topic into a block
 topic (records/s), and the loader on the block topic against the loader on
 the Avro topic, interleaved.
@@ -499,6 +503,39 @@ def documents_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
     return best
 
 
+def jagged_micro(registry: Any, repeat: int) -> dict[str, float]:
+    """Avro events with a 20-long array, through the loader from memory, records/s: the
+    array as a fixed shape against the same array as a jagged field (elements, offsets)."""
+    from kfeed.loader import memory_loader
+
+    writer = {"type": "record", "name": "View", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "features", "type": {"type": "array", "items": "float"}},
+        {"name": "recent", "type": {"type": "array", "items": "long"}}]}
+    ser = AvroSerializer(registry, json.dumps(writer))
+    ctx = SerializationContext("views", MessageField.VALUE)
+    rng = np.random.default_rng(0)
+    vals = [ser({"id": i, "features": rng.standard_normal(16).tolist(),
+                 "recent": rng.integers(0, 10**9, 20).tolist()}, ctx) for i in range(50_000)]
+    schemas = {
+        "fixed shape (20,)": kfeed.Schema({"id": ("int64", ()), "features": ("float32", (16,)),
+                                           "recent": ("int64", (20,))}),
+        "jagged (None,)": kfeed.Schema({"id": ("int64", ()), "features": ("float32", (16,)),
+                                        "recent": ("int64", (None,))}),
+    }
+    best = dict.fromkeys(schemas, 0.0)
+    for _ in range(repeat):
+        for name, schema in schemas.items():
+            t = time.perf_counter()
+            n = 0
+            with memory_loader(vals, schema, 256, device="cpu", until="end",
+                               format=kfeed.Avro(registry=registry)) as loader:
+                for batch in loader:
+                    n += batch.size
+            best[name] = max(best[name], n / (time.perf_counter() - t))
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
@@ -509,7 +546,7 @@ def main() -> None:
     args = p.parse_args()
     registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
     formats = args.formats.split(",")
-    if not args.bootstrap and set(formats) - {"documents"}:
+    if not args.bootstrap and set(formats) - {"documents", "jagged"}:
         raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
     if "documents" in formats:
         for fmt, best in documents_micro(registry, args.repeat).items():
@@ -519,8 +556,16 @@ def main() -> None:
                 ratio = "" if name == "kfeed" else f" | kfeed / this = {best['kfeed'] / rate:.2f}x"
                 print(f"| {name} | {rate:,.0f}{ratio} |")
         formats.remove("documents")
-        if not formats:
-            return
+    if "jagged" in formats:
+        best = jagged_micro(registry, args.repeat)
+        print(f"\nAvro events (id, 16 floats, 20 longs) through the loader from memory, "
+              f"records/s, best of {args.repeat}:")
+        for name, rate in best.items():
+            print(f"| {name} | {rate:,.0f} |")
+        print(f"| jagged / fixed | {best['jagged (None,)'] / best['fixed shape (20,)']:.2f}x |")
+        formats.remove("jagged")
+    if not formats:
+        return
     if "avro" in formats:
         decode, memcpy = micro(registry, args.repeat)
         print(f"| Avro decode, 4,096 records of 3 KB | {decode:.2f} GB/s | memcpy "

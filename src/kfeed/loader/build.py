@@ -344,12 +344,13 @@ class RecordBuilder(SlotBuilder):
             self.decode_s += time.monotonic() - t
 
     def _push_fetch(self) -> None:
-        msgs, vals = self.fetcher.take()
-        self.value_bytes += sum(len(v) for v in vals if v is not None)
+        msgs, vals, runs = self.fetcher.take()
+        self.value_bytes += _fetch.value_bytes(vals, 0, len(vals))
         order = self.order_ledger.order
-        with self.ledger.lock:
-            pids = np.array([order.pid((m.topic(), m.partition())) for m in msgs], np.int64)
-        offsets = np.array([m.offset() for m in msgs], np.int64)
+        with self.ledger.lock:  # per run of one partition, not per message
+            ids = [order.pid(tp) for _s, _e, tp in runs]
+        pids = np.repeat(np.array(ids, np.int64), [e - s for s, e, _tp in runs])
+        offsets = np.fromiter((m.offset() for m in msgs), np.int64, len(msgs))
         if self.packer is not None or self.jagged_field is not None:
             self._push_documents(msgs, vals, pids, offsets)
         else:

@@ -379,11 +379,13 @@ class Fetcher:
         if time.monotonic() - self.last_poll >= SERVE_S:
             self.serve()
 
-    def take(self) -> tuple[list[Any], list[Any]]:
-        """Every pending message and its value; none is pending after."""
-        msgs, vals = self.msgs[self.i:], self.vals[self.i:]
+    def take(self) -> tuple[list[Any], list[Any], list[tuple[int, int, TP]]]:
+        """Every pending message, its value, and their runs of one partition; none is pending after."""
+        i = self.i
+        msgs, vals = self.msgs[i:], self.vals[i:]
+        runs = [(max(s - i, 0), e - i, tp) for s, e, tp in self.runs if e > i]
         self._clear()
-        return msgs, vals
+        return msgs, vals, runs
 
     def _on_message_error(self, m: Any, err: Any) -> None:
         from confluent_kafka import KafkaError
