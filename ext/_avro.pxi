@@ -739,28 +739,36 @@ cdef tuple av_plans(plans, _Values vals, bint framed, Py_ssize_t nfields, bint d
     return n, None
 
 
-def avro_documents(Layout layout, plans, values, bint framed, int code):
-    """The variable-length field of each Avro value in ``values``, flat.
+def avro_documents(Layout layout, plans, values, bint framed, int code, Out out=None):
+    """The variable-length field of each Avro value in ``values``, flat; the others in rows.
 
-    ``layout`` has that one field, of element code ``code``; ``plans`` as
-    for ``avro_decode``, made with the field as a document. Returns ``(tokens,
+    ``layout``'s variable-length field is the plans' (``AvroPlan(varfield=)``),
+    of element code ``code``; ``plans`` as for ``avro_decode``. The other
+    fields of each good value go into ``out``, one row per good value from
+    row 0 (needed when there are other fields; ``len(values)`` rows). Returns ``(tokens,
     lengths, counts, bad, need)``: the documents' elements as bytes, one
     length per good value, one count per value (1, or 0 for a bad one),
     ``(index, reason)`` per bad value, and ``need`` as ``avro_decode`` gives
     it (the values from ``len(counts)`` on were not read).
     """
-    if layout.nfields != 1:
-        raise ValueError("documents need a layout of one variable-length field")
     if not C_BOOL <= code < C_CODES:
         raise ValueError(f"unknown element code {code}")
     cdef _Values vals = _Values(values)
+    if out is not None:
+        out.fits(layout)
+        if out.capacity < vals.n:
+            raise ValueError(f"out holds {out.capacity} rows, {vals.n} values were given")
+    elif layout.nfields != 1:
+        raise ValueError("the fields beside the document need out=")
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
     cdef const AvPlan** vp = <const AvPlan**>calloc(m, sizeof(AvPlan*))
     cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
-    cdef uint8_t* rowp[1]
-    cdef uint64_t nelem[1]
-    cdef uint8_t written[1]
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
+    cdef uint64_t row = 0
     cdef VarOut var
     cdef AvCur c
     cdef int r = A_OK
@@ -769,9 +777,9 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
     reasons = {}
     var.buf = NULL
     try:
-        if not (vp and skip and bad):
+        if not (vp and skip and bad and rowp and nelem and written):
             raise MemoryError()
-        n, need = av_plans(plans, vals, framed, 1, True, vp, skip, owners, reasons)
+        n, need = av_plans(plans, vals, framed, layout.nfields, True, vp, skip, owners, reasons)
         var.size, var.cap, var.len = code_size(code), 1024, 0
         var.buf = <uint8_t*>malloc(var.cap * var.size)
         if var.buf == NULL:
@@ -792,17 +800,18 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
                     c.err_value = vals.ptr[i][0] if vals.size[i] > 0 else -1
                 elif vp[i] == NULL:
                     r = A_PLAN
-                elif vp[i].codes[0] != code:
+                elif vp[i].codes[vp[i].varfield] != code:
                     r = A_KIND
                 else:
                     r = av_record(&c, vp[i], vals.ptr[i] + skip[i], vals.ptr[i] + vals.size[i],
-                                  rowp, 0)
+                                  dst, row)
                 if r == A_MEMORY:
                     break  # not the record's fault: raised below, nothing rejected
                 if r == A_OK:
                     lens[i] = c.vcount
                     cnts[i] = 1
                     var.len += c.vcount
+                    row += 1
                 else:
                     bad[nbad].index, bad[nbad].err = i, r
                     bad[nbad].node = c.err_node if r != A_VALUE else -1
@@ -824,7 +833,7 @@ def avro_documents(Layout layout, plans, values, bint framed, int code):
         tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
         return tokens, lengths[counts > 0], counts, rejected, need
     finally:
-        free(vp); free(skip); free(bad); free(var.buf)
+        free(vp); free(skip); free(bad); free(var.buf); free(rowp); free(nelem); free(written)
 
 
 cdef inline uint32_t load_u32_be(const uint8_t* p) noexcept nogil:

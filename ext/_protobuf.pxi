@@ -666,27 +666,33 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
         free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written); free(count)
 
 
-def pb_documents(Layout layout, plans, values, bint framed, int code):
-    """The variable-length field of each Protobuf value in ``values``, flat.
+def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=None):
+    """The variable-length field of each Protobuf value in ``values``, flat; the others in rows.
 
-    ``layout`` has that one field, of element code ``code``, and each plan
-    reads it as a document: a repeated scalar, or a string or bytes field.
-    Returns ``(tokens, lengths, counts, bad, need)`` as ``avro_documents``
-    does.
+    Each plan reads ``layout``'s variable-length field (``ProtobufPlan(varfield=)``,
+    element code ``code``) as a document: a repeated scalar, or a string or
+    bytes field; the other fields go into ``out`` as ``avro_documents`` does.
+    Returns ``(tokens, lengths, counts, bad, need)`` as ``avro_documents`` does.
     """
-    if layout.nfields != 1:
-        raise ValueError("documents need a layout of one variable-length field")
     if not C_BOOL <= code < C_CODES:
         raise ValueError(f"unknown element code {code}")
     cdef _Values vals = _Values(values)
+    if out is not None:
+        out.fits(layout)
+        if out.capacity < vals.n:
+            raise ValueError(f"out holds {out.capacity} rows, {vals.n} values were given")
+    elif layout.nfields != 1:
+        raise ValueError("the fields beside the document need out=")
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
     cdef const PbPlan** vp = <const PbPlan**>calloc(m, sizeof(PbPlan*))
     cdef Py_ssize_t* skip = <Py_ssize_t*>calloc(m, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
-    cdef uint8_t* rowp[1]
-    cdef uint64_t nelem[1]
-    cdef uint8_t written[1]
-    cdef uint64_t count[1]
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
+    cdef uint64_t row = 0
     cdef VarOut var
     cdef PbCur c
     cdef int r = A_OK
@@ -696,9 +702,9 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
     var.size, var.cap, var.len = code_size(code), 1024, 0
     var.buf = <uint8_t*>malloc(var.cap * var.size)
     try:
-        if not (vp and skip and bad and var.buf):
+        if not (vp and skip and bad and var.buf and rowp and nelem and written and count):
             raise MemoryError()
-        n, need = pb_plans(plans, vals, framed, 1, True, vp, skip, owners, reasons)
+        n, need = pb_plans(plans, vals, framed, layout.nfields, True, vp, skip, owners, reasons)
         lengths = np.zeros(n, np.int64)
         counts = np.zeros(n, np.int64)
         lens = lengths
@@ -707,16 +713,17 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
         with nogil:
             for i in range(n):
                 c.err_entry, c.err_field, c.err_value = -1, -1, 0
-                if vp[i] != NULL and vp[i].codes[0] != code:
+                if vp[i] != NULL and vp[i].codes[vp[i].varfield] != code:
                     r = A_KIND
                 else:
-                    r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, rowp, 0)
+                    r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, dst, row)
                 if r == A_MEMORY:
                     break  # not the record's fault: raised below, nothing rejected
                 if r == A_OK:
-                    lens[i] = count[0]
+                    lens[i] = count[vp[i].varfield]
                     cnts[i] = 1
-                    var.len += count[0]
+                    var.len += count[vp[i].varfield]
+                    row += 1
                 else:
                     bad[nbad].index, bad[nbad].err = i, r
                     bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
@@ -728,7 +735,8 @@ def pb_documents(Layout layout, plans, values, bint framed, int code):
         tokens = PyBytes_FromStringAndSize(<char*>var.buf, var.len * var.size)
         return tokens, lengths[counts > 0], counts, rejected, need
     finally:
-        free(vp); free(skip); free(bad); free(var.buf)
+        free(vp); free(skip); free(bad); free(var.buf); free(rowp); free(nelem); free(written)
+        free(count)
 
 
 cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):

@@ -34,9 +34,7 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
-    Decoder,
     Encoder,
-    JaggedDecoder,
     PlanDecoder,
     RecordFormat,
     codes,
@@ -95,9 +93,7 @@ class Avro(RecordFormat):
             self._client = registry_client(self.registry, "kfeed.Avro")
         return self._client
 
-    def decoder(self, schema: Schema) -> Decoder:
-        if JaggedDecoder.wanted(schema):
-            return JaggedDecoder(self, schema)
+    def decoder(self, schema: Schema) -> AvroDecoder:
         return AvroDecoder(self, schema)
 
     def encoder(self, schema: Schema, topic: str) -> AvroEncoder:
@@ -453,7 +449,7 @@ def compile_plan(writer: Any, schema: Schema) -> Any:
     c = _Compiler(schema)
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
-    varfield = -1 if schema.varlen is None else 0
+    varfield = -1 if schema.varlen is None else schema.fields.index(schema.varlen)
     return _codec.AvroPlan(layout, nodes, np.array(c.kids, np.int64), c.codes,
                            defaults(schema), c.notes, varfield)
 

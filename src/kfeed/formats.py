@@ -104,14 +104,23 @@ class PlanDecoder(Decoder):
             raise ConfigError("decode_documents needs a schema with a variable-length field")
         if not isinstance(values, (list, tuple)):
             values = list(values)
-        code = codes(self.schema)[0]
+        code = codes(self.schema)[self.schema.fields.index(f)]
         plans = self.single if self.single is not None else self.plans
         parts, lengths, counts = [], [], []
+        rows: dict[str, list[np.ndarray]] = {x.name: [] for x in self.schema.fields
+                                             if not x.variable}
         bad: list[tuple[int, str]] = []
         done = 0
         while True:
-            tokens, lens, cnts, b, need = self._documents(self.layout, plans, values[done:],
-                                                          self.framed, code)
+            out = self._rows_out(len(values) - done) if rows else None
+            tokens, lens, cnts, b, need = self._documents(
+                self.layout, plans, values[done:], self.framed, code,
+                None if out is None else out[0])
+            if out is not None:
+                for x, buf in zip(self.schema.fields, out[1], strict=True):
+                    if not x.variable:
+                        rows[x.name].append(buf[:len(lens)].view(x.storage)
+                                            .reshape(len(lens), *x.shape))
             parts.append(tokens)
             lengths.append(lens)
             counts.append(cnts)
@@ -120,18 +129,24 @@ class PlanDecoder(Decoder):
             if need is None:
                 break
             self.plans[need] = self.plan_for(need)
+        columns = {name: np.concatenate(parts_) for name, parts_ in rows.items()}
         return Documents(np.frombuffer(b"".join(parts), f.storage), np.concatenate(lengths),
-                         np.concatenate(counts), bad, {})
+                         np.concatenate(counts), bad, columns)
+
+    def _rows_out(self, n: int) -> tuple[Any, list[np.ndarray]]:
+        """The codec's output for the fields beside the document: ``n`` rows each."""
+        bufs = [np.empty((n, x.storage.itemsize if x.variable else x.nbytes), np.uint8)
+                for x in self.schema.fields]
+        return _codec.Out(self.layout, bufs), bufs
 
 
 class JaggedDecoder(Decoder):
-    """Fixed fields and one variable-length field of another format, for jagged batches.
+    """Fixed fields and one variable-length field of JSON, for jagged batches.
 
-    Two passes over each fetch: the format's row decoder reads the fixed
-    fields, its document decoder the variable-length one; a value bad in
-    either is bad (the first reason found), and only values good in both
-    give a record. Each pass is the format's Cython decoder; reading every
-    value twice is the price of not having one pass for both yet.
+    Two passes over each fetch: the row decoder reads the fixed fields, the
+    document decoder the variable-length one; a value bad in either is bad
+    (the first reason found), and only values good in both give a record.
+    (Avro and Protobuf read both in one pass: ``PlanDecoder.decode_documents``.)
     """
 
     def __init__(self, fmt: RecordFormat, schema: Schema) -> None:
@@ -262,19 +277,31 @@ def fixed_layout(schema: Schema, what: str) -> Any:
     return layout
 
 
-def document_layout(schema: Schema, what: str) -> Any:
-    """The codec layout of a schema of one token field, read as documents (``pack=``).
-
-    The field's row is one element as far as the layout knows; the decoders
-    grow each document as they read it.
-    """
+def one_field(schema: Schema, what: str) -> None:
+    """Refuse fields beside the token field of a topic of ``what`` packed into rows."""
     f = schema.varlen
     assert f is not None
     if len(schema.fields) != 1:
         others = ", ".join(repr(x.name) for x in schema.fields if x is not f)
         raise ConfigError(f"a {what} topic packed into token rows gives one field, "
                           f"{f.name!r}: leave {others} out of the schema")
-    return _codec.Layout([f.storage.itemsize], schema.fingerprint, schema.names)
+
+
+def document_layout(schema: Schema, what: str) -> Any:
+    """The codec layout of a schema with a variable-length field, read as documents.
+
+    That field's row is one element as far as the layout knows (the
+    decoders grow each document as they read it); the other fields' rows
+    are theirs. Their dtypes are checked as ``fixed_layout`` checks them.
+    """
+    f = schema.varlen
+    assert f is not None
+    for x in schema.fields:
+        if x.dtype not in _NUMERIC:
+            raise ConfigError(f"field {x.name!r}: {what} values decode into bool, integer, "
+                              f"float32 or float64 fields, not {x.dtype}")
+    return _codec.Layout([x.storage.itemsize if x.variable else x.nbytes
+                          for x in schema.fields], schema.fingerprint, schema.names)
 
 
 def plan_layout(schema: Schema, what: str) -> Any:

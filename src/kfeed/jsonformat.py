@@ -36,8 +36,8 @@ from kfeed.formats import (
     RecordFormat,
     codes,
     defaults,
-    document_layout,
     fixed_layout,
+    one_field,
 )
 from kfeed.schema import DecodeResult, Documents, Schema, Target
 
@@ -112,7 +112,7 @@ class JsonDecoder(Decoder):
         self.schema = schema
         self.varlen = schema.varlen
         if self.varlen is not None:
-            document_layout(schema, "JSON")
+            one_field(schema, "JSON")
             self.path = [key.encode() for key in self.varlen.path]
             self.code = codes(schema)[0]
             self.default = defaults(schema)[0]

@@ -33,9 +33,7 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
-    Decoder,
     Encoder,
-    JaggedDecoder,
     PlanDecoder,
     RecordFormat,
     ask_registry,
@@ -105,9 +103,7 @@ class Protobuf(RecordFormat):
             self._client = registry_client(self.registry, "kfeed.Protobuf")
         return self._client
 
-    def decoder(self, schema: Schema) -> Decoder:
-        if JaggedDecoder.wanted(schema):
-            return JaggedDecoder(self, schema)
+    def decoder(self, schema: Schema) -> ProtobufDecoder:
         return ProtobufDecoder(self, schema)
 
     def encoder(self, schema: Schema, topic: str) -> ProtobufEncoder:
@@ -358,7 +354,8 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
             notes.append(note)
     return _codec.ProtobufPlan(layout, np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
-                               defaults(schema), notes, -1 if schema.varlen is None else 0)
+                               defaults(schema), notes, -1 if schema.varlen is None
+                               else schema.fields.index(schema.varlen))
 
 
 def _describe(kind: str, fd: Any) -> str:

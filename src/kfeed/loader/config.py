@@ -18,7 +18,7 @@ import torch
 from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
-from kfeed.formats import RecordFormat, document_layout, resolve
+from kfeed.formats import RecordFormat, one_field, resolve
 from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
 
@@ -103,7 +103,7 @@ class LoaderConfig:
                                   f"needs a token field, which kfeed reads from block, raw, "
                                   f"JSON, Avro and Protobuf topics")
             if self.pack is not None:  # the packer takes the token field alone
-                document_layout(self.schema, self.format.value.capitalize()
+                one_field(self.schema, self.format.value.capitalize()
                                 if self.format.value != "json" else "JSON")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
         if self.pack is not None and not isinstance(self.pack, Pack):
