@@ -753,16 +753,39 @@ cdef struct JtCur:
 cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
     """The array at ``c.p`` into ``t.buf`` as this object's document (any earlier one dropped)."""
     cdef int r
-    cdef bint fl
+    cdef bint fl, esc
     cdef int64_t iv
     cdef double dv
     cdef uint8_t* grown
+    cdef const uint8_t* s
+    cdef Py_ssize_t n, m
     t.len = t.start
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
     if js_lit(c, "null", 4):
         t.found = False  # missing: the default, or a bad object
+        return A_OK
+    if c.p[0] == 0x22 and (t.code == C_U8 or t.code == C_I8):
+        # A string into bytes: its UTF-8, escapes undone (never longer than
+        # the escaped text; 4 bytes of room more, as js_unescape asks).
+        r = js_string(c, &s, &n, &esc)
+        if r:
+            return r
+        if t.len + n + 4 > t.cap:
+            grown = <uint8_t*>realloc(t.buf, t.len + n + 4 + t.cap)
+            if grown == NULL:
+                return A_MEMORY
+            t.buf, t.cap = grown, t.len + n + 4 + t.cap
+        if esc:
+            m = js_unescape(s, n, t.buf + t.len, t.cap - t.len)
+            if m < 0:
+                return A_JSON
+        else:
+            memcpy(t.buf + t.len, s, n)
+            m = n
+        t.len += m
+        t.found = True
         return A_OK
     if c.p[0] != 0x5B:
         r = js_skip(c)

@@ -256,6 +256,24 @@ def test_token_documents_pack_as_kfeeds_own_and_resume_exactly():
                            kfeed.Pack(seq_len=256, eos_id=65535, pad_id=0))
 
 
+def test_strings_as_bytes_beside_other_fields_come_jagged():
+    rng = np.random.default_rng(3)
+    words = ["plain", "caf\u00e9", "quote\" and \\", "emoji \U0001F600", "", "tab\there"]
+    events = [{"id": i, "query": {"text": words[i % len(words)] * int(rng.integers(1, 4))}}
+              for i in range(300)]
+    values = [json.dumps(e).encode() for e in events]   # non-ASCII as \\u escapes
+    values[9] = json.dumps(events[9], ensure_ascii=False).encode()  # or as UTF-8
+    schema = kfeed.Schema({"id": ("int64", ()),
+                           "query": ("uint8", (None,), {"source": "query.text"})})
+    got = {}
+    with memory_loader(values, schema, 64, device="cpu", until="end", format=kfeed.Json()) as L:
+        for b in L:
+            offs, text = b["query_offsets"].tolist(), b["query"].numpy().tobytes()
+            for i, rid in enumerate(b["id"].tolist()):
+                got[rid] = text[offs[i]:offs[i + 1]]
+    assert got == {e["id"]: e["query"]["text"].encode() for e in events}
+
+
 @pytest.mark.integration
 def test_loader_reads_a_topic_of_json_events(bootstrap, make_topic):
     topic = make_topic(partitions=3)
