@@ -270,11 +270,16 @@ def registry_client(registry: Any, who: str) -> Any:
 def fixed_layout(schema: Schema, what: str) -> Any:
     """The schema's codec layout, once its fields are all numeric and of fixed shape."""
     layout = schema._fixed_only(f"{what} decoding")
+    _numeric(schema, what)
+    return layout
+
+
+def _numeric(schema: Schema, what: str) -> None:
+    """Refuse a field whose dtype the decoders of ``what`` do not write."""
     for f in schema.fields:
         if f.dtype not in _NUMERIC:
             raise ConfigError(f"field {f.name!r}: {what} values decode into bool, integer, "
                               f"float32 or float64 fields, not {f.dtype}")
-    return layout
 
 
 def one_field(schema: Schema, what: str) -> None:
@@ -294,12 +299,8 @@ def document_layout(schema: Schema, what: str) -> Any:
     decoders grow each document as they read it); the other fields' rows
     are theirs. Their dtypes are checked as ``fixed_layout`` checks them.
     """
-    f = schema.varlen
-    assert f is not None
-    for x in schema.fields:
-        if x.dtype not in _NUMERIC:
-            raise ConfigError(f"field {x.name!r}: {what} values decode into bool, integer, "
-                              f"float32 or float64 fields, not {x.dtype}")
+    assert schema.varlen is not None
+    _numeric(schema, what)
     return _codec.Layout([x.storage.itemsize if x.variable else x.nbytes
                           for x in schema.fields], schema.fingerprint, schema.names)
 
