@@ -759,3 +759,109 @@ def key_minima(const int64_t[:, ::1] keys, int64_t[:, ::1] marks, uint8_t[::1] k
                 marks[p, 0] = o
                 marks[p, 1] = s
                 known[p] = 1
+
+
+# Why mix_take stopped (kfeed.mix.Mixer reads them).
+cdef enum:
+    MIX_LIMIT_C = 0      # it took ``limit`` records
+    MIX_STALLED_C = 1    # the source drawn waits for records of its next partition
+    MIX_EXHAUSTED_C = 2  # the source drawn has no partition left (each read to its end)
+    MIX_NONE_C = 3       # no source may be drawn (none live, or every weight 0)
+
+MIX_LIMIT, MIX_STALLED, MIX_EXHAUSTED, MIX_NONE = (MIX_LIMIT_C, MIX_STALLED_C,
+                                                    MIX_EXHAUSTED_C, MIX_NONE_C)
+
+
+def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] end,
+             const uint8_t[::1] done, int64_t[::1] ring, const int64_t[::1] ring_start,
+             int64_t[::1] ring_len, int64_t[::1] rr, const int64_t[::1] weights,
+             int64_t[::1] credits, const uint8_t[::1] live, Py_ssize_t limit,
+             int64_t[:, ::1] out):
+    """Take up to ``limit`` records in the mixture's order into ``out``.
+
+    Sources are drawn by smooth weighted round robin: every draw adds each
+    drawable source's weight to its credit, the source with the most credit
+    (the lowest index on a tie) is drawn and gives back the sum of the
+    weights. Over any stretch of draws each source's count stays within a
+    couple of records of its share. Within a source, its partitions take
+    turns record by record, in ``ring`` order (``ring[ring_start[s]:][:ring_len[s]]``,
+    the next one at ``rr[s]``). A partition's records wait in
+    ``pool[head[p]:end[p]]``; one that is ``done`` (read to its end) and
+    empty leaves the ring when its turn comes.
+
+    A draw is made only once its record is there, so where the stream stops
+    (a partition not fetched yet) does not change the order: the records
+    taken depend only on the state and the records, never on timing.
+    Returns ``(taken, why, source)``: ``why`` one of the ``MIX_*`` codes,
+    ``source`` the source that stalled or ran out (else -1).
+    """
+    cdef Py_ssize_t nsrc = weights.shape[0], nparts = head.shape[0], nring = ring.shape[0]
+    cdef Py_ssize_t s, p, k, j, best, n = 0
+    cdef int64_t total, v, bestv
+    cdef int why = MIX_LIMIT_C
+    cdef Py_ssize_t src = -1
+    check_rows("pool", pool, 0)
+    check_rows("out", out, limit)
+    if credits.shape[0] != nsrc or live.shape[0] != nsrc or ring_start.shape[0] != nsrc \
+            or ring_len.shape[0] != nsrc or rr.shape[0] != nsrc:
+        raise ValueError("credits, live, ring_start, ring_len and rr need one entry per source")
+    if end.shape[0] != nparts or done.shape[0] != nparts:
+        raise ValueError("head, end and done need one entry per partition id")
+    for p in range(nparts):
+        if not 0 <= head[p] <= end[p] <= pool.shape[0]:
+            raise ValueError(f"partition id {p}: rows {head[p]}..{end[p]} are not in the pool")
+    for s in range(nsrc):
+        if weights[s] < 0 or ring_len[s] < 0 or ring_start[s] < 0 \
+                or ring_start[s] + ring_len[s] > nring:
+            raise ValueError(f"source {s}: a negative weight, or its ring is not in ``ring``")
+        if ring_len[s] and not 0 <= rr[s] < ring_len[s]:
+            raise ValueError(f"source {s}: turn {rr[s]} of a ring of {ring_len[s]}")
+        for k in range(ring_start[s], ring_start[s] + ring_len[s]):
+            if not 0 <= ring[k] < nparts:
+                raise ValueError(f"ring entry {k} names partition id {ring[k]}")
+    with nogil:
+        total = 0
+        for s in range(nsrc):
+            if live[s]:
+                total += weights[s]
+        while n < limit:
+            if total <= 0:
+                why = MIX_NONE_C
+                break
+            best = -1
+            bestv = 0
+            for s in range(nsrc):
+                if live[s] and weights[s] > 0:
+                    v = credits[s] + weights[s]
+                    if best < 0 or v > bestv:
+                        best = s
+                        bestv = v
+            while True:
+                if ring_len[best] == 0:
+                    why = MIX_EXHAUSTED_C
+                    break
+                k = ring_start[best] + rr[best]
+                p = ring[k]
+                if head[p] < end[p]:
+                    break
+                if not done[p]:
+                    why = MIX_STALLED_C
+                    break
+                # Read to its end and empty: out of the ring, the next takes its turn.
+                for j in range(k, ring_start[best] + ring_len[best] - 1):
+                    ring[j] = ring[j + 1]
+                ring_len[best] -= 1
+                if rr[best] >= ring_len[best]:
+                    rr[best] = 0
+            if why != MIX_LIMIT_C:
+                src = best
+                break
+            copy_key(out, n, pool, head[p])
+            head[p] += 1
+            n += 1
+            rr[best] = (rr[best] + 1) % ring_len[best]
+            for s in range(nsrc):
+                if live[s]:
+                    credits[s] += weights[s]
+            credits[best] -= total
+    return n, why, src

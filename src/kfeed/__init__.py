@@ -15,6 +15,7 @@ from kfeed.avro import Avro
 from kfeed.convert import ConvertStats, convert
 from kfeed.jsonformat import Json
 from kfeed.lag import PartitionLag, group_lag
+from kfeed.mix import Mix
 from kfeed.protobuf import Protobuf
 from kfeed.errors import (
     ClusterError,
@@ -49,6 +50,7 @@ __all__ = [
     "KafkaIterableDataset",
     "Source",
     "MemorySource",
+    "Mix",
     "Pack",
     "PackInfo",
     "Packer",

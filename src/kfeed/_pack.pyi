@@ -64,3 +64,24 @@ def reservoir_drain(
 def key_minima(
     keys: npt.NDArray[np.int64], marks: npt.NDArray[np.int64], known: npt.NDArray[np.uint8]
 ) -> None: ...
+
+MIX_LIMIT: int
+MIX_STALLED: int
+MIX_EXHAUSTED: int
+MIX_NONE: int
+
+def mix_take(
+    pool: npt.NDArray[np.int64],
+    head: npt.NDArray[np.int64],
+    end: npt.NDArray[np.int64],
+    done: npt.NDArray[np.uint8],
+    ring: npt.NDArray[np.int64],
+    ring_start: npt.NDArray[np.int64],
+    ring_len: npt.NDArray[np.int64],
+    rr: npt.NDArray[np.int64],
+    weights: npt.NDArray[np.int64],
+    credits: npt.NDArray[np.int64],
+    live: npt.NDArray[np.uint8],
+    limit: int,
+    out: npt.NDArray[np.int64],
+) -> tuple[int, int, int]: ...

@@ -850,7 +850,8 @@ class _Record:
 class MemorySource(Source):
     """Replays recorded message values as if they came from Kafka.
 
-    ``values`` is a list of values for partition 0, or ``{partition: values}``.
+    ``values`` is a list of values for partition 0, ``{partition: values}``,
+    or, for several topics (a ``kfeed.Mix``), ``{(topic, partition): values}``.
     With ``loop=True`` the recording repeats forever (offsets keep growing),
     which suits a streaming benchmark. Rejected values are kept in
     ``dead_letters``; commits are recorded in ``commits``.
@@ -871,9 +872,10 @@ class MemorySource(Source):
         self.topic = topic
         self.loop = loop
         now = int(time.time() * 1000)
+        by_tp = {(k if isinstance(k, tuple) else (topic, k)): vals for k, vals in values.items()}
         self._data = {
-            (topic, p): [_Record(topic, p, i, v, now) for i, v in enumerate(vals)]
-            for p, vals in sorted(values.items())
+            (t, p): [_Record(t, p, i, v, now) for i, v in enumerate(vals)]
+            for (t, p), vals in sorted(by_tp.items())
         }
         self._next: dict[TP, int] = {}
         self._paused: set[TP] = set()

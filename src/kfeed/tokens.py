@@ -708,6 +708,15 @@ class ShuffleBuffer:
         """Whether records of a loaded state are still to be pushed again."""
         return bool(self._holes)
 
+    def arrived(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per partition id, ``[offset, sub]`` after the last record pushed, and whether known.
+
+        A record below it is a repeat, or a held record of a loaded state
+        coming back (``kfeed.mix.Mixer.push`` passes those straight on).
+        """
+        k = len(self._parts)
+        return self._pos[:k, 2:4], self._known[:k, 1]
+
     # -- the items, for a caller that moves its stored records ------------------
 
     def items(self) -> np.ndarray:

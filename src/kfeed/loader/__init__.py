@@ -84,6 +84,7 @@ from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
+from kfeed.mix import Mix, Mixer
 from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
@@ -185,6 +186,9 @@ class Loader:
     ``kfeed.protobuf``) or ``"json"`` / ``kfeed.Json()`` (see
     ``kfeed.jsonformat``); these read in offset order.
 
+    ``topics``: a topic, a list of topics read as one stream, or a
+    ``kfeed.Mix`` of topics in set proportions (see ``kfeed.mix``).
+
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents; without it, a
     variable-length field comes jagged: ``NAME`` (the elements) and
@@ -196,7 +200,7 @@ class Loader:
     def __init__(
         self,
         kafka_config: Mapping[str, Any] | None,
-        topics: str | Sequence[str],
+        topics: str | Sequence[str] | Mix,
         schema: Schema,
         batch_size: int,
         *,
@@ -291,8 +295,10 @@ class Loader:
         ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
             c.max_memory_bytes, rdkafka, batch_bytes), batch_bytes)
         self._status = Status()
-        self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer) if c.records
-                                else Ledger(source, c.start))
+        mixer = (Mixer(c.mix, c.batch_size, bounded=c.bounded) if c.mix is not None
+                 else None)
+        self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer, mixer)
+                                if c.records else Ledger(source, c.start))
         self._ledger.lineages = set(self._lineages)
         self._ledger.run = source.run
         self._ledger.cover_all = c.assignment == "group"
@@ -344,7 +350,20 @@ class Loader:
         f = self._feeder
         if self.assignment_mode == "static":
             parts = self._source.partitions()
-            f.assignment = [tp for i, tp in enumerate(parts) if i % self.world_size == self.rank]
+            mix = self.config.mix
+            if mix is None:
+                f.assignment = [tp for i, tp in enumerate(parts)
+                                if i % self.world_size == self.rank]
+            else:  # each topic's partitions dealt out on their own: every rank mixes them all
+                f.assignment = [tp for t in mix.topics
+                                for i, tp in enumerate(sorted(p for p in parts if p[0] == t))
+                                if i % self.world_size == self.rank]
+                lacking = [t for t in mix.topics if not any(tp[0] == t for tp in f.assignment)]
+                if lacking:
+                    raise ConfigError(
+                        f"rank {self.rank} of {self.world_size} gets no partition of {lacking}: "
+                        f"in a mixture every rank reads every topic, so each needs at least "
+                        f"{self.world_size} partitions")
             if not f.assignment:
                 raise ConfigError(
                     f"rank {self.rank} of {self.world_size} gets no partition: "
@@ -663,7 +682,15 @@ class Loader:
             "copy_s": self._feeder.copy_s,
             "pool_slots_in_use": sum(s is not SlotState.FREE for s in self._pool.states()),
             "prefetch": self._feeder.ready.size,
+            **self._mix_stats(),
         }
+
+    def _mix_stats(self) -> dict[str, Any]:
+        mixer = getattr(self._ledger, "mixer", None)
+        if mixer is None:
+            return {}
+        return {"mix": {t: int(n) for t, n in zip(mixer.sources, mixer.per_source, strict=True)},
+                "mix_waiting_for": mixer.stalled_on}
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
 

@@ -51,6 +51,10 @@ log = logging.getLogger("kfeed.loader")
 # Held message values past this many times a shuffle's records (buffer and a
 # batch) are compacted (NOTE [ Held records ]).
 _HELD_LIMIT = 6
+# A mixture's partition with more records than this queued is paused until
+# half of them went out (times the batch size, at least _MIX_QUEUE_MIN).
+_MIX_QUEUE = 2
+_MIX_QUEUE_MIN = 1024
 
 
 class Handoff:
@@ -227,6 +231,11 @@ class RecordBuilder(SlotBuilder):
         self.order_ledger = ledger
         self.packer = packer
         self.shuffled = ledger.shuffle is not None
+        # A mixture: records queue in the mixer before the order (kfeed.mix).
+        self.mixer = ledger.mixer
+        self.mix_queue = max(_MIX_QUEUE * batch_size, _MIX_QUEUE_MIN)
+        self.paused: set[TP] = set()  # partitions paused while the mixture catches up
+        self.warned_absent: set[str] = set()
         # A variable-length field without pack: batches of its elements and
         # offsets (NOTE [ Jagged fields ]); decoded documents wait in ``jagged``.
         self.jagged_field = schema.varlen if packer is None else None
@@ -239,6 +248,8 @@ class RecordBuilder(SlotBuilder):
         self.held = None
         if packer is None and self.jagged_field is None:
             size = ledger.shuffle.buffer if ledger.shuffle is not None else 0
+            if self.mixer is not None:  # and what the mixture queues
+                size += self.mix_queue
             # Values others wrote are held as kfeed raw records (NOTE [ Held records ]).
             self.held = schema.hold(Format.RAW if self.decoder is not None else fmt,
                                     limit=_HELD_LIMIT * (size + batch_size)
@@ -267,10 +278,22 @@ class RecordBuilder(SlotBuilder):
         self.jagged.clear()
         self.doc_rows.clear()
         self.drained = self.finished = False
+        if self.mixer is not None:
+            self.mixer.reset()
+            self._resume(self.paused)
 
     def all_done(self) -> bool:
-        return (self.fetcher.all_done() and self.drained and self.taken == len(self.pending)
+        f = self.fetcher
+        return (self._input_over() and (self.mixer is not None or not f.pending())
+                and self.drained and self.taken == len(self.pending)
                 and not self.jagged and (self.packer is None or self.finished))
+
+    def _input_over(self) -> bool:
+        """A bounded read: no record will come into the order any more."""
+        if self.mixer is not None:
+            return self.mixer.ended
+        f = self.fetcher
+        return bool(f.assigned) and f.assigned <= f.done
 
     def fill(self, slot: Slot) -> Handoff:
         out = Handoff(self.ledger.gen)
@@ -285,7 +308,9 @@ class RecordBuilder(SlotBuilder):
                 started = time.monotonic()
             if f.pending():
                 self._push_pending()
-            elif self.bounded and f.assigned and f.assigned <= f.done:
+            elif self.mixer is not None and self._mix_more():
+                continue
+            elif self.bounded and self._input_over():
                 if self.drained:
                     break  # the end of the epoch: a partial batch, or none
                 self._drain()
@@ -340,6 +365,7 @@ class RecordBuilder(SlotBuilder):
         t = time.monotonic()
         try:
             self._push_fetch()
+            self._backpressure()
         finally:
             self.decode_s += time.monotonic() - t
 
@@ -367,9 +393,9 @@ class RecordBuilder(SlotBuilder):
         with self.ledger.lock:
             order = self.order_ledger.order
             # In order, a loaded state's documents come back in its order,
-            # which need not be this fetch's.
-            direct = not (self.shuffled or order.restoring or self.docs)
-            emitted, skipped = order.push_many(recs)
+            # which need not be this fetch's; a mixture's come in its own.
+            direct = not (self.shuffled or order.restoring or self.docs or self.mixer)
+            emitted, skipped = self._ordered(recs)
         self.samples += n
         if n:
             self.bad.good()
@@ -441,7 +467,7 @@ class RecordBuilder(SlotBuilder):
         for j, reason in bad:
             self.bad.bad(msgs[j], reason)
         with self.ledger.lock:
-            emitted, skipped = self.order_ledger.order.push_many(recs)
+            emitted, skipped = self._ordered(recs)
         if len(skipped):
             held.drop(skipped)
         self._deliver(emitted[:, 3])
@@ -450,6 +476,77 @@ class RecordBuilder(SlotBuilder):
             self.bad.good()
         self.samples += n
         self.fetcher.learn(n, nvals - rejected - len(bad))
+
+    # -- a mixture (kfeed.mix) ----------------------------------------------------
+
+    def _ordered(self, recs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Records into the order, through the mixer if there is one (under the ledger's lock)."""
+        order = self.order_ledger.order
+        mixer = self.mixer
+        if mixer is None:
+            return order.push_many(recs)
+        self._sync_mixer()
+        passed = mixer.push(recs, *order.arrived())
+        mixed = mixer.take()
+        return order.push_many(np.concatenate([passed, mixed]) if len(passed) else mixed)
+
+    def _sync_mixer(self) -> None:
+        """The mixer's partitions are the assignment's; those read to their end are done."""
+        mixer, f, order = self.mixer, self.fetcher, self.order_ledger.order
+        assert mixer is not None
+        mixer.assign({tp: order.pid(tp) for tp in f.assigned})
+        mixer.done([order.pid(tp) for tp in f.done if tp in f.assigned])
+        absent = [t for t in mixer.absent() if t not in self.warned_absent]
+        if absent and f.assigned:
+            self.warned_absent.update(absent)
+            log.warning("this loader holds no partition of %s: the mixture goes on "
+                        "without them, in the others' proportions", absent)
+
+    def _mix_more(self) -> bool:
+        """Nothing pending: let out what the mixer can now; whether anything changed.
+
+        Partitions read to their end since the last fetch can end a source, or
+        let its turn pass to the next partition.
+        """
+        mixer = self.mixer
+        assert mixer is not None
+        if mixer.ended:
+            return False
+        with self.ledger.lock:
+            self._sync_mixer()
+            mixed = mixer.take()
+            emitted, _skipped = self.order_ledger.order.push_many(mixed) if len(mixed) \
+                else (mixed, mixed)
+        self._deliver(emitted[:, 3])
+        if mixer.ended:  # "stop": the other sources' records stay unread
+            self.fetcher.source.pause(sorted(self.fetcher.assigned))
+        self._backpressure()
+        return bool(len(mixed)) or mixer.ended
+
+    def _backpressure(self) -> None:
+        """Pause the partitions whose records queue in the mixer; resume them once half went."""
+        mixer = self.mixer
+        if mixer is None or mixer.ended:
+            return
+        queued = mixer.queued()
+        over, under = [], []
+        for pid, tp in mixer.partitions().items():
+            n = queued[pid] if pid < len(queued) else 0
+            if n > self.mix_queue and tp not in self.paused:
+                over.append(tp)
+            elif n <= self.mix_queue // 2 and tp in self.paused:
+                under.append(tp)
+        if over:
+            self.paused.update(over)
+            self.fetcher.source.pause(over)
+        self._resume(under)
+
+    def _resume(self, tps: Any) -> None:
+        tps = [tp for tp in tps if tp in self.paused]
+        self.paused.difference_update(tps)
+        again = [tp for tp in tps if tp in self.fetcher.assigned and tp not in self.fetcher.done]
+        if again:
+            self.fetcher.source.resume(again)
 
     def _as_raw(self, msgs: list[Any], vals: list[Any], pids: np.ndarray, offsets: np.ndarray
                 ) -> tuple[list[Any], np.ndarray, np.ndarray, list[Any]]:

@@ -19,6 +19,7 @@ from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
 from kfeed.formats import RecordFormat, one_field, resolve
+from kfeed.mix import Mix
 from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
 
@@ -54,15 +55,25 @@ class LoaderConfig:
     shuffle: Shuffle | None = None
     on_revoke: Callable[[list[tuple[str, int]]], None] | None = field(default=None,
                                                                        compare=False)
+    # Topics given as a kfeed.Mix: the mixture (``topics`` are then its topics).
+    mix: Mix | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         topics = self.topics
+        if isinstance(topics, Mix):
+            put("mix", topics)
+            topics = topics.topics
+        elif self.mix is not None and not isinstance(self.mix, Mix):
+            raise ConfigError(f"mix must be a kfeed.Mix, got {type(self.mix).__name__}")
         topics = [topics] if isinstance(topics, str) else list(topics or ())
         if not topics or not all(isinstance(t, str) and t for t in topics):
-            raise ConfigError(f"topics must be a topic name or a list of them, got {self.topics!r}")
+            raise ConfigError(f"topics must be a topic name, a list of them or a kfeed.Mix, "
+                              f"got {self.topics!r}")
+        if self.mix is not None and tuple(topics) != self.mix.topics:
+            raise ConfigError(f"topics {topics} are not the mixture's {list(self.mix.topics)}")
         put("topics", tuple(topics))
         if not isinstance(self.schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
@@ -133,8 +144,9 @@ class LoaderConfig:
 
     @property
     def records(self) -> bool:
-        """Whether records go one by one through an order (shuffle, pack, a jagged field)."""
-        return self.pack is not None or self.shuffle is not None or self.jagged
+        """Whether records go one by one through an order (mix, shuffle, pack, a jagged field)."""
+        return (self.pack is not None or self.shuffle is not None or self.jagged
+                or self.mix is not None)
 
     @property
     def jagged(self) -> bool:

@@ -73,6 +73,7 @@ from datetime import datetime
 from typing import Any
 
 from kfeed.errors import ConfigError
+from kfeed.mix import Mixer
 from kfeed.sources import TP, Committed, Position, Source
 from kfeed.tokens import Packer, Shuffle, ShuffleBuffer
 
@@ -295,10 +296,12 @@ class OrderLedger(Ledger):
     """
 
     def __init__(self, source: Source, start: str | datetime, shuffle: Shuffle | None,
-                 packer: Packer | None) -> None:
+                 packer: Packer | None, mixer: Mixer | None = None) -> None:
         super().__init__(source, start)
         self.shuffle = shuffle
         self.packer = packer
+        # A mixture's order, in front of the shuffle buffer (NOTE [ Mixer state ]).
+        self.mixer = mixer
         self.order = ShuffleBuffer(shuffle, ack=True, track_used=True)
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
@@ -380,12 +383,15 @@ class OrderLedger(Ledger):
     def state(self) -> dict[str, Any]:
         # Only the partitions in the order: a state with shuffle or pack is
         # one rank's own (static assignment), never merged.
-        return {
+        state = {
             "positions": by_topic(self.delivered()),
             "order": self.order.state(),
             "pack": self._pack_spec(),
             "pack_offset": self.pack_offset,
         }
+        if self.mixer is not None:
+            state["mix"] = self.mixer.state()
+        return state
 
     def _pack_spec(self) -> list[Any] | None:
         pack = self.packer.pack if self.packer is not None else None
@@ -398,4 +404,10 @@ class OrderLedger(Ledger):
         if state.get("pack") != want:
             raise ConfigError(f"the state was saved with pack {state.get('pack')}, "
                               f"this loader packs {want}")
+        if (self.mixer is None) != (state.get("mix") is None):
+            raise ConfigError("the state was saved by a loader " + (
+                "of a kfeed.Mix; pass the same Mix" if self.mixer is None
+                else "without a kfeed.Mix"))
+        if self.mixer is not None:
+            self.mixer.load_state(state["mix"])
         self._restore(state["order"], int(state.get("pack_offset", 0)))

@@ -1,0 +1,365 @@
+"""Mixtures: several topics read in set proportions, in an order fixed by the seed.
+
+In the data flow the mixer sits in the order stage, between the codec and
+the shuffle buffer: ``RecordBuilder`` decodes a fetch into records (rows
+``[partition id, offset, sub, item]``), the ``Mixer`` queues them per
+partition and lets them out in the mixture's order, and the
+``OrderLedger``'s ``ShuffleBuffer`` takes them from there (in order, or
+shuffled), then the packer or the slot.
+
+The order (``_pack.mix_take``): sources are drawn by smooth weighted round
+robin, so over any n consecutive records a source of weight w has n * w
+records, give or take a couple; a source's partitions take turns record by
+record, in partition order. A draw waits until its record is there, so the
+order depends on the seed, the weights and the records alone, never on when
+the brokers answered: the same seed over the same topics gives the same
+stream. The price of that: a partition that gets no records holds up its
+source, and a source holds up the mixture (as with every fixed-proportion
+mix); a source that runs ahead is paused, so memory stays bounded.
+
+NOTE [ Mixer state ]
+~~~~~~~~~~~~~~~~~~~~
+The mixer's state is small: the credits of the round robin, each source's
+next partition, which sources ran out, and how many records were mixed
+(the step of a weight schedule). It is taken under the ledger's lock with
+the shuffle buffer's, whose *read* positions say where the mixed stream
+stands in every partition. A resume re-reads each partition from the shuffle
+buffer's watermark: records below its read position were mixed already and
+go straight back to the shuffle buffer (which skips them, or puts a held
+one back in its slot); the rest queue in the mixer, which, from the same
+state, lets them out in the same order as the run that saved it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kfeed import _pack
+from kfeed.errors import ConfigError
+
+__all__ = ["Mix", "Mixer"]
+
+_EXHAUSTED = ("stop", "renormalize")
+_SCALE = 1 << 32  # weights as integers summing to about this: the same order on every machine
+_MASK64 = 2**64 - 1
+
+Weights = Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Several topics in set proportions: pass it to ``kfeed.Loader`` in place of the topics.
+
+    ``weights``: ``{topic: weight}`` (any non-negative numbers; they are
+    normalized), or a callable of the step returning such a dict, the same
+    topics every time, for a curriculum. The step counts ``batch_size``
+    records mixed (documents, with ``pack``), so it is the same on a resume.
+
+    ``seed``: where the round robin starts; the same seed over the same
+    records gives the same stream.
+
+    ``exhausted``, for a bounded read (``until``): what happens once a source
+    has no record left. ``"stop"``: the epoch ends (the other sources' records
+    stay unread, and are the next read's); ``"renormalize"``: the others go on,
+    in the same proportions to each other, until all ran out.
+    """
+
+    weights: Weights | Callable[[int], Weights]
+    seed: int = 0
+    exhausted: str = "stop"
+    topics: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
+                or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"Mix seed must be an int in 0..2**64-1, got {self.seed!r}")
+        if self.exhausted not in _EXHAUSTED:
+            raise ConfigError(f"Mix exhausted must be 'stop' or 'renormalize', "
+                              f"got {self.exhausted!r}")
+        if callable(self.weights):
+            first = self.weights_at(0, None)
+        elif isinstance(self.weights, Mapping):
+            first = _checked(self.weights, None, "Mix weights")
+            object.__setattr__(self, "weights", dict(first))
+        else:
+            raise ConfigError("Mix weights must be a dict {topic: weight} or a callable "
+                              f"of the step returning one, got {type(self.weights).__name__}")
+        object.__setattr__(self, "topics", tuple(first))
+
+    @property
+    def scheduled(self) -> bool:
+        return callable(self.weights)
+
+    def weights_at(self, step: int, topics: tuple[str, ...] | None) -> dict[str, float]:
+        """The weights at ``step``, checked (a schedule must name the same topics)."""
+        if not callable(self.weights):
+            return dict(self.weights)
+        try:
+            got = self.weights(step)
+        except Exception as e:  # the user's schedule: say where it failed
+            raise ConfigError(f"the Mix weight schedule failed at step {step}: {e!r}") from e
+        return _checked(got, topics, f"the Mix weight schedule at step {step}")
+
+    def describe(self) -> dict[str, Any]:
+        """What a state must match to be resumed: the topics, the seed, the rule."""
+        weights = "schedule" if self.scheduled else {t: float(w) for t, w in
+                                                     sorted(self.weights.items())}  # type: ignore[union-attr]
+        return {"topics": list(self.topics), "seed": self.seed, "exhausted": self.exhausted,
+                "weights": weights}
+
+
+def _checked(weights: Any, topics: tuple[str, ...] | None, what: str) -> dict[str, float]:
+    if not isinstance(weights, Mapping) or not weights:
+        raise ConfigError(f"{what} must be a non-empty dict {{topic: weight}}, got {weights!r}")
+    out: dict[str, float] = {}
+    for topic, w in weights.items():
+        if not isinstance(topic, str) or not topic:
+            raise ConfigError(f"{what}: topic names must be non-empty strings, got {topic!r}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
+                or w < 0:
+            raise ConfigError(f"{what}: the weight of {topic!r} must be a finite number >= 0, "
+                              f"got {w!r}")
+        out[topic] = float(w)
+    if sum(out.values()) <= 0:
+        raise ConfigError(f"{what}: at least one weight must be above 0, got {out}")
+    if topics is not None and tuple(out) != topics:
+        raise ConfigError(f"{what} names {list(out)}, not the mixture's topics {list(topics)}")
+    return out
+
+
+def _splitmix(state: int) -> tuple[int, int]:
+    state = (state + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return state, z ^ (z >> 31)
+
+
+class Mixer:
+    """A ``Mix`` at work: records queued per partition, let out in the mixture's order.
+
+    The caller (``RecordBuilder``, under the ledger's lock) gives it the
+    assignment (``assign``: partition -> id of the shuffle buffer), pushes each
+    fetch's records (``push``, which returns those to pass straight on, see
+    NOTE [ Mixer state ]), tells it which partitions were read to their end
+    (``done``), and takes what may go out (``take``).
+    """
+
+    def __init__(self, mix: Mix, batch_size: int, *, bounded: bool) -> None:
+        self.mix = mix
+        self.batch_size = batch_size
+        self.bounded = bounded
+        self.sources = mix.topics
+        self._index = {t: i for i, t in enumerate(self.sources)}
+        n = len(self.sources)
+        self.credits = np.zeros(n, np.int64)
+        rng = mix.seed
+        for s in range(n):  # where the round robin starts: the seed's
+            rng, z = _splitmix(rng)
+            self.credits[s] = z % _SCALE
+        self.credits -= int(self.credits.sum()) // n
+        self.live = np.ones(n, np.uint8)     # not run out (a bounded read, "renormalize")
+        self.present = np.zeros(n, np.uint8)  # with a partition in the assignment
+        self.mixed = 0        # records let out: the step of a schedule is mixed // batch_size
+        self.ended = False    # a bounded read: the mixture is over
+        self.per_source = np.zeros(n, np.int64)  # records let out, for stats
+        self.stalled_on: str | None = None  # the source the mixture waits for, if any
+        self._step = -1
+        self.weights = np.zeros(n, np.int64)
+        # The next partition of each source (kept as a partition, not a turn
+        # number, so that it survives a new assignment).
+        self._next: list[Hashable | None] = [None] * n
+        self._parts: dict[int, Hashable] = {}  # id -> partition, of the assignment
+        self.reset()
+
+    # -- the assignment and the queues ------------------------------------------
+
+    def reset(self) -> None:
+        """Drop every queued record and the assignment (the order was rebuilt)."""
+        self._pool = np.empty((0, 4), np.int64)
+        self._head = np.zeros(0, np.int64)
+        self._end = np.zeros(0, np.int64)
+        self._done = np.zeros(0, np.uint8)
+        self._ring = np.zeros(0, np.int64)
+        self._ring_start = np.zeros(len(self.sources), np.int64)
+        self._ring_len = np.zeros(len(self.sources), np.int64)
+        self._rr = np.zeros(len(self.sources), np.int64)
+        self._parts = {}
+
+    def _grow(self, n: int) -> None:
+        have = len(self._head)
+        if n <= have:
+            return
+        more = n - have
+        self._head = np.concatenate([self._head, np.full(more, len(self._pool), np.int64)])
+        self._end = np.concatenate([self._end, np.full(more, len(self._pool), np.int64)])
+        self._done = np.concatenate([self._done, np.zeros(more, np.uint8)])
+
+    def assign(self, parts: Mapping[Hashable, int]) -> None:
+        """The partitions to mix (``(topic, partition)`` -> id), each source's in turn."""
+        if parts == {v: k for k, v in self._parts.items()}:
+            return
+        self._remember_next()
+        self._grow(max(parts.values(), default=-1) + 1)
+        rings: list[list[int]] = [[] for _ in self.sources]
+        for tp in sorted(parts):
+            s = self._index.get(tp[0])  # type: ignore[index]
+            if s is None:
+                raise ConfigError(f"partition {tp} is not of the mixture's topics "
+                                  f"{list(self.sources)}")
+            rings[s].append(parts[tp])
+        self._parts = {pid: tp for tp, pid in parts.items()}
+        self.present = np.array([bool(r) for r in rings], np.uint8)
+        self._ring = np.array([p for r in rings for p in r], np.int64)
+        self._ring_len = np.array([len(r) for r in rings], np.int64)
+        self._ring_start = np.concatenate([[0], np.cumsum(self._ring_len)[:-1]]).astype(np.int64)
+        for s, ring in enumerate(rings):
+            nxt = self._next[s]
+            turn = [self._parts[p] for p in ring].index(nxt) \
+                if nxt is not None and nxt in [self._parts[p] for p in ring] else 0
+            self._rr[s] = turn
+
+    def _remember_next(self) -> None:
+        for s in range(len(self.sources)):
+            n = self._ring_len[s]
+            if n:
+                self._next[s] = self._parts[int(self._ring[self._ring_start[s] + self._rr[s]])]
+
+    def partitions(self) -> dict[int, Hashable]:
+        """The assignment: id -> partition."""
+        return self._parts
+
+    def absent(self) -> list[str]:
+        """The sources without a partition in the assignment (left out of the mixture)."""
+        return [t for s, t in enumerate(self.sources) if not self.present[s]]
+
+    def done(self, pids: list[int]) -> None:
+        """These partitions were read to their end (a bounded read)."""
+        if pids:
+            self._grow(max(pids) + 1)
+            self._done[pids] = 1
+
+    def queued(self) -> np.ndarray:
+        """Records queued per partition id."""
+        return self._end - self._head
+
+    def push(self, recs: np.ndarray, arrived: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Queue a fetch's records; returns those that pass straight on.
+
+        ``arrived``/``known`` (``ShuffleBuffer.arrived()``): per id, the
+        position after the last record the shuffle buffer took. A record
+        below it was mixed before (a resume reads it again, NOTE [ Mixer
+        state ]): it goes straight back to the shuffle buffer.
+        """
+        if not len(recs):
+            return recs
+        self._grow(int(recs[:, 0].max()) + 1)
+        p = recs[:, 0]
+        inside = p < len(known)
+        q = np.where(inside, p, 0)
+        lo = arrived[q] if len(arrived) else np.zeros((len(p), 2), np.int64)
+        before = inside & (known[q] != 0) if len(known) else np.zeros(len(p), np.bool_)
+        before &= (recs[:, 1] < lo[:, 0]) | ((recs[:, 1] == lo[:, 0]) & (recs[:, 2] < lo[:, 1]))
+        passed = recs[:0]
+        if before.any():
+            passed, recs = recs[before], recs[~before]
+        if len(recs):
+            pool = self._pool
+            rest = pool[np.arange(len(pool)) >= self._head[pool[:, 0]]] if len(pool) else pool
+            rows = np.concatenate([rest, recs])
+            # Stable: each partition's records stay in offset order (already
+            # sorted runs, so this is about linear).
+            rows = rows[np.argsort(rows[:, 0], kind="stable")]
+            counts = np.bincount(rows[:, 0], minlength=len(self._head))
+            self._pool = rows
+            self._end = np.cumsum(counts).astype(np.int64)
+            self._head = self._end - counts
+        return passed
+
+    # -- the mixture ----------------------------------------------------------
+
+    def _weights_for(self, step: int) -> None:
+        if step == self._step:
+            return
+        self._step = step
+        w = self.mix.weights_at(step, self.sources)
+        total = sum(w.values())
+        self.weights = np.array([round(w[t] / total * _SCALE) for t in self.sources], np.int64)
+
+    def take(self) -> np.ndarray:
+        """The records that may go out now, in the mixture's order."""
+        out_parts: list[np.ndarray] = []
+        self.stalled_on = None
+        while not self.ended and self._parts:
+            self._weights_for(self.mixed // self.batch_size)
+            limit = int((self._end - self._head).sum()) + 1
+            if self.mix.scheduled:
+                limit = min(limit, self.batch_size - self.mixed % self.batch_size)
+            out = np.empty((limit, 4), np.int64)
+            n, why, src = _pack.mix_take(
+                self._pool, self._head, self._end, self._done, self._ring, self._ring_start,
+                self._ring_len, self._rr, self.weights, self.credits, self.live & self.present,
+                limit, out)
+            if n:
+                out_parts.append(out[:n])
+                self.mixed += n
+            if why == _pack.MIX_LIMIT:
+                if n == 0 or not self.mix.scheduled:
+                    break
+                continue
+            if why == _pack.MIX_STALLED:
+                self.stalled_on = self.sources[src]
+                break
+            if why == _pack.MIX_EXHAUSTED and self.mix.exhausted == "renormalize":
+                self.live[src] = 0
+                self.credits[src] = 0
+                continue
+            if why == _pack.MIX_NONE and not self.bounded:
+                break  # what this member holds has no weight now: nothing goes out
+            self.ended = True  # a source ran out ("stop"), or all did
+        if not out_parts:
+            return np.empty((0, 4), np.int64)
+        out = out_parts[0] if len(out_parts) == 1 else np.concatenate(out_parts)
+        src_of = np.zeros(len(self._head), np.int64)
+        for pid, tp in self._parts.items():
+            src_of[pid] = self._index[tp[0]]  # type: ignore[index]
+        self.per_source += np.bincount(src_of[out[:, 0]], minlength=len(self.sources))
+        return out
+
+    # -- state (see NOTE [ Mixer state ]) ----------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        self._remember_next()
+        return {
+            "mix": self.mix.describe(),
+            "credits": [int(c) for c in self.credits],
+            "live": [bool(x) for x in self.live],
+            "next": [None if n is None else list(n) for n in self._next],  # type: ignore[arg-type]
+            "mixed": self.mixed,
+            "ended": self.ended,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        want = self.mix.describe()
+        if state.get("mix") != want:
+            raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
+                              f"this loader mixes {want}")
+        try:
+            n = len(self.sources)
+            credits = [int(c) for c in state["credits"]]
+            live = [bool(x) for x in state["live"]]
+            nxt = [None if x is None else tuple(x) for x in state["next"]]
+            mixed, ended = int(state["mixed"]), bool(state["ended"])
+            if not len(credits) == len(live) == len(nxt) == n:
+                raise ValueError(f"{n} sources")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a mixture state: {e!r}") from None
+        self.credits = np.array(credits, np.int64)
+        self.live = np.array(live, np.uint8)
+        self._next = nxt
+        self.mixed, self.ended = mixed, ended
+        self._step = -1

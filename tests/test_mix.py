@@ -1,0 +1,314 @@
+"""kfeed.Mix: several topics in set proportions, deterministic, exactly once, resumable.
+
+The mixer alone (``kfeed.mix.Mixer``) against its promises: proportions in
+every window, an order that does not depend on how records arrive; then
+loaders over a ``MemorySource`` of several topics: every record once, the
+proportions, an exact resume (fixed shapes, shuffled, packed), the two
+``exhausted`` rules, a weight schedule, ranks, and a bounded queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kfeed import ConfigError, Loader, MemorySource, Mix, Pack, Schema, Shuffle
+from kfeed.mix import Mixer
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+NONE_KNOWN = (np.zeros((0, 2), np.int64), np.zeros(0, np.uint8))
+
+
+def mixed_sources(weights: dict[str, float], n: int, seed: int = 0) -> np.ndarray:
+    """The source index of each of ``n`` records a Mixer lets out, every source plentiful."""
+    names = list(weights)
+    m = Mixer(Mix(weights, seed=seed), 8, bounded=False)
+    m.assign({(t, 0): i for i, t in enumerate(names)})
+    recs = np.array([(i, o, 0, 0) for i in range(len(names)) for o in range(n)], np.int64)
+    m.push(recs, *NONE_KNOWN)
+    return m.take()[:n, 0]
+
+
+def window_deviation(src: np.ndarray, weights: list[float]) -> float:
+    """The largest |count - n * share| of any source over any window of consecutive records."""
+    p = np.asarray(weights) / sum(weights)
+    worst = 0.0
+    for s, share in enumerate(p):
+        prefix = np.concatenate([[0], np.cumsum(src == s)]) - np.arange(len(src) + 1) * share
+        worst = max(worst, float(prefix.max() - prefix.min()))
+    return worst
+
+
+# -- the mixer ---------------------------------------------------------------------------
+
+
+@FAST
+@given(weights=st.lists(st.floats(0.001, 100), min_size=1, max_size=5),
+       seed=st.integers(0, 2**64 - 1))
+def test_every_window_holds_the_proportions_within_two_records(weights, seed):
+    names = {f"t{i}": w for i, w in enumerate(weights)}
+    src = mixed_sources(names, 3000, seed)
+    assert len(src) == 3000
+    # A binomial draw of n records strays by about sqrt(n w (1-w)); this stays under 2.
+    assert window_deviation(src, weights) < 2.0
+
+
+@FAST
+@given(sizes=st.lists(st.integers(0, 60), min_size=2, max_size=4),
+       parts=st.lists(st.integers(1, 3), min_size=4, max_size=4),
+       seed=st.integers(0, 2**32), data=st.data())
+def test_the_order_depends_on_the_records_never_on_how_they_arrive(sizes, parts, seed, data):
+    names = [f"t{i}" for i in range(len(sizes))]
+    tps = [(t, p) for t, n in zip(names, parts, strict=False) for p in range(n)]
+    pid = {tp: i for i, tp in enumerate(tps)}
+    recs = [(pid[tp], o, 0, 1000 * pid[tp] + o) for tp in tps
+            for o in range(sizes[names.index(tp[0])])]
+    weights = {t: float(i + 1) for i, t in enumerate(names)}
+
+    def run(chunks: list[list[tuple]]) -> np.ndarray:
+        m = Mixer(Mix(weights, seed=seed, exhausted="renormalize"), 4, bounded=True)
+        m.assign(pid)
+        out = []
+        for c in chunks:
+            out.append(m.push(np.array(c, np.int64).reshape(-1, 4), *NONE_KNOWN))
+            out.append(m.take())
+        m.done(list(pid.values()))
+        out.append(m.take())
+        assert m.ended
+        return np.concatenate(out)
+
+    whole = run([recs])
+    # The same records, fetched in another interleaving of partitions and in pieces.
+    by_part = {i: [r for r in recs if r[0] == i] for i in pid.values()}
+    chunks: list[list[tuple]] = []
+    while any(by_part.values()):
+        p = data.draw(st.sampled_from([i for i, rs in by_part.items() if rs]))
+        k = data.draw(st.integers(1, len(by_part[p])))
+        chunks.append(by_part[p][:k])
+        by_part[p] = by_part[p][k:]
+    again = run(chunks)
+    np.testing.assert_array_equal(again, whole)
+    assert sorted(whole[:, 3].tolist()) == sorted(r[3] for r in recs)  # each record once
+
+
+def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
+    m = Mixer(Mix({"a": 1.0}), 4, bounded=True)
+    m.assign({("a", 0): 0, ("a", 1): 1, ("a", 2): 2})
+    recs = np.array([(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 0, 2), (2, 0, 0, 3), (2, 1, 0, 4),
+                     (2, 2, 0, 5)], np.int64)
+    m.push(recs, *NONE_KNOWN)
+    first = m.take()
+    assert first[:, 3].tolist() == [0, 2, 3, 1]  # partition 1 has nothing more: it waits
+    assert m.stalled_on == "a"
+    m.done([1])
+    assert m.take()[:, 3].tolist() == [4]  # 1 left the ring; then 0, empty, not done
+    m.done([0])
+    assert m.take()[:, 3].tolist() == [5] and not m.ended
+    m.done([2])
+    assert len(m.take()) == 0 and m.ended
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"weights": {}}, "non-empty dict"),
+    ({"weights": {"a": -1.0}}, "finite number >= 0"),
+    ({"weights": {"a": float("nan")}}, "finite number >= 0"),
+    ({"weights": {"a": 0.0, "b": 0.0}}, "at least one weight"),
+    ({"weights": {"a": True}}, "finite number >= 0"),
+    ({"weights": ["a", "b"]}, "dict {topic: weight} or a callable"),
+    ({"weights": {"a": 1.0}, "exhausted": "repeat"}, "'stop' or 'renormalize'"),
+    ({"weights": {"a": 1.0}, "seed": -1}, "seed must be an int"),
+    ({"weights": lambda step: 1 / 0}, "schedule failed at step 0"),
+])
+def test_bad_mixtures_say_what_is_wrong(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Mix(**kwargs)
+
+
+def test_a_schedule_must_keep_its_topics():
+    mix = Mix(lambda step: {"a": 1.0, "b": 1.0} if step < 2 else {"a": 1.0})
+    assert mix.topics == ("a", "b")
+    with pytest.raises(ConfigError, match="step 2 names"):
+        mix.weights_at(2, mix.topics)
+
+
+# -- loaders over several topics ---------------------------------------------------------
+
+ROWS = Schema({"id": ("int64", ()), "x": ("float32", (2,))})
+SOURCES = {"web": (0, 2, 600), "code": (1, 3, 300), "math": (2, 1, 200)}  # index, parts, per part
+WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
+
+
+def row_values(fmt: str = "block", sources: dict = SOURCES) -> dict:
+    values = {}
+    for t, (k, nparts, n) in sources.items():
+        for p in range(nparts):
+            cols = {"id": np.arange(n) + k * 10**6 + p * 10**4, "x": np.zeros((n, 2), np.float32)}
+            values[(t, p)] = (ROWS.encode_blocks(cols, 16) if fmt == "block"
+                              else ROWS.encode_raw(cols))
+    return values
+
+
+def read(values: dict, mix: Mix, schema: Schema = ROWS, batch_size: int = 32, *,
+         stop: int | None = None, state: dict | None = None, key: str = "id", **kwargs):
+    """Batches' ``key`` column (or the packed tokens), and the state at ``stop`` or the stats."""
+    loader = Loader(None, mix, schema, batch_size, source=MemorySource(values), device="cpu",
+                    **{"until": "end", **kwargs})
+    if state is not None:
+        loader.load_state_dict(state)
+    got = []
+    with loader:
+        for i, batch in enumerate(loader):
+            got.append(batch[key].numpy().copy())
+            if stop is not None and i + 1 == stop:
+                return got, loader.state_dict()
+        return got, loader.stats()
+
+
+def test_every_record_once_in_the_proportions_until_the_first_source_runs_out():
+    got, stats = read(row_values(), Mix(WEIGHTS, seed=3))
+    ids = np.concatenate(got)
+    assert len(np.unique(ids)) == len(ids)
+    # "stop": math (200 records at 0.1) runs out after about 2000 records.
+    assert stats["mix"] == {"web": 1200, "code": 600, "math": 200}
+    assert window_deviation(ids // 10**6, list(WEIGHTS.values())) < 2.0
+    # Within a source, each partition's records in offset order.
+    for p in range(3):
+        mine = ids[(ids // 10**4) == 10**2 + p]
+        assert np.all(np.diff(mine) == 1)
+
+
+def test_renormalize_reads_everything_and_keeps_the_others_proportions():
+    got, stats = read(row_values(), Mix(WEIGHTS, seed=3, exhausted="renormalize"))
+    ids = np.concatenate(got)
+    want = sum(nparts * n for _k, nparts, n in SOURCES.values())
+    assert len(ids) == len(np.unique(ids)) == want
+    assert stats["mix"] == {"web": 1200, "code": 900, "math": 200}
+    # After math ran out, web and code went on 2 : 1.
+    src = ids // 10**6
+    after = src[np.nonzero(src == 2)[0][-1] + 1:]
+    after = after[: np.nonzero(after == 0)[0][-1] + 1]  # while both still had records
+    assert window_deviation(after, [0.6, 0.3, 0.0]) < 2.0
+
+
+def test_the_same_seed_gives_the_same_stream_and_another_seed_another():
+    a = np.concatenate(read(row_values(), Mix(WEIGHTS, seed=5))[0])
+    b = np.concatenate(read(row_values("raw"), Mix(WEIGHTS, seed=5), format="raw")[0])
+    c = np.concatenate(read(row_values(), Mix(WEIGHTS, seed=6))[0])
+    np.testing.assert_array_equal(a, b)  # blocks or raw records: the same stream
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("stop", [1, 7, 40])
+@pytest.mark.parametrize("shuffle", [None, Shuffle(100, seed=2)])
+def test_a_resume_gives_the_stream_of_an_uninterrupted_run(stop, shuffle):
+    mix = Mix(WEIGHTS, seed=1, exhausted="renormalize")
+    whole = np.concatenate(read(row_values(), mix, shuffle=shuffle)[0])
+    first, state = read(row_values(), mix, shuffle=shuffle, stop=stop)
+    rest, _ = read(row_values(), mix, shuffle=shuffle, state=state)
+    np.testing.assert_array_equal(np.concatenate(first + rest), whole)
+    assert state["mix"]["mixed"] >= stop * 32
+
+
+TOKENS = Schema({"tokens": ("int32", (None,))})
+
+
+def token_values(seed: int = 0) -> tuple[dict, dict]:
+    """Token documents per topic; each document's first token names it (>= 3)."""
+    rng = np.random.default_rng(seed)
+    values, docs = {}, {}
+    for t, (k, nparts, n) in SOURCES.items():
+        for p in range(nparts):
+            mine = []
+            for d in range(n // 4):
+                doc = rng.integers(3, 30000, int(rng.integers(1, 90))).astype(np.int32)
+                doc[0] = 100000 * (k + 1) + 1000 * p + d
+                mine.append(doc)
+                docs[int(doc[0])] = doc
+            values[(t, p)] = TOKENS.encode_blocks({"tokens": mine}, 7)
+    return values, docs
+
+
+def documents(batches: list[np.ndarray], eos: int = 2) -> list[np.ndarray]:
+    flat = np.concatenate([b.reshape(-1) for b in batches])
+    cut = np.nonzero(flat == eos)[0]
+    return [d for d in np.split(flat, cut + 1) if len(d) and d[0] != 0]
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(30, seed=9)])
+def test_packed_mixtures_resume_token_exact_with_every_document_once(shuffle):
+    values, docs = token_values()
+    mix = Mix(WEIGHTS, seed=4, exhausted="renormalize")
+    kw = {"pack": Pack(64, eos_id=2, pad_id=0), "shuffle": shuffle, "key": "tokens"}
+    whole, _ = read(values, mix, TOKENS, 4, **kw)
+    first, state = read(values, mix, TOKENS, 4, stop=9, **kw)
+    assert state["pack_offset"] >= 0 and "mix" in state
+    rest, _ = read(values, mix, TOKENS, 4, state=state, **kw)
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(whole))
+    got = documents(whole)
+    assert sorted(int(d[0]) for d in got) == sorted(docs)
+    for d in got:
+        np.testing.assert_array_equal(d[:-1], docs[int(d[0])])
+
+
+def test_variable_length_fields_come_jagged_from_a_mixture():
+    values, docs = token_values(1)
+    got, stats = read(values, Mix(WEIGHTS, exhausted="renormalize"), TOKENS, 8, key="tokens")
+    flat = np.concatenate(got)
+    assert sorted(int(t) for t in flat if t >= 100000) == sorted(docs)
+    assert sum(stats["mix"].values()) == len(docs)
+
+
+def test_a_weight_schedule_changes_the_proportions_at_its_steps():
+    def schedule(step: int) -> dict[str, float]:
+        return {"web": 1.0, "code": 0.0, "math": 0.0} if step < 10 else \
+            {"web": 0.0, "code": 1.0, "math": 0.0}
+
+    got, _ = read(row_values(), Mix(schedule), batch_size=32, stop=15)
+    src = np.concatenate(got) // 10**6
+    assert np.all(src[:320] == 0) and np.all(src[320:] == 1)
+
+
+def test_a_state_must_come_from_the_same_mixture():
+    _, state = read(row_values(), Mix(WEIGHTS, seed=1), stop=2)
+    with pytest.raises(ConfigError, match="saved by the mixture"):
+        read(row_values(), Mix(WEIGHTS, seed=2), state=state)
+    with pytest.raises(ConfigError, match="without a kfeed.Mix|of a kfeed.Mix"):
+        read(row_values(), list(WEIGHTS), shuffle=Shuffle(10), state=state)
+
+
+def test_static_ranks_each_mix_their_share_of_every_topic():
+    sources = {**SOURCES, "math": (2, 2, 100)}
+    seen = []
+    for rank in range(2):
+        got, stats = read(row_values(sources=sources), Mix(WEIGHTS, exhausted="renormalize"),
+                          rank=rank, world_size=2, assignment="static")
+        seen.append(np.concatenate(got))
+        assert all(n > 0 for n in stats["mix"].values())
+    ids = np.concatenate(seen)
+    assert len(ids) == len(np.unique(ids)) == sum(n * k for _i, k, n in sources.values())
+    with pytest.raises(ConfigError, match="no partition of \\['math'\\]"):
+        read(row_values(), Mix(WEIGHTS), rank=1, world_size=2, assignment="static")
+
+
+def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded():
+    # Streaming, a record per message: code, one record in a hundred of the
+    # mixture, comes as fast as web; what a fetch brings of it piles up.
+    cols = {"id": np.arange(2000), "x": np.zeros((2000, 2), np.float32)}
+    values = {("web", 0): ROWS.encode_raw(cols), ("code", 0): ROWS.encode_raw(cols)}
+    source = MemorySource(values, loop=True)
+    loader = Loader(None, Mix({"web": 0.99, "code": 0.01}), ROWS, 256, source=source,
+                    device="cpu", format="raw")
+    with loader:
+        for i, _batch in enumerate(loader):
+            queued = loader._ledger.mixer.queued()  # type: ignore[attr-defined]
+            # At most the cap, and what one fetch (about a batch) brought on top.
+            assert queued.max() <= loader._builder.mix_queue + 256
+            if i == 60:  # (it drains at 2.5 records a batch: resumed only after ~200)
+                break
+        assert ("code", 0) in source._paused
+        assert loader._builder.paused == {("code", 0)}
+    stats = loader.stats()
+    assert stats["mix"]["code"] / sum(stats["mix"].values()) == pytest.approx(0.01, abs=0.002)
