@@ -865,3 +865,26 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
                     credits[s] += weights[s]
             credits[best] -= total
     return n, why, src
+
+
+def gather_documents(const uint8_t[::1] src, const int64_t[::1] starts,
+                     const int64_t[::1] lengths, Py_ssize_t itemsize, uint8_t[::1] out,
+                     const int64_t[::1] at):
+    """Copy documents ``src[starts[i]:][:lengths[i]]`` to ``out[at[i]:]``, one ``memcpy`` each.
+
+    ``src`` and ``out`` are token arrays seen as bytes, ``itemsize`` bytes a
+    token; every position and length counts tokens, and is checked first.
+    """
+    cdef Py_ssize_t n = starts.shape[0], i
+    cdef Py_ssize_t have = src.shape[0] // itemsize if itemsize > 0 else 0
+    cdef Py_ssize_t room = out.shape[0] // itemsize if itemsize > 0 else 0
+    if itemsize <= 0 or lengths.shape[0] != n or at.shape[0] != n:
+        raise ValueError("one start, one length and one place per document, itemsize > 0")
+    for i in range(n):
+        if starts[i] < 0 or lengths[i] < 0 or at[i] < 0 or starts[i] + lengths[i] > have \
+                or at[i] + lengths[i] > room:
+            raise ValueError(f"document {i} ({starts[i]}, {lengths[i]} tokens, to {at[i]}) "
+                             f"is outside {have} tokens in or {room} out")
+    with nogil:
+        for i in range(n):
+            memcpy(&out[at[i] * itemsize], &src[starts[i] * itemsize], lengths[i] * itemsize)

@@ -85,3 +85,11 @@ def mix_take(
     limit: int,
     out: npt.NDArray[np.int64],
 ) -> tuple[int, int, int]: ...
+def gather_documents(
+    src: Buffer,
+    starts: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    itemsize: int,
+    out: Buffer,
+    at: npt.NDArray[np.int64],
+) -> None: ...

@@ -180,10 +180,15 @@ class Mixer:
 
     def reset(self) -> None:
         """Drop every queued record and the assignment (the order was rebuilt)."""
+        # Each partition id queues in its own region of the pool,
+        # [base, base + room), its records at [head, end).
         self._pool = np.empty((0, 4), np.int64)
+        self._base = np.zeros(0, np.int64)
+        self._room = np.zeros(0, np.int64)
         self._head = np.zeros(0, np.int64)
         self._end = np.zeros(0, np.int64)
         self._done = np.zeros(0, np.uint8)
+        self._src_of = np.zeros(0, np.int64)
         self._ring = np.zeros(0, np.int64)
         self._ring_start = np.zeros(len(self.sources), np.int64)
         self._ring_len = np.zeros(len(self.sources), np.int64)
@@ -191,13 +196,45 @@ class Mixer:
         self._parts = {}
 
     def _grow(self, n: int) -> None:
+        """Room for partition ids below ``n``, and for ``need[p]`` more records of each."""
         have = len(self._head)
         if n <= have:
             return
         more = n - have
-        self._head = np.concatenate([self._head, np.full(more, len(self._pool), np.int64)])
-        self._end = np.concatenate([self._end, np.full(more, len(self._pool), np.int64)])
+        at = np.full(more, len(self._pool), np.int64)
+        self._base = np.concatenate([self._base, at])
+        self._room = np.concatenate([self._room, np.zeros(more, np.int64)])
+        self._head = np.concatenate([self._head, at])
+        self._end = np.concatenate([self._end, at])
         self._done = np.concatenate([self._done, np.zeros(more, np.uint8)])
+        self._src_of = np.concatenate([self._src_of, np.zeros(more, np.int64)])
+
+    def _append(self, p: int, rows: np.ndarray) -> None:
+        """Queue ``rows`` of partition id ``p`` at the end of its region, making room."""
+        n = len(rows)
+        base, room, head, end = (int(self._base[p]), int(self._room[p]), int(self._head[p]),
+                                 int(self._end[p]))
+        if end + n > base + room:
+            kept = end - head
+            if kept + n <= room and head > base:  # slide what is left to the region's start
+                self._pool[base:base + kept] = self._pool[head:end]
+            else:  # a bigger region for p: the pool is laid out again
+                self._layout(p, max(2 * room, kept + n, 64))
+                base = int(self._base[p])
+            head, end = base, base + kept
+        self._pool[end:end + n] = rows
+        self._head[p], self._end[p] = head, end + n
+
+    def _layout(self, p: int, room: int) -> None:
+        rooms = self._room.copy()
+        rooms[p] = room
+        base = np.concatenate([[0], np.cumsum(rooms)[:-1]]).astype(np.int64)
+        pool = np.empty((int(rooms.sum()), 4), np.int64)
+        kept = self._end - self._head
+        for q in np.nonzero(kept)[0].tolist():
+            pool[base[q]:base[q] + kept[q]] = self._pool[self._head[q]:self._end[q]]
+        self._pool, self._base, self._room = pool, base, rooms
+        self._head, self._end = base.copy(), base + kept
 
     def assign(self, parts: Mapping[Hashable, int]) -> None:
         """The partitions to mix (``(topic, partition)`` -> id), each source's in turn."""
@@ -214,6 +251,8 @@ class Mixer:
             rings[s].append(parts[tp])
         self._parts = {pid: tp for tp, pid in parts.items()}
         self.present = np.array([bool(r) for r in rings], np.uint8)
+        for s, ring in enumerate(rings):
+            self._src_of[ring] = s
         self._ring = np.array([p for r in rings for p in r], np.int64)
         self._ring_len = np.array([len(r) for r in rings], np.int64)
         self._ring_start = np.concatenate([[0], np.cumsum(self._ring_len)[:-1]]).astype(np.int64)
@@ -257,28 +296,27 @@ class Mixer:
         """
         if not len(recs):
             return recs
-        self._grow(int(recs[:, 0].max()) + 1)
-        p = recs[:, 0]
-        inside = p < len(known)
-        q = np.where(inside, p, 0)
-        lo = arrived[q] if len(arrived) else np.zeros((len(p), 2), np.int64)
-        before = inside & (known[q] != 0) if len(known) else np.zeros(len(p), np.bool_)
-        before &= (recs[:, 1] < lo[:, 0]) | ((recs[:, 1] == lo[:, 0]) & (recs[:, 2] < lo[:, 1]))
-        passed = recs[:0]
-        if before.any():
-            passed, recs = recs[before], recs[~before]
-        if len(recs):
-            pool = self._pool
-            rest = pool[np.arange(len(pool)) >= self._head[pool[:, 0]]] if len(pool) else pool
-            rows = np.concatenate([rest, recs])
-            # Stable: each partition's records stay in offset order (already
-            # sorted runs, so this is about linear).
-            rows = rows[np.argsort(rows[:, 0], kind="stable")]
-            counts = np.bincount(rows[:, 0], minlength=len(self._head))
-            self._pool = rows
-            self._end = np.cumsum(counts).astype(np.int64)
-            self._head = self._end - counts
-        return passed
+        # A fetch comes in runs of one partition, in offset order: a run's
+        # first record says whether any of it passes straight on.
+        cuts = np.flatnonzero(recs[1:, 0] != recs[:-1, 0]) + 1
+        bounds = [0, *cuts.tolist(), len(recs)]
+        firsts = recs[bounds[:-1]].tolist()
+        nknown = len(known)
+        passed: list[np.ndarray] = []
+        for (p, o, sub, _item), a, b in zip(firsts, bounds[:-1], bounds[1:], strict=True):
+            if p >= len(self._head):
+                self._grow(p + 1)
+            run = recs[a:b]
+            if p < nknown and known[p] and (o, sub) < (arrived[p, 0], arrived[p, 1]):
+                lo_o, lo_s = int(arrived[p, 0]), int(arrived[p, 1])
+                before = (run[:, 1] < lo_o) | ((run[:, 1] == lo_o) & (run[:, 2] < lo_s))
+                passed.append(run[before])
+                run = run[~before]
+            if len(run):
+                self._append(p, run)
+        if not passed:
+            return recs[:0]
+        return passed[0] if len(passed) == 1 else np.concatenate(passed)
 
     # -- the mixture ----------------------------------------------------------
 
@@ -324,10 +362,7 @@ class Mixer:
         if not out_parts:
             return np.empty((0, 4), np.int64)
         out = out_parts[0] if len(out_parts) == 1 else np.concatenate(out_parts)
-        src_of = np.zeros(len(self._head), np.int64)
-        for pid, tp in self._parts.items():
-            src_of[pid] = self._index[tp[0]]  # type: ignore[index]
-        self.per_source += np.bincount(src_of[out[:, 0]], minlength=len(self.sources))
+        self.per_source += np.bincount(self._src_of[out[:, 0]], minlength=len(self.sources))
         return out
 
     # -- state (see NOTE [ Mixer state ]) ----------------------------------------

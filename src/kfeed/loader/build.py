@@ -236,6 +236,7 @@ class RecordBuilder(SlotBuilder):
         self.mix_queue = max(_MIX_QUEUE * batch_size, _MIX_QUEUE_MIN)
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
         self.warned_absent: set[str] = set()
+        self.mix_synced: tuple[int, int, int] | None = None  # see _sync_mixer
         # A variable-length field without pack: batches of its elements and
         # offsets (NOTE [ Jagged fields ]); decoded documents wait in ``jagged``.
         self.jagged_field = schema.varlen if packer is None else None
@@ -262,6 +263,10 @@ class RecordBuilder(SlotBuilder):
         # Documents: those the order holds (shuffle, or a loaded state coming
         # back), by number.
         self.docs: dict[int, np.ndarray] = {}
+        # A mixture in order keeps them in the fetches they came in instead:
+        # documents go out a few at a time, gathered without a step per document.
+        self.fetches = (_Fetches() if self.mixer is not None and not self.shuffled
+                        and packer is not None else None)
         self.next_doc = 0
         ledger.on_reset = self._reset
 
@@ -275,11 +280,14 @@ class RecordBuilder(SlotBuilder):
         if self.held is not None:
             self.held.clear()
         self.docs.clear()
+        if self.fetches is not None:
+            self.fetches = _Fetches()
         self.jagged.clear()
         self.doc_rows.clear()
         self.drained = self.finished = False
         if self.mixer is not None:
             self.mixer.reset()
+            self.mix_synced = None
             self._resume(self.paused)
 
     def all_done(self) -> bool:
@@ -418,6 +426,11 @@ class RecordBuilder(SlotBuilder):
             else:
                 self._queue_jagged(columns, tokens, lengths)
             return
+        if self.fetches is not None:
+            # (Skipped documents, repeats, will never be asked for.)
+            self.fetches.add(first, docs.tokens, docs.lengths, n - len(skipped))
+            self._deliver(ids)
+            return
         # The order holds documents back (a shuffle, a loaded state coming
         # back): each is kept apart, copied out of the fetch when a shuffle
         # may hold it for long.
@@ -494,6 +507,11 @@ class RecordBuilder(SlotBuilder):
         """The mixer's partitions are the assignment's; those read to their end are done."""
         mixer, f, order = self.mixer, self.fetcher, self.order_ledger.order
         assert mixer is not None
+        # The assignment changes only with a rebalance; done partitions only grow.
+        now = (f.rebalances, len(f.assigned), len(f.done))
+        if now == self.mix_synced:
+            return
+        self.mix_synced = now
         mixer.assign({tp: order.pid(tp) for tp in f.assigned})
         mixer.done([order.pid(tp) for tp in f.done if tp in f.assigned])
         absent = [t for t in mixer.absent() if t not in self.warned_absent]
@@ -510,8 +528,9 @@ class RecordBuilder(SlotBuilder):
         """
         mixer = self.mixer
         assert mixer is not None
-        if mixer.ended:
-            return False
+        f = self.fetcher
+        if mixer.ended or (f.rebalances, len(f.assigned), len(f.done)) == self.mix_synced:
+            return False  # nothing changed since the last take
         with self.ledger.lock:
             self._sync_mixer()
             mixed = mixer.take()
@@ -529,6 +548,8 @@ class RecordBuilder(SlotBuilder):
         if mixer is None or mixer.ended:
             return
         queued = mixer.queued()
+        if not self.paused and queued.max(initial=0) <= self.mix_queue:
+            return
         over, under = [], []
         for pid, tp in mixer.partitions().items():
             n = queued[pid] if pid < len(queued) else 0
@@ -577,6 +598,10 @@ class RecordBuilder(SlotBuilder):
         if self.packer is None and self.jagged_field is None:
             rest = self.pending[self.taken:]
             self.pending, self.taken = np.concatenate([rest, ids]), 0
+            return
+        if self.fetches is not None:
+            assert self.packer is not None
+            self.packer.feed(*self.fetches.take(ids), copy=False)
             return
         order = ids.tolist()
         docs = [self.docs.pop(i) for i in order]
@@ -642,6 +667,55 @@ class RecordBuilder(SlotBuilder):
         if self.packer is not None:
             self.packer.finish()
         self.drained = True
+
+
+class _Fetches:
+    """Decoded documents kept in the fetches they came in, by number, until they go out.
+
+    A fetch's documents are numbered ``first, first + 1, ...`` (the items the
+    order sees); ``take(ids)`` gathers any of them, from any fetches, in the
+    order given, with a few numpy calls per fetch involved and none per
+    document. A fetch goes once every document of it went out or was skipped.
+    """
+
+    def __init__(self) -> None:
+        self.firsts: list[int] = []  # the first document of each fetch held, ascending
+        self.held: dict[int, list[Any]] = {}  # first -> [tokens, starts, documents left]
+
+    def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray, live: int) -> None:
+        if live <= 0:
+            return
+        starts = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        self.firsts.append(first)
+        self.held[first] = [tokens, starts, live]
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of documents ``ids``, one after another, and their lengths."""
+        firsts = np.asarray(self.firsts, np.int64)
+        which = firsts[np.searchsorted(firsts, ids, side="right") - 1]
+        lengths = np.empty(len(ids), np.int64)
+        src = np.empty(len(ids), np.int64)
+        groups = []
+        for first in np.unique(which).tolist():
+            mask = which == first
+            tokens, starts, _live = self.held[first]
+            local = ids[mask] - first
+            src[mask] = starts[local]
+            lengths[mask] = starts[local + 1] - starts[local]
+            groups.append((first, mask, tokens))
+        at = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=at[1:])
+        out = np.empty(int(at[-1]), groups[0][2].dtype if groups else np.int32)
+        for first, mask, tokens in groups:
+            _pack.gather_documents(tokens.view(np.uint8), src[mask], lengths[mask],
+                                   tokens.itemsize, out.view(np.uint8), at[:-1][mask])
+            entry = self.held[first]
+            entry[2] -= int(mask.sum())
+            if entry[2] <= 0:
+                del self.held[first]
+                self.firsts.remove(first)
+        return out, lengths
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
