@@ -312,3 +312,34 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded():
         assert loader._builder.paused == {("code", 0)}
     stats = loader.stats()
     assert stats["mix"]["code"] / sum(stats["mix"].values()) == pytest.approx(0.01, abs=0.002)
+
+
+# -- windows -----------------------------------------------------------------------------
+
+
+def test_a_window_of_offsets_reads_exactly_its_records():
+    start = {("web", 0): 100, ("code", 2): 250}
+    until = {("web", 0): 130, ("web", 1): 5, ("math", 0): 0}
+    got, _stats = read(row_values("raw"), ["web", "code", "math"], start=start, until=until,
+                      format="raw")
+    ids = np.sort(np.concatenate(got))
+    want = np.concatenate([
+        np.arange(100, 130),                       # web 0: 100..129
+        10**4 + np.arange(5),                      # web 1: 0..4
+        10**6 + np.arange(300),                    # code 0, 1: all (not named)
+        10**6 + 10**4 + np.arange(300),
+        10**6 + 2 * 10**4 + np.arange(250, 300),   # code 2: from 250 to its end
+    ])                                             # math: until 0, nothing
+    np.testing.assert_array_equal(ids, np.sort(want))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"until": {("web", 0): -1}}, "int >= 0"),
+    ({"until": {"web": 3}}, "keys must be \\(topic, partition\\)"),
+    ({"start": {("elsewhere", 0): 3}}, "not a partition of the topics"),
+    ({"until": "tomorrow"}, "until must be None"),
+    ({"start": 5}, "start must be 'committed'"),
+])
+def test_bad_windows_say_what_is_wrong(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Loader(None, ["web", "code"], ROWS, 8, source=MemorySource(row_values()), **kwargs)

@@ -189,6 +189,18 @@ class Loader:
     ``topics``: a topic, a list of topics read as one stream, or a
     ``kfeed.Mix`` of topics in set proportions (see ``kfeed.mix``).
 
+    Where the read starts, for a partition nobody committed (or, but for
+    ``"committed"``, whatever was committed): ``start="committed"``
+    (default; the earliest where nothing is), ``"earliest"``, ``"latest"``, a
+    ``datetime`` (the first record at or after it), or a window's
+    ``{(topic, partition): offset}`` (partitions it does not name: their
+    earliest). ``until`` makes the read bounded: ``None`` streams;
+    ``"end"`` stops at each partition's end as it was at the start; a
+    ``datetime`` before the first record at or after it; a
+    ``{(topic, partition): offset}`` before that offset (partitions it does
+    not name: their end at the start). Each end is resolved once, when the
+    partition is first assigned, so records written later are not read.
+
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents; without it, a
     variable-length field comes jagged: ``NAME`` (the elements) and
@@ -208,8 +220,8 @@ class Loader:
         format: str | Format | RecordFormat = "block",
         prefetch: int | str = 2,
         max_memory_bytes: int | None = None,
-        until: str | None = None,
-        start: str | datetime = "committed",
+        until: str | datetime | Mapping[TP, int] | None = None,
+        start: str | datetime | Mapping[TP, int] = "committed",
         on_bad_record: str | BadRecordPolicy = "dead_letter",
         fail_fast: int | None = 32,
         dlq_config: Mapping[str, Any] | None = None,
@@ -305,7 +317,8 @@ class Loader:
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
                                fail_fast=c.fail_fast)
         stop = threading.Event()  # set by close(); every wait of the thread watches it
-        fetcher = Fetcher(source, self._ledger, bounded=c.bounded, batch_size=c.batch_size,
+        fetcher = Fetcher(source, self._ledger, bounded=c.bounded, until=c.until,
+                          batch_size=c.batch_size,
                           status=self._status, stop=stop)
         self._fetcher = fetcher
         stop_args = dict(batch_size=c.batch_size, max_wait_s=c.max_wait_ms / 1000.0)
@@ -389,7 +402,7 @@ class Loader:
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
-        if self._agreement is None and self.until == "end" and self.world_size > 1 \
+        if self._agreement is None and self.config.bounded and self.world_size > 1 \
                 and dist_ready():
             self._agreement = EpochAgreement()
         ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall

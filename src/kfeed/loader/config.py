@@ -39,7 +39,7 @@ class LoaderConfig:
     format: Any = "block"
     prefetch: int | str = 2
     max_memory_bytes: int | None = None
-    until: str | None = None
+    until: Any = None
     start: Any = "committed"
     on_bad_record: Any = "dead_letter"
     fail_fast: int | None = 32
@@ -82,11 +82,16 @@ class LoaderConfig:
             _positive_int("prefetch", self.prefetch, "a positive int or 'auto'")
         if self.max_memory_bytes is not None:
             _positive_int("max_memory_bytes", self.max_memory_bytes, "a positive int or None")
-        if self.until not in (None, "end"):
-            raise ConfigError(f"until must be None (stream) or 'end', got {self.until!r}")
-        if not (isinstance(self.start, datetime) or self.start in _STARTS):
-            raise ConfigError(f"start must be 'committed', 'earliest', 'latest' or a datetime, "
-                              f"got {self.start!r}")
+        if isinstance(self.until, Mapping):
+            put("until", _offsets("until", self.until, self.topics))
+        elif not (self.until in (None, "end") or isinstance(self.until, datetime)):
+            raise ConfigError(f"until must be None (stream), 'end', a datetime or a "
+                              f"{{(topic, partition): offset}} dict, got {self.until!r}")
+        if isinstance(self.start, Mapping):
+            put("start", _offsets("start", self.start, self.topics))
+        elif not (isinstance(self.start, datetime) or self.start in _STARTS):
+            raise ConfigError(f"start must be 'committed', 'earliest', 'latest', a datetime or a "
+                              f"{{(topic, partition): offset}} dict, got {self.start!r}")
         try:
             put("on_bad_record", BadRecordPolicy(self.on_bad_record))
         except ValueError:
@@ -140,7 +145,8 @@ class LoaderConfig:
 
     @property
     def bounded(self) -> bool:
-        return self.until == "end"
+        """A bounded read: ``until`` ends every partition where the read starts."""
+        return self.until is not None
 
     @property
     def records(self) -> bool:
@@ -156,6 +162,22 @@ class LoaderConfig:
     def replace(self, **changes: Any) -> LoaderConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return LoaderConfig(**{**values, **changes})
+
+
+def _offsets(name: str, offsets: Mapping[Any, Any], topics: tuple[str, ...]
+             ) -> dict[tuple[str, int], int]:
+    """A ``{(topic, partition): offset}`` window end, checked."""
+    out: dict[tuple[str, int], int] = {}
+    for key, offset in offsets.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+                and isinstance(key[1], int) and not isinstance(key[1], bool) and key[1] >= 0):
+            raise ConfigError(f"{name}: keys must be (topic, partition) tuples, got {key!r}")
+        if key[0] not in topics:
+            raise ConfigError(f"{name}: {key!r} is not a partition of the topics {list(topics)}")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ConfigError(f"{name}: the offset of {key!r} must be an int >= 0, got {offset!r}")
+        out[key] = offset
+    return out
 
 
 def _number(x: Any) -> bool:

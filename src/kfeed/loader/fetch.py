@@ -16,7 +16,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
 from kfeed import _fetch
@@ -90,11 +91,14 @@ class Fetcher:
     """Pending messages, the assignment, and bounded-epoch ends."""
 
     def __init__(self, source: Source, ledger: Ledger, *, bounded: bool, batch_size: int,
-                 status: Status, stop: threading.Event) -> None:
+                 status: Status, stop: threading.Event, until: Any = None) -> None:
         self.source = source
         self.commits = Commits(stop, status)
         self.ledger = ledger
         self.bounded = bounded
+        # Where a bounded read ends: "end" (the high watermarks at the start),
+        # a datetime (the first offset at or after it), or {tp: offset}.
+        self.until = "end" if bounded and until is None else until
         self.batch_size = batch_size
         self.status = status
         self.fetch_s = 0.0    # in Source.consume, for metrics
@@ -130,9 +134,8 @@ class Fetcher:
             self.status.doing = "reading the topics' partitions"
             self.ledger.partitions = self.source.partitions()
         if self.bounded:
-            self.status.doing = "reading the high watermarks"
-            for tp in self.ledger.partitions:
-                self.ends[tp] = self.source.watermarks(tp)[1]
+            self.status.doing = "reading where the window ends"
+            self.ends.update(self._ends(self.ledger.partitions))
         self.status.doing = "opening the source"
         self.source.open(self.on_assign, self.on_revoke, assignment)
 
@@ -161,11 +164,24 @@ class Fetcher:
             if self.bounded:
                 end = self.ends.get(tp)
                 if end is None:  # a partition added after the epoch began
-                    end = self.ends[tp] = self.source.watermarks(tp)[1]
+                    end = self.ends[tp] = self._ends([tp])[tp]
                 if off >= end:
                     self.done.add(tp)
                 else:  # back after a rebalance, with records left to read
                     self.done.discard(tp)
+
+    def _ends(self, tps: list[TP]) -> dict[TP, int]:
+        """Where the window ends in each of ``tps``, resolved now (once per partition)."""
+        until = self.until
+        if isinstance(until, datetime):
+            return self.source.offsets_for_time(tps, until)
+        out = {}
+        for tp in tps:
+            if isinstance(until, Mapping) and tp in until:
+                out[tp] = until[tp]
+            else:  # "end", or a partition the map does not name: its end now
+                out[tp] = self.source.watermarks(tp)[1]
+        return out
 
     def _restart(self, kept: set[TP]) -> None:
         """After an incremental revoke: read the partitions kept again from the ledger's positions.

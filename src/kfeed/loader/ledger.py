@@ -91,7 +91,7 @@ def by_topic(positions: Mapping[TP, Position]) -> dict[str, dict[int, list[int]]
 class Ledger:
     """Positions of batches made in offset order."""
 
-    def __init__(self, source: Source, start: str | datetime) -> None:
+    def __init__(self, source: Source, start: str | datetime | Mapping[TP, int]) -> None:
         self.source = source
         self.start = start
         self.lock = threading.Lock()
@@ -212,6 +212,9 @@ class Ledger:
                 out[tp] = (c.offset, c.skip)
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
+            elif isinstance(self.start, Mapping):  # a window's start; unnamed: the earliest
+                out[tp] = (self.start[tp], 0) if tp in self.start \
+                    else (self.source.watermarks(tp)[0], 0)
             elif self.start == "latest":
                 out[tp] = (self.source.watermarks(tp)[1], 0)
             else:  # "earliest", or "committed" with nothing committed yet
@@ -295,7 +298,8 @@ class OrderLedger(Ledger):
     it holds and to continue a document ``pack_offset`` tokens in.
     """
 
-    def __init__(self, source: Source, start: str | datetime, shuffle: Shuffle | None,
+    def __init__(self, source: Source, start: str | datetime | Mapping[TP, int],
+                 shuffle: Shuffle | None,
                  packer: Packer | None, mixer: Mixer | None = None) -> None:
         super().__init__(source, start)
         self.shuffle = shuffle

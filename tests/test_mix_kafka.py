@@ -1,0 +1,93 @@
+"""Mixtures and windows against a real Apache Kafka (the cluster fixture).
+
+The memory source proves the rules (tests/test_mix.py); here the brokers'
+own timing decides what each fetch holds, which must not change the stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timezone
+
+import numpy as np
+import pytest
+
+import kfeed
+from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = synthetic_schema()
+WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
+
+
+def produce(bootstrap: str, topic: str, ids: np.ndarray) -> None:
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+        p.send(synthetic_columns(ids), keys=ids)
+
+
+def mix_topics(bootstrap: str, make_topic) -> dict[str, str]:
+    """Three topics of 3, 2 and 1 partitions; source k's ids are k * 10**6 + i."""
+    names = {}
+    for k, (name, (parts, n)) in enumerate(
+            {"web": (3, 6000), "code": (2, 3000), "math": (1, 1000)}.items()):
+        names[name] = make_topic(partitions=parts)
+        produce(bootstrap, names[name], k * 10**6 + np.arange(n))
+    return names
+
+
+def read(bootstrap: str, mix: kfeed.Mix, *, stop: int | None = None, state=None, **kwargs):
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    loader = kfeed.Loader(config, mix, SCHEMA, 128, device="cpu", until="end", **kwargs)
+    if state is not None:
+        loader.load_state_dict(state)
+    got = []
+    with loader:
+        for i, batch in enumerate(loader):
+            assert np.array_equal(batch["features"].numpy(),
+                                  synthetic_columns(batch["id"].numpy())["features"])
+            got.append(batch["id"].numpy().copy())
+            if stop is not None and i + 1 == stop:
+                return got, loader.state_dict()
+        return got, loader.stats()
+
+
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(500, seed=1)])
+def test_a_mixture_of_real_topics_is_the_same_stream_every_time_and_resumes_into_it(
+        bootstrap, make_topic, shuffle):
+    names = mix_topics(bootstrap, make_topic)
+    mix = kfeed.Mix({names[t]: w for t, w in WEIGHTS.items()}, seed=7, exhausted="renormalize")
+    whole, stats = read(bootstrap, mix, shuffle=shuffle)
+    ids = np.concatenate(whole)
+    assert len(ids) == len(np.unique(ids)) == 10_000
+    assert stats["mix"] == {names["web"]: 6000, names["code"]: 3000, names["math"]: 1000}
+    # The proportions hold while every source has records (math ends at ~10,000 * 0.1 / 0.1).
+    if shuffle is None:
+        src = ids[:9000] // 10**6
+        for k, w in enumerate(WEIGHTS.values()):
+            dev = np.cumsum(src == k) - np.arange(1, len(src) + 1) * w
+            assert dev.max() - dev.min() < 2.0
+    again, _ = read(bootstrap, mix, shuffle=shuffle)
+    np.testing.assert_array_equal(np.concatenate(again), ids)  # other fetches, same stream
+    first, state = read(bootstrap, mix, shuffle=shuffle, stop=23)
+    rest, _ = read(bootstrap, mix, shuffle=shuffle, state=state)
+    np.testing.assert_array_equal(np.concatenate(first + rest), ids)
+
+
+def test_a_window_by_time_reads_the_records_written_inside_it(bootstrap, make_topic):
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, np.arange(0, 1000))
+    time.sleep(0.05)
+    start = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    produce(bootstrap, topic, np.arange(1000, 2500))
+    time.sleep(0.05)
+    until = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    produce(bootstrap, topic, np.arange(2500, 3000))
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    with kfeed.Loader(config, topic, SCHEMA, 100, device="cpu", start=start,
+                      until=until) as loader:
+        ids = np.sort(np.concatenate([b["id"].numpy() for b in loader]))
+    np.testing.assert_array_equal(ids, np.arange(1000, 2500))
