@@ -543,6 +543,10 @@ class ShuffleBuffer:
                 self._known = np.concatenate([self._known, np.zeros_like(self._known)])
         return p
 
+    def known_pid(self, partition: Hashable) -> int | None:
+        """The id of ``partition``, or None if it has none yet."""
+        return self._pid.get(partition)
+
     def _key(self, row: Any) -> Key:
         return (self._parts[int(row[0])], int(row[1]), int(row[2]))
 

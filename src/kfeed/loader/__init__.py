@@ -600,15 +600,18 @@ class Loader:
 
     @staticmethod
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """One state for every rank of a job, from each rank's ``state_dict()`` at one step.
+        """One state for a job of any number of ranks, from each rank's ``state_dict()``.
 
-        In group mode a partition may be assigned to another rank after a
-        restart, so every rank loads the merged state: per partition the
-        furthest position, and every rank's lineage, so that no rank's
-        commits (which run ahead of the checkpoint) win over it. The states
-        must come from the same step of every rank (e.g. gathered with
-        ``torch.distributed.all_gather_object``); with ``shuffle`` or
-        ``pack`` use ``assignment="static"`` and save each rank's own state.
+        Gather every rank's state at one step (e.g. with
+        ``torch.distributed.all_gather_object``), merge them, and give the
+        merged state to every rank of the next job, however many it has:
+        together they read exactly what the saving ranks had not handed
+        out (NOTE [ Elastic resume ]). In offset order a partition's
+        position is the furthest any rank saved; with ``shuffle``, ``pack``
+        or a ``kfeed.Mix``, what each rank held back (its shuffle buffer,
+        the documents its packer had not finished) is merged too. Every
+        rank's lineage is kept, so that no rank's commits, which run ahead
+        of the checkpoint, win over it.
         """
         states = list(states)
         if not states:
@@ -617,12 +620,12 @@ class Loader:
         for st in states:
             if not isinstance(st, Mapping) or st.get("version") != _STATE_VERSION:
                 raise ConfigError(f"not a kfeed loader state (version {_STATE_VERSION})")
-            if "order" in st:
-                raise ConfigError("states with shuffle or pack cannot be merged: use "
-                                  "assignment='static' and save each rank's own state")
-            for key in ("schema_fingerprint", "format", "topics"):
+            for key in ("schema_fingerprint", "format", "topics", "pack"):
                 if st.get(key) != first.get(key):
                     raise ConfigError(f"the states differ in {key}")
+            if ("order" in st) != ("order" in first) or ("mix" in st) != ("mix" in first):
+                raise ConfigError("the states come from loaders of different kinds "
+                                  "(with and without shuffle, pack or a Mix)")
         positions: dict[str, dict[int, list[int]]] = {}
         lineages: list[str] = []
         superseded: set[str] = set()
@@ -635,8 +638,11 @@ class Loader:
                         merged[part] = [int(pos[0]), int(pos[1])]
             lineages += [x for x in st.get("lineages", []) if x not in lineages]
             superseded.update(st.get("superseded", []))
-        return {**first, "positions": positions, "lineages": lineages,
-                "superseded": sorted(superseded)}
+        out = {**first, "positions": positions, "lineages": lineages,
+               "superseded": sorted(superseded)}
+        if "order" in first:
+            out.update(_merge_orders(states))
+        return out
 
     # -- observability --------------------------------------------------------
 
@@ -763,6 +769,53 @@ class Loader:
             self.close(commit_current=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
             pass
+
+
+# NOTE [ Elastic resume ]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A job saved on N ranks resumes on M. A state of records in offset order
+# is a position per partition, and merging takes the furthest. A state of
+# an order (shuffle, pack, a Mix: OrderLedger) says per partition where
+# every record was handed out below (the watermark) and read below (the read
+# position); between the two, a record was handed out unless the rank still
+# held it: in its shuffle buffer (``held``), or emitted into batches and
+# documents not handed out yet (``outbox``, its first document maybe part-way
+# out, ``pack_offset`` tokens). _merge_orders makes one order state of them:
+# every partition's entry (each rank's own), and every held or unfinished
+# record as one outbox, rank after rank, so each comes out again first, in
+# that order; a document part-way out is cut by the tokens already out
+# (``partial``, which the build stage applies as the document comes out).
+# Each rank of the new job keeps the partitions it is given and drops the
+# rest (OrderLedger.positions), so together they read each record not
+# handed out exactly once. The shuffle goes on from rank 0's generator and
+# a mixture from rank 0's round robin: the order after a change of size is
+# a new one, the records are the same.
+
+
+def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The order, unfinished documents and mixture of several ranks' states, as one."""
+    orders = [st["order"] for st in states]
+    first = orders[0]
+    if any((o.get("buffer"), o.get("seed")) != (first.get("buffer"), first.get("seed"))
+           for o in orders):
+        raise ConfigError("the states differ in their Shuffle")
+    seen: set[Any] = set()
+    entries, outbox, partial = [], [], []
+    for st, order in zip(states, orders, strict=True):
+        for entry in order["partitions"]:
+            tp = tuple(entry[0])
+            if tp in seen:
+                raise ConfigError(f"partition {tp} is in two of the states: merge the states "
+                                  f"of one step of one job, one per rank")
+            seen.add(tp)
+            entries.append(entry)
+        outbox += list(order["outbox"]) + list(order["held"])
+        partial += [list(k) for k in st.get("partial", [])]
+        if order["outbox"] and int(st.get("pack_offset", 0)):
+            partial.append([*order["outbox"][0], int(st["pack_offset"])])
+    merged = {**first, "partitions": entries, "held": [], "outbox": outbox,
+              "emitted": sum(int(o["emitted"]) for o in orders)}
+    return {"order": merged, "pack_offset": 0, "partial": partial}
 
 
 def memory_loader(values: Any, schema: Schema, batch_size: int, **kwargs: Any) -> Loader:

@@ -429,7 +429,7 @@ class RecordBuilder(SlotBuilder):
         if self.fetches is not None:
             # (Skipped documents, repeats, will never be asked for.)
             self.fetches.add(first, docs.tokens, docs.lengths, n - len(skipped))
-            self._deliver(ids)
+            self._deliver(emitted)
             return
         # The order holds documents back (a shuffle, a loaded state coming
         # back): each is kept apart, copied out of the fetch when a shuffle
@@ -445,7 +445,7 @@ class RecordBuilder(SlotBuilder):
                 if self.jagged_field is not None:
                     self.doc_rows[first + d] = {k: v[d] for k, v in docs.columns.items()}
             start = end
-        self._deliver(ids)
+        self._deliver(emitted)
 
     def _push_samples(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
                       offsets: np.ndarray) -> None:
@@ -483,7 +483,7 @@ class RecordBuilder(SlotBuilder):
             emitted, skipped = self._ordered(recs)
         if len(skipped):
             held.drop(skipped)
-        self._deliver(emitted[:, 3])
+        self._deliver(emitted)
         n = len(recs)
         if n:
             self.bad.good()
@@ -536,7 +536,7 @@ class RecordBuilder(SlotBuilder):
             mixed = mixer.take()
             emitted, _skipped = self.order_ledger.order.push_many(mixed) if len(mixed) \
                 else (mixed, mixed)
-        self._deliver(emitted[:, 3])
+        self._deliver(emitted)
         if mixer.ended:  # "stop": the other sources' records stay unread
             self.fetcher.source.pause(sorted(self.fetcher.assigned))
         self._backpressure()
@@ -592,19 +592,24 @@ class RecordBuilder(SlotBuilder):
         raw = self.schema.encode_raw({name: a[:res.rows] for name, a in self.staging.items()})
         return raw, pids[keep], offsets[keep], kept
 
-    def _deliver(self, ids: np.ndarray) -> None:
-        if not len(ids):
+    def _deliver(self, emitted: np.ndarray) -> None:
+        """The order emitted these records (rows ``[pid, offset, sub, item]``): on to the batch."""
+        if not len(emitted):
             return
+        ids = emitted[:, 3]
         if self.packer is None and self.jagged_field is None:
             rest = self.pending[self.taken:]
             self.pending, self.taken = np.concatenate([rest, ids]), 0
             return
+        cut = self._cuts(emitted)
         if self.fetches is not None:
             assert self.packer is not None
-            self.packer.feed(*self.fetches.take(ids), copy=False)
+            self.packer.feed(*self.fetches.take(ids, cut), copy=False)
             return
         order = ids.tolist()
         docs = [self.docs.pop(i) for i in order]
+        if cut is not None:
+            docs = [d[c:] for d, c in zip(docs, cut.tolist(), strict=True)]
         lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
         if self.jagged_field is not None:
             rows = [self.doc_rows.pop(i) for i in order]
@@ -613,6 +618,19 @@ class RecordBuilder(SlotBuilder):
             return
         assert self.packer is not None
         self.packer.feed(np.concatenate(docs), lengths, copy=False)
+
+    def _cuts(self, emitted: np.ndarray) -> np.ndarray | None:
+        """Tokens to cut from the front of each document: those already out (NOTE [ Elastic resume ])."""
+        partial = self.order_ledger.partial
+        if not partial:
+            return None
+        order = self.order_ledger.order
+        cut = np.zeros(len(emitted), np.int64)
+        for (tp, off, sub), n in partial.items():
+            pid = order.known_pid(tp)
+            if pid is not None:
+                cut[(emitted[:, 0] == pid) & (emitted[:, 1] == off) & (emitted[:, 2] == sub)] = n
+        return cut if cut.any() else None
 
     # NOTE [ Jagged fields ]
     # ~~~~~~~~~~~~~~~~~~~~~~
@@ -663,7 +681,7 @@ class RecordBuilder(SlotBuilder):
     def _drain(self) -> None:
         with self.ledger.lock:
             emitted = self.order_ledger.order.drain_many()
-        self._deliver(emitted[:, 3])
+        self._deliver(emitted)
         if self.packer is not None:
             self.packer.finish()
         self.drained = True
@@ -690,8 +708,9 @@ class _Fetches:
         self.firsts.append(first)
         self.held[first] = [tokens, starts, live]
 
-    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens of documents ``ids``, one after another, and their lengths."""
+    def take(self, ids: np.ndarray, cut: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
         firsts = np.asarray(self.firsts, np.int64)
         which = firsts[np.searchsorted(firsts, ids, side="right") - 1]
         lengths = np.empty(len(ids), np.int64)
@@ -704,6 +723,10 @@ class _Fetches:
             src[mask] = starts[local]
             lengths[mask] = starts[local + 1] - starts[local]
             groups.append((first, mask, tokens))
+        if cut is not None:
+            cut = np.minimum(cut, lengths)
+            src += cut
+            lengths -= cut
         at = np.zeros(len(ids) + 1, np.int64)
         np.cumsum(lengths, out=at[1:])
         out = np.empty(int(at[-1]), groups[0][2].dtype if groups else np.int32)

@@ -75,7 +75,7 @@ from typing import Any
 from kfeed.errors import ConfigError
 from kfeed.mix import Mixer
 from kfeed.sources import TP, Committed, Position, Source
-from kfeed.tokens import Packer, Shuffle, ShuffleBuffer
+from kfeed.tokens import Key, Packer, Shuffle, ShuffleBuffer
 
 __all__ = ["Ledger", "OrderLedger", "by_topic"]
 
@@ -273,6 +273,12 @@ class Ledger:
         self.carried = dict(handed)
 
 
+def _key(k: Any) -> Key:
+    """A record's key from a state (JSON turns its partition tuple into a list)."""
+    p, o, sub = k
+    return (tuple(p) if isinstance(p, list) else p, int(o), int(sub))
+
+
 class OrderLedger(Ledger):
     """Positions of records that went through a ``ShuffleBuffer``.
 
@@ -309,6 +315,10 @@ class OrderLedger(Ledger):
         self.order = ShuffleBuffer(shuffle, ack=True, track_used=True)
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
+        # Documents other than that one already part-way out, (partition,
+        # offset, sub) -> tokens out: what a state merged from several ranks
+        # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
+        self.partial: dict[Key, int] = {}
         self.on_reset: Callable[[int], None] = lambda _offset: None
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
@@ -387,11 +397,17 @@ class OrderLedger(Ledger):
     def state(self) -> dict[str, Any]:
         # Only the partitions in the order: a state with shuffle or pack is
         # one rank's own (static assignment), never merged.
+        order = self.order.state()
+        head = _key(order["outbox"][0]) if order["outbox"] else None
+        unacked = {_key(k) for k in order["outbox"] + order["held"]}
+        partial = {k: n for k, n in self.partial.items() if k in unacked and k != head}
         state = {
             "positions": by_topic(self.delivered()),
-            "order": self.order.state(),
+            "order": order,
             "pack": self._pack_spec(),
-            "pack_offset": self.pack_offset,
+            # The head's tokens out: the packer's count, after what was cut.
+            "pack_offset": self.pack_offset + (self.partial.get(head, 0) if head else 0),
+            "partial": [[list(k[0]), k[1], k[2], n] for k, n in sorted(partial.items())],
         }
         if self.mixer is not None:
             state["mix"] = self.mixer.state()
@@ -414,4 +430,8 @@ class OrderLedger(Ledger):
                 else "without a kfeed.Mix"))
         if self.mixer is not None:
             self.mixer.load_state(state["mix"])
+        try:
+            self.partial = {_key(k[:3]): int(k[3]) for k in state.get("partial", [])}
+        except (TypeError, ValueError, IndexError) as e:
+            raise ConfigError(f"not a loader state: its partial documents: {e!r}") from None
         self._restore(state["order"], int(state.get("pack_offset", 0)))

@@ -1,0 +1,154 @@
+"""Elastic resume: a state saved by N ranks, merged, loaded by a job of M ranks.
+
+On the memory source, ranks with static assignment: N loaders read, each
+stops after some batches and saves its state; ``Loader.merge_states`` makes
+one of them; M loaders given it read to the end. Every record (or token) is
+delivered exactly once over both jobs: the records each old rank had read
+but not handed out (its shuffle buffer, its packer's unfinished documents,
+batches waiting in its queue) included. NOTE [ Elastic resume ].
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kfeed import ConfigError, Loader, MemorySource, Mix, Pack, Schema, Shuffle
+
+ROWS = Schema({"id": ("int64", ())})
+TOKENS = Schema({"tokens": ("int32", (None,))})
+
+ELASTIC = settings(max_examples=30, deadline=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def rank_loader(values, rank, world, *, state=None, topics="memory", schema=ROWS, **kw):
+    loader = Loader(None, topics, schema, kw.pop("batch_size", 16),
+                    source=MemorySource(values), device="cpu", until="end", rank=rank,
+                    world_size=world, assignment="static", **kw)
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader
+
+
+def run_job(values, world, stops, state, key, **kw):
+    """Each rank reads (up to its stop, None: to the end); what it handed out, and its state."""
+    out, states = [], []
+    for rank in range(world):
+        loader = rank_loader(values, rank, world, state=state, **kw)
+        with loader:
+            for i, batch in enumerate(loader):
+                out.append(batch[key].numpy().copy())
+                if stops is not None and i + 1 == stops[rank]:
+                    break
+            states.append(loader.state_dict())
+    return out, states
+
+
+def row_parts(sizes, per_block):
+    vals, k = {}, 0
+    for p, n in enumerate(sizes):
+        ids = np.arange(k, k + n)
+        k += n
+        vals[p] = ROWS.encode_blocks({"id": ids}, per_block)
+    return vals, k
+
+
+@ELASTIC
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+       per_block=st.integers(1, 20), n=st.integers(1, 4), m=st.integers(1, 4),
+       shuffle=st.one_of(st.none(), st.integers(1, 60)), data=st.data())
+def test_rows_saved_by_n_ranks_are_read_once_by_m(sizes, per_block, n, m, shuffle, data):
+    parts = len(sizes)
+    n, m = min(n, parts), min(m, parts)
+    values, total = row_parts(sizes, per_block)
+    stops = [data.draw(st.integers(1, 12)) for _ in range(n)]
+    kw = {"shuffle": Shuffle(shuffle, seed=3) if shuffle else None}
+    first, states = run_job(values, n, stops, None, "id", **kw)
+    rest, _ = run_job(values, m, None, Loader.merge_states(states), "id", **kw)
+    ids = np.concatenate(first + rest) if first + rest else np.empty(0, np.int64)
+    assert sorted(ids.tolist()) == list(range(total))
+
+
+@ELASTIC
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+       n=st.integers(1, 4), m=st.integers(1, 4), seq_len=st.integers(4, 40),
+       shuffle=st.one_of(st.none(), st.integers(1, 20)), data=st.data())
+def test_tokens_saved_by_n_ranks_are_read_once_by_m_partial_documents_too(
+        sizes, n, m, seq_len, shuffle, data):
+    parts = len(sizes)
+    n, m = min(n, parts), min(m, parts)
+    rng = np.random.default_rng(sum(sizes) + seq_len)
+    values, tokens, k = {}, [], 3
+    for p, count in enumerate(sizes):
+        docs = []
+        for _ in range(count):
+            length = int(rng.choice([1, 3, 17, 60]))
+            docs.append(np.arange(k, k + length, dtype=np.int32))  # every token once
+            k += length
+        tokens += [t for d in docs for t in d.tolist()]
+        values[p] = TOKENS.encode_blocks({"tokens": docs}, int(rng.integers(1, 6)))
+    stops = [data.draw(st.integers(1, 8)) for _ in range(n)]
+    kw = {"schema": TOKENS, "batch_size": 2, "pack": Pack(seq_len, eos_id=2, pad_id=0),
+          "shuffle": Shuffle(shuffle, seed=5) if shuffle else None}
+    first, states = run_job(values, n, stops, None, "tokens", **kw)
+    rest, _ = run_job(values, m, None, Loader.merge_states(states), "tokens", **kw)
+    got = np.concatenate([b.reshape(-1) for b in first + rest]) if first + rest \
+        else np.empty(0, np.int32)
+    got = got[got >= 3]  # less padding and EOS
+    assert Counter(got.tolist()) == Counter(tokens)
+
+
+def test_a_mixture_saved_by_two_ranks_is_read_once_by_three():
+    values = {}
+    k = 0
+    for t in ("a", "b"):
+        for p in range(6):
+            values[(t, p)] = ROWS.encode_blocks({"id": np.arange(k, k + 90)}, 7)
+            k += 90
+    mix = Mix({"a": 0.7, "b": 0.3}, seed=1, exhausted="renormalize")
+    kw = {"topics": mix, "shuffle": Shuffle(25, seed=2)}
+    first, states = run_job(values, 2, [5, 9], None, "id", **kw)
+    rest, _ = run_job(values, 3, None, Loader.merge_states(states), "id", **kw)
+    ids = np.concatenate(first + rest)
+    assert sorted(ids.tolist()) == list(range(k))
+
+
+def test_states_of_different_loaders_do_not_merge():
+    values, _ = row_parts([50, 50], 5)
+    _, plain = run_job(values, 2, [1, 1], None, "id")
+    _, shuffled = run_job(values, 2, [1, 1], None, "id", shuffle=Shuffle(4))
+    with pytest.raises(ConfigError, match="different kinds"):
+        Loader.merge_states([plain[0], shuffled[1]])
+    with pytest.raises(ConfigError, match="in two of the states"):
+        Loader.merge_states([shuffled[0], shuffled[0]])
+    _, other = run_job(values, 2, [1, 1], None, "id", shuffle=Shuffle(5))
+    with pytest.raises(ConfigError, match="differ in their Shuffle"):
+        Loader.merge_states([shuffled[0], other[1]])
+
+
+def test_what_the_ranks_held_back_is_in_the_merged_state_and_comes_out_once():
+    rng = np.random.default_rng(0)
+    values, tokens, k = {}, [], 3
+    for p in range(3):
+        docs = []
+        for _ in range(40):
+            length = int(rng.integers(1, 40))
+            docs.append(np.arange(k, k + length, dtype=np.int32))
+            k += length
+        tokens += [t for d in docs for t in d.tolist()]
+        values[p] = TOKENS.encode_blocks({"tokens": docs}, 4)
+    kw = {"schema": TOKENS, "batch_size": 2, "pack": Pack(16, eos_id=2, pad_id=0),
+          "shuffle": Shuffle(10, seed=5)}
+    first, states = run_job(values, 3, [3, 2, 4], None, "tokens", **kw)
+    merged = Loader.merge_states(states)
+    held = sum(len(s["order"]["held"]) + len(s["order"]["outbox"]) for s in states)
+    assert len(merged["order"]["outbox"]) == held > 3 * 10 - 3  # the buffers, about full
+    assert len(merged["partial"]) == sum(1 for s in states if s["pack_offset"]) >= 1
+    rest, _ = run_job(values, 2, None, merged, "tokens", **kw)
+    got = np.concatenate([b.reshape(-1) for b in first + rest])
+    assert Counter(got[got >= 3].tolist()) == Counter(tokens)
