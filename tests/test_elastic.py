@@ -152,3 +152,19 @@ def test_what_the_ranks_held_back_is_in_the_merged_state_and_comes_out_once():
     rest, _ = run_job(values, 2, None, merged, "tokens", **kw)
     got = np.concatenate([b.reshape(-1) for b in first + rest])
     assert Counter(got[got >= 3].tolist()) == Counter(tokens)
+
+
+def test_group_mode_ranks_keep_the_merged_state_of_the_partitions_they_are_given():
+    values, total = row_parts([120, 80, 200, 50], 6)
+    kw = {"shuffle": Shuffle(30, seed=1)}
+    first, states = run_job(values, 2, [4, 6], None, "id", **kw)
+    merged = Loader.merge_states(states)
+    rest = []
+    for mine in ([0, 2], [1, 3]):  # the group's first assignment splits the partitions
+        loader = Loader(None, "memory", ROWS, 16, source=MemorySource(values, first=mine),
+                        device="cpu", until="end", **kw)
+        loader.load_state_dict(merged)
+        with loader:
+            rest += [b["id"].numpy().copy() for b in loader]
+    ids = np.concatenate(first + rest)
+    assert sorted(ids.tolist()) == list(range(total))
