@@ -19,8 +19,11 @@ one interface:
   another format (Avro, Protobuf, JSON) are decoded a fetch at a time by
   the format's decoder and held as kfeed raw records, then shuffled alike.
 
-A new record format or a mixer of topics is a new builder. A message the
-codec rejects goes to ``BadRecords`` and never reaches a slot.
+Topics given as a ``kfeed.Mix`` go through the ``RecordBuilder`` too: the
+ledger's ``Mixer`` orders each fetch's records before the shuffle buffer
+takes them (``_ordered``). A new record format is a new decoder, not an
+edit of the builders. A message the codec rejects goes to ``BadRecords``
+and never reaches a slot.
 """
 
 from __future__ import annotations
