@@ -343,3 +343,75 @@ def test_a_window_of_offsets_reads_exactly_its_records():
 def test_bad_windows_say_what_is_wrong(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Loader(None, ["web", "code"], ROWS, 8, source=MemorySource(row_values()), **kwargs)
+
+
+# -- epochs ------------------------------------------------------------------------------
+
+
+def epoch_loader(**kwargs):
+    kwargs = {"until": "end", "epochs": 3, "shuffle": Shuffle(64, seed=8), **kwargs}
+    return Loader(None, "memory", ROWS, 32, source=MemorySource(
+        {p: v for (t, p), v in row_values().items() if t == "web"}), device="cpu", **kwargs)
+
+
+def epoch_ids(loader) -> np.ndarray:
+    return np.concatenate([b["id"].numpy().copy() for b in loader] or [np.empty(0, np.int64)])
+
+
+def test_each_epoch_reads_the_window_once_in_its_own_reproducible_order():
+    loader = epoch_loader()
+    epochs = [epoch_ids(loader) for _ in range(4)]  # a fourth loop finds nothing more
+    assert len(epochs[3]) == 0 and loader.epoch == 2
+    for ids in epochs[:3]:
+        assert sorted(ids.tolist()) == sorted(epochs[0].tolist()) and len(ids) == 1200
+    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
+    again = epoch_loader()
+    again.set_epoch(2)  # as DistributedSampler.set_epoch: straight to epoch 2's order
+    np.testing.assert_array_equal(epoch_ids(again), epochs[2])
+
+
+@pytest.mark.parametrize("stop", [5, 37])  # inside epoch 1; at its very end
+def test_a_resume_inside_an_epoch_goes_on_inside_it(stop):
+    whole = [epoch_ids(ld) for ld in [epoch_loader()] for _ in range(3)]
+    loader = epoch_loader()
+    epoch_ids(loader)  # epoch 0
+    got = []
+    for i, batch in enumerate(loader):  # epoch 1, stopped
+        got.append(batch["id"].numpy().copy())
+        if i + 1 == stop:
+            break
+    state = loader.state_dict()
+    assert state["epochs"]["epoch"] == 1
+    resumed = epoch_loader()
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    rest = epoch_ids(resumed)
+    np.testing.assert_array_equal(np.concatenate(got + [rest]), whole[1])
+    np.testing.assert_array_equal(epoch_ids(resumed), whole[2])
+    assert resumed.epoch == 2 and len(epoch_ids(resumed)) == 0
+
+
+def test_a_state_saved_between_epochs_starts_the_next_one():
+    loader = epoch_loader(epochs=2)
+    first = epoch_ids(loader)
+    state = loader.state_dict()
+    assert state["epochs"]["finished"]
+    resumed = epoch_loader(epochs=2)
+    resumed.load_state_dict(state)
+    second = epoch_ids(resumed)
+    assert resumed.epoch == 1 and sorted(second.tolist()) == sorted(first.tolist())
+    assert len(epoch_ids(resumed)) == 0
+
+
+def test_bad_epochs_say_what_is_wrong():
+    with pytest.raises(ConfigError, match="bounded window"):
+        epoch_loader(until=None)
+    with pytest.raises(ConfigError, match="epochs must be"):
+        epoch_loader(epochs=0)
+    loader = epoch_loader()
+    with pytest.raises(ConfigError, match="epoch must be an int in 0..2"):
+        loader.set_epoch(3)
+    next(iter(loader))
+    with pytest.raises(ConfigError, match="set_epoch goes between epochs"):
+        loader.set_epoch(1)
+    loader.close()

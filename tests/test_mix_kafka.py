@@ -91,3 +91,27 @@ def test_a_window_by_time_reads_the_records_written_inside_it(bootstrap, make_to
                       until=until) as loader:
         ids = np.sort(np.concatenate([b["id"].numpy() for b in loader]))
     np.testing.assert_array_equal(ids, np.arange(1000, 2500))
+
+
+def test_epochs_read_the_window_resolved_at_the_start_each_in_its_own_order(bootstrap,
+                                                                             make_topic):
+    topic = make_topic(partitions=3)
+    produce(bootstrap, topic, np.arange(3000))
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    kw = {"device": "cpu", "until": "end", "epochs": 2, "shuffle": kfeed.Shuffle(400, seed=3)}
+    loader = kfeed.Loader(config, topic, SCHEMA, 100, **kw)
+    first = np.concatenate([b["id"].numpy() for b in loader])
+    state = loader.state_dict()  # between the epochs: with the window
+    produce(bootstrap, topic, np.arange(3000, 4000))  # after the window was resolved
+    second = np.concatenate([b["id"].numpy() for b in loader])
+    assert loader.epoch == 1
+    loader.close()
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(3000))
+    assert not np.array_equal(first, second)
+    # Another job from that state: epoch 1 next, epoch 0 on request, each the same again.
+    for epoch, want in ((1, second), (0, first)):
+        again = kfeed.Loader({**config, "group.id": uuid.uuid4().hex}, topic, SCHEMA, 100, **kw)
+        again.load_state_dict(state)
+        again.set_epoch(epoch)
+        np.testing.assert_array_equal(np.concatenate([b["id"].numpy() for b in again]), want)
+        again.close()

@@ -174,7 +174,20 @@ class Mixer:
         # number, so that it survives a new assignment).
         self._next: list[Hashable | None] = [None] * n
         self._parts: dict[int, Hashable] = {}  # id -> partition, of the assignment
+        self._one_source = False  # see in_turn
         self.reset()
+
+    @classmethod
+    def in_turn(cls, batch_size: int, *, bounded: bool) -> Mixer:
+        """No mixture: every partition of every topic in one ring, in turn, record by record.
+
+        The order of records a loader with ``epochs`` pushes into its shuffle
+        buffer, so that an epoch's order depends on the seed and the records
+        alone, not on which partition the brokers answered for first.
+        """
+        mixer = cls(Mix({"*": 1.0}), batch_size, bounded=bounded)
+        mixer._one_source = True
+        return mixer
 
     # -- the assignment and the queues ------------------------------------------
 
@@ -244,7 +257,7 @@ class Mixer:
         self._grow(max(parts.values(), default=-1) + 1)
         rings: list[list[int]] = [[] for _ in self.sources]
         for tp in sorted(parts):
-            s = self._index.get(tp[0])  # type: ignore[index]
+            s = 0 if self._one_source else self._index.get(tp[0])  # type: ignore[index]
             if s is None:
                 raise ConfigError(f"partition {tp} is not of the mixture's topics "
                                   f"{list(self.sources)}")

@@ -907,6 +907,7 @@ class MemorySource(Source):
              assignment: Sequence[TP] | None) -> None:
         tps = list(assignment) if assignment is not None else self._first or self.partitions()
         self._callbacks = (on_assign, on_revoke)
+        self._paused.clear()  # opened again (the next epoch): nothing is paused
         offsets = on_assign(tps)
         self._next = {tp: offsets[tp][0] for tp in tps}
 

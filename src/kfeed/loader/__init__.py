@@ -59,6 +59,7 @@ Two threads, one queue, one stop event::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -221,6 +222,7 @@ class Loader:
         prefetch: int | str = 2,
         max_memory_bytes: int | None = None,
         until: str | datetime | Mapping[TP, int] | None = None,
+        epochs: int | None = None,
         start: str | datetime | Mapping[TP, int] = "committed",
         on_bad_record: str | BadRecordPolicy = "dead_letter",
         fail_fast: int | None = 32,
@@ -240,12 +242,13 @@ class Loader:
         config = LoaderConfig(
             topics, schema, batch_size, device=device, format=format, prefetch=prefetch,
             max_memory_bytes=max_memory_bytes,
-            until=until, start=start, on_bad_record=on_bad_record, fail_fast=fail_fast,
+            until=until, epochs=epochs, start=start, on_bad_record=on_bad_record,
+            fail_fast=fail_fast,
             dlq_config=dlq_config, drop_last=drop_last, max_wait_ms=max_wait_ms, rank=rank,
             world_size=world_size, assignment=assignment,
             commit_interval_ms=commit_interval_ms, connect_timeout_s=connect_timeout_s,
             pack=pack, shuffle=shuffle, on_revoke=on_revoke)
-        self._setup(kafka_config, config, source)
+        self._begin(kafka_config, config, source)
 
     @classmethod
     def from_config(cls, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
@@ -254,8 +257,35 @@ class Loader:
         if not isinstance(config, LoaderConfig):
             raise ConfigError("config must be a kfeed.LoaderConfig")
         self = cls.__new__(cls)
-        self._setup(kafka_config, config, source)
+        self._begin(kafka_config, config, source)
         return self
+
+    def _begin(self, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
+               source: Source | None) -> None:
+        # NOTE [ Epochs ]: with epochs=N each epoch is a pipeline of its own
+        # (_setup), over the window resolved at the first one's start.
+        self._base = config
+        self._kafka_config = kafka_config
+        self._given_source = source
+        self._epoch = 0
+        self._epoch_finished = False
+        self._window: tuple[dict[TP, int], dict[TP, int]] | None = None
+        self._setup(kafka_config, self._epoch_config(), source)
+
+    def _epoch_config(self) -> LoaderConfig:
+        """The configuration of the current epoch: its seeds, and the window once resolved."""
+        base = self._base
+        if base.epochs is None:
+            return base
+        seed = _epoch_seed
+        changes: dict[str, Any] = {}
+        if base.shuffle is not None:
+            changes["shuffle"] = Shuffle(base.shuffle.buffer, seed(base.shuffle.seed, self._epoch))
+        if base.mix is not None:
+            changes["mix"] = dataclasses.replace(base.mix, seed=seed(base.mix.seed, self._epoch))
+        if self._window is not None:
+            changes["start"], changes["until"] = self._window
+        return base.replace(**changes)
 
     def _setup(self, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
                source: Source | None) -> None:
@@ -307,8 +337,11 @@ class Loader:
         ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
             c.max_memory_bytes, rdkafka, batch_bytes), batch_bytes)
         self._status = Status()
-        mixer = (Mixer(c.mix, c.batch_size, bounded=c.bounded) if c.mix is not None
-                 else None)
+        mixer = None
+        if c.mix is not None:
+            mixer = Mixer(c.mix, c.batch_size, bounded=c.bounded)
+        elif c.epochs is not None and c.records:  # an epoch's order: NOTE [ Epochs ]
+            mixer = Mixer.in_turn(c.batch_size, bounded=c.bounded)
         self._ledger: Ledger = (OrderLedger(source, c.start, c.shuffle, packer, mixer)
                                 if c.records else Ledger(source, c.start))
         self._ledger.lineages = set(self._lineages)
@@ -357,10 +390,63 @@ class Loader:
     # -- iteration ------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        epochs = self._base.epochs
+        if epochs is not None and self._epoch_finished and self._epoch + 1 < epochs:
+            self._epoch += 1  # the next for-loop reads the next epoch
+            self._rebuild()
         return self
+
+    # -- epochs (NOTE [ Epochs ]) -------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read, or read next (``epochs=N``); 0 without epochs."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next, as ``DistributedSampler.set_epoch`` (between epochs)."""
+        epochs = self._base.epochs
+        if epochs is None:
+            raise ConfigError("set_epoch needs Loader(..., epochs=N)")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < epochs:
+            raise ConfigError(f"epoch must be an int in 0..{epochs - 1}, got {epoch!r}")
+        if self._feeder.thread is not None and not self._epoch_finished:
+            raise ConfigError(f"epoch {self._epoch} is being read: set_epoch goes between "
+                              f"epochs (before iterating, or after the loop ended)")
+        if epoch == self._epoch and self._feeder.thread is None:
+            return
+        self._epoch = epoch
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """A new pipeline for the current epoch, of the same lineage (the old one closed)."""
+        lineages = self._lineages
+        with self._ledger.lock:
+            superseded = self._ledger.superseded.union(self._ledger.seen_runs)
+        self.close()
+        self._epoch_finished = False
+        self._setup(self._kafka_config, self._epoch_config(), self._given_source)
+        self._lineages = lineages
+        self._source.lineage = lineages[0]
+        self._ledger.lineages = set(lineages)
+        self._ledger.superseded = superseded
+
+    def _resolve_window(self) -> tuple[dict[TP, int], dict[TP, int]]:
+        """Where the window starts and ends in every partition, now."""
+        source, ledger = self._source, self._ledger
+        self._status.doing = "resolving the window (start and until)"
+        parts = source.partitions()
+        starts = ledger.start_positions(parts, source.committed(parts))
+        return ({tp: off for tp, (off, _skip) in starts.items()},
+                self._fetcher.ends_of(parts))
 
     def _start(self) -> None:
         f = self._feeder
+        if self._base.epochs is not None:
+            if self._window is None:
+                self._window = self._resolve_window()
+            # Every epoch reads the same window, resolved once.
+            self._ledger.start, self._fetcher.until = self._window
         if self.assignment_mode == "static":
             parts = self._source.partitions()
             mix = self.config.mix
@@ -414,6 +500,7 @@ class Loader:
                 if self._feeder.epoch_over:  # it ends right after END
                     self._feeder.join(self.config.connect_timeout_s + 5.0)
                 self._commit(asynchronous=False)
+                self._epoch_finished = True
                 raise StopIteration
             batch = self._hand_out(item)
             if batch is None:  # dropped by a rebalance that came after _take
@@ -567,7 +654,7 @@ class Loader:
         with self._ledger.lock:
             state = self._ledger.state()
             superseded = sorted(self._ledger.superseded.union(self._ledger.seen_runs))
-        return {
+        out = {
             "version": _STATE_VERSION,
             "schema_fingerprint": self.schema.fingerprint,
             "format": self.format.value,
@@ -576,6 +663,13 @@ class Loader:
             "superseded": superseded[-_MAX_SUPERSEDED:],
             **state,
         }
+        if self._base.epochs is not None:
+            window = None if self._window is None else {
+                name: [[t, p, o] for (t, p), o in sorted(ends.items())]
+                for name, ends in zip(("start", "until"), self._window, strict=True)}
+            out["epochs"] = {"epoch": self._epoch, "finished": self._epoch_finished,
+                             "window": window}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state_dict()``; its positions win over committed offsets."""
@@ -587,6 +681,11 @@ class Loader:
             raise ConfigError("the state was saved with another schema")
         if state.get("format") != self.format.value:
             raise ConfigError(f"the state was saved for format {state.get('format')!r}")
+        if (state.get("epochs") is None) != (self._base.epochs is None):
+            raise ConfigError("the state was saved by a loader " + (
+                "with epochs=" if self._base.epochs is None else "without epochs="))
+        if state.get("epochs") is not None and not self._load_epoch(state["epochs"]):
+            return  # between epochs: the next one starts afresh
         with self._ledger.lock:
             self._ledger.load_state(state)
         # A resumed loader carries on its state's lineage: the commits of a
@@ -597,6 +696,26 @@ class Loader:
             self._source.lineage = resumed[0]
             self._ledger.lineages = set(self._lineages)
         self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
+
+    def _load_epoch(self, saved: Mapping[str, Any]) -> bool:
+        """The epoch and window of a state; whether its positions are to load (mid-epoch)."""
+        try:
+            epoch, finished = int(saved["epoch"]), bool(saved["finished"])
+            window = saved["window"]
+            if window is not None:
+                window = tuple({(str(t), int(p)): int(o) for t, p, o in window[name]}
+                               for name in ("start", "until"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a loader state: its epochs: {e!r}") from None
+        self._window = window
+        self._epoch = epoch + 1 if finished else epoch
+        if self._epoch >= (self._base.epochs or 0):  # every epoch read
+            self._epoch = self._base.epochs - 1  # type: ignore[operator]
+            self._rebuild()
+            self._exhausted = self._epoch_finished = True
+            return False
+        self._rebuild()
+        return not finished
 
     @staticmethod
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -701,12 +820,13 @@ class Loader:
             "copy_s": self._feeder.copy_s,
             "pool_slots_in_use": sum(s is not SlotState.FREE for s in self._pool.states()),
             "prefetch": self._feeder.ready.size,
+            "epoch": self._epoch,
             **self._mix_stats(),
         }
 
     def _mix_stats(self) -> dict[str, Any]:
         mixer = getattr(self._ledger, "mixer", None)
-        if mixer is None:
+        if mixer is None or self.config.mix is None:
             return {}
         return {"mix": {t: int(n) for t, n in zip(mixer.sources, mixer.per_source, strict=True)},
                 "mix_waiting_for": mixer.stalled_on}
@@ -771,6 +891,28 @@ class Loader:
             pass
 
 
+# NOTE [ Epochs ]
+# ~~~~~~~~~~~~~~~
+# Loader(..., until=..., epochs=N) reads a bounded window N times. Each
+# for-loop over the loader is one epoch (as with torch's DataLoader); the
+# next for-loop reads the next one, and set_epoch(e) picks it, as
+# DistributedSampler.set_epoch does. At the first epoch's start the window
+# is resolved to offsets in every partition (Loader._resolve_window: start
+# through the ledger's rules, until through Fetcher.ends_of), and every
+# epoch reads exactly that window: records written later are not in it.
+# Each epoch is a pipeline of its own (Loader._rebuild: a new consumer, the
+# same lineage, a new run, so the last epoch's commits at the window's end
+# are not taken for a position), with its own seeds for the shuffle and the
+# mixture, drawn from the seed and the epoch number (epoch 0 keeps the
+# seed). So that an epoch's order depends on those alone, its records go
+# into the shuffle buffer in a fixed order, every partition in turn
+# (Mixer.in_turn), whenever they go through an order at all (shuffle, pack,
+# a jagged field, a mixture); without one, batches are in offset order per
+# partition, interleaved as the brokers answer. state_dict() holds the
+# epoch and the window: a state saved inside epoch k resumes inside it; one
+# saved after its end starts epoch k + 1.
+
+
 # NOTE [ Elastic resume ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A job saved on N ranks resumes on M. A state of records in offset order
@@ -790,6 +932,17 @@ class Loader:
 # handed out exactly once. The shuffle goes on from rank 0's generator and
 # a mixture from rank 0's round robin: the order after a change of size is
 # a new one, the records are the same.
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """Epoch 0 keeps the seed; every other epoch gets its own, from the seed and its number."""
+    if epoch == 0:
+        return seed
+    mask = 2**64 - 1
+    z = (seed + epoch * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:

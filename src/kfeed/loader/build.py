@@ -301,8 +301,8 @@ class RecordBuilder(SlotBuilder):
 
     def _input_over(self) -> bool:
         """A bounded read: no record will come into the order any more."""
-        if self.mixer is not None:
-            return self.mixer.ended
+        if self.mixer is not None:  # (a loaded state's records still coming back count)
+            return self.mixer.ended and not self.order_ledger.order.restoring
         f = self.fetcher
         return bool(f.assigned) and f.assigned <= f.done
 
@@ -540,7 +540,8 @@ class RecordBuilder(SlotBuilder):
             emitted, _skipped = self.order_ledger.order.push_many(mixed) if len(mixed) \
                 else (mixed, mixed)
         self._deliver(emitted)
-        if mixer.ended:  # "stop": the other sources' records stay unread
+        if mixer.ended and not self.order_ledger.order.restoring:
+            # "stop": the other sources' records stay unread.
             self.fetcher.source.pause(sorted(self.fetcher.assigned))
         self._backpressure()
         return bool(len(mixed)) or mixer.ended

@@ -40,6 +40,7 @@ class LoaderConfig:
     prefetch: int | str = 2
     max_memory_bytes: int | None = None
     until: Any = None
+    epochs: int | None = None
     start: Any = "committed"
     on_bad_record: Any = "dead_letter"
     fail_fast: int | None = 32
@@ -87,6 +88,11 @@ class LoaderConfig:
         elif not (self.until in (None, "end") or isinstance(self.until, datetime)):
             raise ConfigError(f"until must be None (stream), 'end', a datetime or a "
                               f"{{(topic, partition): offset}} dict, got {self.until!r}")
+        if self.epochs is not None:
+            _positive_int("epochs", self.epochs, "None or a positive int")
+            if self.until is None:
+                raise ConfigError("epochs reads a bounded window again and again: give until= "
+                                  "('end', a datetime or a {(topic, partition): offset} dict)")
         if isinstance(self.start, Mapping):
             put("start", _offsets("start", self.start, self.topics))
         elif not (isinstance(self.start, datetime) or self.start in _STARTS):

@@ -135,7 +135,7 @@ class Fetcher:
             self.ledger.partitions = self.source.partitions()
         if self.bounded:
             self.status.doing = "reading where the window ends"
-            self.ends.update(self._ends(self.ledger.partitions))
+            self.ends.update(self.ends_of(self.ledger.partitions))
         self.status.doing = "opening the source"
         self.source.open(self.on_assign, self.on_revoke, assignment)
 
@@ -164,13 +164,13 @@ class Fetcher:
             if self.bounded:
                 end = self.ends.get(tp)
                 if end is None:  # a partition added after the epoch began
-                    end = self.ends[tp] = self._ends([tp])[tp]
+                    end = self.ends[tp] = self.ends_of([tp])[tp]
                 if off >= end:
                     self.done.add(tp)
                 else:  # back after a rebalance, with records left to read
                     self.done.discard(tp)
 
-    def _ends(self, tps: list[TP]) -> dict[TP, int]:
+    def ends_of(self, tps: list[TP]) -> dict[TP, int]:
         """Where the window ends in each of ``tps``, resolved now (once per partition)."""
         until = self.until
         if isinstance(until, datetime):
