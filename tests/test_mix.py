@@ -415,3 +415,21 @@ def test_bad_epochs_say_what_is_wrong():
     with pytest.raises(ConfigError, match="set_epoch goes between epochs"):
         loader.set_epoch(1)
     loader.close()
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_mixture_through_rebalances_loses_nothing(incremental):
+    cols = {"id": np.arange(4000), "x": np.zeros((4000, 2), np.float32)}
+    values = {p: ROWS.encode_blocks({k: v[p::4] for k, v in cols.items()}, 10) for p in range(4)}
+    source = MemorySource(values, incremental=incremental)
+    if incremental:
+        source.rebalance(5, revoke=[2, 3])
+        source.rebalance(9, assign=[2, 3])
+    else:
+        source.rebalance(5, revoke=[0, 1, 2, 3], assign=[0, 1])
+        source.rebalance(9, revoke=[0, 1], assign=[0, 1, 2, 3])
+    loader = Loader(None, Mix({"memory": 1.0}), ROWS, 64, source=source, device="cpu",
+                    until="end")
+    with loader:
+        ids = np.concatenate([b["id"].numpy().copy() for b in loader])
+    assert set(ids.tolist()) == set(range(4000))
