@@ -812,7 +812,7 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
             raise ValueError(f"partition id {p}: rows {head[p]}..{end[p]} are not in the pool")
     for s in range(nsrc):
         if weights[s] < 0 or ring_len[s] < 0 or ring_start[s] < 0 \
-                or ring_start[s] + ring_len[s] > nring:
+                or ring_start[s] > nring or ring_len[s] > nring - ring_start[s]:
             raise ValueError(f"source {s}: a negative weight, or its ring is not in ``ring``")
         if ring_len[s] and not 0 <= rr[s] < ring_len[s]:
             raise ValueError(f"source {s}: turn {rr[s]} of a ring of {ring_len[s]}")
@@ -881,8 +881,8 @@ def gather_documents(const uint8_t[::1] src, const int64_t[::1] starts,
     if itemsize <= 0 or lengths.shape[0] != n or at.shape[0] != n:
         raise ValueError("one start, one length and one place per document, itemsize > 0")
     for i in range(n):
-        if starts[i] < 0 or lengths[i] < 0 or at[i] < 0 or starts[i] + lengths[i] > have \
-                or at[i] + lengths[i] > room:
+        if starts[i] < 0 or lengths[i] < 0 or at[i] < 0 or starts[i] > have \
+                or lengths[i] > have - starts[i] or at[i] > room or lengths[i] > room - at[i]:
             raise ValueError(f"document {i} ({starts[i]}, {lengths[i]} tokens, to {at[i]}) "
                              f"is outside {have} tokens in or {room} out")
     with nogil:

@@ -168,3 +168,25 @@ def test_group_mode_ranks_keep_the_merged_state_of_the_partitions_they_are_given
             rest += [b["id"].numpy().copy() for b in loader]
     ids = np.concatenate(first + rest)
     assert sorted(ids.tolist()) == list(range(total))
+
+
+@pytest.mark.parametrize("exhausted", ["stop", "renormalize"])
+def test_a_mixture_one_rank_finished_is_read_to_the_end_by_the_new_ranks(exhausted):
+    values, k = {}, 0
+    for t, n in (("a", 40), ("b", 400)):
+        for p in range(2):  # rank 0: partition 0 of each topic, rank 1: partition 1
+            n_here = n if p == 1 else 20
+            values[(t, p)] = ROWS.encode_blocks({"id": np.arange(k, k + n_here)}, 5)
+            k += n_here
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=1, exhausted=exhausted)
+    kw = {"topics": mix, "batch_size": 8}
+    first, states = run_job(values, 2, [100, 3], None, "id", **kw)  # rank 0 runs out
+    assert states[0]["mix"]["ended"] and not states[1]["mix"]["ended"]
+    rest, _ = run_job(values, 1, None,
+                      Loader.merge_states(states), "id", **kw)
+    ids = np.concatenate(first + rest)
+    assert len(ids) == len(np.unique(ids))
+    if exhausted == "renormalize":  # every record, once
+        assert sorted(ids.tolist()) == list(range(k))
+    else:  # the new ranks went on where rank 1 stood: more than the old job read
+        assert len(rest) > 0

@@ -44,3 +44,68 @@ def test_two_ranks_stop_at_the_same_step(bootstrap, make_topic, tmp_path) -> Non
     assert results[0][0] == results[1][0] == 4
     assert results[1][1] == results[1][2] == 1000
     assert results[0][1] == results[0][2] == 4 * 256
+
+
+EPOCHS_WORKER = textwrap.dedent("""
+    import json, sys, threading, time, numpy as np, torch.distributed as dist, kfeed
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+    dist.init_process_group("gloo", init_method="env://")
+    bootstrap, topic, folder = sys.argv[1], sys.argv[2], sys.argv[3]
+    rank = dist.get_rank()
+    config = {"bootstrap.servers": bootstrap, "group.id": "epochs-" + topic}
+    # In offset order: in a group each epoch begins with a rebalance, where a shuffle
+    # may repeat records (README, "Rebalances"); static ranks shuffle exactly.
+    loader = kfeed.Loader(config, topic, synthetic_schema(), 100, device="cpu", until="end",
+                          epochs=2)
+
+    def more():  # records keep coming while the ranks start: not in the window
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, synthetic_schema()) as p:
+            for k in range(20):
+                ids = np.arange(10000 + 100 * k, 10100 + 100 * k)
+                p.send(synthetic_columns(ids), keys=ids)
+                p.flush()
+                time.sleep(0.05)
+
+    if rank == 0:
+        writer = threading.Thread(target=more)
+        writer.start()
+    else:
+        time.sleep(1.0)  # so that a window of its own would end elsewhere
+    for epoch in range(2):
+        ids = [i for batch in loader for i in batch["id"].tolist()]
+        with open(f"{folder}/rank{rank}-epoch{epoch}.json", "w") as f:
+            json.dump(ids, f)
+    window = loader.state_dict()["epochs"]["window"]
+    loader.close()
+    if rank == 0:
+        writer.join()
+    print("RESULT", rank, sum(o for _t, _p, o in window["until"]),
+          sum(o for _t, _p, o in window["start"]), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_ranks_in_a_group_read_one_window_every_epoch(bootstrap, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=4)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, synthetic_schema()) as p:
+        ids = np.arange(4000)
+        p.send(synthetic_columns(ids), keys=ids)
+    script = tmp_path / "worker.py"
+    script.write_text(EPOCHS_WORKER)
+    results = run_two_ranks(script, bootstrap, topic, str(tmp_path))
+    assert results[0] == results[1]  # rank 0's window, on both ranks
+    import json
+
+    epochs: list[set[int]] = []
+    for epoch in range(2):
+        got = [json.loads((tmp_path / f"rank{r}-epoch{epoch}.json").read_text())
+               for r in range(2)]
+        both = got[0] + got[1]
+        assert len(both) == len(set(both))  # each record once in the epoch
+        epochs.append(set(both))
+        # The ranks stop at the same step (DistributedSampler's drop_last): a rank may
+        # leave some of its records to the window's next reading.
+        assert len(both) >= 4000 - 2 * 4 * 100
+    # Both epochs read the one window: records written after it was resolved are in neither.
+    last = max(epochs[0] | epochs[1])
+    assert last < 12000 - 100 * 3  # the writer went on for a second after rank 0 resolved it

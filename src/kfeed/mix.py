@@ -127,9 +127,18 @@ def _checked(weights: Any, topics: tuple[str, ...] | None, what: str) -> dict[st
         out[topic] = float(w)
     if sum(out.values()) <= 0:
         raise ConfigError(f"{what}: at least one weight must be above 0, got {out}")
-    if topics is not None and tuple(out) != topics:
-        raise ConfigError(f"{what} names {list(out)}, not the mixture's topics {list(topics)}")
+    if topics is not None:
+        if set(out) != set(topics):
+            raise ConfigError(f"{what} names {sorted(out)}, not the mixture's topics "
+                              f"{sorted(topics)}")
+        out = {t: out[t] for t in topics}
     return out
+
+
+def _split(run: np.ndarray, offset: int, sub: int) -> tuple[np.ndarray, np.ndarray]:
+    """A run of one partition: the records at or after ``(offset, sub)``, and those before."""
+    before = (run[:, 1] < offset) | ((run[:, 1] == offset) & (run[:, 2] < sub))
+    return run[~before], run[before]
 
 
 def _splitmix(state: int) -> tuple[int, int]:
@@ -193,6 +202,8 @@ class Mixer:
 
     def reset(self) -> None:
         """Drop every queued record and the assignment (the order was rebuilt)."""
+        self._tail: dict[int, tuple[int, int]] = {}  # per id, the last record queued
+        self.repeats: list[np.ndarray] = []  # items of records queued twice: the caller frees them
         # Each partition id queues in its own region of the pool,
         # [base, base + room), its records at [head, end).
         self._pool = np.empty((0, 4), np.int64)
@@ -264,6 +275,9 @@ class Mixer:
             rings[s].append(parts[tp])
         self._parts = {pid: tp for tp, pid in parts.items()}
         self.present = np.array([bool(r) for r in rings], np.uint8)
+        for s, ring in enumerate(rings):  # a partition not read to its end: the source is back
+            if any(not self._done[p] for p in ring):
+                self.live[s] = 1
         for s, ring in enumerate(rings):
             self._src_of[ring] = s
         self._ring = np.array([p for r in rings for p in r], np.int64)
@@ -274,6 +288,10 @@ class Mixer:
             turn = [self._parts[p] for p in ring].index(nxt) \
                 if nxt is not None and nxt in [self._parts[p] for p in ring] else 0
             self._rr[s] = turn
+
+    def remember_turns(self) -> None:
+        """Note each source's next partition (before the order is rebuilt)."""
+        self._remember_next()
 
     def _remember_next(self) -> None:
         for s in range(len(self.sources)):
@@ -290,10 +308,11 @@ class Mixer:
         return [t for s, t in enumerate(self.sources) if not self.present[s]]
 
     def done(self, pids: list[int]) -> None:
-        """These partitions were read to their end (a bounded read)."""
+        """Exactly these partitions are read to their end (a bounded read)."""
         if pids:
             self._grow(max(pids) + 1)
-            self._done[pids] = 1
+        self._done[:] = 0
+        self._done[pids] = 1
 
     def queued(self) -> np.ndarray:
         """Records queued per partition id."""
@@ -321,12 +340,16 @@ class Mixer:
                 self._grow(p + 1)
             run = recs[a:b]
             if p < nknown and known[p] and (o, sub) < (arrived[p, 0], arrived[p, 1]):
-                lo_o, lo_s = int(arrived[p, 0]), int(arrived[p, 1])
-                before = (run[:, 1] < lo_o) | ((run[:, 1] == lo_o) & (run[:, 2] < lo_s))
-                passed.append(run[before])
-                run = run[~before]
+                run, below = _split(run, int(arrived[p, 0]), int(arrived[p, 1]))
+                passed.append(below)
+            tail = self._tail.get(p)
+            if tail is not None and len(run) and (int(run[0, 1]), int(run[0, 2])) <= tail:
+                # Queued already (read again): the order must not see it twice.
+                run, again = _split(run, tail[0], tail[1] + 1)
+                self.repeats.append(again[:, 3])
             if len(run):
                 self._append(p, run)
+                self._tail[p] = (int(run[-1, 1]), int(run[-1, 2]))
         if not passed:
             return recs[:0]
         return passed[0] if len(passed) == 1 else np.concatenate(passed)

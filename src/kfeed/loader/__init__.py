@@ -79,7 +79,7 @@ from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError
 from kfeed.formats import RecordFormat
-from kfeed.loader.agreement import EpochAgreement, shared_run
+from kfeed.loader.agreement import EpochAgreement, from_rank0, shared_run
 from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
@@ -444,7 +444,11 @@ class Loader:
         f = self._feeder
         if self._base.epochs is not None:
             if self._window is None:
-                self._window = self._resolve_window()
+                # The ranks of a job read one window: rank 0's, resolved
+                # before any of them committed.
+                ranks = self.world_size > 1 and dist_ready() and get_worker_info() is None
+                mine = self._resolve_window() if not ranks or self.rank == 0 else None
+                self._window = from_rank0(mine) if ranks else mine
             # Every epoch reads the same window, resolved once.
             self._ledger.start, self._fetcher.until = self._window
         if self.assignment_mode == "static":
@@ -684,10 +688,14 @@ class Loader:
         if (state.get("epochs") is None) != (self._base.epochs is None):
             raise ConfigError("the state was saved by a loader " + (
                 "with epochs=" if self._base.epochs is None else "without epochs="))
-        if state.get("epochs") is not None and not self._load_epoch(state["epochs"]):
-            return  # between epochs: the next one starts afresh
-        with self._ledger.lock:
-            self._ledger.load_state(state)
+        if ("order" in state) != isinstance(self._ledger, OrderLedger) or \
+                ("mix" in state) != (getattr(self._ledger, "mixer", None) is not None):
+            with self._ledger.lock:  # says what differs, before anything changes
+                self._ledger.load_state(state)
+        mid_epoch = state.get("epochs") is None or self._load_epoch(state["epochs"])
+        if mid_epoch:  # (between epochs, the next one starts afresh)
+            with self._ledger.lock:
+                self._ledger.load_state(state)
         # A resumed loader carries on its state's lineage: the commits of a
         # run killed before its first checkpoint are then its own too.
         resumed = [x for x in state.get("lineages", []) if isinstance(x, str)]
@@ -968,7 +976,15 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
             partial.append([*order["outbox"][0], int(st["pack_offset"])])
     merged = {**first, "partitions": entries, "held": [], "outbox": outbox,
               "emitted": sum(int(o["emitted"]) for o in orders)}
-    return {"order": merged, "pack_offset": 0, "partial": partial}
+    out: dict[str, Any] = {"order": merged, "pack_offset": 0, "partial": partial}
+    if "mix" in states[0]:
+        mixes = [st["mix"] for st in states]
+        if any(m.get("mix") != mixes[0].get("mix") for m in mixes):
+            raise ConfigError("the states differ in their Mix")
+        # Rank 0's round robin goes on; which sources ran out was rank 0's
+        # alone: every rank finds that out again from its own partitions.
+        out["mix"] = {**mixes[0], "ended": False, "live": [True] * len(mixes[0]["live"])}
+    return out
 
 
 def memory_loader(values: Any, schema: Schema, batch_size: int, **kwargs: Any) -> Loader:

@@ -28,10 +28,15 @@ def collective_device(backend: str) -> torch.device:
 
 def shared_run(run: str) -> str:
     """Rank 0's ``run``, on every rank (a collective: every rank calls it once)."""
-    box = [run]
+    return str(from_rank0(run))
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (any picklable object), on every rank: a collective."""
+    box = [value]
     torch.distributed.broadcast_object_list(
         box, src=0, device=collective_device(torch.distributed.get_backend()))
-    return str(box[0])
+    return box[0]
 
 
 class EpochAgreement:

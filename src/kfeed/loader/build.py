@@ -39,6 +39,7 @@ import torch
 
 from kfeed import _fetch, _pack
 from kfeed.badrecords import BadRecords
+from kfeed.errors import KfeedError
 from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import Ledger, OrderLedger
@@ -503,8 +504,19 @@ class RecordBuilder(SlotBuilder):
             return order.push_many(recs)
         self._sync_mixer()
         passed = mixer.push(recs, *order.arrived())
+        emitted, skipped = order.push_many(passed)
+        if mixer.repeats:  # queued twice: freed as the order's repeats are
+            skipped = np.concatenate([skipped, *mixer.repeats])
+            mixer.repeats.clear()
+        if order.restoring:
+            # The records of a loaded state are not all back: the mixture
+            # waits, so that its draws stay those of the run that saved it.
+            return emitted, skipped
         mixed = mixer.take()
-        return order.push_many(np.concatenate([passed, mixed]) if len(passed) else mixed)
+        if not len(mixed):
+            return emitted, skipped
+        more, again = order.push_many(mixed)
+        return np.concatenate([emitted, more]), np.concatenate([skipped, again])
 
     def _sync_mixer(self) -> None:
         """The mixer's partitions are the assignment's; those read to their end are done."""
@@ -532,8 +544,9 @@ class RecordBuilder(SlotBuilder):
         mixer = self.mixer
         assert mixer is not None
         f = self.fetcher
-        if mixer.ended or (f.rebalances, len(f.assigned), len(f.done)) == self.mix_synced:
-            return False  # nothing changed since the last take
+        if mixer.ended or (f.rebalances, len(f.assigned), len(f.done)) == self.mix_synced \
+                or self.order_ledger.order.restoring:
+            return False  # nothing changed since the last take, or a state is coming back
         with self.ledger.lock:
             self._sync_mixer()
             mixed = mixer.take()
@@ -716,7 +729,11 @@ class _Fetches:
              ) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
         firsts = np.asarray(self.firsts, np.int64)
-        which = firsts[np.searchsorted(firsts, ids, side="right") - 1]
+        at_fetch = np.searchsorted(firsts, ids, side="right") - 1
+        if len(ids) and (at_fetch.min() < 0 or not all(int(i) - int(firsts[j]) < len(
+                self.held[int(firsts[j])][1]) - 1 for i, j in zip(ids, at_fetch, strict=True))):
+            raise KfeedError("a document the order emitted is not held: a bug in kfeed")
+        which = firsts[at_fetch]
         lengths = np.empty(len(ids), np.int64)
         src = np.empty(len(ids), np.int64)
         groups = []

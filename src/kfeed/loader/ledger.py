@@ -360,6 +360,8 @@ class OrderLedger(Ledger):
         head = state["outbox"][0] if state["outbox"] else None
         kept = ShuffleBuffer.without(state, without)
         offset = self.pack_offset if head is not None and kept["outbox"][:1] == [head] else 0
+        if self.mixer is not None:  # its queues go with the order; its turns stay
+            self.mixer.remember_turns()
         self._restore(kept, offset)
 
     def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
