@@ -1264,9 +1264,21 @@ def check_avro(oracle: list[bytes], at_end: list[bool], capacity: int) -> None:
     import fastavro
 
     # kfeed skips the strings it does not read, without checking their UTF-8:
-    # the oracle reads them as bytes (the same encoding).
-    as_bytes = fastavro.parse_schema(
-        json.loads(json.dumps(AVRO_WRITER).replace('"string"', '"bytes"')))
+    # the oracle reads them as bytes (the same encoding), and a map as the
+    # array of (key, value) records its encoding is, so its keys are bytes too.
+    def keys_as_bytes(node: object) -> object:
+        if isinstance(node, dict) and node.get("type") == "map":
+            return {"type": "array", "items": {"type": "record", "name": "entry", "fields": [
+                {"name": "key", "type": "bytes"},
+                {"name": "value", "type": keys_as_bytes(node["values"])}]}}
+        if isinstance(node, dict):
+            return {k: keys_as_bytes(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [keys_as_bytes(v) for v in node]
+        return node
+
+    as_bytes = fastavro.parse_schema(keys_as_bytes(
+        json.loads(json.dumps(AVRO_WRITER).replace('"string"', '"bytes"'))))
     # Right against a guard page: a read past the value's end faults.
     values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
     whole, out = sentinel_out(AVRO_SCHEMA, capacity)

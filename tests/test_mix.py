@@ -118,7 +118,7 @@ def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
     ({"weights": {"a": 0.0, "b": 0.0}}, "at least one weight"),
     ({"weights": {"a": True}}, "finite number >= 0"),
     ({"weights": ["a", "b"]}, "dict {topic: weight} or a callable"),
-    ({"weights": {"a": 1.0}, "exhausted": "repeat"}, "'stop' or 'renormalize'"),
+    ({"weights": {"a": 1.0}, "exhausted": "forever"}, "'stop', 'renormalize' or 'repeat'"),
     ({"weights": {"a": 1.0}, "seed": -1}, "seed must be an int"),
     ({"weights": lambda step: 1 / 0}, "schedule failed at step 0"),
 ])
@@ -433,3 +433,46 @@ def test_a_mixture_through_rebalances_loses_nothing(incremental):
     with loader:
         ids = np.concatenate([b["id"].numpy().copy() for b in loader])
     assert set(ids.tolist()) == set(range(4000))
+
+
+def repeat_values() -> dict:
+    values = {}
+    for t, k, n in (("a", 0, 25), ("b", 1, 100)):
+        for p in range(2):
+            cols = {"id": np.arange(n) + k * 10**6 + p * 10**4,
+                    "x": np.zeros((n, 2), np.float32)}
+            values[(t, p)] = ROWS.encode_blocks(cols, 7)
+    return values
+
+
+def test_repeat_reads_a_source_again_until_every_source_ran_out_once():
+    got, stats = read(repeat_values(), Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat"),
+                      batch_size=16)
+    ids = np.concatenate(got)
+    b = ids[ids >= 10**6]
+    assert sorted(b.tolist()) == sorted(set(b.tolist())) and len(b) == 200  # b once
+    a = ids[ids < 10**6]
+    counts = np.bincount(a % 10**4 + 25 * (a // 10**4), minlength=50)
+    # a four times over (and the first record of a fifth reading, drawn before b ran out)
+    assert len(a) - len(b) in (0, 1) and counts.min() == 4 and counts.max() <= 5
+    assert window_deviation((ids >= 10**6).astype(np.int64), [0.5, 0.5]) < 2.0
+    assert stats["mix"] == {"a": len(a), "b": 200}
+
+
+@pytest.mark.parametrize("stop", [3, 8, 11])  # a in its first, second and third reading
+def test_repeat_resumes_inside_a_reading_exactly(stop):
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat")
+    kw = {"batch_size": 16, "shuffle": Shuffle(20, seed=1)}
+    whole = np.concatenate(read(repeat_values(), mix, **kw)[0])
+    first, state = read(repeat_values(), mix, stop=stop, **kw)
+    rest, _ = read(repeat_values(), mix, state=state, **kw)
+    np.testing.assert_array_equal(np.concatenate(first + rest), whole)
+    assert all(0 <= pos[0] <= 15 for parts in state["positions"].values()
+               for pos in parts.values())  # Kafka offsets, whatever the reading
+
+
+def test_repeat_drops_a_source_with_nothing_in_its_window():
+    values = repeat_values()
+    values[("a", 0)], values[("a", 1)] = [], []
+    got, stats = read(values, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), batch_size=16)
+    assert len(np.concatenate(got)) == 200 and stats["mix"] == {"a": 0, "b": 200}

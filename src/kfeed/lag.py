@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import admin_partitions, client_config
+from kfeed._kafka import ConnectionLog, admin_partitions, client_config
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_lag"]
@@ -64,7 +64,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                           "with 'bootstrap.servers'")
     if not isinstance(group_id, str) or not group_id:
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
-    config = client_config(kafka_config)
+    # librdkafka's own lines go to logging (kfeed.librdkafka), not to stderr.
+    config = {**client_config(kafka_config), "logger": ConnectionLog()}
     admin = AdminClient(config)
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)

@@ -44,7 +44,7 @@ from kfeed.errors import ConfigError
 
 __all__ = ["Mix", "Mixer"]
 
-_EXHAUSTED = ("stop", "renormalize")
+_EXHAUSTED = ("stop", "renormalize", "repeat")
 _SCALE = 1 << 32  # weights as integers summing to about this: the same order on every machine
 _MASK64 = 2**64 - 1
 
@@ -66,7 +66,10 @@ class Mix:
     ``exhausted``, for a bounded read (``until``): what happens once a source
     has no record left. ``"stop"``: the epoch ends (the other sources' records
     stay unread, and are the next read's); ``"renormalize"``: the others go on,
-    in the same proportions to each other, until all ran out.
+    in the same proportions to each other, until all ran out; ``"repeat"``: that
+    source is read again from where this read started it, and the read ends
+    once every source ran out at least once (a source with nothing in its
+    window drops out).
     """
 
     weights: Weights | Callable[[int], Weights]
@@ -79,7 +82,7 @@ class Mix:
                 or not 0 <= self.seed < 2**64:
             raise ConfigError(f"Mix seed must be an int in 0..2**64-1, got {self.seed!r}")
         if self.exhausted not in _EXHAUSTED:
-            raise ConfigError(f"Mix exhausted must be 'stop' or 'renormalize', "
+            raise ConfigError(f"Mix exhausted must be 'stop', 'renormalize' or 'repeat', "
                               f"got {self.exhausted!r}")
         if callable(self.weights):
             first = self.weights_at(0, None)
@@ -172,6 +175,9 @@ class Mixer:
             self.credits[s] = z % _SCALE
         self.credits -= int(self.credits.sum()) // n
         self.live = np.ones(n, np.uint8)     # not run out (a bounded read, "renormalize")
+        self.ran_out = np.zeros(n, np.uint8)  # "repeat": ran out at least once
+        self.since = np.zeros(n, np.int64)    # "repeat": records let out since its last start
+        self.to_repeat: int | None = None     # "repeat": the source to read again now
         self.present = np.zeros(n, np.uint8)  # with a partition in the assignment
         self.mixed = 0        # records let out: the step of a schedule is mixed // batch_size
         self.ended = False    # a bounded read: the mixture is over
@@ -260,9 +266,13 @@ class Mixer:
         self._pool, self._base, self._room = pool, base, rooms
         self._head, self._end = base.copy(), base + kept
 
-    def assign(self, parts: Mapping[Hashable, int]) -> None:
-        """The partitions to mix (``(topic, partition)`` -> id), each source's in turn."""
-        if parts == {v: k for k, v in self._parts.items()}:
+    def assign(self, parts: Mapping[Hashable, int], *, force: bool = False) -> None:
+        """The partitions to mix (``(topic, partition)`` -> id), each source's in turn.
+
+        ``force``: lay the rings out again though the partitions are the same
+        (a source read again: its partitions left its ring as they ran out).
+        """
+        if not force and parts == {v: k for k, v in self._parts.items()}:
             return
         self._remember_next()
         self._grow(max(parts.values(), default=-1) + 1)
@@ -367,7 +377,11 @@ class Mixer:
     def take(self) -> np.ndarray:
         """The records that may go out now, in the mixture's order."""
         out_parts: list[np.ndarray] = []
+        self._counted, self._taken = 0, []
         self.stalled_on = None
+        if self.to_repeat is not None:  # waits until the caller started it again
+            self.stalled_on = self.sources[self.to_repeat]
+            return np.empty((0, 4), np.int64)
         while not self.ended and self._parts:
             self._weights_for(self.mixed // self.batch_size)
             limit = int((self._end - self._head).sum()) + 1
@@ -392,14 +406,35 @@ class Mixer:
                 self.live[src] = 0
                 self.credits[src] = 0
                 continue
+            if why == _pack.MIX_EXHAUSTED and self.mix.exhausted == "repeat":
+                self._count(out_parts)
+                self.ran_out[src] = 1
+                if self.since[src] == 0:  # nothing in its window: it drops out
+                    self.live[src] = 0
+                    self.credits[src] = 0
+                    continue
+                if not (self.ran_out | ~self.live.astype(bool) | ~self.present.astype(bool)).all():
+                    self.to_repeat = src  # the caller starts its partitions again
+                    self.since[src] = 0
+                    break
             if why == _pack.MIX_NONE and not self.bounded:
                 break  # what this member holds has no weight now: nothing goes out
             self.ended = True  # a source ran out ("stop"), or all did
-        if not out_parts:
+        self._count(out_parts)
+        taken, self._taken = self._taken, []
+        if not taken:
             return np.empty((0, 4), np.int64)
-        out = out_parts[0] if len(out_parts) == 1 else np.concatenate(out_parts)
-        self.per_source += np.bincount(self._src_of[out[:, 0]], minlength=len(self.sources))
-        return out
+        return taken[0] if len(taken) == 1 else np.concatenate(taken)
+
+    def _count(self, out_parts: list[np.ndarray]) -> None:
+        """Count the records let out so far by source (once each), and keep them."""
+        new = out_parts[self._counted:]
+        self._counted = len(out_parts)
+        for out in new:
+            by = np.bincount(self._src_of[out[:, 0]], minlength=len(self.sources))
+            self.per_source += by
+            self.since += by
+            self._taken.append(out)
 
     # -- state (see NOTE [ Mixer state ]) ----------------------------------------
 
@@ -412,6 +447,9 @@ class Mixer:
             "next": [None if n is None else list(n) for n in self._next],  # type: ignore[arg-type]
             "mixed": self.mixed,
             "ended": self.ended,
+            "to_repeat": self.to_repeat,
+            "ran_out": [bool(x) for x in self.ran_out],
+            "since": [int(x) for x in self.since],
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -431,6 +469,9 @@ class Mixer:
             raise ConfigError(f"not a mixture state: {e!r}") from None
         self.credits = np.array(credits, np.int64)
         self.live = np.array(live, np.uint8)
+        self.ran_out = np.array(state.get("ran_out", [False] * n), np.uint8)
+        self.since = np.array(state.get("since", [0] * n), np.int64)
+        self.to_repeat = state.get("to_repeat")
         self._next = nxt
         self.mixed, self.ended = mixed, ended
         self._step = -1

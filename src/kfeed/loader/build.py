@@ -42,7 +42,7 @@ from kfeed.badrecords import BadRecords
 from kfeed.errors import KfeedError
 from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
-from kfeed.loader.ledger import Ledger, OrderLedger
+from kfeed.loader.ledger import ROUND_SHIFT, Ledger, OrderLedger
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, Position
@@ -320,6 +320,8 @@ class RecordBuilder(SlotBuilder):
                 started = time.monotonic()
             if f.pending():
                 self._push_pending()
+            elif self._read_again():
+                continue
             elif self.mixer is not None and self._mix_more():
                 continue
             elif self.bounded and self._input_over():
@@ -389,6 +391,11 @@ class RecordBuilder(SlotBuilder):
             ids = [order.pid(tp) for _s, _e, tp in runs]
         pids = np.repeat(np.array(ids, np.int64), [e - s for s, e, _tp in runs])
         offsets = np.fromiter((m.offset() for m in msgs), np.int64, len(msgs))
+        rounds = self.order_ledger.rounds
+        if self.mixer is not None and any(rounds.values()):  # NOTE [ Rounds ] in ledger.py
+            offsets += np.repeat(np.array([rounds.get(tp, 0) << ROUND_SHIFT
+                                           for _s, _e, tp in runs], np.int64),
+                                 [e - s for s, e, _tp in runs])
         if self.packer is not None or self.jagged_field is not None:
             self._push_documents(msgs, vals, pids, offsets)
         else:
@@ -518,17 +525,20 @@ class RecordBuilder(SlotBuilder):
         more, again = order.push_many(mixed)
         return np.concatenate([emitted, more]), np.concatenate([skipped, again])
 
-    def _sync_mixer(self) -> None:
+    def _sync_mixer(self, *, force: bool = False) -> None:
         """The mixer's partitions are the assignment's; those read to their end are done."""
         mixer, f, order = self.mixer, self.fetcher, self.order_ledger.order
         assert mixer is not None
-        # The assignment changes only with a rebalance; done partitions only grow.
+        # The assignment changes only with a rebalance; done partitions only
+        # grow (but for a source read again, which forces this).
         now = (f.rebalances, len(f.assigned), len(f.done))
-        if now == self.mix_synced:
+        if now == self.mix_synced and not force:
             return
         self.mix_synced = now
-        mixer.assign({tp: order.pid(tp) for tp in f.assigned})
-        mixer.done([order.pid(tp) for tp in f.done if tp in f.assigned])
+        # (A partition about to be read again is not done: NOTE [ Rounds ].)
+        pending = self.order_ledger.pending_rounds
+        mixer.done([order.pid(tp) for tp in f.done if tp in f.assigned and tp not in pending])
+        mixer.assign({tp: order.pid(tp) for tp in f.assigned}, force=force)
         absent = [t for t in mixer.absent() if t not in self.warned_absent]
         if absent and f.assigned:
             self.warned_absent.update(absent)
@@ -558,6 +568,38 @@ class RecordBuilder(SlotBuilder):
             self.fetcher.source.pause(sorted(self.fetcher.assigned))
         self._backpressure()
         return bool(len(mixed)) or mixer.ended
+
+    def _read_again(self) -> bool:
+        """Mix(exhausted="repeat"): a source ran out; read its partitions again, a round on.
+
+        Called with nothing pending, so no record fetched in the last round
+        is keyed in the next. Whether a partition started again.
+        """
+        mixer, f, ledger = self.mixer, self.fetcher, self.order_ledger
+        if mixer is None or (mixer.to_repeat is None and not ledger.pending_rounds):
+            return False
+        with ledger.lock:
+            if mixer.to_repeat is not None:
+                topic = mixer.sources[mixer.to_repeat]
+                mixer.to_repeat = None
+                for tp in f.assigned:
+                    if tp[0] == topic:
+                        ledger.pending_rounds[tp] = ledger.rounds.get(tp, 0) + 1
+            # Each once read to its end: a loaded state's partition reads the
+            # records of its last round back first.
+            tps = sorted(tp for tp in ledger.pending_rounds if tp in f.done)
+            if not tps:
+                return False
+            for tp in tps:
+                ledger.rounds[tp] = ledger.pending_rounds.pop(tp)
+                f.done.discard(tp)
+            self.mix_synced = None
+            self._sync_mixer(force=True)
+        log.info("mixture: reading %s again from %s", tps, {tp: ledger.window[tp] for tp in tps})
+        f.source.seek({tp: (ledger.window[tp], 0) for tp in tps})
+        self.paused.difference_update(tps)
+        f.source.resume(tps)
+        return True
 
     def _backpressure(self) -> None:
         """Pause the partitions whose records queue in the mixer; resume them once half went."""

@@ -273,6 +273,19 @@ class Ledger:
         self.carried = dict(handed)
 
 
+# NOTE [ Rounds ]: a partition a mixture reads again (Mix(exhausted="repeat"))
+# is keyed in the order by offset + (round << ROUND_SHIFT), so each reading
+# of it comes after the last one and is not taken for repeats; positions
+# leave the ledger as Kafka offsets again (_real), and the round of a
+# partition resumed is its watermark's high bits.
+ROUND_SHIFT = 40
+_OFFSET_MASK = (1 << ROUND_SHIFT) - 1
+
+
+def _real(pos: Position) -> Position:
+    return (pos[0] & _OFFSET_MASK, pos[1])
+
+
 def _key(k: Any) -> Key:
     """A record's key from a state (JSON turns its partition tuple into a list)."""
     p, o, sub = k
@@ -319,20 +332,34 @@ class OrderLedger(Ledger):
         # offset, sub) -> tokens out: what a state merged from several ranks
         # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
         self.partial: dict[Key, int] = {}
+        # A mixture's partitions read again (NOTE [ Rounds ]): the round each
+        # is read in, and where its reading starts.
+        self.rounds: dict[TP, int] = {}
+        self.window: dict[TP, int] = {}
+        # Saved in a round its order's records had not reached yet: read the
+        # rest of the last round first, then this one from the window's start.
+        self.saved_rounds: dict[TP, int] = {}
+        self.pending_rounds: dict[TP, int] = {}
         self.on_reset: Callable[[int], None] = lambda _offset: None
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
         committed = self.source.committed(tps)
         with self.lock:
-            marks = self.order.watermarks()
+            marks = {tp: _real(m) for tp, m in self.order.watermarks().items()}
             # Partitions another member owns now, or read past what we hold.
             drop = {tp for tp in marks if tp not in owned}
-            drop.update(tp for tp in tps
-                        if tp in marks and self._newer(marks[tp], committed.get(tp)) != marks[tp])
+            drop.update(tp for tp in tps if tp in marks and not self.rounds.get(tp)
+                        and self._newer(marks[tp], committed.get(tp)) != marks[tp])
             if drop:
                 self._rebuild(drop)
             resume = self.order.resume_offsets()
-        positions = {tp: (resume[tp], 0) for tp in tps if tp in resume}
+        positions = {}
+        for tp in tps:
+            if tp in resume:
+                self.rounds[tp] = resume[tp] >> ROUND_SHIFT
+                positions[tp] = (resume[tp] & _OFFSET_MASK, 0)
+                if self.saved_rounds.get(tp, 0) > self.rounds[tp]:
+                    self.pending_rounds[tp] = self.saved_rounds[tp]
         need = [tp for tp in tps if tp not in positions]
         if need:
             fresh = self.start_positions(need, committed)
@@ -341,14 +368,17 @@ class OrderLedger(Ledger):
                     # The order skips the records of a straddled block that
                     # were delivered before.
                     self.order.seek(tp, *fresh[tp])
+                    self.rounds[tp] = 0
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
+        for tp, (off, _skip) in positions.items():
+            self.window.setdefault(tp, off)
         with self.lock:
             self.seen.update(tps)
         return positions
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
         marks = self.order.watermarks()
-        mine = {tp: marks[tp] for tp in tps if tp in marks}
+        mine = {tp: _real(marks[tp]) for tp in tps if tp in marks}
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
@@ -386,7 +416,7 @@ class OrderLedger(Ledger):
 
     def _update_used(self) -> None:
         if self.used_stale:
-            self.used.update(self.order.watermarks(used=True))
+            self.used.update({tp: _real(m) for tp, m in self.order.watermarks(used=True).items()})
             self.used_stale = False
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
@@ -394,7 +424,7 @@ class OrderLedger(Ledger):
         return super().to_commit(mine)
 
     def delivered(self) -> dict[TP, Position]:
-        return self.order.watermarks()
+        return {tp: _real(m) for tp, m in self.order.watermarks().items()}
 
     def state(self) -> dict[str, Any]:
         # Only the partitions in the order: a state with shuffle or pack is
@@ -413,6 +443,10 @@ class OrderLedger(Ledger):
         }
         if self.mixer is not None:
             state["mix"] = self.mixer.state()
+            if self.mixer.mix.exhausted == "repeat":  # where partitions read again start
+                state["window"] = [[t, p, o] for (t, p), o in sorted(self.window.items())]
+                state["rounds"] = [[t, p, r] for (t, p), r in
+                                   sorted({**self.rounds, **self.pending_rounds}.items()) if r]
         return state
 
     def _pack_spec(self) -> list[Any] | None:
@@ -433,7 +467,10 @@ class OrderLedger(Ledger):
         if self.mixer is not None:
             self.mixer.load_state(state["mix"])
         try:
+            self.window = {(str(t), int(p)): int(o) for t, p, o in state.get("window", [])}
+            self.saved_rounds = {(str(t), int(p)): int(r) for t, p, r in state.get("rounds", [])}
             self.partial = {_key(k[:3]): int(k[3]) for k in state.get("partial", [])}
         except (TypeError, ValueError, IndexError) as e:
-            raise ConfigError(f"not a loader state: its partial documents: {e!r}") from None
+            raise ConfigError(f"not a loader state: its partial documents or window: {e!r}"
+                              ) from None
         self._restore(state["order"], int(state.get("pack_offset", 0)))
