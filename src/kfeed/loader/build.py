@@ -151,17 +151,21 @@ class SlotBuilder:
         """
         f = self.fetcher
         if started is None:
-            f.fetch()
+            f.fetch(self.fetch_size(self.batch_size))
             return True
         need = self.batch_size - rows
         if self.bounded:
-            f.fetch(f.messages_for(need))
+            f.fetch(self.fetch_size(need))
             return True
         left = self.max_wait_s - (time.monotonic() - started)
         if left <= 0:
             return False
-        f.fetch(f.messages_for(need), min(POLL_S, left))
+        f.fetch(self.fetch_size(need), min(POLL_S, left))
         return True
+
+    def fetch_size(self, rows: int) -> int:
+        """Messages to ask for, for about ``rows`` more records."""
+        return self.fetcher.messages_for(rows)
 
     def _decode(self, slot: Slot, out: Handoff) -> None:
         t = time.monotonic()
@@ -273,6 +277,12 @@ class RecordBuilder(SlotBuilder):
                         and packer is not None else None)
         self.next_doc = 0
         ledger.on_reset = self._reset
+
+    def fetch_size(self, rows: int) -> int:
+        # A mixture needs every source's records: a message from each
+        # partition at least, for a fetch that holds one batch's worth.
+        n = self.fetcher.messages_for(rows)
+        return max(n, len(self.fetcher.assigned)) if self.mixer is not None else n
 
     def _reset(self, pack_offset: int) -> None:
         """The order was rebuilt (a revoke, a loaded state): drop what was built from it."""
@@ -772,10 +782,12 @@ class _Fetches:
         """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
         firsts = np.asarray(self.firsts, np.int64)
         at_fetch = np.searchsorted(firsts, ids, side="right") - 1
-        if len(ids) and (at_fetch.min() < 0 or not all(int(i) - int(firsts[j]) < len(
-                self.held[int(firsts[j])][1]) - 1 for i, j in zip(ids, at_fetch, strict=True))):
+        if len(ids) and at_fetch.min() < 0:
             raise KfeedError("a document the order emitted is not held: a bug in kfeed")
         which = firsts[at_fetch]
+        ndocs = np.array([len(self.held[f][1]) - 1 for f in self.firsts], np.int64)
+        if len(ids) and ((ids - which) >= ndocs[at_fetch]).any():
+            raise KfeedError("a document the order emitted is not held: a bug in kfeed")
         lengths = np.empty(len(ids), np.int64)
         src = np.empty(len(ids), np.int64)
         groups = []
