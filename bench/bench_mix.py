@@ -24,17 +24,10 @@ from typing import Any
 import numpy as np
 
 import kfeed
+from bench_build import _drain
 from kfeed.synthetic import synthetic_columns, synthetic_schema
 
 WEIGHTS = {"a": 0.6, "b": 0.3, "c": 0.1}
-
-
-def _drain(loader: kfeed.Loader) -> int:
-    n = 0
-    with loader:
-        for batch in loader:
-            n += batch.size
-    return n
 
 
 def _split(values: list[bytes]) -> tuple[dict[Any, list[bytes]], dict[Any, list[bytes]]]:

@@ -20,11 +20,10 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-
-import kfeed
+import pytest
 from test_faults import columns, count_ids, report
 
-import pytest
+import kfeed
 
 pytestmark = pytest.mark.integration
 

@@ -85,7 +85,6 @@ from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger, OrderLedger
-from kfeed.mix import Mix, Mixer
 from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
@@ -94,9 +93,17 @@ from kfeed.loader.tuning import (
     memory_settings,
     prefetch_ceiling,
 )
+from kfeed.mix import Mix, Mixer
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
-from kfeed.sources import CONSUMER_DEFAULTS, TP, KafkaSource, MemorySource, Position, Source
+from kfeed.sources import (
+    CONSUMER_DEFAULTS,
+    TP,
+    KafkaSource,
+    MemorySource,
+    Position,
+    Source,
+)
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
 
 __all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"]
