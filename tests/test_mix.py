@@ -476,3 +476,52 @@ def test_repeat_drops_a_source_with_nothing_in_its_window():
     values[("a", 0)], values[("a", 1)] = [], []
     got, stats = read(values, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), batch_size=16)
     assert len(np.concatenate(got)) == 200 and stats["mix"] == {"a": 0, "b": 200}
+
+
+def small_a_values(a_records: int = 5, empty_a0: bool = False) -> dict:
+    values = repeat_values()
+    for p in range(2):
+        n = 0 if (empty_a0 and p == 0) else a_records
+        values[("a", p)] = ROWS.encode_blocks(
+            {"id": np.arange(n) + p * 10**4, "x": np.zeros((n, 2), np.float32)}, 2)
+    return values
+
+
+@pytest.mark.parametrize("stop", [2, 5, 9])
+def test_repeat_resumes_with_several_readings_held_in_the_shuffle(stop):
+    # A small source read again many times while a large shuffle still holds
+    # records of its first readings: they come back first, a reading at a time.
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=4, exhausted="repeat")
+    kw = {"batch_size": 16, "shuffle": Shuffle(120, seed=2)}
+    whole = np.concatenate(read(small_a_values(), mix, **kw)[0])
+    first, state = read(small_a_values(), mix, stop=stop, **kw)
+    assert max(r for _t, _p, r in state["rounds"]) >= 2
+    rest, _ = read(small_a_values(), mix, state=state, **kw)
+    np.testing.assert_array_equal(np.concatenate(first + rest), whole)
+
+
+def test_repeat_with_a_partition_empty_in_the_window_does_not_stall():
+    got, stats = read(small_a_values(empty_a0=True), Mix({"a": 0.5, "b": 0.5},
+                                                          exhausted="repeat"), batch_size=16)
+    ids = np.concatenate(got)
+    assert stats["mix"]["b"] == 200 and abs(stats["mix"]["a"] - 200) <= 1
+    assert set(ids[ids < 10**6].tolist()) == set(range(10**4, 10**4 + 5))
+
+
+def test_repeat_through_an_incremental_rebalance_reads_the_big_source_once():
+    source = MemorySource(small_a_values(), incremental=True)
+    values = small_a_values()
+    source = MemorySource(values, incremental=True)
+    loader = Loader(None, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), ROWS, 16,
+                    source=source, device="cpu", until="end", shuffle=Shuffle(40, seed=1))
+    with loader:
+        ids = []
+        for i, batch in enumerate(loader):
+            ids.append(batch["id"].numpy().copy())
+            if i == 3:  # the loader keeps a's partitions, loses and regains b's
+                source._script.append((source.calls + 1, [("b", 1)], []))
+                source._script.append((source.calls + 4, [], [("b", 1)]))
+    ids = np.concatenate(ids)
+    b = ids[ids >= 10**6]
+    assert set(b.tolist()) == set(np.concatenate([10**6 + np.arange(100),
+                                                  10**6 + 10**4 + np.arange(100)]).tolist())

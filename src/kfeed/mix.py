@@ -192,6 +192,11 @@ class Mixer:
         self._one_source = False  # see in_turn
         self.reset()
 
+    @property
+    def mixes(self) -> bool:
+        """A mixture of topics (not ``in_turn``)."""
+        return not self._one_source
+
     @classmethod
     def in_turn(cls, batch_size: int, *, bounded: bool) -> Mixer:
         """No mixture: every partition of every topic in one ring, in turn, record by record.
@@ -308,6 +313,9 @@ class Mixer:
             n = self._ring_len[s]
             if n:
                 self._next[s] = self._parts[int(self._ring[self._ring_start[s] + self._rr[s]])]
+            elif self._parts and self.present[s]:
+                # Every partition ran out: read again, its turns start at the first.
+                self._next[s] = None
 
     def partitions(self) -> dict[int, Hashable]:
         """The assignment: id -> partition."""

@@ -543,6 +543,13 @@ class ShuffleBuffer:
                 self._known = np.concatenate([self._known, np.zeros_like(self._known)])
         return p
 
+    def read_position(self, partition: Hashable) -> tuple[int, int] | None:
+        """``(offset, sub)`` after the last record of ``partition`` taken, if known."""
+        p = self._pid.get(partition)
+        if p is None or not self._known[p, 0]:
+            return None
+        return int(self._pos[p, 0]), int(self._pos[p, 1])
+
     def known_pid(self, partition: Hashable) -> int | None:
         """The id of ``partition``, or None if it has none yet."""
         return self._pid.get(partition)

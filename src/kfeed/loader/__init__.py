@@ -990,7 +990,15 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
             raise ConfigError("the states differ in their Mix")
         # Rank 0's round robin goes on; which sources ran out was rank 0's
         # alone: every rank finds that out again from its own partitions.
-        out["mix"] = {**mixes[0], "ended": False, "live": [True] * len(mixes[0]["live"])}
+        n = len(mixes[0]["live"])
+        out["mix"] = {**mixes[0], "ended": False, "live": [True] * n, "to_repeat": None,
+                      "ran_out": [False] * n,
+                      "since": [sum(int(m.get("since", [0] * n)[k]) for m in mixes)
+                                for k in range(n)]}
+        # Mix(exhausted="repeat"): each partition's window start and round.
+        for key in ("window", "rounds"):
+            if any(key in st for st in states):
+                out[key] = [e for st in states for e in st.get(key, [])]
     return out
 
 

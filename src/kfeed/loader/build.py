@@ -282,7 +282,8 @@ class RecordBuilder(SlotBuilder):
         # A mixture needs every source's records: a message from each
         # partition at least, for a fetch that holds one batch's worth.
         n = self.fetcher.messages_for(rows)
-        return max(n, len(self.fetcher.assigned)) if self.mixer is not None else n
+        mixing = self.order_ledger.mixer is not None and self.order_ledger.mixer.mixes
+        return max(n, len(self.fetcher.assigned)) if mixing else n
 
     def _reset(self, pack_offset: int) -> None:
         """The order was rebuilt (a revoke, a loaded state): drop what was built from it."""
@@ -591,24 +592,36 @@ class RecordBuilder(SlotBuilder):
         with ledger.lock:
             if mixer.to_repeat is not None:
                 topic = mixer.sources[mixer.to_repeat]
-                mixer.to_repeat = None
-                for tp in f.assigned:
-                    if tp[0] == topic:
-                        ledger.pending_rounds[tp] = ledger.rounds.get(tp, 0) + 1
-            # Each once read to its end: a loaded state's partition reads the
-            # records of its last round back first.
+                mine = [tp for tp in f.assigned if tp[0] == topic]
+                if mine:  # (none assigned yet: once they are)
+                    mixer.to_repeat = None
+                for tp in mine:  # the round after the last one the order took records of
+                    read = ledger.order.read_position(tp)
+                    last = max(ledger.rounds.get(tp, 0),
+                               read[0] >> ROUND_SHIFT if read is not None else 0)
+                    ledger.pending_rounds[tp] = max(ledger.pending_rounds.get(tp, 0), last + 1)
+            # Each once read to its end, a round at a time: a loaded state's
+            # partition reads the records of the rounds it held back first.
             tps = sorted(tp for tp in ledger.pending_rounds if tp in f.done)
             if not tps:
                 return False
+            seek = []
             for tp in tps:
-                ledger.rounds[tp] = ledger.pending_rounds.pop(tp)
-                f.done.discard(tp)
+                ledger.rounds[tp] = ledger.rounds.get(tp, 0) + 1
+                if ledger.rounds[tp] >= ledger.pending_rounds[tp]:
+                    del ledger.pending_rounds[tp]
+                if ledger.window[tp] < f.ends.get(tp, ledger.window[tp] + 1):
+                    f.done.discard(tp)
+                    seek.append(tp)
+                # (An empty window: nothing to read in any round; it stays done.)
             self.mix_synced = None
             self._sync_mixer(force=True)
-        log.info("mixture: reading %s again from %s", tps, {tp: ledger.window[tp] for tp in tps})
-        f.source.seek({tp: (ledger.window[tp], 0) for tp in tps})
-        self.paused.difference_update(tps)
-        f.source.resume(tps)
+        if seek:
+            log.info("mixture: reading %s again from %s", seek,
+                     {tp: ledger.window[tp] for tp in seek})
+            f.source.seek({tp: (ledger.window[tp], 0) for tp in seek})
+            self.paused.difference_update(seek)
+            f.source.resume(seek)
         return True
 
     def _backpressure(self) -> None:

@@ -282,10 +282,6 @@ ROUND_SHIFT = 40
 _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 
 
-def _real(pos: Position) -> Position:
-    return (pos[0] & _OFFSET_MASK, pos[1])
-
-
 def _key(k: Any) -> Key:
     """A record's key from a state (JSON turns its partition tuple into a list)."""
     p, o, sub = k
@@ -325,6 +321,7 @@ class OrderLedger(Ledger):
         self.packer = packer
         # A mixture's order, in front of the shuffle buffer (NOTE [ Mixer state ]).
         self.mixer = mixer
+        self.repeat = mixer is not None and mixer.mix.exhausted == "repeat"
         self.order = ShuffleBuffer(shuffle, ack=True, track_used=True)
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
@@ -345,7 +342,7 @@ class OrderLedger(Ledger):
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
         committed = self.source.committed(tps)
         with self.lock:
-            marks = {tp: _real(m) for tp, m in self.order.watermarks().items()}
+            marks = {tp: self._real(m) for tp, m in self.order.watermarks().items()}
             # Partitions another member owns now, or read past what we hold.
             drop = {tp for tp in marks if tp not in owned}
             drop.update(tp for tp in tps if tp in marks and not self.rounds.get(tp)
@@ -356,10 +353,7 @@ class OrderLedger(Ledger):
         positions = {}
         for tp in tps:
             if tp in resume:
-                self.rounds[tp] = resume[tp] >> ROUND_SHIFT
-                positions[tp] = (resume[tp] & _OFFSET_MASK, 0)
-                if self.saved_rounds.get(tp, 0) > self.rounds[tp]:
-                    self.pending_rounds[tp] = self.saved_rounds[tp]
+                positions[tp] = self._resume_round(tp, resume[tp])
         need = [tp for tp in tps if tp not in positions]
         if need:
             fresh = self.start_positions(need, committed)
@@ -376,9 +370,45 @@ class OrderLedger(Ledger):
             self.seen.update(tps)
         return positions
 
-    def give_up(self, tps: list[TP]) -> dict[TP, Position]:
+    def _real(self, pos: Position) -> Position:
+        """A position of the order as a Kafka position (NOTE [ Rounds ])."""
+        return (pos[0] & _OFFSET_MASK, pos[1]) if self.repeat else pos
+
+    def _resume_round(self, tp: TP, resume: int) -> Position:
+        """Where a partition the order holds goes on, and in which round (NOTE [ Rounds ]).
+
+        It re-reads from its watermark, in the watermark's round. If the
+        order had gone further (records of later rounds held, or a restart
+        made or asked for with nothing of it read yet), those rounds follow,
+        one at a time (``pending_rounds``). Had it read its round to the end
+        with nothing held, it starts the next round right away: no seek is
+        needed, the assignment itself starts there.
+        """
+        if not self.repeat:
+            return (resume, 0)
+        low = resume >> ROUND_SHIFT
+        read = self.order.read_position(tp)
+        target = max(low, self.rounds.get(tp, 0), self.pending_rounds.get(tp, 0),
+                     self.saved_rounds.get(tp, 0),
+                     read[0] >> ROUND_SHIFT if read is not None else 0)
+        self.rounds[tp] = low
+        position = (resume & _OFFSET_MASK, 0)
         marks = self.order.watermarks()
-        mine = {tp: _real(marks[tp]) for tp in tps if tp in marks}
+        if target > low and read is not None and marks.get(tp) == read and tp in self.window:
+            self.rounds[tp] = low + 1
+            position = (self.window[tp], 0)
+        if target > self.rounds[tp]:
+            self.pending_rounds[tp] = target
+        else:
+            self.pending_rounds.pop(tp, None)
+        return position
+
+    def give_up(self, tps: list[TP]) -> dict[TP, Position]:
+        for tp in tps:  # a partition back later finds its rounds again from the order
+            self.rounds.pop(tp, None)
+            self.pending_rounds.pop(tp, None)
+        marks = self.order.watermarks()
+        mine = {tp: self._real(marks[tp]) for tp in tps if tp in marks}
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
@@ -416,7 +446,8 @@ class OrderLedger(Ledger):
 
     def _update_used(self) -> None:
         if self.used_stale:
-            self.used.update({tp: _real(m) for tp, m in self.order.watermarks(used=True).items()})
+            self.used.update({tp: self._real(m)
+                              for tp, m in self.order.watermarks(used=True).items()})
             self.used_stale = False
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
@@ -424,7 +455,7 @@ class OrderLedger(Ledger):
         return super().to_commit(mine)
 
     def delivered(self) -> dict[TP, Position]:
-        return {tp: _real(m) for tp, m in self.order.watermarks().items()}
+        return {tp: self._real(m) for tp, m in self.order.watermarks().items()}
 
     def state(self) -> dict[str, Any]:
         # Only the partitions in the order: a state with shuffle or pack is
