@@ -115,3 +115,21 @@ def test_epochs_read_the_window_resolved_at_the_start_each_in_its_own_order(boot
         again.set_epoch(epoch)
         np.testing.assert_array_equal(np.concatenate([b["id"].numpy() for b in again]), want)
         again.close()
+
+
+def test_repeat_reads_a_small_topic_again_and_resumes_into_the_same_stream(bootstrap,
+                                                                          make_topic):
+    small, big = make_topic(partitions=1), make_topic(partitions=2)
+    produce(bootstrap, small, np.arange(300))
+    produce(bootstrap, big, 10**6 + np.arange(2000))
+    mix = kfeed.Mix({small: 0.5, big: 0.5}, seed=3, exhausted="repeat")
+    whole, stats = read(bootstrap, mix, shuffle=kfeed.Shuffle(200, seed=1))
+    ids = np.concatenate(whole)
+    b = ids[ids >= 10**6]
+    assert sorted(b.tolist()) == list(range(10**6, 10**6 + 2000))  # the big one once
+    a = ids[ids < 10**6]
+    assert abs(len(a) - 2000) <= 1 and np.bincount(a).min() >= 6  # the small one 6-7 times
+    first, state = read(bootstrap, mix, shuffle=kfeed.Shuffle(200, seed=1), stop=19)
+    assert any(r >= 2 for _t, _p, r in state["rounds"])
+    rest, _ = read(bootstrap, mix, shuffle=kfeed.Shuffle(200, seed=1), state=state)
+    np.testing.assert_array_equal(np.concatenate(first + rest), ids)

@@ -276,8 +276,12 @@ class Ledger:
 # NOTE [ Rounds ]: a partition a mixture reads again (Mix(exhausted="repeat"))
 # is keyed in the order by offset + (round << ROUND_SHIFT), so each reading
 # of it comes after the last one and is not taken for repeats; positions
-# leave the ledger as Kafka offsets again (_real), and the round of a
-# partition resumed is its watermark's high bits.
+# leave the ledger as Kafka offsets again (_real). A partition resumed (a
+# loaded state, a rebalance) starts in its watermark's round and catches up
+# a round at a time to the one the order had reached (pending_rounds,
+# RecordBuilder._read_again), so records held from several readings all
+# come back. Commits are Kafka offsets of the current reading: after the
+# first reading they go back below the end committed before.
 ROUND_SHIFT = 40
 _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 
