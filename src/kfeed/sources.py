@@ -727,12 +727,20 @@ class KafkaSource(Source):
                            "isolation.level": "read_uncommitted",
                            "logger": ConnectionLog()})
         try:
-            try:
-                lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
-                                                      timeout=self.connect_timeout)
-            except KafkaException as e:
-                raise ConsumeError(f"cannot read the end of {topic}[{part}]: "
-                                   f"{e.args[0].str()}", topic=topic, partition=part) from e
+            # A dead-letter topic made a moment ago may be unknown to the
+            # broker asked while its metadata spreads: ask again a while.
+            deadline = time.monotonic() + GONE_GRACE_S
+            while True:
+                try:
+                    lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
+                                                          timeout=self.connect_timeout)
+                    break
+                except KafkaException as e:
+                    if e.args[0].code() in GONE_CODES and time.monotonic() < deadline:
+                        time.sleep(0.25)
+                        continue
+                    raise ConsumeError(f"cannot read the end of {topic}[{part}]: "
+                                       f"{e.args[0].str()}", topic=topic, partition=part) from e
             end = hi
             while end > lo:
                 start = max(lo, end - _DLQ_WINDOW)
