@@ -93,7 +93,7 @@ from kfeed.loader.tuning import (
     memory_settings,
     prefetch_ceiling,
 )
-from kfeed.mix import Mix, Mixer
+from kfeed.mix import Mix, Mixer, _splitmix
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
 from kfeed.sources import (
@@ -953,11 +953,8 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     """Epoch 0 keeps the seed; every other epoch gets its own, from the seed and its number."""
     if epoch == 0:
         return seed
-    mask = 2**64 - 1
-    z = (seed + epoch * 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
+    # The (epoch)th SplitMix64 output from the seed: the mixer's own generator.
+    return _splitmix((seed + (epoch - 1) * 0x9E3779B97F4A7C15) & (2**64 - 1))[1]
 
 
 def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:

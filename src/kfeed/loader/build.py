@@ -542,7 +542,7 @@ class RecordBuilder(SlotBuilder):
         assert mixer is not None
         # The assignment changes only with a rebalance; done partitions only
         # grow (but for a source read again, which forces this).
-        now = (f.rebalances, len(f.assigned), len(f.done))
+        now = self._mix_signature()
         if now == self.mix_synced and not force:
             return
         self.mix_synced = now
@@ -556,6 +556,11 @@ class RecordBuilder(SlotBuilder):
             log.warning("this loader holds no partition of %s: the mixture goes on "
                         "without them, in the others' proportions", absent)
 
+    def _mix_signature(self) -> tuple[int, int, int]:
+        """What changes when the assignment or the partitions read to their end do."""
+        f = self.fetcher
+        return (f.rebalances, len(f.assigned), len(f.done))
+
     def _mix_more(self) -> bool:
         """Nothing pending: let out what the mixer can now; whether anything changed.
 
@@ -564,8 +569,7 @@ class RecordBuilder(SlotBuilder):
         """
         mixer = self.mixer
         assert mixer is not None
-        f = self.fetcher
-        if mixer.ended or (f.rebalances, len(f.assigned), len(f.done)) == self.mix_synced \
+        if mixer.ended or self._mix_signature() == self.mix_synced \
                 or self.order_ledger.order.restoring:
             return False  # nothing changed since the last take, or a state is coming back
         with self.ledger.lock:
