@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kfeed-installed
 TEST_CLUSTER := .kfeed/test-cluster
+CRASH_LOG := .kfeed/crash.log
 DEMO_CLUSTER := .kfeed/demo-cluster
 PYTEST_ARGS ?=
 
@@ -26,9 +27,12 @@ test: install
 	@set -u; \
 	$(PY) -m kfeed cluster up --nodes 3 --dir $(TEST_CLUSTER) || { $(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; exit 1; }; \
 	KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(TEST_CLUSTER) | tail -n 1) \
-	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) \
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) KFEED_CRASH_LOG=$(CRASH_LOG) \
+	$(PY) -m pytest -p no:faulthandler -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; \
+	if grep -q "^Fatal Python error" $(CRASH_LOG) 2>/dev/null; then \
+		echo "pytest crashed; the test and the crashing thread (all threads: $(CRASH_LOG)):"; \
+		sed -n '1,2p' $(CRASH_LOG); sed -n '/^Current thread/,+30p' $(CRASH_LOG); fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(MAKE) --no-print-directory fuzz-debug
 

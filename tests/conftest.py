@@ -12,6 +12,7 @@ tests that ask for it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 import uuid
@@ -25,6 +26,31 @@ import pytest
 # session cluster never collides with one a developer keeps running.
 FALLBACK_PORT = 39392
 TOPIC_TIMEOUT_S = 60.0
+
+
+# A crash in native code (librdkafka's assertions abort) ends pytest with no
+# summary, and the stacks of every thread that the fault handler prints are
+# long enough to push the crashing one out of a CI log's tail. With
+# KFEED_CRASH_LOG set (``make test`` sets it, with ``-p no:faulthandler``),
+# they go to that file after the name of the test that was running, and
+# ``make test`` prints its head when pytest did not end by itself.
+_crash_log: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _crash_log
+    path = os.environ.get("KFEED_CRASH_LOG")
+    if path:
+        _crash_log = open(path, "w")  # noqa: SIM115 - open until the process ends
+        faulthandler.enable(_crash_log, all_threads=True)
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    if _crash_log is not None:
+        _crash_log.seek(0)
+        _crash_log.write(f"running {nodeid}\n")
+        _crash_log.truncate()
+        _crash_log.flush()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ own module (docs/ARCHITECTURE.md draws them, with one batch's path):
   decoded into a ``BufferPool`` slot, in order, shuffled or packed;
 - ledger (``ledger.Ledger`` / ``ledger.OrderLedger``): what was handed out,
   what may be committed, ``state_dict()``;
-- device (``kfeed.device.DeviceCopier``): the slot's copy to the device.
+- device (``kfeed.device.DeviceCopier``): the slot's copy to the device;
+- output (``kfeed.outputs``): the batch as torch, numpy, JAX or Arrow.
 
 ``feeder.Feeder`` runs fetch, build and (on CUDA) the copy on the loader's
 thread; ``Loader``, here, is the caller's side: ``next()`` takes a ready
@@ -94,6 +95,7 @@ from kfeed.loader.tuning import (
     prefetch_ceiling,
 )
 from kfeed.mix import Mix, Mixer, _splitmix
+from kfeed.outputs import converter
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
 from kfeed.sources import (
@@ -215,6 +217,11 @@ class Loader:
     ``NAME_offsets`` (see NOTE [ Jagged fields ] in ``kfeed.loader.build``);
     ``shuffle=kfeed.Shuffle(...)`` shuffles records through a seeded buffer.
     Both keep ``state_dict()`` exact (see ``OrderLedger``).
+
+    ``output``: what a batch is handed out as: ``"torch"`` (default), a
+    ``Batch`` of tensors; ``"numpy"`` or ``"jax"``, a ``Batch`` of arrays;
+    ``"arrow"``, a ``pyarrow.RecordBatch``. Each is a view of the batch,
+    not a copy, valid as long as the caller holds it (see ``kfeed.outputs``).
     """
 
     def __init__(
@@ -244,6 +251,7 @@ class Loader:
         pack: Pack | None = None,
         shuffle: Shuffle | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        output: str = "torch",
         source: Source | None = None,
     ) -> None:
         config = LoaderConfig(
@@ -254,7 +262,7 @@ class Loader:
             dlq_config=dlq_config, drop_last=drop_last, max_wait_ms=max_wait_ms, rank=rank,
             world_size=world_size, assignment=assignment,
             commit_interval_ms=commit_interval_ms, connect_timeout_s=connect_timeout_s,
-            pack=pack, shuffle=shuffle, on_revoke=on_revoke)
+            pack=pack, shuffle=shuffle, on_revoke=on_revoke, output=output)
         self._begin(kafka_config, config, source)
 
     @classmethod
@@ -379,6 +387,7 @@ class Loader:
         self._on_revoke = c.on_revoke
         self._in_hook = False
         self._current: Batch | None = None
+        self._convert = converter(c.output, c.schema)  # None: torch, as it is
         self._agreement: EpochAgreement | None = None
         self._ahead: Any = None  # with ranks: the next step's item, taken a step early
         self._exhausted = False
@@ -602,7 +611,7 @@ class Loader:
         self._current = batch
         self._batches += 1
         self._samples_out += out.rows
-        return batch
+        return batch if self._convert is None else self._convert(batch)
 
     def _mark_used(self) -> None:
         if self._current is None:

@@ -20,6 +20,7 @@ from kfeed.device import default_device
 from kfeed.errors import ConfigError
 from kfeed.formats import RecordFormat, one_field, resolve
 from kfeed.mix import Mix
+from kfeed.outputs import check_output
 from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
 
@@ -58,6 +59,7 @@ class LoaderConfig:
                                                                        compare=False)
     # Topics given as a kfeed.Mix: the mixture (``topics`` are then its topics).
     mix: Mix | None = None
+    output: str = "torch"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -144,7 +146,8 @@ class LoaderConfig:
             if f"{varlen.name}_offsets" in self.schema.names:
                 raise ConfigError(f"field {varlen.name + '_offsets'!r}: batches hold the "
                                   f"offsets of {varlen.name!r} under that name")
-        put("device", _check_device(self.device))
+        put("device", _check_device(check_output(self.output, self.schema, self.device,
+                                                 self.pack is not None)))
         rank, world = _rank_and_world(self.rank, self.world_size)
         put("rank", rank)
         put("world_size", world)

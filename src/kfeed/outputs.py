@@ -1,0 +1,160 @@
+"""What a batch is handed out as: torch tensors, numpy arrays, JAX arrays or Arrow.
+
+Where it sits: the very last hop, in the caller's ``next()``, after the
+device stage (``kfeed.device``). The loader works in torch tensors
+throughout; ``Loader(..., output=...)`` only changes the type of the
+values handed out, never the pipeline, the ledger or ``state_dict()``:
+
+- ``"torch"`` (default): a ``Batch`` of tensors on ``device``.
+- ``"numpy"``: a ``Batch`` of numpy arrays (``Tensor.numpy()``: no copy).
+  Host memory: the device is the CPU.
+- ``"jax"``: a ``Batch`` of JAX arrays through DLPack, with no copy: on
+  the GPU when torch and JAX both have one (the CUDA copy is ordered
+  before JAX reads it by the DLPack stream protocol), else on the CPU.
+  A 64-bit field needs ``jax.config.update("jax_enable_x64", True)``
+  (JAX would narrow it, and copy); a jagged field's ``NAME_offsets`` are
+  int32 then.
+- ``"arrow"``: a ``pyarrow.RecordBatch``, for Ray Data, Polars and DuckDB,
+  with no copy but for bool fields (Arrow packs them in bits). A field of
+  shape ``()`` is a primitive column, ``(k,)`` a ``fixed_size_list``, more
+  dimensions Arrow's ``fixed_shape_tensor``, a variable-length field a
+  ``large_list``. A RecordBatch has no room for ``Batch.offsets``: the
+  loader's ``state_dict()`` says where to resume.
+
+NOTE [ Output lifetime ]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Every output is a view of the batch's memory, not a copy, so every output
+keeps the torch path's guarantees: a batch stays valid until the caller
+lets go of it, however many ``next()`` calls later, and never less than
+until the next ``next()``. On the CPU the pool slot under it is refilled
+only once nothing refers to it: a numpy array, a DLPack capsule held by
+JAX and an Arrow buffer each keep a reference to the slot's torch storage,
+which the pool counts (NOTE [ Lent slots ] in ``kfeed.pool``). The records
+are committed after the step, as with torch: once the caller asks for the
+next batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kfeed.errors import ConfigError
+from kfeed.schema import Schema
+
+__all__ = ["OUTPUTS", "check_output", "converter"]
+
+OUTPUTS = ("torch", "numpy", "jax", "arrow")
+
+# Outputs that live in host memory: their loader's device is the CPU.
+_HOST = ("numpy", "arrow")
+
+
+def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
+    """Refuse what ``output`` cannot hold; the device it implies when none is given."""
+    if output not in OUTPUTS:
+        raise ConfigError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, "
+                          f"got {output!r}")
+    if output == "torch":
+        return device
+    if output in _HOST:
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(f"output={output!r} gives batches in host memory: leave device "
+                              f"unset or pass device='cpu', not {str(device)!r}")
+        bf16 = [f.name for f in schema.fields if f.dtype == "bfloat16"]
+        if bf16:
+            raise ConfigError(f"field {bf16[0]!r} is bfloat16, which {output} has no type for: "
+                              f"use output='torch' or 'jax', or a float16/float32 field")
+        if output == "arrow":
+            _module("pyarrow", output)
+            if packed:
+                raise ConfigError("output='arrow' gives one row per record; pack= gives token "
+                                  "rows with cu_seqlens of another length: use output='torch', "
+                                  "'numpy' or 'jax'")
+        return "cpu" if device is None else device
+    jax = _module("jax", output)
+    if not jax.config.jax_enable_x64:
+        wide = [f for f in schema.fields if f.storage.itemsize == 8]
+        if wide:
+            raise ConfigError(f"field {wide[0].name!r} is {wide[0].dtype}, but JAX has 64-bit "
+                              f"types off and would narrow it: call jax.config.update("
+                              f"'jax_enable_x64', True) first, or make it a 32-bit field")
+    jax_gpu = _has_gpu_backend(jax)
+    if device is None:
+        return "cuda" if torch.cuda.is_available() and jax_gpu else "cpu"
+    if torch.device(device).type == "cuda" and not jax_gpu:
+        raise ConfigError(f"device={str(device)!r}, but this JAX has no GPU backend: install "
+                          f"JAX's CUDA build, or pass device='cpu'")
+    return device
+
+
+def converter(output: str, schema: Schema) -> Callable[[Any], Any] | None:
+    """The function from a torch ``Batch`` to what ``next()`` hands out; None for torch."""
+    if output == "numpy":
+        return _as_numpy
+    if output == "jax":
+        import jax
+
+        narrow = not jax.config.jax_enable_x64
+        return lambda batch: _as_jax(batch, narrow)
+    if output == "arrow":
+        return lambda batch: _as_arrow(batch, schema)
+    return None
+
+
+def _module(name: str, output: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError:
+        raise ConfigError(f"output={output!r} needs {name}: pip install {name}") from None
+
+
+def _has_gpu_backend(jax: Any) -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no such backend in this build of jaxlib
+        return False
+
+
+def _as_numpy(batch: Any) -> Any:
+    from kfeed.loader import Batch
+
+    return Batch({k: t.numpy() for k, t in batch.items()}, batch.size, batch.offsets, batch.pack)
+
+
+def _as_jax(batch: Any, narrow: bool) -> Any:
+    import jax.dlpack
+
+    from kfeed.loader import Batch
+
+    out = {}
+    for k, t in batch.items():
+        if narrow and t.dtype == torch.int64:  # a jagged field's offsets: they fit
+            t = t.to(torch.int32)
+        out[k] = jax.dlpack.from_dlpack(t)
+    return Batch(out, batch.size, batch.offsets, batch.pack)
+
+
+def _as_arrow(batch: Any, schema: Schema) -> Any:
+    import pyarrow as pa
+
+    columns = []
+    for f in schema.fields:
+        a = batch[f.name].numpy()
+        if f.variable:
+            offsets = pa.array(batch[f"{f.name}_offsets"].numpy())
+            columns.append(pa.LargeListArray.from_arrays(offsets, pa.array(a)))
+            continue
+        flat = pa.array(a.reshape(-1))
+        if not f.shape:
+            columns.append(flat)
+        elif len(f.shape) == 1:
+            columns.append(pa.FixedSizeListArray.from_arrays(flat, f.shape[0]))
+        else:
+            storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(f.shape))
+            columns.append(pa.ExtensionArray.from_storage(
+                pa.fixed_shape_tensor(flat.type, f.shape), storage))
+    return pa.RecordBatch.from_arrays(columns, names=list(schema.names))
