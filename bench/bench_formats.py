@@ -35,6 +35,9 @@ framed, through ``decode_documents`` against a fastavro or
 fixed shape against the same array read as a jagged field, through the
 loader from memory (records/s).
 
+``--formats arrow`` (no broker): the same records as kfeed blocks and as
+Arrow IPC messages (``format="arrow"``) through the loader from memory.
+
 ``--formats convert``: ``kfeed.convert`` of each Avro topic into a block
 topic (records/s), and the loader on the block topic against the loader on
 the Avro topic, interleaved.
@@ -536,6 +539,45 @@ def jagged_micro(registry: Any, repeat: int) -> dict[str, float]:
     return best
 
 
+def arrow_micro(repeat: int) -> list[tuple[str, dict[str, float]]]:
+    """The same records as kfeed blocks and as Arrow IPC messages, through the loader from
+    memory, records/s: the seeds' 3 KB rows and 200 B rows (a dozen numeric columns and a
+    16-float vector), 64 records a message for both, and Arrow at 1,024 a message too."""
+    from kfeed.arrowformat import ArrowEncoder
+    from kfeed.loader import memory_loader
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+    big = synthetic_schema()
+    small = kfeed.Schema({**{f"c{i}": ("int64" if i % 2 else "float64", ()) for i in range(12)},
+                          "vec": ("float32", (16,))})
+    rng = np.random.default_rng(0)
+    n_small = 200_000
+    cases = [("3 KB rows", big, synthetic_columns(np.arange(60_000))),
+             ("200 B rows", small, {**{f"c{i}": (rng.integers(0, 10**9, n_small) if i % 2 else
+                                                 rng.standard_normal(n_small))
+                                       for i in range(12)},
+                                    "vec": rng.standard_normal((n_small, 16), np.float32)})]
+    out = []
+    for label, schema, cols in cases:
+        values = {"block, 64 a message": ("block", schema.encode_blocks(cols, 64)),
+                  "arrow, 64 a message": ("arrow", ArrowEncoder(schema).encode_blocks(
+                      cols, 64, 1 << 30)),
+                  "arrow, 1024 a message": ("arrow", ArrowEncoder(schema).encode_blocks(
+                      cols, 1024, 1 << 30))}
+        best = dict.fromkeys(values, 0.0)
+        for _ in range(repeat):
+            for name, (fmt, vals) in values.items():
+                t = time.perf_counter()
+                n = 0
+                with memory_loader(vals, schema, 256, device="cpu", until="end",
+                                   format=fmt) as loader:
+                    for batch in loader:
+                        n += batch.size
+                best[name] = max(best[name], n / (time.perf_counter() - t))
+        out.append((label, best))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bootstrap", default=os.environ.get("KFEED_BOOTSTRAP"))
@@ -546,7 +588,7 @@ def main() -> None:
     args = p.parse_args()
     registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
     formats = args.formats.split(",")
-    if not args.bootstrap and set(formats) - {"documents", "jagged"}:
+    if not args.bootstrap and set(formats) - {"documents", "jagged", "arrow"}:
         raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
     if "documents" in formats:
         for fmt, best in documents_micro(registry, args.repeat).items():
@@ -556,6 +598,14 @@ def main() -> None:
                 ratio = "" if name == "kfeed" else f" | kfeed / this = {best['kfeed'] / rate:.2f}x"
                 print(f"| {name} | {rate:,.0f}{ratio} |")
         formats.remove("documents")
+    if "arrow" in formats:
+        for label, best in arrow_micro(args.repeat):
+            block = best["block, 64 a message"]
+            print(f"\n{label} through the loader from memory, records/s, best of {args.repeat}:")
+            for name, rate in best.items():
+                ratio = "" if name.startswith("block") else f" | this / block = {rate / block:.2f}x"
+                print(f"| {name} | {rate:,.0f}{ratio} |")
+        formats.remove("arrow")
     if "jagged" in formats:
         best = jagged_micro(registry, args.repeat)
         print(f"\nAvro events (id, 16 floats, 20 longs) through the loader from memory, "

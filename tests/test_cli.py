@@ -118,8 +118,8 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      ("kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
      "keyed with --keyed), not to --synthetic-text: leave it out")),
     (PRODUCE + ("--synthetic", "5", "--format", "raw", "--block-records", "8"),
-     ("kfeed: --block-records applies to --format block, not to raw (one record a message): "
-     "leave it out")),
+     ("kfeed: --block-records applies to --format block or arrow, not to raw (one record a "
+     "message): leave it out")),
     (PRODUCE + ("--synthetic", "5", "-X", "acks"),
      "kfeed: -X 'acks' is not KEY=VALUE: write it as e.g. -X fetch.min.bytes=1048576"),
     (("produce", "--bootstrap-servers", "", "--topic", "t", "--synthetic", "5"),

@@ -361,7 +361,7 @@ def test_produce_and_train_from_the_command_line_in_json(bootstrap, make_topic, 
     refused = kfeed_cli("produce", "--topic", topic, "--synthetic", "3", "--format", "json",
                         "--block-records", "8")
     assert refused.returncode == 2
-    assert "--block-records applies to --format block, not to json" in refused.stderr
+    assert "--block-records applies to --format block or arrow, not to json" in refused.stderr
 
 
 @pytest.mark.integration

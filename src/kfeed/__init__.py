@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kfeed._kafka import create_topic
+from kfeed.arrowformat import Arrow
 from kfeed.avro import Avro
 from kfeed.convert import ConvertStats, convert
 from kfeed.jsonformat import Json
@@ -41,6 +42,7 @@ __all__ = [
     "Avro",
     "Protobuf",
     "Json",
+    "Arrow",
     "Producer",
     "convert",
     "ConvertStats",

@@ -336,9 +336,9 @@ def _check_produce(args: argparse.Namespace) -> str:
     if args.format in ("avro", "protobuf") and kind in ("text", "corpus"):
         raise ConfigError(f"--format {args.format} writes fixed-shape samples, not token "
                           f"documents: leave --format out")
-    if args.block_records is not None and args.format != "block":
-        raise ConfigError(f"--block-records applies to --format block, not to {args.format} "
-                          f"(one record a message): leave it out")
+    if args.block_records is not None and args.format not in ("block", "arrow"):
+        raise ConfigError(f"--block-records applies to --format block or arrow, not to "
+                          f"{args.format} (one record a message): leave it out")
     return kind
 
 
@@ -956,10 +956,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
-    p.add_argument("--format", choices=["block", "raw", "json", "avro", "protobuf"],
+    p.add_argument("--format", choices=["block", "raw", "json", "arrow", "avro", "protobuf"],
                    default="block",
                    help="block (default), raw (one record a message), or for other "
-                        "consumers one record a message in json, avro (with --registry) or "
+                        "consumers arrow (Arrow IPC streams, --block-records rows a message) "
+                        "or one record a message in json, avro (with --registry) or "
                         "protobuf (with --proto); kfeed reads them all")
     p.add_argument("--registry", metavar="URL",
                    help="avro, protobuf: the Schema Registry to register the schema with "
@@ -1003,7 +1004,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
     t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
-    t.add_argument("--format", choices=["block", "raw", "json", "avro", "protobuf"],
+    t.add_argument("--format", choices=["block", "raw", "json", "arrow", "avro", "protobuf"],
                    default="block")
     t.add_argument("--registry", metavar="URL", help="avro, protobuf: the Schema Registry")
     t.add_argument("--proto", metavar="MODULE:MESSAGE",

@@ -110,6 +110,10 @@ def convert(
     if fmt is Format.BLOCK:
         raise ConfigError(f"{from_topic} would be converted from block to block: convert "
                           "reads avro, protobuf, json or raw topics")
+    if isinstance(fmt, RecordFormat) and fmt.batches:
+        raise ConfigError(f"{from_topic}: convert reads topics of one record a message (avro, "
+                          f"protobuf, json, raw); an Arrow topic holds many a message and the "
+                          f"loader reads it as it is, with format='arrow'")
     if not isinstance(round_messages, int) or round_messages < 1:
         raise ConfigError(f"round_messages must be a positive int, got {round_messages!r}")
     try:

@@ -37,6 +37,10 @@ _NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint3
 class Decoder:
     """Decodes message values of one format into one kfeed Schema's rows."""
 
+    # Many records a message (see RecordFormat.batches): decode_into then takes
+    # start= and split=, as Schema.decode_into does for blocks.
+    batches = False
+
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         raise NotImplementedError
 
@@ -226,13 +230,18 @@ class RecordFormat:
     value = ""
     # Whether its decoder reads a variable-length token field (``pack=``).
     documents = False
+    # Whether a message holds many records, as kfeed's blocks do (Arrow): its
+    # decoder then reads from a record inside a message (``start``), and the
+    # producer writes ``block_records`` records a message.
+    batches = False
 
     def decoder(self, schema: Schema) -> Decoder:
         raise NotImplementedError
 
     def encoder(self, schema: Schema, topic: str) -> Encoder:
         """The producer's writer of ``schema`` rows to ``topic``, in this format."""
-        raise ConfigError(f"the producer writes block, raw, json, avro or protobuf, not {self!r}")
+        raise ConfigError(f"the producer writes block, raw, json, arrow, avro or protobuf, "
+                          f"not {self!r}")
 
 
 class Encoder:
@@ -250,6 +259,10 @@ def resolve(value: str | Format | RecordFormat) -> Format | RecordFormat:
         from kfeed.jsonformat import Json  # it builds on this module
 
         return Json()
+    if value == "arrow":
+        from kfeed.arrowformat import Arrow
+
+        return Arrow()
     return Format.parse(value)
 
 

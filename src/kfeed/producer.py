@@ -260,13 +260,19 @@ class Producer:
              partition: int | None = None) -> int:
         """Send N samples (columns with a shared first dimension); returns N.
 
-        With a variable-length field, its column is a list of 1-D arrays (one
+        ``columns`` maps field names to arrays, or is a ``pyarrow.Table`` or
+        ``RecordBatch`` whose columns ``kfeed.arrowformat`` reads as the
+        loader reads Arrow messages. With a variable-length field, its column is a list of 1-D arrays (one
         document per sample) or ``(flat, lengths)``, as ``Schema.encode_blocks``
         takes it; keys then give one partition per document. ``partition``
         sends them all to that partition instead (keys, if any, still go with
         raw and JSON messages).
         """
         self._raise_fatal()
+        if _is_arrow(columns):
+            from kfeed.arrowformat import table_columns
+
+            columns = table_columns(self.schema, columns)
         views, n, _owners = self.schema._columns(columns)
         if partition is not None and (not isinstance(partition, int) or isinstance(partition, bool)
                                       or not 0 <= partition < self.num_partitions):
@@ -314,6 +320,10 @@ class Producer:
                 values = self.schema.encode_blocks(columns, self.block_records,
                                                    block_bytes=self._block_bytes)
             for v in values:
+                self._produce(v, None, partition)
+        elif isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow: block_records records a message, as blocks
+            assert self._encoder is not None
+            for v in self._encoder.encode_blocks(columns, self.block_records, self._block_bytes):
                 self._produce(v, None, partition)
         else:  # one record a message, each with its key
             values = (self._encoder.encode(columns) if self._encoder is not None
@@ -511,6 +521,11 @@ def _key_bytes(key: Any) -> bytes:
     if isinstance(key, (int, np.integer)):
         return str(int(key)).encode()
     raise ConfigError(f"keys must be bytes, str or int, got {type(key).__name__}")
+
+
+def _is_arrow(columns: Any) -> bool:
+    """Whether ``columns`` is a pyarrow Table or RecordBatch (without importing pyarrow)."""
+    return type(columns).__module__.startswith("pyarrow") and hasattr(columns, "num_rows")
 
 
 def _take(column: Any, idx: np.ndarray) -> Any:

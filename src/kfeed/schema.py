@@ -67,8 +67,8 @@ class Format(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ConfigError(f"format must be 'block', 'raw', 'json', kfeed.Avro(...) or "
-                              f"kfeed.Protobuf(...), got {value!r}") from None
+            raise ConfigError(f"format must be 'block', 'raw', 'json', 'arrow', kfeed.Avro(...) "
+                              f"or kfeed.Protobuf(...), got {value!r}") from None
 
 
 class Field(NamedTuple):

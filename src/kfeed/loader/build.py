@@ -190,7 +190,9 @@ class SlotBuilder:
                 if m.offset() == sk[0]:
                     start = max(start, sk[1])
             vals = vals[:1]
-        if self.decoder is not None:
+        if self.decoder is not None and self.decoder.batches:  # many records a message
+            res = self.decoder.decode_into(vals, slot.target, slot.rows, start=start, split=True)
+        elif self.decoder is not None:
             res = self.decoder.decode_into(vals, slot.target, slot.rows)
         else:
             res = self.schema.decode_into(vals, slot.target, slot.rows, self.fmt,
@@ -260,7 +262,8 @@ class RecordBuilder(SlotBuilder):
             if self.mixer is not None:  # and what the mixture queues
                 size += self.mix_queue
             # Values others wrote are held as kfeed raw records (NOTE [ Held records ]).
-            self.held = schema.hold(Format.RAW if self.decoder is not None else fmt,
+            self.held = schema.hold(fmt if self.decoder is None
+                                    else Format.BLOCK if self.decoder.batches else Format.RAW,
                                     limit=_HELD_LIMIT * (size + batch_size)
                                     * schema.record_size)
             # Another format's fetch decoded here first, and its bound form.
@@ -495,7 +498,9 @@ class RecordBuilder(SlotBuilder):
         held = self.held
         assert held is not None
         nvals = len(vals)
-        if self.decoder is not None:
+        if self.decoder is not None and self.decoder.batches:
+            vals, pids, offsets, msgs = self._as_blocks(msgs, vals, pids, offsets)
+        elif self.decoder is not None:
             vals, pids, offsets, msgs = self._as_raw(msgs, vals, pids, offsets)
         rejected = nvals - len(vals)
         recs, _counts, bad = held.add(vals, pids, offsets)
@@ -677,6 +682,20 @@ class RecordBuilder(SlotBuilder):
             kept = [m for m, k in zip(msgs, mask.tolist(), strict=True) if k]
         raw = self.schema.encode_raw({name: a[:res.rows] for name, a in self.staging.items()})
         return raw, pids[keep], offsets[keep], kept
+
+    def _as_blocks(self, msgs: list[Any], vals: list[Any], pids: np.ndarray,
+                   offsets: np.ndarray) -> tuple[list[Any], np.ndarray, np.ndarray, list[Any]]:
+        """A fetch of Arrow values as kfeed blocks, one a message, its bad ones routed out."""
+        assert self.decoder is not None
+        blocks, bad = self.decoder.blocks(vals)
+        if not bad:
+            return blocks, pids, offsets, msgs
+        mask = np.ones(len(vals), np.bool_)
+        for j, reason in bad:
+            mask[j] = False
+            self.bad.bad(msgs[j], reason)
+        kept = [m for m, k in zip(msgs, mask.tolist(), strict=True) if k]
+        return blocks, pids[mask], offsets[mask], kept
 
     def _deliver(self, emitted: np.ndarray) -> None:
         """The order emitted these records (rows ``[pid, offset, sub, item]``): on to the batch."""

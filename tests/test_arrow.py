@@ -1,0 +1,316 @@
+"""format="arrow": Arrow IPC streams in and out, read straight into the batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from confluent_kafka import Producer as KafkaProducer
+
+import kfeed
+from kfeed.arrowformat import ArrowDecoder, ArrowEncoder
+from kfeed.loader import Loader, memory_loader
+from records import check_packed_documents
+
+SCHEMA = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (3,)), "m": ("float16", (2, 2)),
+                       "flag": ("bool", ())})
+DOCS = kfeed.Schema({"id": ("int32", ()), "tokens": ("int32", (None,))})
+
+
+def columns(ids: np.ndarray) -> dict[str, np.ndarray]:
+    return {"id": ids.astype(np.int64),
+            "x": np.stack([ids, -ids, ids * 0.25], 1).astype(np.float32),
+            "m": (ids[:, None, None] + np.arange(4).reshape(1, 2, 2) % 500).astype(np.float16),
+            "flag": ids % 5 == 0}
+
+
+def messages(start: int, n: int, rows: int = 64) -> list[bytes]:
+    return ArrowEncoder(SCHEMA).encode_blocks(columns(np.arange(start, start + n)), rows, 1 << 30)
+
+
+def stream(*batches: pa.RecordBatch) -> bytes:
+    """An Arrow IPC stream as pyarrow alone writes one."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+        for b in batches:
+            writer.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+def collect(loader: Loader) -> dict[str, np.ndarray]:
+    got: dict[str, list[np.ndarray]] = {}
+    for batch in loader:
+        for name, t in batch.items():
+            got.setdefault(name, []).append(t.numpy().copy())
+    return {k: np.concatenate(v) for k, v in got.items()}
+
+
+def assert_rows(got: dict[str, np.ndarray], ids: np.ndarray) -> None:
+    assert np.array_equal(np.sort(got["id"]), np.sort(ids))
+    want = columns(got["id"])
+    for name, values in want.items():
+        assert np.array_equal(got[name], values), name
+
+
+@pytest.mark.parametrize("batch_size", [1, 50, 64, 100, 1000])
+def test_every_record_once_and_equal_whatever_the_batch_cuts(batch_size: int) -> None:
+    values = {0: messages(0, 1500), 1: messages(1500, 700, rows=33), 2: []}
+    with memory_loader(values, SCHEMA, batch_size, until="end", device="cpu",
+                       format="arrow") as loader:
+        got = collect(loader)
+    assert_rows(got, np.arange(2200))
+
+
+@pytest.mark.parametrize("stop_after", [0, 2, 5, 11])
+def test_a_resume_inside_a_message_repeats_and_skips_nothing(stop_after: int) -> None:
+    values = {0: messages(0, 1000, rows=128), 1: messages(1000, 600, rows=90)}
+    first = memory_loader(values, SCHEMA, 100, until="end", device="cpu", format="arrow")
+    ids = []
+    for i, batch in enumerate(first):
+        ids.append(batch["id"].numpy().copy())
+        if i == stop_after:
+            break
+    state = first.state_dict()
+    first.close()
+    second = memory_loader(values, SCHEMA, 100, until="end", device="cpu", format="arrow")
+    second.load_state_dict(state)
+    ids.append(collect(second)["id"])
+    got = np.concatenate(ids)
+    assert len(got) == len(np.unique(got)) == 1600
+
+
+def test_shuffled_arrow_records_resume_exactly() -> None:
+    values = {0: messages(0, 900, rows=50), 1: messages(900, 600, rows=70)}
+    shuffle = kfeed.Shuffle(buffer=300, seed=3)
+    whole = memory_loader(values, SCHEMA, 64, until="end", device="cpu", format="arrow",
+                          shuffle=shuffle)
+    everything = collect(whole)
+    assert_rows(everything, np.arange(1500))
+    assert not np.array_equal(everything["id"], np.sort(everything["id"]))
+    first = memory_loader(values, SCHEMA, 64, until="end", device="cpu", format="arrow",
+                          shuffle=shuffle)
+    head = [next(first)["id"].numpy().copy() for _ in range(7)]
+    state = first.state_dict()
+    first.close()
+    second = memory_loader(values, SCHEMA, 64, until="end", device="cpu", format="arrow",
+                           shuffle=shuffle)
+    second.load_state_dict(state)
+    resumed = np.concatenate(head + [collect(second)["id"]])
+    assert np.array_equal(resumed, everything["id"])
+
+
+def test_what_pyarrow_alone_writes_reads_dictionaries_structs_and_several_batches() -> None:
+    schema = kfeed.Schema({"user": ("int64", ()), "score": ("float64", (), {"source": "meta.score"}),
+                           "vec": ("int16", (2,)), "country": ("int32", ())})
+    ids = np.arange(10, dtype=np.int64)
+    meta = pa.StructArray.from_arrays([pa.array(ids * 0.5), pa.array([str(i) for i in ids])],
+                                      names=["score", "note"])
+    country = pa.DictionaryArray.from_arrays(pa.array(ids % 3, pa.int8()),
+                                             pa.array([44, 1, 81], pa.int32()))
+    vec = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 2).astype(np.int16)), 2)
+    batch = pa.RecordBatch.from_arrays([pa.array(ids), meta, vec, country, pa.array(ids * 2)],
+                                       names=["user", "meta", "vec", "country", "unused"])
+    value = stream(batch.slice(0, 4), batch.slice(4))  # two record batches in one message
+    with memory_loader([value], schema, 16, until="end", device="cpu", format="arrow") as loader:
+        got = collect(loader)
+    assert got["user"].tolist() == ids.tolist()
+    assert got["score"].tolist() == (ids * 0.5).tolist()
+    assert got["vec"].tolist() == np.repeat(ids, 2).reshape(-1, 2).tolist()
+    assert got["country"].tolist() == [[44, 1, 81][i % 3] for i in ids]
+
+
+def test_kfeed_messages_read_back_with_pyarrow_alone() -> None:
+    ids = np.arange(200)
+    tables = [pa.ipc.open_stream(v).read_all() for v in messages(0, 200, rows=64)]
+    assert [t.num_rows for t in tables] == [64, 64, 64, 8]
+    table = pa.concat_tables(tables)
+    want = columns(ids)
+    assert table["id"].to_numpy().tolist() == ids.tolist()
+    assert np.array_equal(np.stack(table["x"].to_numpy(zero_copy_only=False)), want["x"])
+    assert np.array_equal(table["m"].combine_chunks().to_numpy_ndarray(), want["m"])
+    assert table["flag"].to_pylist() == want["flag"].tolist()
+
+
+def test_bad_messages_are_rejected_whole_with_a_reason() -> None:
+    ids = np.arange(4, dtype=np.int64)
+    good = {"id": pa.array(ids), "x": pa.FixedSizeListArray.from_arrays(
+        pa.array(np.zeros(12, np.float32)), 3),
+        "m": pa.ExtensionArray.from_storage(
+            pa.fixed_shape_tensor(pa.float16(), [2, 2]),
+            pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(16, np.float16)), 4)),
+        "flag": pa.array([True, False, True, False])}
+
+    def variant(**changes: pa.Array) -> bytes:
+        cols = {**good, **changes}
+        cols = {k: v for k, v in cols.items() if v is not None}
+        return stream(pa.RecordBatch.from_arrays(list(cols.values()), names=list(cols)))
+
+    values = [
+        variant(),
+        b"not arrow at all",
+        variant()[:-40],                                                  # truncated
+        variant(id=pa.array([1, None, 3, 4], pa.int64())),               # a null, no default
+        variant(id=pa.array(ids.astype(np.int32))),                       # int32 for int64
+        variant(x=None),                                                  # no column
+        variant(x=pa.FixedSizeListArray.from_arrays(
+            pa.array([0.0] * 11 + [None], pa.float32()), 3)),             # a null item
+        variant(m=pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(16, np.float16)), 4)),
+        None,                                                             # a tombstone
+        variant(),
+    ]
+    reasons = {1: "not an Arrow IPC stream", 2: "not an Arrow IPC stream",
+               3: "column 'id' has 1 null(s) and field 'id' has no default",
+               4: "column 'id' is int32, but field 'id' reads int64",
+               5: "no column 'x' for field 'x'",
+               6: "column 'x' has null items in its lists",
+               7: "column 'm' is fixed_size_list<item: halffloat>[4], but field 'm' reads",
+               8: "an empty message (no value)"}
+    out = SCHEMA.empty(16)
+    res = ArrowDecoder(SCHEMA).decode_into(values, SCHEMA.bind(out), 0)
+    assert res.rows == 8 and res.consumed == len(values)
+    assert [i for i, _ in res.bad] == sorted(reasons)
+    for i, why in res.bad:
+        assert reasons[i] in why, (i, why)
+
+    source = kfeed.MemorySource(values)
+    with Loader(None, "memory", SCHEMA, 3, source=source, until="end", device="cpu",
+                format="arrow") as loader:
+        got = collect(loader)
+        assert loader.stats()["bad_records"] == 8
+    assert got["id"].tolist() == [0, 1, 2, 3] * 2  # the good messages, whole
+    assert sorted(m.offset() for m, _ in source.dead_letters) == sorted(reasons)
+
+
+def test_nulls_and_missing_columns_take_the_field_default() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()),
+                           "w": ("float32", (2,), {"default": -1.0}),
+                           "seen": ("int32", (None,), {"default": [7, 7]})})
+    w = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6, dtype=np.float32)), 2)
+    w = pa.FixedSizeListArray.from_arrays(w.values, 2, mask=pa.array([False, True, False]))
+    seen = pa.array([[1], None, []], pa.list_(pa.int32()))
+    value = stream(pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), w, seen],
+                                              names=["id", "w", "seen"]))
+    no_w = stream(pa.RecordBatch.from_arrays([pa.array([3]), pa.array([[5]], pa.list_(
+        pa.int32()))], names=["id", "seen"]))
+    with memory_loader([value, no_w], schema, 8, until="end", device="cpu",
+                       format="arrow") as loader:
+        batch = next(loader)
+    assert batch["w"].tolist() == [[0.0, 1.0], [-1.0, -1.0], [4.0, 5.0], [-1.0, -1.0]]
+    assert batch["seen"].tolist() == [1, 7, 7, 5]
+    assert batch["seen_offsets"].tolist() == [0, 1, 3, 3, 4]
+
+
+def documents(ids: np.ndarray) -> list[np.ndarray]:
+    return [(np.arange(i % 9) + 100 * i).astype(np.int32) for i in ids]
+
+
+def doc_messages(n: int) -> list[bytes]:
+    ids = np.arange(n)
+    return ArrowEncoder(DOCS).encode_blocks({"id": ids.astype(np.int32),
+                                             "tokens": documents(ids)}, 40, 1 << 30)
+
+
+def test_list_columns_come_jagged_and_pack() -> None:
+    with memory_loader(doc_messages(300), DOCS, 32, until="end", device="cpu",
+                       format="arrow") as loader:
+        seen = {}
+        for b in loader:
+            offsets = b["tokens_offsets"].tolist()
+            for k, i in enumerate(b["id"].tolist()):
+                seen[i] = b["tokens"][offsets[k]:offsets[k + 1]].tolist()
+    want = documents(np.arange(300))
+    assert sorted(seen) == list(range(300))
+    assert all(seen[i] == want[i].tolist() for i in range(300))
+
+
+
+def test_token_documents_pack_as_kfeeds_own_and_resume_exactly() -> None:
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(1, 30000, int(rng.integers(1, 400)), dtype=np.int32)
+            for _ in range(1200)]
+    tokens = kfeed.Schema({"tokens": ("int32", (None,))})
+    values = ArrowEncoder(tokens).encode_blocks({"tokens": docs}, 7, 1 << 30)
+    check_packed_documents(values, tokens, "arrow", docs,
+                           kfeed.Pack(seq_len=256, eos_id=30001, pad_id=0))
+
+
+def test_strings_read_into_a_uint8_field() -> None:
+    schema = kfeed.Schema({"text": ("uint8", (None,))})
+    value = stream(pa.RecordBatch.from_arrays([pa.array(["héllo", "", "kafka"])[0:3]],
+                                              names=["text"]))
+    with memory_loader([value], schema, 8, until="end", device="cpu", format="arrow") as loader:
+        b = next(loader)
+    o = b["text_offsets"].tolist()
+    assert [bytes(b["text"][o[i]:o[i + 1]].tolist()).decode() for i in range(3)] == \
+        ["héllo", "", "kafka"]
+
+
+def test_configuration_mistakes_get_one_clear_line() -> None:
+    with pytest.raises(kfeed.ConfigError, match="bfloat16, which Arrow has no type for"):
+        memory_loader([], kfeed.Schema({"h": ("bfloat16", (4,))}), 8, format="arrow")
+    with pytest.raises(kfeed.ConfigError, match="'arrow'"):
+        memory_loader([], SCHEMA, 8, format="arow")
+
+
+@pytest.mark.integration
+def test_a_table_sent_as_arrow_and_a_topic_pyarrow_wrote_read_back(bootstrap, make_topic):
+    topic = make_topic(partitions=3)
+    config = {"bootstrap.servers": bootstrap}
+    ids = np.arange(5000)
+    table = kfeed.arrowformat.record_batch(SCHEMA, columns(ids))
+    table = pa.Table.from_batches([table.slice(0, 2000), table.slice(2000)])  # two chunks
+    with kfeed.Producer(config, topic, SCHEMA, format="arrow", block_records=300) as p:
+        p.send(table, keys=ids)
+    raw = KafkaProducer(config)  # pyarrow alone, no kfeed: one message of 100 rows
+    raw.produce(topic, stream(kfeed.arrowformat.record_batch(
+        SCHEMA, columns(np.arange(5000, 5100)))), partition=0)
+    raw.produce(topic, b"broken", partition=1)
+    assert raw.flush(30) == 0
+    with Loader({**config, "group.id": uuid.uuid4().hex}, topic, SCHEMA, 256, device="cpu",
+                until="end", format="arrow", on_bad_record="skip") as loader:
+        got = collect(loader)
+        assert loader.stats()["bad_records"] == 1
+    assert_rows(got, np.arange(5100))
+
+
+@pytest.mark.integration
+def test_a_table_sends_in_the_block_format_too(bootstrap, make_topic):
+    topic = make_topic(partitions=2)
+    config = {"bootstrap.servers": bootstrap}
+    table = pa.Table.from_batches([kfeed.arrowformat.record_batch(SCHEMA, columns(np.arange(700)))])
+    with kfeed.Producer(config, topic, SCHEMA) as p:
+        p.send(table)
+    with Loader({**config, "group.id": uuid.uuid4().hex}, topic, SCHEMA, 128, device="cpu",
+                until="end") as loader:
+        got = collect(loader)
+    assert_rows(got, np.arange(700))
+
+
+def test_convert_leaves_arrow_topics_to_the_loader() -> None:
+    with pytest.raises(kfeed.ConfigError, match="an Arrow topic holds many a message"):
+        kfeed.convert({"bootstrap.servers": "127.0.0.1:1"}, "events", "blocks", SCHEMA,
+                      format="arrow")
+
+
+@pytest.mark.integration
+def test_produce_and_train_from_the_command_line_in_arrow(bootstrap, make_topic, group_id):
+    topic = make_topic(partitions=2)
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+
+    def kfeed_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kfeed", *args], env=env, check=False,
+                              capture_output=True, text=True, timeout=300)
+
+    done = kfeed_cli("produce", "--topic", topic, "--synthetic", "3000", "--format", "arrow",
+                     "--block-records", "100")
+    assert done.returncode == 0, done.stderr
+    assert "3000 samples in 30 messages" in done.stdout
+    done = kfeed_cli("train", "--topic", topic, "--group-id", group_id, "--until-end",
+                     "--device", "cpu", "--format", "arrow")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("trained 12 steps on 3000 samples")
