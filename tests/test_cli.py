@@ -107,7 +107,7 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
      "kfeed: --log-ids applies to --task mlp (samples with ids), not to --task lm: leave it out"),
     (PRODUCE + ("--synthetic", "5", "--field", "features=x"),
-     ("kfeed: --field applies to --from FILE samples (.npz, .npy, .parquet), not to "
+     ("kfeed: --field applies to --from samples (files, object stores, databases), not to "
      "--synthetic: leave it out")),
     (PRODUCE + ("--synthetic", "5", "--seed", "3"),
      "kfeed: --seed applies to --synthetic-text, not to --synthetic: leave it out"),
@@ -137,8 +137,9 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
     assert (code, err) == (2, [("kfeed: --keyed applies to synthetic data, not to a corpus: key "
                                "its documents with --key-field FIELD")])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--field", "features=x")
-    assert (code, err) == (2, [("kfeed: --field applies to --from FILE samples (.npz, .npy, "
-                               ".parquet), not to --from c.txt (a corpus): leave it out")])
+    assert (code, err) == (2, [("kfeed: --field applies to --from samples (files, object "
+                               "stores, databases), not to --from c.txt (a corpus): leave it "
+                               "out")])
     missing = tmp_path / "none.npz"
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing))
     assert (code, err) == (2, [f"kfeed: --from {missing}: no such file: check the path"])

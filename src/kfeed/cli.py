@@ -294,29 +294,40 @@ class _Progress:
 
 def _corpus_mode(args: argparse.Namespace) -> bool:
     """--from names a corpus (token documents), not columns of fixed-shape samples."""
-    if args.source is None:
+    if args.source is None or args.query is not None:
         return False
     suffix = Path(args.source).suffix.lower()
-    return (suffix in (".txt", ".jsonl") or args.tokenizer is not None
+    return (suffix == ".txt" or (suffix == ".jsonl" and not args.field)
+            or args.tokenizer is not None
             or args.text_field is not None or args.lengths is not None)
 
 
 def _check_produce(args: argparse.Namespace) -> str:
-    """Refuse flags this run would ignore; the run's kind: samples, file, text or corpus."""
+    """Refuse flags this run would ignore; the run's kind: samples, file, stream, text or
+    corpus."""
+    from kfeed import ingest
+
     if args.synthetic is not None:
         kind, mode = "samples", "--synthetic"
     elif args.synthetic_text is not None:
         kind, mode = "text", "--synthetic-text"
     elif _corpus_mode(args):
         kind, mode = "corpus", f"--from {Path(args.source).name} (a corpus)"
+    elif ingest.is_stream(args.source, args.query, bool(args.field)):
+        kind, mode = "stream", f"--from {Path(args.source).name} (samples)"
     else:
         kind, mode = "file", f"--from {Path(args.source).name} (samples)"
-    file_only = "--from FILE samples (.npz, .npy, .parquet)"
+    file_only = "--from samples (files, object stores, databases)"
+    streamed = ("--from samples streamed through pyarrow or ADBC (Parquet, Arrow, CSV, "
+                "JSON Lines; folders, globs, URIs, postgresql://)")
     tokens = "token documents (--synthetic-text, or --from a corpus)"
     checks = [
-        ("--field", bool(args.field), kind == "file", file_only),
-        ("--dtype", bool(args.dtype), kind == "file", file_only),
-        ("--fill", bool(args.fill), kind == "file", file_only),
+        ("--field", bool(args.field), kind in ("file", "stream"), file_only),
+        ("--dtype", bool(args.dtype), kind in ("file", "stream"), file_only),
+        ("--fill", bool(args.fill), kind in ("file", "stream"), file_only),
+        ("--query", args.query is not None, kind == "stream", streamed),
+        ("--resume", args.resume, kind == "stream", streamed),
+        ("--transaction-mb", args.transaction_mb is not None, kind == "stream", streamed),
         ("--first-id", args.first_id is not None, kind in ("samples", "text"),
          "--synthetic and --synthetic-text"),
         ("--seed", args.seed is not None, kind == "text", "--synthetic-text"),
@@ -386,6 +397,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     _serve_metrics(args)
     if kind in ("text", "corpus"):
         return _produce_text(args, config)
+    if kind == "stream":
+        return _produce_stream(args, config)
     first = args.first_id or 0
     if kind == "samples":
         schema = synthetic_schema()
@@ -464,6 +477,122 @@ def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     print(f"produced {total} samples in {producer.messages} messages to {args.topic} in "
           f"{elapsed:.1f}s: {_rates(total, producer.bytes, elapsed, 'samples')}")
     return 0
+
+
+# -- produce: rows streamed from files, object stores and databases ------------------
+
+
+# A transaction of streamed rows ends at a source batch's end once it holds this
+# many MB (--transaction-mb): fewer commits, while a crash re-sends at most this much.
+_TRANSACTION_MB = 64.0
+
+
+def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    """``--from`` rows through pyarrow or ADBC, in transactions that record the progress.
+
+    The first batch is read and checked before Kafka is asked anything, so a
+    column kfeed cannot send stops the run at once.
+    """
+    from kfeed import ingest
+    from kfeed.resume import IngestProgress, job_id
+
+    dtypes = parse_pairs(args.dtype, "--dtype", "DTYPE")
+    fills = parse_pairs(args.fill, "--fill", "VALUE")
+    rows = ingest.open_rows(args.source, args.query)
+    try:
+        fields = ingest.stream_fields(rows, parse_pairs(args.field, "--field", "COLUMN") or None,
+                                      dtypes, fills)
+        if args.keyed and "id" not in fields:
+            raise ConfigError(f"--keyed keys samples by their id field, and the fields read are "
+                              f"{', '.join(fields)}: add --field id=COLUMN, or leave --keyed out")
+        columns = sorted(set(fields.values()))
+
+        def read(skip: int) -> Iterator[dict[str, Any]]:
+            for batch in rows.batches(columns, skip):
+                yield ingest.batch_columns(rows.name, batch, fields, dtypes, fills)
+
+        batches = read(0)
+        first = next(batches, None)
+        job = job_id(args.topic, args.source, args.query)
+        progress = IngestProgress(config, args.topic, job, ingest.no_password(args.source),
+                                  args.connect_timeout)
+        try:
+            _ensure_topic(args, config)
+            done = progress.done() if args.resume else 0
+            if done:
+                batches = read(done)
+                first = next(batches, None)
+            if first is None:
+                print(f"nothing to send: {rows.name} holds no rows"
+                      f"{f' after the {done:,} sent before' if done else ''}")
+                return 0
+            return _send_stream(args, config, rows.name, rows.total, first, batches, progress,
+                                job, done)
+        finally:
+            progress.close()
+    finally:
+        rows.close()
+
+
+def _send_stream(args: argparse.Namespace, config: dict[str, Any], name: str,
+                 total: int | None, first: dict[str, Any], batches: Iterator[dict[str, Any]],
+                 progress: Any, job: str, done: int) -> int:
+    """The batches sent in transactions of about ``--transaction-mb``, each recording the
+    rows sent so far (NOTE [ Ingestion progress ] in ``kfeed.resume``)."""
+    from kfeed import ingest
+    from kfeed.producer import Producer
+
+    schema = ingest.schema_for(first)
+    cols: dict[str, Any] | None = first
+    sent = done
+    limit = (args.transaction_mb or _TRANSACTION_MB) * 1e6
+    t0 = time.monotonic()
+    with Producer(config, args.topic, schema, format=_wire_format(args),
+                  block_records=args.block_records or 64, compression=args.compression,
+                  transactional_id=job, connect_timeout_s=args.connect_timeout) as producer:
+        _check_partitions(args, producer)
+
+        def status() -> tuple[float, float, str]:
+            mb_s = producer.bytes / max(time.monotonic() - t0, 1e-9) / 1e6
+            return sent, total or 0, f"{mb_s:,.1f} MB/s"
+
+        progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+        try:
+            while cols is not None:
+                with producer.transaction():
+                    start_bytes = producer.bytes
+                    while cols is not None:
+                        n = len(next(iter(cols.values())))
+                        for i in range(0, n, 8192):
+                            part = {k: v[i:i + 8192] for k, v in cols.items()}
+                            producer.send(part, keys=part["id"] if args.keyed else None)
+                        sent += n
+                        cols = next(batches, None)
+                        if cols is not None:
+                            _same_schema(schema, cols, name)
+                        if producer.bytes - start_bytes >= limit:
+                            break
+                    progress.record(producer, sent)
+        except BaseException:
+            progress_bar.close()
+            raise
+        elapsed = time.monotonic() - t0
+        progress_bar.close(final=True)
+    new = sent - done
+    after = f", after the {done:,} sent before" if done else ""
+    print(f"produced {new} samples in {producer.messages} messages to {args.topic} in "
+          f"{elapsed:.1f}s{after}: {_rates(new, producer.bytes, elapsed, 'samples')}")
+    return 0
+
+
+def _same_schema(schema: Any, cols: dict[str, Any], name: str) -> None:
+    """Refuse a later batch that gives other fields than the first batch."""
+    from kfeed import ingest
+
+    later = ingest.schema_for(cols)
+    if later != schema:
+        raise ConfigError(f"{name}: a later batch gives {later} where the first gave {schema}: "
+                          f"give every file and row the same columns and list lengths")
 
 
 # -- produce: token documents -------------------------------------------------------
@@ -687,7 +816,18 @@ Send samples, or token documents, to a topic. A missing topic is created with
 {DEFAULT_PARTITIONS} partitions (--partitions N for another count) and the brokers' default
 replication; the run says so in one line.
 
-Samples: --synthetic N (what kfeed train reads), or --from FILE.npz|.npy|.parquet.
+Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
+  FILE.npz|.npy                 read whole
+  FILE.parquet|.arrow|.feather|.csv, or .jsonl|.ndjson with --field, a folder of
+  such files or a glob of them (data/*.parquet), locally or at s3://bucket/path
+  (gs://, hdfs:// where pyarrow has them; endpoint, region and credentials as
+  pyarrow takes them: s3://b/p?endpoint_override=host:port&scheme=http, and the
+  AWS_* environment)             streamed through pyarrow, a batch at a time
+  postgresql://user@host/db --query "SELECT ..."   streamed through ADBC
+  Streamed sources are sent in transactions that also record, in Kafka, how many
+  rows are sent: after a crash, the same command with --resume goes on after
+  them, sending nothing twice and skipping nothing (a query needs an ORDER BY on
+  a unique key for that).
   Without --field, the columns/arrays named features, label and id are read;
   --field FIELD=COLUMN maps a field to another column (a .npy holds one array,
   named after the file: --field features=STEM). Columns become fields by these
@@ -927,9 +1067,20 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--synthetic-text", type=_count(1), metavar="N",
                      help="N seeded synthetic text documents (log-normal lengths, median "
                           "~500 bytes), tokenized into a token topic")
-    src.add_argument("--from", dest="source", metavar="FILE",
-                     help="samples: .npz, .npy or .parquet; a corpus: .txt, .jsonl, or "
+    src.add_argument("--from", dest="source", metavar="SOURCE",
+                     help="samples: .npz, .npy, .parquet, .arrow, .feather, .csv, .jsonl "
+                          "with --field, a folder or glob of them, s3:// or another URI, or "
+                          "postgresql://... with --query; a corpus: .txt, .jsonl, or "
                           ".parquet/.npy with --tokenizer (see above)")
+    p.add_argument("--query", metavar="SQL",
+                   help="with --from postgresql://...: the rows to send (ORDER BY a unique "
+                        "key, for --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="streamed --from: go on after the rows an earlier run of the same "
+                        "source into the same topic recorded as sent")
+    p.add_argument("--transaction-mb", type=_positive_float, metavar="MB",
+                   help="streamed --from: the bytes a transaction holds before it commits at "
+                        "a batch's end (default 64): a crash sends at most this much again")
     p.add_argument("--field", action="append", default=[], metavar="FIELD=COLUMN",
                    help="map a field to a column/array of --from samples (repeatable)")
     p.add_argument("--dtype", action="append", default=[], metavar="FIELD=DTYPE",

@@ -32,6 +32,8 @@ names the file, the field and the flag that fixes it.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,14 @@ import numpy as np
 from kfeed.errors import ConfigError, KfeedError
 
 __all__ = [
+    "DATASET_FORMATS",
     "DEFAULT_FIELDS",
+    "Rows",
+    "batch_columns",
+    "is_stream",
+    "no_password",
+    "open_rows",
+    "stream_fields",
     "DTYPES",
     "SUFFIXES",
     "TRAIN_FIELDS",
@@ -309,6 +318,273 @@ def _described(arr: np.ndarray) -> str:
     if arr.ndim == 1:
         return arr.dtype.name
     return f"{arr.dtype.name}[{', '.join(str(n) for n in arr.shape[1:])}]"
+
+
+# -- rows streamed from files, object stores and databases --------------------------
+
+# File suffixes a dataset is read by, and pyarrow.dataset's name of each format.
+DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
+                   ".csv": "csv", ".jsonl": "json", ".ndjson": "json"}
+_GLOB = "*?["
+# Rows a batch holds at most as it leaves the reader: one producer call.
+STREAM_BATCH_ROWS = 65536
+
+
+def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool:
+    """Whether ``--from`` names rows read through pyarrow (or a database) a batch at a time.
+
+    A URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ``postgresql://``), a
+    directory, a glob, or a file of a suffix in ``DATASET_FORMATS``. ``.jsonl``
+    is a token corpus unless ``--field`` maps its keys to fields.
+    """
+    if query is not None:
+        return True
+    if source is None:
+        return False
+    if "://" in source or any(c in source for c in _GLOB) or Path(source).is_dir():
+        return True
+    suffix = Path(source).suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return fields_given
+    return suffix in DATASET_FORMATS
+
+
+class Rows:
+    """A source's rows, a ``pyarrow.RecordBatch`` at a time, always in the same order.
+
+    ``name`` names it in messages (a file's name, the query's database).
+    ``batches(columns, skip)`` reads only ``columns`` and leaves out the first
+    ``skip`` rows (a resume): files wholly before them are not opened when
+    their row counts are in their metadata (Parquet, Arrow), the rest are
+    read and dropped. ``total`` is the row count when known without reading.
+    """
+
+    name = ""
+    total: int | None = None
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class DatasetRows(Rows):
+    """Files through ``pyarrow.fs`` and ``pyarrow.dataset``: one, a directory or a glob."""
+
+    def __init__(self, source: str) -> None:
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+        import pyarrow.fs as pafs
+
+        self.source = source
+        base, _, params = source.partition("?")
+        cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
+        pattern = None
+        if cut >= 0:  # a glob: list the folder before its first wildcard
+            pattern = base
+            base = base[:base.rfind("/", 0, cut) + 1] or "."
+        remote = "://" in base
+        try:
+            if remote:
+                fs, path = pafs.FileSystem.from_uri(f"{base}?{params}" if params else base)
+            else:
+                fs, path = pafs.LocalFileSystem(), os.path.abspath(base)
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.File and pattern is None:
+                files = [path]
+            elif info.type == pafs.FileType.Directory:
+                found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                files = sorted(f.path for f in found if f.type == pafs.FileType.File
+                               and not Path(f.path).name.startswith(("_", ".")))
+            else:
+                raise ConfigError(f"--from {source}: no such file or directory: check the path")
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise ConfigError(f"--from {source}: cannot open it ({_first_line(e)}): check the "
+                              f"address, and for object stores the endpoint, region and "
+                              f"credentials (as pyarrow takes them)") from None
+        if pattern is not None:
+            # The pattern in the file system's own paths: "bucket/key" for a URI.
+            want = pattern.split("://", 1)[1] if remote else os.path.abspath(pattern)
+            files = [f for f in files if _glob_match(f, want)]
+        kinds = {DATASET_FORMATS.get(Path(f).suffix.lower()) for f in files}
+        if not files:
+            raise ConfigError(f"--from {source}: no files there"
+                              f"{' match the pattern' if pattern else ''}: check the path")
+        if None in kinds or len(kinds) > 1:
+            suffixes = sorted({Path(f).suffix or "(none)" for f in files})
+            raise ConfigError(f"--from {source}: the files are {', '.join(suffixes)}: a run "
+                              f"reads one format, one of {', '.join(DATASET_FORMATS)}")
+        self.format = kinds.pop()
+        self.files = files
+        self.name = Path(files[0]).name if len(files) == 1 else source
+        try:
+            self.dataset = ds.dataset(files, filesystem=fs, format=self.format)
+            schema = self.dataset.schema
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"{self.name}: not a {self.format} file ({_first_line(e)}): "
+                              f"check the file") from None
+        self.schema = schema
+        if self.format in ("parquet", "ipc"):
+            self.total = sum(f.count_rows() for f in self.dataset.get_fragments())
+
+    def names(self) -> list[str]:
+        return list(self.schema.names)
+
+    def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for fragment in self.dataset.get_fragments():
+            if skip and self.format in ("parquet", "ipc"):
+                n = fragment.count_rows()
+                if n <= skip:
+                    skip -= n
+                    continue
+            try:
+                # In the file's order: a resume counts on it.
+                for batch in fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
+                                                 use_threads=True):
+                    if skip >= batch.num_rows:
+                        skip -= batch.num_rows
+                        continue
+                    if skip:
+                        batch, skip = batch.slice(skip), 0
+                    yield batch
+            except (pa.ArrowException, OSError) as e:
+                raise KfeedError(f"{Path(fragment.path).name}: {_first_line(e)}") from None
+        if skip:
+            raise KfeedError(f"--from {self.source}: it holds fewer rows than the {skip} more "
+                             f"that --resume would leave out: it changed since the last run")
+
+
+class QueryRows(Rows):
+    """A query's result from PostgreSQL through ADBC, streamed in Arrow batches."""
+
+    def __init__(self, source: str, query: str) -> None:
+        if not source.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"--query reads from a database: --from postgresql://..., "
+                              f"not {source}")
+        try:
+            import adbc_driver_postgresql.dbapi as pg
+        except ImportError:
+            raise ConfigError("--from postgresql:// needs the ADBC driver: pip install "
+                              "'kfeed[postgres]'") from None
+        self.source, self.query = source, query
+        self.name = f"the query on {source.split('@')[-1].split('?')[0]}"
+        try:
+            self._conn = pg.connect(source)
+        except Exception as e:  # noqa: BLE001 - the driver's errors are its own classes
+            raise ConfigError(f"--from {no_password(source)}: cannot connect "
+                              f"({_first_line(e)})") from None
+        self._cursor: Any = None
+        try:
+            self.schema = self._run().schema
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self) -> Any:
+        if self._cursor is not None:
+            self._cursor.close()
+        self._cursor = self._conn.cursor()
+        try:
+            self._cursor.execute(self.query)
+            return self._cursor.fetch_record_batch()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--query: {_first_line(e)}") from None
+
+    def names(self) -> list[str]:
+        return list(self.schema.names)
+
+    def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
+        reader = self._run()
+        for batch in reader:
+            if skip >= batch.num_rows:
+                skip -= batch.num_rows
+                continue
+            if skip:
+                batch, skip = batch.slice(skip), 0
+            yield batch.select(columns)
+        if skip:
+            raise KfeedError(f"--query gave fewer rows than the {skip} more that --resume "
+                             f"would leave out: its result changed since the last run (give "
+                             f"it an ORDER BY on a unique key)")
+
+    def close(self) -> None:
+        for closable in (self._cursor, getattr(self, "_conn", None)):
+            if closable is not None:
+                try:
+                    closable.close()
+                except Exception:  # noqa: BLE001, S110 - closing what may be broken
+                    pass
+        self._cursor = None
+
+
+def open_rows(source: str, query: str | None = None) -> Rows:
+    """The rows ``--from`` (and ``--query``) name (see ``is_stream``)."""
+    if query is not None:
+        return QueryRows(source, query)
+    if source.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"--from {no_password(source)}: give the rows to read with "
+                          f"--query \"SELECT ...\"")
+    return DatasetRows(source)
+
+
+def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
+                  dtypes: Mapping[str, str], fills: Mapping[str, str]) -> dict[str, str]:
+    """``fields`` (default ``DEFAULT_FIELDS``) checked against the rows' columns and flags."""
+    fields = dict(fields or DEFAULT_FIELDS)
+    names = rows.names()
+    for name, src in fields.items():
+        if src not in names:
+            raise ConfigError(f"{rows.name} has no column {src!r} for field {name!r} (it has: "
+                              f"{', '.join(names)}): map the field with --field {name}=COLUMN")
+    for flag, given in (("--dtype", dtypes), ("--fill", fills)):
+        for name, value in given.items():
+            if name not in fields:
+                raise ConfigError(f"{flag} {name}={value}: no field {name!r} is read (the fields "
+                                  f"are {', '.join(fields)}): name one of them, or add it with "
+                                  f"--field {name}=COLUMN")
+    for name, dtype in dtypes.items():
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtype {name}={dtype}: not a dtype kfeed can cast to: "
+                              f"use one of {', '.join(DTYPES)}")
+    return fields
+
+
+def batch_columns(name: str, batch: Any, fields: Mapping[str, str],
+                  dtypes: Mapping[str, str], fills: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """A RecordBatch's columns as ``{field: array}``, by the module's rules."""
+    out = {}
+    for field, src in fields.items():
+        col = batch.column(src)
+        out[field] = _settle(name, field, src, _arrow_column(name, field, src, col,
+                                                             fills.get(field)),
+                             dtypes.get(field))
+    return out
+
+
+def _glob_match(path: str, pattern: str) -> bool:
+    """Whether ``path`` matches ``pattern`` part by part (a wildcard never spans a "/")."""
+    parts, want = path.strip("/").split("/"), pattern.strip("/").split("/")
+    return len(parts) == len(want) and all(fnmatch.fnmatchcase(a, b)
+                                           for a, b in zip(parts, want, strict=True))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def no_password(uri: str) -> str:
+    """A database URI with its password left out, for messages."""
+    head, at, rest = uri.rpartition("@")
+    if not at:
+        return uri
+    scheme, _, user = head.partition("://")
+    return f"{scheme}://{user.split(':')[0]}:***@{rest}"
 
 
 # -- token documents ---------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Where an ingestion run is, kept in Kafka itself: ``kfeed produce --from ... --resume``.
+
+Where it sits: between the rows ``kfeed.ingest`` reads and the producer.
+Rows from files, object stores and databases are sent inside transactions
+of the producer (``Producer.transaction``); each transaction also commits,
+through Kafka's transactional offset commit (``send_offsets``, as a
+consume-transform-produce job commits what it consumed), how many of the
+source's rows are sent so far. Both land together or not at all, so after
+a crash the rows in the topic (as read_committed consumers, the loader
+among them, see them) are exactly the first ``done`` rows of the source.
+
+NOTE [ Ingestion progress ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The progress is the committed offset of a consumer group of its own,
+``kfeed-produce.<topic>.<job>``, on partition 0 of the target topic: the
+offset is the count of rows sent, and its metadata says so in words (the
+source, the rows). Nobody consumes with that group; ``kfeed lag`` would
+show it, with a meaningless lag. ``job`` is a hash of the source and the
+query, so the same command finds its own progress, and another source
+into the same topic has its own. The producer's ``transactional.id`` is the
+group's name: a restarted run fences the one it replaces, whose open
+transaction the brokers abort, so a killed run's last rows are never seen.
+A run without ``--resume`` starts from the source's first row and records
+its progress anew. Resuming skips the rows already sent by reading them
+again (files whose row counts are in their metadata are skipped unopened),
+so the source must give its rows in the same order: files are read in
+sorted order, and a query needs an ``ORDER BY`` on a unique key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kfeed.errors import ProduceError
+
+__all__ = ["IngestProgress", "job_id"]
+
+
+def job_id(topic: str, source: str, query: str | None) -> str:
+    """The name of one source's ingestion into ``topic``: its group and transactional id."""
+    digest = hashlib.blake2b(f"{source}\0{query or ''}".encode(), digest_size=6).hexdigest()
+    return f"kfeed-produce.{topic}.{digest}"
+
+
+class IngestProgress:
+    """The rows of one source sent to ``topic``, as committed with the last transaction."""
+
+    def __init__(self, kafka_config: Mapping[str, Any], topic: str, job: str, source: str,
+                 timeout_s: float) -> None:
+        from confluent_kafka import Consumer
+
+        from kfeed._kafka import client_config
+
+        self.topic, self.job, self.source, self.timeout_s = topic, job, source, timeout_s
+        self._consumer = Consumer({**client_config(kafka_config), "group.id": job,
+                                   "enable.auto.commit": False,
+                                   "isolation.level": "read_committed"})
+
+    def done(self) -> int:
+        """Rows recorded as sent by the last committed transaction (0 if none)."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        try:
+            got = self._consumer.committed([TopicPartition(self.topic, 0)],
+                                           timeout=self.timeout_s)
+        except KafkaException as e:
+            raise ProduceError(f"cannot read the progress of {self.job}: {e.args[0].str()}"
+                               ) from e
+        return max(0, got[0].offset)
+
+    def record(self, producer: Any, rows: int) -> None:
+        """Inside ``producer.transaction()``: ``rows`` sent once it commits."""
+        from confluent_kafka import TopicPartition
+
+        note = json.dumps({"rows": rows, "source": self.source}, separators=(",", ":"))
+        producer.send_offsets(self._consumer, [TopicPartition(self.topic, 0, rows,
+                                                              metadata=note)])
+
+    def close(self) -> None:
+        self._consumer.close()
