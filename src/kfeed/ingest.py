@@ -328,6 +328,8 @@ DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".
 _GLOB = "*?["
 # Rows a batch holds at most as it leaves the reader: one producer call.
 STREAM_BATCH_ROWS = 65536
+# The bytes of a batch of a query's result, as the ADBC driver streams it.
+QUERY_BATCH_BYTES = 4 << 20
 
 
 def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool:
@@ -491,6 +493,9 @@ class QueryRows(Rows):
             self._cursor.close()
         self._cursor = self._conn.cursor()
         try:
+            # Batches of about this many bytes: memory stays bounded whatever the result.
+            self._cursor.adbc_statement.set_options(
+                **{"adbc.postgresql.batch_size_hint_bytes": str(QUERY_BATCH_BYTES)})
             self._cursor.execute(self.query)
             return self._cursor.fetch_record_batch()
         except Exception as e:  # noqa: BLE001

@@ -1,0 +1,379 @@
+"""kfeed produce --from files, object stores and databases, and --resume after a kill.
+
+The S3 server is moto's, started here on loopback; the database is Debian's
+PostgreSQL, its package unpacked once into kfeed's cache and started here
+on loopback (as ``nobody`` when the tests run as root, which PostgreSQL
+refuses). Every row must arrive once with its values; a SIGKILL in the
+middle, then the same command with ``--resume``, must deliver every row
+exactly once too.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+
+import kfeed
+from kfeed.cluster._jars import cache_root
+from kfeed.resume import IngestProgress, job_id
+
+WIDTH = 32
+SCHEMA = kfeed.Schema({"features": ("float32", (WIDTH,)), "label": ("int64", ()),
+                       "id": ("int64", ())})
+
+
+def table(ids: np.ndarray) -> pa.Table:
+    feats = (ids[:, None] * 0.5 + np.arange(WIDTH)).astype(np.float32)
+    return pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(feats.ravel()), WIDTH),
+                     "label": pa.array(ids % 10), "id": pa.array(ids)})
+
+
+def check_topic(bootstrap: str, topic: str, n: int) -> None:
+    """The topic holds rows 0..n-1, each once, with its values."""
+    got: dict[str, list[np.ndarray]] = {"id": [], "label": [], "features": []}
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      SCHEMA, 1024, device="cpu", until="end") as loader:
+        for batch in loader:
+            for k in got:
+                got[k].append(batch[k].numpy().copy())
+    cols = {k: np.concatenate(v) for k, v in got.items()}
+    ids = cols["id"]
+    assert len(ids) == n, f"{len(ids)} rows, {len(np.unique(ids))} distinct, want {n}"
+    assert np.array_equal(np.sort(ids), np.arange(n))
+    want = table(ids)
+    assert np.array_equal(cols["label"], ids % 10)
+    assert np.array_equal(cols["features"],
+                          want["features"].combine_chunks().values.to_numpy().reshape(n, WIDTH))
+
+
+def kfeed_cli(bootstrap: str, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kfeed", *args], check=False,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {}), "KFEED_BOOTSTRAP": bootstrap})
+
+
+def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,
+                     env: dict[str, str] | None = None) -> None:
+    """Start ``kfeed produce SOURCE`` in small transactions, SIGKILL it once some have
+    committed, run it again with --resume; the topic then holds every row once."""
+    argv = [sys.executable, "-m", "kfeed", "produce", "--topic", topic, *source,
+            "--transaction-mb", "0.5", "--progress-every", "60"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {}), "KFEED_BOOTSTRAP": bootstrap})
+    where = source[source.index("--from") + 1]
+    query = source[source.index("--query") + 1] if "--query" in source else None
+    progress = IngestProgress({"bootstrap.servers": bootstrap}, topic,
+                              job_id(topic, where, query), where, 30.0)
+    try:
+        deadline = time.monotonic() + 120
+        while progress.done() == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed_at = progress.done()
+        assert proc.poll() is None, f"it ended before it was killed: {proc.communicate()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        assert 0 < killed_at < n
+        done = kfeed_cli(bootstrap, "produce", "--topic", topic, *source, "--resume", env=env)
+        assert done.returncode == 0, done.stderr
+        assert progress.done() == n
+        left = n - int(done.stdout.split("after the ")[1].split(" sent")[0].replace(",", ""))
+        assert done.stdout.startswith(f"produced {left} samples"), done.stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        progress.close()
+    check_topic(bootstrap, topic, n)
+
+
+# -- local files ---------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["parquet folder", "feather glob", "csv", "jsonl"])
+def test_every_row_of_local_files_arrives_once(bootstrap, make_topic, tmp_path, kind) -> None:
+    topic = make_topic(partitions=3)
+    n = 3000
+    parts = [table(np.arange(i, min(i + 1000, n))) for i in range(0, n, 1000)]
+    if kind == "parquet folder":
+        for i, t in enumerate(parts):
+            pq.write_table(t, tmp_path / f"part-{i}.parquet", row_group_size=400)
+        source = [str(tmp_path)]
+    elif kind == "feather glob":
+        for i, t in enumerate(parts):
+            feather.write_feather(t, tmp_path / f"part-{i}.feather")
+        feather.write_feather(parts[0], tmp_path / "other-0.feather")  # not matched
+        source = [str(tmp_path / "part-*.feather")]
+    else:  # text formats hold scalars: the features are one column each
+        flat = pa.concat_tables(parts)
+        feats = flat["features"].combine_chunks().values.to_numpy().reshape(n, WIDTH)
+        cols = {f"f{j}": pa.array(feats[:, j]) for j in range(WIDTH)}
+        t = pa.table({**cols, "label": flat["label"], "id": flat["id"]})
+        path = tmp_path / ("d.csv" if kind == "csv" else "d.jsonl")
+        if kind == "csv":
+            pacsv.write_csv(t, path)
+        else:
+            path.write_text("".join(f"{r}\n" for r in _json_lines(t)))
+        done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(path),
+                         "--field", "label=label", "--field", "id=id", "--field", "f0=f0")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+        one = kfeed.Schema({"label": ("int64", ()), "id": ("int64", ()), "f0": ("float64", ())})
+        with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                          one, 512, device="cpu", until="end") as loader:
+            got = [(b["id"].numpy().copy(), b["f0"].numpy().copy()) for b in loader]
+        ids = np.concatenate([g[0] for g in got])
+        f0 = np.concatenate([g[1] for g in got])
+        assert np.array_equal(np.sort(ids), np.arange(n))
+        assert np.array_equal(f0, feats[ids, 0].astype(np.float64))
+        return
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", *source)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+
+
+def _json_lines(t: pa.Table) -> Iterator[str]:
+    import json
+
+    for row in t.to_pylist():
+        yield json.dumps(row)
+
+
+@pytest.mark.integration
+def test_a_killed_run_resumed_sends_every_row_exactly_once(bootstrap, make_topic,
+                                                           tmp_path) -> None:
+    topic = make_topic(partitions=4)
+    n = 200_000
+    for i in range(0, n, 25_000):
+        pq.write_table(table(np.arange(i, i + 25_000)), tmp_path / f"p{i:06d}.parquet",
+                       row_group_size=2500)
+    kill_then_resume(bootstrap, topic, ["--from", str(tmp_path / "*.parquet")], n)
+    again = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                      str(tmp_path / "*.parquet"), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("nothing to send"), again.stdout
+
+
+def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
+    closed = "127.0.0.1:1"
+    pq.write_table(table(np.arange(5)), tmp_path / "a.parquet")
+    feather.write_feather(table(np.arange(5)), tmp_path / "b.feather")
+    cases = [
+        (["--from", str(tmp_path / "*.csv")], "no files there match the pattern"),
+        (["--from", str(tmp_path)], "the files are .feather, .parquet: a run reads one format"),
+        (["--from", str(tmp_path / "a.parquet"), "--query", "SELECT 1"],
+         "--query reads from a database: --from postgresql://..."),
+        (["--from", "postgresql://u@127.0.0.1:1/db"], "give the rows to read with --query"),
+        (["--from", str(tmp_path / "missing.parquet")], "no such file or directory"),
+        (["--synthetic", "5", "--resume"], "--resume applies to --from samples streamed"),
+    ]
+    for argv, line in cases:
+        done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert line in done.stderr, (argv, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# -- S3 (moto's server) -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[Any], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port} within 60 s")
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "kfeed", "AWS_SECRET_ACCESS_KEY": "kfeed-secret",
+          "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server on loopback; the query string pyarrow takes for it."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc, "moto's server")
+        yield f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def s3_fs(params: str) -> Any:
+    import pyarrow.fs as pafs
+
+    endpoint = params.split("endpoint_override=")[1].split("&")[0]
+    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
+                             access_key=S3_ENV["AWS_ACCESS_KEY_ID"],
+                             secret_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                             allow_bucket_creation=True)
+
+
+@pytest.mark.integration
+def test_parquet_on_s3_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                            s3_server) -> None:
+    fs = s3_fs(s3_server)
+    bucket = f"kfeed-{uuid.uuid4().hex[:8]}"
+    fs.create_dir(bucket)
+    n = 200_000
+    for i in range(0, n, 40_000):
+        pq.write_table(table(np.arange(i, i + 40_000)), f"{bucket}/train/part-{i:06d}.parquet",
+                       filesystem=fs, row_group_size=2500)
+    pq.write_table(table(np.arange(3)), f"{bucket}/other/x.parquet", filesystem=fs)
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                     f"s3://{bucket}/train?{s3_server}", env=S3_ENV)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+    again = make_topic(partitions=3)
+    kill_then_resume(bootstrap, again,
+                     ["--from", f"s3://{bucket}/train/part-*.parquet?{s3_server}"], n,
+                     env=S3_ENV)
+
+
+# -- PostgreSQL (Debian's package) ----------------------------------------------------
+
+
+def postgres_bin() -> Path:
+    """The folder of Debian's PostgreSQL server programs: installed, or unpacked into the cache."""
+    for found in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (found / "initdb").exists():
+            return found
+    unpacked = cache_root() / "postgresql-deb"
+    done = sorted(unpacked.glob("usr/lib/postgresql/*/bin/initdb"))
+    if done:
+        return done[-1].parent
+    if not (shutil.which("apt-get") and shutil.which("dpkg-deb") and shutil.which("apt-cache")):
+        pytest.skip("no PostgreSQL, and no apt-get to fetch Debian's package of it")
+
+    def server_package() -> str | None:
+        found = subprocess.run(["apt-cache", "search", "--names-only", r"^postgresql-[0-9]+$"],
+                               capture_output=True, text=True, check=False, timeout=120)
+        names = sorted((line.split()[0] for line in found.stdout.splitlines() if line),
+                       key=lambda name: int(name.split("-")[1]))
+        return names[-1] if names else None
+
+    package = server_package()
+    if package is None:
+        subprocess.run(["apt-get", "update"], check=True, capture_output=True, timeout=600)
+        package = server_package()
+    assert package is not None, "Debian has no postgresql-N package here"
+    work = Path(tempfile.mkdtemp(prefix="kfeed-pgdeb-"))
+    try:
+        for name in (package, "libpq5"):
+            subprocess.run(["apt-get", "download", name], cwd=work, check=True,
+                           capture_output=True, timeout=600)
+        tmp = unpacked.with_name(f".postgresql-deb-{os.getpid()}")
+        for deb in work.glob("*.deb"):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp)], check=True, timeout=300)
+        tmp.rename(unpacked)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return next(unpacked.glob("usr/lib/postgresql/*/bin/initdb")).parent
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL server on loopback, trust auth for user kfeed; its URI."""
+    bindir = postgres_bin()
+    root = Path(tempfile.mkdtemp(prefix="kfeed-pg-"))
+    user: tuple[int, int] | None = None
+    if os.geteuid() == 0:  # PostgreSQL will not run as root: it runs as nobody
+        nobody = pwd.getpwnam("nobody")
+        user = (nobody.pw_uid, nobody.pw_gid)
+        unpacked = cache_root() / "postgresql-deb"
+        if unpacked in bindir.parents:  # under root's home: a copy nobody can read
+            shutil.copytree(unpacked, root / "deb", symlinks=True)
+            bindir = root / "deb" / bindir.relative_to(unpacked)
+        root.chmod(0o755)
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    if user:
+        for p in (root, sock):
+            os.chown(p, *user)
+
+    def as_user() -> None:
+        if user:
+            os.setgid(user[1])
+            os.setuid(user[0])
+
+    libs = sorted({str(p.parent) for p in bindir.parents[3].glob("lib/*/libpq.so*")})
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(libs + [os.environ.get(
+        "LD_LIBRARY_PATH", "")])}
+    subprocess.run([str(bindir / "initdb"), "-D", str(data), "-U", "kfeed", "--auth=trust",
+                    "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=300,
+                   preexec_fn=as_user, env=env)  # noqa: PLW1509 - drops root before exec
+    port = _free_port()
+    log = open(root / "postgres.log", "w")  # noqa: SIM115 - closed after the server stops
+    proc = subprocess.Popen([str(bindir / "postgres"), "-D", str(data), "-h", "127.0.0.1",
+                             "-p", str(port), "-k", str(sock), "-c", "fsync=off"],
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=as_user, env=env)
+    try:
+        _wait_for_port(port, proc, "postgres")
+        yield f"postgresql://kfeed@127.0.0.1:{port}/postgres"
+    finally:
+        proc.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown
+        proc.wait(60)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                      postgres) -> None:
+    import adbc_driver_postgresql.dbapi as pg
+
+    n = 200_000
+    name = f"samples_{uuid.uuid4().hex[:8]}"
+    ids = np.arange(n)
+    feats = (ids[:, None] * 0.5 + np.arange(WIDTH)).astype(np.float32)
+    rows = pa.table({"id": pa.array(ids[::-1].copy()),  # stored out of order: ORDER BY sorts
+                     "label": pa.array(ids[::-1] % 10),
+                     "features": pa.array(list(feats[::-1]), pa.list_(pa.float32()))})
+    with pg.connect(postgres) as conn, conn.cursor() as cur:
+        cur.adbc_ingest(name, rows, mode="create")
+        conn.commit()
+    query = f"SELECT features, label, id FROM {name} ORDER BY id"
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", postgres, "--query",
+                     query)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+    again = make_topic(partitions=3)
+    kill_then_resume(bootstrap, again, ["--from", postgres, "--query", query], n)
