@@ -526,6 +526,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                 print(f"nothing to send: {rows.name} holds no rows"
                       f"{f' after the {done:,} sent before' if done else ''}")
                 return 0
+            batches = ingest.read_ahead(batches)  # the next batch read while this one is sent
             return _send_stream(args, config, rows.name, rows.total, first, batches, progress,
                                 job, done)
         finally:

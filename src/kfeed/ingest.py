@@ -50,6 +50,7 @@ __all__ = [
     "is_stream",
     "no_password",
     "open_rows",
+    "read_ahead",
     "stream_fields",
     "DTYPES",
     "SUFFIXES",
@@ -536,6 +537,50 @@ def open_rows(source: str, query: str | None = None) -> Rows:
         raise ConfigError(f"--from {no_password(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
     return DatasetRows(source)
+
+
+def read_ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """``items``, produced by a thread of their own up to ``depth`` ahead.
+
+    Reading and decoding the next batch (pyarrow and the ADBC driver work
+    without the GIL) then overlaps sending the current one. An error in the
+    thread is raised here, at the item it stopped before; closing this
+    generator stops the thread at its next item.
+    """
+    import queue
+    import threading
+
+    out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def run() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        out.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
+            out.put((end, e))
+
+    thread = threading.Thread(target=run, name="kfeed-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = out.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
