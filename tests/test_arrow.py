@@ -11,11 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer as KafkaProducer
+from records import check_packed_documents
 
 import kfeed
 from kfeed.arrowformat import ArrowDecoder, ArrowEncoder
 from kfeed.loader import Loader, memory_loader
-from records import check_packed_documents
 
 SCHEMA = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (3,)), "m": ("float16", (2, 2)),
                        "flag": ("bool", ())})

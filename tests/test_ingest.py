@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+from pyarrow import feather
 
 import kfeed
 from kfeed.cluster._jars import cache_root
@@ -52,8 +52,8 @@ def check_topic(bootstrap: str, topic: str, n: int) -> None:
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
                       SCHEMA, 1024, device="cpu", until="end") as loader:
         for batch in loader:
-            for k in got:
-                got[k].append(batch[k].numpy().copy())
+            for k, parts in got.items():
+                parts.append(batch[k].numpy().copy())
     cols = {k: np.concatenate(v) for k, v in got.items()}
     ids = cols["id"]
     assert len(ids) == n, f"{len(ids)} rows, {len(np.unique(ids))} distinct, want {n}"
@@ -337,12 +337,13 @@ def postgres() -> Iterator[str]:
         "LD_LIBRARY_PATH", "")])}
     subprocess.run([str(bindir / "initdb"), "-D", str(data), "-U", "kfeed", "--auth=trust",
                     "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=300,
-                   preexec_fn=as_user, env=env)  # noqa: PLW1509 - drops root before exec
+                   preexec_fn=as_user, env=env)
     port = _free_port()
     log = open(root / "postgres.log", "w")  # noqa: SIM115 - closed after the server stops
     proc = subprocess.Popen([str(bindir / "postgres"), "-D", str(data), "-h", "127.0.0.1",
                              "-p", str(port), "-k", str(sock), "-c", "fsync=off"],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=as_user, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=as_user)  # noqa: PLW1509 - drops root before exec
     try:
         _wait_for_port(port, proc, "postgres")
         yield f"postgresql://kfeed@127.0.0.1:{port}/postgres"

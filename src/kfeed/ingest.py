@@ -45,20 +45,20 @@ from kfeed.errors import ConfigError, KfeedError
 __all__ = [
     "DATASET_FORMATS",
     "DEFAULT_FIELDS",
+    "DTYPES",
+    "SUFFIXES",
+    "TRAIN_FIELDS",
     "Rows",
     "batch_columns",
     "is_stream",
     "no_password",
     "open_rows",
-    "read_ahead",
-    "stream_fields",
-    "DTYPES",
-    "SUFFIXES",
-    "TRAIN_FIELDS",
     "parse_pairs",
+    "read_ahead",
     "read_columns",
     "schema_for",
     "skip_documents",
+    "stream_fields",
 ]
 
 SUFFIXES = (".npz", ".npy", ".parquet")
