@@ -115,16 +115,7 @@ def read_columns(
                           f".txt or .jsonl corpus for token documents")
     if not path.is_file():
         raise ConfigError(f"--from {path}: no such file: check the path")
-    for flag, given in (("--dtype", dtypes), ("--fill", fills)):
-        for name, value in given.items():
-            if name not in fields:
-                raise ConfigError(f"{flag} {name}={value}: no field {name!r} is read (the fields are "
-                                  f"{', '.join(fields)}): name one of them, or add it with "
-                                  f"--field {name}=COLUMN")
-    for name, dtype in dtypes.items():
-        if dtype not in DTYPES:
-            raise ConfigError(f"--dtype {name}={dtype}: not a dtype kfeed can cast to: "
-                              f"use one of {', '.join(DTYPES)}")
+    _check_flags(fields, dtypes, fills)
     if fills and suffix != ".parquet":
         raise ConfigError(f"--fill replaces the nulls of Parquet columns; {path.name} has "
                           f"none: leave --fill out")
@@ -592,6 +583,13 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
         if src not in names:
             raise ConfigError(f"{rows.name} has no column {src!r} for field {name!r} (it has: "
                               f"{', '.join(names)}): map the field with --field {name}=COLUMN")
+    _check_flags(fields, dtypes, fills)
+    return fields
+
+
+def _check_flags(fields: Mapping[str, str], dtypes: Mapping[str, str],
+                 fills: Mapping[str, str]) -> None:
+    """Refuse a --dtype or --fill of a field not read, and a dtype kfeed cannot cast to."""
     for flag, given in (("--dtype", dtypes), ("--fill", fills)):
         for name, value in given.items():
             if name not in fields:
@@ -602,7 +600,6 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype {name}={dtype}: not a dtype kfeed can cast to: "
                               f"use one of {', '.join(DTYPES)}")
-    return fields
 
 
 def batch_columns(name: str, batch: Any, fields: Mapping[str, str],
