@@ -14,7 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kfeed import ConfigError, Loader, MemorySource, Mix, Pack, Schema, Shuffle
+from kfeed import (
+    ConfigError,
+    KafkaIterableDataset,
+    Loader,
+    MemorySource,
+    Mix,
+    Pack,
+    Schema,
+    Shuffle,
+)
 from kfeed.mix import Mixer
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -525,3 +534,23 @@ def test_repeat_through_an_incremental_rebalance_reads_the_big_source_once():
     b = ids[ids >= 10**6]
     assert set(b.tolist()) == set(np.concatenate([10**6 + np.arange(100),
                                                   10**6 + 10**4 + np.arange(100)]).tolist())
+
+
+def test_a_dataset_reads_the_epoch_set_as_the_loader_does():
+    values = {p: v for (t, p), v in row_values().items() if t == "web"}
+    ends = {("memory", p): len(v) for p, v in values.items()}
+    kwargs = {"start": "earliest", "until": ends, "epochs": 3, "shuffle": Shuffle(64, seed=8),
+              "device": "cpu"}
+    loader = Loader(None, "memory", ROWS, 32, source=MemorySource(values), **kwargs)
+    want = [epoch_ids(loader) for _ in range(3)]
+    ds = KafkaIterableDataset(None, "memory", ROWS, 32, source=MemorySource(values),
+                              **kwargs)
+    for epoch in (0, 2, 1):
+        ds.set_epoch(epoch)
+        np.testing.assert_array_equal(epoch_ids(iter(ds)), want[epoch])
+    with pytest.raises(ConfigError, match="epoch must be an int in 0..2"):
+        ds.set_epoch(3)
+    for change in ({"until": "end"}, {"start": "committed"}):
+        with pytest.raises(ConfigError, match="would find the window's ends anew"):
+            KafkaIterableDataset(None, "memory", ROWS, 32, source=MemorySource(values),
+                                 **{**kwargs, **change})

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kfeed.errors import ConfigError
 from kfeed.loader import Batch, Loader, LoaderConfig
 from kfeed.schema import Schema
 
@@ -31,6 +32,9 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     ``multiprocessing_context="forkserver"`` (or ``"spawn"``) when the
     process holds Kafka clients of its own: a forked worker inherits them
     without the librdkafka threads behind them, and may crash freeing them.
+
+    With ``epochs=N`` and a window (``until=``), ``set_epoch(e)`` before each
+    epoch's loop reads epoch ``e``'s order, as ``Loader.set_epoch`` does.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any] | None, topics: Any, schema: Schema,
@@ -40,7 +44,30 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
         self.config = LoaderConfig(topics, schema, batch_size, **loader_kwargs)
+        if self.config.epochs is not None and (self.config.until == "end" or
+                                               self.config.start in ("committed", "latest")):
+            raise ConfigError("with epochs=, each epoch of a KafkaIterableDataset opens a new "
+                              "loader, which would find the window's ends anew (the group's "
+                              "commits move with every epoch): give start= and until= a "
+                              "datetime or a {(topic, partition): offset} dict (start= may "
+                              "be 'earliest'), so that every epoch reads the same window")
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` at the next iteration, as ``DistributedSampler.set_epoch``.
+
+        Call it in the main process before each epoch's loop: DataLoader
+        workers get the dataset, and so the epoch, when the loop starts.
+        """
+        epochs = self.config.epochs
+        if epochs is None:
+            raise ConfigError("set_epoch needs KafkaIterableDataset(..., epochs=N)")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < epochs:
+            raise ConfigError(f"epoch must be an int in 0..{epochs - 1}, got {epoch!r}")
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:
         with Loader.from_config(self.kafka_config, self.config, source=self.source) as loader:
+            if self.epoch:
+                loader.set_epoch(self.epoch)
             yield from loader
