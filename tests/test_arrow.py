@@ -314,3 +314,38 @@ def test_produce_and_train_from_the_command_line_in_arrow(bootstrap, make_topic,
                      "--device", "cpu", "--format", "arrow")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("trained 12 steps on 3000 samples")
+
+
+def test_null_rows_of_every_kind_take_the_default() -> None:
+    schema = kfeed.Schema({"id": ("int64", (), {"default": -1}),
+                           "v": ("float32", (2,), {"default": 9.0}),
+                           "d": ("int32", (), {"default": 7})})
+    v = pa.array([[1.0, 2.0], None, [5.0, 6.0]], pa.list_(pa.float32(), 2))  # null items inside
+    d = pa.DictionaryArray.from_arrays(pa.array([0, None, 1], pa.int8()),
+                                       pa.array([10, 20], pa.int32()))
+    value = stream(pa.RecordBatch.from_arrays([pa.array([1, None, 3]), v, d],
+                                              names=["id", "v", "d"]))
+    with memory_loader([value], schema, 8, until="end", device="cpu", format="arrow") as loader:
+        batch = next(loader)
+    assert batch["id"].tolist() == [1, -1, 3]
+    assert batch["v"].tolist() == [[1.0, 2.0], [9.0, 9.0], [5.0, 6.0]]
+    assert batch["d"].tolist() == [10, 7, 20]
+    bad = stream(pa.RecordBatch.from_arrays(
+        [pa.array([1]), pa.array([[1.0, None]], pa.list_(pa.float32(), 2)), pa.array([4], pa.int32())],
+        names=["id", "v", "d"]))  # a null item in a row that is not null
+    res = ArrowDecoder(schema).decode_into([bad], schema.bind(schema.empty(4)), 0)
+    assert res.rows == 0 and "column 'v' has null items in its lists" in res.bad[0][1]
+
+
+def test_a_permuted_tensor_and_a_start_past_the_end_are_handled() -> None:
+    schema = kfeed.Schema({"m": ("float32", (2, 3))})
+    permuted = pa.fixed_shape_tensor(pa.float32(), [2, 3], permutation=[1, 0])
+    storage = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6, dtype=np.float32)), 6)
+    value = stream(pa.RecordBatch.from_arrays(
+        [pa.ExtensionArray.from_storage(permuted, storage)], names=["m"]))
+    decoder = ArrowDecoder(schema)
+    res = decoder.decode_into([value], schema.bind(schema.empty(4)), 0)
+    assert res.rows == 0 and "column 'm' is" in res.bad[0][1]
+    good = ArrowEncoder(schema).encode_blocks({"m": np.zeros((3, 2, 3), np.float32)}, 8, 1 << 20)
+    res = decoder.decode_into(good, schema.bind(schema.empty(4)), 0, start=5, split=True)
+    assert (res.rows, res.consumed, res.bad) == (0, 1, [])  # a position past its 3 records

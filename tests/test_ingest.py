@@ -378,3 +378,49 @@ def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
     check_topic(bootstrap, topic, n)
     again = make_topic(partitions=3)
     kill_then_resume(bootstrap, again, ["--from", postgres, "--query", query], n)
+
+
+def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
+    from kfeed.ingest import source_key
+
+    assert source_key("postgresql://reader:hunter2@db:5432/wh") == \
+        "postgresql://reader:***@db:5432/wh"
+    assert source_key("s3://b/p/*.parquet?secret_key=x&region=eu&access_key=y&scheme=http") == \
+        "s3://b/p/*.parquet?region=eu&scheme=http"
+    assert source_key("s3://b/p?scheme=http&region=eu") == source_key("s3://b/p?region=eu&scheme=http")
+    assert job_id("t", source_key("postgresql://u:old@h/d"), "SELECT 1") == \
+        job_id("t", source_key("postgresql://u:new@h/d"), "SELECT 1")
+
+
+def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed() -> None:
+    import threading
+
+    from kfeed.ingest import read_ahead
+
+    assert list(read_ahead(iter(range(100)), depth=3)) == list(range(100))
+
+    def failing() -> Iterator[int]:
+        yield 1
+        raise OSError("the disk went away")
+
+    got = read_ahead(failing())
+    assert next(got) == 1
+    with pytest.raises(OSError, match="the disk went away"):
+        next(got)
+
+    closed = threading.Event()
+
+    def endless() -> Iterator[int]:
+        try:
+            n = 0
+            while True:
+                yield n
+                n += 1
+        finally:
+            closed.set()
+
+    ahead = read_ahead(endless(), depth=2)
+    assert [next(ahead) for _ in range(5)] == [0, 1, 2, 3, 4]
+    ahead.close()  # the thread stops and closes its source before close() returns
+    assert closed.is_set()
+    assert not any(t.name == "kfeed-read-ahead" for t in threading.enumerate())

@@ -254,7 +254,10 @@ def _kind(f: Field, typ: Any) -> str | None:
     if not f.shape:
         return "plain" if typ == want else None
     if isinstance(typ, pa.FixedShapeTensorType):
-        return "tensor" if typ.value_type == want and tuple(typ.shape) == f.shape else None
+        # Stored in row-major order only: a permutation would reorder the elements.
+        straight = typ.permutation is None or list(typ.permutation) == list(range(len(f.shape)))
+        return ("tensor" if typ.value_type == want and tuple(typ.shape) == f.shape and straight
+                else None)
     inner = typ
     for k in f.shape:
         if not pa.types.is_fixed_size_list(inner) or inner.list_size != k:
@@ -301,7 +304,13 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
         k = col.type.list_size
         col = col.values.slice(col.offset * k, len(col) * k)
     if col.null_count:
-        raise _Bad(f"column {name!r} has null items in its lists")
+        # Null items: only a null row's (which takes the default) may have them.
+        import pyarrow.compute as pc
+
+        ok = col.is_valid().to_numpy(zero_copy_only=False).reshape(n, -1).all(axis=1)
+        if not (ok if valid is None else ok | ~valid).all():
+            raise _Bad(f"column {name!r} has null items in its lists")
+        col = pc.fill_null(col, _pa().scalar(0, col.type))
     values = col.to_numpy(zero_copy_only=False).reshape(n, *f.shape)
     return _filled(f, n, valid, values)
 
@@ -407,7 +416,7 @@ class ArrowDecoder(Decoder):
                 bad.append((k, str(e)))
                 consumed += 1
                 continue
-            first = start if k == 0 else 0
+            first = min(start, n) if k == 0 else 0
             take = min(n - first, room - rows)
             if take < n - first and not split:
                 break

@@ -491,14 +491,19 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
     """``--from`` rows through pyarrow or ADBC, in transactions that record the progress.
 
     The first batch is read and checked before Kafka is asked anything, so a
-    column kfeed cannot send stops the run at once.
+    column kfeed cannot send stops the run at once. The progress is read
+    only once the transactional producer is up: its ``init_transactions``
+    fences an earlier run of the same job, whose open transaction the
+    brokers abort, so nothing that run still sends can land after it.
     """
     from kfeed import ingest
+    from kfeed.producer import Producer
     from kfeed.resume import IngestProgress, job_id
 
     dtypes = parse_pairs(args.dtype, "--dtype", "DTYPE")
     fills = parse_pairs(args.fill, "--fill", "VALUE")
     rows = ingest.open_rows(args.source, args.query)
+    batches: Iterator[dict[str, Any]] = iter(())
     try:
         fields = ingest.stream_fields(rows, parse_pairs(args.field, "--field", "COLUMN") or None,
                                       dtypes, fills)
@@ -513,76 +518,94 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
 
         batches = read(0)
         first = next(batches, None)
-        job = job_id(args.topic, args.source, args.query)
-        progress = IngestProgress(config, args.topic, job, ingest.no_password(args.source),
-                                  args.connect_timeout)
+        if first is None:
+            print(f"nothing to send: {rows.name} holds no rows")
+            return 0
+        schema = ingest.schema_for(first)
+        where = ingest.source_key(args.source)
+        job = job_id(args.topic, where, args.query)
+        progress = IngestProgress(config, args.topic, job, where, args.connect_timeout)
         try:
             _ensure_topic(args, config)
-            done = progress.done() if args.resume else 0
-            if done:
-                batches = read(done)
-                first = next(batches, None)
-            if first is None:
-                print(f"nothing to send: {rows.name} holds no rows"
-                      f"{f' after the {done:,} sent before' if done else ''}")
-                return 0
-            batches = ingest.read_ahead(batches)  # the next batch read while this one is sent
-            return _send_stream(args, config, rows.name, rows.total, first, batches, progress,
-                                job, done)
+            with Producer(config, args.topic, schema, format=_wire_format(args),
+                          block_records=args.block_records or 64, compression=args.compression,
+                          transactional_id=job, connect_timeout_s=args.connect_timeout
+                          ) as producer:
+                _check_partitions(args, producer)
+                done = progress.done() if args.resume else 0
+                if args.resume and not done:
+                    print(f"kfeed produce: no rows of {where} recorded as sent to {args.topic}: "
+                          f"sending from the first", file=sys.stderr)
+                if done:
+                    batches.close()
+                    batches = read(done)
+                    first = next(batches, None)
+                    if first is None:
+                        print(f"nothing to send: {rows.name} holds no rows after the "
+                              f"{done:,} sent before")
+                        return 0
+                batches = ingest.read_ahead(batches)  # the next batch read while this is sent
+                return _send_stream(args, producer, rows.name, rows.total, first, batches,
+                                    progress, done)
         finally:
             progress.close()
     finally:
+        close = getattr(batches, "close", None)  # a generator: stops the read-ahead first
+        if close is not None:
+            close()
         rows.close()
 
 
-def _send_stream(args: argparse.Namespace, config: dict[str, Any], name: str,
-                 total: int | None, first: dict[str, Any], batches: Iterator[dict[str, Any]],
-                 progress: Any, job: str, done: int) -> int:
-    """The batches sent in transactions of about ``--transaction-mb``, each recording the
-    rows sent so far (NOTE [ Ingestion progress ] in ``kfeed.resume``)."""
+# A transaction also ends at a batch's end once it has been open this long, well
+# within the brokers' transaction.timeout.ms (60 s by default), however slow the source.
+_TRANSACTION_S = 20.0
+
+
+def _send_stream(args: argparse.Namespace, producer: Any, name: str, total: int | None,
+                 first: dict[str, Any], batches: Iterator[dict[str, Any]], progress: Any,
+                 done: int) -> int:
+    """The batches sent in transactions of about ``--transaction-mb`` (or ``_TRANSACTION_S``),
+    each recording the rows sent so far (NOTE [ Ingestion progress ] in ``kfeed.resume``)."""
     from kfeed import ingest
-    from kfeed.producer import Producer
 
     schema = ingest.schema_for(first)
     cols: dict[str, Any] | None = first
     sent = done
     limit = (args.transaction_mb or _TRANSACTION_MB) * 1e6
     t0 = time.monotonic()
-    with Producer(config, args.topic, schema, format=_wire_format(args),
-                  block_records=args.block_records or 64, compression=args.compression,
-                  transactional_id=job, connect_timeout_s=args.connect_timeout) as producer:
-        _check_partitions(args, producer)
+    before = producer.messages, producer.bytes
 
-        def status() -> tuple[float, float, str]:
-            mb_s = producer.bytes / max(time.monotonic() - t0, 1e-9) / 1e6
-            return sent, total or 0, f"{mb_s:,.1f} MB/s"
+    def status() -> tuple[float, float, str]:
+        mb_s = (producer.bytes - before[1]) / max(time.monotonic() - t0, 1e-9) / 1e6
+        return sent, total or 0, f"{mb_s:,.1f} MB/s"
 
-        progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
-        try:
-            while cols is not None:
-                with producer.transaction():
-                    start_bytes = producer.bytes
-                    while cols is not None:
-                        n = len(next(iter(cols.values())))
-                        for i in range(0, n, 8192):
-                            part = {k: v[i:i + 8192] for k, v in cols.items()}
-                            producer.send(part, keys=part["id"] if args.keyed else None)
-                        sent += n
-                        cols = next(batches, None)
-                        if cols is not None:
-                            _same_schema(schema, cols, name)
-                        if producer.bytes - start_bytes >= limit:
-                            break
-                    progress.record(producer, sent)
-        except BaseException:
-            progress_bar.close()
-            raise
-        elapsed = time.monotonic() - t0
-        progress_bar.close(final=True)
-    new = sent - done
+    progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+    try:
+        while cols is not None:
+            with producer.transaction():
+                opened, start_bytes = time.monotonic(), producer.bytes
+                while cols is not None:
+                    n = len(next(iter(cols.values())))
+                    for i in range(0, n, 8192):
+                        part = {k: v[i:i + 8192] for k, v in cols.items()}
+                        producer.send(part, keys=part["id"] if args.keyed else None)
+                    sent += n
+                    cols = next(batches, None)
+                    if cols is not None:
+                        _same_schema(schema, cols, name)
+                    if (producer.bytes - start_bytes >= limit
+                            or time.monotonic() - opened >= _TRANSACTION_S):
+                        break
+                progress.record(producer, sent)
+    except BaseException:
+        progress_bar.close()
+        raise
+    elapsed = time.monotonic() - t0
+    progress_bar.close(final=True)
+    new, nbytes = sent - done, producer.bytes - before[1]
     after = f", after the {done:,} sent before" if done else ""
-    print(f"produced {new} samples in {producer.messages} messages to {args.topic} in "
-          f"{elapsed:.1f}s{after}: {_rates(new, producer.bytes, elapsed, 'samples')}")
+    print(f"produced {new} samples in {producer.messages - before[0]} messages to {args.topic} "
+          f"in {elapsed:.1f}s{after}: {_rates(new, nbytes, elapsed, 'samples')}")
     return 0
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "read_columns",
     "schema_for",
     "skip_documents",
+    "source_key",
     "stream_fields",
 ]
 
@@ -535,8 +536,9 @@ def read_ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
 
     Reading and decoding the next batch (pyarrow and the ADBC driver work
     without the GIL) then overlaps sending the current one. An error in the
-    thread is raised here, at the item it stopped before; closing this
-    generator stops the thread at its next item.
+    thread is raised here, at the item it stopped before. Closing this
+    generator (or an error in its reader) stops the thread and closes
+    ``items`` before it returns, so the source can be closed after it.
     """
     import queue
     import threading
@@ -545,20 +547,27 @@ def read_ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
     stop = threading.Event()
     end = object()
 
+    def put(entry: tuple[Any, BaseException | None]) -> None:
+        while not stop.is_set():
+            try:
+                out.put(entry, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
     def run() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        out.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                put((item, None))
                 if stop.is_set():
                     return
-            out.put((end, None))
+            put((end, None))
         except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
-            out.put((end, e))
+            put((end, e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
     thread = threading.Thread(target=run, name="kfeed-read-ahead", daemon=True)
     thread.start()
@@ -572,6 +581,12 @@ def read_ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
             yield item
     finally:
         stop.set()
+        while thread.is_alive():
+            try:  # make room for a put under way, then wait for the thread
+                out.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.1)
 
 
 def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
@@ -623,6 +638,19 @@ def _glob_match(path: str, pattern: str) -> bool:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# Query parameters of a URI that hold secrets: left out of its key and of messages.
+_SECRET_PARAMS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def source_key(source: str) -> str:
+    """``source`` as it names an ingestion job: no password, no secret parameters, the
+    other parameters sorted; so a rotated credential does not make it another job."""
+    base, _, params = no_password(source).partition("?")
+    kept = sorted(p for p in params.split("&")
+                  if p and not any(s in p.split("=")[0].lower() for s in _SECRET_PARAMS))
+    return f"{base}?{'&'.join(kept)}" if kept else base
 
 
 def no_password(uri: str) -> str:

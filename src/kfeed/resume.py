@@ -16,8 +16,8 @@ The progress is the committed offset of a consumer group of its own,
 offset is the count of rows sent, and its metadata says so in words (the
 source, the rows). Nobody consumes with that group; ``kfeed lag`` would
 show it, with a meaningless lag. ``job`` is a hash of the source and the
-query, so the same command finds its own progress, and another source
-into the same topic has its own. The producer's ``transactional.id`` is the
+query (credentials left out, ``ingest.source_key``), so the same command
+finds its own progress, and another source into the same topic has its own. The producer's ``transactional.id`` is the
 group's name: a restarted run fences the one it replaces, whose open
 transaction the brokers abort, so a killed run's last rows are never seen.
 A run without ``--resume`` starts from the source's first row and records
@@ -69,6 +69,8 @@ class IngestProgress:
         except KafkaException as e:
             raise ProduceError(f"cannot read the progress of {self.job}: {e.args[0].str()}"
                                ) from e
+        if got[0].error is not None:  # e.g. a commit still pending: never guess 0
+            raise ProduceError(f"cannot read the progress of {self.job}: {got[0].error.str()}")
         return max(0, got[0].offset)
 
     def record(self, producer: Any, rows: int) -> None:

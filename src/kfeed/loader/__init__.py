@@ -595,23 +595,28 @@ class Loader:
                     return item
             item.release(self._pool)  # from before a rebalance
 
-    def _hand_out(self, out: Handoff) -> Batch | None:
+    def _hand_out(self, out: Handoff) -> Any:
         ledger = self._ledger
+        offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
+        batch = Batch(out.tensors, out.rows, offsets, out.info)
+        # The caller's stream waits for the copy first: JAX's DLPack import
+        # orders its own stream after the caller's. And the batch is
+        # converted before it counts as handed out: a conversion that fails
+        # leaves its records unread, never committed.
+        self._copier.adopt(out.tensors, out.event)
+        handed = batch if self._convert is None else self._convert(batch)
         with ledger.lock:
             if out.gen != ledger.gen:
                 # A rebalance happened after _take: the caller's next() takes
                 # the next batch instead.
                 return None
             ledger.accept(out.end, out.acks, out.pack_offset)
-        self._copier.adopt(out.tensors, out.event)
         if out.newest_ms > 0:
             self._latency_hist.observe(max(0.0, time.time() - out.newest_ms / 1000.0))
-        offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
-        batch = Batch(out.tensors, out.rows, offsets, out.info)
         self._current = batch
         self._batches += 1
         self._samples_out += out.rows
-        return batch if self._convert is None else self._convert(batch)
+        return handed
 
     def _mark_used(self) -> None:
         if self._current is None:
