@@ -125,6 +125,7 @@ class SlotBuilder:
     def fill(self, slot: Slot) -> Handoff:
         out = Handoff(self.ledger.gen)
         started = None
+        begun = time.monotonic()
         f = self.fetcher
         while slot.rows < self.batch_size and not self.stop.is_set():
             if out.gen != self.ledger.gen:  # a rebalance dropped what we had
@@ -138,7 +139,11 @@ class SlotBuilder:
                 continue
             self._decode(slot, out)
             if started is None and slot.rows:
-                started = time.monotonic()
+                # The batch's clock starts when its first record may have
+                # arrived, the start of the fetch that brought it, or, for
+                # records left from the last batch's fetch, when this batch
+                # began (a backlog still fills whole batches).
+                started = max(f.pending_since, begun)
         return out
 
     def fetch_within(self, started: float | None, rows: int) -> bool:
@@ -151,7 +156,10 @@ class SlotBuilder:
         """
         f = self.fetcher
         if started is None:
-            f.fetch(self.fetch_size(self.batch_size))
+            # Streaming, a fetch waits no longer than max_wait for its first
+            # records, so a batch's first record never waits longer in it.
+            f.fetch(self.fetch_size(self.batch_size),
+                    POLL_S if self.bounded else min(POLL_S, self.max_wait_s))
             return True
         need = self.batch_size - rows
         if self.bounded:

@@ -124,6 +124,9 @@ class Fetcher:
         self.start = 0
         self.records_per_msg = 1.0
         self.last_poll = time.monotonic()
+        # When the oldest pending message was fetched (the call's start): a
+        # batch's max_wait runs from there (SlotBuilder.fill).
+        self.pending_since = self.last_poll
 
     # -- opening ------------------------------------------------------------
 
@@ -260,7 +263,7 @@ class Fetcher:
         self.starts = {}
         self.last_poll = time.monotonic()
         self.status.doing = "fetching messages (Source.consume)"
-        t = time.monotonic()
+        t = self.last_poll
         msgs = self.source.consume(n, timeout)
         self.fetch_s += time.monotonic() - t
         self.status.doing = "decoding"
@@ -282,6 +285,8 @@ class Fetcher:
             vals = self.vals[i:] + vals
         else:
             self.start = 0
+            # Nothing was pending: what this fetch brought arrived after its call began.
+            self.pending_since = t
         self.msgs, self.vals, self.runs, self.i = keep, vals, runs, 0
 
     def spans(self, lo: int, hi: int) -> Iterator[tuple[TP, int, int]]:
