@@ -349,3 +349,22 @@ def test_a_permuted_tensor_and_a_start_past_the_end_are_handled() -> None:
     good = ArrowEncoder(schema).encode_blocks({"m": np.zeros((3, 2, 3), np.float32)}, 8, 1 << 20)
     res = decoder.decode_into(good, schema.bind(schema.empty(4)), 0, start=5, split=True)
     assert (res.rows, res.consumed, res.bad) == (0, 1, [])  # a position past its 3 records
+
+
+def test_a_mixture_of_arrow_topics_resumes_exactly() -> None:
+    values = {("a", 0): messages(0, 800, rows=50), ("b", 0): messages(10_000, 400, rows=30)}
+    mix = kfeed.Mix({"a": 0.7, "b": 0.3}, seed=2, exhausted="renormalize")
+
+    def loader() -> Loader:
+        return Loader(None, mix, SCHEMA, 64, source=kfeed.MemorySource(values), device="cpu",
+                      until="end", format="arrow")
+
+    whole = collect(loader())["id"]
+    assert sorted(whole.tolist()) == list(range(800)) + list(range(10_000, 10_400))
+    first = loader()
+    head = [next(first)["id"].numpy().copy() for _ in range(5)]
+    state = first.state_dict()
+    first.close()
+    second = loader()
+    second.load_state_dict(state)
+    assert np.array_equal(np.concatenate(head + [collect(second)["id"]]), whole)
