@@ -21,8 +21,9 @@ ready for the packer (``kfeed._pack``), again with no Python object per record.
 
 Avro message values (one record each, as other services write them) are read
 by compiled plans into the same ``Out`` buffers: ``_avro.pxi``, and Protobuf
-messages likewise by ``_protobuf.pxi``, and JSON objects by ``_json.pxi``, all
-included at the end of this module.
+messages likewise by ``_protobuf.pxi``, JSON objects by ``_json.pxi``, and
+Arrow IPC record batches by ``_arrow.pxi``, all included at the end of this
+module.
 """
 
 import sys
@@ -32,7 +33,7 @@ import numpy as np
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport (INT64_MIN, UINT64_MAX, int8_t, int16_t, int32_t, int64_t, uint8_t,
+from libc.stdint cimport (INT64_MAX, INT64_MIN, UINT64_MAX, int8_t, int16_t, int32_t, int64_t, uint8_t,
                           uint16_t, uint32_t, uint64_t, uintptr_t)
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
@@ -1377,3 +1378,4 @@ def encode_doc_raw(DocLayout layout, elements, const int64_t[::1] offsets, uint6
 include "_avro.pxi"
 include "_protobuf.pxi"
 include "_json.pxi"
+include "_arrow.pxi"

@@ -6,15 +6,21 @@ record batch (more than one is read as their rows in turn). Like kfeed's
 own blocks a message holds many records, so a batch may end inside one and
 the ledger's ``(offset, skip)`` positions apply as they do to blocks.
 
-Reading (``ArrowDecoder``): pyarrow parses each message, a few
-microseconds' work whatever its rows; each field's column is then a numpy
-view of the Arrow buffer, and goes into the pool slot in one copy per
-column per message (``decode_into``), into a token document buffer
-(``decode_documents``, for ``pack=`` and jagged fields), or, for a shuffle
-or a mixture of fixed-shape records, into one kfeed block per message
-(``blocks``), which the order then holds as it holds kfeed's own. No Python
-object is made per record. Each Arrow schema met is checked against the
-kfeed ``Schema`` once (``_Plan``).
+Reading (``ArrowDecoder``): each Arrow schema met is read by pyarrow once
+and checked against the kfeed ``Schema`` (``_Plan``). Where every field
+reads one buffer of plain values (numbers, fixed-size lists and tensors of
+them), a plan for the C reader is made too (``_c_plan``, ``ext/_arrow.pxi``):
+it reads the framing and the record batch's metadata of each message of
+that schema without the GIL, checks every offset and length, and copies
+each field's rows with one ``memcpy`` per message, a fetch at a time
+(``decode_into``). A message it does not take (nulls, a dictionary, a
+compressed body, another schema, bool fields, damage) is read by pyarrow
+instead: each field's column a numpy view of the Arrow buffer, copied into
+the slot once per message, or the reason it is bad. For ``pack=`` and
+jagged fields, pyarrow reads every message (``decode_documents``); for a
+shuffle or a mixture of fixed-shape records, each message becomes one kfeed
+block (``blocks``), which the order holds as it holds kfeed's own. No
+Python object is made per record.
 
 A field reads the column of its name (or its dotted ``source``, through
 struct columns) whose type is exactly the field's:
@@ -45,11 +51,12 @@ format (``table_columns``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from kfeed import _codec
 from kfeed.errors import ConfigError
 from kfeed.formats import Decoder, Encoder, RecordFormat
 from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
@@ -197,6 +204,10 @@ class _Plan:
     def read(self, batch: Any) -> tuple[int, list[Any]]:
         if self.reason is not None:
             raise _Bad(self.reason)
+        try:  # buffer sizes against lengths: pyarrow's IPC reader leaves that to us
+            batch.validate()
+        except (_pa().ArrowException, ValueError) as e:
+            raise _Bad(f"an invalid record batch: {e}") from None
         n = batch.num_rows
         out = []
         for f, path, kind in self.steps:
@@ -347,6 +358,11 @@ class ArrowDecoder(Decoder):
         _check(schema)
         self.schema = schema
         self.plans: dict[bytes, _Plan] = {}  # by the bytes of the schema message
+        # The C reader's plan of each schema met (None: that schema needs pyarrow),
+        # and of the last one.
+        self.cplans: dict[bytes, Any] = {}
+        self.cplan: Any = None
+        self.layout = schema._fixed_only("Arrow decoding") if schema.varlen is None else None
 
     def columns(self, value: Any) -> tuple[int, list[Any]]:
         """A message's rows and each field's values (``_Plan.read``); ``_Bad`` if it has none.
@@ -360,22 +376,26 @@ class ArrowDecoder(Decoder):
         if value is None:
             raise _Bad("an empty message (no value), not an Arrow IPC stream")
         head = _schema_end(value)
-        plan = self.plans.get(bytes(value[:head])) if head else None
-        if plan is not None:
+        key = bytes(value[:head]) if head else None
+        plan = self.plans.get(key) if key is not None else None
+        if plan is not None and bytes(value[head:head + 4]) == _CONTINUATION:
+            if self.layout is not None:  # the C reader takes this schema's next messages
+                self.cplan = self.cplans.get(key)
             try:
                 buf = pa.py_buffer(value)
                 msg = pa.ipc.read_message(buf.slice(head))
                 if msg.type == "record batch":
                     end = head + 8 + int.from_bytes(value[head + 4:head + 8], "little") \
                         + msg.body.size
-                    if len(value) - end in (0, 8):  # nothing after it but the end marker
+                    # Nothing after it but the end-of-stream marker, or nothing.
+                    if len(value) == end or bytes(value[end:]) == _END_OF_STREAM:
                         return plan.read(pa.ipc.read_record_batch(msg, plan.arrow))
-            except (pa.ArrowInvalid, pa.ArrowException, OSError):
+            except (pa.ArrowException, OSError, EOFError):
                 pass  # open_stream says what is wrong with it
         try:
             reader = pa.ipc.open_stream(value)
             batches = list(reader)
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        except (pa.ArrowException, OSError, EOFError) as e:
             raise _Bad(f"not an Arrow IPC stream: {e}") from None
         plan = self._plan(reader.schema, bytes(value[:head]) if head else None)
         if len(batches) == 1:
@@ -390,6 +410,10 @@ class ArrowDecoder(Decoder):
             plan = _Plan(self.schema, arrow)
             if key is not None and len(self.plans) < _MOST_PLANS:
                 self.plans[key] = plan
+        if key is not None and self.layout is not None:
+            if key not in self.cplans and len(self.cplans) < _MOST_PLANS:
+                self.cplans[key] = _c_plan(self.schema, plan, key)
+            self.cplan = self.cplans.get(key)
         return plan
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int, *, start: int = 0,
@@ -398,11 +422,44 @@ class ArrowDecoder(Decoder):
 
         ``start``: records of the first message already read. With ``split``
         a message may straddle the end of ``out``: ``partial`` then says how
-        many of its records are read.
+        many of its records are read. Messages of the last schema met go
+        through the C reader (``_codec.arrow_decode``), a run at a time; one
+        it does not take goes through pyarrow (``_decode_one``), which also
+        makes the plans of a new schema.
         """
         if self.schema.varlen is not None:
             raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: the loader "
                               f"reads it as a jagged field, or with pack=kfeed.Pack(...)")
+        if not isinstance(values, (list, tuple)):
+            values = list(values)
+        rows = consumed = 0
+        bad: list[tuple[int, str]] = []
+        while consumed < len(values):
+            first = start if consumed == 0 else 0
+            if self.cplan is not None:
+                r, c, partial, stopped = _codec.arrow_decode(
+                    self.cplan, self.layout, values[consumed:], out.out, row + rows, first,
+                    split)
+                rows += r
+                consumed += c
+                if partial:
+                    return DecodeResult(rows, consumed, bad, partial)
+                if not stopped:
+                    break  # all read, or out is full
+                first = start if consumed == 0 else 0
+            res = self._decode_one(values[consumed:consumed + 1], out, row + rows, first, split)
+            bad.extend((consumed + i, why) for i, why in res.bad)
+            rows += res.rows
+            consumed += res.consumed
+            if res.partial:
+                return DecodeResult(rows, consumed, bad, res.partial)
+            if not res.consumed:
+                break  # it does not fit
+        return DecodeResult(rows, consumed, bad)
+
+    def _decode_one(self, values: Sequence[Any], out: Target, row: int, start: int,
+                    split: bool) -> DecodeResult:
+        """Messages into ``out`` through pyarrow: ``decode_into`` without the C reader."""
         views = [_writable(o) for o in out.owners]
         room = out.capacity - row
         rows = consumed = 0
@@ -472,9 +529,109 @@ class ArrowDecoder(Decoder):
         return out, bad
 
 
+def _c_plan(schema: Schema, plan: _Plan, prefix: bytes) -> Any:
+    """The C reader's plan of ``plan``'s Arrow schema, or None where it needs pyarrow.
+
+    The C reader takes fields read from one buffer of plain values: a
+    numeric column (not bool: Arrow's are bits), or fixed-size lists or a
+    row-major tensor of one, through struct columns or not. A dictionary
+    anywhere in the schema (its batches come first), a missing column (a
+    default), or a type whose buffers it does not count, and it is pyarrow.
+    """
+    if plan.reason is not None:
+        return None
+    try:
+        tree = _buffer_tree(plan.arrow)
+    except _Unsupported:
+        return None
+    nodes, buffers = tree.pop()
+    data_buf, checked = [], []
+    sized = [(node.node, k) for top in tree for node, k in _fixed_lengths(top, 1)]
+    for f, path, kind in plan.steps:
+        if path is None or kind not in ("plain", "lists", "tensor") or f.dtype == "bool":
+            return None
+        node = tree[path[0]]
+        checked.append(node.node)
+        for i in path[1:]:
+            node = node.children[i]
+            checked.append(node.node)
+        while node.children:  # fixed-size lists (a tensor's storage) down to the values
+            node = node.children[0]
+            checked.append(node.node)
+        data_buf.append(node.buffers[1])
+    return _codec.ArrowPlan(prefix, data_buf, sorted(set(checked)), sized, nodes, buffers)
+
+
+def _fixed_lengths(node: _Node, per_row: int) -> Iterator[tuple[_Node, int]]:
+    """``node`` and its descendants whose lengths are the batch's rows times a known
+    count: through structs and fixed-size lists, not through variable-length lists."""
+    yield node, per_row
+    if node.list_size is not None:
+        yield from _fixed_lengths(node.children[0], per_row * node.list_size)
+    elif node.struct:
+        for child in node.children:
+            yield from _fixed_lengths(child, per_row)
+
+
+class _Unsupported(Exception):
+    """A type whose buffers the C reader does not count."""
+
+
+class _Node:
+    """A column's place in a record batch: its node, its buffers, its children's."""
+
+    def __init__(self, node: int, buffers: list[int], children: list[_Node],
+                 list_size: int | None = None, struct: bool = False) -> None:
+        self.node, self.buffers, self.children = node, buffers, children
+        self.list_size, self.struct = list_size, struct  # a fixed-size list's k; a struct
+
+
+def _buffer_tree(arrow: Any) -> list[Any]:
+    """Each top-level column's ``_Node``, then ``(nodes, buffers)``: the counts a record
+    batch of ``arrow`` has, numbered depth first as the IPC format lays them out."""
+    pa = _pa()
+    counts = [0, 0]
+
+    def walk(typ: Any) -> _Node:
+        if isinstance(typ, pa.BaseExtensionType):
+            typ = typ.storage_type
+        if pa.types.is_dictionary(typ):
+            raise _Unsupported(typ)
+        node = counts[0]
+        counts[0] += 1
+        if pa.types.is_null(typ):
+            nbuf, kids = 0, []
+        elif pa.types.is_struct(typ):
+            nbuf, kids = 1, [typ.field(i).type for i in range(typ.num_fields)]
+        elif pa.types.is_fixed_size_list(typ):
+            nbuf, kids = 1, [typ.value_type]
+        elif pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_map(typ):
+            nbuf, kids = 2, [typ.value_type if not pa.types.is_map(typ)
+                             else pa.struct([typ.key_field, typ.item_field])]
+        elif (pa.types.is_binary(typ) or pa.types.is_string(typ)
+              or pa.types.is_large_binary(typ) or pa.types.is_large_string(typ)):
+            nbuf, kids = 3, []
+        elif (pa.types.is_integer(typ) or pa.types.is_floating(typ)
+              or pa.types.is_boolean(typ) or pa.types.is_temporal(typ)
+              or pa.types.is_decimal(typ) or pa.types.is_fixed_size_binary(typ)):
+            nbuf, kids = 2, []
+        else:  # views, unions, run-end encoded, ...: variadic or other buffer counts
+            raise _Unsupported(typ)
+        buffers = list(range(counts[1], counts[1] + nbuf))
+        counts[1] += nbuf
+        return _Node(node, buffers, [walk(k) for k in kids],
+                     typ.list_size if pa.types.is_fixed_size_list(typ) else None,
+                     pa.types.is_struct(typ))
+
+    tree: list[Any] = [walk(arrow.field(i).type) for i in range(len(arrow.names))]
+    tree.append((counts[0], counts[1]))
+    return tree
+
+
 # Plans kept per decoder: one per Arrow schema met, which a topic has few of.
 _MOST_PLANS = 256
 _CONTINUATION = b"\xff\xff\xff\xff"
+_END_OF_STREAM = _CONTINUATION + b"\x00\x00\x00\x00"
 
 
 def _schema_end(value: Any) -> int:
