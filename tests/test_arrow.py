@@ -368,3 +368,38 @@ def test_a_mixture_of_arrow_topics_resumes_exactly() -> None:
     second = loader()
     second.load_state_dict(state)
     assert np.array_equal(np.concatenate(head + [collect(second)["id"]]), whole)
+
+
+def test_the_c_reader_and_pyarrow_read_the_same_rows() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (3,)),
+                           "m": ("float16", (2, 2)), "w": ("int8", (), {"default": -1})})
+    ids = np.arange(700)
+    cols = {**{k: v for k, v in columns(ids).items() if k != "flag"},
+            "w": (ids % 100).astype(np.int8)}
+    values = ArrowEncoder(schema).encode_blocks(cols, 45, 1 << 30)
+    # A message with a null (the C reader hands it to pyarrow), between good ones.
+    nulls = pa.RecordBatch.from_arrays(
+        [pa.array([9000, 9001]),
+         pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(6, np.float32)), 3),
+         pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.float16(), [2, 2]),
+                                        pa.FixedSizeListArray.from_arrays(
+                                            pa.array(np.zeros(8, np.float16)), 4)),
+         pa.array([None, 5], pa.int8())], names=["id", "x", "m", "w"])
+    values.insert(5, stream(nulls))
+    runs = {}
+    for reader in ("c", "pyarrow"):
+        decoder = ArrowDecoder(schema)
+        out = schema.empty(1000)
+        target = schema.bind(out)
+        if reader == "pyarrow":  # every message through pyarrow, as without a C plan
+            res = decoder._decode_one(values, target, 0, 0, False)
+        else:
+            res = decoder.decode_into(values, target, 0)
+            assert decoder.cplan is not None
+        assert (res.rows, res.consumed, res.bad) == (702, len(values), [])
+        runs[reader] = {k: v[:res.rows].copy() for k, v in out.items()}
+    for name in schema.names:
+        assert np.array_equal(runs["c"][name], runs["pyarrow"][name]), name
+    got = runs["c"]
+    where = {int(i): k for k, i in enumerate(got["id"])}
+    assert got["w"][where[9000]] == -1 and got["w"][where[9001]] == 5
