@@ -29,10 +29,12 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from pyarrow import feather
 
 import kfeed
 from kfeed.cluster._jars import cache_root
+from kfeed.ingest import source_key
 from kfeed.resume import IngestProgress, job_id
 
 WIDTH = 32
@@ -79,18 +81,27 @@ def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,
             "--transaction-mb", "0.5", "--progress-every", "60"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {}), "KFEED_BOOTSTRAP": bootstrap})
-    where = source[source.index("--from") + 1]
+    where = source_key(source[source.index("--from") + 1])
     query = source[source.index("--query") + 1] if "--query" in source else None
-    progress = IngestProgress({"bootstrap.servers": bootstrap}, topic,
-                              job_id(topic, where, query), where, 30.0)
+    job = job_id(topic, where, query)
+    # Watched without waiting for stable offsets: a read_committed client's
+    # committed() waits while a transaction's offsets are pending, which is
+    # almost always while the run goes on.
+    watch = Consumer({"bootstrap.servers": bootstrap, "group.id": job,
+                      "isolation.level": "read_uncommitted", "enable.auto.commit": False})
+    progress = IngestProgress({"bootstrap.servers": bootstrap}, topic, job, where, 30.0)
+
+    def sent() -> int:
+        return max(0, watch.committed([TopicPartition(topic, 0)], timeout=30)[0].offset)
+
     try:
         deadline = time.monotonic() + 120
-        while progress.done() == 0 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        killed_at = progress.done()
+        while sent() == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert proc.poll() is None, f"it ended before it was killed: {proc.communicate()}"
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
+        killed_at = sent()
         assert 0 < killed_at < n
         done = kfeed_cli(bootstrap, "produce", "--topic", topic, *source, "--resume", env=env)
         assert done.returncode == 0, done.stderr
@@ -102,6 +113,7 @@ def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,
             proc.kill()
             proc.communicate()
         progress.close()
+        watch.close()
     check_topic(bootstrap, topic, n)
 
 
@@ -381,8 +393,6 @@ def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
 
 
 def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
-    from kfeed.ingest import source_key
-
     assert source_key("postgresql://reader:hunter2@db:5432/wh") == \
         "postgresql://reader:***@db:5432/wh"
     assert source_key("s3://b/p/*.parquet?secret_key=x&region=eu&access_key=y&scheme=http") == \
