@@ -42,6 +42,9 @@ cdef struct ArPlan:
     const int64_t* sized        # nodes whose length is known: the batch's rows times
     const int64_t* per_row      # per_row (1 for a column; k for a fixed-size list's items)
     Py_ssize_t nsized
+    const int64_t* wide         # data buffers of fixed-width values whose size is known:
+    const int64_t* wide_bytes   # at least the batch's rows times wide_bytes
+    Py_ssize_t nwide
     int64_t nnodes              # the record batch's node and buffer counts
     int64_t nbuffers
 
@@ -54,18 +57,27 @@ cdef class ArrowPlan:
     cdef int64_t* checked
     cdef int64_t* sized
     cdef int64_t* per_row
+    cdef int64_t* wide
+    cdef int64_t* wide_bytes
     cdef ArPlan plan
 
-    def __cinit__(self, bytes prefix, data_buf, checked, sized, int64_t nnodes,
+    def __cinit__(self, bytes prefix, data_buf, checked, sized, wide, int64_t nnodes,
                   int64_t nbuffers):
         self.prefix = prefix
         self.data_buf = <int64_t*>malloc((len(data_buf) + 1) * sizeof(int64_t))
         self.checked = <int64_t*>malloc((len(checked) + 1) * sizeof(int64_t))
         self.sized = <int64_t*>malloc((len(sized) + 1) * sizeof(int64_t))
         self.per_row = <int64_t*>malloc((len(sized) + 1) * sizeof(int64_t))
+        self.wide = <int64_t*>malloc((len(wide) + 1) * sizeof(int64_t))
+        self.wide_bytes = <int64_t*>malloc((len(wide) + 1) * sizeof(int64_t))
         if (self.data_buf == NULL or self.checked == NULL or self.sized == NULL
-                or self.per_row == NULL):
+                or self.per_row == NULL or self.wide == NULL or self.wide_bytes == NULL):
             raise MemoryError()
+        for i, (b, nbytes) in enumerate(wide):
+            if not 0 <= b < nbuffers or nbytes < 1:
+                raise ValueError(f"buffer {b} of {nbuffers}, {nbytes} bytes a row")
+            self.wide[i] = b
+            self.wide_bytes[i] = nbytes
         for i, (node, k) in enumerate(sized):
             if not 0 <= node < nnodes or k < 1:
                 raise ValueError(f"node {node} of {nnodes}, {k} a row")
@@ -88,6 +100,9 @@ cdef class ArrowPlan:
         self.plan.sized = self.sized
         self.plan.per_row = self.per_row
         self.plan.nsized = len(sized)
+        self.plan.wide = self.wide
+        self.plan.wide_bytes = self.wide_bytes
+        self.plan.nwide = len(wide)
         self.plan.nnodes = nnodes
         self.plan.nbuffers = nbuffers
 
@@ -96,6 +111,8 @@ cdef class ArrowPlan:
         free(self.checked)
         free(self.sized)
         free(self.per_row)
+        free(self.wide)
+        free(self.wide_bytes)
 
 
 cdef inline uint32_t _ar_u32(const uint8_t* p) noexcept nogil:
@@ -210,6 +227,10 @@ cdef int64_t _arrow_batch(const ArPlan* plan, const uint8_t* v, Py_ssize_t size,
         length = _ar_i64(meta + buffers + 4 + 16 * k + 8)
         if off < 0 or length < 0 or off % 8 or off > body_len or length > body_len - off:
             return -1
+    for k in range(plan.nwide):     # columns read or not, as pyarrow's validate() checks
+        length = _ar_i64(meta + buffers + 4 + 16 * plan.wide[k] + 8)
+        if rows > INT64_MAX // plan.wide_bytes[k] or length < rows * plan.wide_bytes[k]:
+            return -1
     body[0] = end
     for k in range(plan.nfields):
         at = buffers + 4 + 16 * plan.data_buf[k]
@@ -236,6 +257,7 @@ def arrow_decode(ArrowPlan plan, Layout layout, values, Out out, uint64_t row,
     if layout.nfields != p.nfields or out.nfields != p.nfields:
         raise ValueError(f"the plan reads {p.nfields} fields, the layout has "
                          f"{layout.nfields} and out {out.nfields}")
+    out.fits(layout)
     if row > out.capacity:
         raise ValueError(f"row {row} is past the {out.capacity} rows of out")
     cdef _Values vals = _Values(values)
@@ -267,9 +289,9 @@ def arrow_decode(ArrowPlan plan, Layout layout, values, Out out, uint64_t row,
                         break
                     take = room - written
                 fits = True
-                for f in range(p.nfields):
+                for f in range(p.nfields):      # every row of it, not only those taken
                     rb = layout.row_bytes[f]
-                    if <uint64_t>bufs[2 * f + 1] // rb < first + take:
+                    if <uint64_t>bufs[2 * f + 1] // rb < <uint64_t>nrows:
                         fits = False
                 if not fits:        # a buffer shorter than its rows: pyarrow says why
                     stopped = True

@@ -405,6 +405,8 @@ class ArrowDecoder(Decoder):
         return plan.read(pa.Table.from_batches(batches).combine_chunks().to_batches()[0])
 
     def _plan(self, arrow: Any, key: bytes | None) -> _Plan:
+        if key is not None and not _native_schema(key):
+            key = None  # big-endian, or a body after the schema: open_stream every time
         plan = self.plans.get(key) if key is not None else None
         if plan is None:
             plan = _Plan(self.schema, arrow)
@@ -437,9 +439,12 @@ class ArrowDecoder(Decoder):
         while consumed < len(values):
             first = start if consumed == 0 else 0
             if self.cplan is not None:
-                r, c, partial, stopped = _codec.arrow_decode(
-                    self.cplan, self.layout, values[consumed:], out.out, row + rows, first,
-                    split)
+                try:
+                    r, c, partial, stopped = _codec.arrow_decode(
+                        self.cplan, self.layout, values[consumed:], out.out, row + rows, first,
+                        split)
+                except ValueError as e:  # an out bound for another schema's rows
+                    raise ConfigError(str(e)) from None
                 rows += r
                 consumed += c
                 if partial:
@@ -546,7 +551,9 @@ def _c_plan(schema: Schema, plan: _Plan, prefix: bytes) -> Any:
         return None
     nodes, buffers = tree.pop()
     data_buf, checked = [], []
-    sized = [(node.node, k) for top in tree for node, k in _fixed_lengths(top, 1)]
+    lengths = [(node, k) for top in tree for node, k in _fixed_lengths(top, 1)]
+    sized = [(node.node, k) for node, k in lengths]
+    wide = [(node.buffers[1], k * node.width) for node, k in lengths if node.width]
     for f, path, kind in plan.steps:
         if path is None or kind not in ("plain", "lists", "tensor") or f.dtype == "bool":
             return None
@@ -559,7 +566,8 @@ def _c_plan(schema: Schema, plan: _Plan, prefix: bytes) -> Any:
             node = node.children[0]
             checked.append(node.node)
         data_buf.append(node.buffers[1])
-    return _codec.ArrowPlan(prefix, data_buf, sorted(set(checked)), sized, nodes, buffers)
+    return _codec.ArrowPlan(prefix, data_buf, sorted(set(checked)), sized, wide, nodes,
+                            buffers)
 
 
 def _fixed_lengths(node: _Node, per_row: int) -> Iterator[tuple[_Node, int]]:
@@ -581,9 +589,10 @@ class _Node:
     """A column's place in a record batch: its node, its buffers, its children's."""
 
     def __init__(self, node: int, buffers: list[int], children: list[_Node],
-                 list_size: int | None = None, struct: bool = False) -> None:
+                 list_size: int | None = None, struct: bool = False, width: int = 0) -> None:
         self.node, self.buffers, self.children = node, buffers, children
         self.list_size, self.struct = list_size, struct  # a fixed-size list's k; a struct
+        self.width = width  # bytes a value of a fixed-width type (0: another type, or bool)
 
 
 def _buffer_tree(arrow: Any) -> list[Any]:
@@ -619,9 +628,11 @@ def _buffer_tree(arrow: Any) -> list[Any]:
             raise _Unsupported(typ)
         buffers = list(range(counts[1], counts[1] + nbuf))
         counts[1] += nbuf
+        width = (typ.bit_width // 8 if nbuf == 2 and not kids and not pa.types.is_boolean(typ)
+                 and typ.bit_width % 8 == 0 else 0)
         return _Node(node, buffers, [walk(k) for k in kids],
                      typ.list_size if pa.types.is_fixed_size_list(typ) else None,
-                     pa.types.is_struct(typ))
+                     pa.types.is_struct(typ), width)
 
     tree: list[Any] = [walk(arrow.field(i).type) for i in range(len(arrow.names))]
     tree.append((counts[0], counts[1]))
@@ -632,6 +643,39 @@ def _buffer_tree(arrow: Any) -> list[Any]:
 _MOST_PLANS = 256
 _CONTINUATION = b"\xff\xff\xff\xff"
 _END_OF_STREAM = _CONTINUATION + b"\x00\x00\x00\x00"
+
+
+def _native_schema(prefix: bytes) -> bool:
+    """Whether the schema message ``prefix`` is little-endian with no body after it.
+
+    Only then are the next record batch's bytes where ``_schema_end`` says, in
+    this host's order, for the C reader and for ``read_record_batch``; a
+    big-endian stream is read by ``open_stream``, which swaps it.
+    """
+    meta = prefix[8:]
+
+    def u16(at: int) -> int:
+        return int.from_bytes(meta[at:at + 2], "little")
+
+    def field(table: int, i: int) -> int:
+        vt = table - int.from_bytes(meta[table:table + 4], "little", signed=True)
+        if 4 + 2 * i + 2 > u16(vt):
+            return 0
+        off = u16(vt + 4 + 2 * i)
+        return table + off if off else 0
+
+    try:
+        msg = int.from_bytes(meta[0:4], "little")
+        kind, body, header = field(msg, 1), field(msg, 3), field(msg, 2)
+        if not kind or meta[kind] != 1 or not header:  # MessageHeader.Schema
+            return False
+        if body and int.from_bytes(meta[body:body + 8], "little") != 0:
+            return False
+        schema = header + int.from_bytes(meta[header:header + 4], "little")
+        endian = field(schema, 0)
+        return not endian or u16(endian) == 0  # Endianness.Little
+    except (IndexError, ValueError):
+        return False
 
 
 def _schema_end(value: Any) -> int:
