@@ -4,11 +4,15 @@
 output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
 ``sentinel_check`` says a decode wrote nowhere but its rows; ``read_dlq``
 reads a dead-letter topic back; ``check_packed_documents`` reads token
-documents with ``pack=`` against kfeed's own raw token messages.
+documents with ``pack=`` against kfeed's own raw token messages;
+``kfeed_cli`` runs the command line against a cluster.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -17,6 +21,14 @@ import numpy as np
 from hypothesis import strategies as st
 
 import kfeed
+
+
+def kfeed_cli(bootstrap: str, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``kfeed ARGS`` in a process of its own, against the brokers at ``bootstrap``."""
+    return subprocess.run([sys.executable, "-m", "kfeed", *args], check=False,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {}), "KFEED_BOOTSTRAP": bootstrap})
 
 
 def decode_all(decoder: Any, schema: kfeed.Schema, values: list,

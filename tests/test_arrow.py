@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer as KafkaProducer
-from records import check_packed_documents
+from records import check_packed_documents, kfeed_cli
 
 import kfeed
 from kfeed.arrowformat import ArrowDecoder, ArrowEncoder
@@ -300,17 +297,11 @@ def test_convert_leaves_arrow_topics_to_the_loader() -> None:
 @pytest.mark.integration
 def test_produce_and_train_from_the_command_line_in_arrow(bootstrap, make_topic, group_id):
     topic = make_topic(partitions=2)
-    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
-
-    def kfeed_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kfeed", *args], env=env, check=False,
-                              capture_output=True, text=True, timeout=300)
-
-    done = kfeed_cli("produce", "--topic", topic, "--synthetic", "3000", "--format", "arrow",
-                     "--block-records", "100")
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--synthetic", "3000",
+                     "--format", "arrow", "--block-records", "100")
     assert done.returncode == 0, done.stderr
     assert "3000 samples in 30 messages" in done.stdout
-    done = kfeed_cli("train", "--topic", topic, "--group-id", group_id, "--until-end",
+    done = kfeed_cli(bootstrap, "train", "--topic", topic, "--group-id", group_id, "--until-end",
                      "--device", "cpu", "--format", "arrow")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("trained 12 steps on 3000 samples")

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from pyarrow import feather
+from records import kfeed_cli
 
 import kfeed
 from kfeed.cluster._jars import cache_root
@@ -64,13 +65,6 @@ def check_topic(bootstrap: str, topic: str, n: int) -> None:
     assert np.array_equal(cols["label"], ids % 10)
     assert np.array_equal(cols["features"],
                           want["features"].combine_chunks().values.to_numpy().reshape(n, WIDTH))
-
-
-def kfeed_cli(bootstrap: str, *args: str, env: dict[str, str] | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kfeed", *args], check=False,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {}), "KFEED_BOOTSTRAP": bootstrap})
 
 
 def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,

@@ -8,9 +8,6 @@ must equal what ``json.loads`` reads, cast to the field's dtype.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 
 import numpy as np
@@ -21,7 +18,7 @@ from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from records import check_packed_documents, damage, decode_all
+from records import check_packed_documents, damage, decode_all, kfeed_cli
 
 import kfeed
 from kfeed.loader import memory_loader
@@ -346,20 +343,15 @@ def test_the_producer_s_json_reads_back_value_for_value():
 @pytest.mark.integration
 def test_produce_and_train_from_the_command_line_in_json(bootstrap, make_topic, group_id):
     topic = make_topic(partitions=2)
-    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
-
-    def kfeed_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kfeed", *args], env=env, check=False,
-                              capture_output=True, text=True, timeout=300)
-
-    done = kfeed_cli("produce", "--topic", topic, "--synthetic", "300", "--format", "json")
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--synthetic", "300",
+                     "--format", "json")
     assert done.returncode == 0, done.stderr
-    done = kfeed_cli("train", "--topic", topic, "--group-id", group_id, "--until-end",
+    done = kfeed_cli(bootstrap, "train", "--topic", topic, "--group-id", group_id, "--until-end",
                      "--device", "cpu", "--format", "json")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("trained 2 steps on 300 samples")
-    refused = kfeed_cli("produce", "--topic", topic, "--synthetic", "3", "--format", "json",
-                        "--block-records", "8")
+    refused = kfeed_cli(bootstrap, "produce", "--topic", topic, "--synthetic", "3",
+                        "--format", "json", "--block-records", "8")
     assert refused.returncode == 2
     assert "--block-records applies to --format block or arrow, not to json" in refused.stderr
 

@@ -397,7 +397,7 @@ class ArrowDecoder(Decoder):
             batches = list(reader)
         except (pa.ArrowException, OSError, EOFError) as e:
             raise _Bad(f"not an Arrow IPC stream: {e}") from None
-        plan = self._plan(reader.schema, bytes(value[:head]) if head else None)
+        plan = self._plan(reader.schema, key)
         if len(batches) == 1:
             return plan.read(batches[0])
         if not batches:

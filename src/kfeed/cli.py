@@ -545,8 +545,8 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                               f"{done:,} sent before")
                         return 0
                 batches = ingest.read_ahead(batches)  # the next batch read while this is sent
-                return _send_stream(args, producer, rows.name, rows.total, first, batches,
-                                    progress, done)
+                return _send_stream(args, producer, schema, rows.name, rows.total, first,
+                                    batches, progress, done)
         finally:
             progress.close()
     finally:
@@ -561,14 +561,11 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
 _TRANSACTION_S = 20.0
 
 
-def _send_stream(args: argparse.Namespace, producer: Any, name: str, total: int | None,
-                 first: dict[str, Any], batches: Iterator[dict[str, Any]], progress: Any,
-                 done: int) -> int:
+def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str,
+                 total: int | None, first: dict[str, Any], batches: Iterator[dict[str, Any]],
+                 progress: Any, done: int) -> int:
     """The batches sent in transactions of about ``--transaction-mb`` (or ``_TRANSACTION_S``),
     each recording the rows sent so far (NOTE [ Ingestion progress ] in ``kfeed.resume``)."""
-    from kfeed import ingest
-
-    schema = ingest.schema_for(first)
     cols: dict[str, Any] | None = first
     sent = done
     limit = (args.transaction_mb or _TRANSACTION_MB) * 1e6
@@ -586,7 +583,7 @@ def _send_stream(args: argparse.Namespace, producer: Any, name: str, total: int 
                 opened, start_bytes = time.monotonic(), producer.bytes
                 while cols is not None:
                     n = len(next(iter(cols.values())))
-                    for i in range(0, n, 8192):
+                    for i in range(0, n, 8192):  # as _send_samples: encoding beside sending
                         part = {k: v[i:i + 8192] for k, v in cols.items()}
                         producer.send(part, keys=part["id"] if args.keyed else None)
                     sent += n

@@ -59,11 +59,7 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         Call it in the main process before each epoch's loop: DataLoader
         workers get the dataset, and so the epoch, when the loop starts.
         """
-        epochs = self.config.epochs
-        if epochs is None:
-            raise ConfigError("set_epoch needs KafkaIterableDataset(..., epochs=N)")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < epochs:
-            raise ConfigError(f"epoch must be an int in 0..{epochs - 1}, got {epoch!r}")
+        self.config.check_epoch(epoch, "KafkaIterableDataset")
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:

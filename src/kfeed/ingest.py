@@ -430,29 +430,29 @@ class DatasetRows(Rows):
         return list(self.schema.names)
 
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
+        fragments = list(self.dataset.get_fragments())
+        if self.format in ("parquet", "ipc"):  # files wholly skipped, by their metadata
+            while skip and fragments:
+                n = fragments[0].count_rows()
+                if n > skip:
+                    break
+                skip -= n
+                fragments.pop(0)
+        yield from _skip_rows(self._read(fragments, columns), skip,
+                              f"--from {self.source}: it holds fewer rows than the {{}} more "
+                              f"that --resume would leave out: it changed since the last run")
+
+    @staticmethod
+    def _read(fragments: list[Any], columns: list[str]) -> Iterator[Any]:
         import pyarrow as pa
 
-        for fragment in self.dataset.get_fragments():
-            if skip and self.format in ("parquet", "ipc"):
-                n = fragment.count_rows()
-                if n <= skip:
-                    skip -= n
-                    continue
+        for fragment in fragments:
             try:
                 # In the file's order: a resume counts on it.
-                for batch in fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
-                                                 use_threads=True):
-                    if skip >= batch.num_rows:
-                        skip -= batch.num_rows
-                        continue
-                    if skip:
-                        batch, skip = batch.slice(skip), 0
-                    yield batch
+                yield from fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
+                                               use_threads=True)
             except (pa.ArrowException, OSError) as e:
                 raise KfeedError(f"{Path(fragment.path).name}: {_first_line(e)}") from None
-        if skip:
-            raise KfeedError(f"--from {self.source}: it holds fewer rows than the {skip} more "
-                             f"that --resume would leave out: it changed since the last run")
 
 
 class QueryRows(Rows):
@@ -498,18 +498,10 @@ class QueryRows(Rows):
         return list(self.schema.names)
 
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
-        reader = self._run()
-        for batch in reader:
-            if skip >= batch.num_rows:
-                skip -= batch.num_rows
-                continue
-            if skip:
-                batch, skip = batch.slice(skip), 0
-            yield batch.select(columns)
-        if skip:
-            raise KfeedError(f"--query gave fewer rows than the {skip} more that --resume "
-                             f"would leave out: its result changed since the last run (give "
-                             f"it an ORDER BY on a unique key)")
+        yield from _skip_rows((batch.select(columns) for batch in self._run()), skip,
+                              "--query gave fewer rows than the {} more that --resume would "
+                              "leave out: its result changed since the last run (give it an "
+                              "ORDER BY on a unique key)")
 
     def close(self) -> None:
         for closable in (self._cursor, getattr(self, "_conn", None)):
@@ -519,6 +511,19 @@ class QueryRows(Rows):
                 except Exception:  # noqa: BLE001, S110 - closing what may be broken
                     pass
         self._cursor = None
+
+
+def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
+    """``batches`` less their first ``skip`` rows; ``short.format(rows missing)`` if too few."""
+    for batch in batches:
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        if skip:
+            batch, skip = batch.slice(skip), 0
+        yield batch
+    if skip:
+        raise KfeedError(short.format(skip))
 
 
 def open_rows(source: str, query: str | None = None) -> Rows:

@@ -36,7 +36,6 @@ next batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -139,22 +138,9 @@ def _as_jax(batch: Any, narrow: bool) -> Any:
 
 
 def _as_arrow(batch: Any, schema: Schema) -> Any:
-    import pyarrow as pa
+    from kfeed.arrowformat import record_batch
 
-    columns = []
-    for f in schema.fields:
-        a = batch[f.name].numpy()
-        if f.variable:
-            offsets = pa.array(batch[f"{f.name}_offsets"].numpy())
-            columns.append(pa.LargeListArray.from_arrays(offsets, pa.array(a)))
-            continue
-        flat = pa.array(a.reshape(-1))
-        if not f.shape:
-            columns.append(flat)
-        elif len(f.shape) == 1:
-            columns.append(pa.FixedSizeListArray.from_arrays(flat, f.shape[0]))
-        else:
-            storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(f.shape))
-            columns.append(pa.ExtensionArray.from_storage(
-                pa.fixed_shape_tensor(flat.type, f.shape), storage))
-    return pa.RecordBatch.from_arrays(columns, names=list(schema.names))
+    # The Arrow types kfeed writes its Arrow messages in.
+    return record_batch(schema, {
+        f.name: (batch[f.name].numpy(), batch[f"{f.name}_offsets"].numpy()) if f.variable
+        else batch[f.name].numpy() for f in schema.fields})

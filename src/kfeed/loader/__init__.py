@@ -421,11 +421,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next, as ``DistributedSampler.set_epoch`` (between epochs)."""
-        epochs = self._base.epochs
-        if epochs is None:
-            raise ConfigError("set_epoch needs Loader(..., epochs=N)")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < epochs:
-            raise ConfigError(f"epoch must be an int in 0..{epochs - 1}, got {epoch!r}")
+        self._base.check_epoch(epoch, "Loader")
         if self._feeder.thread is not None and not self._epoch_finished:
             raise ConfigError(f"epoch {self._epoch} is being read: set_epoch goes between "
                               f"epochs (before iterating, or after the loop ended)")

@@ -678,16 +678,7 @@ class RecordBuilder(SlotBuilder):
             self.staging = self.schema.empty(max(n, 2 * have), like="numpy")
             self.staging_target = self.schema.bind(self.staging)
         res = self.decoder.decode_into(vals, self.staging_target, 0)
-        if not res.bad:
-            keep = slice(None)
-            kept = msgs
-        else:
-            mask = np.ones(n, np.bool_)
-            for j, reason in res.bad:
-                mask[j] = False
-                self.bad.bad(msgs[j], reason)
-            keep = mask
-            kept = [m for m, k in zip(msgs, mask.tolist(), strict=True) if k]
+        keep, kept = self._route_bad(msgs, res.bad)
         raw = self.schema.encode_raw({name: a[:res.rows] for name, a in self.staging.items()})
         return raw, pids[keep], offsets[keep], kept
 
@@ -696,14 +687,19 @@ class RecordBuilder(SlotBuilder):
         """A fetch of Arrow values as kfeed blocks, one a message, its bad ones routed out."""
         assert self.decoder is not None
         blocks, bad = self.decoder.blocks(vals)
+        keep, kept = self._route_bad(msgs, bad)
+        return blocks, pids[keep], offsets[keep], kept
+
+    def _route_bad(self, msgs: list[Any], bad: list[tuple[int, str]]) -> tuple[Any, list[Any]]:
+        """The bad messages of a fetch to ``BadRecords``; which of its rows stay, and their
+        messages."""
         if not bad:
-            return blocks, pids, offsets, msgs
-        mask = np.ones(len(vals), np.bool_)
+            return slice(None), msgs
+        mask = np.ones(len(msgs), np.bool_)
         for j, reason in bad:
             mask[j] = False
             self.bad.bad(msgs[j], reason)
-        kept = [m for m, k in zip(msgs, mask.tolist(), strict=True) if k]
-        return blocks, pids[mask], offsets[mask], kept
+        return mask, [m for m, k in zip(msgs, mask.tolist(), strict=True) if k]
 
     def _deliver(self, emitted: np.ndarray) -> None:
         """The order emitted these records (rows ``[pid, offset, sub, item]``): on to the batch."""

@@ -168,6 +168,13 @@ class LoaderConfig:
         """Whether batches hold a variable-length field as elements and offsets (no pack)."""
         return self.pack is None and self.schema.varlen is not None
 
+    def check_epoch(self, epoch: Any, who: str) -> None:
+        """Refuse an epoch that ``set_epoch`` of ``who`` (the class asked) cannot read."""
+        if self.epochs is None:
+            raise ConfigError(f"set_epoch needs {who}(..., epochs=N)")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < self.epochs:
+            raise ConfigError(f"epoch must be an int in 0..{self.epochs - 1}, got {epoch!r}")
+
     def replace(self, **changes: Any) -> LoaderConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return LoaderConfig(**{**values, **changes})
