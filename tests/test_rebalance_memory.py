@@ -63,10 +63,9 @@ def test_every_record_once_whatever_the_rebalances(name, shuffle) -> None:
     ids = np.concatenate([b["id"].numpy() for b in batches])
     assert src.calls >= max(c for c, _r, _a in script), "the script did not play"
     assert np.array_equal(np.unique(ids), np.sort(all_ids()))  # nothing lost
-    if shuffle is None:
-        assert len(ids) == len(all_ids())  # and nothing repeated
-    # Shuffled: a revoked partition starts again from its watermark, so the
-    # records delivered above it come again (README, "Token streams").
+    # Nothing repeated, shuffled too: the revoke's commit notes what the
+    # shuffle delivered above the watermark (NOTE [ Commit notes ]).
+    assert len(ids) == len(all_ids())
 
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["eager", "incremental"])
@@ -90,11 +89,11 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
     tokens = tokens[(tokens != -1) & (tokens != -2)]
     ids, counts = np.unique(tokens, return_counts=True)
     lengths = {int(d[0]): len(d) for p in range(2) for d in docs[p]}
-    # Every document whole, at least once: committed offsets never pass a
-    # document with tokens still to come, so a revoked partition starts it
-    # again (README, "Token streams").
+    # Every token once: committed offsets never pass a document with tokens
+    # still to come, and the commit's note says how many are out, so a
+    # revoked partition's next reader cuts them (NOTE [ Commit notes ]).
     assert sorted(lengths) == ids.tolist()
-    assert all(c >= lengths[int(i)] for i, c in zip(ids, counts))
+    assert [int(c) for c in counts] == [lengths[int(i)] for i in ids]
 
 
 def test_the_revoke_commits_what_was_handed_out_before_it() -> None:
@@ -285,3 +284,99 @@ def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
     crashed_commits(src)
     src.rebalance(2, assign=[1, 2])  # before partition 0 ends the epoch
     resumed_exactly(src, state, before, played=2)
+
+
+# -- commit notes (NOTE [ Commit notes ] in kfeed/loader/ledger.py) -------------
+
+
+def _stop_and_go_on(src: MemorySource, steps: int, **kwargs) -> tuple[list, list]:
+    """A loader reads ``steps`` batches and closes; a second, with no state, goes on from
+    the commits. Their batches."""
+    schema, batch = kwargs.pop("schema", SCHEMA), kwargs.pop("batch", 20)
+    with kfeed.Loader(None, "memory", schema, batch, device="cpu", until="end", source=src,
+                      **kwargs) as ld:
+        first = [next(ld) for _ in range(steps)]
+    return first, run(src, batch, schema=schema, start="committed", **kwargs)
+
+
+@pytest.mark.parametrize("steps", [1, 7, 20])
+def test_a_restart_from_the_commits_alone_repeats_nothing_a_shuffle_used(steps) -> None:
+    src = MemorySource(sample_values())
+    first, second = _stop_and_go_on(src, steps, shuffle=kfeed.Shuffle(buffer=200, seed=1))
+    ids = np.concatenate([b["id"].numpy() for b in first + second])
+    assert len(ids) == len(all_ids())
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+    # The shuffle used records far above the committed offsets: the note did the work.
+    assert any(len(pos) > 2 for c in src.commits for pos in c.values())
+
+
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=30, seed=2)],
+                         ids=["in order", "shuffled"])
+def test_a_restart_from_the_commits_alone_cuts_the_tokens_already_out(shuffle) -> None:
+    docs = {p: [np.full(1 + (i * 11 + p) % 70, p * 1000 + i, np.int32) for i in range(80)]
+            for p in range(2)}
+    values = {p: TOKENS.encode_blocks({"tokens": d}, 3) for p, d in docs.items()}
+    src = MemorySource(values)
+    pack = kfeed.Pack(seq_len=32, eos_id=-1, pad_id=-2)
+    first, second = _stop_and_go_on(src, 9, schema=TOKENS, pack=pack, shuffle=shuffle, batch=4)
+    tokens = np.concatenate([b["tokens"].numpy().ravel() for b in first + second])
+    tokens = tokens[(tokens != -1) & (tokens != -2)]
+    ids, counts = np.unique(tokens, return_counts=True)
+    lengths = {int(d[0]): len(d) for p in range(2) for d in docs[p]}
+    assert sorted(lengths) == ids.tolist()
+    assert [int(c) for c in counts] == [lengths[int(i)] for i in ids]  # every token once
+
+
+def test_a_note_too_long_for_kafka_is_left_out_and_then_records_come_again(caplog) -> None:
+    # One partition, a shuffle holding 5,000 records, 6,000 out: the keys
+    # not used yet, about one character each once compressed, are past the
+    # 4096 characters Kafka keeps by default.
+    values = {0: SCHEMA.encode_blocks(synthetic_columns(np.arange(12000)), 8)}
+    src = MemorySource(values)
+    shuffle = kfeed.Shuffle(buffer=5000, seed=1)
+    with caplog.at_level("WARNING", logger="kfeed.sources"):
+        with kfeed.Loader(None, "memory", SCHEMA, 200, device="cpu", until="end", source=src,
+                          shuffle=shuffle) as ld:
+            first = [next(ld) for _ in range(30)]
+    assert src.committed_notes[("memory", 0)] is None
+    assert "does not fit the commit's metadata" in caplog.text
+    second = run(src, 200, start="committed", shuffle=shuffle)
+    ids = np.concatenate([b["id"].numpy() for b in first + second])
+    assert np.array_equal(np.unique(ids), np.arange(12000))  # nothing lost
+    assert len(ids) > 12000  # what the shuffle used above the offset came again
+
+
+def test_the_note_codec_round_trips_and_refuses_what_is_not_a_note() -> None:
+    from kfeed.loader.ledger import decode_note, encode_note
+
+    keys = np.array([[100, 3], [100, 7], [105, 0], [4000, 12]], np.int64)
+    text = encode_note((100, 3), (4001, 0), keys, {(105, 0): 17})
+    assert "," not in text and "=" not in text  # fits in the commit's metadata fields
+    read, got, partial = decode_note(100, text)
+    assert read == (4001, 0)
+    assert got == [tuple(k) for k in keys.tolist()]
+    assert partial == {(105, 0): 17}
+    for bad in ["", "not base64!", text[:-4], "eJwDAAAAAAE"]:
+        with pytest.raises(ValueError):
+            decode_note(100, bad)
+    # An offset delta past 32 bits has no note: the records come again, none is lost.
+    assert encode_note((0, 0), (1 << 33, 0), np.empty((0, 2), np.int64), {}) is None
+
+
+def test_allow_skips_what_the_note_says_was_used_and_survives_a_state() -> None:
+    from kfeed.tokens import ShuffleBuffer
+
+    buf = ShuffleBuffer(None, ack=True)
+    buf.seek("p", 10, 2)
+    buf.allow("p", (12, 0), [(10, 4), (11, 1)])
+    state = buf.state()
+    assert state["allow"] == [["p", [12, 0], [[10, 4], [11, 1]]]]
+    again = ShuffleBuffer(None, ack=True)
+    again.load_state(state)
+    for b in (buf, again):
+        rows = np.array([[b.pid("p"), o, s, i] for i, (o, s) in enumerate(
+            [(10, 2), (10, 3), (10, 4), (11, 0), (11, 1), (12, 0), (12, 1)])], np.int64)
+        emitted, skipped = b.push_many(rows)
+        assert [tuple(r) for r in emitted[:, 1:3].tolist()] == [(10, 4), (11, 1), (12, 0), (12, 1)]
+        assert sorted(skipped.tolist()) == [0, 1, 3]
+        assert "allow" not in b.state()  # read past the note: forgotten

@@ -125,20 +125,30 @@ def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
 class Committed(NamedTuple):
     """A committed position, and which loader committed it.
 
-    The commit metadata is ``kfeed:skip=N,by=LINEAGE,run=RUN``: ``skip``
-    lets a plain group restart skip the records of a split block; ``by``
-    names the chain of loaders (a trainer and the runs resumed from its
-    checkpoints) that wrote it, and ``run`` the run of that chain: one start
-    of the job, shared by its ranks. A resumed loader can so tell the
+    The commit metadata is ``kfeed:skip=N,by=LINEAGE,run=RUN,rest=NOTE``:
+    ``skip`` lets a plain group restart skip the records of a split block;
+    ``by`` names the chain of loaders (a trainer and the runs resumed from
+    its checkpoints) that wrote it, and ``run`` the run of that chain: one
+    start of the job, shared by its ranks. A resumed loader can so tell the
     commits of its chain's earlier runs, which may run past its checkpoint
     and were lost with the crash, from those of its own run's other ranks
     and of other members, which come after it (``Ledger.positions``).
+    ``rest`` says which records above the position a shuffle or a packer
+    already used (NOTE [ Commit notes ] in ``kfeed/loader/ledger.py``).
+
+    A position to commit is ``(offset, skip)``, or ``(offset, skip, note)``.
     """
 
     offset: int
     skip: int
     by: str | None
     run: str | None = None
+    rest: str | None = None
+
+
+# Kafka keeps at most offset.metadata.max.bytes of a commit's metadata
+# (4096 by default); a longer one fails the commit.
+METADATA_MAX = 4096
 
 
 # Kafka protocol error codes of a commit that goes through once the consumer
@@ -146,14 +156,28 @@ class Committed(NamedTuple):
 _AFTER_POLL = frozenset((27, 113))
 
 
-def _metadata(skip: int, by: str | None, run: str | None) -> str | None:
+def _metadata(tp: TP, pos: Sequence[Any], by: str | None, run: str | None,
+              warned: set[TP]) -> str | None:
+    """A commit's metadata (see ``Committed``), its note left out if it would not fit."""
+    skip = pos[1]
     fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else []) \
         + ([f"run={run}"] if run else [])
+    if len(pos) > 2 and pos[2]:
+        note = f"rest={pos[2]}"
+        if len(_PREFIX) + len(",".join(fields)) + 1 + len(note) <= METADATA_MAX:
+            fields.append(note)
+        elif tp not in warned:
+            warned.add(tp)
+            log.warning("%s[%d]: what the shuffle used above offset %d does not fit the "
+                        "commit's metadata (%d characters, Kafka keeps %d): a reader that "
+                        "takes the partition over from this commit uses those records again; "
+                        "a smaller Shuffle(buffer=) or more partitions keep it small",
+                        tp[0], tp[1], pos[0], len(note), METADATA_MAX)
     return _PREFIX + ",".join(fields) if fields else None
 
 
 def _parse_metadata(offset: int, metadata: str | None) -> Committed:
-    skip, by, run = 0, None, None
+    skip, by, run, rest = 0, None, None, None
     if metadata and metadata.startswith(_PREFIX):
         for field in metadata[len(_PREFIX):].split(","):
             key, _, value = field.partition("=")
@@ -163,7 +187,9 @@ def _parse_metadata(offset: int, metadata: str | None) -> Committed:
                 by = value
             elif key == "run" and value:
                 run = value
-    return Committed(offset, skip, by, run)
+            elif key == "rest" and value:
+                rest = value
+    return Committed(offset, skip, by, run, rest)
 
 
 class Source:
@@ -291,6 +317,7 @@ class KafkaSource(Source):
         config.setdefault("statistics.interval.ms", 1000)
         config["on_commit"] = chain(self._on_commit, config.get("on_commit"))
         self._inflight: dict[tuple[TP, int], Position] = {}
+        self._note_warned: set[TP] = set()  # partitions whose commit note did not fit
         self._acked: deque[tuple[TP, Position]] = deque()
         user_stats_cb = config.get("stats_cb")
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
@@ -605,8 +632,9 @@ class KafkaSource(Source):
         if not positions:
             return {}
         self.commits_sent += 1
-        offsets = [self._tp(tp, off, _metadata(skip, self.lineage, self.run))
-                   for tp, (off, skip) in positions.items()]
+        offsets = [self._tp(tp, pos[0], _metadata(tp, pos, self.lineage, self.run,
+                                                 self._note_warned))
+                   for tp, pos in positions.items()]
         if asynchronous:
             # The answer comes to _on_commit, served by a later consume().
             for tp, pos in positions.items():
@@ -890,6 +918,8 @@ class MemorySource(Source):
         self.commits: list[dict[TP, Position]] = []
         self.committed_positions: dict[TP, Position] = {}
         self.committed_by: dict[TP, tuple[str | None, str | None]] = {}  # (lineage, run)
+        self.committed_notes: dict[TP, str | None] = {}  # Committed.rest
+        self._note_warned: set[TP] = set()
         self.dead_letters: list[tuple[Any, str]] = []
         self.incremental = incremental
         self._first = None if first is None else [(topic, p) for p in first]
@@ -980,7 +1010,8 @@ class MemorySource(Source):
         out: dict[TP, Committed | None] = {}
         for tp in tps:
             pos = self.committed_positions.get(tp)
-            out[tp] = None if pos is None else Committed(*pos, *self.committed_by.get(tp, (None, None)))
+            out[tp] = None if pos is None else Committed(
+                *pos, *self.committed_by.get(tp, (None, None)), self.committed_notes.get(tp))
         return out
 
     def offsets_for_time(self, tps: Sequence[TP], when: datetime) -> dict[TP, int]:
@@ -992,7 +1023,11 @@ class MemorySource(Source):
         if positions:
             self.commits_sent += 1
             self.commits.append(dict(positions))
-            self.committed_positions.update(positions)
+            for tp, pos in positions.items():
+                self.committed_positions[tp] = (pos[0], pos[1])
+                # As Kafka keeps it: the metadata, the note left out if too long.
+                meta = _metadata(tp, pos, self.lineage, self.run, self._note_warned)
+                self.committed_notes[tp] = _parse_metadata(pos[0], meta).rest
             self.committed_by.update(dict.fromkeys(positions, (self.lineage, self.run)))
         return dict(positions)
 

@@ -35,7 +35,7 @@ Packing rules (``Pack``):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -524,6 +524,9 @@ class ShuffleBuffer:
         self._restore = _rows(0)  # the saved outbox, its items filled as they come back
         self._waiting: list[tuple[int, int, int, int]] = []  # pushed while holes remain
         self._touched = False
+        # Partitions taken over from another reader's commit (``allow``): id ->
+        # (read offset, read sub, the keys below it still to deliver).
+        self._allow: dict[int, tuple[int, int, set[tuple[int, int]]]] = {}
         # push()'s items by id.
         self._objs: dict[int, Any] = {}
         self._next_obj = 0
@@ -595,6 +598,10 @@ class ShuffleBuffer:
             raise ConfigError(f"records must be rows of 4 ints, got shape {recs.shape}")
         emitted: list[np.ndarray] = []
         skipped: list[np.ndarray] = []
+        if self._allow:
+            recs, dropped = self.screen(recs)
+            if len(dropped):
+                skipped.append(dropped)
         i = 0
         if self._holes and len(recs):
             i = self._push_restoring(recs, emitted, skipped)
@@ -694,6 +701,80 @@ class ShuffleBuffer:
             self._pos[p] = (int(offset), int(sub), int(offset), int(sub))
             self._known[p] = (1, 1)
 
+    def allow(self, partition: Hashable, read: tuple[int, int],
+              keys: Iterable[tuple[int, int]]) -> None:
+        """Below ``read``, only ``keys`` of ``partition`` are still to come; after ``seek``.
+
+        What another reader noted in its commit (NOTE [ Commit notes ] in
+        ``kfeed/loader/ledger.py``): it delivered every record of the
+        partition from the committed position up to ``read`` but ``keys``.
+        The others are skipped as repeats when they are pushed again.
+        """
+        p = self.pid(partition)
+        self._allow[p] = (int(read[0]), int(read[1]), {(int(o), int(s)) for o, s in keys})
+
+    def screen(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``[partition id, offset, sub, item]`` less those ``allow`` skips; their items.
+
+        Only records past the partition's read position are screened: below
+        it, the buffer itself tells repeats from a loaded state's records.
+        Pure: the same rows screened twice give the same answer. A
+        partition's note is forgotten once a record at or past its read
+        position comes.
+        """
+        if not self._allow or not len(records):
+            return records, np.empty(0, np.int64)
+        keep = np.ones(len(records), np.bool_)
+        pids = records[:, 0]
+        o, s = records[:, 1], records[:, 2]
+        for p, (ro, rs, keys) in list(self._allow.items()):
+            mine = pids == p
+            if not mine.any():
+                continue
+            before = (o < ro) | ((o == ro) & (s < rs))
+            below = mine & before
+            if self._known[p, 0]:
+                po, ps = int(self._pos[p, 0]), int(self._pos[p, 1])
+                below &= (o > po) | ((o == po) & (s >= ps))
+            for i in np.flatnonzero(below).tolist():
+                keep[i] = (int(o[i]), int(s[i])) in keys
+            if (mine & ~before).any():
+                del self._allow[p]
+        if keep.all():
+            return records, np.empty(0, np.int64)
+        self.skipped += int((~keep).sum())
+        return records[keep], records[~keep, 3].copy()
+
+    def rest(self, *, used: bool = False) -> dict[Hashable, tuple[tuple[int, int], np.ndarray]]:
+        """Per partition: where its reading got to, and the keys ``[offset, sub]`` below that
+        were not delivered (held, emitted but not acknowledged or, with ``used``, not used),
+        in order. Every other record between ``watermarks(used=used)`` and that position was.
+        """
+        k = len(self._parts)
+        rows = _joined([self._held[:self._n], *self._unacked(used)])
+        out = {}
+        for p in range(k):
+            if not self._known[p, 0]:
+                continue
+            read = (int(self._pos[p, 0]), int(self._pos[p, 1]))
+            mine = rows[rows[:, 0] == p, 1:3]
+            note = self._allow.get(p)
+            if note is not None:  # keys of the note not read yet are not delivered either
+                later = [key for key in note[2] if key >= read]
+                if later:
+                    mine = np.concatenate([mine, np.array(later, np.int64)])
+                read = max(read, note[:2])
+            keys = mine[np.lexsort((mine[:, 1], mine[:, 0]))] if len(mine) > 1 else mine
+            out[self._parts[p]] = (read, keys)
+        return out
+
+    def first_unacked(self, *, used: bool = False) -> Key | None:
+        """The first record emitted and not acknowledged (``used``: not used), if any."""
+        for rows in self._unacked(used):
+            if len(rows):
+                return self._key(rows[0])
+        return None
+
     def ack(self, n: int = 1) -> None:
         """The next ``n`` records emitted are used (``ack=True``)."""
         if not self._ack:
@@ -780,7 +861,7 @@ class ShuffleBuffer:
         read = {self._parts[p]: (int(o), int(s))
                 for p, (o, s) in enumerate(self._pos[:len(self._parts), :2].tolist())
                 if self._known[p, 0]}
-        return {
+        state = {
             "version": _STATE_VERSION,
             "buffer": self._size,
             "seed": self.shuffle.seed,
@@ -790,6 +871,17 @@ class ShuffleBuffer:
             "held": self._keys([self._held[:self._n]]),
             "outbox": self._keys(self._unacked()),
         }
+        if self._allow:  # partitions taken over from a commit's note
+            state["allow"] = self._allow_state()
+        return state
+
+    def _allow_state(self) -> list[list[Any]]:
+        out = []
+        for p, (ro, rs, keys) in sorted(self._allow.items()):
+            read = (int(self._pos[p, 0]), int(self._pos[p, 1]))
+            out.append([self._parts[p], [ro, rs],
+                        sorted([o, s] for o, s in keys if (o, s) >= read)])
+        return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state()``; before the first push."""
@@ -802,6 +894,8 @@ class ShuffleBuffer:
                      for p, w, r in state["partitions"]]
             held = [(_as_partition(p), int(o), int(s)) for p, o, s in state["held"]]
             outbox = [(_as_partition(p), int(o), int(s)) for p, o, s in state["outbox"]]
+            allow = [(_as_partition(p), (int(r[0]), int(r[1])), [(int(o), int(s)) for o, s in k])
+                     for p, r, k in state.get("allow", ())]
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a shuffle state: {e!r}") from None
         if version != _STATE_VERSION:
@@ -820,6 +914,8 @@ class ShuffleBuffer:
             i = self.pid(p)
             self._pos[i] = (o, s, o, s)
             self._known[i] = (1, 1)
+        for p, read, keys in allow:
+            self.allow(p, read, keys)
         held_rows = [(self.pid(p), o, s, _HOLE) for p, o, s in held]
         out_rows = [(self.pid(p), o, s, _HOLE) for p, o, s in outbox]
         if held_rows:
@@ -846,6 +942,8 @@ class ShuffleBuffer:
         out["partitions"] = [e for e in state["partitions"] if keep(e[0])]
         out["held"] = [k for k in state["held"] if keep(k[0])]
         out["outbox"] = [k for k in state["outbox"] if keep(k[0])]
+        if "allow" in state:
+            out["allow"] = [e for e in state["allow"] if keep(e[0])]
         return out
 
     def __repr__(self) -> str:

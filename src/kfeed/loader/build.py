@@ -435,7 +435,8 @@ class RecordBuilder(SlotBuilder):
             order = self.order_ledger.order
             # In order, a loaded state's documents come back in its order,
             # which need not be this fetch's; a mixture's come in its own.
-            direct = not (self.shuffled or order.restoring or self.docs or self.mixer)
+            direct = not (self.shuffled or order.restoring or self.docs or self.mixer
+                          or self.order_ledger.partial)
             emitted, skipped = self._ordered(recs)
         self.samples += n
         if n:
@@ -534,8 +535,12 @@ class RecordBuilder(SlotBuilder):
         if mixer is None:
             return order.push_many(recs)
         self._sync_mixer()
+        # Records another reader used (NOTE [ Commit notes ]) take no turn in the mixture.
+        recs, used = order.screen(recs)
         passed = mixer.push(recs, *order.arrived())
         emitted, skipped = order.push_many(passed)
+        if len(used):
+            skipped = np.concatenate([used, skipped])
         if mixer.repeats:  # queued twice: freed as the order's repeats are
             skipped = np.concatenate([skipped, *mixer.repeats])
             mixer.repeats.clear()

@@ -221,7 +221,7 @@ class Fetcher:
         if self.ledger.failed and not self.ledger.handed_any:
             mine = {}  # nothing was read: see Loader.close
         self.status.doing = "committing the revoked partitions (Source.commit)"
-        log.info("revoke commits %s", mine)
+        log.info("revoke commits %s", {tp: pos[:2] for tp, pos in mine.items()})
         try:  # no network call under the lock: next() needs it
             self.source.settle()
             acked = self.source.commit(mine, asynchronous=False)

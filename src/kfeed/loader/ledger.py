@@ -63,21 +63,101 @@ pack), where the order itself says what was delivered.
 
 Every method that reads or writes the positions runs under ``lock``, and no
 method calls Kafka while holding it.
+
+NOTE [ Commit notes ]
+~~~~~~~~~~~~~~~~~~~~~
+Through an order (``shuffle``, ``pack``) records are used out of offset
+order: a shuffle uses records far above the committed position, a packer
+hands out the first tokens of a document whose record it has not finished.
+The committed position alone (below it every record was used) would make
+whoever reads the partition next from the commit use those again: another
+member after a rebalance, the group's next epoch, a restart without a
+state. So ``OrderLedger`` notes, with each commit of such a partition,
+where its reading got to and the keys ``(offset, sub)`` between the
+committed position and there that were *not* used (held by the shuffle, in
+batches not used yet), with the tokens already out of a document part-way
+out (``encode_note``; ``rest=`` in the commit's metadata, see
+``kfeed.sources.Committed``). The keys not used are at most the shuffle's
+buffer and the batches in flight, where the used ones would grow with the
+stream. A loader that starts the partition at that commit (``positions``)
+skips every other record below that point (``ShuffleBuffer.allow``) and
+cuts the tokens already out: nothing is repeated. Kafka keeps at most
+``offset.metadata.max.bytes`` of metadata (4096 by default); a note that
+does not fit is left out with a warning, and the records used above the
+position then come again.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import logging
 import threading
+import zlib
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
+
+import numpy as np
 
 from kfeed.errors import ConfigError
 from kfeed.mix import Mixer
 from kfeed.sources import TP, Committed, Position, Source
 from kfeed.tokens import Key, Packer, Shuffle, ShuffleBuffer
 
-__all__ = ["Ledger", "OrderLedger", "by_topic"]
+__all__ = ["Ledger", "OrderLedger", "by_topic", "encode_note", "decode_note"]
+
+log = logging.getLogger("kfeed.loader")
+
+# A decoded note larger than this is not one of ours (NOTE [ Commit notes ]).
+_NOTE_MAX = 1 << 24
+
+
+def encode_note(position: Position, read: tuple[int, int], keys: np.ndarray,
+                partial: Mapping[tuple[int, int], int]) -> str | None:
+    """A partition's commit note (NOTE [ Commit notes ]); None if it cannot be written.
+
+    ``keys``: rows ``[offset, sub]`` in order, the records from ``position``
+    up to ``read`` not used; ``partial``: tokens already out of some of
+    them. Little-endian uint32s (read, counts, offset deltas, subs, the
+    partial entries), zlib, URL-safe base64.
+    """
+    base = int(position[0])
+    keys = np.asarray(keys, np.int64).reshape(-1, 2)
+    head = np.array([read[0] - base, read[1], len(keys), len(partial)], np.int64)
+    parts = [head, np.diff(keys[:, 0], prepend=base), keys[:, 1]]
+    parts += [np.array([o - base, s, n], np.int64) for (o, s), n in sorted(partial.items())]
+    words = np.concatenate(parts)
+    if words.min() < 0 or words.max() >= 1 << 32:
+        return None
+    return base64.urlsafe_b64encode(zlib.compress(words.astype("<u4").tobytes())) \
+        .decode().rstrip("=")
+
+
+def decode_note(offset: int, text: str) -> tuple[tuple[int, int], list[tuple[int, int]],
+                                                 dict[tuple[int, int], int]]:
+    """``encode_note``'s ``read``, keys and partial documents, for a commit at ``offset``.
+
+    Raises ValueError if ``text`` is not such a note.
+    """
+    try:
+        packed = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+        z = zlib.decompressobj()
+        raw = z.decompress(packed, _NOTE_MAX)
+    except (binascii.Error, zlib.error) as e:
+        raise ValueError(f"not a commit note: {e}") from None
+    if not z.eof or z.unused_data or len(raw) % 4 or len(raw) < 16:
+        raise ValueError("not a commit note: its size")
+    w = np.frombuffer(raw, "<u4").astype(np.int64)
+    n, m = int(w[2]), int(w[3])
+    if len(w) != 4 + 2 * n + 3 * m:
+        raise ValueError("not a commit note: its counts")
+    offsets = offset + np.cumsum(w[4:4 + n])
+    keys = list(zip(offsets.tolist(), w[4 + n:4 + 2 * n].tolist(), strict=True))
+    rows = w[4 + 2 * n:].reshape(-1, 3).tolist()
+    partial = {(offset + o, s): t for o, s, t in rows}
+    return (offset + int(w[0]), int(w[1])), keys, partial
+
 
 
 def by_topic(positions: Mapping[TP, Position]) -> dict[str, dict[int, list[int]]]:
@@ -226,7 +306,7 @@ class Ledger:
         with self.lock:
             self.gen += 1
             mine = self.give_up(tps)
-            self.carried.update(mine)
+            self.carried.update({tp: (pos[0], pos[1]) for tp, pos in mine.items()})
         return mine
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
@@ -329,6 +409,7 @@ class OrderLedger(Ledger):
         self.order = ShuffleBuffer(shuffle, ack=True, track_used=True)
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
+        self.used_pack_offset = 0  # the same, as of the last batch used
         # Documents other than that one already part-way out, (partition,
         # offset, sub) -> tokens out: what a state merged from several ranks
         # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
@@ -367,12 +448,56 @@ class OrderLedger(Ledger):
                     # were delivered before.
                     self.order.seek(tp, *fresh[tp])
                     self.rounds[tp] = 0
+                    self._follow_note(tp, fresh[tp], committed.get(tp))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         for tp, (off, _skip) in positions.items():
             self.window.setdefault(tp, off)
         with self.lock:
             self.seen.update(tps)
         return positions
+
+    def _follow_note(self, tp: TP, start: Position, c: Committed | None) -> None:
+        """Starting ``tp`` at the commit ``c``: skip what its note says was used (NOTE [ Commit notes ])."""
+        if c is None or not c.rest or self.repeat or start != (c.offset, c.skip) \
+                or self._lost(c):
+            return
+        try:
+            read, keys, partial = decode_note(c.offset, c.rest)
+        except ValueError as e:
+            log.warning("%s[%d]: the commit's note is not kfeed's (%s); records used above "
+                        "offset %d may come again", tp[0], tp[1], e, c.offset)
+            return
+        self.order.allow(tp, read, keys)
+        for (o, sub), n in partial.items():
+            self.partial[(tp, o, sub)] = n
+
+    def _noted(self, positions: Mapping[TP, Position], *, used: bool
+               ) -> dict[TP, tuple[Any, ...]]:
+        """``positions`` (the order's watermarks), each with its note if it needs one."""
+        if self.repeat:  # its offsets carry rounds (NOTE [ Rounds ])
+            return dict(positions)
+        rest = self.order.rest(used=used)
+        head = self.order.first_unacked(used=used)
+        out: dict[TP, tuple[Any, ...]] = {}
+        for tp, pos in positions.items():
+            read, keys = rest.get(tp, (pos, None))
+            partial = {(o, sub): n for (p, o, sub), n in self.partial.items() if p == tp}
+            if head is not None and head[0] == tp:
+                out_now = (self.used_pack_offset if used else self.pack_offset) \
+                    + self.partial.get(head, 0)
+                if out_now:
+                    partial[head[1:]] = out_now
+            if keys is not None and len(keys):
+                wanted = {tuple(k) for k in keys.tolist()}
+                partial = {k: n for k, n in partial.items() if k in wanted}
+            else:
+                partial = {}
+            if read <= tuple(pos) and not partial:
+                out[tp] = pos
+                continue
+            note = encode_note(pos, read, keys, partial)
+            out[tp] = pos if note is None else (pos[0], pos[1], note)
+        return out
 
     def _real(self, pos: Position) -> Position:
         """A position of the order as a Kafka position (NOTE [ Rounds ])."""
@@ -412,7 +537,7 @@ class OrderLedger(Ledger):
             self.rounds.pop(tp, None)
             self.pending_rounds.pop(tp, None)
         marks = self.order.watermarks()
-        mine = {tp: self._real(marks[tp]) for tp in tps if tp in marks}
+        mine = self._noted({tp: self._real(marks[tp]) for tp in tps if tp in marks}, used=False)
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
@@ -433,7 +558,7 @@ class OrderLedger(Ledger):
         self.order = ShuffleBuffer(self.shuffle, ack=True, track_used=True)
         if order_state is not None:
             self.order.load_state(order_state)
-        self.pack_offset = pack_offset
+        self.pack_offset = self.used_pack_offset = pack_offset
         self.on_reset(pack_offset)
 
     # -- the caller's side (under ``lock``) ---------------------------------
@@ -442,10 +567,15 @@ class OrderLedger(Ledger):
         self.handed_any = True
         self.order.ack(acks)
         self.pack_offset = pack_offset
+        if self.partial:  # documents cut once: forget those all out
+            marks = self.order.watermarks()
+            self.partial = {k: n for k, n in self.partial.items()
+                            if k[0] not in marks or k[1:] >= marks[k[0]]}
 
     def mark_used(self, offsets: Mapping[TP, tuple[Position, Position]]) -> None:
         # O(1) per batch: the positions are worked out when a commit asks.
         self.order.mark_used()
+        self.used_pack_offset = self.pack_offset
         self.used_stale = True
 
     def _update_used(self) -> None:
@@ -456,7 +586,9 @@ class OrderLedger(Ledger):
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         self._update_used()
-        return super().to_commit(mine)
+        todo = {tp: pos for tp, pos in self.used.items() if tp in self.seen and mine(tp)}
+        return {tp: pos for tp, pos in self._noted(todo, used=True).items()
+                if self.committed.get(tp) != pos}
 
     def delivered(self) -> dict[TP, Position]:
         return {tp: self._real(m) for tp, m in self.order.watermarks().items()}
