@@ -47,11 +47,17 @@ def run_two_ranks(script: Path, *args: str) -> dict[int, tuple[int, ...]]:
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     results = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        rank, *figures = map(int, out.split("RESULT", 1)[1].split())
-        results[rank] = tuple(figures)
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err
+            rank, *figures = map(int, out.split("RESULT", 1)[1].split())
+            results[rank] = tuple(figures)
+    finally:  # a rank that hangs must not outlive the test, holding its ports
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return results
 
 
