@@ -380,3 +380,59 @@ def test_allow_skips_what_the_note_says_was_used_and_survives_a_state() -> None:
         assert [tuple(r) for r in emitted[:, 1:3].tolist()] == [(10, 4), (11, 1), (12, 0), (12, 1)]
         assert sorted(skipped.tolist()) == [0, 1, 3]
         assert "allow" not in b.state()  # read past the note: forgotten
+
+
+def test_a_start_of_its_own_does_not_follow_a_note_on_the_same_offset() -> None:
+    # A shuffle's commits stay at offset 0 while its notes grow. A new job
+    # that starts at the earliest offset (not at the commit) reads everything.
+    src = MemorySource(sample_values())
+    shuffle = kfeed.Shuffle(buffer=200, seed=1)
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      shuffle=shuffle) as ld:
+        for _ in range(3):
+            next(ld)
+    assert any(src.committed_notes.values())
+    assert all(pos == (0, 0) for pos in src.committed_positions.values())
+    ids = np.concatenate([b["id"].numpy() for b in run(src, 20, start="earliest",
+                                                       shuffle=shuffle)])
+    assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+
+
+def test_after_a_rebuild_a_used_commit_claims_nothing_of_the_batch_in_hand() -> None:
+    # The current batch is handed out, not used; a revoke of another
+    # partition rebuilds the order, which then no longer knows it. A commit
+    # then (close(commit_current=False)) must not note those records as used.
+    from kfeed.loader.ledger import OrderLedger
+
+    src = MemorySource({0: [b""], 1: [b""]})
+    ledger = OrderLedger(src, "earliest", kfeed.Shuffle(buffer=4, seed=1), None)
+    p, q = ("memory", 0), ("memory", 1)
+    order = ledger.order
+    for tp in (p, q):
+        order.seek(tp, 0)
+        ledger.seen.add(tp)
+    rows = np.array([[order.pid(tp), off, 0, i] for i, (tp, off) in enumerate(
+        [(tp, off) for off in range(10) for tp in (p, q)])], np.int64)
+    order.push_many(rows)
+    ledger.accept({}, 3, 0)
+    ledger.mark_used({})
+    ledger.accept({}, 3, 0)  # the batch in hand
+    ledger.give_up([q])
+    todo = ledger.to_commit(lambda tp: True)
+    assert len(todo[p]) == 2  # a position, no note: records may come again, none is lost
+    ledger.mark_used({})  # the step is over: notes again
+    assert len(ledger.to_commit(lambda tp: True)[p]) == 3
+
+
+def test_merged_states_keep_every_ranks_notes() -> None:
+    from kfeed.loader import _merge_orders
+    from kfeed.tokens import ShuffleBuffer
+
+    def state(tp):
+        buf = ShuffleBuffer(None, ack=True)
+        buf.seek(tp, 10, 0)
+        buf.allow(tp, (20, 0), [(12, 0)])
+        return {"order": buf.state(), "pack_offset": 0, "partial": []}
+
+    merged = _merge_orders([state(("t", 0)), state(("t", 1))])
+    assert [e[0] for e in merged["order"]["allow"]] == [("t", 0), ("t", 1)]

@@ -607,6 +607,10 @@ class ShuffleBuffer:
             i = self._push_restoring(recs, emitted, skipped)
         if i < len(recs):
             self._process(recs[i:], True, emitted, skipped)
+        if self._allow:  # notes whose records were all read
+            for p, (ro, rs, _keys) in list(self._allow.items()):
+                if self._known[p, 0] and (int(self._pos[p, 0]), int(self._pos[p, 1])) >= (ro, rs):
+                    del self._allow[p]
         return _joined(emitted), (np.concatenate(skipped) if skipped
                                   else np.empty(0, np.int64))
 
@@ -718,9 +722,9 @@ class ShuffleBuffer:
 
         Only records past the partition's read position are screened: below
         it, the buffer itself tells repeats from a loaded state's records.
-        Pure: the same rows screened twice give the same answer. A
-        partition's note is forgotten once a record at or past its read
-        position comes.
+        The note stays until the buffer's own reading passes its read
+        position (``push_many``), so rows screened twice (a mixture screens
+        them before its queues) get the same answer.
         """
         if not self._allow or not len(records):
             return records, np.empty(0, np.int64)
@@ -731,15 +735,12 @@ class ShuffleBuffer:
             mine = pids == p
             if not mine.any():
                 continue
-            before = (o < ro) | ((o == ro) & (s < rs))
-            below = mine & before
+            below = mine & ((o < ro) | ((o == ro) & (s < rs)))
             if self._known[p, 0]:
                 po, ps = int(self._pos[p, 0]), int(self._pos[p, 1])
                 below &= (o > po) | ((o == po) & (s >= ps))
             for i in np.flatnonzero(below).tolist():
                 keep[i] = (int(o[i]), int(s[i])) in keys
-            if (mine & ~before).any():
-                del self._allow[p]
         if keep.all():
             return records, np.empty(0, np.int64)
         self.skipped += int((~keep).sum())

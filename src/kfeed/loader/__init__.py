@@ -990,6 +990,10 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
             partial.append([*order["outbox"][0], int(st["pack_offset"])])
     merged = {**first, "partitions": entries, "held": [], "outbox": outbox,
               "emitted": sum(int(o["emitted"]) for o in orders)}
+    merged.pop("allow", None)
+    allow = [e for o in orders for e in o.get("allow", [])]  # commit notes being followed
+    if allow:
+        merged["allow"] = allow
     out: dict[str, Any] = {"order": merged, "pack_offset": 0, "partial": partial}
     if "mix" in states[0]:
         mixes = [st["mix"] for st in states]

@@ -271,9 +271,11 @@ class Ledger:
         return committed.by in self.lineages \
             or f"{committed.by}/{committed.run or ''}" in self.superseded
 
-    def start_positions(self, tps: list[TP],
-                        committed: Mapping[TP, Committed | None]) -> dict[TP, Position]:
+    def start_positions(self, tps: list[TP], committed: Mapping[TP, Committed | None],
+                        from_commit: set[TP] | None = None) -> dict[TP, Position]:
+        """Where each of ``tps`` starts; ``from_commit`` gets those that start at the commit."""
         out: dict[TP, Position] = {}
+        followed = set() if from_commit is None else from_commit
         for tp in tps:
             c = committed.get(tp)
             if c is not None and self._lost(c):
@@ -285,11 +287,14 @@ class Ledger:
                 # unless a member that had it since went further (our commit
                 # on revoke may have failed, e.g. with every broker down).
                 out[tp] = self._newer(mine, c)
+                if c is not None and out[tp] == (c.offset, c.skip):
+                    followed.add(tp)
             elif c is not None and (self.start == "committed" or tp in self.seen
                                     or self._ours(c)):
                 # Whatever the start, a partition another rank of this run
                 # read before us goes on from there.
                 out[tp] = (c.offset, c.skip)
+                followed.add(tp)
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
             elif isinstance(self.start, Mapping):  # a window's start; unnamed: the earliest
@@ -386,8 +391,8 @@ class OrderLedger(Ledger):
     the first unfinished document are already out, so a resume continues
     inside it. The same replay rebuilds the order after a rebalance, less
     the partitions revoked (their new owner re-reads them from the
-    committed watermark, which with ``shuffle`` may repeat records emitted
-    above it).
+    committed watermark, skipping what the commit's note says was used:
+    NOTE [ Commit notes ]).
 
     The build stage pushes into ``order`` (a fetch's records at a time) and
     drains it. Per batch the caller's side only counts: ``accept``
@@ -410,6 +415,10 @@ class OrderLedger(Ledger):
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
         self.used_pack_offset = 0  # the same, as of the last batch used
+        # The order was rebuilt since the last batch used: it no longer knows
+        # which records handed out are not used yet, so used commits carry
+        # no note until the next (NOTE [ Commit notes ]).
+        self.notes_stale = False
         # Documents other than that one already part-way out, (partition,
         # offset, sub) -> tokens out: what a state merged from several ranks
         # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
@@ -441,14 +450,16 @@ class OrderLedger(Ledger):
                 positions[tp] = self._resume_round(tp, resume[tp])
         need = [tp for tp in tps if tp not in positions]
         if need:
-            fresh = self.start_positions(need, committed)
+            followed: set[TP] = set()
+            fresh = self.start_positions(need, committed, followed)
             with self.lock:
                 for tp in need:
                     # The order skips the records of a straddled block that
                     # were delivered before.
                     self.order.seek(tp, *fresh[tp])
                     self.rounds[tp] = 0
-                    self._follow_note(tp, fresh[tp], committed.get(tp))
+                    if tp in followed:
+                        self._follow_note(tp, committed.get(tp))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         for tp, (off, _skip) in positions.items():
             self.window.setdefault(tp, off)
@@ -456,10 +467,14 @@ class OrderLedger(Ledger):
             self.seen.update(tps)
         return positions
 
-    def _follow_note(self, tp: TP, start: Position, c: Committed | None) -> None:
-        """Starting ``tp`` at the commit ``c``: skip what its note says was used (NOTE [ Commit notes ])."""
-        if c is None or not c.rest or self.repeat or start != (c.offset, c.skip) \
-                or self._lost(c):
+    def _follow_note(self, tp: TP, c: Committed | None) -> None:
+        """Starting ``tp`` at the commit ``c``: skip what its note says was used (NOTE [ Commit notes ]).
+
+        Only a start that *is* the commit follows its note: a start chosen
+        otherwise (a window's, a time, ``earliest``) that happens to fall on
+        the same offset must not skip what somebody else used.
+        """
+        if c is None or not c.rest or self.repeat or self._lost(c):
             return
         try:
             read, keys, partial = decode_note(c.offset, c.rest)
@@ -474,7 +489,7 @@ class OrderLedger(Ledger):
     def _noted(self, positions: Mapping[TP, Position], *, used: bool
                ) -> dict[TP, tuple[Any, ...]]:
         """``positions`` (the order's watermarks), each with its note if it needs one."""
-        if self.repeat:  # its offsets carry rounds (NOTE [ Rounds ])
+        if self.repeat or (used and self.notes_stale):  # (NOTE [ Rounds ]; see notes_stale)
             return dict(positions)
         rest = self.order.rest(used=used)
         head = self.order.first_unacked(used=used)
@@ -541,6 +556,7 @@ class OrderLedger(Ledger):
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
+        self.partial = {k: n for k, n in self.partial.items() if k[0] not in tps}
         return mine
 
     def _rebuild(self, without: set[TP]) -> None:
@@ -559,6 +575,7 @@ class OrderLedger(Ledger):
         if order_state is not None:
             self.order.load_state(order_state)
         self.pack_offset = self.used_pack_offset = pack_offset
+        self.notes_stale = True
         self.on_reset(pack_offset)
 
     # -- the caller's side (under ``lock``) ---------------------------------
@@ -576,6 +593,7 @@ class OrderLedger(Ledger):
         # O(1) per batch: the positions are worked out when a commit asks.
         self.order.mark_used()
         self.used_pack_offset = self.pack_offset
+        self.notes_stale = False
         self.used_stale = True
 
     def _update_used(self) -> None:
@@ -599,7 +617,13 @@ class OrderLedger(Ledger):
         order = self.order.state()
         head = _key(order["outbox"][0]) if order["outbox"] else None
         unacked = {_key(k) for k in order["outbox"] + order["held"]}
-        partial = {k: n for k, n in self.partial.items() if k in unacked and k != head}
+
+        def to_come(k: Key) -> bool:  # a document not read yet (a commit's note cuts it)
+            read = self.order.read_position(k[0])
+            return read is None or k[1:] >= read
+
+        partial = {k: n for k, n in self.partial.items()
+                   if (k in unacked or to_come(k)) and k != head}
         state = {
             "positions": by_topic(self.delivered()),
             "order": order,
