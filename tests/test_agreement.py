@@ -150,3 +150,41 @@ def test_a_rebalance_while_ranks_hold_a_batch_ahead_keeps_offset_order(tmp_path)
     for rank, (n, unique, backwards, calls) in run_two_ranks(script).items():
         assert calls > 17, "the script did not play"
         assert (n, unique, backwards) == (4000, 4000, 0), rank
+
+
+FINISH = textwrap.dedent("""
+    import torch.distributed as dist
+    from kfeed.loader.agreement import EpochAgreement
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    ag = EpochAgreement()
+    # Both say they have batches 0 and 1; rank 0 then loses them to a
+    # rebalance and has nothing more, rank 1 has 10 batches.
+    have = 2 if rank == 0 else 10
+    ag.post(have > 0)
+    steps = 0
+    while True:
+        ag.post(have > steps + 1)
+        if not ag.answer():
+            ag.drain()
+            break
+        if rank == 0 and steps == 0:  # the batch in hand was dropped: END instead
+            ag.finish()
+            break
+        steps += 1
+    # Whatever comes next is a collective both ranks make in step.
+    out = [rank]
+    dist.broadcast_object_list(out, src=0)
+    print("RESULT", rank, steps, out[0], flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_rank_that_runs_out_after_saying_it_had_a_batch_leaves_nobody_waiting(tmp_path) -> None:
+    # Before EpochAgreement.finish, rank 0 left its questions unanswered: rank
+    # 1 waited in all_reduce while rank 0 was in the next collective (a hang).
+    script = tmp_path / "finish.py"
+    script.write_text(FINISH)
+    results = run_two_ranks(script)
+    assert results[0] == (0, 0)
+    assert results[1][1] == 0 and 1 <= results[1][0] <= 2  # the others stop within two steps

@@ -305,8 +305,15 @@ class Mixer:
             self._rr[s] = turn
 
     def remember_turns(self) -> None:
-        """Note each source's next partition (before the order is rebuilt)."""
+        """Note each source's next partition (before the order is rebuilt by a rebalance).
+
+        Its records go back to be read again, so the mixture is not over any
+        more, and which sources ran out is found out again (as for merged
+        states, ``Loader.merge_states``).
+        """
         self._remember_next()
+        self.ended = False
+        self.live[:] = 1
 
     def _remember_next(self) -> None:
         for s in range(len(self.sources)):

@@ -513,6 +513,8 @@ class Loader:
         while batch is None:
             if item is END:
                 self._exhausted = True
+                if self._agreement is not None:  # END in place of a dropped batch
+                    self._agreement.finish()
                 if self._feeder.epoch_over:  # it ends right after END
                     self._feeder.join(self.config.connect_timeout_s + 5.0)
                 self._commit(asynchronous=False)

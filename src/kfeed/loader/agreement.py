@@ -88,3 +88,16 @@ class EpochAgreement:
     def drain(self) -> None:
         while self._posted:
             self.answer()
+
+    def finish(self) -> None:
+        """This rank ran out where it had said it has a batch (a rebalance took it back).
+
+        It goes on saying "no batch" to every question the others ask, until
+        the answer says the epoch is over for all, so every rank makes the
+        same collectives: the others stop at most two steps later, rather
+        than wait forever for this rank's next question.
+        """
+        while self._posted:
+            self.post(False)
+            if not self.answer():
+                self.drain()

@@ -175,7 +175,10 @@ class Feeder:
             if not self._put(out, serve=True):
                 return
             fetcher.serve_if_due()  # batches made from records held: no fetch for a while
-            if finished:
+            # A rebalance while the batch waited for room (the consumer is
+            # served meanwhile) may have given records back to read: then
+            # the epoch is not over yet, whatever it looked like before.
+            if finished and out.gen == self.ledger.gen:
                 return
 
     def _put(self, item: Any, serve: bool = False) -> bool:
