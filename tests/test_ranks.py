@@ -50,13 +50,14 @@ EPOCHS_WORKER = textwrap.dedent("""
     import json, sys, threading, time, numpy as np, torch.distributed as dist, kfeed
     from kfeed.synthetic import synthetic_columns, synthetic_schema
     dist.init_process_group("gloo", init_method="env://")
-    bootstrap, topic, folder = sys.argv[1], sys.argv[2], sys.argv[3]
+    bootstrap, topic, folder, shuffled = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     rank = dist.get_rank()
     config = {"bootstrap.servers": bootstrap, "group.id": "epochs-" + topic}
-    # In offset order: in a group each epoch begins with a rebalance, where a shuffle
-    # may repeat records (README, "Rebalances"); static ranks shuffle exactly.
+    # In a group each epoch begins with rebalances, while a rank may have read its
+    # records whole already: nothing may be lost or repeated, and no rank hang.
+    shuffle = kfeed.Shuffle(buffer=300, seed=0) if shuffled == "1" else None
     loader = kfeed.Loader(config, topic, synthetic_schema(), 100, device="cpu", until="end",
-                          epochs=2)
+                          epochs=2, shuffle=shuffle)
 
     def more():  # records keep coming while the ranks start: not in the window
         with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, synthetic_schema()) as p:
@@ -85,14 +86,16 @@ EPOCHS_WORKER = textwrap.dedent("""
 """)
 
 
-def test_ranks_in_a_group_read_one_window_every_epoch(bootstrap, make_topic, tmp_path) -> None:
+@pytest.mark.parametrize("shuffled", ["0", "1"], ids=["in order", "shuffled"])
+def test_ranks_in_a_group_read_one_window_every_epoch(bootstrap, make_topic, tmp_path,
+                                                      shuffled) -> None:
     topic = make_topic(partitions=4)
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, synthetic_schema()) as p:
         ids = np.arange(4000)
         p.send(synthetic_columns(ids), keys=ids)
     script = tmp_path / "worker.py"
     script.write_text(EPOCHS_WORKER)
-    results = run_two_ranks(script, bootstrap, topic, str(tmp_path))
+    results = run_two_ranks(script, bootstrap, topic, str(tmp_path), shuffled)
     assert results[0] == results[1]  # rank 0's window, on both ranks
     import json
 
