@@ -541,6 +541,38 @@ def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
         cluster.down(state, wipe=True)
 
 
+def test_a_broker_that_keeps_less_metadata_gets_commits_without_notes(
+        tmp_path, monkeypatch, caplog) -> None:
+    # A broker of its own keeping 64 characters of commit metadata: a shuffle's
+    # notes do not fit. Its first refusal switches them off and the same
+    # commit goes through without them: records may come again, none is lost.
+    from kfeed import cluster
+
+    monkeypatch.setenv("KFEED_CLUSTER_REGISTRY", str(tmp_path / "registry"))
+    state = tmp_path / "small-metadata"
+    servers = cluster.up(nodes=1, dir=state, port=cluster.free_port_base(1, 39692),
+                         overrides={"offset.metadata.max.bytes": "64"})
+    try:
+        kfeed.create_topic({"bootstrap.servers": servers}, "t", partitions=2)
+        produce(servers, "t", 0, 3000)
+        shuffle = kfeed.Shuffle(buffer=500, seed=0)
+        got: list[int] = []
+        with caplog.at_level("WARNING", logger="kfeed.sources"):
+            for kw in ({"commit_interval_ms": 0}, {"start": "committed"}):
+                with loader(servers, "t", "g", batch_size=100, shuffle=shuffle, **kw) as ld:
+                    for i, b in enumerate(ld):
+                        got += b["id"].tolist()
+                        if "commit_interval_ms" in kw and i == 10:
+                            break
+        assert sorted(set(got)) == list(range(3000))  # nothing lost
+        assert "refused a commit's metadata as too long" in caplog.text
+        # The commits went through: a third loader of the group finds nothing left.
+        with loader(servers, "t", "g", batch_size=100, start="committed") as ld:
+            assert sum(b.size for b in ld) == 0
+    finally:
+        cluster.down(state, wipe=True)
+
+
 def test_stats_never_waits_for_the_loaders_thread(bootstrap, make_topic, group_id) -> None:
     # A streaming loader that read everything sits in consume(); stats() on
     # the caller's thread must not wait for it (a consumer call would).

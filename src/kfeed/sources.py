@@ -156,23 +156,28 @@ METADATA_MAX = 4096
 _AFTER_POLL = frozenset((27, 113))
 
 
+# The broker refused a commit's metadata as too long (a broker whose
+# offset.metadata.max.bytes is below Kafka's default).
+_METADATA_TOO_LARGE = 12
+
+
 def _metadata(tp: TP, pos: Sequence[Any], by: str | None, run: str | None,
-              warned: set[TP]) -> str | None:
+              warned: set[TP], limit: int = METADATA_MAX) -> str | None:
     """A commit's metadata (see ``Committed``), its note left out if it would not fit."""
     skip = pos[1]
     fields = ([f"skip={skip}"] if skip else []) + ([f"by={by}"] if by else []) \
         + ([f"run={run}"] if run else [])
     if len(pos) > 2 and pos[2]:
         note = f"rest={pos[2]}"
-        if len(_PREFIX) + len(",".join(fields)) + 1 + len(note) <= METADATA_MAX:
+        if len(_PREFIX) + len(",".join(fields)) + 1 + len(note) <= limit:
             fields.append(note)
-        elif tp not in warned:
+        elif limit and tp not in warned:  # (limit 0: the broker refused notes, said once)
             warned.add(tp)
             log.warning("%s[%d]: what the shuffle used above offset %d does not fit the "
                         "commit's metadata (%d characters, Kafka keeps %d): a reader that "
                         "takes the partition over from this commit uses those records again; "
                         "a smaller Shuffle(buffer=) or more partitions keep it small",
-                        tp[0], tp[1], pos[0], len(note), METADATA_MAX)
+                        tp[0], tp[1], pos[0], len(note), limit)
     return _PREFIX + ",".join(fields) if fields else None
 
 
@@ -318,6 +323,7 @@ class KafkaSource(Source):
         config["on_commit"] = chain(self._on_commit, config.get("on_commit"))
         self._inflight: dict[tuple[TP, int], Position] = {}
         self._note_warned: set[TP] = set()  # partitions whose commit note did not fit
+        self._note_limit = METADATA_MAX  # 0 once the broker refused a note as too long
         self._acked: deque[tuple[TP, Position]] = deque()
         user_stats_cb = config.get("stats_cb")
         config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
@@ -633,7 +639,7 @@ class KafkaSource(Source):
             return {}
         self.commits_sent += 1
         offsets = [self._tp(tp, pos[0], _metadata(tp, pos, self.lineage, self.run,
-                                                 self._note_warned))
+                                                 self._note_warned, self._note_limit))
                    for tp, pos in positions.items()]
         if asynchronous:
             # The answer comes to _on_commit, served by a later consume().
@@ -643,6 +649,8 @@ class KafkaSource(Source):
             parts = self._coordinated(lambda: self._consumer.commit(offsets=offsets,
                                                                     asynchronous=asynchronous))
         except KafkaException as e:
+            if self._refused_note(e.args[0]):  # the same commit, without notes
+                return self.commit(positions, asynchronous)
             self.commit_failures += 1
             error = ConsumeError(f"offset commit failed: {e.args[0].str()}")
             # The group moves on (the consumer protocol's member epoch, a
@@ -658,6 +666,8 @@ class KafkaSource(Source):
             if p.error is None and tp in positions:
                 acked[tp] = positions[tp]
             elif p.error is not None:
+                if self._refused_note(p.error):
+                    return self.commit(positions, asynchronous)
                 failed.append(f"{p.topic}[{p.partition}]: {p.error.str()}")
         if failed:
             self.commit_failures += len(failed)
@@ -675,11 +685,27 @@ class KafkaSource(Source):
                 if err is None and p.error is None and pos is not None:
                     self._acked.append((tp, pos))
                 elif err is not None or p.error is not None:
+                    self._refused_note(err or p.error)
                     self.commit_failures += 1
                     self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
                                    p.topic, p.partition, p.offset, err or p.error)
         except BaseException:  # noqa: BLE001 - never into librdkafka's dispatch
             log.exception("the commit callback failed")
+
+    def _refused_note(self, error: Any) -> bool:
+        """A broker that keeps less metadata than Kafka's default: commit without notes.
+
+        Whether this is the first such refusal (the commit is worth making
+        again at once, without its notes).
+        """
+        if error.code() == _METADATA_TOO_LARGE and self._note_limit:
+            self._note_limit = 0
+            log.warning("the broker refused a commit's metadata as too long "
+                        "(offset.metadata.max.bytes): commits go on without notes, so a "
+                        "reader taking a partition over may use records again that a "
+                        "shuffle used above the committed offset")
+            return True
+        return False
 
     def acknowledged(self) -> dict[TP, Position]:
         out: dict[TP, Position] = {}
