@@ -334,10 +334,10 @@ def test_a_note_too_long_for_kafka_is_left_out_and_then_records_come_again(caplo
     values = {0: SCHEMA.encode_blocks(synthetic_columns(np.arange(12000)), 8)}
     src = MemorySource(values)
     shuffle = kfeed.Shuffle(buffer=5000, seed=1)
-    with caplog.at_level("WARNING", logger="kfeed.sources"):
-        with kfeed.Loader(None, "memory", SCHEMA, 200, device="cpu", until="end", source=src,
-                          shuffle=shuffle) as ld:
-            first = [next(ld) for _ in range(30)]
+    with caplog.at_level("WARNING", logger="kfeed.sources"), \
+            kfeed.Loader(None, "memory", SCHEMA, 200, device="cpu", until="end", source=src,
+                         shuffle=shuffle) as ld:
+        first = [next(ld) for _ in range(30)]
     assert src.committed_notes[("memory", 0)] is None
     assert "does not fit the commit's metadata" in caplog.text
     second = run(src, 200, start="committed", shuffle=shuffle)
