@@ -220,17 +220,17 @@ def test_bad_configuration_is_a_config_error() -> None:
 
 
 def test_close_stops_the_thread_and_gc_cleans_up() -> None:
-    before = threading.active_count()
+    # The loader's own thread, not a count of all threads: another test's may
+    # end meanwhile.
+    before = set(threading.enumerate())
     loader = memory_loader(blocks(0, 64), SCHEMA, 32, loop=True, device="cpu")
     next(loader)
-    assert threading.active_count() == before + 1
+    (thread,) = [t for t in threading.enumerate() if t not in before]
+    assert thread.name == "kfeed-loader"
     del loader
     gc.collect()
-    for _ in range(50):
-        if threading.active_count() == before:
-            break
-        threading.Event().wait(0.05)
-    assert threading.active_count() == before
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_errors_in_the_thread_reach_the_caller() -> None:
