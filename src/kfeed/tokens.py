@@ -746,26 +746,35 @@ class ShuffleBuffer:
         self.skipped += int((~keep).sum())
         return records[keep], records[~keep, 3].copy()
 
-    def rest(self, *, used: bool = False) -> dict[Hashable, tuple[tuple[int, int], np.ndarray]]:
+    def rest(self, *, used: bool = False, most: int | None = None
+             ) -> dict[Hashable, tuple[tuple[int, int], np.ndarray | None]]:
         """Per partition: where its reading got to, and the keys ``[offset, sub]`` below that
         were not delivered (held, emitted but not acknowledged or, with ``used``, not used),
         in order. Every other record between ``watermarks(used=used)`` and that position was.
+        A partition with more than ``most`` such keys gets None for them.
         """
         k = len(self._parts)
         rows = _joined([self._held[:self._n], *self._unacked(used)])
-        out = {}
+        counts = np.bincount(rows[:, 0], minlength=k)
+        if most is not None and (counts > most).any():  # those are not sorted
+            rows = rows[counts[rows[:, 0]] <= most]
+        if len(rows) > 1:  # one sort for every partition, then each one's slice
+            rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+        bounds = np.searchsorted(rows[:, 0], np.arange(k + 1)).tolist()
+        out: dict[Hashable, tuple[tuple[int, int], np.ndarray | None]] = {}
         for p in range(k):
             if not self._known[p, 0]:
                 continue
             read = (int(self._pos[p, 0]), int(self._pos[p, 1]))
-            mine = rows[rows[:, 0] == p, 1:3]
+            keys: np.ndarray | None = rows[bounds[p]:bounds[p + 1], 1:3]
             note = self._allow.get(p)
             if note is not None:  # keys of the note not read yet are not delivered either
-                later = [key for key in note[2] if key >= read]
+                later = sorted(key for key in note[2] if key >= read)
                 if later:
-                    mine = np.concatenate([mine, np.array(later, np.int64)])
+                    keys = np.concatenate([keys, np.array(later, np.int64)])
                 read = max(read, note[:2])
-            keys = mine[np.lexsort((mine[:, 1], mine[:, 0]))] if len(mine) > 1 else mine
+            if most is not None and counts[p] > most:
+                keys = None
             out[self._parts[p]] = (read, keys)
         return out
 

@@ -111,6 +111,10 @@ log = logging.getLogger("kfeed.loader")
 
 # A decoded note larger than this is not one of ours (NOTE [ Commit notes ]).
 _NOTE_MAX = 1 << 24
+# Keys not used past this many make a note longer than Kafka keeps (about one
+# character a key, random ones; half that only when they run in long rows):
+# not worth encoding.
+_NOTE_KEYS_MAX = 8192
 
 
 def encode_note(position: Position, read: tuple[int, int], keys: np.ndarray,
@@ -419,6 +423,7 @@ class OrderLedger(Ledger):
         # which records handed out are not used yet, so used commits carry
         # no note until the next (NOTE [ Commit notes ]).
         self.notes_stale = False
+        self.note_warned: set[TP] = set()  # partitions with too many keys for a note
         # Documents other than that one already part-way out, (partition,
         # offset, sub) -> tokens out: what a state merged from several ranks
         # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
@@ -491,22 +496,29 @@ class OrderLedger(Ledger):
         """``positions`` (the order's watermarks), each with its note if it needs one."""
         if self.repeat or (used and self.notes_stale):  # (NOTE [ Rounds ]; see notes_stale)
             return dict(positions)
-        rest = self.order.rest(used=used)
+        rest = self.order.rest(used=used, most=_NOTE_KEYS_MAX)
         head = self.order.first_unacked(used=used)
         out: dict[TP, tuple[Any, ...]] = {}
         for tp, pos in positions.items():
-            read, keys = rest.get(tp, (pos, None))
+            read, keys = rest.get(tp, (pos, np.empty((0, 2), np.int64)))
+            if keys is None:  # too many for a note: the records used above come again
+                if tp not in self.note_warned:
+                    self.note_warned.add(tp)
+                    log.warning("%s[%d]: %d+ records above the committed offset not used yet "
+                                "are too many for the commit's note (Kafka keeps 4096 "
+                                "characters): a reader that takes the partition over from the "
+                                "commit uses records again; a smaller Shuffle(buffer=) or more "
+                                "partitions keep it small", tp[0], tp[1], _NOTE_KEYS_MAX)
+                out[tp] = pos
+                continue
             partial = {(o, sub): n for (p, o, sub), n in self.partial.items() if p == tp}
             if head is not None and head[0] == tp:
                 out_now = (self.used_pack_offset if used else self.pack_offset) \
                     + self.partial.get(head, 0)
                 if out_now:
                     partial[head[1:]] = out_now
-            if keys is not None and len(keys):
-                wanted = {tuple(k) for k in keys.tolist()}
-                partial = {k: n for k, n in partial.items() if k in wanted}
-            else:
-                partial = {}
+            partial = {k: n for k, n in partial.items()  # (a few: rarely more than one)
+                       if ((keys[:, 0] == k[0]) & (keys[:, 1] == k[1])).any()}
             if read <= tuple(pos) and not partial:
                 out[tp] = pos
                 continue
