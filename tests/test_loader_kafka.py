@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -512,16 +514,26 @@ def test_the_dataset_checks_its_settings_when_made() -> None:
         kfeed.KafkaIterableDataset({"bootstrap.servers": "x", "group.id": "g"}, "t", SCHEMA, 0)
 
 
-def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
-        tmp_path, monkeypatch) -> None:
-    # A broker of its own, with the consumer group protocol switched off.
+@contextlib.contextmanager
+def own_broker(tmp_path, monkeypatch, **overrides: str) -> Iterator[str]:
+    """A 1-node cluster of this test's own with broker settings ``overrides``; its servers."""
     from kfeed import cluster
 
     monkeypatch.setenv("KFEED_CLUSTER_REGISTRY", str(tmp_path / "registry"))
-    state = tmp_path / "classic-only"
+    state = tmp_path / "own-broker"
     servers = cluster.up(nodes=1, dir=state, port=cluster.free_port_base(1, 39692),
-                         overrides={"group.coordinator.rebalance.protocols": "classic"})
+                         overrides=overrides)
     try:
+        yield servers
+    finally:
+        cluster.down(state, wipe=True)
+
+
+def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
+        tmp_path, monkeypatch) -> None:
+    # A broker of its own, with the consumer group protocol switched off.
+    with own_broker(tmp_path, monkeypatch,
+                    **{"group.coordinator.rebalance.protocols": "classic"}) as servers:
         kfeed.create_topic({"bootstrap.servers": servers}, "t", partitions=1)
         with kfeed.Producer({"bootstrap.servers": servers}, "t", SCHEMA) as p:
             p.send(synthetic_columns(np.arange(100)))
@@ -537,8 +549,6 @@ def test_brokers_without_the_consumer_protocol_refuse_it_in_one_clear_error(
         classic = loader(servers, "t", "g2", batch_size=10, kafka={"group.protocol": "classic"})
         with classic:
             assert sum(b.size for b in classic) == 100
-    finally:
-        cluster.down(state, wipe=True)
 
 
 def test_a_broker_that_keeps_less_metadata_gets_commits_without_notes(
@@ -546,13 +556,7 @@ def test_a_broker_that_keeps_less_metadata_gets_commits_without_notes(
     # A broker of its own keeping 64 characters of commit metadata: a shuffle's
     # notes do not fit. Its first refusal switches them off and the same
     # commit goes through without them: records may come again, none is lost.
-    from kfeed import cluster
-
-    monkeypatch.setenv("KFEED_CLUSTER_REGISTRY", str(tmp_path / "registry"))
-    state = tmp_path / "small-metadata"
-    servers = cluster.up(nodes=1, dir=state, port=cluster.free_port_base(1, 39692),
-                         overrides={"offset.metadata.max.bytes": "64"})
-    try:
+    with own_broker(tmp_path, monkeypatch, **{"offset.metadata.max.bytes": "64"}) as servers:
         kfeed.create_topic({"bootstrap.servers": servers}, "t", partitions=2)
         produce(servers, "t", 0, 3000)
         shuffle = kfeed.Shuffle(buffer=500, seed=0)
@@ -569,8 +573,6 @@ def test_a_broker_that_keeps_less_metadata_gets_commits_without_notes(
         # The commits went through: a third loader of the group finds nothing left.
         with loader(servers, "t", "g", batch_size=100, start="committed") as ld:
             assert sum(b.size for b in ld) == 0
-    finally:
-        cluster.down(state, wipe=True)
 
 
 def test_stats_never_waits_for_the_loaders_thread(bootstrap, make_topic, group_id) -> None:
