@@ -121,7 +121,7 @@ IN_ORDER = textwrap.dedent("""
     schema = synthetic_schema()
     values = {p: schema.encode_blocks(synthetic_columns(np.arange(p * 10**6, p * 10**6 + 2000)), 50)
               for p in range(2)}
-    src = MemorySource(values, incremental=True)
+    src = MemorySource(values, incremental=True, most=2)
     for at in (4, 9, 14):  # partition 1 leaves and comes back, batches held meanwhile
         src.rebalance(at, revoke=[1])
         src.rebalance(at + 3, assign=[1])

@@ -173,7 +173,7 @@ def test_group_mode_ranks_keep_the_merged_state_of_the_partitions_they_are_given
 @pytest.mark.parametrize("exhausted", ["stop", "renormalize"])
 def test_a_mixture_one_rank_finished_is_read_to_the_end_by_the_new_ranks(exhausted):
     values, k = {}, 0
-    for t, n in (("a", 40), ("b", 400)):
+    for t, n in (("a", 400), ("b", 400)):
         for p in range(2):  # rank 0: partition 0 of each topic, rank 1: partition 1
             n_here = n if p == 1 else 20
             values[(t, p)] = ROWS.encode_blocks({"id": np.arange(k, k + n_here)}, 5)

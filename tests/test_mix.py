@@ -24,6 +24,7 @@ from kfeed import (
     Schema,
     Shuffle,
 )
+from kfeed.loader.tuning import FETCH_AHEAD
 from kfeed.mix import Mixer
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -313,8 +314,9 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded():
     with loader:
         for i, _batch in enumerate(loader):
             queued = loader._ledger.mixer.queued()  # type: ignore[attr-defined]
-            # At most the cap, and what one fetch (about a batch) brought on top.
-            assert queued.max() <= loader._builder.mix_queue + 256
+            # At most the cap, and what one fetch brought on top: a batch,
+            # and what it took ahead (NOTE [ Fetching ahead ]).
+            assert queued.max() <= loader._builder.mix_queue + (1 + FETCH_AHEAD) * 256
             if i == 60:  # (it drains at 2.5 records a batch: resumed only after ~200)
                 break
         assert ("code", 0) in source._paused
@@ -430,7 +432,7 @@ def test_bad_epochs_say_what_is_wrong():
 def test_a_mixture_through_rebalances_loses_nothing(incremental):
     cols = {"id": np.arange(4000), "x": np.zeros((4000, 2), np.float32)}
     values = {p: ROWS.encode_blocks({k: v[p::4] for k, v in cols.items()}, 10) for p in range(4)}
-    source = MemorySource(values, incremental=incremental)
+    source = MemorySource(values, incremental=incremental, most=4)
     if incremental:
         source.rebalance(5, revoke=[2, 3])
         source.rebalance(9, assign=[2, 3])
@@ -520,7 +522,7 @@ def test_repeat_with_a_partition_empty_in_the_window_does_not_stall():
 def test_repeat_through_an_incremental_rebalance_reads_the_big_source_once():
     source = MemorySource(small_a_values(), incremental=True)
     values = small_a_values()
-    source = MemorySource(values, incremental=True)
+    source = MemorySource(values, incremental=True, most=4)
     loader = Loader(None, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), ROWS, 16,
                     source=source, device="cpu", until="end", shuffle=Shuffle(40, seed=1))
     with loader:

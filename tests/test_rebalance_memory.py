@@ -56,7 +56,7 @@ def run(source: MemorySource, batch_size: int, **kwargs) -> list[kfeed.loader.Ba
                          ids=["in order", "shuffled"])
 def test_every_record_once_whatever_the_rebalances(name, shuffle) -> None:
     incremental, script = SCRIPTS[name]
-    src = MemorySource(sample_values(), incremental=incremental)
+    src = MemorySource(sample_values(), incremental=incremental, most=4)
     for call, revoke, assign in script:
         src.rebalance(call, revoke=revoke, assign=assign)
     batches = run(src, 20, shuffle=shuffle)
@@ -69,6 +69,29 @@ def test_every_record_once_whatever_the_rebalances(name, shuffle) -> None:
 
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["eager", "incremental"])
+def test_a_rebalance_inside_a_fetch_ahead_loses_and_repeats_nothing(incremental) -> None:
+    # A fetch takes what is there first (consume(n + ahead, 0)), then waits
+    # for the rest of its batch (NOTE [ Fetching ahead ]). A rebalance inside
+    # that second call must drop what the first one brought, which the new
+    # start positions do not count (a partition kept through it is read
+    # again from the ledger's position). Each script lands on several calls,
+    # with sources that hand out 2, 3 or 5 messages a call.
+    for most in (2, 3, 5):
+        for call in range(2, 9):
+            if incremental:  # partitions given, then one taken while they are first read
+                src = MemorySource(sample_values(), incremental=True, most=most, first=[0])
+                src.rebalance(call, assign=[1, 2])
+                src.rebalance(call + 1, revoke=[0])
+                src.rebalance(call + 2, assign=[0])
+            else:
+                src = MemorySource(sample_values(), most=most)
+                src.rebalance(call, revoke=[0, 1, 2], assign=[0, 1, 2])
+            ids = np.concatenate([b["id"].numpy() for b in run(src, 20)])
+            assert src.calls > call + 2, "the script did not play"
+            assert np.array_equal(np.sort(ids), np.sort(all_ids())), (most, call)
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["eager", "incremental"])
 def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
     # Documents of lengths 1..40 with their id as every token.
     docs = {p: [np.full(1 + (i * 7 + p) % 40, p * 1000 + i, np.int32) for i in range(60)]
@@ -76,7 +99,7 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
     # One document per message: enough consume() calls for the script to play
     # before a partition reaches its end.
     values = {p: TOKENS.encode_blocks({"tokens": d}, 1) for p, d in docs.items()}
-    src = MemorySource(values, incremental=incremental)
+    src = MemorySource(values, incremental=incremental, most=4)
     if incremental:
         src.rebalance(3, revoke=[1])
         src.rebalance(6, assign=[1])
@@ -97,7 +120,7 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
 
 
 def test_the_revoke_commits_what_was_handed_out_before_it() -> None:
-    src = MemorySource(sample_values())
+    src = MemorySource(sample_values(), most=4)
     src.rebalance(4, revoke=[0, 1, 2], assign=[0, 1, 2])
     with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
                       prefetch=3, commit_interval_ms=10**9) as ld:
@@ -116,7 +139,7 @@ def test_the_revoke_commits_what_was_handed_out_before_it() -> None:
 
 
 def test_the_on_revoke_hook_runs_at_a_step_boundary_with_the_partitions_going() -> None:
-    src = MemorySource(sample_values())
+    src = MemorySource(sample_values(), most=4)
     src.rebalance(5, revoke=[0, 1, 2], assign=[1, 2])
     seen: list[tuple[list, dict, int]] = []
     steps = {"n": 0}
@@ -189,7 +212,7 @@ def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_co
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
     lineage = state["lineages"][0]
-    src = MemorySource(sample_values(), incremental=True, first=[0])
+    src = MemorySource(sample_values(), incremental=True, first=[0], most=4)
     for p in range(PARTS):
         src.committed_positions[("memory", p)] = (BLOCKS - 5, 0)
         src.committed_by[("memory", p)] = (lineage, "crashed-run")
@@ -258,7 +281,7 @@ def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() ->
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
     assert "crashed-lineage/crashed-run" in state["superseded"]
-    src = MemorySource(sample_values(), incremental=True, first=[0])
+    src = MemorySource(sample_values(), incremental=True, first=[0], most=4)
     crashed_commits(src)
     src.rebalance(4, assign=[1, 2])
     resumed_exactly(src, state, before)
@@ -280,7 +303,7 @@ def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
     assert state["positions"]["memory"][1] == [0, 0] == state["positions"]["memory"][2]
-    src = MemorySource(sample_values(), incremental=True, first=[0])
+    src = MemorySource(sample_values(), incremental=True, first=[0], most=4)
     crashed_commits(src)
     src.rebalance(2, assign=[1, 2])  # before partition 0 ends the epoch
     resumed_exactly(src, state, before, played=2)
@@ -446,7 +469,7 @@ def test_a_rebalance_after_the_epoch_was_read_whole_gives_the_records_back() -> 
     # must read them again: it used to end there, 940 of 960 records short.
     import time
 
-    src = MemorySource(sample_values())
+    src = MemorySource(sample_values(), most=4)
     src.rebalance(40, revoke=[0, 1, 2], assign=[0, 1, 2])
     with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
                       prefetch=3, epochs=2, shuffle=kfeed.Shuffle(buffer=2000, seed=4)) as ld:

@@ -47,8 +47,9 @@ def test_a_bursty_loop_deepens_the_queue_within_the_cap():
                 next(it)
             bursts_at_ceiling += loader.stats()["prefetch"] == loader._tuner.ceiling
         changes = loader._tuner.changes
-        assert loader._tuner.ceiling == 40 - 5  # the queue and the 5 batches held besides
-        assert [new for _, _, new, _ in changes] == [4, 8, 16, 32, 35], changes
+        # the queue, the 5 batches held besides and 4 batches fetched ahead
+        assert loader._tuner.ceiling == 40 - 5 - 4
+        assert [new for _, _, new, _ in changes] == [4, 8, 16, 31], changes
         assert peak <= cap, (peak, cap)  # with the queue at its deepest
         # The decisions show in the metrics.
         server = metrics.serve(0)
@@ -82,8 +83,12 @@ def test_memory_cap_mistakes_get_one_clear_line():
     with pytest.raises(kfeed.ConfigError, match="prefetch='auto' needs"):
         memory_loader([], SCHEMA, BATCH, device="cpu", prefetch="auto",
                       max_memory_bytes=3 * BATCH_BYTES)
+    # The queue, 5 batches more and 4 batches' worth of messages fetched ahead.
     memory_loader([], SCHEMA, BATCH, device="cpu", prefetch=8,
-                  max_memory_bytes=13 * BATCH_BYTES).close()
+                  max_memory_bytes=17 * BATCH_BYTES).close()
+    with pytest.raises(kfeed.ConfigError, match="4 fetched ahead"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", prefetch=8,
+                      max_memory_bytes=16 * BATCH_BYTES)
 
 
 def test_librdkafka_gets_its_share_of_the_cap_unless_the_user_set_it():

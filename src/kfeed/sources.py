@@ -923,12 +923,18 @@ class MemorySource(Source):
     step by step, without a broker; ``incremental=True`` plays them as
     cooperative-sticky and the consumer protocol do (a revoke takes some
     partitions, the others keep their read position). ``first`` is the
-    group's first assignment (default: every partition).
+    group's first assignment (default: every partition). ``most``: at most
+    this many messages a ``consume()`` call returns, as a broker's fetch size
+    bounds what librdkafka holds (default: as many as asked for), so that a
+    script plays while the partitions are being read.
     """
 
     def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
                  topic: str = "memory", loop: bool = False, incremental: bool = False,
-                 first: Sequence[int] | None = None) -> None:
+                 first: Sequence[int] | None = None, most: int | None = None) -> None:
+        if most is not None and (not isinstance(most, int) or most < 1):
+            raise ConfigError(f"most must be an int >= 1 or None, got {most!r}")
+        self.most = most
         if not isinstance(values, Mapping):
             values = {0: values}
         self.topic = topic
@@ -997,6 +1003,8 @@ class MemorySource(Source):
         self.calls += 1
         if self._script:
             self._play()
+        if self.most is not None:
+            max_messages = min(max_messages, self.most)
         out: list[Any] = []
         live = [tp for tp in self._next if tp not in self._paused]
         # Interleave partitions in runs, as a broker's fetches would.

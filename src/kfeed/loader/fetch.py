@@ -123,6 +123,7 @@ class Fetcher:
         self.i = 0
         self.start = 0
         self.records_per_msg = 1.0
+        self.learned = False  # records_per_msg is a guess until the first fetch is decoded
         self.last_poll = time.monotonic()
         # When the oldest pending message was fetched (the call's start): a
         # batch's max_wait runs from there (SlotBuilder.fill).
@@ -251,11 +252,23 @@ class Fetcher:
 
     def learn(self, rows: int, messages: int) -> None:
         """``messages`` good messages held ``rows`` records: for ``messages_for``."""
-        if messages > 0:
-            self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * max(1.0, rows / messages)
+        if messages <= 0:
+            return
+        seen = max(1.0, rows / messages)
+        # The first fetch's figure stands alone: the 1.0 guessed before it
+        # would make the next fetches ask a block topic for far too much.
+        self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * seen if self.learned else seen
+        self.learned = True
 
-    def fetch(self, n: int | None = None, timeout: float = POLL_S) -> None:
-        """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones."""
+    def fetch(self, n: int | None = None, timeout: float = POLL_S, *, ahead: int = 0) -> None:
+        """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones.
+
+        ``ahead``: up to this many more, of those already fetched from the
+        brokers, without waiting for them. A consume() waits until it has all
+        it asked for or its timeout is over, so asking a trickling stream for
+        more than a batch would hold the batch back; a backlog, though, is
+        taken in fewer, bigger calls (NOTE [ Fetching ahead ]).
+        """
         if n is None:
             n = self.messages_for(self.batch_size)
         self._commit()
@@ -264,7 +277,20 @@ class Fetcher:
         self.last_poll = time.monotonic()
         self.status.doing = "fetching messages (Source.consume)"
         t = self.last_poll
-        msgs = self.source.consume(n, timeout)
+        msgs = self.source.consume(n + ahead, 0.0) if ahead > 0 else []
+        if len(msgs) < n:
+            before = self.ledger.gen
+            more = self.source.consume(n - len(msgs), timeout)
+            if self.ledger.gen != before:
+                # A rebalance inside the second call: the first one's messages
+                # are of the assignment before it, whose new start positions
+                # do not count them. They are read again from there (a
+                # partition kept through an incremental revoke, from where the
+                # ledger stands, as it has moved on: ``_restart``).
+                self.fetched.update(tp for tp in _fetch.partitions(msgs) if tp in self.kept)
+                msgs = more
+            else:
+                msgs += more
         self.fetch_s += time.monotonic() - t
         self.status.doing = "decoding"
         if self.ledger.gen != gen:

@@ -507,8 +507,10 @@ class OrderLedger(Ledger):
                     log.warning("%s[%d]: %d+ records above the committed offset not used yet "
                                 "are too many for the commit's note (Kafka keeps 4096 "
                                 "characters): a reader that takes the partition over from the "
-                                "commit uses records again; a smaller Shuffle(buffer=) or more "
-                                "partitions keep it small", tp[0], tp[1], _NOTE_KEYS_MAX)
+                                "commit uses records again; they are the shuffle buffer's and "
+                                "the batches' in flight: a smaller Shuffle(buffer=), batch_size "
+                                "or prefetch, or more partitions, keep it small",
+                                tp[0], tp[1], _NOTE_KEYS_MAX)
                 out[tp] = pos
                 continue
             partial = {(o, sub): n for (p, o, sub), n in self.partial.items() if p == tp}

@@ -18,7 +18,7 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 
-__all__ = ["PrefetchTuner", "batches_budget", "memory_settings", "prefetch_ceiling"]
+__all__ = ["FETCH_AHEAD", "PrefetchTuner", "batches_budget", "memory_settings", "prefetch_ceiling"]
 
 log = logging.getLogger("kfeed.loader")
 
@@ -34,6 +34,9 @@ STALL = 0.01
 # depth + 4 lent slots (the queue, the caller's batch, the one before it
 # whose references may linger, and one more), plus the one filling.
 HELD_BESIDES_QUEUE = 5
+# Batches' worth of messages a fetch may take ahead of what its batch needs,
+# of those librdkafka holds already (NOTE [ Fetching ahead ] in loader/build.py).
+FETCH_AHEAD = 4
 # Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth, and a
 # fetch in flight another.
 _RDKAFKA_SHARE = 8
@@ -71,13 +74,15 @@ def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
     depth = AUTO_MAX if prefetch == "auto" else int(prefetch)
     if budget is None:
         return depth
-    fits = budget - HELD_BESIDES_QUEUE
+    besides = HELD_BESIDES_QUEUE + FETCH_AHEAD
+    fits = budget - besides
     if fits < 1 or (prefetch != "auto" and fits < depth):
-        need = (max(1, depth if prefetch != "auto" else 1) + HELD_BESIDES_QUEUE) * batch_bytes
+        need = (max(1, depth if prefetch != "auto" else 1) + besides) * batch_bytes
         raise ConfigError(
             f"max_memory_bytes={cap} leaves room for {max(budget, 0)} batches of "
             f"{batch_bytes} bytes beside librdkafka's buffers; prefetch={prefetch!r} needs "
-            f"{need} bytes for its batches (the queue and {HELD_BESIDES_QUEUE} more)")
+            f"{need} bytes for its batches (the queue, {HELD_BESIDES_QUEUE} more and "
+            f"{FETCH_AHEAD} fetched ahead)")
     return min(depth, fits)
 
 
