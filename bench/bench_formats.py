@@ -35,6 +35,10 @@ framed, through ``decode_documents`` against a fastavro or
 fixed shape against the same array read as a jagged field, through the
 loader from memory (records/s).
 
+``--formats pbmemory`` (no broker): the Protobuf workloads through the
+loader from a ``MemorySource`` against the ``ParseFromString`` loop over the
+same values, so that the ratio is the decoding's, not the broker's.
+
 ``--formats arrow`` (no broker): the same records as kfeed blocks and as
 Arrow IPC messages (``format="arrow"``) through the loader from memory.
 
@@ -314,6 +318,61 @@ def protobuf_runs(bootstrap: str, registry: Any, big: bool, n: int
     }
 
 
+def protobuf_memory(registry: Any, big: bool, n: int, repeat: int) -> tuple[int, dict[str, float]]:
+    """Protobuf without a broker: the loader from memory against the ParseFromString loop.
+
+    The same framed values (``ProtobufSerializer``) in a list: ``kfeed`` reads
+    them through ``Loader(format=kfeed.Protobuf(...))`` from a ``MemorySource``
+    (its thread, decode into the pool's slots, the hand-over), the loop
+    parses each and fills numpy batches as in ``protobuf_runs``. Records/s,
+    best of ``repeat``, interleaved.
+    """
+    big_cls, small_cls = _pb_classes()
+    cls, schema, make = (big_cls, BIG_SCHEMA, big_record) if big else \
+        (small_cls, SMALL_SCHEMA, small_record)
+    ctx = SerializationContext("memory", MessageField.VALUE)
+    ser = ProtobufSerializer(cls, registry, {"use.deprecated.format": False})
+    rng = np.random.default_rng(2)
+    values = []
+    for i in range(n):
+        rec = make(i, rng)
+        if "kind" in rec:
+            rec["kind"] = "abc".index(rec["kind"])
+        if rec.get("score", 0) is None:
+            rec["score"] = 0.0
+        values.append(ser(cls(**rec), ctx))
+    names = [f.name for f in schema.fields]
+    skip = _framing(values[0])
+
+    def loader() -> int:
+        got = 0
+        with kfeed.Loader(None, "memory", schema, BATCH, device="cpu", until="end",
+                          source=kfeed.MemorySource(values),
+                          format=kfeed.Protobuf(message=cls, registry=registry)) as ld:
+            for batch in ld:
+                got += batch.size
+        return got
+
+    def parse() -> int:
+        def read(v: bytes) -> dict:
+            m = cls.FromString(v[skip:])
+            return {name: getattr(m, name) for name in names}
+        per, flush = batched_loop(schema, read)
+        for v in values:
+            per(v)
+        flush()
+        return n
+
+    best = {"kfeed": 0.0, "ParseFromString loop": 0.0}
+    for _ in range(repeat):
+        for name, run in (("kfeed", loader), ("ParseFromString loop", parse)):
+            t = time.perf_counter()
+            got = run()
+            best[name] = max(best[name], got / (time.perf_counter() - t))
+            assert got == n, (name, got, n)
+    return len(values[0]), best
+
+
 def json_runs(bootstrap: str, registry: Any, big: bool, n: int
               ) -> tuple[str, kfeed.Schema, dict[str, Callable[[], int]]]:
     schema, make = (BIG_SCHEMA, big_record) if big else (SMALL_SCHEMA, small_record)
@@ -588,7 +647,7 @@ def main() -> None:
     args = p.parse_args()
     registry = SchemaRegistryClient.new_client({"url": "mock://bench"})
     formats = args.formats.split(",")
-    if not args.bootstrap and set(formats) - {"documents", "jagged", "arrow"}:
+    if not args.bootstrap and set(formats) - {"documents", "jagged", "arrow", "pbmemory"}:
         raise SystemExit("set KFEED_BOOTSTRAP or --bootstrap (e.g. kfeed cluster up)")
     if "documents" in formats:
         for fmt, best in documents_micro(registry, args.repeat).items():
@@ -606,6 +665,16 @@ def main() -> None:
                 ratio = "" if name.startswith("block") else f" | this / block = {rate / block:.2f}x"
                 print(f"| {name} | {rate:,.0f}{ratio} |")
         formats.remove("arrow")
+    if "pbmemory" in formats:
+        for label, big, n in (("3 KB", True, args.samples), ("200 B", False, args.small_samples)):
+            size, best = protobuf_memory(registry, big, n, args.repeat)
+            print(f"\nprotobuf from memory, {label} events ({size} bytes each, {n:,} of them), "
+                  f"records/s, best of {args.repeat}:")
+            for name, rate in best.items():
+                ratio = "" if name == "kfeed" else \
+                    f" | kfeed / this = {best['kfeed'] / rate:.2f}x (target >= 10x)"
+                print(f"| {name} | {rate:,.0f}{ratio} |")
+        formats.remove("pbmemory")
     if "jagged" in formats:
         best = jagged_micro(registry, args.repeat)
         print(f"\nAvro events (id, 16 floats, 20 longs) through the loader from memory, "

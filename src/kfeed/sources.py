@@ -455,6 +455,8 @@ class KafkaSource(Source):
 
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
              assignment: Sequence[TP] | None) -> None:
+        from confluent_kafka import KafkaException
+
         self.partitions()  # fails fast, with a clear error, if brokers or topics are missing
 
         # An exception must not cross librdkafka's callback boundary: keep it
@@ -487,6 +489,18 @@ class KafkaSource(Source):
                 on_revoke([(p.topic, p.partition) for p in parts])
             except BaseException as e:  # noqa: BLE001
                 self._callback_error = e
+            # Give the partitions up here, whatever happened above. Left to
+            # confluent-kafka, it asks librdkafka for the rebalance protocol
+            # first, and that call can block for ever when the revoke comes
+            # from close() (librdkafka#4041), holding the GIL: every thread of
+            # the trainer stops. Seen once in a cooperative member's close().
+            try:
+                if self.incremental:
+                    consumer.incremental_unassign(parts)
+                else:
+                    consumer.unassign()
+            except KafkaException as e:
+                log.info("giving up %d partitions after a revoke: %s", len(parts), e)
 
         if assignment is None:
             self.group_member = True
