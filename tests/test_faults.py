@@ -395,8 +395,11 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
     # their sessions ran out, and their commits stay where the crashed run
     # left them; the state knows better, see NOTE [ Whose commits win ].)
     # Every partition at once (static): in the group, the last run's members
-    # may still hold some until their sessions run out.
-    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, SCHEMA, 500,
+    # may still hold some until their sessions run out. A group of its own:
+    # while the crashed members' sessions last, the consumer protocol's group
+    # refuses commits from outside it (UNKNOWN_MEMBER_ID).
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      SCHEMA, 500,
                       until="end", device="cpu", assignment="static") as rest:
         rest.load_state_dict(json.loads((tmp_path / "end.json").read_text()))
         left = np.concatenate([b["id"].numpy() for b in rest] or [np.empty(0, np.int64)])

@@ -587,3 +587,27 @@ def test_stats_never_waits_for_the_loaders_thread(bootstrap, make_topic, group_i
             ld.stats()
         took = time.monotonic() - t
     assert took < 2.0, took  # 20 calls; one wait for a consume() would be 0.1 s or more
+
+
+def test_a_static_loader_committing_into_a_group_with_members_says_why(bootstrap,
+                                                                         make_topic) -> None:
+    # Under the consumer protocol a group with members takes no commit from
+    # outside it; the end-of-read commit fails with one clear line.
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, 0, 640)
+    group = uuid.uuid4().hex
+    member = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                       "group.protocol": "consumer"})
+    member.subscribe([topic])
+    try:
+        deadline = time.monotonic() + 60
+        while not member.assignment() and time.monotonic() < deadline:
+            member.poll(0.2)
+        assert member.assignment(), "the member got no partition"
+        with pytest.raises(kfeed.ConsumeError, match="not a member of group .*, which has "
+                                                     "members.* a group.id of its own"):
+            with loader(bootstrap, topic, group, assignment="static") as ld:
+                for _ in ld:
+                    member.poll(0)  # (the member stays in the group)
+    finally:
+        member.close()

@@ -154,6 +154,8 @@ METADATA_MAX = 4096
 # Kafka protocol error codes of a commit that goes through once the consumer
 # has been polled: REBALANCE_IN_PROGRESS, STALE_MEMBER_EPOCH (consumer protocol).
 _AFTER_POLL = frozenset((27, 113))
+# A commit from outside a group that has members (the consumer protocol).
+_UNKNOWN_MEMBER_ID = 25
 
 
 # The broker refused a commit's metadata as too long (a broker whose
@@ -666,7 +668,13 @@ class KafkaSource(Source):
             if self._refused_note(e.args[0]):  # the same commit, without notes
                 return self.commit(positions, asynchronous)
             self.commit_failures += 1
-            error = ConsumeError(f"offset commit failed: {e.args[0].str()}")
+            why = e.args[0].str()
+            if e.args[0].code() == _UNKNOWN_MEMBER_ID and not self.group_member:
+                why += (f"; this loader (assignment='static') is not a member of group "
+                        f"{self._config.get('group.id')!r}, which has members, and such a group "
+                        f"takes no commits from outside it: give the loader a group.id of its "
+                        f"own, or read with assignment='group'")
+            error = ConsumeError(f"offset commit failed: {why}")
             # The group moves on (the consumer protocol's member epoch, a
             # rebalance): the same commit goes through once the consumer has
             # been polled and has taken its new assignment.

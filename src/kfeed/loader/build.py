@@ -64,7 +64,7 @@ _HELD_LIMIT = 6
 # call, not per message (one C scan, a few array operations, the order's and
 # the mixer's bookkeeping), so on a backlog fewer, bigger calls cost less: a
 # block topic's batch of 256 is 4 messages, and taking 4 batches at once made
-# a three-topic mixture 1.9x, a shuffled stream 1.5x and the plain stream
+# a three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream
 # 1.1x faster (bench/RESULTS.md, "Fetching ahead"). They wait in ``pending``
 # as messages, which librdkafka would have held in its queue otherwise; a
 # caught-up stream gets nothing ahead, and is asked for what its batch needs.
