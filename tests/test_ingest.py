@@ -1,6 +1,8 @@
 """kfeed produce --from files, object stores and databases, and --resume after a kill.
 
-The S3 server is moto's, started here on loopback; the database is Debian's
+The S3 server is moto's, started here on loopback; the GCS server is
+fake-gcs-server, built once from its Go module into kfeed's cache (the
+tests of it are skipped where there is no Go toolchain); the database is Debian's
 PostgreSQL, its package unpacked once into kfeed's cache and started here
 on loopback (as ``nobody`` when the tests run as root, which PostgreSQL
 refuses). Every row must arrive once with its values; a SIGKILL in the
@@ -270,6 +272,82 @@ def test_parquet_on_s3_arrives_once_and_resumes_after_a_kill(bootstrap, make_top
     kill_then_resume(bootstrap, again,
                      ["--from", f"s3://{bucket}/train/part-*.parquet?{s3_server}"], n,
                      env=S3_ENV)
+
+
+# -- GCS (fake-gcs-server, built from its Go module) ------------------------------------
+
+FAKE_GCS = "github.com/fsouza/fake-gcs-server@v1.56.1"
+
+
+def fake_gcs_server() -> Path:
+    """The fake-gcs-server program: built once with ``go install`` into kfeed's cache."""
+    binary = cache_root() / "fake-gcs-server" / "fake-gcs-server"
+    if binary.exists():
+        return binary
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists()
+                                else None)
+    if go is None:
+        pytest.skip("no Go toolchain to build fake-gcs-server with")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    built = subprocess.run([go, "install", FAKE_GCS], capture_output=True, text=True,
+                           timeout=900, env={**os.environ, "GOBIN": str(binary.parent),
+                                             "CGO_ENABLED": "0"})
+    assert built.returncode == 0, built.stderr[-2000:]
+    return binary
+
+
+@pytest.fixture(scope="module")
+def gcs_server() -> Iterator[str]:
+    """fake-gcs-server on loopback; the query string of a gs:// URI for it."""
+    port = _free_port()
+    proc = subprocess.Popen([str(fake_gcs_server()), "-backend", "memory", "-scheme", "http",
+                             "-host", "127.0.0.1", "-port", str(port), "-log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc, "fake-gcs-server")
+        yield f"endpoint_override=127.0.0.1:{port}&scheme=http&anonymous=true"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.integration
+def test_parquet_on_gcs_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                             gcs_server) -> None:
+    import pyarrow.fs as pafs
+
+    endpoint = gcs_server.split("endpoint_override=")[1].split("&")[0]
+    fs = pafs.GcsFileSystem(anonymous=True, endpoint_override=endpoint, scheme="http",
+                            project_id="kfeed-test")
+    bucket = f"kfeed-{uuid.uuid4().hex[:8]}"
+    fs.create_dir(bucket)
+    n = 120_000
+    for i in range(0, n, 40_000):
+        pq.write_table(table(np.arange(i, i + 40_000)), f"{bucket}/train/part-{i:06d}.parquet",
+                       filesystem=fs, row_group_size=2500)
+    pq.write_table(table(np.arange(3)), f"{bucket}/other/x.parquet", filesystem=fs)
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                     f"gs://{bucket}/train?{gcs_server}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+    again = make_topic(partitions=3)
+    kill_then_resume(bootstrap, again,
+                     ["--from", f"gs://{bucket}/train/part-*.parquet?{gcs_server}"], n)
+
+
+def test_gcs_uri_mistakes_get_one_clear_line(tmp_path) -> None:
+    closed = "127.0.0.1:9"  # nothing is sent: the URI is refused first
+    for uri, line in [
+        ("gs://b/x.parquet?anonymous=maybe", "anonymous='maybe': say true or false"),
+        ("gs://b/x.parquet?anonymous=true&region=eu", "unknown option 'region' for gs://"),
+        ("gs://b/x.parquet?anonymous=true&retry_limit_seconds=soon", "is not a number"),
+    ]:
+        done = kfeed_cli(closed, "produce", "--topic", "t", "--from", uri, timeout=60)
+        assert done.returncode == 2, (uri, done.stdout, done.stderr)
+        assert line in done.stderr, (uri, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 # -- PostgreSQL (Debian's package) ----------------------------------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,47 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
     return suffix in DATASET_FORMATS
 
 
+# The options of a gs:// URI, as pyarrow's GcsFileSystem takes them, and anonymous.
+_GCS_OPTIONS = {"endpoint_override": str, "scheme": str, "retry_limit_seconds": float,
+                "project_id": str}
+
+
+def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
+    """pyarrow's file system for the URI ``base?query``, and the path in it.
+
+    pyarrow reads a URI's options from its query. For ``gs://`` kfeed also
+    takes ``anonymous=true`` (pyarrow's GCS URIs have no such option): a
+    public bucket, or a GCS emulator, read without Google credentials, which
+    pyarrow otherwise looks for (and on a machine without them, asks the
+    cloud metadata server for).
+    """
+    import datetime
+
+    import pyarrow.fs as pafs
+
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    if not base.startswith("gs://") or "anonymous" not in params:
+        return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
+    flag = params.pop("anonymous")[-1].lower()
+    if flag not in ("true", "false"):
+        raise ConfigError(f"--from {base}: anonymous={flag!r}: say true or false")
+    options: dict[str, Any] = {}
+    for key, values in params.items():
+        kind = _GCS_OPTIONS.get(key)
+        if kind is None:
+            raise ConfigError(f"--from {base}: unknown option {key!r} for gs://; known: "
+                              f"anonymous, {', '.join(_GCS_OPTIONS)}")
+        try:
+            options[key] = kind(values[-1])
+        except ValueError:
+            raise ConfigError(f"--from {base}: {key}={values[-1]!r} is not a number") from None
+    if "retry_limit_seconds" in options:
+        options["retry_time_limit"] = datetime.timedelta(
+            seconds=options.pop("retry_limit_seconds"))
+    path = base[len("gs://"):]
+    return pafs.GcsFileSystem(anonymous=flag == "true", **options), path
+
+
 class Rows:
     """A source's rows, a ``pyarrow.RecordBatch`` at a time, always in the same order.
 
@@ -385,7 +427,7 @@ class DatasetRows(Rows):
         remote = "://" in base
         try:
             if remote:
-                fs, path = pafs.FileSystem.from_uri(f"{base}?{params}" if params else base)
+                fs, path = remote_filesystem(base, params)
             else:
                 fs, path = pafs.LocalFileSystem(), os.path.abspath(base)
             info = fs.get_file_info(path)
@@ -397,6 +439,8 @@ class DatasetRows(Rows):
                                and not Path(f.path).name.startswith(("_", ".")))
             else:
                 raise ConfigError(f"--from {source}: no such file or directory: check the path")
+        except ConfigError:
+            raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise ConfigError(f"--from {source}: cannot open it ({_first_line(e)}): check the "
                               f"address, and for object stores the endpoint, region and "
