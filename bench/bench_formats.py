@@ -31,8 +31,8 @@ decoded by ``AvroDecoder.decode_into`` against ``memcpy`` of the same bytes
 framed, through ``decode_documents`` against a fastavro or
 ``ParseFromString`` loop into one flat array and lengths (tokens/s).
 
-``--formats jagged`` (no broker): Avro events whose array is read as a
-fixed shape against the same array read as a jagged field, through the
+``--formats jagged`` (no broker): Avro and JSON events whose array is read
+as a fixed shape against the same array read as a jagged field, through the
 loader from memory (records/s).
 
 ``--formats pbmemory`` (no broker): the Protobuf workloads through the
@@ -567,9 +567,10 @@ def documents_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
     return best
 
 
-def jagged_micro(registry: Any, repeat: int) -> dict[str, float]:
-    """Avro events with a 20-long array, through the loader from memory, records/s: the
-    array as a fixed shape against the same array as a jagged field (elements, offsets)."""
+def jagged_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
+    """Events with a 20-long array, as Avro and as JSON, through the loader from memory,
+    records/s: the array as a fixed shape against the same array as a jagged field
+    (elements, offsets)."""
     from kfeed.loader import memory_loader
 
     writer = {"type": "record", "name": "View", "fields": [
@@ -579,24 +580,27 @@ def jagged_micro(registry: Any, repeat: int) -> dict[str, float]:
     ser = AvroSerializer(registry, json.dumps(writer))
     ctx = SerializationContext("views", MessageField.VALUE)
     rng = np.random.default_rng(0)
-    vals = [ser({"id": i, "features": rng.standard_normal(16).tolist(),
-                 "recent": rng.integers(0, 10**9, 20).tolist()}, ctx) for i in range(50_000)]
+    events = [{"id": i, "features": rng.standard_normal(16).tolist(),
+               "recent": rng.integers(0, 10**9, 20).tolist()} for i in range(50_000)]
+    inputs = {"Avro": ([ser(e, ctx) for e in events], kfeed.Avro(registry=registry)),
+              "JSON": ([json.dumps(e).encode() for e in events], kfeed.Json())}
     schemas = {
         "fixed shape (20,)": kfeed.Schema({"id": ("int64", ()), "features": ("float32", (16,)),
                                            "recent": ("int64", (20,))}),
         "jagged (None,)": kfeed.Schema({"id": ("int64", ()), "features": ("float32", (16,)),
                                         "recent": ("int64", (None,))}),
     }
-    best = dict.fromkeys(schemas, 0.0)
+    best = {fmt: dict.fromkeys(schemas, 0.0) for fmt in inputs}
     for _ in range(repeat):
-        for name, schema in schemas.items():
-            t = time.perf_counter()
-            n = 0
-            with memory_loader(vals, schema, 256, device="cpu", until="end",
-                               format=kfeed.Avro(registry=registry)) as loader:
-                for batch in loader:
-                    n += batch.size
-            best[name] = max(best[name], n / (time.perf_counter() - t))
+        for fmt, (vals, record_format) in inputs.items():
+            for name, schema in schemas.items():
+                t = time.perf_counter()
+                n = 0
+                with memory_loader(vals, schema, 256, device="cpu", until="end",
+                                   format=record_format) as loader:
+                    for batch in loader:
+                        n += batch.size
+                best[fmt][name] = max(best[fmt][name], n / (time.perf_counter() - t))
     return best
 
 
@@ -678,12 +682,13 @@ def main() -> None:
                 print(f"| {name} | {rate:,.0f}{ratio} |")
         formats.remove("pbmemory")
     if "jagged" in formats:
-        best = jagged_micro(registry, args.repeat)
-        print(f"\nAvro events (id, 16 floats, 20 longs) through the loader from memory, "
-              f"records/s, best of {args.repeat}:")
-        for name, rate in best.items():
-            print(f"| {name} | {rate:,.0f} |")
-        print(f"| jagged / fixed | {best['jagged (None,)'] / best['fixed shape (20,)']:.2f}x |")
+        for fmt, best in jagged_micro(registry, args.repeat).items():
+            print(f"\n{fmt} events (id, 16 floats, 20 longs) through the loader from memory, "
+                  f"records/s, best of {args.repeat}:")
+            for name, rate in best.items():
+                print(f"| {name} | {rate:,.0f} |")
+            print(f"| jagged / fixed | "
+                  f"{best['jagged (None,)'] / best['fixed shape (20,)']:.2f}x |")
         formats.remove("jagged")
     if not formats:
         return

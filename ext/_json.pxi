@@ -1,11 +1,14 @@
-# JSON objects -> fixed-shape rows, included into _codec.pyx after _protobuf.pxi
-# (it shares the element stores, the error codes and ``Out``).
+# JSON objects -> fixed-shape rows and documents, included into _codec.pyx after
+# _protobuf.pxi (it shares the element stores, the error codes and ``Out``).
 #
 # ``kfeed.jsonformat`` compiles a kfeed Schema into a plan: a tree of object
 # levels, each with the keys that lead to a field. ``json_decode`` parses one
 # object per message value in one pass, without the GIL and without a Python
 # object per record: wanted values are parsed into the field's dtype where
 # they lie, everything else is skipped (strings are skipped without decoding).
+# ``json_documents`` reads the same plan with one variable-length field (an
+# array, or a string as bytes) into one growing buffer, the other fields into
+# rows, in the same one pass.
 #
 # Grammar (RFC 8259), plus what Python's json.loads also reads: NaN,
 # Infinity and -Infinity. Numbers without a fraction or exponent are
@@ -48,6 +51,8 @@ cdef struct JsPlan:
     int* ndim
     int64_t* dims            # per field, J_MAX_DIMS each
     const uint8_t** default
+    Py_ssize_t varfield      # the variable-length field (a document), -1: none
+    Py_ssize_t var_default   # its default's elements (when default[varfield])
 
 
 cdef struct JsCur:
@@ -56,10 +61,23 @@ cdef struct JsCur:
     const JsPlan* plan
     uint8_t** row
     uint8_t* written
+    JtCur* doc               # the document being read (plans with a varfield)
     int depth
     Py_ssize_t err_node
     Py_ssize_t err_field
     int64_t err_value
+
+
+# A record's variable-length field: its elements go to the end of one buffer
+# that grows, from ``start`` (where this record's document starts).
+cdef struct JtCur:
+    int code
+    int size
+    uint8_t* buf                 # the documents so far, ``len`` elements
+    Py_ssize_t cap
+    Py_ssize_t len
+    Py_ssize_t start
+    bint found
 
 
 cdef class JsonPlan:
@@ -69,6 +87,9 @@ cdef class JsonPlan:
     n), node 0 the top object; ``keys`` rows (node, offset, length) into
     ``names`` (UTF-8 key bytes, each object's keys in any order); per field
     its code, shape and default row. ``notes`` names each node for errors.
+    ``varfield``: the variable-length field (its shape ``()``, its default a
+    document of any length), or -1; an object node that leads to it has it
+    as its field, so that a repeated key drops what an earlier one gave.
     """
 
     cdef JsPlan p
@@ -78,7 +99,7 @@ cdef class JsonPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[:, ::1] keys,
-                  bytes names, codes, shapes, defaults, notes):
+                  bytes names, codes, shapes, defaults, notes, Py_ssize_t varfield=-1):
         cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = keys.shape[0]
         cdef JsNode* nd
         if nodes.shape[1] != 5 or keys.shape[1] != 3 or nn == 0:
@@ -105,7 +126,16 @@ cdef class JsonPlan:
                 and self.p.codes and self.p.nelem and self.p.ndim and self.p.dims
                 and self.p.default):
             raise MemoryError()
-        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default, -1)
+        if not -1 <= varfield < layout.nfields:
+            raise ValueError(f"field {varfield} is not in the layout")
+        self.p.varfield = varfield
+        plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default, varfield)
+        self.p.var_default = 0
+        if varfield >= 0:
+            if self.p.nelem[varfield] != 1:
+                raise ValueError(f"field {varfield}: a document's row is one element")
+            if defaults[varfield] is not None:
+                self.p.var_default = len(defaults[varfield]) // code_size(self.p.codes[varfield])
         for f in range(layout.nfields):
             shape = tuple(shapes[f])
             if len(shape) > J_MAX_DIMS:
@@ -131,7 +161,8 @@ cdef class JsonPlan:
             if nd.kind == J_FIELD:
                 if not 0 <= nd.field < layout.nfields or nd.code != self.p.codes[nd.field]:
                     raise ValueError(f"node {i}: its field or code is not the layout's")
-            elif nd.kind != J_OBJECT or nd.first < 0 or nd.n < 0 or nd.first + nd.n > nk:
+            elif nd.kind != J_OBJECT or nd.first < 0 or nd.n < 0 or nd.first + nd.n > nk \
+                    or not (nd.field == -1 or nd.field == varfield >= 0):
                 raise ValueError(f"node {i}: a bad object node")
 
     def __dealloc__(self):
@@ -573,9 +604,14 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
         c.p += 1
         if match < 0:
             r = js_skip(c)
+        elif c.plan.nodes[match].kind == J_FIELD and c.plan.nodes[match].field == c.plan.varfield:
+            r = jt_array(c, c.doc)
         elif c.plan.nodes[match].kind == J_FIELD:
             r = js_field(c, match, c.plan.nodes[match].field, 0, 0)
         else:
+            if c.plan.nodes[match].field == c.plan.varfield >= 0:
+                # A repeated key: the last one wins, as json.loads reads it.
+                c.doc.len, c.doc.found = c.doc.start, False
             js_ws(c)
             if c.p < c.end and c.p[0] == 0x7B:
                 r = js_object(c, match)
@@ -614,8 +650,12 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     c.err_field = -1
     c.err_value = 0
     for f in range(plan.nfields):
-        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
         c.written[f] = 0
+        if f == plan.varfield:
+            c.row[f] = NULL  # its elements go to c.doc
+            c.doc.start, c.doc.len, c.doc.found = c.doc.len, c.doc.len, False
+            continue
+        c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
@@ -629,7 +669,18 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
         c.err_value = c.end - c.p
         return A_TRAILING
     for f in range(plan.nfields):
-        if not c.written[f]:
+        if f == plan.varfield:
+            if c.doc.found:
+                continue
+            if plan.default[f] == NULL:
+                c.err_field = f
+                return A_MISSING
+            if jt_room(c.doc, plan.var_default):
+                return A_MEMORY
+            memcpy(c.doc.buf + c.doc.len * c.doc.size, plan.default[f],
+                   plan.var_default * c.doc.size)
+            c.doc.len += plan.var_default
+        elif not c.written[f]:
             if plan.default[f] == NULL:
                 c.err_field = f
                 return A_MISSING
@@ -649,6 +700,8 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
         raise ValueError(f"row {row} is past the end of the output ({out.capacity} rows)")
     if plan.nfields != layout.nfields:
         raise ValueError("the plan was made for another layout")
+    if plan.p.varfield >= 0:
+        raise ValueError("a plan with a variable-length field reads documents: json_documents")
     cdef _Values vals = _Values(values)
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0, skip
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
@@ -660,7 +713,7 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
     if not (bad and rowp and written):
         free(bad); free(rowp); free(written)
         raise MemoryError()
-    c.row, c.written = rowp, written
+    c.row, c.written, c.doc = rowp, written, NULL
     try:
         with nogil:
             while i < n and out_row < out.capacity:
@@ -730,24 +783,22 @@ cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
     return f"error {err}{where}"
 
 
-# -- documents: one variable-length array of numbers per object ---------------------
+# -- documents: one variable-length field per object ------------------------------
 #
-# ``json_documents`` reads, from each object, the array at one path of keys
-# (a token field, for ``pack=``) into one growing flat buffer, everything
-# else skipped. The same grammar and the same conversions as ``json_decode``;
-# a repeated key: the last one wins. A bad object adds nothing.
+# ``json_documents`` reads, from each object, the plan's variable-length field
+# (an array of numbers, or a string as bytes) into one growing flat buffer,
+# and the plan's other fields into rows, as ``json_decode`` reads them. A
+# repeated key: the last one wins. A bad object adds nothing.
 
-cdef struct JtCur:
-    const uint8_t* const* keys   # the path, one key per level
-    const Py_ssize_t* key_len
-    int nkeys
-    int code
-    int size
-    uint8_t* buf                 # the documents so far, ``len`` elements
-    Py_ssize_t cap
-    Py_ssize_t len
-    Py_ssize_t start             # where this object's document starts
-    bint found
+cdef int jt_room(JtCur* t, Py_ssize_t more) noexcept nogil:
+    """Room for ``more`` elements after ``t.len``."""
+    cdef uint8_t* grown
+    if t.len + more > t.cap:
+        grown = <uint8_t*>realloc(t.buf, (t.len + more + t.cap) * t.size)
+        if grown == NULL:
+            return A_MEMORY
+        t.buf, t.cap = grown, t.len + more + t.cap
+    return A_OK
 
 
 cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
@@ -772,11 +823,8 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         r = js_string(c, &s, &n, &esc)
         if r:
             return r
-        if t.len + n + 4 > t.cap:
-            grown = <uint8_t*>realloc(t.buf, t.len + n + 4 + t.cap)
-            if grown == NULL:
-                return A_MEMORY
-            t.buf, t.cap = grown, t.len + n + 4 + t.cap
+        if jt_room(t, n + 4):
+            return A_MEMORY
         if esc:
             m = js_unescape(s, n, t.buf + t.len, t.cap - t.len)
             if m < 0:
@@ -841,119 +889,53 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         return A_JSON
 
 
-cdef int jt_object(JsCur* c, JtCur* t, int level) noexcept nogil:
-    """The object at ``c.p`` (its ``{``): the path's key at ``level`` read, the rest skipped."""
-    cdef const uint8_t* key
-    cdef Py_ssize_t n
-    cdef bint esc, match
-    cdef int r
-    cdef uint8_t kbuf[256]
-    c.depth += 1
-    if c.depth > J_MAX_DEPTH:
-        return A_DEPTH
-    c.p += 1
-    js_ws(c)
-    if c.p < c.end and c.p[0] == 0x7D:
-        c.p += 1
-        c.depth -= 1
-        return A_OK
-    while True:
-        js_ws(c)
-        if c.p >= c.end:
-            return A_TRUNCATED
-        if c.p[0] != 0x22:
-            return A_JSON
-        r = js_string(c, &key, &n, &esc)
-        if r:
-            return r
-        if esc:
-            n = js_unescape(key, n, kbuf, 256)
-            key = kbuf
-        match = n >= 0 and n == t.key_len[level] and memcmp(key, t.keys[level], n) == 0
-        js_ws(c)
-        if c.p >= c.end:
-            return A_TRUNCATED
-        if c.p[0] != 0x3A:
-            return A_JSON
-        c.p += 1
-        if not match:
-            r = js_skip(c)
-        elif level == t.nkeys - 1:
-            r = jt_array(c, t)
-        else:
-            # A repeated key: the last one wins, as json.loads reads it.
-            t.len, t.found = t.start, False
-            js_ws(c)
-            if c.p < c.end and c.p[0] == 0x7B:
-                r = jt_object(c, t, level + 1)
-            elif js_lit(c, "null", 4):
-                r = A_OK  # the document stays missing
-            else:
-                r = js_skip(c)
-                if r == A_OK:
-                    r = A_OBJECT
-        if r:
-            if match:
-                c.err_node = level
-            return r
-        js_ws(c)
-        if c.p >= c.end:
-            return A_TRUNCATED
-        if c.p[0] == 0x2C:
-            c.p += 1
-            continue
-        if c.p[0] == 0x7D:
-            c.p += 1
-            c.depth -= 1
-            return A_OK
-        return A_JSON
+def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
+    """The variable-length field of each JSON object in ``values``, flat; the others in rows.
 
-
-def json_documents(values, list keys, int code, bytes default=None):
-    """The array at the path ``keys`` of each JSON object in ``values``, flat.
-
+    ``plan`` has a variable-length field (``JsonPlan(varfield=)``); the other
+    fields of each good value go into ``out``, one row per good value from
+    row 0 (needed when there are other fields; ``len(values)`` rows). A
+    value starting with a zero byte has the Confluent framing, skipped.
     Returns ``(tokens, lengths, counts, bad)``: the documents' elements as
-    bytes (element code ``code``), one length per document, one count per
-    value (1, or 0 for a bad one) and ``(index, reason)`` per bad value. A
-    value starting with a zero byte has the Confluent framing, skipped. An
-    array missing or null takes ``default`` (elements of ``code``), or makes
-    the value bad.
+    bytes, one length per good value, one count per value (1, or 0 for a bad
+    one) and ``(index, reason)`` per bad value.
     """
-    if not keys or not C_BOOL <= code < C_CODES:
-        raise ValueError("a path of at least one key, and an element code")
-    if default is not None and len(default) % code_size(code):
-        raise ValueError("a default must be bytes of whole elements")
-    cdef const uint8_t* dflt = NULL if default is None else <const uint8_t*>PyBytes_AS_STRING(default)
-    cdef Py_ssize_t dlen = 0 if default is None else len(default) // code_size(code)
-    cdef uint8_t* grown
+    if plan.nfields != layout.nfields or plan.p.varfield < 0:
+        raise ValueError("the plan was made for another layout, or reads no document")
     cdef _Values vals = _Values(values)
+    if out is not None:
+        out.fits(layout)
+        if out.capacity < vals.n:
+            raise ValueError(f"out holds {out.capacity} rows, {vals.n} values were given")
+    elif layout.nfields != 1:
+        raise ValueError("the fields beside the document need out=")
     cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, skip, k
-    cdef int nk = len(keys), r = A_OK
-    cdef tuple held = tuple(bytes(x) for x in keys)
-    cdef const uint8_t** kp = <const uint8_t**>calloc(nk, sizeof(uint8_t*))
-    cdef Py_ssize_t* kl = <Py_ssize_t*>calloc(nk, sizeof(Py_ssize_t))
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
+    cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+    cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
     lengths = np.zeros(n, np.int64)
     counts = np.zeros(n, np.int64)
     cdef int64_t[::1] lens = lengths, cnts = counts
+    cdef uint64_t row = 0
+    cdef int r = A_OK
     cdef JsCur c
     cdef JtCur t
     t.buf = NULL
     try:
-        if not (kp and kl and bad):
+        if not (bad and rowp and written):
             raise MemoryError()
-        for k in range(nk):
-            kp[k] = <const uint8_t*>PyBytes_AS_STRING(held[k])
-            kl[k] = len(held[k])
-        t.keys, t.key_len, t.nkeys, t.code, t.size = kp, kl, nk, code, code_size(code)
+        t.code = plan.p.codes[plan.p.varfield]
+        t.size = code_size(t.code)
         t.cap, t.len = 1024, 0
         t.buf = <uint8_t*>malloc(t.cap * t.size)
         if t.buf == NULL:
             raise MemoryError()
+        c.row, c.written, c.doc = rowp, written, &t
         with nogil:
             for i in range(n):
-                c.err_node, c.err_field, c.err_value, c.depth = -1, -1, 0, 0
-                t.start, t.found = t.len, False
+                c.err_node, c.err_field, c.err_value = -1, -1, 0
+                t.start = t.len
                 if vals.size[i] < 0:
                     r = A_VALUE
                     c.err_value = -vals.size[i]
@@ -961,51 +943,27 @@ def json_documents(values, list keys, int code, bytes default=None):
                     r = A_FRAME
                 else:
                     skip = 5 if vals.size[i] > 0 and vals.ptr[i][0] == 0 else 0
-                    c.p, c.end = vals.ptr[i] + skip, vals.ptr[i] + vals.size[i]
-                    js_ws(&c)
-                    if c.p >= c.end:
-                        r = A_TRUNCATED
-                    elif c.p[0] != 0x7B:
-                        r = A_JSON
-                    else:
-                        r = jt_object(&c, &t, 0)
-                        if r == A_OK:
-                            js_ws(&c)
-                            if c.p != c.end:
-                                c.err_value = c.end - c.p
-                                r = A_TRAILING
-                            elif not t.found and dflt == NULL:
-                                r = A_MISSING
-                            elif not t.found:
-                                if t.len + dlen > t.cap:
-                                    grown = <uint8_t*>realloc(t.buf, (t.len + dlen + t.cap)
-                                                              * t.size)
-                                    if grown == NULL:
-                                        r = A_MEMORY
-                                    else:
-                                        t.buf, t.cap = grown, t.len + dlen + t.cap
-                                if r == A_OK:
-                                    memcpy(t.buf + t.len * t.size, dflt, dlen * t.size)
-                                    t.len += dlen
+                    r = js_record(&c, &plan.p, vals.ptr[i] + skip, vals.ptr[i] + vals.size[i],
+                                  dst, row)
                 if r == A_MEMORY:
-                    break
+                    break  # not the value's fault: raised below, nothing rejected
                 if r == A_OK:
                     lens[i] = t.len - t.start
                     cnts[i] = 1
+                    row += 1
                 else:
                     t.len = t.start
                     bad[nbad].index, bad[nbad].err = i, r
-                    bad[nbad].node, bad[nbad].value = c.err_node, c.err_value
+                    bad[nbad].node, bad[nbad].field = c.err_node, c.err_field
+                    bad[nbad].value = c.err_value
                     nbad += 1
         if r == A_MEMORY:
             raise MemoryError("no memory to grow a document")
-        path = ".".join(x.decode(errors="replace") for x in held)
         rejected = []
         for k in range(nbad):
-            where = f" at {path}" if bad[k].node >= 0 else ""
-            rejected.append((bad[k].index, _json_error(bad[k], where, f"{path}: missing or null",
-                                                       vals.size[bad[k].index])))
+            idx = bad[k].index
+            rejected.append((idx, _json_reason(layout, plan, bad[k], vals.size[idx])))
         tokens = PyBytes_FromStringAndSize(<char*>t.buf, t.len * t.size)
         return tokens, lengths[counts > 0], counts, rejected
     finally:
-        free(kp); free(kl); free(bad); free(t.buf)
+        free(bad); free(rowp); free(written); free(t.buf)

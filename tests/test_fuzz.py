@@ -1538,9 +1538,11 @@ TOKENS_AT = Schema({"tokens": ("int16", (None,), {"source": "doc.ids"})})
 
 def json_document(i: int) -> bytes:
     doc = {"id": i, "doc": {"ids": [(i * 7919 + k) % 40000 - 20000 for k in range(i % 40)],
-                            "text": "q\"" * (i % 3)}, "z": [None, {"ids": 1}]}
+                            "text": "q\"" * (i % 3), "age": i % 300}, "z": [None, {"ids": 1}]}
     if i % 5 == 0:
         doc["doc"]["ids"].append(2**20)  # does not fit int16: a bad record
+    if i % 7 == 3:
+        doc["doc"]["ids"] = None  # the default, or a bad record
     return json.dumps(doc).encode()
 
 
@@ -1577,6 +1579,69 @@ def json_ids(raw: bytes) -> list | None:
 
 def check_json_documents(oracle: list[bytes], at_end: list[bool]) -> None:
     check_format_documents(kfeed.Json().decoder(TOKENS_AT), oracle, at_end, json_ids)
+
+
+# A jagged field beside fixed ones, read in the same pass (defaults for both kinds).
+JAGGED_AT = Schema({"id": ("int64", ()),
+                    "ids": ("int16", (None,), {"source": "doc.ids", "default": [7, 7]}),
+                    "age": ("uint8", (), {"source": "doc.age", "default": 9})})
+
+
+def check_json_jagged(oracle: list[bytes], at_end: list[bool]) -> None:
+    """Documents and rows of ``oracle``'s values (guard pages), each against json.loads."""
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
+    docs = kfeed.Json().decoder(JAGGED_AT).decode_documents(values)
+    assert len(docs.counts) == len(values) and docs.lengths.sum() == len(docs.tokens)
+    bad = {i for i, _ in docs.bad}
+    assert {i for i, c in enumerate(docs.counts) if c == 0} == bad
+    good = [i for i in range(len(values)) if i not in bad]
+    assert all(len(docs.columns[k]) == len(good) for k in ("id", "age"))
+    start = 0
+    for row, i in enumerate(good):
+        n = docs.lengths[row]
+        try:
+            record = json.loads(oracle[i])
+        except ValueError:
+            record = None  # json.loads refuses a string kfeed skipped (a raw control character)
+        if record is not None:
+            doc = record.get("doc") or {}
+            ids = [7, 7] if doc.get("ids") is None else doc["ids"]
+            np.testing.assert_array_equal(docs.tokens[start:start + n], np.array(ids, np.int16))
+            assert docs.columns["id"][row] == record["id"]
+            assert docs.columns["age"][row] == (9 if doc.get("age") is None else doc["age"])
+        start += n
+
+
+@PROPERTY
+@given(data=st.data())
+def test_json_jagged_fields_read_as_json_loads_reads_them(data):
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        raw = bytearray(json_document(data.draw(st.integers(0, 2**20))))
+        oracle.append(bytes(damage(data, raw, JSON_FLIPS, JSON_INSERTS)))
+        at_end.append(data.draw(st.booleans()))
+    check_json_jagged(oracle, at_end)
+
+
+def test_json_jagged_repeated_keys_null_and_missing_read_as_json_loads_reads_them():
+    values = [b'{"id": 1, "doc": {"ids": [1, 2], "ids": [3]}}',
+              b'{"id": 2, "doc": {"ids": [1, 2]}, "doc": {"age": 4}}',
+              b'{"id": 3, "doc": null}',
+              b'{"id": 4, "doc": {"ids": null, "age": null}}',
+              b'{"id": 5}',
+              b'{"doc": {"ids": [5]}}',
+              b'{"id": 6, "doc": {"ids": [40000]}}',
+              b'{"id": 7, "doc": {"ids": [], "age": 300}}',
+              b'{"id": 8, "doc": {"ids": "ab"}}']
+    check_json_jagged(values, [True] * len(values))
+    docs = kfeed.Json().decoder(JAGGED_AT).decode_documents(values)
+    assert docs.columns["id"].tolist() == [1, 2, 3, 4, 5]
+    assert docs.lengths.tolist() == [1, 2, 2, 2, 2] and docs.tokens.tolist()[:3] == [3, 7, 7]
+    assert dict(docs.bad) == {
+        5: "field 'id': missing or null, and no default",
+        6: "a number that does not fit the field's dtype at doc.ids",
+        7: "a number that does not fit the field's dtype at doc.age",
+        8: "a value of another kind than the field's at doc.ids"}
 
 
 TEXT_AT = Schema({"text": ("uint8", (None,), {"source": "doc.text"})})
@@ -1719,7 +1784,7 @@ def test_a_sint32_varint_past_32_bits_reads_as_protobuf_reads_it():
 
 def fuzz_record_format(fdp) -> None:
     """The rest of an atheris input -> one Avro, Protobuf or JSON decode, checked as above."""
-    which = fdp.ConsumeIntInRange(0, 5)
+    which = fdp.ConsumeIntInRange(0, 6)
     if which == 1:
         event = _event_class()
     if which == 5:
@@ -1729,9 +1794,9 @@ def fuzz_record_format(fdp) -> None:
         i = fdp.ConsumeIntInRange(0, 2**40)
         raw = bytearray(avro_value(i) if which == 0 else protobuf_value(event, i) if which == 1
                         else json_value(i - 2**39) if which == 2 else json_document(i)
-                        if which == 3 else avro_document(i) if which == 4
+                        if which in (3, 6) else avro_document(i) if which == 4
                         else protobuf_document(doc, i))
-        text = which in (2, 3)
+        text = which in (2, 3, 6)
         flips, inserts = (JSON_FLIPS, JSON_INSERTS) if text else (list(range(256)), VARINTS)
         for _ in range(fdp.ConsumeIntInRange(0, 3)):  # as records.damage does
             how = fdp.ConsumeIntInRange(0, 3)
@@ -1758,8 +1823,10 @@ def fuzz_record_format(fdp) -> None:
         check_json_documents(oracle, at_end)
     elif which == 4:
         check_avro_documents(oracle, at_end)
-    else:
+    elif which == 5:
         check_protobuf_documents(doc, oracle, at_end)
+    else:
+        check_json_jagged(oracle, at_end)
 
 
 def _fuzz_main(argv: list[str]) -> None:

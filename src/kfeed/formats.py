@@ -144,56 +144,6 @@ class PlanDecoder(Decoder):
         return _codec.Out(self.layout, bufs), bufs
 
 
-class JaggedDecoder(Decoder):
-    """Fixed fields and one variable-length field of JSON, for jagged batches.
-
-    Two passes over each fetch: the row decoder reads the fixed fields, the
-    document decoder the variable-length one; a value bad in either is bad
-    (the first reason found), and only values good in both give a record.
-    (Avro and Protobuf read both in one pass: ``PlanDecoder.decode_documents``.)
-    """
-
-    def __init__(self, fmt: RecordFormat, schema: Schema) -> None:
-        var = schema.varlen
-        assert var is not None
-        spec = schema.to_dict()
-        self.schema = schema
-        self.fixed = Schema({f.name: spec[f.name] for f in schema.fields if f is not var})
-        self.rows = fmt.decoder(self.fixed)
-        self.docs = fmt.decoder(Schema({var.name: spec[var.name]}))
-
-    @staticmethod
-    def wanted(schema: Schema) -> bool:
-        """Whether ``schema`` needs one: a variable-length field beside fixed ones."""
-        return schema.varlen is not None and len(schema.fields) > 1
-
-    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
-        assert self.schema.varlen is not None
-        raise ConfigError(f"field {self.schema.varlen.name!r} is variable-length: the loader "
-                          f"reads it as a jagged field, or with pack=kfeed.Pack(...)")
-
-    def decode_documents(self, values: Sequence[Any]) -> Documents:
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        n = len(values)
-        docs = self.docs.decode_documents(values)
-        out = self.fixed.empty(n)
-        res = self.rows.decode_into(values, self.fixed.bind(out), 0)
-        assert res.consumed == n
-        good_rows = np.ones(n, np.bool_)
-        reasons = dict(res.bad)
-        good_rows[list(reasons)] = False
-        good_docs = docs.counts > 0
-        both = good_rows & good_docs
-        keep_docs = both[good_docs]
-        tokens = docs.tokens[np.repeat(keep_docs, docs.lengths)] if not keep_docs.all() \
-            else docs.tokens
-        reasons.update((i, why) for i, why in docs.bad if i not in reasons)
-        columns = {name: a[:res.rows][both[good_rows]] for name, a in out.items()}
-        return Documents(tokens, docs.lengths[keep_docs], both.astype(np.int64),
-                         sorted(reasons.items()), columns)
-
-
 def fetch_schema(client: Any, schema_id: int, fmt: str | None = None) -> Any:
     """The registered schema of ``schema_id`` (None: the registry has no such id)."""
     log.info("fetching the writer schema of id %d from the registry", schema_id)

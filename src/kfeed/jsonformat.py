@@ -6,7 +6,8 @@ is compiled once into a ``_codec.JsonPlan``: the keys, level by level, that
 lead to its fields. ``JsonDecoder.decode_into`` parses a fetch of values in
 one Cython pass into the pool slot (no GIL, no Python object per record):
 values the schema wants are parsed into the field's dtype where they lie,
-the rest skipped.
+the rest skipped. With a variable-length field, ``decode_documents`` reads
+it into one growing buffer and the other fields into rows, in the same pass.
 
 Fields map to keys by name, or by a dotted ``source`` through nested objects.
 Values convert as numpy's ``same_kind`` casting allows, from what
@@ -32,14 +33,14 @@ from kfeed.errors import ConfigError
 from kfeed.formats import (
     Decoder,
     Encoder,
-    JaggedDecoder,
+    PlanDecoder,
     RecordFormat,
     codes,
     defaults,
     fixed_layout,
-    one_field,
+    plan_layout,
 )
-from kfeed.schema import DecodeResult, Documents, Schema, Target
+from kfeed.schema import Schema
 
 __all__ = ["Json", "JsonDecoder"]
 
@@ -47,16 +48,15 @@ __all__ = ["Json", "JsonDecoder"]
 class Json(RecordFormat):
     """Message values that are JSON objects: ``Loader(..., format=kfeed.Json())`` (or "json").
 
-    With ``pack=``, the schema's one field is variable-length: an array of
-    numbers (token ids) in each object, at the field's path.
+    A variable-length field (an array of numbers, or a string as bytes) is
+    read beside the others in the same pass: a jagged field, or token ids
+    for ``pack=``.
     """
 
     value = "json"
     documents = True
 
     def decoder(self, schema: Schema) -> Decoder:
-        if JaggedDecoder.wanted(schema):
-            return JaggedDecoder(self, schema)
         return JsonDecoder(schema)
 
     def encoder(self, schema: Schema, topic: str) -> Encoder:
@@ -105,40 +105,27 @@ class _JsonEncoder(Encoder):
         return self.fmt.encode(self.schema, columns)
 
 
-class JsonDecoder(Decoder):
-    """One kfeed Schema's reader of JSON objects: rows, or (a token field) documents."""
+class JsonDecoder(PlanDecoder):
+    """One kfeed Schema's reader of JSON objects: rows, or documents beside rows.
+
+    One plan for every value (the JSON Schema of a framed value is not
+    consulted), so the codec never asks for another.
+    """
+
+    what = "JSON"
 
     def __init__(self, schema: Schema) -> None:
-        self.schema = schema
-        self.varlen = schema.varlen
-        if self.varlen is not None:
-            one_field(schema, "JSON")
-            self.path = [key.encode() for key in self.varlen.path]
-            self.code = codes(schema)[0]
-            self.default = defaults(schema)[0]
-            return
-        self.layout = fixed_layout(schema, "JSON")
-        self.plan = compile_plan(schema)
+        super().__init__(schema, False, compile_plan(schema), _decode, _documents)
 
-    def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
-        """Decode values into ``out`` from ``row`` on: one row per good value."""
-        if self.varlen is not None:
-            raise ConfigError(f"field {self.varlen.name!r} is variable-length: read it with "
-                              f"pack=kfeed.Pack(...)")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        rows, consumed, bad = _codec.json_decode(self.layout, self.plan, values, out.out, row)
-        return DecodeResult(rows, consumed, bad)
 
-    def decode_documents(self, values: Sequence[Any]) -> Documents:
-        """Each object's array at the token field's path, flat; a bad object gives none."""
-        if self.varlen is None:
-            raise ConfigError("decode_documents needs a schema with a variable-length field")
-        if not isinstance(values, (list, tuple)):
-            values = list(values)
-        tokens, lengths, counts, bad = _codec.json_documents(values, self.path, self.code,
-                                                             self.default)
-        return Documents(np.frombuffer(tokens, self.varlen.storage), lengths, counts, bad, {})
+def _decode(layout: Any, plan: Any, values: Sequence[Any], out: Any, row: int,
+            framed: bool) -> tuple[int, int, list[tuple[int, str]], None]:
+    return (*_codec.json_decode(layout, plan, values, out, row), None)
+
+
+def _documents(layout: Any, plan: Any, values: Sequence[Any], framed: bool, code: int,
+               out: Any) -> tuple[bytes, Any, Any, list[tuple[int, str]], None]:
+    return (*_codec.json_documents(layout, plan, values, out), None)
 
 
 def _paths(schema: Schema) -> None:
@@ -155,7 +142,9 @@ def _paths(schema: Schema) -> None:
 def compile_plan(schema: Schema) -> Any:
     """The ``_codec.JsonPlan`` of ``schema``'s fields, as paths of keys."""
     _paths(schema)
+    layout = plan_layout(schema, "JSON")
     field_codes = codes(schema)
+    var = -1 if schema.varlen is None else schema.fields.index(schema.varlen)
     nodes: list[list[int]] = []
     keys: list[tuple[int, int, int]] = []
     notes: list[str] = []
@@ -163,7 +152,7 @@ def compile_plan(schema: Schema) -> Any:
 
     def level(targets: dict[tuple[str, ...], int], path: str) -> int:
         index = len(nodes)
-        nodes.append([0, -1, 0, 0, 0])
+        nodes.append([0, var if var in targets.values() else -1, 0, 0, 0])
         notes.append(path or "the object")
         by_first: dict[str, dict[tuple[str, ...], int]] = {}
         for rest, f in targets.items():
@@ -187,6 +176,7 @@ def compile_plan(schema: Schema) -> Any:
         return index
 
     level({f.path: i for i, f in enumerate(schema.fields)}, "")
-    return _codec.JsonPlan(fixed_layout(schema, "JSON"), np.array(nodes, np.int64).reshape(-1, 5),
+    return _codec.JsonPlan(layout, np.array(nodes, np.int64).reshape(-1, 5),
                            np.array(keys, np.int64).reshape(-1, 3), bytes(names), field_codes,
-                           [f.shape for f in schema.fields], defaults(schema), notes)
+                           [() if f.variable else f.shape for f in schema.fields],
+                           defaults(schema), notes, var)
