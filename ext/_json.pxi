@@ -53,6 +53,7 @@ cdef struct JsPlan:
     const uint8_t** default
     Py_ssize_t varfield      # the variable-length field (a document), -1: none
     Py_ssize_t var_default   # its default's elements (when default[varfield])
+    uint8_t* below           # per object node, per field: whether the field lies below it
 
 
 cdef struct JsCur:
@@ -88,8 +89,7 @@ cdef class JsonPlan:
     ``names`` (UTF-8 key bytes, each object's keys in any order); per field
     its code, shape and default row. ``notes`` names each node for errors.
     ``varfield``: the variable-length field (its shape ``()``, its default a
-    document of any length), or -1; an object node that leads to it has it
-    as its field, so that a repeated key drops what an earlier one gave.
+    document of any length), or -1.
     """
 
     cdef JsPlan p
@@ -122,9 +122,10 @@ cdef class JsonPlan:
         self.p.ndim = <int*>calloc(layout.nfields, sizeof(int))
         self.p.dims = <int64_t*>calloc(layout.nfields * J_MAX_DIMS, sizeof(int64_t))
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+        self.p.below = <uint8_t*>calloc(nn * layout.nfields, 1)
         if not (self.p.nodes and self.p.key_node and self.p.key_off and self.p.key_len
                 and self.p.codes and self.p.nelem and self.p.ndim and self.p.dims
-                and self.p.default):
+                and self.p.default and self.p.below):
             raise MemoryError()
         if not -1 <= varfield < layout.nfields:
             raise ValueError(f"field {varfield} is not in the layout")
@@ -161,9 +162,25 @@ cdef class JsonPlan:
             if nd.kind == J_FIELD:
                 if not 0 <= nd.field < layout.nfields or nd.code != self.p.codes[nd.field]:
                     raise ValueError(f"node {i}: its field or code is not the layout's")
-            elif nd.kind != J_OBJECT or nd.first < 0 or nd.n < 0 or nd.first + nd.n > nk \
-                    or not (nd.field == -1 or nd.field == varfield >= 0):
+            elif nd.kind != J_OBJECT or nd.first < 0 or nd.n < 0 or nd.first + nd.n > nk:
                 raise ValueError(f"node {i}: a bad object node")
+        # Which fields lie below each object: a repeated key drops what an
+        # earlier one gave them, as json.loads keeps only the last.
+        parent = np.full(nn, -1, np.int64)
+        for i in range(nn):
+            nd = &self.p.nodes[i]
+            if nd.kind == J_OBJECT:
+                for k in range(nd.first, nd.first + nd.n):
+                    parent[self.p.key_node[k]] = i
+        for i in range(nn):
+            if self.p.nodes[i].kind != J_FIELD:
+                continue
+            f, up = self.p.nodes[i].field, parent[i]
+            for _ in range(nn):  # a malformed plan may loop: as deep as there are nodes
+                if up < 0:
+                    break
+                self.p.below[up * layout.nfields + f] = 1
+                up = parent[up]
 
     def __dealloc__(self):
         free(self.p.nodes)
@@ -175,6 +192,7 @@ cdef class JsonPlan:
         free(self.p.ndim)
         free(self.p.dims)
         free(self.p.default)
+        free(self.p.below)
 
 
 cdef inline void js_ws(JsCur* c) noexcept nogil:
@@ -561,6 +579,17 @@ cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexc
     return r
 
 
+cdef void js_forget(JsCur* c, Py_ssize_t ni) noexcept nogil:
+    """Drop what the fields below object node ``ni`` got: its key again, the last one wins."""
+    cdef Py_ssize_t f
+    cdef const uint8_t* below = c.plan.below + ni * c.plan.nfields
+    for f in range(c.plan.nfields):
+        if below[f]:
+            c.written[f] = 0
+            if f == c.plan.varfield:
+                c.doc.len, c.doc.found = c.doc.start, False
+
+
 cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
     """The object at ``c.p`` (its ``{``), reading the keys of node ``ni``."""
     cdef const JsNode* nd = &c.plan.nodes[ni]
@@ -609,9 +638,7 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
         elif c.plan.nodes[match].kind == J_FIELD:
             r = js_field(c, match, c.plan.nodes[match].field, 0, 0)
         else:
-            if c.plan.nodes[match].field == c.plan.varfield >= 0:
-                # A repeated key: the last one wins, as json.loads reads it.
-                c.doc.len, c.doc.found = c.doc.start, False
+            js_forget(c, match)
             js_ws(c)
             if c.p < c.end and c.p[0] == 0x7B:
                 r = js_object(c, match)

@@ -1632,16 +1632,24 @@ def test_json_jagged_repeated_keys_null_and_missing_read_as_json_loads_reads_the
               b'{"doc": {"ids": [5]}}',
               b'{"id": 6, "doc": {"ids": [40000]}}',
               b'{"id": 7, "doc": {"ids": [], "age": 300}}',
-              b'{"id": 8, "doc": {"ids": "ab"}}']
+              b'{"id": 8, "doc": {"ids": "ab"}}',
+              b'{"id": 9, "doc": {"age": 4}, "doc": {"ids": [1]}}']
     check_json_jagged(values, [True] * len(values))
     docs = kfeed.Json().decoder(JAGGED_AT).decode_documents(values)
-    assert docs.columns["id"].tolist() == [1, 2, 3, 4, 5]
-    assert docs.lengths.tolist() == [1, 2, 2, 2, 2] and docs.tokens.tolist()[:3] == [3, 7, 7]
+    assert docs.columns["id"].tolist() == [1, 2, 3, 4, 5, 9]
+    assert docs.columns["age"].tolist() == [9, 4, 9, 9, 9, 9]  # the last "doc" has none
+    assert docs.lengths.tolist() == [1, 2, 2, 2, 2, 1] and docs.tokens.tolist()[:3] == [3, 7, 7]
     assert dict(docs.bad) == {
         5: "field 'id': missing or null, and no default",
         6: "a number that does not fit the field's dtype at doc.ids",
         7: "a number that does not fit the field's dtype at doc.age",
         8: "a value of another kind than the field's at doc.ids"}
+    # Rows alone too: an object's key again drops what the first one gave its fields.
+    rows = [b'{"id": 1, "v": [[1, 2], [3, 4]], "ok": true, "who": {"age": 4}, "who": {}}',
+            b'{"id": 2, "v": [[1, 2], [3, 4]], "ok": true, "who": {}, "who": {"age": 5}}']
+    whole, out = sentinel_out(JSON_SCHEMA, 2)
+    res = kfeed.Json().decoder(JSON_SCHEMA).decode_into(rows, JSON_SCHEMA.bind(out), 0)
+    assert (res.rows, res.bad) == (2, []) and out["age"].tolist() == [0, 5]
 
 
 TEXT_AT = Schema({"text": ("uint8", (None,), {"source": "doc.text"})})

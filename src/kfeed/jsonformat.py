@@ -152,7 +152,7 @@ def compile_plan(schema: Schema) -> Any:
 
     def level(targets: dict[tuple[str, ...], int], path: str) -> int:
         index = len(nodes)
-        nodes.append([0, var if var in targets.values() else -1, 0, 0, 0])
+        nodes.append([0, -1, 0, 0, 0])
         notes.append(path or "the object")
         by_first: dict[str, dict[tuple[str, ...], int]] = {}
         for rest, f in targets.items():
