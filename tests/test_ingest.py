@@ -2,7 +2,9 @@
 
 The S3 server is moto's, started here on loopback; the GCS server is
 fake-gcs-server, built once from its Go module into kfeed's cache (the
-tests of it are skipped where there is no Go toolchain); the database is Debian's
+tests of it are skipped where there is no Go toolchain); HDFS is Hadoop's
+MiniDFSCluster, its jars fetched once by Maven (tests/hdfs/pom.xml), read through
+hdfs-native where pyarrow finds no libhdfs; the database is Debian's
 PostgreSQL, its package unpacked once into kfeed's cache and started here
 on loopback (as ``nobody`` when the tests run as root, which PostgreSQL
 refuses). Every row must arrive once with its values; a SIGKILL in the
@@ -348,6 +350,100 @@ def test_gcs_uri_mistakes_get_one_clear_line(tmp_path) -> None:
         assert done.returncode == 2, (uri, done.stdout, done.stderr)
         assert line in done.stderr, (uri, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# -- HDFS (Hadoop's MiniDFSCluster, from Maven) -----------------------------------------
+
+HDFS_DIR = Path(__file__).with_name("hdfs")
+
+
+def hdfs_jars() -> Path:
+    """The MiniDFSCluster's jars: copied once by Maven into kfeed's cache."""
+    libs = cache_root() / "hdfs-minicluster" / "libs"
+    if any(libs.glob("hadoop-client-minicluster-*.jar")):
+        return libs
+    if not (shutil.which("mvn") and shutil.which("java")):
+        pytest.skip("no Maven or Java to run Hadoop's MiniDFSCluster with")
+    libs.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".libs-", dir=libs.parent))
+    try:
+        done = subprocess.run(["mvn", "-B", "-q", "-f", str(HDFS_DIR / "pom.xml"),
+                               "dependency:copy-dependencies", f"-DoutputDirectory={tmp}",
+                               "-DincludeScope=runtime"],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+        tmp.rename(libs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return libs
+
+
+@pytest.fixture(scope="module")
+def hdfs_server(tmp_path_factory) -> Iterator[str]:
+    """A MiniDFSCluster (one NameNode, one DataNode) on loopback; its hdfs:// address."""
+    pytest.importorskip("hdfs_native")
+    libs = hdfs_jars()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("hdfs") / "minicluster.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["java", "-Xmx512m", "-cp", f"{libs}/*",
+                                 str(HDFS_DIR / "MiniHdfs.java"),
+                                 str(log.parent / "data"), str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "ready hdfs://" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+            assert time.monotonic() < deadline, "the MiniDFSCluster did not start in 180 s"
+            time.sleep(0.2)
+        yield f"hdfs://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.integration
+def test_parquet_on_hdfs_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                              hdfs_server) -> None:
+    import io
+
+    from hdfs_native import Client
+
+    client = Client(hdfs_server)
+    root = f"/kfeed-{uuid.uuid4().hex[:8]}"
+    n = 120_000
+    for i in range(0, n, 40_000):
+        buf = io.BytesIO()
+        pq.write_table(table(np.arange(i, i + 40_000)), buf, row_group_size=2500)
+        with client.create(f"{root}/train/part-{i:06d}.parquet") as f:
+            f.write(buf.getvalue())
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                     f"{hdfs_server}{root}/train")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+    again = make_topic(partitions=3)
+    kill_then_resume(bootstrap, again,
+                     ["--from", f"{hdfs_server}{root}/train/part-*.parquet"], n)
+
+
+def test_hdfs_without_libhdfs_says_what_to_do(monkeypatch) -> None:
+    import pyarrow.fs as pafs
+
+    from kfeed.ingest import remote_filesystem
+
+    try:
+        pafs.FileSystem.from_uri("hdfs://127.0.0.1:9/")
+    except OSError:
+        pass  # no JVM or libhdfs: what this test is about
+    else:
+        pytest.skip("pyarrow loads libhdfs here")
+    with pytest.raises(kfeed.ConfigError, match="leave the query out"):
+        remote_filesystem("hdfs://127.0.0.1:9/x.parquet", "user=a")
+    monkeypatch.setitem(sys.modules, "hdfs_native.fsspec", None)  # as if not installed
+    with pytest.raises(kfeed.ConfigError, match=r"install hdfs-native \(pip install"):
+        remote_filesystem("hdfs://127.0.0.1:9/x.parquet", "")
 
 
 # -- PostgreSQL (Debian's package) ----------------------------------------------------

@@ -364,6 +364,8 @@ def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
     import pyarrow.fs as pafs
 
     params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    if base.startswith("hdfs://"):
+        return _hdfs(base, query)
     if not base.startswith("gs://") or "anonymous" not in params:
         return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
     flag = params.pop("anonymous")[-1].lower()
@@ -384,6 +386,37 @@ def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
             seconds=options.pop("retry_limit_seconds"))
     path = base[len("gs://"):]
     return pafs.GcsFileSystem(anonymous=flag == "true", **options), path
+
+
+def _hdfs(base: str, query: str) -> tuple[Any, str]:
+    """HDFS through pyarrow's ``HadoopFileSystem`` (Hadoop's libhdfs), else hdfs-native.
+
+    pyarrow needs a JVM and libhdfs from a Hadoop installation on the
+    client; without them, the hdfs-native package (a client of HDFS's own
+    protocol, ``pip install 'kfeed[hdfs]'``) reads the same URIs through
+    pyarrow's fsspec bridge. It takes its settings from ``HADOOP_CONF_DIR``,
+    not from the URI.
+    """
+    import pyarrow.fs as pafs
+
+    try:
+        return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
+    except OSError as e:  # no JVM or no libhdfs here
+        why = _first_line(e)
+    try:
+        from hdfs_native.fsspec import HdfsFileSystem
+    except ImportError:
+        raise ConfigError(f"--from {base}: pyarrow reads hdfs:// through Hadoop's libhdfs and "
+                          f"cannot load it here ({why}): set JAVA_HOME, HADOOP_HOME and "
+                          f"CLASSPATH as pyarrow's HadoopFileSystem asks, or install "
+                          f"hdfs-native (pip install 'kfeed[hdfs]')") from None
+    if query:
+        raise ConfigError(f"--from {base}?{query}: the options of an hdfs:// URI are libhdfs' "
+                          f"(not loadable here: {why}); hdfs-native takes its settings from "
+                          f"HADOOP_CONF_DIR: leave the query out")
+    where = urllib.parse.urlsplit(base)
+    fs = HdfsFileSystem(host=where.hostname, port=where.port)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), where.path or "/"
 
 
 class Rows:
@@ -422,8 +455,9 @@ class DatasetRows(Rows):
         cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
         pattern = None
         if cut >= 0:  # a glob: list the folder before its first wildcard
-            pattern = base
-            base = base[:base.rfind("/", 0, cut) + 1] or "."
+            slash = base.rfind("/", 0, cut) + 1
+            pattern = base[slash:]
+            base = base[:slash] or "."
         remote = "://" in base
         try:
             if remote:
@@ -446,8 +480,8 @@ class DatasetRows(Rows):
                               f"address, and for object stores the endpoint, region and "
                               f"credentials (as pyarrow takes them)") from None
         if pattern is not None:
-            # The pattern in the file system's own paths: "bucket/key" for a URI.
-            want = pattern.split("://", 1)[1] if remote else os.path.abspath(pattern)
+            # The pattern in the file system's own paths ("bucket/key" for a URI).
+            want = f"{path.rstrip('/')}/{pattern}"
             files = [f for f in files if _glob_match(f, want)]
         kinds = {DATASET_FORMATS.get(Path(f).suffix.lower()) for f in files}
         if not files:
