@@ -80,16 +80,20 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert 0 < sample(got, "kfeed_loader_latency_seconds_sum", **labels) < 10 * 60
 
 
-def test_a_loader_let_go_is_no_longer_published(server):
-    schema = kfeed.Schema({"id": ("int64", ())})
-    loader = memory_loader(schema.encode_blocks({"id": np.arange(10)}, 5), schema, 5,
-                           device="cpu", until="end")
-    assert sum(1 for _ in loader) == 2
-    assert "kfeed_loader_samples" in scrape(server)
-    loader.close()
-    del loader
+def test_a_loader_closed_or_let_go_is_no_longer_published(server):
     import gc
 
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = schema.encode_blocks({"id": np.arange(10)}, 5)
+    loader = memory_loader(values, schema, 5, device="cpu", until="end")
+    assert sum(1 for _ in loader) == 2
+    assert scrape(server)["kfeed_loader_samples"]
+    loader.close()  # still referenced (as by a traceback after an error): not published
+    assert not scrape(server)["kfeed_loader_samples"]
+    other = memory_loader(values, schema, 5, device="cpu", until="end")
+    assert sum(1 for _ in other) == 2
+    assert scrape(server)["kfeed_loader_samples"]
+    del other  # never closed: collected, so gone too
     gc.collect()
     assert not scrape(server)["kfeed_loader_samples"]
 

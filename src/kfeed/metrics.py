@@ -2,7 +2,7 @@
 
 Where it sits: beside the data flow, read-only. Loaders and producers add
 themselves to ``LIVE`` when made (a weak set: nothing is kept alive for
-it), and keep their counters as they work; ``serve`` starts
+it; a loader leaves it when closed), and keep their counters as they work; ``serve`` starts
 prometheus_client's HTTP endpoint, whose collector reads those counters at
 each scrape (``Loader.stats()``, ``Producer.stats()``), so a process that is
 never scraped pays nothing but the counters. ``prometheus_client`` is an
@@ -37,7 +37,7 @@ log = logging.getLogger("kfeed.metrics")
 
 __all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
 
-# Every Loader and Producer made in this process and not yet collected.
+# Every Loader and Producer made in this process and not yet collected (or closed).
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 # The caller's wait in next() (the data stall), in seconds.

@@ -880,6 +880,8 @@ class Loader:
         if self._closed:
             return
         self._closed = True
+        # Closed, it is no longer published, even while a traceback keeps it alive.
+        metrics.LIVE.discard(self)
         f = self._feeder
         f.stop.set()
         self._pool.close()
