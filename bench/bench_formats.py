@@ -571,8 +571,6 @@ def jagged_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
     """Events with a 20-long array, as Avro and as JSON, through the loader from memory,
     records/s: the array as a fixed shape against the same array as a jagged field
     (elements, offsets)."""
-    from kfeed.loader import memory_loader
-
     writer = {"type": "record", "name": "View", "fields": [
         {"name": "id", "type": "long"},
         {"name": "features", "type": {"type": "array", "items": "float"}},
@@ -594,14 +592,20 @@ def jagged_micro(registry: Any, repeat: int) -> dict[str, dict[str, float]]:
     for _ in range(repeat):
         for fmt, (vals, record_format) in inputs.items():
             for name, schema in schemas.items():
-                t = time.perf_counter()
-                n = 0
-                with memory_loader(vals, schema, 256, device="cpu", until="end",
-                                   format=record_format) as loader:
-                    for batch in loader:
-                        n += batch.size
-                best[fmt][name] = max(best[fmt][name], n / (time.perf_counter() - t))
+                best[fmt][name] = max(best[fmt][name], loader_rate(vals, schema, record_format))
     return best
+
+
+def loader_rate(values: list[bytes], schema: kfeed.Schema, fmt: Any) -> float:
+    """Records/s of a loader reading ``values`` of format ``fmt`` from memory to their end."""
+    from kfeed.loader import memory_loader
+
+    t = time.perf_counter()
+    n = 0
+    with memory_loader(values, schema, 256, device="cpu", until="end", format=fmt) as loader:
+        for batch in loader:
+            n += batch.size
+    return n / (time.perf_counter() - t)
 
 
 def arrow_micro(repeat: int) -> list[tuple[str, dict[str, float]]]:
@@ -609,7 +613,6 @@ def arrow_micro(repeat: int) -> list[tuple[str, dict[str, float]]]:
     memory, records/s: the seeds' 3 KB rows and 200 B rows (a dozen numeric columns and a
     16-float vector), 64 records a message for both, and Arrow at 1,024 a message too."""
     from kfeed.arrowformat import ArrowEncoder
-    from kfeed.loader import memory_loader
     from kfeed.synthetic import synthetic_columns, synthetic_schema
 
     big = synthetic_schema()
@@ -632,13 +635,7 @@ def arrow_micro(repeat: int) -> list[tuple[str, dict[str, float]]]:
         best = dict.fromkeys(values, 0.0)
         for _ in range(repeat):
             for name, (fmt, vals) in values.items():
-                t = time.perf_counter()
-                n = 0
-                with memory_loader(vals, schema, 256, device="cpu", until="end",
-                                   format=fmt) as loader:
-                    for batch in loader:
-                        n += batch.size
-                best[name] = max(best[name], n / (time.perf_counter() - t))
+                best[name] = max(best[name], loader_rate(vals, schema, fmt))
         out.append((label, best))
     return out
 

@@ -118,6 +118,17 @@ def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,
 # -- local files ---------------------------------------------------------------------
 
 
+def arrives_once_then_resumes(bootstrap: str, make_topic: Any, folder: str, glob: str,
+                              n: int, env: dict[str, str] | None = None) -> None:
+    """``--from folder`` sends rows 0..n-1 once; ``--from glob``, killed and resumed, too."""
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", folder, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+    kill_then_resume(bootstrap, make_topic(partitions=3), ["--from", glob], n, env=env)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["parquet folder", "feather glob", "csv", "jsonl"])
 def test_every_row_of_local_files_arrives_once(bootstrap, make_topic, tmp_path, kind) -> None:
@@ -253,27 +264,24 @@ def s3_fs(params: str) -> Any:
                              allow_bucket_creation=True)
 
 
-@pytest.mark.integration
-def test_parquet_on_s3_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
-                                                            s3_server) -> None:
-    fs = s3_fs(s3_server)
+def bucket_of_parts(fs: Any, n: int) -> str:
+    """A new bucket of ``fs`` holding rows 0..n-1 in train/part-*.parquet, and other/x.parquet."""
     bucket = f"kfeed-{uuid.uuid4().hex[:8]}"
     fs.create_dir(bucket)
-    n = 200_000
     for i in range(0, n, 40_000):
         pq.write_table(table(np.arange(i, i + 40_000)), f"{bucket}/train/part-{i:06d}.parquet",
                        filesystem=fs, row_group_size=2500)
     pq.write_table(table(np.arange(3)), f"{bucket}/other/x.parquet", filesystem=fs)
-    topic = make_topic(partitions=3)
-    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
-                     f"s3://{bucket}/train?{s3_server}", env=S3_ENV)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
-    check_topic(bootstrap, topic, n)
-    again = make_topic(partitions=3)
-    kill_then_resume(bootstrap, again,
-                     ["--from", f"s3://{bucket}/train/part-*.parquet?{s3_server}"], n,
-                     env=S3_ENV)
+    return bucket
+
+
+@pytest.mark.integration
+def test_parquet_on_s3_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                            s3_server) -> None:
+    n = 200_000
+    bucket = bucket_of_parts(s3_fs(s3_server), n)
+    arrives_once_then_resumes(bootstrap, make_topic, f"s3://{bucket}/train?{s3_server}",
+                              f"s3://{bucket}/train/part-*.parquet?{s3_server}", n, env=S3_ENV)
 
 
 # -- GCS (fake-gcs-server, built from its Go module) ------------------------------------
@@ -321,22 +329,10 @@ def test_parquet_on_gcs_arrives_once_and_resumes_after_a_kill(bootstrap, make_to
     endpoint = gcs_server.split("endpoint_override=")[1].split("&")[0]
     fs = pafs.GcsFileSystem(anonymous=True, endpoint_override=endpoint, scheme="http",
                             project_id="kfeed-test")
-    bucket = f"kfeed-{uuid.uuid4().hex[:8]}"
-    fs.create_dir(bucket)
     n = 120_000
-    for i in range(0, n, 40_000):
-        pq.write_table(table(np.arange(i, i + 40_000)), f"{bucket}/train/part-{i:06d}.parquet",
-                       filesystem=fs, row_group_size=2500)
-    pq.write_table(table(np.arange(3)), f"{bucket}/other/x.parquet", filesystem=fs)
-    topic = make_topic(partitions=3)
-    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
-                     f"gs://{bucket}/train?{gcs_server}")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
-    check_topic(bootstrap, topic, n)
-    again = make_topic(partitions=3)
-    kill_then_resume(bootstrap, again,
-                     ["--from", f"gs://{bucket}/train/part-*.parquet?{gcs_server}"], n)
+    bucket = bucket_of_parts(fs, n)
+    arrives_once_then_resumes(bootstrap, make_topic, f"gs://{bucket}/train?{gcs_server}",
+                              f"gs://{bucket}/train/part-*.parquet?{gcs_server}", n)
 
 
 def test_gcs_uri_mistakes_get_one_clear_line(tmp_path) -> None:
@@ -417,15 +413,8 @@ def test_parquet_on_hdfs_arrives_once_and_resumes_after_a_kill(bootstrap, make_t
         pq.write_table(table(np.arange(i, i + 40_000)), buf, row_group_size=2500)
         with client.create(f"{root}/train/part-{i:06d}.parquet") as f:
             f.write(buf.getvalue())
-    topic = make_topic(partitions=3)
-    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
-                     f"{hdfs_server}{root}/train")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
-    check_topic(bootstrap, topic, n)
-    again = make_topic(partitions=3)
-    kill_then_resume(bootstrap, again,
-                     ["--from", f"{hdfs_server}{root}/train/part-*.parquet"], n)
+    arrives_once_then_resumes(bootstrap, make_topic, f"{hdfs_server}{root}/train",
+                              f"{hdfs_server}{root}/train/part-*.parquet", n)
 
 
 def test_hdfs_without_libhdfs_says_what_to_do(monkeypatch) -> None:
