@@ -300,7 +300,7 @@ def fake_gcs_server() -> Path:
         pytest.skip("no Go toolchain to build fake-gcs-server with")
     binary.parent.mkdir(parents=True, exist_ok=True)
     built = subprocess.run([go, "install", FAKE_GCS], capture_output=True, text=True,
-                           timeout=900, env={**os.environ, "GOBIN": str(binary.parent),
+                           timeout=500, env={**os.environ, "GOBIN": str(binary.parent),
                                              "CGO_ENABLED": "0"})
     assert built.returncode == 0, built.stderr[-2000:]
     return binary
@@ -366,7 +366,7 @@ def hdfs_jars() -> Path:
         done = subprocess.run(["mvn", "-B", "-q", "-f", str(HDFS_DIR / "pom.xml"),
                                "dependency:copy-dependencies", f"-DoutputDirectory={tmp}",
                                "-DincludeScope=runtime"],
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=500)
         assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
         tmp.rename(libs)
     finally:
