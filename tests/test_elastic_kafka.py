@@ -1,7 +1,7 @@
 """Elastic resume against a real Apache Kafka: a job killed and restarted on another number of ranks.
 
-A data-parallel job (torch.distributed over gloo, static assignment, a
-shuffle buffer) checkpoints every few steps: rank 0 writes the merged
+A data-parallel job (torch.distributed over gloo, a shuffle buffer; its
+partitions assigned statically, or by the consumer group) checkpoints every few steps: rank 0 writes the merged
 ``state_dict()`` of every rank and the length of every rank's log. The whole
 job is SIGKILLed at a random point, and starts again on the other number of
 ranks: 2 ranks become 3, 3 become 2, and so on. Every id is trained exactly
@@ -34,14 +34,17 @@ import json, os, sys, time, torch.distributed as dist, kfeed
 from test_elastic_kafka import SCHEMA
 dist.init_process_group("gloo", init_method="env://")
 rank, world = dist.get_rank(), dist.get_world_size()
-bootstrap, topic, group, folder, run, every = sys.argv[1:7]
+bootstrap, topic, group, folder, run, every, assignment = sys.argv[1:8]
 checkpoint = os.path.join(folder, "checkpoint.json")
 saved = None
 if os.path.exists(checkpoint):
     with open(checkpoint) as f:
         saved = json.load(f)
-loader = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, SCHEMA, 40,
-                      until="end", device="cpu", assignment="static",
+config = {"bootstrap.servers": bootstrap, "group.id": group}
+if assignment == "group":  # the killed job's members leave the group within 6 s
+    config.update({"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000})
+loader = kfeed.Loader(config, topic, SCHEMA, 40,
+                      until="end", device="cpu", assignment=assignment,
                       shuffle=kfeed.Shuffle(300, seed=4),
                       start="earliest" if saved is None else "committed")
 step = 0
@@ -74,8 +77,9 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.parametrize("assignment", ["static", "group"])
 def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
-        bootstrap, make_topic, tmp_path) -> None:
+        bootstrap, make_topic, tmp_path, assignment) -> None:
     n, every = 6000, 4
     topic = make_topic(partitions=6)
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
@@ -93,7 +97,7 @@ def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
         return [subprocess.Popen([sys.executable, str(script), bootstrap, topic, group,
-                                  str(tmp_path), str(run), str(every)],
+                                  str(tmp_path), str(run), str(every), assignment],
                                  env={**env, "RANK": str(r)},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 for r in range(world)]
@@ -146,7 +150,8 @@ def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
         rest.load_state_dict(json.loads((tmp_path / "end.json").read_text()))
         left = np.concatenate([b["id"].numpy() for b in rest] or [np.empty(0, np.int64)])
     lost, dup = count_ids(np.concatenate([trained, left]), n)
-    report("elastic_resume_2_3_ranks", samples=n, faults=kills, lost=lost, duplicated=dup,
+    report(f"elastic_resume_2_3_ranks_{assignment}", samples=n, faults=kills, lost=lost,
+           duplicated=dup,
            resumes=" ".join(f"{a}->{b}" for a, b in crossings),
            left_for_the_next_epoch=len(left))
     assert kills == len(worlds) - 1
