@@ -4,7 +4,8 @@ The mixer alone (``kfeed.mix.Mixer``) against its promises: proportions in
 every window, an order that does not depend on how records arrive; then
 loaders over a ``MemorySource`` of several topics: every record once, the
 proportions, an exact resume (fixed shapes, shuffled, packed), the two
-``exhausted`` rules, a weight schedule, ranks, and a bounded queue.
+``exhausted`` rules, a weight schedule, ranks, a bounded queue, and topics of
+JSON, Avro and Protobuf events mixed into the very stream their blocks give.
 """
 
 from __future__ import annotations
@@ -209,6 +210,60 @@ def test_the_same_seed_gives_the_same_stream_and_another_seed_another():
     c = np.concatenate(read(row_values(), Mix(WEIGHTS, seed=6))[0])
     np.testing.assert_array_equal(a, b)  # blocks or raw records: the same stream
     assert not np.array_equal(a, c)
+
+
+def event_values(fmt: str) -> tuple[dict, object]:
+    """``row_values``' records as one event a message, written by the format's own tools."""
+    import io
+    import json
+
+    import fastavro
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    import kfeed
+
+    writer = {"type": "record", "name": "Row", "fields": [
+        {"name": "id", "type": "long"}, {"name": "x", "type": {"type": "array", "items": "float"}}]}
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="mixrow.proto", package="m", syntax="proto3")
+    m = fdp.message_type.add(name="Row")
+    m.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    m.field.add(name="x", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    row = message_factory.GetMessageClass(pool.FindMessageTypeByName("m.Row"))
+
+    def avro(event: dict) -> bytes:
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, fastavro.parse_schema(writer), event)
+        return buf.getvalue()
+
+    write, record_format = {
+        "json": (lambda e: json.dumps(e).encode(), kfeed.Json()),
+        "avro": (avro, kfeed.Avro(schema=writer)),
+        "protobuf": (lambda e: row(**e).SerializeToString(), kfeed.Protobuf(message=row)),
+    }[fmt]
+    values = {}
+    for t, (k, nparts, n) in SOURCES.items():
+        for p in range(nparts):
+            values[(t, p)] = [write({"id": int(i), "x": [0.0, 0.0]})
+                              for i in np.arange(n) + k * 10**6 + p * 10**4]
+    return values, record_format
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(100, seed=2)])
+@pytest.mark.parametrize("fmt", ["json", "avro", "protobuf"])
+def test_a_mixture_of_topics_others_write_is_the_stream_of_blocks_and_resumes_into_it(
+        fmt, shuffle):
+    pytest.importorskip("fastavro")
+    values, record_format = event_values(fmt)
+    mix = Mix(WEIGHTS, seed=5, exhausted="renormalize")
+    blocks = np.concatenate(read(row_values(), mix, shuffle=shuffle)[0])
+    events = np.concatenate(read(values, mix, format=record_format, shuffle=shuffle)[0])
+    np.testing.assert_array_equal(events, blocks)  # the order is the records', not the format's
+    first, state = read(values, mix, stop=9, format=record_format, shuffle=shuffle)
+    rest, _ = read(values, mix, state=state, format=record_format, shuffle=shuffle)
+    np.testing.assert_array_equal(np.concatenate(first + rest), blocks)
 
 
 @pytest.mark.parametrize("stop", [1, 7, 40])
