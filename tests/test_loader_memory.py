@@ -320,3 +320,26 @@ def test_fetch_scan_groups_runs_drops_past_the_end_and_sets_errors_aside() -> No
     assert _fetch.value_bytes(vals, 1, 5) == 1 + 0 + 1 + 2
     assert _fetch.value_bytes([b"ab", None, bytearray(3)], 0, 9) == 5
     assert _fetch.partitions(msgs + [Message(partition=-1)]) == {("a", 0), ("a", 1), ("b", 0)}
+
+
+@pytest.mark.parametrize("pack", [None, kfeed.Pack(seq_len=64, eos_id=0)])
+def test_what_a_shuffle_holds_is_counted_and_let_go_at_the_end(pack):
+    if pack is None:
+        schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (30,))})
+        values = schema.encode_blocks({"id": np.arange(5000),
+                                       "x": np.zeros((5000, 30), np.float32)}, 50)
+    else:
+        schema = kfeed.Schema({"tokens": ("int32", (None,))})
+        docs = [np.arange(1, 1 + (i % 40), dtype=np.int32) for i in range(3000)]
+        values = schema.encode_blocks({"tokens": docs}, 50)
+    with memory_loader(values, schema, 8, device="cpu", until="end", pack=pack,
+                       shuffle=kfeed.Shuffle(buffer=1000, seed=1)) as loader:
+        it = iter(loader)
+        next(it)
+        held = loader.stats()["held_bytes"]
+        # The buffer's records at the least (128 bytes each; documents 4 bytes a token),
+        # in their message values, and no more than the values there are.
+        assert 1000 * (128 if pack is None else 4) <= held <= sum(len(v) for v in values)
+        for _ in it:
+            pass
+        assert loader.stats()["held_bytes"] == 0

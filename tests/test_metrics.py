@@ -66,6 +66,7 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert sample(got, "kafka_consumergroup_lag", consumergroup="", topic="memory",
                   partition="0") == 0
     assert sample(got, "kfeed_loader_pool_bytes", **labels) == stats["pool_bytes"]
+    assert sample(got, "kfeed_loader_held_bytes", **labels) == stats["held_bytes"] == 0
     assert sample(got, "kfeed_loader_dead_lettered_total", **labels) == 0  # skipped
     assert sample(got, "kfeed_loader_rebalances_total", **labels) == 1
     assert sample(got, "kfeed_loader_commits_total", **labels) == stats["commits"] >= 1

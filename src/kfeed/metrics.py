@@ -221,6 +221,9 @@ class _Collector:
                                     labels=loader_labels)
         pool = GaugeMetricFamily("kfeed_loader_pool_bytes", "host memory of the buffer pool",
                                  labels=loader_labels)
+        held = GaugeMetricFamily("kfeed_loader_held_bytes",
+                                 "records a shuffle or a mixture holds beside the pool",
+                                 labels=loader_labels)
         lag = GaugeMetricFamily("kafka_consumergroup_lag",
                                 "messages not read yet, per partition (kafka_exporter's name)",
                                 labels=["consumergroup", "topic", "partition"])
@@ -252,6 +255,7 @@ class _Collector:
                                stats["latency_histogram"].sum)
             startup.add_metric(labels, stats["startup_s"])
             pool.add_metric(labels, stats["pool_bytes"])
+            held.add_metric(labels, stats["held_bytes"])
             slots.add_metric(labels, stats["pool_slots_in_use"])
             depth.add_metric(labels, stats["prefetch"])
             for name in ("fetch", "decode", "copy"):
@@ -266,6 +270,6 @@ class _Collector:
         for (group, topic, partition), age in self.ages.ages.items():
             lag_s.add_metric([group, topic, partition], age)
         yield from c.values()
-        yield from (bad, wait, latency, startup, pool, slots, depth, stage, lag, lag_s)
+        yield from (bad, wait, latency, startup, pool, held, slots, depth, stage, lag, lag_s)
         yield from p.values()
         yield queued

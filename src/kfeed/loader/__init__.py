@@ -802,7 +802,9 @@ class Loader:
         ``commit_failures``, ``dead_lettered``, ``rebalances`` (assignments
         received), the seconds spent by stage (``fetch_s`` in consume,
         ``decode_s`` decoding, ordering and packing, ``copy_s`` issuing device
-        copies) and ``pool_slots_in_use``.
+        copies), ``pool_slots_in_use``, and ``held_bytes``: what a shuffle or a
+        mixture holds beside the pool (message values and documents, which
+        ``max_memory_bytes`` does not cover).
         """
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
         # Rates and stall are over the steady state, from the first batch on;
@@ -834,6 +836,7 @@ class Loader:
             "longest_wait_s": self._longest_wait_s,
             "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
             "pool_bytes": self._pool.nbytes,
+            "held_bytes": builder.held_bytes(),
             "group": self._source.group_id,
             "bad_by_reason": dict(self._bad.by_reason),
             "wait_histogram": self._wait_hist,

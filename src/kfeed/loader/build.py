@@ -136,6 +136,10 @@ class SlotBuilder:
     def all_done(self) -> bool:
         return self.fetcher.all_done()
 
+    def held_bytes(self) -> int:
+        """Bytes of records held beside the pool and librdkafka: none in offset order."""
+        return 0
+
     def fill(self, slot: Slot) -> Handoff:
         out = Handoff(self.ledger.gen)
         started = None
@@ -337,6 +341,16 @@ class RecordBuilder(SlotBuilder):
         return (self._input_over() and (self.mixer is not None or not f.pending())
                 and self.drained and self.taken == len(self.pending)
                 and not self.jagged and (self.packer is None or self.finished))
+
+    def held_bytes(self) -> int:
+        """Bytes of records the order holds: a shuffle's or a mixture's values and documents.
+
+        Read from the caller's thread while this one works: a moment's figure.
+        """
+        n = self.held.nbytes if self.held is not None else 0
+        if self.fetches is not None:
+            n += sum(int(entry[0].nbytes) for entry in list(self.fetches.held.values()))
+        return n + sum(int(d.nbytes) for d in list(self.docs.values()))
 
     def _input_over(self) -> bool:
         """A bounded read: no record will come into the order any more."""
