@@ -5,7 +5,8 @@ output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
 ``sentinel_check`` says a decode wrote nowhere but its rows; ``read_dlq``
 reads a dead-letter topic back; ``check_packed_documents`` reads token
 documents with ``pack=`` against kfeed's own raw token messages;
-``kfeed_cli`` runs the command line against a cluster.
+``kfeed_cli`` runs the command line against a cluster; ``message_class``
+makes a proto3 message class of scalar and repeated fields.
 """
 
 from __future__ import annotations
@@ -148,3 +149,19 @@ def check_packed_documents(values: list, schema: kfeed.Schema, fmt: Any,
     tokens = tokens[tokens != pack.eos_id]
     every = np.concatenate([np.asarray(d, raw.varlen.storage) for d in docs if d is not None])
     assert np.array_equal(np.sort(tokens), np.sort(every.astype(tokens.dtype)))
+
+
+def message_class(package: str, name: str, fields: list[tuple[str, str, bool]]) -> type:
+    """A proto3 message class: ``fields`` as (name, type such as "int64", repeated), numbered 1..."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package,
+                                             syntax="proto3")
+    m = fdp.message_type.add(name=name)
+    for number, (field, kind, repeated) in enumerate(fields, 1):
+        m.field.add(name=field, number=number, type=getattr(f, f"TYPE_{kind.upper()}"),
+                    label=f.LABEL_REPEATED if repeated else f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}"))

@@ -131,21 +131,14 @@ def test_avro_events_with_an_array_of_any_length_equal_the_deserializers():
 
 
 def test_json_and_protobuf_events_read_the_same_way():
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from records import message_class
 
     rng = np.random.default_rng(2)
     events = [{"id": i, "features": rng.standard_normal(4).tolist(),
                "recent": rng.integers(0, 10**9, int(rng.integers(0, 30))).tolist()}
               for i in range(500)]
-    f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="view.proto", package="v", syntax="proto3")
-    m = fdp.message_type.add(name="View")
-    m.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
-    m.field.add(name="features", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
-    m.field.add(name="recent", number=3, type=f.TYPE_INT64, label=f.LABEL_REPEATED)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    view = message_factory.GetMessageClass(pool.FindMessageTypeByName("v.View"))
+    view = message_class("v", "View", [("id", "int64", False), ("features", "float", True),
+                                       ("recent", "int64", True)])
     inputs = {"json": ([json.dumps(e).encode() for e in events], kfeed.Json()),
               "protobuf": ([view(**e).SerializeToString() for e in events],
                            kfeed.Protobuf(message=view))}

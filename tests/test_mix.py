@@ -218,20 +218,13 @@ def event_values(fmt: str) -> tuple[dict, object]:
     import json
 
     import fastavro
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from records import message_class
 
     import kfeed
 
     writer = {"type": "record", "name": "Row", "fields": [
         {"name": "id", "type": "long"}, {"name": "x", "type": {"type": "array", "items": "float"}}]}
-    f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="mixrow.proto", package="m", syntax="proto3")
-    m = fdp.message_type.add(name="Row")
-    m.field.add(name="id", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
-    m.field.add(name="x", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    row = message_factory.GetMessageClass(pool.FindMessageTypeByName("m.Row"))
+    row = message_class("mixrow", "Row", [("id", "int64", False), ("x", "float", True)])
 
     def avro(event: dict) -> bytes:
         buf = io.BytesIO()
