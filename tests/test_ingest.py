@@ -14,6 +14,7 @@ exactly once too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -244,11 +245,18 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "kfeed", "AWS_SECRET_ACCESS_KEY": "kfeed-secret",
 def s3_server() -> Iterator[str]:
     """moto's S3 server on loopback; the query string pyarrow takes for it."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port, proc, "moto's server")
+    with serving([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                 port, "moto's server"):
         yield f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], port: int, what: str) -> Iterator[None]:
+    """The server ``argv`` runs, while it listens on ``port``; stopped after."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc, what)
+        yield
     finally:
         proc.terminate()
         proc.wait(30)
@@ -310,15 +318,10 @@ def fake_gcs_server() -> Path:
 def gcs_server() -> Iterator[str]:
     """fake-gcs-server on loopback; the query string of a gs:// URI for it."""
     port = _free_port()
-    proc = subprocess.Popen([str(fake_gcs_server()), "-backend", "memory", "-scheme", "http",
-                             "-host", "127.0.0.1", "-port", str(port), "-log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port, proc, "fake-gcs-server")
+    with serving([str(fake_gcs_server()), "-backend", "memory", "-scheme", "http", "-host",
+                  "127.0.0.1", "-port", str(port), "-log-level", "error"], port,
+                 "fake-gcs-server"):
         yield f"endpoint_override=127.0.0.1:{port}&scheme=http&anonymous=true"
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.mark.integration
