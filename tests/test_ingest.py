@@ -433,6 +433,8 @@ def test_hdfs_without_libhdfs_says_what_to_do(monkeypatch) -> None:
         pytest.skip("pyarrow loads libhdfs here")
     with pytest.raises(kfeed.ConfigError, match="leave the query out"):
         remote_filesystem("hdfs://127.0.0.1:9/x.parquet", "user=a")
+    with pytest.raises(kfeed.ConfigError, match="no NameNode answers at 127.0.0.1:9"):
+        remote_filesystem("hdfs://127.0.0.1:9/x.parquet", "")  # (hdfs-native would wait)
     monkeypatch.setitem(sys.modules, "hdfs_native.fsspec", None)  # as if not installed
     with pytest.raises(kfeed.ConfigError, match=r"install hdfs-native \(pip install"):
         remote_filesystem("hdfs://127.0.0.1:9/x.parquet", "")

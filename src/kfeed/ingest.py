@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import socket
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -415,6 +416,13 @@ def _hdfs(base: str, query: str) -> tuple[Any, str]:
                           f"(not loadable here: {why}); hdfs-native takes its settings from "
                           f"HADOOP_CONF_DIR: leave the query out")
     where = urllib.parse.urlsplit(base)
+    if where.hostname and where.port:
+        # hdfs-native retries a NameNode that refuses without end: ask first.
+        try:
+            socket.create_connection((where.hostname, where.port), timeout=10).close()
+        except OSError as e:
+            raise ConfigError(f"--from {base}: no NameNode answers at {where.hostname}:"
+                              f"{where.port} ({e}): check the address") from None
     fs = HdfsFileSystem(host=where.hostname, port=where.port)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), where.path or "/"
 
