@@ -338,12 +338,33 @@ def test_parquet_on_gcs_arrives_once_and_resumes_after_a_kill(bootstrap, make_to
                               f"gs://{bucket}/train/part-*.parquet?{gcs_server}", n)
 
 
+def test_gcs_requests_are_retried_for_a_minute_unless_the_uri_says() -> None:
+    import datetime
+
+    from kfeed.ingest import GCS_RETRY_S, remote_filesystem
+
+    def options(query: str) -> dict:
+        fs, path = remote_filesystem("gs://b/x", query)
+        assert path == "b/x"
+        return fs.__reduce__()[1][0]  # what the file system was made with
+
+    at = "endpoint_override=127.0.0.1:9&scheme=http"
+    minute = datetime.timedelta(seconds=GCS_RETRY_S)
+    assert options(at)["retry_time_limit"] == minute  # pyarrow's own: 15 minutes
+    assert options(f"{at}&anonymous=true")["retry_time_limit"] == minute
+    assert options(f"{at}&anonymous=true")["anonymous"] is True
+    assert options(f"{at}&retry_limit_seconds=5")["retry_time_limit"].total_seconds() == 5
+
+
 def test_gcs_uri_mistakes_get_one_clear_line(tmp_path) -> None:
     closed = "127.0.0.1:9"  # nothing is sent: the URI is refused first
     for uri, line in [
         ("gs://b/x.parquet?anonymous=maybe", "anonymous='maybe': say true or false"),
         ("gs://b/x.parquet?anonymous=true&region=eu", "unknown option 'region' for gs://"),
         ("gs://b/x.parquet?anonymous=true&retry_limit_seconds=soon", "is not a number"),
+        # Nothing listens there: given up after the retry limit, not after pyarrow's 15 min.
+        ("gs://b/x.parquet?endpoint_override=127.0.0.1:9&scheme=http&anonymous=true"
+         "&retry_limit_seconds=1", "cannot open it"),
     ]:
         done = kfeed_cli(closed, "produce", "--topic", "t", "--from", uri, timeout=60)
         assert done.returncode == 2, (uri, done.stdout, done.stderr)

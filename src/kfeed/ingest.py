@@ -346,6 +346,8 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
     return suffix in DATASET_FORMATS
 
 
+# How long a GCS request is retried unless the URI says (retry_limit_seconds=).
+GCS_RETRY_S = 60
 # The options of a gs:// URI, as pyarrow's GcsFileSystem takes them, and anonymous.
 _GCS_OPTIONS = {"endpoint_override": str, "scheme": str, "retry_limit_seconds": float,
                 "project_id": str}
@@ -367,6 +369,12 @@ def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
     params = urllib.parse.parse_qs(query, keep_blank_values=True)
     if base.startswith("hdfs://"):
         return _hdfs(base, query)
+    if base.startswith("gs://") and "retry_limit_seconds" not in params:
+        # pyarrow's GCS client retries a request for 15 minutes by default: an
+        # endpoint that is wrong or down would look like a hang.
+        params["retry_limit_seconds"] = [str(GCS_RETRY_S)]
+        query = urllib.parse.urlencode(
+            {k: v[-1] for k, v in params.items() if k != "anonymous"})
     if not base.startswith("gs://") or "anonymous" not in params:
         return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
     flag = params.pop("anonymous")[-1].lower()
