@@ -370,8 +370,9 @@ def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
     if base.startswith("hdfs://"):
         return _hdfs(base, query)
     if base.startswith("gs://") and "retry_limit_seconds" not in params:
-        # pyarrow's GCS client retries a request for 15 minutes by default: an
-        # endpoint that is wrong or down would look like a hang.
+        # pyarrow's GCS client, left to its default, retries a request for
+        # minutes (still at it after 2 here): a wrong or dead endpoint looks
+        # like a hang.
         params["retry_limit_seconds"] = [str(GCS_RETRY_S)]
         query = urllib.parse.urlencode(
             {k: v[-1] for k, v in params.items() if k != "anonymous"})
