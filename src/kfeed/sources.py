@@ -154,8 +154,6 @@ METADATA_MAX = 4096
 # Kafka protocol error codes of a commit that goes through once the consumer
 # has been polled: REBALANCE_IN_PROGRESS, STALE_MEMBER_EPOCH (consumer protocol).
 _AFTER_POLL = frozenset((27, 113))
-# A commit from outside a group that has members (the consumer protocol).
-_UNKNOWN_MEMBER_ID = 25
 
 
 # The broker refused a commit's metadata as too long (a broker whose
@@ -649,7 +647,7 @@ class KafkaSource(Source):
         return out
 
     def commit(self, positions: Mapping[TP, Position], asynchronous: bool) -> dict[TP, Position]:
-        from confluent_kafka import KafkaException
+        from confluent_kafka import KafkaError, KafkaException
 
         if not positions:
             return {}
@@ -669,7 +667,8 @@ class KafkaSource(Source):
                 return self.commit(positions, asynchronous)
             self.commit_failures += 1
             why = e.args[0].str()
-            if e.args[0].code() == _UNKNOWN_MEMBER_ID and not self.group_member:
+            # A commit from outside a group that has members (the consumer protocol).
+            if e.args[0].code() == KafkaError.UNKNOWN_MEMBER_ID and not self.group_member:
                 why += (f"; this loader (assignment='static') is not a member of group "
                         f"{self._config.get('group.id')!r}, which has members, and such a group "
                         f"takes no commits from outside it: give the loader a group.id of its "
