@@ -356,29 +356,34 @@ _GCS_OPTIONS = {"endpoint_override": str, "scheme": str, "retry_limit_seconds": 
 def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
     """pyarrow's file system for the URI ``base?query``, and the path in it.
 
-    pyarrow reads a URI's options from its query. For ``gs://`` kfeed also
-    takes ``anonymous=true`` (pyarrow's GCS URIs have no such option): a
-    public bucket, or a GCS emulator, read without Google credentials, which
-    pyarrow otherwise looks for (and on a machine without them, asks the
-    cloud metadata server for).
+    pyarrow reads a URI's options from its query. ``gs://`` is made here
+    (``_gcs``) and ``hdfs://`` may be (``_hdfs``); the rest is pyarrow's.
+    """
+    import pyarrow.fs as pafs
+
+    if base.startswith("hdfs://"):
+        return _hdfs(base, query)
+    if base.startswith("gs://"):
+        return _gcs(base, urllib.parse.parse_qs(query, keep_blank_values=True))
+    return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
+
+
+def _gcs(base: str, params: dict[str, list[str]]) -> tuple[Any, str]:
+    """pyarrow's ``GcsFileSystem`` with a gs:// URI's options, and two of kfeed's own.
+
+    ``anonymous=true`` (pyarrow's GCS URIs have no such option): a public
+    bucket, or a GCS emulator, read without Google credentials, which pyarrow
+    otherwise looks for (and on a machine without them, asks the cloud
+    metadata server for). And a request is retried for ``GCS_RETRY_S``
+    unless ``retry_limit_seconds`` says: pyarrow's client, left to its
+    default, retries for minutes (still at it after 2 here), so a wrong or
+    dead endpoint looks like a hang.
     """
     import datetime
 
     import pyarrow.fs as pafs
 
-    params = urllib.parse.parse_qs(query, keep_blank_values=True)
-    if base.startswith("hdfs://"):
-        return _hdfs(base, query)
-    if base.startswith("gs://") and "retry_limit_seconds" not in params:
-        # pyarrow's GCS client, left to its default, retries a request for
-        # minutes (still at it after 2 here): a wrong or dead endpoint looks
-        # like a hang.
-        params["retry_limit_seconds"] = [str(GCS_RETRY_S)]
-        query = urllib.parse.urlencode(
-            {k: v[-1] for k, v in params.items() if k != "anonymous"})
-    if not base.startswith("gs://") or "anonymous" not in params:
-        return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
-    flag = params.pop("anonymous")[-1].lower()
+    flag = params.pop("anonymous", ["false"])[-1].lower()
     if flag not in ("true", "false"):
         raise ConfigError(f"--from {base}: anonymous={flag!r}: say true or false")
     options: dict[str, Any] = {}
@@ -391,11 +396,9 @@ def remote_filesystem(base: str, query: str) -> tuple[Any, str]:
             options[key] = kind(values[-1])
         except ValueError:
             raise ConfigError(f"--from {base}: {key}={values[-1]!r} is not a number") from None
-    if "retry_limit_seconds" in options:
-        options["retry_time_limit"] = datetime.timedelta(
-            seconds=options.pop("retry_limit_seconds"))
-    path = base[len("gs://"):]
-    return pafs.GcsFileSystem(anonymous=flag == "true", **options), path
+    options["retry_time_limit"] = datetime.timedelta(
+        seconds=options.pop("retry_limit_seconds", GCS_RETRY_S))
+    return pafs.GcsFileSystem(anonymous=flag == "true", **options), base[len("gs://"):]
 
 
 def _hdfs(base: str, query: str) -> tuple[Any, str]:
