@@ -716,6 +716,30 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     return A_OK
 
 
+cdef int js_one(JsCur* c, const JsPlan* plan, const uint8_t* p, Py_ssize_t size,
+                uint8_t** dst, uint64_t row) noexcept nogil:
+    """One message value into row ``row``, its Confluent framing (a zero byte first) skipped."""
+    c.err_node, c.err_field, c.err_value = -1, -1, 0
+    if size < 0:
+        c.err_value = -size
+        return A_VALUE
+    cdef Py_ssize_t skip = 5 if size > 0 and p[0] == 0 else 0
+    if size < skip:
+        return A_FRAME
+    return js_record(c, plan, p + skip, p + size, dst, row)
+
+
+cdef void js_bad(AvBad* b, Py_ssize_t i, int r, const JsCur* c) noexcept nogil:
+    b.index, b.err, b.node, b.field, b.value = i, r, c.err_node, c.err_field, c.err_value
+
+
+cdef list js_rejected(Layout layout, JsonPlan plan, _Values vals, const AvBad* bad,
+                      Py_ssize_t nbad):
+    """``(index, reason)`` of each rejected value."""
+    return [(bad[k].index, _json_reason(layout, plan, bad[k], vals.size[bad[k].index]))
+            for k in range(nbad)]
+
+
 def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
     """Decode JSON message values (one object each) into ``out`` from ``row`` on.
 
@@ -730,7 +754,7 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
     if plan.p.varfield >= 0:
         raise ValueError("a plan with a variable-length field reads documents: json_documents")
     cdef _Values vals = _Values(values)
-    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0, skip
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i = 0, nbad = 0
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
@@ -744,31 +768,14 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
     try:
         with nogil:
             while i < n and out_row < out.capacity:
-                c.err_node, c.err_field, c.err_value = -1, -1, 0
-                if vals.size[i] < 0:
-                    r = A_VALUE
-                    c.err_value = -vals.size[i]
-                elif vals.size[i] > 0 and vals.ptr[i][0] == 0 and vals.size[i] < 5:
-                    r = A_FRAME
-                else:
-                    skip = 5 if vals.size[i] > 0 and vals.ptr[i][0] == 0 else 0
-                    r = js_record(&c, &plan.p, vals.ptr[i] + skip, vals.ptr[i] + vals.size[i],
-                                  out.bufs.ptr, out_row)
+                r = js_one(&c, &plan.p, vals.ptr[i], vals.size[i], out.bufs.ptr, out_row)
                 if r == A_OK:
                     out_row += 1
                 else:
-                    bad[nbad].index = i
-                    bad[nbad].err = r
-                    bad[nbad].node = c.err_node
-                    bad[nbad].field = c.err_field
-                    bad[nbad].value = c.err_value
+                    js_bad(&bad[nbad], i, r, &c)
                     nbad += 1
                 i += 1
-        rejected = []
-        for k in range(nbad):
-            idx = bad[k].index
-            rejected.append((idx, _json_reason(layout, plan, bad[k], vals.size[idx])))
-        return out_row - row, i, rejected
+        return out_row - row, i, js_rejected(layout, plan, vals, bad, nbad)
     finally:
         free(bad); free(rowp); free(written)
 
@@ -936,7 +943,7 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
             raise ValueError(f"out holds {out.capacity} rows, {vals.n} values were given")
     elif layout.nfields != 1:
         raise ValueError("the fields beside the document need out=")
-    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0, skip, k
+    cdef Py_ssize_t n = vals.n, m = n if n else 1, i, nbad = 0
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
@@ -961,17 +968,8 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
         c.row, c.written, c.doc = rowp, written, &t
         with nogil:
             for i in range(n):
-                c.err_node, c.err_field, c.err_value = -1, -1, 0
-                t.start = t.len
-                if vals.size[i] < 0:
-                    r = A_VALUE
-                    c.err_value = -vals.size[i]
-                elif vals.size[i] > 0 and vals.ptr[i][0] == 0 and vals.size[i] < 5:
-                    r = A_FRAME
-                else:
-                    skip = 5 if vals.size[i] > 0 and vals.ptr[i][0] == 0 else 0
-                    r = js_record(&c, &plan.p, vals.ptr[i] + skip, vals.ptr[i] + vals.size[i],
-                                  dst, row)
+                t.start = t.len  # (a value rejected before its record starts keeps it)
+                r = js_one(&c, &plan.p, vals.ptr[i], vals.size[i], dst, row)
                 if r == A_MEMORY:
                     break  # not the value's fault: raised below, nothing rejected
                 if r == A_OK:
@@ -980,16 +978,11 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
                     row += 1
                 else:
                     t.len = t.start
-                    bad[nbad].index, bad[nbad].err = i, r
-                    bad[nbad].node, bad[nbad].field = c.err_node, c.err_field
-                    bad[nbad].value = c.err_value
+                    js_bad(&bad[nbad], i, r, &c)
                     nbad += 1
         if r == A_MEMORY:
             raise MemoryError("no memory to grow a document")
-        rejected = []
-        for k in range(nbad):
-            idx = bad[k].index
-            rejected.append((idx, _json_reason(layout, plan, bad[k], vals.size[idx])))
+        rejected = js_rejected(layout, plan, vals, bad, nbad)
         tokens = PyBytes_FromStringAndSize(<char*>t.buf, t.len * t.size)
         return tokens, lengths[counts > 0], counts, rejected
     finally:
