@@ -1,4 +1,4 @@
-"""What the tests of formats others write share (Avro, Protobuf, JSON).
+"""What several test files share, most of it for the formats others write.
 
 ``decode_all`` runs values through a decoder as the loader does, a bounded
 output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
@@ -6,16 +6,21 @@ output at a time; ``damage`` rewrites a value the ways the fuzz tests try;
 reads a dead-letter topic back; ``check_packed_documents`` reads token
 documents with ``pack=`` against kfeed's own raw token messages;
 ``kfeed_cli`` runs the command line against a cluster; ``message_class``
-makes a proto3 message class of scalar and repeated fields.
+makes a proto3 message class of scalar and repeated fields;
+``left_to_the_collector`` lists the kfeed objects only the cyclic garbage
+collector would free.
 """
 
 from __future__ import annotations
 
 import os
+import gc
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -165,3 +170,25 @@ def message_class(package: str, name: str, fields: list[tuple[str, str, bool]]) 
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}"))
+
+
+def left_to_the_collector(run: Callable[[], Any]) -> dict[str, int]:
+    """The kfeed objects, by type, that ``run()`` leaves in reference cycles.
+
+    Reference counting frees everything else once ``run`` returns; these
+    wait for the cyclic collector's next full pass. Runs ``run`` once first,
+    so that what a first call caches (imports, compiled plans) is not counted.
+    """
+    run()
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return dict(Counter(type(o).__qualname__ for o in gc.garbage
+                            if (type(o).__module__ or "").startswith("kfeed")))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, Producer as KafkaProducer
 
 import kfeed
 from kfeed.synthetic import synthetic_columns, synthetic_schema
+from records import left_to_the_collector
 
 pytestmark = pytest.mark.integration
 
@@ -248,6 +249,21 @@ def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period()
         assert topic_partitions(unknown, "t", now, now) == late  # the deadline ends it too
     denied = topic_partitions(answer(29), "t", now, now + 30)  # not a matter of time
     assert denied == TopicUnavailable("E29", 29)
+
+
+@pytest.mark.parametrize("assignment", ["group", "static"])
+def test_a_closed_producer_and_loader_are_freed_at_once(bootstrap, make_topic,
+                                                        assignment) -> None:
+    # The consumer keeps its rebalance callbacks after close(): they must not
+    # hold the loader's pipeline (its pool, its messages) in a cycle.
+    topic = make_topic(partitions=2)
+
+    def run() -> None:
+        produce(bootstrap, topic, 0, 1000)
+        with loader(bootstrap, topic, f"g-{uuid.uuid4().hex}", assignment=assignment) as ld:
+            assert sum(batch.size for batch in ld) > 0
+
+    assert left_to_the_collector(run) == {}
 
 
 def test_lag_is_zero_once_everything_was_handed_out(bootstrap, make_topic, group_id) -> None:

@@ -13,6 +13,7 @@ import torch
 import kfeed
 from kfeed.synthetic import synthetic_columns, synthetic_schema
 from kfeed.loader import Loader, memory_loader
+from records import left_to_the_collector
 
 SCHEMA = synthetic_schema()
 
@@ -231,6 +232,38 @@ def test_close_stops_the_thread_and_gc_cleans_up() -> None:
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
+
+
+TOKENS = kfeed.Schema({"tokens": ("int32", (None,))})
+DOCUMENTS = TOKENS.encode_blocks({"tokens": [np.arange(n, dtype=np.int32) for n in range(1, 300)]},
+                                 16)
+CLOSED = {
+    "in order": lambda: memory_loader(blocks(0, 3000), SCHEMA, 256, until="end", device="cpu"),
+    "shuffled": lambda: memory_loader(blocks(0, 3000), SCHEMA, 256, until="end", device="cpu",
+                                      shuffle=kfeed.Shuffle(buffer=1000, seed=0)),
+    "packed": lambda: memory_loader(DOCUMENTS, TOKENS, 4, until="end", device="cpu",
+                                    pack=kfeed.Pack(64, eos_id=0)),
+    "jagged": lambda: memory_loader(DOCUMENTS, TOKENS, 4, until="end", device="cpu"),
+    "mixture": lambda: Loader(None, kfeed.Mix({"a": 0.5, "b": 0.5}, seed=0), SCHEMA, 256,
+                              until="end", device="cpu", source=kfeed.MemorySource(
+                                  {("a", 0): blocks(0, 1500), ("b", 0): blocks(1500, 1500)})),
+    "two epochs": lambda: memory_loader(blocks(0, 3000), SCHEMA, 256, until="end", device="cpu",
+                                        epochs=2),
+}
+
+
+@pytest.mark.parametrize("kind", CLOSED)
+def test_a_closed_loader_is_freed_at_once_not_by_the_cyclic_collector(kind: str) -> None:
+    # Its pool slots, fetched messages and held values would otherwise stay
+    # until the collector's next full pass: a loader a step, an epoch or a
+    # job made and closed keeps its memory until then.
+    def run() -> None:
+        loader = CLOSED[kind]()
+        with loader:
+            for _ in range(loader.config.epochs or 1):
+                assert sum(batch.size for batch in loader) > 0
+
+    assert left_to_the_collector(run) == {}
 
 
 def test_errors_in_the_thread_reach_the_caller() -> None:

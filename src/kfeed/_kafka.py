@@ -13,8 +13,9 @@ do alike, so that a user sees one behaviour whichever side they start from:
 - ``ConnectionLog``: librdkafka's log lines with repeated connection trouble
   folded to one line per broker every few seconds;
 - the error codes no retry mends (``REFUSED``), the metadata answer for a
-  topic (``topic_partitions``), chaining kfeed's callbacks with a user's
-  (``chain``), and the KafkaError behind an exception (``kafka_error``).
+  topic (``topic_partitions``), kfeed's callbacks held weakly (``weakly``)
+  and chained with a user's (``chain``), and the KafkaError behind an
+  exception (``kafka_error``).
 
 It knows nothing of batches, schemas or torch.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -31,7 +33,7 @@ from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
 __all__ = ["create_topic", "client_config", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
-           "topic_partitions", "admin_partitions", "chain", "kafka_error"]
+           "topic_partitions", "admin_partitions", "chain", "kafka_error", "weakly"]
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +218,26 @@ def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> 
         time.sleep(0.1)
 
 
+def weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A client's callback that calls ``method`` without keeping its object alive.
+
+    ``method`` belongs to the object that owns the client, and a client keeps
+    its callbacks until it is freed: held strongly, owner and client would be
+    a reference cycle, and the client (its threads and connections) would
+    outlive its owner until the cyclic collector's next full pass.
+    """
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
 def chain(ours: Callable[..., None], theirs: Callable[..., None] | None) -> Callable[..., None]:
-    """A librdkafka callback that runs kfeed's, then the user's own from their config."""
+    """A librdkafka callback that runs kfeed's (a method, held ``weakly``), then the user's own."""
+    ours = weakly(ours)
     if theirs is None:
         return ours
 

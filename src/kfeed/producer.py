@@ -32,6 +32,7 @@ from kfeed._kafka import (
     topic_partitions,
     unavailable_message,
     unreachable_message,
+    weakly,
 )
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
@@ -138,27 +139,13 @@ class Producer:
                 f"message.max.bytes={config['message.max.bytes']}; lower block_records")
         # Room for the key, the headers and the record's framing.
         self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
-        user_error_cb = config.get("error_cb")
-
-        def error_cb(err: Any) -> None:
-            # See NOTE [ Callbacks never raise ]. An error librdkafka will not
-            # get past (bad credentials, no access) is kept and raised by
-            # send/flush.
-            try:
-                if err.fatal() or err.code() in REFUSED:
-                    self._fatal = err
-                warn.log(logging.WARNING, "kafka: %s", err)
-                if user_error_cb is not None:
-                    user_error_cb(err)
-            except BaseException:  # noqa: BLE001 - raising here would break librdkafka's dispatch
-                log.exception("the error callback failed")
-
-        warn = ConnectionLog(log)
+        self._user_error_cb = config.get("error_cb")
+        self._warn = ConnectionLog(log)
         self._fatal: Any = None
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
         self._failures: deque[Any] = deque()
-        config["error_cb"] = error_cb
+        config["error_cb"] = weakly(self._on_error)
         config.setdefault("logger", ConnectionLog())
         self._servers = str(config["bootstrap.servers"])
         try:
@@ -361,6 +348,18 @@ class Producer:
             self._producer.poll(0)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send", e) from e
+
+    def _on_error(self, err: Any) -> None:
+        # See NOTE [ Callbacks never raise ]. An error librdkafka will not get
+        # past (bad credentials, no access) is kept and raised by send/flush.
+        try:
+            if err.fatal() or err.code() in REFUSED:
+                self._fatal = err
+            self._warn.log(logging.WARNING, "kafka: %s", err)
+            if self._user_error_cb is not None:
+                self._user_error_cb(err)
+        except BaseException:  # noqa: BLE001 - raising here would break librdkafka's dispatch
+            log.exception("the error callback failed")
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         # See NOTE [ Callbacks never raise ]: record, never lock, never raise.

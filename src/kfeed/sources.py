@@ -34,6 +34,7 @@ from kfeed._kafka import (
     topic_partitions,
     unavailable_message,
     unreachable_message,
+    weakly,
 )
 from kfeed.errors import ConfigError, ConsumeError
 
@@ -325,8 +326,7 @@ class KafkaSource(Source):
         self._note_warned: set[TP] = set()  # partitions whose commit note did not fit
         self._note_limit = METADATA_MAX  # 0 once the broker refused a note as too long
         self._acked: deque[tuple[TP, Position]] = deque()
-        user_stats_cb = config.get("stats_cb")
-        config["stats_cb"] = lambda text: self._on_stats(text, user_stats_cb)
+        config["stats_cb"] = chain(self._on_stats, config.get("stats_cb"))
         self._lag: dict[TP, int] = {}
         self._ends: dict[TP, int] = {}
         self._fetched_ends: dict[TP, int] = {}  # until the first statistics
@@ -347,6 +347,7 @@ class KafkaSource(Source):
         self._paused: set[TP] = set()
         self._assigned_once = False
         self._callback_error: BaseException | None = None
+        self._listeners: tuple[AssignCallback, RevokeCallback] | None = None  # see open()
         self._fatal: Any = None
         self._gone: tuple[float, Any] | None = None  # when a topic first looked deleted
 
@@ -366,7 +367,7 @@ class KafkaSource(Source):
         if err is not None:
             raise ConsumeError(f"{err.str()}", code=err.code())
 
-    def _on_stats(self, text: str, user_cb: Callable[[str], None] | None) -> None:
+    def _on_stats(self, text: str) -> None:
         import json
 
         try:
@@ -388,8 +389,6 @@ class KafkaSource(Source):
             self._lag, self._ends = lag, ends
         except (ValueError, KeyError, TypeError):
             log.debug("unreadable librdkafka statistics", exc_info=True)
-        if user_cb is not None:
-            user_cb(text)
 
     def lag(self, positions: Mapping[TP, int],
             known_ends: Mapping[TP, int] | None = None) -> dict[TP, int]:
@@ -455,61 +454,68 @@ class KafkaSource(Source):
 
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,
              assignment: Sequence[TP] | None) -> None:
-        from confluent_kafka import KafkaException
-
         self.partitions()  # fails fast, with a clear error, if brokers or topics are missing
-
-        # An exception must not cross librdkafka's callback boundary: keep it
-        # and raise it from consume(), on the same thread.
-        def assign_cb(consumer: Any, parts: list[Any]) -> None:
-            try:
-                tps = [(p.topic, p.partition) for p in parts]
-                self._paused.difference_update(tps)  # on_assign pauses what it wants paused
-                offsets = on_assign(tps)
-                # The start positions go in the assignment itself: a seek
-                # right after an assign fails (librdkafka's fetcher is not
-                # started yet) or is undone by a late offset lookup.
-                start = [self._tp(tp, offsets[tp][0]) for tp in tps]
-                if self.incremental:  # assign() would fail and leave nothing assigned
-                    consumer.incremental_assign(start)
-                else:
-                    consumer.assign(start)
-                # librdkafka keeps a partition's pause flag across an eager
-                # rebalance: a partition paused at the end of an epoch and
-                # given back with records to read again must fetch.
-                consumer.resume([self._tp(tp) for tp in tps if tp not in self._paused])
-                held = [self._tp(tp) for tp in tps if tp in self._paused]
-                if held:
-                    consumer.pause(held)
-            except BaseException as e:  # noqa: BLE001
-                self._callback_error = e
-
-        def revoke_cb(consumer: Any, parts: list[Any]) -> None:
-            try:
-                on_revoke([(p.topic, p.partition) for p in parts])
-            except BaseException as e:  # noqa: BLE001
-                self._callback_error = e
-            # Give the partitions up here, whatever happened above. Left to
-            # confluent-kafka, it asks librdkafka for the rebalance protocol
-            # first, and that call can block for ever when the revoke comes
-            # from close() (librdkafka#4041), holding the GIL: every thread of
-            # the trainer stops. Seen once in a cooperative member's close().
-            try:
-                if self.incremental:
-                    consumer.incremental_unassign(parts)
-                else:
-                    consumer.unassign()
-            except KafkaException as e:
-                log.info("giving up %d partitions after a revoke: %s", len(parts), e)
+        # The fetch stage's, for _on_assign and _on_revoke; close() lets go of them.
+        self._listeners = (on_assign, on_revoke)
 
         if assignment is None:
             self.group_member = True
-            self._consumer.subscribe(self.topics, on_assign=assign_cb, on_revoke=revoke_cb,
-                                     on_lost=revoke_cb)
+            revoked = weakly(self._on_revoke)
+            self._consumer.subscribe(self.topics, on_assign=weakly(self._on_assign),
+                                     on_revoke=revoked, on_lost=revoked)
             log.info("joined group %s (%s protocol)", self._config.get("group.id"), self.protocol)
         else:
             offsets = on_assign(list(assignment))
             self._consumer.assign([self._tp(tp, offsets[tp][0]) for tp in assignment])
+
+    # The group's rebalance callbacks. An exception must not cross
+    # librdkafka's callback boundary: keep it and raise it from consume(), on
+    # the same thread.
+    def _on_assign(self, consumer: Any, parts: list[Any]) -> None:
+        if self._listeners is None:
+            return
+        try:
+            tps = [(p.topic, p.partition) for p in parts]
+            self._paused.difference_update(tps)  # on_assign pauses what it wants paused
+            offsets = self._listeners[0](tps)
+            # The start positions go in the assignment itself: a seek right
+            # after an assign fails (librdkafka's fetcher is not started yet)
+            # or is undone by a late offset lookup.
+            start = [self._tp(tp, offsets[tp][0]) for tp in tps]
+            if self.incremental:  # assign() would fail and leave nothing assigned
+                consumer.incremental_assign(start)
+            else:
+                consumer.assign(start)
+            # librdkafka keeps a partition's pause flag across an eager
+            # rebalance: a partition paused at the end of an epoch and given
+            # back with records to read again must fetch.
+            consumer.resume([self._tp(tp) for tp in tps if tp not in self._paused])
+            held = [self._tp(tp) for tp in tps if tp in self._paused]
+            if held:
+                consumer.pause(held)
+        except BaseException as e:  # noqa: BLE001
+            self._callback_error = e
+
+    def _on_revoke(self, consumer: Any, parts: list[Any]) -> None:
+        from confluent_kafka import KafkaException
+
+        try:
+            if self._listeners is not None:
+                self._listeners[1]([(p.topic, p.partition) for p in parts])
+        except BaseException as e:  # noqa: BLE001
+            self._callback_error = e
+        # Give the partitions up here, whatever happened above. Left to
+        # confluent-kafka, it asks librdkafka for the rebalance protocol
+        # first, and that call can block for ever when the revoke comes from
+        # close() (librdkafka#4041), holding the GIL: every thread of the
+        # trainer stops. Seen once in a cooperative member's close().
+        try:
+            if self.incremental:
+                consumer.incremental_unassign(parts)
+            else:
+                consumer.unassign()
+        except KafkaException as e:
+            log.info("giving up %d partitions after a revoke: %s", len(parts), e)
 
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         from confluent_kafka import KafkaException
@@ -897,6 +903,7 @@ class KafkaSource(Source):
                           left + len(self._dlq_errors))
             self._dlq_producer = None
         self._consumer.close()
+        self._listeners = None
 
 
 class _Record:
@@ -1091,4 +1098,4 @@ class MemorySource(Source):
         self.dead_lettered += 1
 
     def close(self) -> None:
-        pass
+        self._callbacks = None  # the fetch stage's: a reference cycle otherwise

@@ -84,8 +84,8 @@ from kfeed.loader.agreement import EpochAgreement, from_rank0, shared_run
 from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
-from kfeed.loader.fetch import POLL_S, Fetcher, Status
-from kfeed.loader.ledger import Ledger, OrderLedger
+from kfeed.loader.fetch import POLL_S, Fetcher, Status, no_revoke_hook
+from kfeed.loader.ledger import Ledger, OrderLedger, no_reset_hook
 from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
@@ -909,6 +909,15 @@ class Loader:
             log.warning("final commit failed: %s", e)
         finally:
             self._source.close()
+            # The stages call each other back (the revoke hook into the
+            # feeder, the order's reset into the build stage, the source's
+            # rebalance callbacks into the fetch stage): reference cycles.
+            # Cut, a closed pipeline's memory (pool slots, fetched messages,
+            # held values) goes as soon as nothing else holds it, rather than
+            # at the cyclic collector's next full pass.
+            self._fetcher.before_revoke = no_revoke_hook
+            if isinstance(self._ledger, OrderLedger):
+                self._ledger.on_reset = no_reset_hook
 
     def __enter__(self) -> Loader:
         return self

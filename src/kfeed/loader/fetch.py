@@ -25,12 +25,17 @@ from kfeed.errors import ConsumeError, KfeedError
 from kfeed.loader.ledger import Ledger
 from kfeed.sources import TP, Position, Source
 
-__all__ = ["Fetcher", "Status", "POLL_S"]
+__all__ = ["Fetcher", "Status", "POLL_S", "no_revoke_hook"]
 
 log = logging.getLogger("kfeed.loader")
 
 POLL_S = 0.1  # the longest any wait of the loader's thread goes without looking at stop
 SERVE_S = 0.5  # the longest the thread goes without polling the consumer
+
+
+def no_revoke_hook(_tps: list[TP]) -> None:
+    """No on_revoke hook to wait for: a revoke gives the partitions up itself."""
+    return None
 
 
 class Status:
@@ -105,8 +110,7 @@ class Fetcher:
         self.rebalances = 0   # assignments received
         # Run inside a revoke, before anything is given up (the on_revoke hook);
         # the positions given up, if it gave them up itself.
-        self.before_revoke: Callable[[list[TP]], dict[TP, Position] | None] = \
-            lambda _tps: None
+        self.before_revoke: Callable[[list[TP]], dict[TP, Position] | None] = no_revoke_hook
         self.assigned: set[TP] = set()
         self.ends: dict[TP, int] = {}   # bounded epoch: high watermarks at start
         self.done: set[TP] = set()      # bounded epoch: partitions read to their end

@@ -105,7 +105,7 @@ from kfeed.mix import Mixer
 from kfeed.sources import TP, Committed, Position, Source
 from kfeed.tokens import Key, Packer, Shuffle, ShuffleBuffer
 
-__all__ = ["Ledger", "OrderLedger", "by_topic", "encode_note", "decode_note"]
+__all__ = ["Ledger", "OrderLedger", "by_topic", "encode_note", "decode_note", "no_reset_hook"]
 
 log = logging.getLogger("kfeed.loader")
 
@@ -375,6 +375,11 @@ ROUND_SHIFT = 40
 _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 
 
+def no_reset_hook(_pack_offset: int) -> None:
+    """No build stage to tell that the order was rebuilt."""
+    return None
+
+
 def _key(k: Any) -> Key:
     """A record's key from a state (JSON turns its partition tuple into a list)."""
     p, o, sub = k
@@ -436,7 +441,7 @@ class OrderLedger(Ledger):
         # rest of the last round first, then this one from the window's start.
         self.saved_rounds: dict[TP, int] = {}
         self.pending_rounds: dict[TP, int] = {}
-        self.on_reset: Callable[[int], None] = lambda _offset: None
+        self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
         committed = self.source.committed(tps)
