@@ -25,6 +25,7 @@ from kfeed import (
     Schema,
     Shuffle,
 )
+from kfeed.loader import build
 from kfeed.loader.tuning import FETCH_AHEAD
 from kfeed.mix import Mixer
 
@@ -351,9 +352,11 @@ def test_static_ranks_each_mix_their_share_of_every_topic():
         read(row_values(), Mix(WEIGHTS), rank=1, world_size=2, assignment="static")
 
 
-def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded():
+def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded(monkeypatch):
     # Streaming, a record per message: code, one record in a hundred of the
     # mixture, comes as fast as web; what a fetch brings of it piles up.
+    # The mixer's bytes, shared by the two partitions: 1,024 records each.
+    monkeypatch.setattr(build, "_MIX_QUEUE_BYTES", 2 * 1024 * ROWS.record_size)
     cols = {"id": np.arange(2000), "x": np.zeros((2000, 2), np.float32)}
     values = {("web", 0): ROWS.encode_raw(cols), ("code", 0): ROWS.encode_raw(cols)}
     source = MemorySource(values, loop=True)
@@ -361,6 +364,7 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded():
                     device="cpu", format="raw")
     with loader:
         for i, _batch in enumerate(loader):
+            assert loader._builder.mix_queue == 1024
             queued = loader._ledger.mixer.queued()  # type: ignore[attr-defined]
             # At most the cap, and what one fetch brought on top: a batch,
             # and what it took ahead (NOTE [ Fetching ahead ]).

@@ -69,10 +69,23 @@ _HELD_LIMIT = 6
 # as messages, which librdkafka would have held in its queue otherwise; a
 # caught-up stream gets nothing ahead, and is asked for what its batch needs.
 # ``max_memory_bytes`` counts them (``tuning.prefetch_ceiling``).
-# A mixture's partition with more records than this queued is paused until
-# half of them went out (times the batch size, at least _MIX_QUEUE_MIN).
-_MIX_QUEUE = 2
-_MIX_QUEUE_MIN = 1024
+# NOTE [ Mixture queues ]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A mixture's sources come in at the rate Kafka gives them, which is not
+# their weights: librdkafka fetches every partition alike, so a source of
+# weight 0.1 arrives as fast as one of 0.6 and its records queue in the
+# mixer. A partition with more than its share of _MIX_QUEUE_BYTES queued
+# (the bytes shared evenly by the mixed partitions, in records of the
+# values' average size so far; at least _MIX_QUEUE_BATCHES batches) is
+# paused until half of them went out. Each pause costs a fetch: librdkafka
+# drops what it fetched ahead for the partition and fetches it again on
+# resume. With 1,024 records a partition, a three-topic mixture of 3 KB rows
+# from a local broker paused 54 times in 200,000 records and ran at 0.5x the
+# speed it reached with 3 pauses (bench/RESULTS.md, "Mixtures against a
+# broker"). librdkafka's own queue holds up to 64 MiB by default; this is
+# as much again, in the mixer instead.
+_MIX_QUEUE_BYTES = 64 << 20
+_MIX_QUEUE_BATCHES = 2
 
 
 class Handoff:
@@ -271,7 +284,7 @@ class RecordBuilder(SlotBuilder):
         self.shuffled = ledger.shuffle is not None
         # A mixture: records queue in the mixer before the order (kfeed.mix).
         self.mixer = ledger.mixer
-        self.mix_queue = max(_MIX_QUEUE * batch_size, _MIX_QUEUE_MIN)
+        self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
         self.warned_absent: set[str] = set()
         self.mix_synced: tuple[int, int, int] | None = None  # see _sync_mixer
@@ -676,16 +689,25 @@ class RecordBuilder(SlotBuilder):
             f.source.resume(seek)
         return True
 
+    def _mix_queue(self, partitions: int) -> int:
+        """Records one of ``partitions`` mixed partitions may queue (NOTE [ Mixture queues ])."""
+        size = (self.value_bytes // self.samples if self.samples
+                else self.schema.record_size) or 1
+        return max(_MIX_QUEUE_BATCHES * self.batch_size,
+                   _MIX_QUEUE_BYTES // (max(1, partitions) * size))
+
     def _backpressure(self) -> None:
         """Pause the partitions whose records queue in the mixer; resume them once half went."""
         mixer = self.mixer
         if mixer is None or mixer.ended:
             return
         queued = mixer.queued()
+        parts = mixer.partitions()
+        self.mix_queue = self._mix_queue(len(parts))
         if not self.paused and queued.max(initial=0) <= self.mix_queue:
             return
         over, under = [], []
-        for pid, tp in mixer.partitions().items():
+        for pid, tp in parts.items():
             n = queued[pid] if pid < len(queued) else 0
             if n > self.mix_queue and tp not in self.paused:
                 over.append(tp)
