@@ -865,6 +865,7 @@ class _Fetches:
     def __init__(self) -> None:
         self.firsts: list[int] = []  # the first document of each fetch held, ascending
         self.held: dict[int, list[Any]] = {}  # first -> [tokens, starts, documents left]
+        self._index: tuple[np.ndarray, np.ndarray] | None = None  # firsts, documents: arrays
 
     def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray, live: int) -> None:
         if live <= 0:
@@ -873,28 +874,36 @@ class _Fetches:
         np.cumsum(lengths, out=starts[1:])
         self.firsts.append(first)
         self.held[first] = [tokens, starts, live]
+        self._index = None
 
     def take(self, ids: np.ndarray, cut: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
-        firsts = np.asarray(self.firsts, np.int64)
+        if self._index is None:  # (a mixture holds a hundred fetches or more)
+            self._index = (np.array(self.firsts, np.int64),
+                           np.array([len(self.held[f][1]) - 1 for f in self.firsts], np.int64))
+        firsts, ndocs = self._index
         at_fetch = np.searchsorted(firsts, ids, side="right") - 1
-        if len(ids) and at_fetch.min() < 0:
+        if len(ids) and (at_fetch.min() < 0
+                         or ((ids - firsts[at_fetch]) >= ndocs[at_fetch]).any()):
             raise KfeedError("a document the order emitted is not held: a bug in kfeed")
-        which = firsts[at_fetch]
-        ndocs = np.array([len(self.held[f][1]) - 1 for f in self.firsts], np.int64)
-        if len(ids) and ((ids - which) >= ndocs[at_fetch]).any():
-            raise KfeedError("a document the order emitted is not held: a bug in kfeed")
+        # The ids by fetch, each fetch's a run of ``by`` (in their order within it).
+        by = np.argsort(at_fetch, kind="stable")
+        runs = np.flatnonzero(np.diff(at_fetch[by])) + 1
+        bounds = [0, *runs.tolist(), len(ids)]
         lengths = np.empty(len(ids), np.int64)
         src = np.empty(len(ids), np.int64)
         groups = []
-        for first in np.unique(which).tolist():
-            mask = which == first
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if a == b:
+                continue
+            idx = by[a:b]
+            first = int(firsts[at_fetch[idx[0]]])
             tokens, starts, _live = self.held[first]
-            local = ids[mask] - first
-            src[mask] = starts[local]
-            lengths[mask] = starts[local + 1] - starts[local]
-            groups.append((first, mask, tokens))
+            local = ids[idx] - first
+            src[idx] = starts[local]
+            lengths[idx] = starts[local + 1] - starts[local]
+            groups.append((first, idx, tokens))
         if cut is not None:
             cut = np.minimum(cut, lengths)
             src += cut
@@ -902,14 +911,15 @@ class _Fetches:
         at = np.zeros(len(ids) + 1, np.int64)
         np.cumsum(lengths, out=at[1:])
         out = np.empty(int(at[-1]), groups[0][2].dtype if groups else np.int32)
-        for first, mask, tokens in groups:
-            _pack.gather_documents(tokens.view(np.uint8), src[mask], lengths[mask],
-                                   tokens.itemsize, out.view(np.uint8), at[:-1][mask])
+        for first, idx, tokens in groups:
+            _pack.gather_documents(tokens.view(np.uint8), src[idx], lengths[idx],
+                                   tokens.itemsize, out.view(np.uint8), at[idx])
             entry = self.held[first]
-            entry[2] -= int(mask.sum())
+            entry[2] -= len(idx)
             if entry[2] <= 0:
                 del self.held[first]
                 self.firsts.remove(first)
+                self._index = None
         return out, lengths
 
 
