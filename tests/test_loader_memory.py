@@ -266,6 +266,29 @@ def test_a_closed_loader_is_freed_at_once_not_by_the_cyclic_collector(kind: str)
     assert left_to_the_collector(run) == {}
 
 
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=1000, seed=0)],
+                         ids=["in order", "shuffled"])
+def test_the_first_fetch_asks_for_a_few_messages_until_it_knows_their_records(shuffle) -> None:
+    # 64 records a message: a batch of 256 is 4 messages. Asked for a batch's
+    # worth of messages before knowing that, a block topic would give 64
+    # batches at once, all held (by a shuffle: as its values).
+    from kfeed.loader.fetch import FIRST_FETCH
+    from kfeed.loader.tuning import FETCH_AHEAD
+
+    asked = []
+
+    class Counting(kfeed.MemorySource):
+        def consume(self, max_messages: int, timeout: float) -> list:
+            asked.append(max_messages)
+            return super().consume(max_messages, timeout)
+
+    with Loader(None, "memory", SCHEMA, 256, source=Counting(blocks(0, 64 * 400)), device="cpu",
+                until="end", shuffle=shuffle) as loader:
+        assert sum(batch.size for batch in loader) == 64 * 400
+    assert asked[0] == FIRST_FETCH
+    assert max(asked) <= (1 + FETCH_AHEAD) * 256 // 64
+
+
 def test_errors_in_the_thread_reach_the_caller() -> None:
     class Broken(kfeed.MemorySource):
         def consume(self, max_messages: int, timeout: float) -> list:

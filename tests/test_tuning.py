@@ -91,6 +91,44 @@ def test_memory_cap_mistakes_get_one_clear_line():
                       max_memory_bytes=16 * BATCH_BYTES)
 
 
+def test_a_shuffle_and_a_mixture_hold_their_records_within_the_cap():
+    # 2,256 records of 1,032 bytes in the buffer (and a batch), fed 256 per
+    # message: their values peak near (ln 256 + 0.58) times that, 14 MB,
+    # uncapped. A cap of 24 MB leaves them half, 12 MB: values are compacted
+    # to stay under it.
+    cols = {"features": np.zeros((4096, 256), np.float32), "id": np.arange(4096)}
+    blocks = list(SCHEMA.encode_blocks(cols, block_records=256)) * 8
+    share = 12_000_000
+
+    def peak(**cap: int) -> int:
+        most, n = 0, 0
+        with memory_loader(blocks, SCHEMA, BATCH, device="cpu", until="end",
+                           shuffle=kfeed.Shuffle(buffer=2000, seed=0), **cap) as loader:
+            for batch in loader:
+                most = max(most, loader.stats()["held_bytes"])
+                n += batch.size
+        assert n == 8 * 4096
+        return most
+
+    assert peak() > share  # (so the cap below has work to do)
+    assert peak(max_memory_bytes=2 * share) <= share
+    # A shuffle whose records may not fit is refused, in one line with the sizes.
+    with pytest.raises(kfeed.ConfigError, match=r"leaves 8000000 bytes for the records a shuffle "
+                                                r"holds; its 2256 records of 1032 bytes .* may "
+                                                r"hold up to 9312768 bytes"):
+        memory_loader([], SCHEMA, BATCH, device="cpu", shuffle=kfeed.Shuffle(buffer=2000),
+                      max_memory_bytes=16_000_000)
+    # A mixture's queues get that half (64 MiB at most), the batches what is left.
+    mix = kfeed.Mix({"a": 0.5, "b": 0.5})
+    source = kfeed.MemorySource({("a", 0): [], ("b", 0): []})
+    with kfeed.Loader(None, mix, SCHEMA, BATCH, source=source, device="cpu",
+                      max_memory_bytes=2 * share) as loader:
+        assert loader._builder.mix_bytes == share
+    with pytest.raises(kfeed.ConfigError, match="and a shuffle's or a mixture's records"):
+        kfeed.Loader(None, mix, SCHEMA, BATCH, source=source, device="cpu", prefetch=40,
+                     max_memory_bytes=2 * share)
+
+
 def test_librdkafka_gets_its_share_of_the_cap_unless_the_user_set_it():
     got = memory_settings(256 << 20, {"fetch.max.bytes": 1 << 20})
     assert got == {"queued.max.messages.kbytes": 32768, "max.partition.fetch.bytes": 8 << 20}

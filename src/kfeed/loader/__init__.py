@@ -91,6 +91,7 @@ from kfeed.loader.tuning import (
     HELD_BESIDES_QUEUE,
     PrefetchTuner,
     batches_budget,
+    held_budget,
     memory_settings,
     prefetch_ceiling,
 )
@@ -349,8 +350,13 @@ class Loader:
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
                                 pin=self._copier.cuda, most_lent=depth + HELD_BESIDES_QUEUE - 1)
         batch_bytes = self._pool.nbytes // len(self._pool)
+        held = held_budget(c.max_memory_bytes, record_size=c.schema.record_size,
+                           shuffled_records=(c.shuffle.buffer + c.batch_size
+                                             if c.shuffle is not None and c.pack is None
+                                             and not c.jagged else 0),
+                           mixing=c.mix is not None)
         ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
-            c.max_memory_bytes, rdkafka, batch_bytes), batch_bytes)
+            c.max_memory_bytes, rdkafka, batch_bytes, held or 0), batch_bytes)
         self._status = Status()
         mixer = None
         if c.mix is not None:
@@ -373,7 +379,7 @@ class Loader:
         builder: SlotBuilder
         if isinstance(self._ledger, OrderLedger):
             builder = RecordBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,
-                                    stop=stop, packer=packer, **stop_args)
+                                    stop=stop, packer=packer, held_bytes=held, **stop_args)
         else:
             builder = SlotBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,
                                   stop=stop, **stop_args)

@@ -33,6 +33,10 @@ POLL_S = 0.1  # the longest any wait of the loader's thread goes without looking
 SERVE_S = 0.5  # the longest the thread goes without polling the consumer
 
 
+# Messages the first fetch asks for at most (Fetcher.messages_for).
+FIRST_FETCH = 4
+
+
 def no_revoke_hook(_tps: list[TP]) -> None:
     """No on_revoke hook to wait for: a revoke gives the partitions up itself."""
     return None
@@ -251,7 +255,15 @@ class Fetcher:
         return self.i < len(self.msgs)
 
     def messages_for(self, rows: int) -> int:
-        """Messages to ask for, to get about ``rows`` records."""
+        """Messages to ask for, to get about ``rows`` records.
+
+        Before the first fetch is decoded a message may hold one record or
+        thousands (a block): the first fetch asks for FIRST_FETCH messages at
+        most, not a batch's worth of messages, which from a block topic would
+        be hundreds of batches (all held at once by a shuffle, say).
+        """
+        if not self.learned:
+            return max(1, min(rows, FIRST_FETCH))
         return max(1, min(10000, math.ceil(rows / self.records_per_msg)))
 
     def learn(self, rows: int, messages: int) -> None:

@@ -4,8 +4,9 @@ Where it sits: beside the hand-over between the loader's thread and the
 caller. ``Loader(prefetch="auto")`` deepens the ready queue while the
 training loop waits for batches that the thread could have made ahead;
 ``max_memory_bytes`` bounds what the loader holds: librdkafka's pre-fetch
-queue and fetches (``memory_settings``) and the batches made ahead (the
-tuner's ceiling, or a ``ConfigError`` for a fixed ``prefetch`` that does not
+queue and fetches (``memory_settings``), the records a shuffle or a mixture
+holds (``held_budget``), and the batches made ahead (the tuner's ceiling, or
+a ``ConfigError`` for a fixed ``prefetch`` or shuffle buffer that does not
 fit). Neither ever changes the batch size: only how far ahead the loader
 reads.
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 
-__all__ = ["FETCH_AHEAD", "PrefetchTuner", "batches_budget", "memory_settings", "prefetch_ceiling"]
+__all__ = ["FETCH_AHEAD", "PrefetchTuner", "batches_budget", "held_budget", "memory_settings",
+           "prefetch_ceiling"]
 
 log = logging.getLogger("kfeed.loader")
 
@@ -42,6 +44,16 @@ FETCH_AHEAD = 4
 _RDKAFKA_SHARE = 8
 
 
+# Of max_memory_bytes, what a shuffle or a mixture holds takes up to a half
+# (the records in their message values, a mixture's queues), where there is
+# one; the batches made ahead get what is left.
+_HELD_SHARE = 2
+# Message values held for a shuffle's records weigh up to this many times
+# the records themselves: a value is compacted once a quarter of it or less
+# is left (NOTE [ Held records ] in loader/build.py).
+HELD_WORST = 4
+
+
 # librdkafka's ranges: fetch.max.bytes <= 2147483135, queued.max.messages.kbytes
 # <= 2097151; and fetch.max.bytes >= message.max.bytes (default 1000000).
 _FETCH_MAX = 2147483135
@@ -57,15 +69,38 @@ def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]
     return {k: v for k, v in wanted.items() if k not in kafka_config}
 
 
-def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes: int
-                   ) -> int | None:
-    """How many batches of ``batch_bytes`` the cap leaves beside librdkafka's buffers."""
+def held_budget(cap: int | None, *, shuffled_records: int, record_size: int, mixing: bool
+                ) -> int | None:
+    """Bytes a shuffle's or a mixture's records may take of ``cap`` (None: no cap, or none held).
+
+    ``shuffled_records``: the records a shuffle of fixed shapes holds (its
+    buffer and a batch), 0 for none; its values may weigh ``HELD_WORST``
+    times as much, which must fit, or it is a ``ConfigError``. (The documents
+    a shuffle of documents holds depend on their lengths: not counted.)
+    """
+    if cap is None or not (shuffled_records or mixing):
+        return None
+    share = cap // _HELD_SHARE
+    need = HELD_WORST * shuffled_records * record_size
+    if need > share:
+        raise ConfigError(
+            f"max_memory_bytes={cap} leaves {share} bytes for the records a shuffle holds; "
+            f"its {shuffled_records} records of {record_size} bytes (the buffer and a batch) "
+            f"may hold up to {need} bytes of message values: a larger max_memory_bytes or a "
+            f"smaller Shuffle(buffer=)")
+    return share
+
+
+def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes: int,
+                   held: int = 0) -> int | None:
+    """How many batches of ``batch_bytes`` the cap leaves beside librdkafka's buffers
+    and the ``held`` bytes of a shuffle's or a mixture's records."""
     if cap is None:
         return None
     queue_kb = kafka_config.get("queued.max.messages.kbytes")
     fetch = kafka_config.get("fetch.max.bytes")
     rdkafka = (int(queue_kb) << 10 if queue_kb is not None else 0) + int(fetch or 0)
-    return max(0, cap - rdkafka) // max(1, batch_bytes)
+    return max(0, cap - rdkafka - held) // max(1, batch_bytes)
 
 
 def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
@@ -80,7 +115,8 @@ def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
         need = (max(1, depth if prefetch != "auto" else 1) + besides) * batch_bytes
         raise ConfigError(
             f"max_memory_bytes={cap} leaves room for {max(budget, 0)} batches of "
-            f"{batch_bytes} bytes beside librdkafka's buffers; prefetch={prefetch!r} needs "
+            f"{batch_bytes} bytes beside librdkafka's buffers (and a shuffle's or a mixture's "
+            f"records, if any); prefetch={prefetch!r} needs "
             f"{need} bytes for its batches (the queue, {HELD_BESIDES_QUEUE} more and "
             f"{FETCH_AHEAD} fetched ahead)")
     return min(depth, fits)
