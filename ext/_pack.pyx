@@ -867,24 +867,74 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
     return n, why, src
 
 
-def gather_documents(const uint8_t[::1] src, const int64_t[::1] starts,
-                     const int64_t[::1] lengths, Py_ssize_t itemsize, uint8_t[::1] out,
-                     const int64_t[::1] at):
-    """Copy documents ``src[starts[i]:][:lengths[i]]`` to ``out[at[i]:]``, one ``memcpy`` each.
+def take_documents(list tokens, list starts, const int64_t[::1] fetch_of,
+                   const int64_t[::1] local, const int64_t[::1] cut, Py_ssize_t itemsize):
+    """Documents out of several fetches, one after another: ``(bytes, lengths)``.
 
-    ``src`` and ``out`` are token arrays seen as bytes, ``itemsize`` bytes a
-    token; every position and length counts tokens, and is checked first.
+    Document ``i`` is document ``local[i]`` of fetch ``fetch_of[i]``: the
+    tokens of ``tokens[f]`` (an array seen as bytes, ``itemsize`` bytes a
+    token) from ``starts[f][local[i]]`` to ``starts[f][local[i] + 1]``, less
+    its first ``cut[i]`` tokens (``cut`` empty: none). Gives the tokens as
+    one uint8 array and each document's length in tokens. Every index is
+    checked before any byte moves; the copies, one ``memcpy`` a document,
+    run without the GIL.
     """
-    cdef Py_ssize_t n = starts.shape[0], i
-    cdef Py_ssize_t have = src.shape[0] // itemsize if itemsize > 0 else 0
-    cdef Py_ssize_t room = out.shape[0] // itemsize if itemsize > 0 else 0
-    if itemsize <= 0 or lengths.shape[0] != n or at.shape[0] != n:
-        raise ValueError("one start, one length and one place per document, itemsize > 0")
-    for i in range(n):
-        if starts[i] < 0 or lengths[i] < 0 or at[i] < 0 or starts[i] > have \
-                or lengths[i] > have - starts[i] or at[i] > room or lengths[i] > room - at[i]:
-            raise ValueError(f"document {i} ({starts[i]}, {lengths[i]} tokens, to {at[i]}) "
-                             f"is outside {have} tokens in or {room} out")
+    cdef Py_ssize_t n = fetch_of.shape[0], nf = len(tokens), i, f, d
+    cdef int64_t a, b, c, total = 0
+    if itemsize <= 0 or len(starts) != nf or local.shape[0] != n \
+            or (cut.shape[0] != 0 and cut.shape[0] != n):
+        raise ValueError("a fetch and a document per id, starts per fetch, itemsize > 0")
+    cdef const uint8_t[::1] tv
+    cdef const int64_t[::1] sv
+    keep = []  # the views, so the addresses below stay valid
+    cdef const uint8_t** src = <const uint8_t**>malloc(max(nf, 1) * sizeof(uint8_t*))
+    cdef const int64_t** bounds = <const int64_t**>malloc(max(nf, 1) * sizeof(int64_t*))
+    cdef int64_t* have = <int64_t*>malloc(max(nf, 1) * sizeof(int64_t))
+    cdef int64_t* docs = <int64_t*>malloc(max(nf, 1) * sizeof(int64_t))
+    if src == NULL or bounds == NULL or have == NULL or docs == NULL:
+        free(src); free(bounds); free(have); free(docs)
+        raise MemoryError()
+    try:
+        for f in range(nf):
+            tv = tokens[f]
+            sv = starts[f]
+            keep.append((tv, sv))
+            src[f] = &tv[0] if tv.shape[0] else NULL
+            bounds[f] = &sv[0] if sv.shape[0] else NULL
+            have[f] = tv.shape[0] // itemsize
+            docs[f] = sv.shape[0] - 1
+        lengths = np.empty(n, np.int64)
+        at = np.empty(n, np.int64)
+        first = np.empty(n, np.int64)
+        for i in range(n):
+            f = fetch_of[i]
+            d = local[i]
+            if f < 0 or f >= nf or d < 0 or d >= docs[f]:
+                raise ValueError(f"document {i}: {d} of fetch {f}, outside what is held")
+            a = bounds[f][d]
+            b = bounds[f][d + 1]
+            c = cut[i] if cut.shape[0] else 0
+            if a < 0 or b < a or b > have[f] or c < 0:
+                raise ValueError(f"document {i}: tokens {a} to {b} (less {c}) of {have[f]}")
+            a = min(a + c, b)
+            first[i] = a
+            lengths[i] = b - a
+            at[i] = total
+            total += b - a
+        out = np.empty(total * itemsize, np.uint8)
+        _copy_documents(src, fetch_of, first, lengths, at, itemsize, out)
+        return out, lengths
+    finally:
+        free(src); free(bounds); free(have); free(docs)
+
+
+cdef void _copy_documents(const uint8_t** src, const int64_t[::1] fetch_of,
+                          const int64_t[::1] first, const int64_t[::1] lengths,
+                          const int64_t[::1] at, Py_ssize_t itemsize,
+                          uint8_t[::1] out) noexcept:
+    cdef Py_ssize_t i, n = fetch_of.shape[0]
     with nogil:
         for i in range(n):
-            memcpy(&out[at[i] * itemsize], &src[starts[i] * itemsize], lengths[i] * itemsize)
+            if lengths[i]:
+                memcpy(&out[at[i] * itemsize], src[fetch_of[i]] + first[i] * itemsize,
+                       lengths[i] * itemsize)

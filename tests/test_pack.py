@@ -720,3 +720,33 @@ def test_the_reservoir_loop_skips_repeats_and_keeps_the_positions():
     flags = np.ones(1, np.uint8)
     _pack.key_minima(out[:3], marks, flags)
     assert marks[0].tolist() == [3, 0]
+
+
+def test_documents_are_taken_from_several_fetches_in_the_order_asked_and_checked_first():
+    a = np.arange(10, dtype=np.int32)            # fetch 0: documents [0:3], [3:10]
+    b = np.arange(100, 106, dtype=np.int32)      # fetch 1: documents [0:2], [2:2], [2:6]
+    starts = [np.array([0, 3, 10]), np.array([0, 2, 2, 6])]
+    views = [a.view(np.uint8), b.view(np.uint8)]
+    fetch_of = np.array([1, 0, 1, 0, 1], np.int64)
+    local = np.array([2, 1, 0, 0, 1], np.int64)
+    out, lengths = _pack.take_documents(views, starts, fetch_of, local, np.empty(0, np.int64), 4)
+    assert lengths.tolist() == [4, 7, 2, 3, 0]
+    assert out.view(np.int32).tolist() == [102, 103, 104, 105, *range(3, 10), 100, 101, 0, 1, 2]
+    # Less the tokens already out (a cut past the end takes nothing).
+    cut = np.array([1, 0, 5, 0, 0], np.int64)
+    out, lengths = _pack.take_documents(views, starts, fetch_of, local, cut, 4)
+    assert lengths.tolist() == [3, 7, 0, 3, 0]
+    assert out.view(np.int32).tolist() == [103, 104, 105, *range(3, 10), 0, 1, 2]
+    for bad_fetch, bad_local, match in ((2, 0, "document 0: 0 of fetch 2"),
+                                        (0, 2, "document 0: 2 of fetch 0"),
+                                        (-1, 0, "document 0: 0 of fetch -1")):
+        with pytest.raises(ValueError, match=match):
+            _pack.take_documents(views, starts, np.array([bad_fetch]), np.array([bad_local]),
+                                 np.empty(0, np.int64), 4)
+    with pytest.raises(ValueError, match=r"tokens 0 to 11 \(less 0\) of 10"):
+        _pack.take_documents(views, [np.array([0, 11]), starts[1]], np.array([0]),
+                             np.array([0]), np.empty(0, np.int64), 4)
+    with pytest.raises(ValueError, match="less -1"):
+        _pack.take_documents(views, starts, np.array([0]), np.array([0]), np.array([-1]), 4)
+    with pytest.raises(ValueError, match="a fetch and a document per id"):
+        _pack.take_documents(views, starts[:1], fetch_of, local, np.empty(0, np.int64), 4)

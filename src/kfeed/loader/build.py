@@ -331,9 +331,13 @@ class RecordBuilder(SlotBuilder):
         ledger.on_reset = self._reset
 
     def fetch_size(self, rows: int) -> int:
+        # Documents: a message a row (or record) asked for. The documents a
+        # batch takes are not learned per message, as records are: a row
+        # packs several, and a jagged record's size varies.
+        documents = self.packer is not None or self.jagged_field is not None
+        n = min(10000, max(1, rows)) if documents else self.fetcher.messages_for(rows)
         # A mixture needs every source's records: a message from each
         # partition at least, for a fetch that holds one batch's worth.
-        n = self.fetcher.messages_for(rows)
         mixing = self.order_ledger.mixer is not None and self.order_ledger.mixer.mixes
         return max(n, len(self.fetcher.assigned)) if mixing else n
 
@@ -866,69 +870,69 @@ class _Fetches:
 
     A fetch's documents are numbered ``first, first + 1, ...`` (the items the
     order sees); ``take(ids)`` gathers any of them, from any fetches, in the
-    order given, with a few numpy calls per fetch involved and none per
-    document. A fetch goes once every document of it went out or was skipped.
+    order given, with a few numpy calls and one C call whatever the number of
+    documents and fetches. A fetch goes once every document of it went out or
+    was skipped. The fetches' firsts stay in an array, in the order they came
+    (ascending), gone ones too until they outnumber those held.
     """
 
     def __init__(self) -> None:
-        self.firsts: list[int] = []  # the first document of each fetch held, ascending
         self.held: dict[int, list[Any]] = {}  # first -> [tokens, starts, documents left]
-        self._index: tuple[np.ndarray, np.ndarray] | None = None  # firsts, documents: arrays
+        self._firsts = np.empty(64, np.int64)  # of the fetches, [:_n]; some may be gone
+        self._n = 0
+
+    @property
+    def firsts(self) -> list[int]:
+        """The first document of each fetch held, ascending."""
+        return sorted(self.held)
 
     def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray, live: int) -> None:
         if live <= 0:
             return
         starts = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=starts[1:])
-        self.firsts.append(first)
         self.held[first] = [tokens, starts, live]
-        self._index = None
+        if self._n == len(self._firsts):
+            gone = self._n - len(self.held) + 1
+            if gone > self._n // 2:  # mostly gone ones: keep those held
+                kept = np.array(sorted(self.held)[:-1], np.int64)
+                self._firsts[:len(kept)] = kept
+                self._n = len(kept)
+            else:
+                self._firsts = np.concatenate([self._firsts, np.empty(self._n, np.int64)])
+        self._firsts[self._n] = first
+        self._n += 1
 
     def take(self, ids: np.ndarray, cut: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
-        if self._index is None:  # (a mixture holds a hundred fetches or more)
-            self._index = (np.array(self.firsts, np.int64),
-                           np.array([len(self.held[f][1]) - 1 for f in self.firsts], np.int64))
-        firsts, ndocs = self._index
+        firsts = self._firsts[:self._n]
         at_fetch = np.searchsorted(firsts, ids, side="right") - 1
-        if len(ids) and (at_fetch.min() < 0
-                         or ((ids - firsts[at_fetch]) >= ndocs[at_fetch]).any()):
+        if len(ids) and at_fetch.min() < 0:
             raise KfeedError("a document the order emitted is not held: a bug in kfeed")
-        # The ids by fetch, each fetch's a run of ``by`` (in their order within it).
-        by = np.argsort(at_fetch, kind="stable")
-        runs = np.flatnonzero(np.diff(at_fetch[by])) + 1
-        bounds = [0, *runs.tolist(), len(ids)]
-        lengths = np.empty(len(ids), np.int64)
-        src = np.empty(len(ids), np.int64)
-        groups = []
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            if a == b:
-                continue
-            idx = by[a:b]
-            first = int(firsts[at_fetch[idx[0]]])
-            tokens, starts, _live = self.held[first]
-            local = ids[idx] - first
-            src[idx] = starts[local]
-            lengths[idx] = starts[local + 1] - starts[local]
-            groups.append((first, idx, tokens))
-        if cut is not None:
-            cut = np.minimum(cut, lengths)
-            src += cut
-            lengths -= cut
-        at = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=at[1:])
-        out = np.empty(int(at[-1]), groups[0][2].dtype if groups else np.int32)
-        for first, idx, tokens in groups:
-            _pack.gather_documents(tokens.view(np.uint8), src[idx], lengths[idx],
-                                   tokens.itemsize, out.view(np.uint8), at[idx])
-            entry = self.held[first]
-            entry[2] -= len(idx)
+        # The fetches involved, numbered 0, 1, ... in the order they came.
+        count = np.bincount(at_fetch, minlength=self._n)
+        used = np.flatnonzero(count)
+        number = np.empty(self._n, np.int64)
+        number[used] = np.arange(len(used))
+        keys = firsts[used].tolist()
+        try:
+            entries = [self.held[k] for k in keys]
+        except KeyError:
+            raise KfeedError("a document the order emitted is not held: a bug in kfeed") from None
+        # (take_documents checks each document lies inside its fetch.)
+        out, lengths = _pack.take_documents(
+            [e[0].view(np.uint8) for e in entries], [e[1] for e in entries], number[at_fetch],
+            ids - firsts[at_fetch], _NO_CUT if cut is None else cut.astype(np.int64, copy=False),
+            entries[0][0].itemsize if entries else 4)
+        for k, entry, n in zip(keys, entries, count[used].tolist(), strict=True):
+            entry[2] -= n
             if entry[2] <= 0:
-                del self.held[first]
-                self.firsts.remove(first)
-                self._index = None
-        return out, lengths
+                del self.held[k]
+        return out.view(entries[0][0].dtype if entries else np.int32), lengths
+
+
+_NO_CUT = np.empty(0, np.int64)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
