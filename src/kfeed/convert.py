@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import admin_partitions, client_config, create_topic, kafka_error
+from kfeed._kafka import admin_partitions, client_config, create_topic, kafka_error, weakly
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
@@ -184,8 +184,9 @@ class _Convert:
     def run(self, follow: bool, progress: Callable[[ConvertStats], None] | None,
             stop: threading.Event) -> ConvertStats:
         t0 = time.monotonic()
-        self.consumer.subscribe([self.from_topic], on_assign=self._on_assign,
-                                on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        revoked = weakly(self._on_revoke)
+        self.consumer.subscribe([self.from_topic], on_assign=weakly(self._on_assign),
+                                on_revoke=revoked, on_lost=revoked)
         failures = 0
         while not stop.is_set():
             msgs = self._consume()
