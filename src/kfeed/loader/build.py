@@ -881,11 +881,6 @@ class _Fetches:
         self._firsts = np.empty(64, np.int64)  # of the fetches, [:_n]; some may be gone
         self._n = 0
 
-    @property
-    def firsts(self) -> list[int]:
-        """The first document of each fetch held, ascending."""
-        return sorted(self.held)
-
     def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray, live: int) -> None:
         if live <= 0:
             return
