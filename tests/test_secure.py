@@ -76,9 +76,15 @@ class Secure:
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
     pytest.importorskip("cryptography", reason="secure mode needs kfeed[secure]")
     state_dir = tmp_path_factory.mktemp("kfeed-secure") / "cluster"
-    port = cluster.free_port_base(1, FIRST_PORT)
     try:
-        started = kfeed_cli("up", "--secure", "--dir", str(state_dir), "--port", str(port))
+        for _attempt in range(3):
+            port = cluster.free_port_base(1, FIRST_PORT)
+            started = kfeed_cli("up", "--secure", "--dir", str(state_dir), "--port", str(port))
+            # The port was free when chosen, but it lies in the range the
+            # system gives client sockets: one may take it before the broker binds.
+            if "Address already in use" not in started.stdout + started.stderr:
+                break
+            cluster.down(state_dir, wipe=True)
         assert started.returncode == 0, started.stdout + started.stderr
         servers = started.stdout.strip().splitlines()[-1]
         assert servers == f"127.0.0.1:{port}"

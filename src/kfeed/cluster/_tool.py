@@ -638,7 +638,10 @@ def _log_tail(paths: NodePaths) -> str:
         except OSError:
             continue
         if text.strip():
-            parts.append(f"last lines of {log}:\n{_last_lines(text)}")
+            # Why it stopped is often above the shutdown's own lines.
+            errors = [line for line in text.splitlines() if " ERROR " in line][:3]
+            why = "".join(f"{line}\n" for line in errors)
+            parts.append(f"{why}last lines of {log}:\n{_last_lines(text)}")
     return "\n".join(parts) if parts else f"no log output in {paths.root}"
 
 
