@@ -109,6 +109,41 @@ def read_partitions(bootstrap: str, topic: str) -> dict[int, list[Any]]:
         consumer.close()
 
 
+def test_client_callbacks_never_raise_and_never_keep_their_owner_alive(caplog) -> None:
+    # librdkafka's dispatch must not see an exception (NOTE [ Callbacks never
+    # raise ]), neither kfeed's nor a user's, and a client's callbacks must
+    # not keep the object that owns the client alive.
+    import weakref
+
+    from kfeed._kafka import chain
+
+    class Owner:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_error(self, err: int) -> None:
+            self.seen.append(err)
+            if err < 0:
+                raise ValueError("kfeed's own callback failed")
+
+    def theirs(err: int) -> None:
+        raise RuntimeError("the user's callback failed")
+
+    owner = Owner()
+    callback = chain(owner.on_error, theirs)
+    callback(1)
+    callback(-1)
+    assert owner.seen == [1, -1]
+    failed = [r for r in caplog.records if "Kafka client callback failed" in r.getMessage()]
+    assert [r.exc_info[0] for r in failed] == [RuntimeError, ValueError, RuntimeError]
+    gone = Owner()
+    callback = chain(gone.on_error, None)
+    ref = weakref.ref(gone)
+    del gone
+    assert ref() is None  # freed by its count alone: the callback does not hold it
+    callback(1)  # nothing to call, nothing raised
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("format", ["block", "raw"])
 @pytest.mark.parametrize("form", ["list", "flat"])

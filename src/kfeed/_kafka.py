@@ -224,14 +224,15 @@ def weakly(method: Callable[..., None]) -> Callable[..., None]:
     ``method`` belongs to the object that owns the client, and a client keeps
     its callbacks until it is freed: held strongly, owner and client would be
     a reference cycle, and the client (its threads and connections) would
-    outlive its owner until the cyclic collector's next full pass.
+    outlive its owner until the cyclic collector's next full pass. What it
+    raises is logged, never passed on (``_safely``).
     """
     ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
     def call(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound(*args)
+            _safely(bound, args)
     return call
 
 
@@ -243,8 +244,19 @@ def chain(ours: Callable[..., None], theirs: Callable[..., None] | None) -> Call
 
     def both(*args: Any) -> None:
         ours(*args)
-        theirs(*args)
+        _safely(theirs, args)
     return both
+
+
+def _safely(callback: Callable[..., None], args: tuple[Any, ...]) -> None:
+    # A callback runs inside confluent-kafka's poll, consume or flush: an
+    # exception raised into it breaks librdkafka's dispatch (NOTE [ Callbacks
+    # never raise ] in kfeed/producer.py).
+    try:
+        callback(*args)
+    except BaseException:  # noqa: BLE001 - logged, never into librdkafka's dispatch
+        log.exception("a Kafka client callback failed (%s)",
+                      getattr(callback, "__qualname__", callback))
 
 
 def kafka_error(exc: BaseException) -> Any | None:

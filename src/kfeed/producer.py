@@ -28,11 +28,11 @@ from kfeed._kafka import (
     REFUSED,
     ConnectionLog,
     TopicUnavailable,
+    chain,
     kafka_error,
     topic_partitions,
     unavailable_message,
     unreachable_message,
-    weakly,
 )
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
@@ -139,13 +139,12 @@ class Producer:
                 f"message.max.bytes={config['message.max.bytes']}; lower block_records")
         # Room for the key, the headers and the record's framing.
         self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
-        self._user_error_cb = config.get("error_cb")
         self._warn = ConnectionLog(log)
         self._fatal: Any = None
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
         self._failures: deque[Any] = deque()
-        config["error_cb"] = weakly(self._on_error)
+        config["error_cb"] = chain(self._on_error, config.get("error_cb"))
         config.setdefault("logger", ConnectionLog())
         self._servers = str(config["bootstrap.servers"])
         try:
@@ -352,14 +351,9 @@ class Producer:
     def _on_error(self, err: Any) -> None:
         # See NOTE [ Callbacks never raise ]. An error librdkafka will not get
         # past (bad credentials, no access) is kept and raised by send/flush.
-        try:
-            if err.fatal() or err.code() in REFUSED:
-                self._fatal = err
-            self._warn.log(logging.WARNING, "kafka: %s", err)
-            if self._user_error_cb is not None:
-                self._user_error_cb(err)
-        except BaseException:  # noqa: BLE001 - raising here would break librdkafka's dispatch
-            log.exception("the error callback failed")
+        if err.fatal() or err.code() in REFUSED:
+            self._fatal = err
+        self._warn.log(logging.WARNING, "kafka: %s", err)
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         # See NOTE [ Callbacks never raise ]: record, never lock, never raise.
@@ -497,8 +491,9 @@ class Producer:
 # So:
 # - every poll and flush runs in slices of _SLICE_S, under one chunk, so a
 #   fatal error ends the call and reaches the caller as a KafkaException;
-# - the callbacks take no lock and only record (a deque), and error_cb keeps
-#   a user callback's exception from escaping into librdkafka's dispatch;
+# - the callbacks take no lock and only record (a deque), and error_cb (through
+#   _kafka.chain, as the loader's consumer callbacks) keeps its own exceptions
+#   and a user callback's from escaping into librdkafka's dispatch;
 # - every confluent-kafka call is wrapped: a KafkaException, or a SystemError
 #   it caused, becomes a ProduceError with the Kafka error's code, and a fatal
 #   error is kept, so that later calls raise it at once instead of waiting.

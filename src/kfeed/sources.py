@@ -705,32 +705,30 @@ class KafkaSource(Source):
         # Runs inside consume() or close(), on the thread that calls them.
         # Records only; the loader takes the acknowledged positions when it
         # next commits (see acknowledged()).
+        # (Held ``weakly``: what this raises is logged, never passed on.)
         from confluent_kafka import KafkaError
 
-        try:
-            for p in parts or ():
-                tp = (p.topic, p.partition)
-                pos = self._inflight.pop((tp, p.offset), None)
-                if err is None and p.error is None:
-                    if pos is not None:
-                        self._acked.append((tp, pos))
-                    self._gone = None  # the coordinator knows the topic (again)
-                elif err is not None or p.error is not None:
-                    self._refused_note(err or p.error)
-                    refused = err or p.error
-                    if refused.code() in GONE_CODES and self._gone is None:
-                        # The group's coordinator no longer knows the topic:
-                        # deleted, most likely. librdkafka's own fetcher says
-                        # so only after topic.metadata.propagation.max.ms
-                        # (30 s); the grace in consume() applies either way.
-                        self._gone = (time.monotonic(), KafkaError(
-                            refused.code(), f"{p.topic} [{p.partition}]: a commit was refused: "
-                            f"{refused.str()} (the topic was deleted?)"))
-                    self.commit_failures += 1
-                    self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
-                                   p.topic, p.partition, p.offset, err or p.error)
-        except BaseException:  # noqa: BLE001 - never into librdkafka's dispatch
-            log.exception("the commit callback failed")
+        for p in parts or ():
+            tp = (p.topic, p.partition)
+            pos = self._inflight.pop((tp, p.offset), None)
+            refused = err or p.error
+            if refused is None:
+                if pos is not None:
+                    self._acked.append((tp, pos))
+                self._gone = None  # the coordinator knows the topic (again)
+                continue
+            self._refused_note(refused)
+            if refused.code() in GONE_CODES and self._gone is None:
+                # The group's coordinator no longer knows the topic: deleted,
+                # most likely. librdkafka's own fetcher says so only after
+                # topic.metadata.propagation.max.ms (30 s); the grace in
+                # consume() applies either way.
+                self._gone = (time.monotonic(), KafkaError(
+                    refused.code(), f"{p.topic} [{p.partition}]: a commit was refused: "
+                    f"{refused.str()} (the topic was deleted?)"))
+            self.commit_failures += 1
+            self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
+                           p.topic, p.partition, p.offset, refused)
 
     def _refused_note(self, error: Any) -> bool:
         """A broker that keeps less metadata than Kafka's default: commit without notes.
