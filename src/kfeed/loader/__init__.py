@@ -356,7 +356,7 @@ class Loader:
                                              and not c.jagged else 0),
                            mixing=c.mix is not None)
         ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
-            c.max_memory_bytes, rdkafka, batch_bytes, held or 0), batch_bytes)
+            c.max_memory_bytes, rdkafka, batch_bytes, held[0] if held else 0), batch_bytes)
         self._status = Status()
         mixer = None
         if c.mix is not None:

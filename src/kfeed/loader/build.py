@@ -43,7 +43,7 @@ from kfeed.errors import KfeedError
 from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import ROUND_SHIFT, Ledger, OrderLedger
-from kfeed.loader.tuning import FETCH_AHEAD, HELD_WORST
+from kfeed.loader.tuning import FETCH_AHEAD
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, Position
@@ -277,21 +277,19 @@ class RecordBuilder(SlotBuilder):
     def __init__(self, fetcher: Fetcher, ledger: OrderLedger, schema: Schema, fmt: Format,
                  bad: BadRecords, *, batch_size: int, max_wait_s: float,
                  stop: threading.Event, packer: Packer | None,
-                 held_bytes: int | None = None) -> None:
+                 held_bytes: tuple[int, int] | None = None) -> None:
         super().__init__(fetcher, ledger, schema, fmt, bad, batch_size=batch_size,
                          max_wait_s=max_wait_s, stop=stop)
         self.order_ledger = ledger
         self.packer = packer
         self.shuffled = ledger.shuffle is not None
         # A mixture: records queue in the mixer before the order (kfeed.mix),
-        # up to mix_bytes (NOTE [ Mixture queues ]); with max_memory_bytes,
-        # within what it leaves held records (``held_bytes``) beside a
-        # shuffle's records (tuning.held_budget).
+        # up to mix_bytes (NOTE [ Mixture queues ]). With max_memory_bytes,
+        # ``held_bytes`` is what held records may take, and of those what the
+        # mixture's queues may (tuning.held_budget).
         self.mixer = ledger.mixer
-        shuffled = (ledger.shuffle.buffer + batch_size) * schema.record_size \
-            if ledger.shuffle is not None and packer is None and schema.varlen is None else 0
         self.mix_bytes = _MIX_QUEUE_BYTES if held_bytes is None else \
-            min(_MIX_QUEUE_BYTES, max(0, held_bytes - HELD_WORST * shuffled))
+            min(_MIX_QUEUE_BYTES, held_bytes[1])
         self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
         self.warned_absent: set[str] = set()
@@ -314,7 +312,7 @@ class RecordBuilder(SlotBuilder):
             limit = _HELD_LIMIT * (size + batch_size) * schema.record_size
             self.held = schema.hold(fmt if self.decoder is None
                                     else Format.BLOCK if self.decoder.batches else Format.RAW,
-                                    limit=limit if held_bytes is None else min(limit, held_bytes))
+                                    limit=limit if held_bytes is None else min(limit, held_bytes[0]))
             # Another format's fetch decoded here first, and its bound form.
             self.staging: dict[str, np.ndarray] = {}
             self.staging_target: Any = None

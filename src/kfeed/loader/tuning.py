@@ -51,7 +51,7 @@ _HELD_SHARE = 2
 # Message values held for a shuffle's records weigh up to this many times
 # the records themselves: a value is compacted once a quarter of it or less
 # is left (NOTE [ Held records ] in loader/build.py).
-HELD_WORST = 4
+_HELD_WORST = 4
 
 
 # librdkafka's ranges: fetch.max.bytes <= 2147483135, queued.max.messages.kbytes
@@ -70,25 +70,27 @@ def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]
 
 
 def held_budget(cap: int | None, *, shuffled_records: int, record_size: int, mixing: bool
-                ) -> int | None:
-    """Bytes a shuffle's or a mixture's records may take of ``cap`` (None: no cap, or none held).
+                ) -> tuple[int, int] | None:
+    """Bytes a shuffle's or a mixture's records may take of ``cap``, and of those the
+    mixture's queues (None: no cap, or none held).
 
     ``shuffled_records``: the records a shuffle of fixed shapes holds (its
-    buffer and a batch), 0 for none; its values may weigh ``HELD_WORST``
-    times as much, which must fit, or it is a ``ConfigError``. (The documents
-    a shuffle of documents holds depend on their lengths: not counted.)
+    buffer and a batch), 0 for none; its values may weigh ``_HELD_WORST``
+    times as much, which must fit, or it is a ``ConfigError``; a mixture's
+    queues get the rest. (The documents a shuffle of documents holds depend
+    on their lengths: not counted.)
     """
     if cap is None or not (shuffled_records or mixing):
         return None
     share = cap // _HELD_SHARE
-    need = HELD_WORST * shuffled_records * record_size
+    need = _HELD_WORST * shuffled_records * record_size
     if need > share:
         raise ConfigError(
             f"max_memory_bytes={cap} leaves {share} bytes for the records a shuffle holds; "
             f"its {shuffled_records} records of {record_size} bytes (the buffer and a batch) "
             f"may hold up to {need} bytes of message values: a larger max_memory_bytes or a "
             f"smaller Shuffle(buffer=)")
-    return share
+    return share, share - need
 
 
 def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes: int,
