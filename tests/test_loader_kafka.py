@@ -337,6 +337,31 @@ def test_aborted_transaction_is_never_visible(bootstrap, make_topic, group_id) -
     assert np.array_equal(np.sort(ids), np.r_[np.arange(0, 500), np.arange(1000, 1500)])
 
 
+def test_a_committed_transaction_is_readable_once_the_producer_closes(bootstrap, make_topic,
+                                                                       group_id) -> None:
+    """Kafka writes the commit markers just after commit_transaction returns: close() waits
+    for them, so a bounded loader started at once ends after the records, not before."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka.admin import AdminClient, OffsetSpec
+
+    topic = make_topic(partitions=12)
+    ids = np.arange(3000)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        transactional_id=uuid.uuid4().hex) as p:
+        with p.transaction():
+            p.send(synthetic_columns(ids), keys=ids)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    stable = admin.list_offsets({TopicPartition(topic, i): OffsetSpec.latest() for i in range(12)},
+                                isolation_level=IsolationLevel.READ_COMMITTED)
+    ends = admin.list_offsets({TopicPartition(topic, i): OffsetSpec.latest() for i in range(12)})
+    behind = [tp.partition for tp, f in stable.items()
+              if f.result().offset < ends[tp].result().offset]
+    assert behind == []  # each partition's stable offset is past its commit marker
+    with loader(bootstrap, topic, group_id) as ld:
+        got = np.concatenate([b["id"].numpy() for b in ld])
+    assert np.array_equal(np.sort(got), ids)
+
+
 def test_produce_cli_reports_rates(bootstrap, make_topic) -> None:
     topic = make_topic(partitions=2)
     out = subprocess.run([sys.executable, "-m", "kfeed", "produce", "--bootstrap-servers",

@@ -289,6 +289,34 @@ def test_the_first_fetch_asks_for_a_few_messages_until_it_knows_their_records(sh
     assert max(asked) <= (1 + FETCH_AHEAD) * 256 // 64
 
 
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=1000, seed=0)],
+                         ids=["in order", "shuffled"])
+def test_a_bounded_read_never_waits_for_records_past_its_end(shuffle) -> None:
+    # A consume() that asks for more messages than the window still holds
+    # waits out its whole timeout (100 ms against Kafka) for them: the
+    # fetch of the last messages asks for those alone.
+    waited = []
+
+    class Counting(kfeed.MemorySource):
+        def consume(self, max_messages: int, timeout: float) -> list:
+            out = super().consume(max_messages, timeout)
+            if timeout > 0 and not out:
+                waited.append(max_messages)
+            return out
+
+    # Where the last fetch falls depends on how many messages are left.
+    for n in range(30, 50):
+        values = {0: blocks(0, 64 * n), 1: blocks(64 * n, 50 * 23, 50), 2: []}
+        with Loader(None, "memory", SCHEMA, 256, source=Counting(values), device="cpu",
+                    until="end", shuffle=shuffle) as loader:
+            assert sum(batch.size for batch in loader) == 64 * n + 50 * 23
+        values = blocks(0, 64 * n)
+        with Loader(None, "memory", SCHEMA, 256, source=Counting(values), device="cpu",
+                    until="end", shuffle=shuffle) as loader:
+            assert sum(batch.size for batch in loader) == 64 * n
+    assert waited == []
+
+
 def test_errors_in_the_thread_reach_the_caller() -> None:
     class Broken(kfeed.MemorySource):
         def consume(self, max_messages: int, timeout: float) -> list:

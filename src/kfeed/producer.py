@@ -8,6 +8,8 @@ confluent-kafka producer set up for durability (acks=all, idempotence). A
 full local queue makes ``send`` wait, not fail; a failed delivery makes
 ``flush`` raise, and so does any error librdkafka will not get past, as a
 ``ProduceError`` with its Kafka code (NOTE [ Callbacks never raise ]).
+A transactional producer's ``close`` returns once what it committed is
+readable (NOTE [ A commit is readable a moment later ]).
 Token documents (a schema with a variable-length field) are sent the same
 way, keyed one partition per document.
 """
@@ -29,6 +31,7 @@ from kfeed._kafka import (
     ConnectionLog,
     TopicUnavailable,
     chain,
+    client_config,
     kafka_error,
     topic_partitions,
     unavailable_message,
@@ -56,6 +59,10 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
 }
 
 _COMPRESSION = ("none", "gzip", "snappy", "lz4", "zstd")
+
+# How long close() waits for the commit markers of the transactions this
+# producer committed (NOTE [ A commit is readable a moment later ]).
+_READABLE_WAIT_S = 10.0
 
 Partitioner = Callable[[Any, int], int]
 
@@ -147,6 +154,11 @@ class Producer:
         config["error_cb"] = chain(self._on_error, config.get("error_cb"))
         config.setdefault("logger", ConnectionLog())
         self._servers = str(config["bootstrap.servers"])
+        self._client = client_config(config)
+        # Transactional: the offset after each partition's last delivered
+        # message, and, once committed, those close() waits to be readable.
+        self._written: dict[int, int] = {}
+        self._unstable: dict[int, int] = {}
         try:
             self._producer = _Producer(config)
         except KafkaException as e:
@@ -360,6 +372,8 @@ class Producer:
         if err is not None:
             self._failures.append(err)
             self.delivery_failures += 1
+        elif self._transactional:
+            self._written[msg.partition()] = msg.offset() + 1
 
     def stats(self) -> dict[str, int]:
         """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
@@ -425,7 +439,10 @@ class Producer:
                 self._producer.commit_transaction(self._timeout)
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot commit the transaction", e) from e
+            self._unstable.update(self._written)
+            self._written.clear()
         except BaseException:
+            self._written.clear()
             if self._fatal is None:
                 try:
                     self._producer.abort_transaction(self._timeout)
@@ -453,7 +470,10 @@ class Producer:
     # -- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
+        """Deliver everything sent; a transactional producer also waits until
+        read_committed consumers can read what it committed."""
         self.flush()
+        self._await_readable()
 
     def __enter__(self) -> Producer:
         return self
@@ -462,13 +482,60 @@ class Producer:
         from confluent_kafka import KafkaException
 
         if exc_type is None:
-            self.flush()
+            self.close()
         elif self._fatal is None:
             # Still deliver what was sent; the original exception wins.
             try:
                 self._flush(self._timeout)
             except (KafkaException, SystemError) as e:
                 log.error("flush after %s failed: %s", exc_type.__name__, e)
+
+
+    def _await_readable(self) -> None:
+        """Wait (at most _READABLE_WAIT_S) until the transactions committed are readable."""
+        if not self._unstable:
+            return
+        from confluent_kafka import IsolationLevel, KafkaException, TopicPartition
+        from confluent_kafka.admin import AdminClient, OffsetSpec
+
+        waiting, self._unstable = self._unstable, {}
+        admin = AdminClient({**self._client, "logger": ConnectionLog()})
+        deadline = time.monotonic() + min(self._timeout, _READABLE_WAIT_S)
+        while True:
+            try:
+                stable = admin.list_offsets(
+                    {TopicPartition(self.topic, p): OffsetSpec.latest() for p in waiting},
+                    isolation_level=IsolationLevel.READ_COMMITTED,
+                    request_timeout=max(0.5, deadline - time.monotonic()))
+                for tp, future in stable.items():
+                    if future.result().offset >= waiting[tp.partition]:
+                        del waiting[tp.partition]
+            except KafkaException as e:  # a leader moving: asked again below
+                log.debug("cannot read the stable offsets of %s: %s", self.topic, e)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if waiting:
+            log.warning("%s: the last transaction is committed, but partitions %s are not "
+                        "readable yet after %.0fs (another producer's open transaction holds "
+                        "them back): a loader started now stops before it", self.topic,
+                        sorted(waiting), min(self._timeout, _READABLE_WAIT_S))
+
+
+# NOTE [ A commit is readable a moment later ]
+#
+# Kafka answers commit_transaction once the transaction coordinator has
+# decided the commit; it then writes a commit marker into each partition the
+# transaction wrote, and only the marker moves the partition's last stable
+# offset, up to which read_committed consumers read. For a few milliseconds
+# after the commit the records are durable but not readable, and a bounded
+# loader (until="end") started in that gap takes the older stable offset as
+# its end: it ends without them, though the producer (or `kfeed produce
+# --from`) has already returned. So close() waits until each partition's
+# stable offset has passed the last message this producer committed there.
+# Another producer's transaction left open on the partition holds the stable
+# offset back for as long as it stays open; close() stops waiting after
+# _READABLE_WAIT_S and says so.
 
 
 # NOTE [ Callbacks never raise ]

@@ -694,7 +694,7 @@ class RecordBuilder(SlotBuilder):
         if seek:
             log.info("mixture: reading %s again from %s", seek,
                      {tp: ledger.window[tp] for tp in seek})
-            f.source.seek({tp: (ledger.window[tp], 0) for tp in seek})
+            f.rewind({tp: ledger.window[tp] for tp in seek})
             self.paused.difference_update(seek)
             f.source.resume(seek)
         return True

@@ -118,6 +118,7 @@ class Fetcher:
         self.assigned: set[TP] = set()
         self.ends: dict[TP, int] = {}   # bounded epoch: high watermarks at start
         self.done: set[TP] = set()      # bounded epoch: partitions read to their end
+        self.read_to: dict[TP, int] = {}  # bounded epoch: the next offset of each partition
         self.skip: dict[TP, Position] = {}  # records to skip in a straddling block
         self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
         self.fetched: set[TP] = set()  # partitions that delivered since their assignment
@@ -174,6 +175,7 @@ class Fetcher:
             else:
                 self.skip.pop(tp, None)
             if self.bounded:
+                self.read_to[tp] = off
                 end = self.ends.get(tp)
                 if end is None:  # a partition added after the epoch began
                     end = self.ends[tp] = self.ends_of([tp])[tp]
@@ -287,6 +289,13 @@ class Fetcher:
         """
         if n is None:
             n = self.messages_for(self.batch_size)
+        if self.bounded:
+            # A consume() waits out its timeout for messages the window no
+            # longer holds: the one fetching the window's last messages asks
+            # for those alone, and is back as soon as they are in.
+            left = self._window_left()
+            if left is not None:
+                n = max(1, min(n, left))
         self._commit()
         gen = self.ledger.gen
         self.starts = {}
@@ -319,6 +328,9 @@ class Fetcher:
         for tp in done:
             self.mark_done(tp)
         self.fetched.update(tp for _s, _e, tp in runs)
+        if self.bounded:
+            for _s, e, tp in runs:
+                self.read_to[tp] = keep[e - 1].offset() + 1
         if self.pending():
             i, held = self.i, len(self.msgs) - self.i
             runs = [(max(s - i, 0), e - i, tp) for s, e, tp in self.runs if e > i] + \
@@ -330,6 +342,28 @@ class Fetcher:
             # Nothing was pending: what this fetch brought arrived after its call began.
             self.pending_since = t
         self.msgs, self.vals, self.runs, self.i = keep, vals, runs, 0
+
+    def _window_left(self) -> int | None:
+        """A bounded epoch: how many messages its window may still hold, None if not known.
+
+        At most: offsets the window's ends leave, over partitions not read to
+        their end. Compaction and transaction markers make it fewer; a fetch
+        asking for more than come back waits its timeout, as without a window.
+        """
+        left = 0
+        for tp in self.assigned:
+            if tp in self.done:
+                continue
+            at, end = self.read_to.get(tp), self.ends.get(tp)
+            if at is None or end is None:
+                return None
+            left += max(0, end - at)
+        return left
+
+    def rewind(self, positions: dict[TP, int]) -> None:
+        """Read partitions again from ``positions`` (a mixture's next round)."""
+        self.source.seek({tp: (off, 0) for tp, off in positions.items()})
+        self.read_to.update(positions)
 
     def spans(self, lo: int, hi: int) -> Iterator[tuple[TP, int, int]]:
         """``(tp, a, b)``: pending messages ``a..b-1`` of ``lo..hi-1`` are from partition ``tp``."""
