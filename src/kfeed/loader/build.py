@@ -329,11 +329,9 @@ class RecordBuilder(SlotBuilder):
         ledger.on_reset = self._reset
 
     def fetch_size(self, rows: int) -> int:
-        # Documents: a message a row (or record) asked for. The documents a
-        # batch takes are not learned per message, as records are: a row
-        # packs several, and a jagged record's size varies.
-        documents = self.packer is not None or self.jagged_field is not None
-        n = min(10000, max(1, rows)) if documents else self.fetcher.messages_for(rows)
+        # Documents are learned in rows too: packed rows' worth of tokens a
+        # message, or jagged rows (documents) a message (_push_documents).
+        n = self.fetcher.messages_for(rows)
         # A mixture needs every source's records: a message from each
         # partition at least, for a fetch that holds one batch's worth.
         mixing = self.order_ledger.mixer is not None and self.order_ledger.mixer.mixes
@@ -483,6 +481,11 @@ class RecordBuilder(SlotBuilder):
         n = len(docs.lengths)
         first = self.next_doc
         self.next_doc += n
+        # What a message holds, in the rows a batch is counted in: packed
+        # rows of tokens (and an EOS each), or documents.
+        rows = (int(docs.lengths.sum()) + n) / self.packer.pack.seq_len \
+            if self.packer is not None else n
+        self.fetcher.learn(rows, len(vals) - len(docs.bad), least=1e-4)
         recs = _pack.records(pids, offsets, docs.counts, first)
         with self.ledger.lock:
             order = self.order_ledger.order

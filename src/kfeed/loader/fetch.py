@@ -268,11 +268,16 @@ class Fetcher:
             return max(1, min(rows, FIRST_FETCH))
         return max(1, min(10000, math.ceil(rows / self.records_per_msg)))
 
-    def learn(self, rows: int, messages: int) -> None:
-        """``messages`` good messages held ``rows`` records: for ``messages_for``."""
+    def learn(self, rows: float, messages: int, *, least: float = 1.0) -> None:
+        """``messages`` good messages held ``rows`` records: for ``messages_for``.
+
+        ``least``: the fewest rows a message may count for. A record is a
+        row (a message holds one at least); a packed row takes several
+        messages' documents, so those count for a fraction of one.
+        """
         if messages <= 0:
             return
-        seen = max(1.0, rows / messages)
+        seen = max(least, rows / messages)
         # The first fetch's figure stands alone: the 1.0 guessed before it
         # would make the next fetches ask a block topic for far too much.
         self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * seen if self.learned else seen
