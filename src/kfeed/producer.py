@@ -156,9 +156,10 @@ class Producer:
         self._servers = str(config["bootstrap.servers"])
         self._client = client_config(config)
         # Transactional: the offset after each partition's last delivered
-        # message, and, once committed, those close() waits to be readable.
-        self._written: dict[int, int] = {}
-        self._unstable: dict[int, int] = {}
+        # message (the topic's, or a copy's topic), and, once committed,
+        # those close() waits to be readable.
+        self._written: dict[tuple[str, int], int] = {}
+        self._unstable: dict[tuple[str, int], int] = {}
         try:
             self._producer = _Producer(config)
         except KafkaException as e:
@@ -373,7 +374,7 @@ class Producer:
             self._failures.append(err)
             self.delivery_failures += 1
         elif self._transactional:
-            self._written[msg.partition()] = msg.offset() + 1
+            self._written[(msg.topic(), msg.partition())] = msg.offset() + 1
 
     def stats(self) -> dict[str, int]:
         """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
@@ -504,22 +505,23 @@ class Producer:
         while True:
             try:
                 stable = admin.list_offsets(
-                    {TopicPartition(self.topic, p): OffsetSpec.latest() for p in waiting},
+                    {TopicPartition(t, p): OffsetSpec.latest() for t, p in waiting},
                     isolation_level=IsolationLevel.READ_COMMITTED,
                     request_timeout=max(0.5, deadline - time.monotonic()))
                 for tp, future in stable.items():
-                    if future.result().offset >= waiting[tp.partition]:
-                        del waiting[tp.partition]
+                    if future.result().offset >= waiting[(tp.topic, tp.partition)]:
+                        del waiting[(tp.topic, tp.partition)]
             except KafkaException as e:  # a leader moving: asked again below
                 log.debug("cannot read the stable offsets of %s: %s", self.topic, e)
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
         if waiting:
-            log.warning("%s: the last transaction is committed, but partitions %s are not "
-                        "readable yet after %.0fs (another producer's open transaction holds "
-                        "them back): a loader started now stops before it", self.topic,
-                        sorted(waiting), min(self._timeout, _READABLE_WAIT_S))
+            log.warning("the last transaction is committed, but %s are not readable yet "
+                        "after %.0fs (another producer's open transaction holds them back): "
+                        "a loader started now stops before it",
+                        ", ".join(f"{t}[{p}]" for t, p in sorted(waiting)),
+                        min(self._timeout, _READABLE_WAIT_S))
 
 
 # NOTE [ A commit is readable a moment later ]
