@@ -338,23 +338,37 @@ def test_aborted_transaction_is_never_visible(bootstrap, make_topic, group_id) -
 
 
 def test_a_committed_transaction_is_readable_once_the_producer_closes(bootstrap, make_topic,
-                                                                       group_id) -> None:
+                                                                       group_id, caplog) -> None:
     """Kafka writes the commit markers just after commit_transaction returns: close() waits
     for them, so a bounded loader started at once ends after the records, not before."""
     from confluent_kafka import IsolationLevel, TopicPartition
     from confluent_kafka.admin import AdminClient, OffsetSpec
 
-    topic = make_topic(partitions=12)
+    class Copied:  # a consumed message, as a dead-letter copy takes it
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def value(self) -> bytes:
+            return b"bad %d" % self.k
+
+        def key(self) -> bytes:
+            return b"%d" % self.k
+
+    topic, copies = make_topic(partitions=12), make_topic(partitions=12)
     ids = np.arange(3000)
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
                         transactional_id=uuid.uuid4().hex) as p:
         with p.transaction():
             p.send(synthetic_columns(ids), keys=ids)
+            for k in range(12 * 60):  # more messages a partition than the topic's
+                p.copy(Copied(k), copies, k % 12, [])
+    assert "not readable yet" not in caplog.text
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    stable = admin.list_offsets({TopicPartition(topic, i): OffsetSpec.latest() for i in range(12)},
+    parts = [TopicPartition(t, i) for t in (topic, copies) for i in range(12)]
+    stable = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
                                 isolation_level=IsolationLevel.READ_COMMITTED)
-    ends = admin.list_offsets({TopicPartition(topic, i): OffsetSpec.latest() for i in range(12)})
-    behind = [tp.partition for tp, f in stable.items()
+    ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts})
+    behind = [(tp.topic, tp.partition) for tp, f in stable.items()
               if f.result().offset < ends[tp].result().offset]
     assert behind == []  # each partition's stable offset is past its commit marker
     with loader(bootstrap, topic, group_id) as ld:
