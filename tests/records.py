@@ -8,7 +8,8 @@ documents with ``pack=`` against kfeed's own raw token messages;
 ``kfeed_cli`` runs the command line against a cluster; ``message_class``
 makes a proto3 message class of scalar and repeated fields;
 ``left_to_the_collector`` lists the kfeed objects only the cyclic garbage
-collector would free.
+collector would free; ``CountingSource`` is a memory source that notes each
+``consume()`` it is asked for.
 """
 
 from __future__ import annotations
@@ -192,3 +193,16 @@ def left_to_the_collector(run: Callable[[], Any]) -> dict[str, int]:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+class CountingSource(kfeed.MemorySource):
+    """A ``MemorySource`` noting each ``consume()``: ``(max_messages, timeout, messages given)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[tuple[int, float, int]] = []
+
+    def consume(self, max_messages: int, timeout: float) -> list[Any]:
+        out = super().consume(max_messages, timeout)
+        self.asked.append((max_messages, timeout, len(out)))
+        return out

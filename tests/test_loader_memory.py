@@ -13,7 +13,7 @@ import torch
 import kfeed
 from kfeed.synthetic import synthetic_columns, synthetic_schema
 from kfeed.loader import Loader, memory_loader
-from records import left_to_the_collector
+from records import CountingSource, left_to_the_collector
 
 SCHEMA = synthetic_schema()
 
@@ -275,16 +275,11 @@ def test_the_first_fetch_asks_for_a_few_messages_until_it_knows_their_records(sh
     from kfeed.loader.fetch import FIRST_FETCH
     from kfeed.loader.tuning import FETCH_AHEAD
 
-    asked = []
-
-    class Counting(kfeed.MemorySource):
-        def consume(self, max_messages: int, timeout: float) -> list:
-            asked.append(max_messages)
-            return super().consume(max_messages, timeout)
-
-    with Loader(None, "memory", SCHEMA, 256, source=Counting(blocks(0, 64 * 400)), device="cpu",
+    source = CountingSource(blocks(0, 64 * 400))
+    with Loader(None, "memory", SCHEMA, 256, source=source, device="cpu",
                 until="end", shuffle=shuffle) as loader:
         assert sum(batch.size for batch in loader) == 64 * 400
+    asked = [n for n, _timeout, _given in source.asked]
     assert asked[0] == FIRST_FETCH
     assert max(asked) <= (1 + FETCH_AHEAD) * 256 // 64
 
@@ -296,24 +291,15 @@ def test_a_bounded_read_never_waits_for_records_past_its_end(shuffle) -> None:
     # waits out its whole timeout (100 ms against Kafka) for them: the
     # fetch of the last messages asks for those alone.
     waited = []
-
-    class Counting(kfeed.MemorySource):
-        def consume(self, max_messages: int, timeout: float) -> list:
-            out = super().consume(max_messages, timeout)
-            if timeout > 0 and not out:
-                waited.append(max_messages)
-            return out
-
     # Where the last fetch falls depends on how many messages are left.
     for n in range(30, 50):
-        values = {0: blocks(0, 64 * n), 1: blocks(64 * n, 50 * 23, 50), 2: []}
-        with Loader(None, "memory", SCHEMA, 256, source=Counting(values), device="cpu",
-                    until="end", shuffle=shuffle) as loader:
-            assert sum(batch.size for batch in loader) == 64 * n + 50 * 23
-        values = blocks(0, 64 * n)
-        with Loader(None, "memory", SCHEMA, 256, source=Counting(values), device="cpu",
-                    until="end", shuffle=shuffle) as loader:
-            assert sum(batch.size for batch in loader) == 64 * n
+        for values, records in (({0: blocks(0, 64 * n), 1: blocks(64 * n, 50 * 23, 50), 2: []},
+                                 64 * n + 50 * 23), (blocks(0, 64 * n), 64 * n)):
+            source = CountingSource(values)
+            with Loader(None, "memory", SCHEMA, 256, source=source, device="cpu",
+                        until="end", shuffle=shuffle) as loader:
+                assert sum(batch.size for batch in loader) == records
+            waited += [asked for asked, timeout, given in source.asked if timeout > 0 and not given]
     assert waited == []
 
 

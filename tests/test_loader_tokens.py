@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from records import CountingSource
 from test_pack import oracle_batches
 from test_shuffle import reference_order
 
@@ -169,25 +170,20 @@ def test_a_stream_short_of_a_batch_yields_a_partial_batch_once_max_wait_is_over(
     assert rest == []
 
 
-@pytest.mark.parametrize("shuffle", [None, Shuffle(buffer=500, seed=0)], ids=["in order", "shuffled"])
+@pytest.mark.parametrize("shuffle", [None, Shuffle(buffer=500, seed=0)],
+                         ids=["in order", "shuffled"])
 def test_a_message_a_document_is_fetched_a_few_batches_at_a_time(shuffle) -> None:
     # Topics others write hold one document a message: a fetch asked for a
     # message a row took a fetch (and its work) for every few documents.
     from kfeed.loader.tuning import FETCH_AHEAD
 
-    asked = []
-
-    class Counting(kfeed.MemorySource):
-        def consume(self, max_messages: int, timeout: float) -> list:
-            asked.append(max_messages)
-            return super().consume(max_messages, timeout)
-
     docs = make_docs(3000, seed=5)
-    values = [TOKENS.encode_raw({"tokens": [d]})[0] for d in docs]
+    source = CountingSource([TOKENS.encode_raw({"tokens": [d]})[0] for d in docs])
     pack = Pack(seq_len=1024, eos_id=EOS, pad_id=0)
-    with kfeed.Loader(None, "memory", TOKENS, 4, source=Counting(values), device="cpu",
+    with kfeed.Loader(None, "memory", TOKENS, 4, source=source, device="cpu",
                       until="end", format="raw", pack=pack, shuffle=shuffle) as loader:
         batches = [as_numpy(b) for b in loader]
+    asked = [n for n, _timeout, _given in source.asked]
     assert documents(batches) == want_documents(docs)
     assert len(asked) < len(batches) / 2
     per_row = np.mean([len(d) + 1 for d in docs]) / 1024  # rows of tokens a message
