@@ -42,15 +42,35 @@ def start_clock() -> float:
     return time.perf_counter()
 
 
-def _drain(loader: kfeed.Loader) -> int:
-    n = 0
+# With --cpu: per stream, the CPU time of the loader's thread and of the
+# caller, and the batches, over every run ({name: [thread_s, caller_s, batches]}).
+CPU: dict[str, list[float]] = {}
+
+
+def _drain(loader: kfeed.Loader, cpu: str | None = None) -> int:
+    """Every batch of ``loader``; the samples. ``cpu``: the stream's name in ``CPU``."""
+    n = batches = 0
+    thread_s = 0.0
+    clock = None
+    caller = time.thread_time()
     with loader:
         for batch in loader:
             n += batch.size
+            batches += 1
+            if cpu is not None:  # read each batch: the thread is gone after the last
+                if clock is None:
+                    clock = time.pthread_getcpuclockid(loader._feeder.thread.ident)
+                thread_s = time.clock_gettime(clock)
+    if cpu is not None:
+        acc = CPU.setdefault(cpu, [0.0, 0.0, 0])
+        acc[0] += thread_s
+        acc[1] += time.thread_time() - caller
+        acc[2] += batches
     return n
 
 
-def shuffle_ratio(samples: int, buffer: int, repeat: int) -> tuple[float, float]:
+def shuffle_ratio(samples: int, buffer: int, repeat: int, cpu: bool = False
+                  ) -> tuple[float, float]:
     schema = synthetic_schema()
     values = schema.encode_blocks(synthetic_columns(np.arange(samples)), 64)
     best = {"order": 0.0, "shuffled": 0.0}
@@ -58,7 +78,8 @@ def shuffle_ratio(samples: int, buffer: int, repeat: int) -> tuple[float, float]
         for name in best:
             kw = {"shuffle": kfeed.Shuffle(buffer=buffer, seed=0)} if name == "shuffled" else {}
             t = start_clock()
-            n = _drain(memory_loader(values, schema, 256, device="cpu", until="end", **kw))
+            n = _drain(memory_loader(values, schema, 256, device="cpu", until="end", **kw),
+                       name if cpu else None)
             best[name] = max(best[name], n / (time.perf_counter() - t))
             assert n == samples
     return best["order"], best["shuffled"]
@@ -102,7 +123,7 @@ def bare_handover(pack: kfeed.Pack, rows: int, flat: np.ndarray, lengths: np.nda
     return tokens
 
 
-def pack_ratio(docs: int, seq_len: int, rows: int, repeat: int
+def pack_ratio(docs: int, seq_len: int, rows: int, repeat: int, cpu: bool = False
                ) -> tuple[float, float, float, float]:
     schema = kfeed.Schema({"tokens": ("uint16", (None,))})
     rng = np.random.default_rng(0)
@@ -128,7 +149,8 @@ def pack_ratio(docs: int, seq_len: int, rows: int, repeat: int
             pass
         best["packer"] = max(best["packer"], tokens_total / (time.perf_counter() - t))
         t = start_clock()
-        _drain(memory_loader(values, schema, rows, device="cpu", until="end", pack=pack))
+        _drain(memory_loader(values, schema, rows, device="cpu", until="end", pack=pack),
+               "packed" if cpu else None)
         best["loader"] = max(best["loader"], tokens_total / (time.perf_counter() - t))
         t = start_clock()
         _drain(memory_loader(singles, schema, rows, device="cpu", until="end", pack=pack,
@@ -143,11 +165,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=50_000)
     p.add_argument("--buffer", type=int, default=10_000)
     p.add_argument("--docs", type=int, default=20_000)
+    p.add_argument("--cpu", action="store_true",
+                   help="also print the CPU time a batch of the loader's thread and the caller")
     args = p.parse_args()
-    order, shuffled = shuffle_ratio(args.samples, args.buffer, args.repeat)
+    order, shuffled = shuffle_ratio(args.samples, args.buffer, args.repeat, args.cpu)
     print(f"| fixed-shape stream, shuffle(buffer={args.buffer}) | {shuffled:,.0f} samples/s | "
           f"in order {order:,.0f} samples/s | {shuffled / order:.2f}x (target >= 0.7x) |")
-    packer, loader, bare, singles = pack_ratio(args.docs, 2048, 8, args.repeat)
+    packer, loader, bare, singles = pack_ratio(args.docs, 2048, 8, args.repeat, args.cpu)
     print(f"| Loader(pack=Pack(seq_len=2048)), [8, 2048] rows | {loader / 1e6:,.1f} M tokens/s | "
           f"Packer alone {packer / 1e6:,.1f} M tokens/s | {loader / packer:.2f}x "
           f"(target >= 0.8x) |")
@@ -155,6 +179,9 @@ def main() -> None:
           f"{bare / 1e6:,.1f} M tokens/s | Packer alone | {bare / packer:.2f}x (the bound) |")
     print(f"| Loader(pack=...), one document a message (format=raw) | {singles / 1e6:,.1f} M "
           f"tokens/s | in blocks of 64 | {singles / loader:.2f}x (information) |")
+    for name, (thread_s, caller_s, batches) in CPU.items():
+        print(f"CPU a batch, {name}: loader's thread {thread_s / batches * 1e6:.1f} us, "
+              f"caller {caller_s / batches * 1e6:.1f} us ({int(batches)} batches)")
 
 
 if __name__ == "__main__":
