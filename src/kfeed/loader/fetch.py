@@ -298,9 +298,7 @@ class Fetcher:
             # A consume() waits out its timeout for messages the window no
             # longer holds: the one fetching the window's last messages asks
             # for those alone, and is back as soon as they are in.
-            left = self._window_left()
-            if left is not None:
-                n = max(1, min(n, left))
+            n = max(1, self._window_left(n))
         self._commit()
         gen = self.ledger.gen
         self.starts = {}
@@ -348,8 +346,8 @@ class Fetcher:
             self.pending_since = t
         self.msgs, self.vals, self.runs, self.i = keep, vals, runs, 0
 
-    def _window_left(self) -> int | None:
-        """A bounded epoch: how many messages its window may still hold, None if not known.
+    def _window_left(self, most: int) -> int:
+        """A bounded epoch: how many messages its window may still hold, ``most`` at most.
 
         At most: offsets the window's ends leave, over partitions not read to
         their end. Compaction and transaction markers make it fewer; a fetch
@@ -361,9 +359,11 @@ class Fetcher:
                 continue
             at, end = self.read_to.get(tp), self.ends.get(tp)
             if at is None or end is None:
-                return None
+                return most  # not known
             left += max(0, end - at)
-        return left
+            if left >= most:
+                break
+        return min(left, most)
 
     def rewind(self, positions: dict[TP, int]) -> None:
         """Read partitions again from ``positions`` (a mixture's next round)."""
