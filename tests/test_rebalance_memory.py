@@ -484,3 +484,22 @@ def test_a_rebalance_after_the_epoch_was_read_whole_gives_the_records_back() -> 
     for epoch in (first, second):
         ids = np.concatenate(epoch)
         assert np.array_equal(np.sort(ids), np.sort(all_ids()))
+
+
+def test_in_order_a_note_needs_no_key_per_document_in_flight(caplog) -> None:
+    # Thousands of short documents a batch, and more fetched ahead: past the
+    # keys a note can list. In order, what was not used yet is all that was
+    # read from the first such document on, so the note names that one alone
+    # (its tokens already out), and a restart from the commits repeats nothing.
+    lengths = [1 + i % 3 if i % 97 else 900 for i in range(60000)]
+    docs = [np.full(n, i, np.int32) for i, n in enumerate(lengths)]
+    src = MemorySource({0: TOKENS.encode_blocks({"tokens": docs}, 500)})
+    pack = kfeed.Pack(seq_len=1024, eos_id=-1, pad_id=-2)
+    with caplog.at_level("WARNING", logger="kfeed.loader"):
+        first, second = _stop_and_go_on(src, 2, schema=TOKENS, pack=pack, batch=48)
+    assert "too many for the commit's note" not in caplog.text
+    assert first[-1]["tokens"][-1, -1] >= 0  # the first loader stopped inside a document
+    tokens = np.concatenate([b["tokens"].numpy().ravel() for b in first + second])
+    ids, counts = np.unique(tokens[tokens >= 0], return_counts=True)
+    assert ids.tolist() == list(range(60000))
+    assert counts.tolist() == lengths  # every token once

@@ -717,6 +717,10 @@ class ShuffleBuffer:
         p = self.pid(partition)
         self._allow[p] = (int(read[0]), int(read[1]), {(int(o), int(s)) for o, s in keys})
 
+    def noted(self) -> dict[Hashable, tuple[int, int]]:
+        """The partitions ``allow`` still screens, each with the read position of its note."""
+        return {self._parts[p]: (ro, rs) for p, (ro, rs, _keys) in self._allow.items()}
+
     def screen(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``[partition id, offset, sub, item]`` less those ``allow`` skips; their items.
 

@@ -84,7 +84,10 @@ skips every other record below that point (``ShuffleBuffer.allow``) and
 cuts the tokens already out: nothing is repeated. Kafka keeps at most
 ``offset.metadata.max.bytes`` of metadata (4096 by default); a note that
 does not fit is left out with a warning, and the records used above the
-position then come again.
+position then come again. In order (``pack`` without a shuffle) every
+record not used yet is one read from the committed position on, so when
+they are too many to list (thousands of short documents a batch) the note
+names only the first, for the tokens of its document already out.
 """
 
 from __future__ import annotations
@@ -433,6 +436,8 @@ class OrderLedger(Ledger):
         # offset, sub) -> tokens out: what a state merged from several ranks
         # leaves (NOTE [ Elastic resume ]); the build stage cuts them.
         self.partial: dict[Key, int] = {}
+        # Partitions started from another reader's note: the position it was read to.
+        self.followed: dict[TP, Position] = {}
         # A mixture's partitions read again (NOTE [ Rounds ]): the round each
         # is read in, and where its reading starts.
         self.rounds: dict[TP, int] = {}
@@ -493,6 +498,7 @@ class OrderLedger(Ledger):
                         "offset %d may come again", tp[0], tp[1], e, c.offset)
             return
         self.order.allow(tp, read, keys)
+        self.followed[tp] = read
         for (o, sub), n in partial.items():
             self.partial[(tp, o, sub)] = n
 
@@ -506,6 +512,13 @@ class OrderLedger(Ledger):
         out: dict[TP, tuple[Any, ...]] = {}
         for tp, pos in positions.items():
             read, keys = rest.get(tp, (pos, np.empty((0, 2), np.int64)))
+            if keys is None and self.shuffle is None and not self.order.restoring \
+                    and tuple(pos) >= tuple(self.followed.get(tp, pos)):
+                # In order, every record not used yet is one read from the
+                # first of them (``pos``) on: the note needs that one alone,
+                # for the tokens of its document already out. (Not while
+                # records another reader's note said it used lie above it.)
+                read, keys = (pos[0], pos[1] + 1), np.array([pos], np.int64)
             if keys is None:  # too many for a note: the records used above come again
                 if tp not in self.note_warned:
                     self.note_warned.add(tp)
@@ -593,6 +606,7 @@ class OrderLedger(Ledger):
         self.order = ShuffleBuffer(self.shuffle, ack=True, track_used=True)
         if order_state is not None:
             self.order.load_state(order_state)
+            self.followed.update(self.order.noted())
         self.pack_offset = self.used_pack_offset = pack_offset
         self.notes_stale = True
         self.on_reset(pack_offset)
