@@ -155,3 +155,19 @@ def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
     assert np.array_equal(np.sort(ids), np.arange(5000))
     assert settings["queued.max.messages.kbytes"] == (cap // 8) >> 10
     assert settings["fetch.max.bytes"] == cap // 8
+
+
+def test_a_mixture_whose_queues_outgrow_the_cap_says_so(caplog) -> None:
+    # Each mixed partition queues two batches at least, whatever its share of
+    # the cap: 16 partitions of 256-record batches need 8.5 MB, the cap
+    # leaves the queues 5 MB. Every record still arrives.
+    parts = {(t, p): values(1) for t in ("a", "b") for p in range(8)}
+    mix = kfeed.Mix({"a": 0.5, "b": 0.5}, exhausted="renormalize")
+    with caplog.at_level("WARNING", logger="kfeed.loader"), \
+            kfeed.Loader(None, mix, SCHEMA, BATCH, source=kfeed.MemorySource(parts),
+                         device="cpu", until="end", max_memory_bytes=10_000_000) as loader:
+        assert loader._builder.mix_bytes == 5_000_000
+        n = sum(batch.size for batch in loader)
+    assert n == 16 * 4096
+    assert "queues 2 batches at least" in caplog.text
+    assert "16 partitions" in caplog.text

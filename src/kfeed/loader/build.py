@@ -83,7 +83,9 @@ _HELD_LIMIT = 6
 # from a local broker paused 54 times in 200,000 records and ran at 0.5x the
 # speed it reached with 3 pauses (bench/RESULTS.md, "Mixtures against a
 # broker"). librdkafka's own queue holds up to 64 MiB by default; this is
-# as much again, in the mixer instead.
+# as much again, in the mixer instead. Under max_memory_bytes the queues get
+# the cap's share (tuning.held_budget); a mixture of so many partitions that
+# two batches each pass it says so once, and goes on.
 _MIX_QUEUE_BYTES = 64 << 20
 _MIX_QUEUE_BATCHES = 2
 
@@ -290,6 +292,8 @@ class RecordBuilder(SlotBuilder):
         self.mixer = ledger.mixer
         self.mix_bytes = _MIX_QUEUE_BYTES if held_bytes is None else \
             min(_MIX_QUEUE_BYTES, held_bytes[1])
+        self.mix_capped = held_bytes is not None  # mix_bytes is max_memory_bytes's share
+        self.mix_floor_warned = False
         self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
         self.warned_absent: set[str] = set()
@@ -706,8 +710,16 @@ class RecordBuilder(SlotBuilder):
         """Records one of ``partitions`` mixed partitions may queue (NOTE [ Mixture queues ])."""
         size = (self.value_bytes // self.samples if self.samples
                 else self.schema.record_size) or 1
-        return max(_MIX_QUEUE_BATCHES * self.batch_size,
-                   self.mix_bytes // (max(1, partitions) * size))
+        least = _MIX_QUEUE_BATCHES * self.batch_size
+        share = self.mix_bytes // (max(1, partitions) * size)
+        if share < least and self.mix_capped and not self.mix_floor_warned:
+            self.mix_floor_warned = True
+            log.warning("max_memory_bytes leaves the mixture's queues %d bytes, and each of "
+                        "its %d partitions queues %d batches at least (%d records of about %d "
+                        "bytes): up to %d bytes. A larger max_memory_bytes, a smaller "
+                        "batch_size or fewer partitions keep them within it", self.mix_bytes,
+                        partitions, _MIX_QUEUE_BATCHES, least, size, partitions * least * size)
+        return max(least, share)
 
     def _backpressure(self) -> None:
         """Pause the partitions whose records queue in the mixer; resume them once half went."""
