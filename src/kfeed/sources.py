@@ -913,8 +913,30 @@ class KafkaSource(Source):
                 log.error("%d bad record(s) not written to the dead-letter topic",
                           left + len(self._dlq_errors))
             self._dlq_producer = None
+        if self.group_member:
+            self._leave_group()
         self._consumer.close()
         self._listeners = None
+
+    def _leave_group(self) -> None:
+        """Give the partitions up before close(), serving their revoke here.
+
+        A revoke served inside librdkafka's close can hang for ever in the
+        unassign it must make, a cooperative one most of all when a
+        rebalance is under way (librdkafka#4527, #4884; seen in a member's
+        close while another joined). Unsubscribed first, with the revoke
+        served by consume(), close has nothing left to give up. Bounded: after
+        the wait close() goes on as before.
+        """
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + min(self.connect_timeout, 10.0)
+        try:
+            self._consumer.unsubscribe()
+            while self._consumer.assignment() and time.monotonic() < deadline:
+                self._consumer.consume(1, 0.1)  # (a closing loader reads nothing more)
+        except (KafkaException, RuntimeError) as e:
+            log.info("leaving the group before close: %s", e)
 
 
 class _Record:
