@@ -491,7 +491,6 @@ class Producer:
             except (KafkaException, SystemError) as e:
                 log.error("flush after %s failed: %s", exc_type.__name__, e)
 
-
     def _await_readable(self) -> None:
         """Wait (at most _READABLE_WAIT_S) until the transactions committed are readable."""
         if not self._unstable:
@@ -501,7 +500,8 @@ class Producer:
 
         waiting, self._unstable = self._unstable, {}
         admin = AdminClient({**self._client, "logger": ConnectionLog()})
-        deadline = time.monotonic() + min(self._timeout, _READABLE_WAIT_S)
+        wait_s = min(self._timeout, _READABLE_WAIT_S)
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 stable = admin.list_offsets(
@@ -520,8 +520,7 @@ class Producer:
             log.warning("the last transaction is committed, but %s are not readable yet "
                         "after %.0fs (another producer's open transaction holds them back): "
                         "a loader started now stops before it",
-                        ", ".join(f"{t}[{p}]" for t, p in sorted(waiting)),
-                        min(self._timeout, _READABLE_WAIT_S))
+                        ", ".join(f"{t}[{p}]" for t, p in sorted(waiting)), wait_s)
 
 
 # NOTE [ A commit is readable a moment later ]
