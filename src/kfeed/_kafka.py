@@ -5,7 +5,8 @@ all talk to brokers through confluent-kafka. This module holds what they must
 do alike, so that a user sees one behaviour whichever side they start from:
 
 - ``client_config``: the connection and security subset of a librdkafka dict,
-  for an admin client or a helper producer;
+  for an admin client or a helper producer; ``admin_client``: an admin
+  client made from it, logging through ``ConnectionLog``;
 - ``create_topic``: the public way to create a topic (``kfeed.create_topic``);
 - ``unavailable_message`` / ``unreachable_message``: the one-line errors for a
   topic that does not exist and for brokers that do not answer, worded the
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 
 from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
-__all__ = ["create_topic", "client_config", "unavailable_message", "unreachable_message",
+__all__ = ["create_topic", "client_config", "admin_client", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
            "topic_partitions", "admin_partitions", "chain", "kafka_error", "weakly"]
 
@@ -45,6 +46,17 @@ def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that say where the brokers are and how to log in; nothing else."""
     return {k: v for k, v in kafka_config.items()
             if isinstance(k, str) and k.startswith(_CONNECTION_KEYS)}
+
+
+def admin_client(kafka_config: Mapping[str, Any]) -> Any:
+    """An ``AdminClient`` of ``kafka_config``'s brokers, with its connection settings alone.
+
+    librdkafka's lines go to the ``kfeed.librdkafka`` logger, connection
+    trouble folded (``ConnectionLog``), not to stderr.
+    """
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({**client_config(kafka_config), "logger": ConnectionLog()})
 
 
 def create_topic(
@@ -68,7 +80,7 @@ def create_topic(
     >>> kfeed.create_topic({"bootstrap.servers": "127.0.0.1:39092"}, "train", partitions=4)
     """
     from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import NewTopic
 
     if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
         raise ConfigError("kafka_config must be a dict of librdkafka settings "
@@ -85,9 +97,7 @@ def create_topic(
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
     servers = kafka_config["bootstrap.servers"]
-    conf = client_config(kafka_config)
-    conf.setdefault("logger", logging.getLogger("kfeed.librdkafka"))
-    admin = AdminClient(conf)
+    admin = admin_client(kafka_config)
     deadline = time.monotonic() + timeout_s
     try:
         admin.list_topics(timeout=timeout_s)

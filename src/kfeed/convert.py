@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import admin_partitions, client_config, create_topic, kafka_error, weakly
+from kfeed._kafka import (admin_client, admin_partitions, client_config, create_topic,
+                          kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
@@ -173,11 +174,8 @@ class _Convert:
         self.dead: list[tuple[Any, str]] = []  # this round's dead-letter copies
 
     def _source_partitions(self, kafka_config: Mapping[str, Any]) -> int:
-        from confluent_kafka.admin import AdminClient
-
-        config = client_config(kafka_config)
-        return len(admin_partitions(AdminClient(config), self.from_topic,
-                                    str(config["bootstrap.servers"]), self.timeout))
+        return len(admin_partitions(admin_client(kafka_config), self.from_topic,
+                                    str(kafka_config["bootstrap.servers"]), self.timeout))
 
     # -- the rounds ---------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import ConnectionLog, admin_partitions, client_config
+from kfeed._kafka import ConnectionLog, admin_client, admin_partitions, client_config
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_lag"]
@@ -57,20 +57,20 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         KafkaException,
         TopicPartition,
     )
-    from confluent_kafka.admin import AdminClient, OffsetSpec
+    from confluent_kafka.admin import OffsetSpec
 
     if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
         raise ConfigError("kafka_config must be a dict of librdkafka settings "
                           "with 'bootstrap.servers'")
     if not isinstance(group_id, str) or not group_id:
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
-    # librdkafka's own lines go to logging (kfeed.librdkafka), not to stderr.
+    admin = admin_client(kafka_config)
+    # The reader of the records' ages logs as the admin client does (not to stderr).
     config = {**client_config(kafka_config), "logger": ConnectionLog()}
-    admin = AdminClient(config)
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
-        servers = str(config["bootstrap.servers"])
+        servers = str(kafka_config["bootstrap.servers"])
         parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)

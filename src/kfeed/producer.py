@@ -30,6 +30,7 @@ from kfeed._kafka import (
     REFUSED,
     ConnectionLog,
     TopicUnavailable,
+    admin_client,
     chain,
     client_config,
     kafka_error,
@@ -496,10 +497,10 @@ class Producer:
         if not self._unstable:
             return
         from confluent_kafka import IsolationLevel, KafkaException, TopicPartition
-        from confluent_kafka.admin import AdminClient, OffsetSpec
+        from confluent_kafka.admin import OffsetSpec
 
         waiting, self._unstable = self._unstable, {}
-        admin = AdminClient({**self._client, "logger": ConnectionLog()})
+        admin = admin_client(self._client)
         wait_s = min(self._timeout, _READABLE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while True:

@@ -29,6 +29,7 @@ from kfeed._kafka import (
     REFUSED,
     ConnectionLog,
     TopicUnavailable,
+    admin_client,
     chain,
     client_config,
     topic_partitions,
@@ -866,7 +867,7 @@ class KafkaSource(Source):
     def _ensure_topic(self, topic: str, like: str) -> int:
         """Create dead-letter topic ``topic`` with as many partitions as ``like``; its count."""
         from confluent_kafka import KafkaException
-        from confluent_kafka.admin import AdminClient, NewTopic
+        from confluent_kafka.admin import NewTopic
 
         md = self._consumer.list_topics(timeout=self.connect_timeout)
         have = md.topics.get(topic)
@@ -874,7 +875,7 @@ class KafkaSource(Source):
             return len(have.partitions)
         source = md.topics.get(like)
         count = len(source.partitions) if source is not None and source.partitions else 1
-        admin = AdminClient({**self._client_config(), "logger": ConnectionLog()})
+        admin = admin_client(self._client_config())
         futures = admin.create_topics([NewTopic(topic, num_partitions=count)],
                                       request_timeout=self.connect_timeout)
         try:
