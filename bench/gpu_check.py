@@ -256,7 +256,10 @@ def bandwidth(args: argparse.Namespace, device: Any, schema: Any, values: list[b
 
     def kfeed_copy(i: int) -> None:
         slot = slots[i % len(slots)]
-        _tensors, slot.event = copier.copy(slot)
+        if cuda:
+            _tensors, slot.event = copier.copy(slot)
+        else:  # no device stage on the CPU: the slot's own tensors are lent (BufferPool.lend)
+            _tensors = slot.view()
 
     pin_note = "pinned" if pool.pinned else "not pinned (no CUDA)"
     row("kfeed pinned pool (DeviceCopier.copy)", _timed(kfeed_copy, args.copies, sync),
@@ -556,6 +559,40 @@ def _f(v: Any, spec: str) -> str:
                   if v is None else spec)
 
 
+def scrape_gpu_metrics(device: Any, schema: Any, values: list[bytes], batch: int
+                       ) -> dict[str, Any]:
+    """``kfeed_gpu_*`` as a Prometheus scrape reads them, a loader on ``device`` alive.
+
+    Skipped, with the reason, without prometheus_client or nvidia-ml-py.
+    """
+    try:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        import pynvml  # noqa: F401 - the reader's dependency, checked here to say so
+    except ImportError as e:
+        return {"lines": [f"skipped: {e}"], "samples": []}
+    from kfeed import metrics
+    from kfeed.loader import memory_loader
+
+    server = metrics.serve(0)
+    try:
+        with memory_loader(values, schema, batch, device=device, until="end") as loader:
+            next(iter(loader))
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            with urllib.request.urlopen(url) as answer:
+                text = answer.read().decode()
+    finally:
+        server.shutdown()
+    samples = [{"name": s.name, "labels": s.labels, "value": s.value}
+               for f in text_string_to_metric_families(text) if f.name.startswith("kfeed_gpu_")
+               for s in f.samples]
+    lines = [f"{s['name']}{s['labels']} = {s['value']:g}" for s in samples]
+    return {"lines": lines or ["none published (see the kfeed.metrics log)"],
+            "samples": samples}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -631,6 +668,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['every']:>15} {r['fixed_s']:8.3f} {r['kfeed_s']:8.3f} "
               f"{r['kfeed_busy_pct']:12.1f} {r['dataloader_s']:16.3f} "
               f"{r['dataloader_busy_pct']:7.1f}")
+
+    print()
+    print("d. GPU metrics: a scrape of kfeed.metrics.serve while a loader feeds the device")
+    gpu_metrics = scrape_gpu_metrics(device, schema, values, b)
+    for line in gpu_metrics["lines"]:
+        print(f"  {line}")
     total = time.perf_counter() - t_start
     print(f"\nTotal {total:.1f} s (bandwidth {t_bw:.1f} s, data stall {t_stall:.1f} s, "
           f"run ahead {t_ahead:.1f} s)."
@@ -643,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                           "step_ms_target": args.step_ms, "workers": args.workers,
                           "prefetch": args.prefetch, "block_records": BLOCK_RECORDS},
                "bandwidth": bw, "model": model, "stall": stall, "run_ahead": ahead,
-               "seconds": total}
+               "gpu_metrics": gpu_metrics, "seconds": total}
         if not gpu:
             out["warning"] = "CPU run (--device cpu): not GPU figures"
         with open(args.json_path, "w") as f:

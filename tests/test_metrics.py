@@ -341,3 +341,87 @@ def test_a_real_prometheus_scrapes_the_lag_and_the_rates(prometheus, bootstrap, 
                     assert sum(float(r["value"][1]) for r in result) == sum(by_partition.values())
     finally:
         loader.close()
+
+
+class _Nvml:
+    """NVML as nvidia-ml-py presents it, for one device, its answers set by the test.
+
+    The reader's own logic is what is tested here (which device, the units,
+    what a failing device does); bench/gpu_check.py reads the real NVML on a GPU.
+    """
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, uuid: str, busy: int, used: int, total: int) -> None:
+        self.uuid, self.busy, self.used, self.total = uuid, busy, used, total
+        self.broken = False
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):  # noqa: N802 - NVML's names
+        if uuid != self.uuid:
+            raise self.NVMLError("Not Found")
+        return ("handle", uuid)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):  # noqa: N802
+        if self.broken:
+            raise self.NVMLError("GPU is lost")
+        return type("Rates", (), {"gpu": self.busy, "memory": 0})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle):  # noqa: N802
+        return type("Memory", (), {"used": self.used, "total": self.total,
+                                   "free": self.total - self.used})()
+
+
+def test_gpu_metrics_are_nvml_s_figures_for_the_devices_loaders_feed(caplog):
+    nvml = _Nvml("GPU-5a1d", busy=37, used=3 << 30, total=80 << 30)
+    # torch gives the UUID without NVML's "GPU-" prefix; device 1 is one NVML does not know.
+    reader = metrics.GpuReader(nvml, uuid_of={0: "5a1d", 1: "0bad"}.__getitem__)
+    with caplog.at_level("WARNING", logger="kfeed.metrics"):
+        got = reader.read({0, 1})
+        assert got == [(["0", "GPU-5a1d"], 0.37, 3 << 30, 80 << 30)]
+        assert reader.read({0, 1}) == got
+        nvml.broken = True
+        assert reader.read({0}) == [] and reader.read({0}) == []
+        nvml.broken, nvml.busy = False, 100
+        assert reader.read({0}) == [(["0", "GPU-5a1d"], 1.0, 3 << 30, 80 << 30)]
+    # One line for the unknown device, one for the failure, however many scrapes.
+    assert [r.getMessage() for r in caplog.records] == [
+        "no GPU metrics for cuda:1: NVML knows no device 0bad",
+        "GPU metrics of cuda:0: GPU is lost"]
+    assert metrics._cuda_index("cuda:1") == 1
+    assert metrics._cuda_index("cpu") is None and metrics._cuda_index(None) is None
+
+
+def test_without_a_gpu_a_scrape_has_no_gpu_metrics(server):
+    import torch
+
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = schema.encode_blocks({"id": np.arange(10)}, 5)
+    with memory_loader(values, schema, 5, device="cpu", until="end") as loader:
+        assert sum(1 for _ in loader) == 2
+        got = scrape(server)
+    assert got["kfeed_loader_samples"]
+    if not torch.cuda.is_available():
+        assert metrics.GpuReader.open() is None
+    # A CPU loader feeds no GPU: nothing of NVML's is published for it.
+    assert not [name for name in got if name.startswith("kfeed_gpu_")]
+
+
+@pytest.mark.timeout(180)
+def test_the_gpu_check_runs_on_the_cpu_and_scrapes_the_metrics(tmp_path):
+    # bench/gpu_check.py is the GPU's only proof, run where a device is lent:
+    # its CPU mode keeps every section of it working meanwhile.
+    import json
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--samples", "3000",
+                           "--copies", "10", "--steps", "10", "--workers", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert not result["gpu_figures"] and result["stall"] and result["run_ahead"]
+    assert result["bandwidth"][0]["us_per_batch"] > 0
+    assert result["gpu_metrics"]["samples"] == []  # a CPU loader: no GPU to report
+    assert "d. GPU metrics" in done.stdout

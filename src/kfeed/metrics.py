@@ -18,6 +18,13 @@ is how old the group's next unread record is, as kafka-lag-exporter defines
 it (now minus the timestamp of the record at the committed offset, 0 when
 nothing is left): a thread of ``serve`` asks the brokers for it every
 ``lag_interval_s`` (``kfeed.lag.group_lag``), never the loader's own thread.
+
+With a GPU and nvidia-ml-py present, each CUDA device a live loader feeds
+also has its utilisation and memory, read from NVML at the scrape
+(``kfeed_gpu_utilization_ratio``, ``kfeed_gpu_memory_used_bytes``,
+``kfeed_gpu_memory_total_bytes``, labelled by the device's CUDA index and
+UUID). Without NVML (no driver, no package) they are left out; the reason
+is logged once.
 """
 
 from __future__ import annotations
@@ -28,14 +35,14 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kfeed.errors import ConfigError
 
 log = logging.getLogger("kfeed.metrics")
 
-__all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "Histogram", "serve"]
+__all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "GpuReader", "Histogram", "serve"]
 
 # Every Loader and Producer made in this process and not yet collected (or closed).
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -95,7 +102,7 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
         raise ConfigError(f"lag_interval_s must be > 0, got {lag_interval_s!r}")
     ages = _LagSeconds(float(lag_interval_s))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(ages))
+    registry.register(_Collector(ages, GpuReader.open()))
     try:
         server, _thread = start_http_server(port, addr, registry=registry)
     except OSError as e:
@@ -175,11 +182,101 @@ class _LagSeconds(threading.Thread):
             self.stopped.wait(self.interval_s)
 
 
+class GpuReader:
+    """Utilisation and memory of the CUDA devices loaders feed, from NVML.
+
+    ``nvml`` is the ``pynvml`` module (nvidia-ml-py), initialised. A device
+    is found by its UUID (``torch.cuda.get_device_properties(i).uuid``), as
+    ``CUDA_VISIBLE_DEVICES`` renumbers devices and NVML does not.
+    """
+
+    def __init__(self, nvml: Any, uuid_of: Callable[[int], str] | None = None) -> None:
+        self.nvml = nvml
+        self._uuid_of = uuid_of or _torch_uuid
+        self._handles: dict[int, tuple[str, Any] | None] = {}
+        self._failed: set[int] = set()
+
+    @classmethod
+    def open(cls) -> GpuReader | None:
+        """A reader, or None (the reason logged) without nvidia-ml-py, a driver or a GPU."""
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            import pynvml
+        except ImportError:
+            log.info("no GPU metrics: nvidia-ml-py is not installed")
+            return None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            log.info("no GPU metrics: NVML cannot start: %s", e)
+            return None
+        return cls(pynvml)
+
+    def _handle(self, index: int) -> tuple[str, Any] | None:
+        """``(uuid, NVML handle)`` of CUDA device ``index``; None if NVML does not know it."""
+        if index not in self._handles:
+            uuid = self._uuid_of(index)
+            found = None
+            for name in (uuid, f"GPU-{uuid}", f"MIG-{uuid}"):
+                try:
+                    found = (name, self.nvml.nvmlDeviceGetHandleByUUID(name))
+                    break
+                except self.nvml.NVMLError:
+                    continue
+            if found is None:
+                log.warning("no GPU metrics for cuda:%d: NVML knows no device %s", index, uuid)
+            self._handles[index] = found
+        return self._handles[index]
+
+    def read(self, indices: set[int]) -> list[tuple[list[str], float, int, int]]:
+        """Per device: ``([index, uuid], utilisation 0..1, memory used, memory total)``."""
+        out = []
+        for index in sorted(indices):
+            found = self._handle(index)
+            if found is None:
+                continue
+            uuid, handle = found
+            try:
+                busy = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            except self.nvml.NVMLError as e:
+                if index not in self._failed:
+                    log.warning("GPU metrics of cuda:%d: %s", index, e)
+                    self._failed.add(index)
+                continue
+            self._failed.discard(index)
+            out.append(([str(index), uuid], busy, int(mem.used), int(mem.total)))
+        return out
+
+
+def _torch_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index a loader's ``device`` names, or None for another device."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None
+    if d.type != "cuda":
+        return None
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
 class _Collector:
     """Reads every live loader's and producer's counters at a scrape."""
 
-    def __init__(self, ages: _LagSeconds) -> None:
+    def __init__(self, ages: _LagSeconds, gpus: GpuReader | None = None) -> None:
         self.ages = ages
+        self.gpus = gpus
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -235,6 +332,7 @@ class _Collector:
         queued = GaugeMetricFamily("kfeed_producer_queue_messages",
                                    "messages handed to librdkafka and not acknowledged yet",
                                    labels=producer_labels)
+        devices: set[int] = set()
         for obj in _live():
             stats = obj.stats()
             if "lag" not in stats:  # a producer
@@ -245,6 +343,9 @@ class _Collector:
                 continue
             group = stats["group"]
             labels = [group, ",".join(obj.topics)]
+            index = _cuda_index(getattr(obj, "device", None))
+            if index is not None:
+                devices.add(index)
             for name, family in c.items():
                 family.add_metric(labels, stats[name])
             for reason, n in stats["bad_by_reason"].items():
@@ -273,3 +374,23 @@ class _Collector:
         yield from (bad, wait, latency, startup, pool, held, slots, depth, stage, lag, lag_s)
         yield from p.values()
         yield queued
+        if self.gpus is not None and devices:
+            yield from self._gpu_families(devices)
+
+    def _gpu_families(self, devices: set[int]) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        gpu_labels = ["gpu", "uuid"]
+        busy = GaugeMetricFamily("kfeed_gpu_utilization_ratio",
+                                 "share of the last sample period in which a kernel ran "
+                                 "(NVML), per device a loader feeds", labels=gpu_labels)
+        used = GaugeMetricFamily("kfeed_gpu_memory_used_bytes", "device memory in use (NVML)",
+                                 labels=gpu_labels)
+        total = GaugeMetricFamily("kfeed_gpu_memory_total_bytes", "device memory (NVML)",
+                                  labels=gpu_labels)
+        assert self.gpus is not None
+        for labels, ratio, mem_used, mem_total in self.gpus.read(devices):
+            busy.add_metric(labels, ratio)
+            used.add_metric(labels, mem_used)
+            total.add_metric(labels, mem_total)
+        yield from (busy, used, total)
