@@ -178,6 +178,40 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
     assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
 
 
+def test_numpy_files_not_what_their_names_say_get_one_clear_line(capsys, tmp_path) -> None:
+    import os
+
+    np.save(tmp_path / "one.npy", np.zeros((4, 3), np.float32))
+    os.replace(tmp_path / "one.npy", tmp_path / "one.npz")
+    np.savez(tmp_path / "many.npz", features=np.zeros((4, 3), np.float32))
+    os.replace(tmp_path / "many.npz", tmp_path / "many.npy")
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "many.npy").read_bytes()[:40])
+    cases = [
+        (["--from", str(tmp_path / "one.npz")], "kfeed: one.npz: one .npy array, not an .npz "
+         "archive: name it one.npy and map it with --field FIELD=one"),
+        (["--from", str(tmp_path / "many.npy"), "--field", "features=many"],
+         "kfeed: many.npy: an .npz archive, not one .npy array: name it many.npz"),
+        (["--from", str(tmp_path / "cut.npz")],
+         "kfeed: cut.npz: not a numpy .npz file (File is not a zip file): check the file"),
+    ]
+    for argv, line in cases:
+        code, err, _ = run_main(capsys, *PRODUCE, *argv)
+        assert (code, err) == (2, [line]), argv
+
+
+def test_a_float_cast_to_int64_is_checked_exactly(tmp_path) -> None:
+    # 2**63 - 1 is 2**63 as a float: a float check let 2**63 through, sent as -2**63.
+    path = write_parquet(tmp_path / "d.parquet", features=[[0.5]] * 2, id=[1, 2],
+                         label=[2.0 ** 63, 0.0])
+    fields = {"label": "label", "id": "id"}
+    with pytest.raises(ConfigError, match=r"holds values 0\.\.9223372036854775808, outside int64"):
+        ingest.read_columns(path, fields, dtypes={"label": "int64"})
+    path = write_parquet(tmp_path / "e.parquet", features=[[0.5]] * 2, id=[1, 2],
+                         label=[-(2.0 ** 63), 2.0 ** 62])
+    got = ingest.read_columns(path, fields, dtypes={"label": "int64"})
+    assert got["label"].tolist() == [-(2 ** 63), 2 ** 62]
+
+
 def test_parquet_missing_column_names_the_columns(capsys, tmp_path) -> None:
     path = write_parquet(tmp_path / "d.parquet", x=[1, 2], y=[3, 4])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=z")

@@ -174,6 +174,28 @@ def test_every_row_of_local_files_arrives_once(bootstrap, make_topic, tmp_path, 
     check_topic(bootstrap, topic, n)
 
 
+def test_a_bad_row_after_rows_were_sent_says_resume(bootstrap, make_topic, tmp_path) -> None:
+    # Not exit 2 ("nothing was sent"): the rows of the transactions committed
+    # before it are in the topic, and a rerun without --resume would send them twice.
+    topic = make_topic(partitions=1)
+    pq.write_table(table(np.arange(0, 3000)), tmp_path / "part-0.parquet")
+    pq.write_table(table(np.arange(3000, 4000)), tmp_path / "part-1.parquet")
+    bad = table(np.arange(4000, 5000))
+    labels = pa.array([None] + list(range(1, 1000)), pa.int64())
+    pq.write_table(bad.set_column(1, "label", labels), tmp_path / "part-2.parquet")
+    argv = ("produce", "--topic", topic, "--from", str(tmp_path), "--transaction-mb", "0.1")
+    done = kfeed_cli(bootstrap, *argv)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("kfeed: ") and line.endswith(
+        "(3,000 rows before it were sent and recorded: after the fix, run again with "
+        "--resume to send the rest)"), line
+    pq.write_table(table(np.arange(4000, 5000)), tmp_path / "part-2.parquet")
+    done = kfeed_cli(bootstrap, *argv, "--resume")
+    assert done.returncode == 0, done.stderr
+    check_topic(bootstrap, topic, 5000)
+
+
 def _json_lines(t: pa.Table) -> Iterator[str]:
     import json
 
@@ -214,6 +236,13 @@ def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         assert line in done.stderr, (argv, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    # Brokers away: one line, librdkafka's own (the resume's reader's too) in the log.
+    done = kfeed_cli(closed, "produce", "--topic", "t", "--from", str(tmp_path / "a.parquet"),
+                     "--connect-timeout", "2", timeout=60)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.strip().splitlines() == [
+        "kfeed: cannot reach the brokers at 127.0.0.1:1 within 2s: Failed to get metadata: "
+        "Local: Broker transport failure (topic=t)"], done.stderr
 
 
 # -- S3 (moto's server) -----------------------------------------------------------------
@@ -583,6 +612,74 @@ def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
     assert source_key("s3://b/p?scheme=http&region=eu") == source_key("s3://b/p?region=eu&scheme=http")
     assert job_id("t", source_key("postgresql://u:old@h/d"), "SELECT 1") == \
         job_id("t", source_key("postgresql://u:new@h/d"), "SELECT 1")
+
+
+def test_a_local_job_is_named_by_its_absolute_path(tmp_path, monkeypatch) -> None:
+    # However the path is typed, one job; the same relative path elsewhere, another.
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    key = source_key(str(tmp_path / "data"))
+    assert source_key("data") == source_key("data/") == source_key("./data") == key
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert source_key("data") != key
+    assert source_key("../data/*.parquet") == f"{key}/*.parquet"
+
+
+def test_a_glob_s_question_mark_is_a_wildcard_and_hidden_folders_are_left_out(tmp_path) -> None:
+    from kfeed.ingest import DatasetRows, split_params
+
+    for name in ("x1", "x2", "x10"):
+        pq.write_table(table(np.arange(3)), tmp_path / f"{name}.parquet")
+    # Written beside the data by Spark, Hadoop and others: never rows to send.
+    for hidden in ("_temporary/0/part-0.parquet", ".staging/x3.parquet", "_SUCCESS"):
+        (tmp_path / hidden).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table(np.arange(3)), tmp_path / hidden)
+    names = [Path(f).name for f in DatasetRows(str(tmp_path / "x?.parquet")).files]
+    assert names == ["x1.parquet", "x2.parquet"]
+    assert [Path(f).relative_to(tmp_path).as_posix()
+            for f in DatasetRows(str(tmp_path)).files] == \
+        ["x1.parquet", "x10.parquet", "x2.parquet"]
+    assert split_params("s3://b/part-?.parquet?endpoint_override=h:1&scheme=http") == \
+        ("s3://b/part-?.parquet", "endpoint_override=h:1&scheme=http")
+    assert split_params("s3://b/part-?.parquet") == ("s3://b/part-?.parquet", "")
+    assert split_params("/data/x?.parquet") == ("/data/x?.parquet", "")
+
+
+def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:
+    # While the producer waits on the brokers, pyarrow must not read on: its
+    # own read-ahead held most of a file (1.2 to 2.7 GB seen).
+    from kfeed.ingest import STREAM_BATCH_ROWS, DatasetRows, read_ahead
+
+    width, groups = 16, 40
+    batch_bytes = STREAM_BATCH_ROWS * (width * 4 + 16)
+    writer = None
+    for g in range(groups):
+        ids = np.arange(g * STREAM_BATCH_ROWS, (g + 1) * STREAM_BATCH_ROWS)
+        feats = np.ones(STREAM_BATCH_ROWS * width, np.float32)
+        t = pa.table({"id": ids, "label": ids,
+                      "features": pa.FixedSizeListArray.from_arrays(pa.array(feats), width)})
+        if writer is None:
+            writer = pq.ParquetWriter(tmp_path / "big.parquet", t.schema, compression="none")
+        writer.write_table(t, row_group_size=STREAM_BATCH_ROWS)
+    writer.close()
+    del t, feats, ids
+    rows = DatasetRows(str(tmp_path / "big.parquet"))
+    batches = read_ahead(rows.batches(["features", "id", "label"]))
+    try:
+        first = next(batches)
+        assert first.num_rows == STREAM_BATCH_ROWS
+        most = 0
+        deadline = time.monotonic() + 2.0  # a stalled send: nothing taken for a while
+        # The one taken, read_ahead's two and the one it waits to put, pyarrow's
+        # one ahead, and the row groups they are slices of: about 10 here.
+        while time.monotonic() < deadline and most <= 12 * batch_bytes:
+            most = max(most, pa.total_allocated_bytes())
+            time.sleep(0.05)
+        assert most <= 12 * batch_bytes, (most / batch_bytes, "batches held")
+        assert sum(b.num_rows for b in batches) == (groups - 1) * STREAM_BATCH_ROWS
+    finally:
+        batches.close()
 
 
 def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed() -> None:

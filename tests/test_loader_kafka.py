@@ -337,6 +337,27 @@ def test_aborted_transaction_is_never_visible(bootstrap, make_topic, group_id) -
     assert np.array_equal(np.sort(ids), np.r_[np.arange(0, 500), np.arange(1000, 1500)])
 
 
+def test_a_transaction_aborted_before_its_flush_does_not_fail_the_next(bootstrap, make_topic,
+                                                                       group_id) -> None:
+    # The abort purges what was still queued; librdkafka reports each purged
+    # message as a failed delivery, which is the abort's doing, not the next
+    # transaction's failure.
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        transactional_id=uuid.uuid4().hex) as p:
+        for attempt in range(3):
+            with pytest.raises(RuntimeError):
+                with p.transaction():
+                    p.send(synthetic_columns(np.arange(500, 1000)))
+                    raise RuntimeError(f"preprocessing failed, attempt {attempt}")
+        with p.transaction():
+            p.send(synthetic_columns(np.arange(0, 500)))
+    from test_faults import read_until
+
+    ids = read_until(bootstrap, topic, 500, SCHEMA)
+    assert np.array_equal(np.sort(ids), np.arange(0, 500))
+
+
 def test_a_committed_transaction_is_readable_once_the_producer_closes(bootstrap, make_topic,
                                                                        group_id, caplog) -> None:
     """Kafka writes the commit markers just after commit_transaction returns: close() waits

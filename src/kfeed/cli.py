@@ -577,6 +577,7 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         return sent, total or 0, f"{mb_s:,.1f} MB/s"
 
     progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+    committed = done
     try:
         while cols is not None:
             with producer.transaction():
@@ -594,6 +595,15 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
                             or time.monotonic() - opened >= _TRANSACTION_S):
                         break
                 progress.record(producer, sent)
+            committed = sent
+    except ConfigError as e:
+        progress_bar.close()
+        if committed == done:
+            raise  # nothing sent: a mistake in the command (exit 2)
+        # Rows before the bad one were sent: a failure while running (exit 1),
+        # and a rerun without --resume would send them again.
+        raise KfeedError(f"{e} ({committed - done:,} rows before it were sent and recorded: "
+                         f"after the fix, run again with --resume to send the rest)") from e
     except BaseException:
         progress_bar.close()
         raise

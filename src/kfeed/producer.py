@@ -65,6 +65,10 @@ _COMPRESSION = ("none", "gzip", "snappy", "lz4", "zstd")
 # producer committed (NOTE [ A commit is readable a moment later ]).
 _READABLE_WAIT_S = 10.0
 
+# librdkafka's codes for a message purged from its queues before delivery
+# (RD_KAFKA_RESP_ERR__PURGE_QUEUE, __PURGE_INFLIGHT), as an abort does.
+_PURGED = (-152, -151)
+
 Partitioner = Callable[[Any, int], int]
 
 
@@ -178,6 +182,7 @@ class Producer:
         self.messages = 0
         self.bytes = 0
         self.delivery_failures = 0
+        self.purged = 0  # messages an aborted transaction threw away before delivery
         self._transactional = transactional_id is not None
         if self._transactional:
             try:
@@ -371,7 +376,12 @@ class Producer:
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         # See NOTE [ Callbacks never raise ]: record, never lock, never raise.
-        if err is not None:
+        if err is not None and self._transactional and err.code() in _PURGED:
+            # Thrown away by an abort (nothing else purges a transactional
+            # producer's queue; a fatal error is raised on its own): the
+            # transaction that sent it has failed already, the next one has not.
+            self.purged += 1
+        elif err is not None:
             self._failures.append(err)
             self.delivery_failures += 1
         elif self._transactional:
