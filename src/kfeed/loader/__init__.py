@@ -396,6 +396,10 @@ class Loader:
         self._convert = converter(c.output, c.schema)  # None: torch, as it is
         self._agreement: EpochAgreement | None = None
         self._ahead: Any = None  # with ranks: the next step's item, taken a step early
+        # A batch whose hand-out failed (its conversion raised): the next
+        # next() hands it out in its place, so that none is skipped.
+        self._again: Handoff | None = None
+        self._broken: BaseException | None = None  # with ranks: such a failure ends the read
         self._exhausted = False
         self._wait_s = 0.0          # waited in next() after the first batch
         self._startup_s = 0.0       # from the first next() to the first batch
@@ -504,9 +508,16 @@ class Loader:
         f = self._feeder
         if f.thread is None:
             self._start()
-        # The caller asks for a new batch: the step that used the last one is over.
+        # The caller asks for a new batch: the step that used the last one is
+        # over. Its records are given up as used if a revoke is waiting for the
+        # hook, which runs before a commit that the loader's thread would make
+        # only once the hook ran.
         self._mark_used()
         self._run_revoke_hook()
+        self._commit_if_due()
+        if self._broken is not None:
+            raise LoaderError(f"the loader stopped at a batch it could not hand out: "
+                              f"{self._broken!r}") from self._broken
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
@@ -514,7 +525,10 @@ class Loader:
                 and dist_ready():
             self._agreement = EpochAgreement()
         ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall
-        item = self._take() if self._agreement is None else self._agreed()
+        if self._again is not None:
+            item, self._again, ready = self._again, None, True
+        else:
+            item = self._take() if self._agreement is None else self._agreed()
         batch = None
         while batch is None:
             if item is END:
@@ -606,9 +620,18 @@ class Loader:
         # The caller's stream waits for the copy first: JAX's DLPack import
         # orders its own stream after the caller's. And the batch is
         # converted before it counts as handed out: a conversion that fails
-        # leaves its records unread, never committed.
-        self._copier.adopt(out.tensors, out.event)
-        handed = batch if self._convert is None else self._convert(batch)
+        # leaves its records unread, never committed, and the next next()
+        # hands it out again. With ranks, whose steps go in lockstep, the
+        # read ends there instead.
+        try:
+            self._copier.adopt(out.tensors, out.event)
+            handed = batch if self._convert is None else self._convert(batch)
+        except BaseException as e:
+            if self._agreement is None:
+                self._again = out
+            else:
+                self._broken = e
+            raise
         with ledger.lock:
             if out.gen != ledger.gen:
                 # A rebalance happened after _take: the caller's next() takes
@@ -628,8 +651,10 @@ class Loader:
         with self._ledger.lock:
             self._ledger.mark_used(self._current.offsets)
         self._current = None
+
+    def _commit_if_due(self) -> None:
         now = time.monotonic()
-        if now - self._last_commit >= self._commit_interval:
+        if self._batches and now - self._last_commit >= self._commit_interval:
             self._commit(asynchronous=self._commit_interval > 0)
             self._last_commit = now
 
@@ -662,17 +687,23 @@ class Loader:
             # loader's thread is in consume() most of the time: it makes the
             # commit, between two fetches (NOTE [ One thread calls the consumer ]).
             fetcher.commits.put(todo, wait=not asynchronous,
-                                timeout=self.config.connect_timeout_s + 5.0)
+                                timeout=self.config.connect_timeout_s + 5.0,
+                                while_waiting=None if self._in_hook else self._run_revoke_hook)
             return
         # Outside the lock: a synchronous commit may retry for seconds.
         fetcher.commit_now(todo, asynchronous=asynchronous)
 
     def commit(self) -> None:
-        """Commit every batch handed out so far, including the current one."""
+        """Commit every batch handed out so far, including the current one.
+
+        A revoke waiting for the ``on_revoke`` hook has it run here first.
+        """
         self._mark_used()
         # Inside the on_revoke hook the loader's thread waits for the hook:
         # the revoke itself commits the partitions going, synchronously, and
         # the others go with the next commit.
+        if not self._in_hook:
+            self._run_revoke_hook()
         self._commit(asynchronous=self._in_hook)
 
     # -- checkpoints ----------------------------------------------------------
@@ -1016,7 +1047,15 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     allow = [e for o in orders for e in o.get("allow", [])]  # commit notes being followed
     if allow:
         merged["allow"] = allow
-    out: dict[str, Any] = {"order": merged, "pack_offset": 0, "partial": partial}
+    # Partitions a rank gave up: the furthest one, unless a rank holds it.
+    carried: dict[tuple[str, int], list[Any]] = {}
+    for st in states:
+        for t, p, o, s, note in st.get("carried", []):
+            tp = (t, p)
+            if tp not in seen and (tp not in carried or (o, s) > tuple(carried[tp][2:4])):
+                carried[tp] = [t, p, o, s, note]
+    out: dict[str, Any] = {"order": merged, "pack_offset": 0, "partial": partial,
+                           "carried": [carried[tp] for tp in sorted(carried)]}
     if "mix" in states[0]:
         mixes = [st["mix"] for st in states]
         if any(m.get("mix") != mixes[0].get("mix") for m in mixes):

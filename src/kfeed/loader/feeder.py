@@ -182,12 +182,20 @@ class Feeder:
                 return
 
     def _put(self, item: Any, serve: bool = False) -> bool:
+        """Queue ``item``; meanwhile poll the consumer (``serve``), or at least make commits.
+
+        The caller's ``next()`` may wait for a synchronous commit, which only
+        this thread makes, before it takes from the queue: a thread waiting
+        for room with the epoch's end or a failure makes it too.
+        """
         self.status.doing = "queueing a batch for the caller"
         while not self.stop.is_set():
             if self.ready.put(item, timeout=POLL_S):
                 return True
             if serve:
                 self.fetcher.serve()
+            else:
+                self.fetcher.commit_asked()
         return False
 
     def _wait_for_caller(self, tps: list[TP]) -> dict[TP, Position] | None:

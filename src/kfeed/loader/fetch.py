@@ -67,7 +67,14 @@ class Commits:
         self._waiters: list[list[Any]] = []  # [done event, error]
         self._stop = stop
 
-    def put(self, positions: dict[TP, Position], *, wait: bool, timeout: float) -> None:
+    def put(self, positions: dict[TP, Position], *, wait: bool, timeout: float,
+            while_waiting: Callable[[], None] | None = None) -> None:
+        """Ask for a commit; with ``wait``, return once it is made.
+
+        ``while_waiting`` runs every ``POLL_S`` of the wait: the caller's share
+        of what the loader's thread may be waiting for meanwhile (the
+        ``on_revoke`` hook), so that neither waits on the other.
+        """
         waiter: list[Any] = [threading.Event(), None]
         with self._lock:
             self._todo.update(positions)
@@ -77,6 +84,8 @@ class Commits:
             return
         deadline = time.monotonic() + timeout
         while not waiter[0].wait(POLL_S):
+            if while_waiting is not None:
+                while_waiting()
             if self._stop.is_set() or time.monotonic() >= deadline:
                 raise ConsumeError(f"the loader's thread did not make the commit within "
                                    f"{timeout:g}s; it is {self._status.doing}")
@@ -381,6 +390,19 @@ class Fetcher:
 
     def _clear(self) -> None:
         self.msgs, self.vals, self.runs, self.i, self.start = [], [], [], 0, 0
+
+    def commit_asked(self) -> None:
+        """Make the commits the caller asked for, from a thread that fetches no more.
+
+        The thread waiting to hand over the epoch's end (or its failure) does
+        this, as the caller's ``next()`` may wait on a synchronous commit
+        before it takes from the queue. A commit that fails is the waiting
+        caller's error, or a warning.
+        """
+        try:
+            self._commit()
+        except Exception as e:  # noqa: BLE001 - the thread is on its way out
+            log.warning("commit failed: %s", e)
 
     def _commit(self) -> None:
         """Make the commits the caller asked for (see ``Commits``)."""

@@ -438,6 +438,9 @@ class OrderLedger(Ledger):
         self.partial: dict[Key, int] = {}
         # Partitions started from another reader's note: the position it was read to.
         self.followed: dict[TP, Position] = {}
+        # The notes of the positions given up (``carried``, with them in the
+        # state): a partition back after a resume skips what they say was used.
+        self.carried_notes: dict[TP, str] = {}
         # A mixture's partitions read again (NOTE [ Rounds ]): the round each
         # is read in, and where its reading starts.
         self.rounds: dict[TP, int] = {}
@@ -475,6 +478,11 @@ class OrderLedger(Ledger):
                     self.rounds[tp] = 0
                     if tp in followed:
                         self._follow_note(tp, committed.get(tp))
+                    elif tp in self.carried_notes and fresh[tp] == self.carried.get(tp):
+                        # Back where this loader (or the state it loaded) gave it up.
+                        pos = self.carried[tp]
+                        self._follow_note(tp, Committed(pos[0], pos[1], None, None,
+                                                        self.carried_notes[tp]))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         for tp, (off, _skip) in positions.items():
             self.window.setdefault(tp, off)
@@ -585,6 +593,11 @@ class OrderLedger(Ledger):
             self.pending_rounds.pop(tp, None)
         marks = self.order.watermarks()
         mine = self._noted({tp: self._real(marks[tp]) for tp in tps if tp in marks}, used=False)
+        for tp, pos in mine.items():  # (``revoke`` carries the positions themselves)
+            if len(pos) > 2:
+                self.carried_notes[tp] = pos[2]
+            else:
+                self.carried_notes.pop(tp, None)
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
@@ -645,8 +658,9 @@ class OrderLedger(Ledger):
         return {tp: self._real(m) for tp, m in self.order.watermarks().items()}
 
     def state(self) -> dict[str, Any]:
-        # Only the partitions in the order: a state with shuffle or pack is
-        # one rank's own (static assignment), never merged.
+        # The partitions in the order, and those given up since (``carried``,
+        # with their notes): a resume that gets one back starts where it was
+        # given up, as the revoke's commit says, which it takes for lost.
         order = self.order.state()
         head = _key(order["outbox"][0]) if order["outbox"] else None
         unacked = {_key(k) for k in order["outbox"] + order["held"]}
@@ -657,8 +671,11 @@ class OrderLedger(Ledger):
 
         partial = {k: n for k, n in self.partial.items()
                    if (k in unacked or to_come(k)) and k != head}
+        delivered = self.delivered()
         state = {
-            "positions": by_topic(self.delivered()),
+            "positions": by_topic(delivered),
+            "carried": [[t, p, *self.carried[(t, p)], self.carried_notes.get((t, p))]
+                        for t, p in sorted(self.carried) if (t, p) not in delivered],
             "order": order,
             "pack": self._pack_spec(),
             # The head's tokens out: the packer's count, after what was cut.
@@ -694,7 +711,11 @@ class OrderLedger(Ledger):
             self.window = {(str(t), int(p)): int(o) for t, p, o in state.get("window", [])}
             self.saved_rounds = {(str(t), int(p)): int(r) for t, p, r in state.get("rounds", [])}
             self.partial = {_key(k[:3]): int(k[3]) for k in state.get("partial", [])}
+            carried = [((str(t), int(p)), (int(o), int(s)), n)
+                       for t, p, o, s, n in state.get("carried", [])]
         except (TypeError, ValueError, IndexError) as e:
-            raise ConfigError(f"not a loader state: its partial documents or window: {e!r}"
-                              ) from None
+            raise ConfigError(f"not a loader state: its partial documents, window or given up "
+                              f"partitions: {e!r}") from None
+        self.carried = {tp: pos for tp, pos, _n in carried}
+        self.carried_notes = {tp: str(n) for tp, _pos, n in carried if n}
         self._restore(state["order"], int(state.get("pack_offset", 0)))
