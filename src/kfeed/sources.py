@@ -351,6 +351,11 @@ class KafkaSource(Source):
         self._listeners: tuple[AssignCallback, RevokeCallback] | None = None  # see open()
         self._fatal: Any = None
         self._gone: tuple[float, Any] | None = None  # when a topic first looked deleted
+        # A deletion seen while data still came (librdkafka's queue of what it
+        # fetched before, or a passing hiccup): the brokers are asked again
+        # once the data stops (``_still_gone``), at most every second.
+        self._suspect: Any = None
+        self._probed = 0.0
 
     def _on_error(self, err: Any) -> None:
         # librdkafka reports transient trouble here and keeps retrying; the
@@ -362,6 +367,24 @@ class KafkaSource(Source):
         elif code in GONE_CODES and self._gone is None:
             self._gone = (time.monotonic(), err)
         self._warn.log(logging.WARNING, "kafka: %s", err)
+
+    def _still_gone(self) -> bool:
+        """Whether the brokers know one of the topics no more (asked at most every second)."""
+        from confluent_kafka import KafkaException
+
+        now = time.monotonic()
+        if now - self._probed < 1.0:
+            return False
+        self._probed = now
+        for topic in self.topics:
+            try:
+                md = self._consumer.list_topics(topic, timeout=min(self.connect_timeout, 5.0))
+            except KafkaException:
+                return False  # brokers away: that is not a deletion
+            found = md.topics.get(topic)
+            if found is None or (found.error is not None and found.error.code() in GONE_CODES):
+                return True
+        return False
 
     def _raise_fatal(self) -> None:
         err = self._fatal
@@ -548,10 +571,14 @@ class KafkaSource(Source):
         if self.protocol == "consumer" and not self._assigned_once:
             self._check_protocol(msgs)
         if self._gone is not None:
-            if msgs:
-                self._gone = None  # data still flows: it was a passing metadata hiccup
+            if msgs:  # data still comes: a passing metadata hiccup, or what was fetched before
+                self._suspect, self._gone = self._gone[1], None
             elif time.monotonic() - self._gone[0] >= GONE_GRACE_S:
                 self._fatal = self._gone[1]
+        elif self._suspect is not None and not msgs and self._still_gone():
+            # The data stopped and the topic is still unknown: the grace runs
+            # from now (else only librdkafka's next report, 30 s on, starts it).
+            self._gone, self._suspect = (time.monotonic(), self._suspect), None
         self._raise_fatal()
         if self._callback_error is not None:
             e, self._callback_error = self._callback_error, None
@@ -716,7 +743,7 @@ class KafkaSource(Source):
             if refused is None:
                 if pos is not None:
                     self._acked.append((tp, pos))
-                self._gone = None  # the coordinator knows the topic (again)
+                self._gone = self._suspect = None  # the coordinator knows the topic (again)
                 continue
             self._refused_note(refused)
             if refused.code() in GONE_CODES and self._gone is None:
