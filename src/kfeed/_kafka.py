@@ -5,8 +5,9 @@ all talk to brokers through confluent-kafka. This module holds what they must
 do alike, so that a user sees one behaviour whichever side they start from:
 
 - ``client_config``: the connection and security subset of a librdkafka dict,
-  for an admin client or a helper producer; ``admin_client``: an admin
-  client made from it, logging through ``ConnectionLog``;
+  for an admin client or a helper producer; ``logged_config``: the same,
+  logging through ``ConnectionLog``; ``admin_client``: an admin client made
+  from it;
 - ``create_topic``: the public way to create a topic (``kfeed.create_topic``);
 - ``unavailable_message`` / ``unreachable_message``: the one-line errors for a
   topic that does not exist and for brokers that do not answer, worded the
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 
 from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
-__all__ = ["create_topic", "client_config", "admin_client", "unavailable_message", "unreachable_message",
+__all__ = ["create_topic", "client_config", "logged_config", "admin_client", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
            "topic_partitions", "admin_partitions", "chain", "kafka_error", "weakly"]
 
@@ -48,6 +49,11 @@ def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(k, str) and k.startswith(_CONNECTION_KEYS)}
 
 
+def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``client_config``, with librdkafka's lines going to logging through ``ConnectionLog``."""
+    return {**client_config(kafka_config), "logger": ConnectionLog()}
+
+
 def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     """An ``AdminClient`` of ``kafka_config``'s brokers, with its connection settings alone.
 
@@ -56,7 +62,7 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     """
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient({**client_config(kafka_config), "logger": ConnectionLog()})
+    return AdminClient(logged_config(kafka_config))
 
 
 def create_topic(

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import ConnectionLog, admin_client, admin_partitions, client_config
+from kfeed._kafka import admin_client, admin_partitions, logged_config
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_lag"]
@@ -66,7 +66,7 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
     admin = admin_client(kafka_config)
     # The reader of the records' ages logs as the admin client does (not to stderr).
-    config = {**client_config(kafka_config), "logger": ConnectionLog()}
+    config = logged_config(kafka_config)
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})

@@ -52,14 +52,13 @@ class IngestProgress:
                  timeout_s: float) -> None:
         from confluent_kafka import Consumer
 
-        from kfeed._kafka import ConnectionLog, client_config
+        from kfeed._kafka import logged_config
 
         self.topic, self.job, self.source, self.timeout_s = topic, job, source, timeout_s
         # librdkafka's lines go to logging, folded, as the producer's do: not to stderr.
-        self._consumer = Consumer({**client_config(kafka_config), "group.id": job,
+        self._consumer = Consumer({**logged_config(kafka_config), "group.id": job,
                                    "enable.auto.commit": False,
-                                   "isolation.level": "read_committed",
-                                   "logger": ConnectionLog()})
+                                   "isolation.level": "read_committed"})
 
     def done(self) -> int:
         """Rows recorded as sent by the last committed transaction (0 if none)."""
