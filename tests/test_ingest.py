@@ -191,7 +191,7 @@ def test_a_bad_row_after_rows_were_sent_says_resume(bootstrap, make_topic, tmp_p
     assert len(lines) == 1, done.stderr
     line = lines[0]
     assert line.startswith("kfeed: ") and line.endswith(
-        "(3,000 rows before it were sent and recorded: after the fix, run again with "
+        "(4,000 rows before it were sent and recorded: after the fix, run again with "
         "--resume to send the rest)"), line
     pq.write_table(table(np.arange(4000, 5000)), tmp_path / "part-2.parquet")
     done = kfeed_cli(bootstrap, *argv, "--resume")
@@ -607,6 +607,26 @@ def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
     kill_then_resume(bootstrap, again, ["--from", postgres, "--query", query], n)
 
 
+@pytest.mark.integration
+def test_a_source_that_pauses_longer_than_the_transaction_timeout_loses_nothing(
+        bootstrap, make_topic, postgres) -> None:
+    # A query whose rows stop coming for a while (a slow join, a busy
+    # database): the open transaction must not wait for them, or the brokers
+    # abort it once it is older than transaction.timeout.ms (4 s here, checked
+    # by the brokers every 10 s: the pause outlasts both).
+    n, pause_at = 60_000, 30_000
+    query = (f"SELECT i::bigint AS id, (i % 10)::bigint AS label, "
+             f"ARRAY(SELECT (i * 0.5 + j)::real FROM generate_series(0, {WIDTH - 1}) j) "
+             f"AS features FROM generate_series(0, {n - 1}) i "
+             f"WHERE i <> {pause_at} OR pg_sleep(14) IS NOT NULL")  # rows stream in order
+    topic = make_topic(partitions=3)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", postgres,
+                     "--query", query, "-X", "transaction.timeout.ms=4000")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    check_topic(bootstrap, topic, n)
+
+
 def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
     assert source_key("postgresql://reader:hunter2@db:5432/wh") == \
         "postgresql://reader:***@db:5432/wh"
@@ -652,7 +672,7 @@ def test_a_glob_s_question_mark_is_a_wildcard_and_hidden_folders_are_left_out(tm
 def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:
     # While the producer waits on the brokers, pyarrow must not read on: its
     # own read-ahead held most of a file (1.2 to 2.7 GB seen).
-    from kfeed.ingest import STREAM_BATCH_ROWS, DatasetRows, read_ahead
+    from kfeed.ingest import STREAM_BATCH_ROWS, DatasetRows, ReadAhead
 
     width, groups = 16, 40
     batch_bytes = STREAM_BATCH_ROWS * (width * 4 + 16)
@@ -668,13 +688,13 @@ def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:
     writer.close()
     del t, feats, ids
     rows = DatasetRows(str(tmp_path / "big.parquet"))
-    batches = read_ahead(rows.batches(["features", "id", "label"]))
+    batches = ReadAhead(rows.batches(["features", "id", "label"]))
     try:
         first = next(batches)
         assert first.num_rows == STREAM_BATCH_ROWS
         most = 0
         deadline = time.monotonic() + 2.0  # a stalled send: nothing taken for a while
-        # The one taken, read_ahead's two and the one it waits to put, pyarrow's
+        # The one taken, ReadAhead's two and the one it waits to put, pyarrow's
         # one ahead, and the row groups they are slices of: about 10 here.
         while time.monotonic() < deadline and most <= 12 * batch_bytes:
             most = max(most, pa.total_allocated_bytes())
@@ -685,21 +705,41 @@ def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:
         batches.close()
 
 
-def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed() -> None:
+def test_read_ahead_keeps_order_raises_errors_waits_as_asked_and_stops_when_closed() -> None:
     import threading
 
-    from kfeed.ingest import read_ahead
+    from kfeed.ingest import ReadAhead
 
-    assert list(read_ahead(iter(range(100)), depth=3)) == list(range(100))
+    assert list(ReadAhead(iter(range(100)), depth=3)) == list(range(100))
 
     def failing() -> Iterator[int]:
         yield 1
         raise OSError("the disk went away")
 
-    got = read_ahead(failing())
+    got = ReadAhead(failing())
     assert next(got) == 1
     with pytest.raises(OSError, match="the disk went away"):
         next(got)
+    with pytest.raises(StopIteration):
+        next(got)
+
+    release = threading.Event()
+
+    def slow() -> Iterator[int]:
+        yield 1
+        release.wait(30)
+        yield 2
+
+    late = ReadAhead(slow())
+    assert late.take(5.0) == 1
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        late.take(0.2)
+    assert 0.15 < time.monotonic() - t0 < 5.0
+    release.set()
+    assert late.take(5.0) == 2
+    with pytest.raises(StopIteration):
+        late.take(5.0)
 
     closed = threading.Event()
 
@@ -712,7 +752,7 @@ def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed() -> None:
         finally:
             closed.set()
 
-    ahead = read_ahead(endless(), depth=2)
+    ahead = ReadAhead(endless(), depth=2)
     assert [next(ahead) for _ in range(5)] == [0, 1, 2, 3, 4]
     ahead.close()  # the thread stops and closes its source before close() returns
     assert closed.is_set()

@@ -544,9 +544,10 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         print(f"nothing to send: {rows.name} holds no rows after the "
                               f"{done:,} sent before")
                         return 0
-                batches = ingest.read_ahead(batches)  # the next batch read while this is sent
+                ahead = ingest.ReadAhead(batches)  # the next batch read while this is sent
+                batches = ahead
                 return _send_stream(args, producer, schema, rows.name, rows.total, first,
-                                    batches, progress, done)
+                                    ahead, progress, done, _transaction_age_s(config))
         finally:
             progress.close()
     finally:
@@ -556,17 +557,32 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         rows.close()
 
 
-# A transaction also ends at a batch's end once it has been open this long, well
-# within the brokers' transaction.timeout.ms (60 s by default), however slow the source.
-_TRANSACTION_S = 20.0
+def _transaction_age_s(config: dict[str, Any]) -> float:
+    """How long a transaction of streamed rows stays open: a third of the
+    producer's ``transaction.timeout.ms`` (60 s by default), after which the
+    brokers abort it, so that its commit has the rest (librdkafka has checked
+    the setting by the time the producer is up)."""
+    return float(config.get("transaction.timeout.ms", 60_000)) / 3000
+
+
+# What _send_stream holds in place of the next batch when the source was too slow to
+# give it within the transaction's age: it is waited for after the commit.
+_LATER = object()
 
 
 def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str,
-                 total: int | None, first: dict[str, Any], batches: Iterator[dict[str, Any]],
-                 progress: Any, done: int) -> int:
-    """The batches sent in transactions of about ``--transaction-mb`` (or ``_TRANSACTION_S``),
-    each recording the rows sent so far (NOTE [ Ingestion progress ] in ``kfeed.resume``)."""
-    cols: dict[str, Any] | None = first
+                 total: int | None, first: dict[str, Any], batches: Any,
+                 progress: Any, done: int, age_s: float) -> int:
+    """The batches (an ``ingest.ReadAhead``) sent in transactions of about
+    ``--transaction-mb`` or ``age_s`` seconds, each recording the rows sent so
+    far (NOTE [ Ingestion progress ] in ``kfeed.resume``).
+
+    A transaction waits for the next batch only while it is younger than
+    ``age_s``: a source slower than that (a query that stops for a while)
+    is waited for after the commit, with no transaction open for the
+    brokers to abort.
+    """
+    cols: Any = first
     sent = done
     limit = (args.transaction_mb or _TRANSACTION_MB) * 1e6
     t0 = time.monotonic()
@@ -576,26 +592,39 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         mb_s = (producer.bytes - before[1]) / max(time.monotonic() - t0, 1e-9) / 1e6
         return sent, total or 0, f"{mb_s:,.1f} MB/s"
 
+    def following(timeout: float | None) -> Any:
+        try:
+            later = batches.take(timeout)
+        except StopIteration:
+            return None
+        except TimeoutError:
+            return _LATER
+        _same_schema(schema, later, name)
+        return later
+
     progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
     committed = done
     try:
         while cols is not None:
             with producer.transaction():
                 opened, start_bytes = time.monotonic(), producer.bytes
-                while cols is not None:
+                while True:
                     n = len(next(iter(cols.values())))
                     for i in range(0, n, 8192):  # as _send_samples: encoding beside sending
                         part = {k: v[i:i + 8192] for k, v in cols.items()}
                         producer.send(part, keys=part["id"] if args.keyed else None)
                     sent += n
-                    cols = next(batches, None)
-                    if cols is not None:
-                        _same_schema(schema, cols, name)
-                    if (producer.bytes - start_bytes >= limit
-                            or time.monotonic() - opened >= _TRANSACTION_S):
+                    left = age_s - (time.monotonic() - opened)
+                    if producer.bytes - start_bytes >= limit or left <= 0:
+                        cols = _LATER
+                        break
+                    cols = following(left)
+                    if cols is None or cols is _LATER:
                         break
                 progress.record(producer, sent)
             committed = sent
+            if cols is _LATER:
+                cols = following(None)
     except ConfigError as e:
         progress_bar.close()
         if committed == done:

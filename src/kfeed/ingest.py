@@ -51,13 +51,13 @@ __all__ = [
     "DTYPES",
     "SUFFIXES",
     "TRAIN_FIELDS",
+    "ReadAhead",
     "Rows",
     "batch_columns",
     "is_stream",
     "no_password",
     "open_rows",
     "parse_pairs",
-    "read_ahead",
     "read_columns",
     "schema_for",
     "skip_documents",
@@ -342,7 +342,7 @@ DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".
 _GLOB = "*?["
 # Rows a batch holds at most as it leaves the reader: one producer call.
 STREAM_BATCH_ROWS = 65536
-# Batches pyarrow decodes ahead of the one taken (besides read_ahead's queue).
+# Batches pyarrow decodes ahead of the one taken (besides ReadAhead's queue).
 READ_AHEAD_BATCHES = 1
 # The bytes of a batch of a query's result, as the ADBC driver streams it.
 QUERY_BATCH_BYTES = 4 << 20
@@ -574,7 +574,7 @@ class DatasetRows(Rows):
         # and for Parquet a whole file's column chunks at once (pre_buffer),
         # all held while the producer waits on the brokers (2.7 GB seen for
         # 17 MB batches; 1.2 GB still with the read-aheads at 1). Here it
-        # decodes on read_ahead's thread, whose one batch ahead is all the
+        # decodes on ReadAhead's thread, whose one batch ahead is all the
         # reading ahead, so memory stays a few batches whatever the file's
         # size; on two cores it also read 1.2 GB/s against 0.75-0.95 with threads.
         options = ds.ParquetFragmentScanOptions(pre_buffer=False) \
@@ -671,62 +671,90 @@ def open_rows(source: str, query: str | None = None) -> Rows:
     return DatasetRows(source)
 
 
-def read_ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+class ReadAhead:
     """``items``, produced by a thread of their own up to ``depth`` ahead.
 
     Reading and decoding the next batch (pyarrow and the ADBC driver work
-    without the GIL) then overlaps sending the current one. An error in the
-    thread is raised here, at the item it stopped before. Closing this
-    generator (or an error in its reader) stops the thread and closes
+    without the GIL) then overlaps sending the current one. ``take`` waits
+    for the next item at most ``timeout`` seconds, so a caller holding
+    something that expires (an open transaction) need not wait on a slow
+    source. An error in the thread is raised at the item it stopped before.
+    ``close()`` (or an error in the reader) stops the thread and closes
     ``items`` before it returns, so the source can be closed after it.
     """
-    import queue
-    import threading
 
-    out: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
+    _END = object()
 
-    def put(entry: tuple[Any, BaseException | None]) -> None:
-        while not stop.is_set():
+    def __init__(self, items: Iterator[Any], depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self._items = items
+        self._out: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="kfeed-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _put(self, entry: tuple[Any, BaseException | None]) -> None:
+        import queue
+
+        while not self._stop.is_set():
             try:
-                out.put(entry, timeout=0.1)
+                self._out.put(entry, timeout=0.1)
                 return
             except queue.Full:
                 continue
 
-    def run() -> None:
+    def _run(self) -> None:
         try:
-            for item in items:
-                put((item, None))
-                if stop.is_set():
+            for item in self._items:
+                self._put((item, None))
+                if self._stop.is_set():
                     return
-            put((end, None))
+            self._put((self._END, None))
         except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
-            put((end, e))
+            self._put((self._END, e))
         finally:
-            close = getattr(items, "close", None)
+            close = getattr(self._items, "close", None)
             if close is not None:
                 close()
 
-    thread = threading.Thread(target=run, name="kfeed-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = out.get()
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def __next__(self) -> Any:
+        return self.take(None)
+
+    def take(self, timeout: float | None) -> Any:
+        """The next item; ``TimeoutError`` if none came within ``timeout``
+        seconds (``None``: wait), ``StopIteration`` after the last."""
+        import queue
+
+        if self._done:
+            raise StopIteration
+        try:
+            item, error = self._out.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no item within {timeout} s") from None
+        if item is self._END:
+            self.close()
             if error is not None:
                 raise error
-            if item is end:
-                return
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        import queue
+
+        self._done = True
+        self._stop.set()
+        while self._thread.is_alive():
             try:  # make room for a put under way, then wait for the thread
-                out.get_nowait()
+                self._out.get_nowait()
             except queue.Empty:
                 pass
-            thread.join(timeout=0.1)
+            self._thread.join(timeout=0.1)
 
 
 def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
