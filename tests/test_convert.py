@@ -154,6 +154,65 @@ def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
     committed.consumer.close()
 
 
+def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstrap,
+                                                                        make_topic):
+    # Three bad events come first, alone in their rounds: that is not yet "every
+    # record is bad" (a wrong schema), so the convert goes on, and once good
+    # events come the three are dead-lettered, each once, and everything commits.
+    import threading
+
+    src = make_topic(partitions=2)
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", ())})
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(3):
+        p.produce(src, json.dumps({"id": "not a number", "x": 1.0}).encode(), partition=i % 2)
+    assert p.flush(30) == 0
+    stop, seen, failed = threading.Event(), [], []
+
+    def run() -> None:
+        try:
+            seen.append(kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
+                                      schema, format="json", follow=True, stop=stop))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    committed = Committed(bootstrap, f"kfeed-convert.{src}.blocks", src, 2)
+    try:
+        time.sleep(3)  # some rounds of the bad ones alone
+        assert not failed, failed
+        assert committed() == 0  # nothing committed past the bad ones yet
+        n = 500
+        for i in range(n):
+            p.produce(src, json.dumps({"id": i, "x": i / 2}).encode(), partition=i % 2)
+        assert p.flush(30) == 0
+        deadline = time.monotonic() + 60
+        while committed() < n + 3 and not failed and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(60)
+        committed.consumer.close()
+    assert not failed, failed
+    assert (seen[0].records, seen[0].bad, seen[0].messages) == (500, 3, 503)
+    cols = read_columns(bootstrap, src + ".blocks", schema)
+    np.testing.assert_array_equal(np.sort(cols["id"]), np.arange(500))
+    dlq = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                    "enable.partition.eof": True, "isolation.level": "read_committed"})
+    dlq.assign([TopicPartition(src + ".dlq", part, 0) for part in (0, 1)])
+    dead, ends = [], 0
+    while ends < 2:
+        m = dlq.poll(10)
+        assert m is not None
+        if m.error():
+            ends += 1
+        else:
+            dead.append(json.loads(m.value())["id"])
+    dlq.close()
+    assert dead == ["not a number"] * 3  # each once
+
+
 def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
     src = make_topic(partitions=1)
     conf = {"bootstrap.servers": bootstrap}

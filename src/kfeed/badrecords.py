@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -159,6 +160,11 @@ class BadRecords:
         if len(self._held) >= self.fail_fast:
             self._give_up()
         self._warn(msg, why, "held back until a record decodes")
+
+    def forget(self, gone: Callable[[Any], bool]) -> None:
+        """Drop the held messages that ``gone`` picks (their partition was taken
+        away: its next owner reads them again)."""
+        self._held = [(m, why) for m, why in self._held if not gone(m)]
 
     def end_of_read(self) -> None:
         """A bounded read is over: if it held only bad messages, that is the error."""

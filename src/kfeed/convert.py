@@ -42,6 +42,10 @@ log = logging.getLogger("kfeed.convert")
 _RETRIES = 3           # rounds aborted in a row before convert gives up
 
 
+class _HeldBack(Exception):
+    """A round whose every record was bad, before any good one: held, not committed."""
+
+
 @dataclass
 class ConvertStats:
     """What a convert did so far; ``progress`` gets it after every round."""
@@ -172,6 +176,7 @@ class _Convert:
         self.rows = schema.empty(round_messages, like="numpy")
         self.target = schema.bind(self.rows)
         self.dead: list[tuple[Any, str]] = []  # this round's dead-letter copies
+        self.carried: list[Any] = []  # rounds held back (NOTE [ Bad records first ])
 
     def _source_partitions(self, kafka_config: Mapping[str, Any]) -> int:
         return len(admin_partitions(admin_client(kafka_config), self.from_topic,
@@ -192,17 +197,22 @@ class _Convert:
                 try:
                     self._round(msgs)
                     failures = 0
+                except _HeldBack:
+                    self.carried += msgs
                 except ProduceError as e:
                     failures += 1
                     self.stats.aborted += 1
                     if failures > _RETRIES:
                         raise
                     log.warning("round aborted (%s); reading its records again", e)
-                    self._rewind(msgs)
+                    self._rewind(self.carried + msgs)
+                    self.carried = []
+                    self.bad.forget(lambda _m: True)  # any held are among those read again
             self.stats.elapsed_s = time.monotonic() - t0
             if progress is not None and (msgs or not follow):
                 progress(self.stats)
             if not follow and not msgs and self.assigned and self.assigned <= self.eof:
+                self.bad.end_of_read()  # every record to the end was bad: that is the error
                 break
         self.stats.elapsed_s = time.monotonic() - t0
         return self.stats
@@ -241,6 +251,19 @@ class _Convert:
     # aborted and its partitions rewound to its first offsets, then read
     # again; a fatal error (another convert took the transactional id)
     # raises.
+    #
+    # NOTE [ Bad records first ]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Until a record decodes, BadRecords holds the rejected messages back: a
+    # wrong schema rejects every record, and must stop the convert with one
+    # error (after fail_fast of them, or at the end of a bounded read) with
+    # nothing dead-lettered or committed. A round of only such messages is
+    # therefore aborted before it sends anything (_HeldBack) and its messages
+    # are carried: the consumer reads on, and the first round with a good
+    # record routes the held ones (into its dead-letter copies) and commits
+    # the carried offsets with its own. A rebalance drops the carried
+    # messages of the partitions it takes away, and BadRecords forgets them:
+    # their next owner reads them again from the committed offset.
 
     def _round(self, msgs: list[Any]) -> None:
         from confluent_kafka import TopicPartition
@@ -248,6 +271,7 @@ class _Convert:
         by_part: dict[int, list[Any]] = {}
         for m in msgs:
             by_part.setdefault(m.partition(), []).append(m)
+        ends = {m.partition(): m.offset() + 1 for m in self.carried + msgs}
         self.dead = []
         p = self.producer
         stats = self.stats
@@ -263,19 +287,20 @@ class _Convert:
                 if n:
                     p.send({name: a[:n] for name, a in self.rows.items()},
                            partition=part % p.num_partitions)
-            self.bad.end_of_read()  # a round of bad records only: nothing commits
+            if not self.bad.good_seen:
+                raise _HeldBack  # nothing was sent: the transaction is empty
             for m, why in self.dead:
                 p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts,
                        dead_letter_headers(m, why))
             blocks = p.messages - messages_before - len(self.dead)
-            p.send_offsets(self.consumer, [
-                TopicPartition(self.from_topic, part, pms[-1].offset() + 1)
-                for part, pms in by_part.items()])
+            p.send_offsets(self.consumer, [TopicPartition(self.from_topic, part, end)
+                                           for part, end in ends.items()])
+        carried, self.carried = self.carried, []
         stats.records += rows
-        stats.bad += bad
-        stats.messages += len(msgs)
+        stats.bad += bad + len(carried)
+        stats.messages += len(msgs) + len(carried)
         stats.blocks += blocks
-        stats.bytes_in += nbytes
+        stats.bytes_in += nbytes + sum(len(m.value() or b"") for m in carried)
         stats.bytes_out += p.bytes - out_before
         stats.transactions += 1
         stats.lag = self._lag()
@@ -333,6 +358,8 @@ class _Convert:
         gone = {tp.partition for tp in parts}
         self.assigned -= gone
         self.eof -= gone
+        self.carried = [m for m in self.carried if m.partition() not in gone]
+        self.bad.forget(lambda m: m.partition() in gone)
 
     def close(self) -> None:
         try:
