@@ -78,6 +78,7 @@ cdef enum AvErr:
     A_VALUE          # the value was rejected before decoding (a Reason in ``extra``)
     A_PLAN           # no plan for the value's schema id (a str reason from the caller)
     A_MEMORY         # a document could not grow
+    A_RANGE_U64      # A_RANGE of an unsigned 64-bit value past int64 (its bits in the value)
 
 cdef enum:
     # Nesting deeper than this (recursive types) fails the record, not the stack.

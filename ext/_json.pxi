@@ -28,6 +28,9 @@ cdef enum:
     J_MAX_DIMS = 8
     A_JSON = 200       # not JSON where a value was expected
     A_OBJECT           # a key that leads to fields holds neither an object nor null
+    # js_number's integers past int64, which only some fields take (not errors):
+    J_UINT64           # up to 2**64 - 1: its bits in ``iv``, its double in ``dv``
+    J_WIDE             # any other: its double in ``dv`` (inf past float64)
 
 
 cdef struct JsNode:
@@ -337,19 +340,35 @@ cdef double* JS_POW10 = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10,
                           1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22]
 
 
+cdef int js_strtod(const uint8_t* s, Py_ssize_t n, double* out) noexcept nogil:
+    """The C library's ``strtod`` of the ``n`` bytes at ``s`` (a number already checked)."""
+    cdef char buf[128]
+    cdef char* text = buf
+    if n >= 128:
+        text = <char*>malloc(n + 1)
+        if text == NULL:
+            return A_MEMORY
+    memcpy(text, s, n)
+    text[n] = 0
+    out[0] = strtod(text, NULL)
+    if text != buf:
+        free(text)
+    return A_OK
+
+
 cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept nogil:
     """A number at ``c.p`` (also NaN, Infinity, -Infinity), as json.loads reads it.
 
     A float is the double nearest its decimal, as json.loads gives it: exact
     arithmetic when the digits fit 2**53 and the power of ten 10**22 (both
     then exact doubles, so one rounding), else the C library's ``strtod``.
+    An integer past int64 is ``J_UINT64`` or ``J_WIDE`` (``js_put_number``
+    says which fields take it).
     """
     cdef const uint8_t* s = c.p
     cdef bint neg = False, big = False, exact = True, eneg = False
     cdef uint64_t acc = 0, mant = 0
     cdef int digits = 0, scale = 0, e10 = 0, d
-    cdef char buf[128]
-    cdef Py_ssize_t n
     cdef double x
     cdef long double ld
     cdef uint64_t low
@@ -372,7 +391,8 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
     else:
         while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
             d = c.p[0] - 0x30
-            if acc > (<uint64_t>0xFFFFFFFFFFFFFFFF - 9) // 10:
+            if big or acc > <uint64_t>1844674407370955161 or \
+                    (acc == <uint64_t>1844674407370955161 and d > 5):  # past 2**64 - 1
                 big = True
             else:
                 acc = acc * 10 + d
@@ -414,10 +434,12 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
         if eneg:
             e10 = -e10
     if not is_float[0]:
-        if big or (not neg and acc > <uint64_t>0x7FFFFFFFFFFFFFFF) \
-                or (neg and acc > <uint64_t>0x8000000000000000):
-            c.err_value = 0
-            return A_RANGE
+        if not big and not neg and acc > <uint64_t>0x7FFFFFFFFFFFFFFF:
+            iv[0] = <int64_t>acc
+            dv[0] = <double>acc
+            return J_UINT64
+        if big or (neg and acc > <uint64_t>0x8000000000000000):
+            return js_strtod(s, c.p - s, dv) or J_WIDE
         iv[0] = -<int64_t>acc if neg else <int64_t>acc
         dv[0] = <double>iv[0]
         return A_OK
@@ -438,13 +460,35 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
             x = <double>ld
             dv[0] = -x if neg else x
             return A_OK
-    n = c.p - s
-    if n >= 128:
-        return A_RANGE
-    memcpy(buf, s, n)
-    buf[n] = 0
-    dv[0] = strtod(buf, NULL)
-    return A_OK
+    return js_strtod(s, c.p - s, dv)
+
+
+cdef int js_put_number(JsCur* c, uint8_t* d, uint64_t nelem, int code,
+                       int64_t elem) noexcept nogil:
+    """The number at ``c.p`` into element ``elem`` of ``d`` (``nelem`` ``code``
+    elements), as numpy's same_kind casting takes json.loads' value."""
+    cdef bint fl
+    cdef int64_t iv
+    cdef double dv
+    cdef int r = js_number(c, &fl, &iv, &dv)
+    if r == J_UINT64 or r == J_WIDE:
+        if elem < 0 or <uint64_t>elem >= nelem:
+            return A_LENGTH
+        if code == C_F32 or code == C_F64:
+            return A_RANGE if dv == INFINITY or dv == -INFINITY else \
+                put_float(d, nelem, code, elem, dv)
+        if code == C_U64 and r == J_UINT64:
+            (<uint64_t*>d)[elem] = <uint64_t>iv
+            return A_OK
+        return A_KIND if code == C_BOOL else A_RANGE
+    if r:
+        return r
+    if fl:
+        return put_float(d, nelem, code, elem, dv)  # A_KIND into ints
+    if code == C_BOOL:
+        return A_KIND  # numpy: an int is not a bool
+    c.err_value = iv
+    return put_int(d, nelem, code, elem, iv)
 
 
 cdef int js_skip(JsCur* c) noexcept nogil:
@@ -501,23 +545,23 @@ cdef int js_skip(JsCur* c) noexcept nogil:
             return A_JSON
     if js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
         return A_OK
-    return js_number(c, &fl, &iv, &dv)
+    r = js_number(c, &fl, &iv, &dv)
+    return A_OK if r == J_UINT64 or r == J_WIDE else r
 
 
 cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexcept nogil:
     """The value at ``c.p`` into field ``f``: a scalar at ``elem``, or arrays from ``level`` on."""
     cdef const JsNode* nd = &c.plan.nodes[ni]
     cdef int ndim = c.plan.ndim[f], r
-    cdef int64_t k = 0, dim, stride = 1, iv
+    cdef int64_t k = 0, dim, stride = 1
     cdef int j
-    cdef bint fl
-    cdef double dv
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
     if c.p[0] == 0x6E and js_lit(c, "null", 4):
         if level == 0:
-            return A_OK  # the field stays unwritten: its default, or bad
+            c.written[f] = 0  # unwritten (a key again: the last wins): its default, or bad
+            return A_OK
         return A_NULL
     if level < ndim:
         if c.p[0] != 0x5B:
@@ -561,16 +605,7 @@ cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexc
     elif js_lit(c, "false", 5):
         r = put_int(c.row[f], c.plan.nelem[f], nd.code, elem, 0)
     elif c.p[0] == 0x2D or c.p[0] == 0x4E or c.p[0] == 0x49 or 0x30 <= c.p[0] <= 0x39:
-        r = js_number(c, &fl, &iv, &dv)
-        if r:
-            return r
-        if fl:
-            r = put_float(c.row[f], c.plan.nelem[f], nd.code, elem, dv)  # A_KIND into ints
-        elif nd.code == C_BOOL:
-            r = A_KIND  # numpy: an int is not a bool
-        else:
-            c.err_value = iv
-            r = put_int(c.row[f], c.plan.nelem[f], nd.code, elem, iv)
+        r = js_put_number(c, c.row[f], c.plan.nelem[f], nd.code, elem)
     else:
         r = js_skip(c)
         return r if r else A_KIND  # a string, object or array
@@ -838,9 +873,7 @@ cdef int jt_room(JtCur* t, Py_ssize_t more) noexcept nogil:
 cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
     """The array at ``c.p`` into ``t.buf`` as this object's document (any earlier one dropped)."""
     cdef int r
-    cdef bint fl, esc
-    cdef int64_t iv
-    cdef double dv
+    cdef bint esc
     cdef uint8_t* grown
     cdef const uint8_t* s
     cdef Py_ssize_t n, m
@@ -894,16 +927,7 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         elif js_lit(c, "false", 5):
             r = put_int(t.buf + t.len * t.size, 1, t.code, 0, 0)
         elif c.p[0] == 0x2D or c.p[0] == 0x4E or c.p[0] == 0x49 or 0x30 <= c.p[0] <= 0x39:
-            r = js_number(c, &fl, &iv, &dv)
-            if r:
-                return r
-            if fl:
-                r = put_float(t.buf + t.len * t.size, 1, t.code, 0, dv)
-            elif t.code == C_BOOL:
-                r = A_KIND
-            else:
-                c.err_value = iv
-                r = put_int(t.buf + t.len * t.size, 1, t.code, 0, iv)
+            r = js_put_number(c, t.buf + t.len * t.size, 1, t.code, 0)
         else:
             r = js_skip(c)
             r = r if r else A_KIND

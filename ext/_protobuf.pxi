@@ -200,9 +200,11 @@ cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept 
     return A_OK
 
 
-cdef inline int pb_skip(PbCur* c, const uint8_t* end, int wt) noexcept nogil:
-    cdef uint64_t v
-    cdef int r
+cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
+    """Skip the value of an unknown field with ``tag`` at ``c.p``; a group
+    (wire type 3, proto2) up to the end tag of the same number."""
+    cdef uint64_t v, inner
+    cdef int r, wt = tag & 7
     if wt == 0:
         return pb_varint(c, end, &v)
     if wt == 1:
@@ -223,7 +225,26 @@ cdef inline int pb_skip(PbCur* c, const uint8_t* end, int wt) noexcept nogil:
             return A_TRUNCATED
         c.p += v
         return A_OK
-    return A_TAG  # 3 and 4 (groups, deprecated) or 6, 7 (none)
+    if wt == 3:
+        c.depth += 1
+        if c.depth > PB_MAX_DEPTH:
+            return A_DEPTH
+        while c.p < end:
+            r = pb_varint(c, end, &inner)
+            if r:
+                return r
+            if (inner >> 3) == 0 or (inner >> 3) > 0x1FFFFFFF:
+                return A_TAG
+            if (inner & 7) == 4:
+                if (inner >> 3) != (tag >> 3):
+                    return A_TAG
+                c.depth -= 1
+                return A_OK
+            r = pb_skip(c, end, inner)
+            if r:
+                return r
+        return A_TRUNCATED
+    return A_TAG  # a group's end without its start, or wire type 6 or 7 (none)
 
 
 cdef inline int pb_wire(int kind) noexcept nogil:
@@ -307,23 +328,23 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             v = <int64_t>((raw >> 1) ^ -(raw & 1))
         elif kind == P_BOOL:
             v = raw != 0
-        elif (kind == P_UINT64 or kind == P_FIXED64) and raw > <uint64_t>0x7FFFFFFFFFFFFFFF:
+        else:
+            v = <int64_t>raw
+        if (kind == P_UINT64 or kind == P_FIXED64) and v < 0:
             # Past int64: only a uint64 or a float field takes it.
-            if e.code == C_U64 and <uint64_t>elem < c.nelem[e.field]:
+            if <uint64_t>elem >= c.nelem[e.field]:
+                r = A_LENGTH
+            elif e.code == C_U64:
                 (<uint64_t*>c.row[e.field])[elem] = raw
                 r = A_OK
             elif e.code == C_F32 or e.code == C_F64:
                 r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, <double>raw)
             else:
-                c.err_value = -1
-                r = A_RANGE
-            if r == A_OK:
-                c.written[e.field] = 1
-            return r
+                c.err_value = v
+                r = A_RANGE_U64
         else:
-            v = <int64_t>raw
-        c.err_value = v
-        r = put_int(c.row[e.field], c.nelem[e.field], e.code, elem, v)
+            c.err_value = v
+            r = put_int(c.row[e.field], c.nelem[e.field], e.code, elem, v)
     if r == A_OK:
         c.written[e.field] = 1
     elif r == A_LENGTH:
@@ -384,7 +405,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
         if lo < m.first + m.n and c.plan.entries[lo].number == number:
             e = &c.plan.entries[lo]
         if e == NULL:
-            r = pb_skip(c, end, wt)
+            r = pb_skip(c, end, tag)
             if r:
                 return r
             continue
@@ -760,13 +781,15 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
     if err == A_WIRE:
         return f"wire type {b.value} does not match the field's type{where}"
     if err == A_TAG:
-        return "bad tag (field number 0, or a group)"
+        return "bad tag (field number 0, a group's end without its start, or wire type 6 or 7)"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_VARINT:
         return f"malformed varint{where}"
     if err == A_RANGE:
         return f"{b.value} does not fit the field's dtype{where}"
+    if err == A_RANGE_U64:
+        return f"{b.value & 0xFFFFFFFFFFFFFFFF} does not fit the field's dtype{where}"
     if err == A_KIND:
         return f"a value the field cannot take{where}"
     if err == A_DEPTH:

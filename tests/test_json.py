@@ -149,6 +149,35 @@ def test_keys_escaped_repeated_and_numbers_as_json_loads_reads_them():
     assert out["é"][:3].tolist() == [2.0, 0.0, 0.0]
 
 
+def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_reads_them():
+    # json.loads gives ints of any size: a uint64 field takes one up to
+    # 2**64 - 1, a float field any (as numpy casts it), an unread key any; a
+    # number literal of any length reads; a key whose last value is null is null.
+    schema = kfeed.Schema({"u": ("uint64", ()), "f": ("float64", ()),
+                           "g": ("float32", (2,), {"default": [0.0, 0.0]}),
+                           "i": ("int64", (), {"default": -1})})
+    long_float = "0." + "1" * 300
+    values = [
+        b'{"u": 18446744073709551615, "f": 10000000000000000000, "g": [1e400, 1]}',
+        b'{"u": 1, "f": 123456789012345678901234567890, "other": -99999999999999999999999}',
+        ('{"u": 2, "f": %s, "other": %s, "i": 3}' % (long_float, long_float)).encode(),
+        b'{"u": 3, "f": 1, "i": 5, "i": null, "g": [1, 2], "g": null}',
+        b'{"u": 18446744073709551616, "f": 1}',                # past uint64
+        b'{"u": -1, "f": 1}',
+        b'{"u": 4, "f": 1, "i": 9223372036854775808}',         # past int64
+        b'{"u": 6, "f": 1' + b"0" * 400 + b'}',                # an int past float64
+        b'{"u": 7, "f": 1e999999}',                             # a float: inf
+    ]
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    want = [json.loads(v) for v in values[:4] + values[8:]]
+    assert got["u"].tolist() == [w["u"] for w in want]
+    assert got["f"].tolist() == [float(w["f"]) for w in want]
+    assert got["g"].tolist() == [[np.inf, 1.0]] + [[0.0, 0.0]] * 4
+    assert got["i"].tolist() == [-1, -1, 3, -1, -1]
+    assert [i for i, _ in bad] == [4, 5, 6, 7]
+    assert all("does not fit the field's dtype at" in why for _, why in bad), bad
+
+
 def test_configuration_mistakes_get_one_clear_line():
     with pytest.raises(kfeed.ConfigError, match="cannot be both a value and an object"):
         kfeed.Json().decoder(kfeed.Schema({"a": ("int64", ()),

@@ -223,6 +223,60 @@ def test_plain_values_without_framing():
         np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
 
 
+def _proto2_class() -> type:
+    fdp = descriptor_pb2.FileDescriptorProto(name="legacy.proto", package="legacy",
+                                             syntax="proto2")
+    m = fdp.message_type.add(name="Reading")
+    m.field.add(name="id", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    m.field.add(name="level", number=2, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL,
+                default_value="-42")
+    m.field.add(name="ratio", number=3, type=F.TYPE_DOUBLE, label=F.LABEL_OPTIONAL,
+                default_value="0.5")
+    m.field.add(name="big", number=4, type=F.TYPE_UINT64, label=F.LABEL_OPTIONAL)
+    m.field.add(name="pair", number=5, type=F.TYPE_UINT64, label=F.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("legacy.Reading"))
+
+
+def test_proto2_defaults_groups_and_values_past_int64_read_as_protobuf_reads_them():
+    Reading = _proto2_class()
+
+    def tag(number: int, wire: int) -> bytes:
+        return bytes([number << 3 | wire])
+
+    # An unknown group (field 9, wire types 3 and 4) holding a nested group:
+    # skipped, as protobuf keeps it among the unknown fields.
+    group = tag(9, 3) + tag(1, 0) + b"\x03" + tag(2, 3) + tag(1, 0) + b"\x04" + tag(2, 4) \
+        + tag(9, 4)
+    values = [Reading(id=1).SerializeToString(),
+              Reading(id=2, level=-3, ratio=2.5).SerializeToString(),
+              Reading(id=3).SerializeToString() + group,
+              Reading(id=4, big=2**63 + 5).SerializeToString(),          # past int64
+              Reading(id=5, pair=[2**63] * 3).SerializeToString(),      # 3 of 2
+              Reading(id=6).SerializeToString() + tag(9, 4),              # an end alone
+              Reading(id=7).SerializeToString() + tag(9, 3) + tag(1, 0) + b"\x03" + tag(8, 4)]
+    schema = kfeed.Schema({"id": ("int64", ()), "level": ("int32", ()), "ratio": ("float32", ()),
+                           "big": ("int64", (), {"default": 0}),
+                           "pair": ("uint64", (2,), {"default": [0, 0]})})
+    got, bad = decode_all(kfeed.Protobuf(message=Reading).decoder(schema), schema, values)
+    want = [Reading.FromString(v) for v in values[:3]]
+    assert got["id"].tolist() == [1, 2, 3]
+    assert got["level"].tolist() == [w.level for w in want] == [-42, -3, -42]
+    assert got["ratio"].tolist() == [w.ratio for w in want] == [0.5, 2.5, 0.5]
+    assert bad == [(3, "9223372036854775813 does not fit the field's dtype at big"),
+                   (4, "field 'pair': 3 values do not match its shape at pair"),
+                   (5, "bad tag (field number 0, a group's end without its start, "
+                       "or wire type 6 or 7)"),
+                   (6, "bad tag (field number 0, a group's end without its start, "
+                       "or wire type 6 or 7)")]
+    # A declared default the field cannot hold is a mistake in the schema.
+    with pytest.raises(kfeed.ConfigError, match=r"^field 'level' \(uint8\) cannot hold -42, "
+                                                r"the proto2 default of level: give the field"):
+        kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", ())}))
+    kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", (), {"default": 0})}))
+
+
 def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
     rng = np.random.default_rng(5)
     write = ProtobufSerializer(Click, registry, CONF)

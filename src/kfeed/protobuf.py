@@ -313,6 +313,7 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
     layout = plan_layout(schema, "Protobuf")  # the dtypes checked first
     field_codes = codes(schema)
     tables: list[list[tuple[int, int, int, int, int, int, str]]] = []
+    found = defaults(schema)
 
     def table(desc: Any, targets: dict[tuple[str, ...], int], path: str) -> int:
         index = len(tables)
@@ -335,6 +336,9 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
                 rows.append((fd.number, _codec.PB_KINDS.get(kind, -1), f, field_codes[f],
                              int(fd.is_repeated), 0, where))
                 _check(schema.fields[f], kind, fd, where)
+                if found[f] is None and fd.has_default_value and not fd.is_repeated \
+                        and not schema.fields[f].variable:
+                    found[f] = _declared_default(schema.fields[f], fd, where)
                 continue
             if kind != "message" or fd.is_repeated:
                 f = schema.fields[next(iter(sub.values()))]
@@ -354,8 +358,22 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
             notes.append(note)
     return _codec.ProtobufPlan(layout, np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
-                               defaults(schema), notes, -1 if schema.varlen is None
+                               found, notes, -1 if schema.varlen is None
                                else schema.fields.index(schema.varlen))
+
+
+def _declared_default(field: Field, fd: Any, where: str) -> bytes:
+    """A proto2 field's ``[default = ...]``, what protobuf reads when it is absent, as
+    ``field``'s row."""
+    value = fd.default_value
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            row = np.full(field.shape, value, field.storage)
+    except (OverflowError, FloatingPointError, ValueError):
+        raise ConfigError(f"field {field.name!r} ({field.dtype}) cannot hold {value!r}, the "
+                          f"proto2 default of {where}: give the field a default of its own, "
+                          f"or a wider dtype") from None
+    return row.tobytes()
 
 
 def _describe(kind: str, fd: Any) -> str:
