@@ -209,6 +209,42 @@ def test_corrupt_frames_are_rejected_whole_with_a_reason_and_neighbours_are_inta
     assert got["id"].tolist() == [0, 1, 3, 4]
 
 
+def test_schema_references_to_other_subjects_read_as_confluent_kafkas_deserializer(registry):
+    # A named type registered under a subject of its own, which itself refers
+    # to another: the writer schema alone names them without defining them.
+    from confluent_kafka.schema_registry import Schema, SchemaReference
+
+    def register(subject: str, schema: dict, refs: list) -> SchemaReference:
+        registry.register_schema(subject, Schema(json.dumps(schema), "AVRO", refs))
+        return SchemaReference(subject, subject, registry.get_latest_version(subject).version)
+
+    unit = register("acme.Unit", {"type": "enum", "name": "Unit", "namespace": "acme",
+                                  "symbols": ["G", "KG"]}, [])
+    weight = register("acme.Weight", {"type": "record", "name": "Weight", "namespace": "acme",
+                                      "fields": [{"name": "value", "type": "double"},
+                                                 {"name": "unit", "type": "acme.Unit"}]}, [unit])
+    parcel = Schema(json.dumps({"type": "record", "name": "Parcel", "namespace": "acme",
+                                "fields": [{"name": "id", "type": "long"},
+                                           {"name": "weight", "type": "acme.Weight"}]}),
+                    "AVRO", [weight])
+    registry.register_schema("parcels-value", parcel)
+    ctx = SerializationContext("parcels", MessageField.VALUE)
+    serialize = AvroSerializer(registry, parcel, conf={"auto.register.schemas": False,
+                                                       "use.latest.version": True})
+    records = [{"id": i, "weight": {"value": i / 4, "unit": ["G", "KG"][i % 2]}}
+               for i in range(5)]
+    values = [serialize(r, ctx) for r in records]
+    schema = kfeed.Schema({"id": ("int64", ()),
+                           "kg": ("float32", (), {"source": "weight.value"}),
+                           "unit": ("int8", (), {"source": "weight.unit"})})
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(schema), schema, values)
+    want = [AvroDeserializer(registry)(v, ctx) for v in values]
+    assert bad == []
+    assert got["id"].tolist() == [w["id"] for w in want]
+    assert got["kg"].tolist() == [w["weight"]["value"] for w in want]
+    assert got["unit"].tolist() == [["G", "KG"].index(w["weight"]["unit"]) for w in want]
+
+
 def test_null_without_default_and_a_type_the_field_cannot_take():
     writer = {"type": "record", "name": "R", "fields": [
         {"name": "x", "type": ["null", "long"]},

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from kfeed.formats import (
     Encoder,
     PlanDecoder,
     RecordFormat,
+    ask_registry,
     codes,
     defaults,
     fetch_schema,
@@ -130,10 +131,35 @@ class AvroDecoder(PlanDecoder):
         if kind != "AVRO":
             return f"schema id {schema_id} is {kind}, not Avro"
         try:
-            return compile_plan(_load_schema(registered.schema_str), self.schema)
+            named = _referenced(self.fmt.client(), registered)
+            return compile_plan(_load_schema(registered.schema_str), self.schema, named)
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
+
+
+def _referenced(client: Any, registered: Any) -> list[Any]:
+    """The schemas a registered one refers to (Confluent schema references: named
+    types registered under subjects of their own), what they refer to first."""
+    out: list[Any] = []
+    seen: set[tuple[str, int]] = set()
+
+    def add(schema: Any) -> None:
+        for ref in getattr(schema, "references", None) or []:
+            key = (ref.subject, ref.version)
+            if key in seen:
+                continue
+            seen.add(key)
+            got = ask_registry(lambda ref=ref: client.get_version(ref.subject, ref.version),
+                               f"{ref.name} ({ref.subject} version {ref.version})")
+            if got is None:
+                raise ConfigError(f"it refers to {ref.name}, which the registry does not have "
+                                  f"({ref.subject} version {ref.version})")
+            add(got.schema)
+            out.append(_load_schema(got.schema.schema_str))
+
+    add(registered)
+    return out
 
 
 # -- writer schemas ----------------------------------------------------------------
@@ -440,9 +466,13 @@ class _Compiler:
                                 f"({field.dtype}{shape})")
 
 
-def compile_plan(writer: Any, schema: Schema) -> Any:
-    """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields."""
-    root = _Names().resolve(writer, "")
+def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = ()) -> Any:
+    """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields;
+    ``named``: schemas defining the named types that ``writer`` refers to."""
+    names = _Names()
+    for ref in named:
+        names.resolve(ref, "")
+    root = names.resolve(writer, "")
     if root["type"] != "record":
         raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
     layout = plan_layout(schema, "Avro")  # the dtypes checked first
