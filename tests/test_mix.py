@@ -129,6 +129,8 @@ def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
     ({"weights": {"a": float("nan")}}, "finite number >= 0"),
     ({"weights": {"a": 0.0, "b": 0.0}}, "at least one weight"),
     ({"weights": {"a": True}}, "finite number >= 0"),
+    ({"weights": {"a": 10**400, "b": 1}}, "finite number >= 0"),
+    ({"weights": {"a": 1e308, "b": 1e308}}, "add up past the largest float"),
     ({"weights": ["a", "b"]}, "dict {topic: weight} or a callable"),
     ({"weights": {"a": 1.0}, "exhausted": "forever"}, "'stop', 'renormalize' or 'repeat'"),
     ({"weights": {"a": 1.0}, "seed": -1}, "seed must be an int"),
@@ -137,6 +139,16 @@ def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
 def test_bad_mixtures_say_what_is_wrong(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Mix(**kwargs)
+
+
+def test_numpy_weights_are_numbers_and_a_tiny_weight_still_takes_turns():
+    mix = Mix({"a": np.float32(0.75), "b": np.int64(1)})
+    assert mix.weights == {"a": 0.75, "b": 1.0}
+    assert Mix(lambda step: {"a": np.float64(1), "b": 0}).weights_at(0, ("a", "b")) == \
+        {"a": 1.0, "b": 0.0}
+    mixer = Mixer(Mix({"a": 1.0, "b": 1e-12}), 8, bounded=True)
+    mixer._weights_for(0)
+    assert mixer.weights.tolist() == [1 << 32, 1]  # b not rounded to nothing
 
 
 def test_a_schedule_must_keep_its_topics():
@@ -203,6 +215,23 @@ def test_renormalize_reads_everything_and_keeps_the_others_proportions():
     after = src[np.nonzero(src == 2)[0][-1] + 1:]
     after = after[: np.nonzero(after == 0)[0][-1] + 1]  # while both still had records
     assert window_deviation(after, [0.6, 0.3, 0.0]) < 2.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_renormalize_resumes_exactly_after_a_source_ran_out_with_records_still_held(seed):
+    # The state says c ran out; a resume reads c's partition again from below
+    # its end (records the shuffle still held), and took that as c being back:
+    # its weight shifted the others' turns until the partition was done again.
+    sources = {"a": (0, 1, 1500), "b": (1, 1, 1500), "d": (3, 1, 1500), "c": (2, 1, 60)}
+    values = row_values(sources=sources)
+    mix = Mix({"a": 0.3, "b": 0.25, "d": 0.2, "c": 0.25}, seed=seed, exhausted="renormalize")
+    kw = {"batch_size": 8, "shuffle": Shuffle(300, seed=1)}
+    whole = np.concatenate(read(values, mix, **kw)[0])
+    for stop in (40, 60):
+        first, state = read(values, mix, stop=stop, **kw)
+        assert state["mix"]["live"] == [True, True, True, False]  # c ran out already
+        rest, _ = read(values, mix, state=state, **kw)
+        np.testing.assert_array_equal(np.concatenate(first + rest), whole)
 
 
 def test_the_same_seed_gives_the_same_stream_and_another_seed_another():
@@ -466,6 +495,26 @@ def test_a_state_saved_between_epochs_starts_the_next_one():
     assert len(epoch_ids(resumed)) == 0
 
 
+def test_epochs_start_where_the_group_committed_inside_a_message():
+    # A group committed part-way into a block (offset 1, 5 of its 10 records
+    # used): every epoch's window starts after them, as a read without epochs does.
+    values = {0: ROWS.encode_blocks({"id": np.arange(100), "x": np.zeros((100, 2), np.float32)},
+                                    10)}
+    source = MemorySource(values)
+    with Loader(None, "memory", ROWS, 5, source=source, device="cpu", until="end") as first:
+        used = np.concatenate([next(first)["id"].numpy().copy() for _ in range(3)])
+    assert used.tolist() == list(range(15)) and source.committed_positions == {("memory", 0): (1, 5)}
+    with Loader(None, "memory", ROWS, 5, source=source, device="cpu", until="end",
+                epochs=2) as loader:
+        epochs = [epoch_ids(loader) for _ in range(2)]
+        state = loader.state_dict()
+    assert [e.tolist() for e in epochs] == [list(range(15, 100))] * 2
+    resumed = Loader(None, "memory", ROWS, 5, source=source, device="cpu", until="end",
+                     epochs=3)
+    resumed.load_state_dict(state)  # the window's start, skip included, comes back with it
+    assert epoch_ids(resumed).tolist() == list(range(15, 100))
+
+
 def test_bad_epochs_say_what_is_wrong():
     with pytest.raises(ConfigError, match="bounded window"):
         epoch_loader(until=None)
@@ -539,6 +588,50 @@ def test_repeat_drops_a_source_with_nothing_in_its_window():
     values[("a", 0)], values[("a", 1)] = [], []
     got, stats = read(values, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), batch_size=16)
     assert len(np.concatenate(got)) == 200 and stats["mix"] == {"a": 0, "b": 200}
+
+
+def test_repeat_ends_though_a_source_of_weight_0_never_runs_out():
+    # z is never drawn, so it never runs out: the read ends once the others did
+    # (it went on reading a and b again forever).
+    values = repeat_values()
+    values[("z", 0)] = ROWS.encode_blocks({"id": np.arange(5) + 9 * 10**6,
+                                           "x": np.zeros((5, 2), np.float32)}, 7)
+    got, stats = read(values, Mix({"a": 0.5, "b": 0.5, "z": 0.0}, seed=2, exhausted="repeat"),
+                      batch_size=16)
+    assert stats["mix"]["b"] == 200 and stats["mix"]["z"] == 0
+    assert sum(len(g) for g in got) == stats["mix"]["a"] + 200
+
+
+def test_a_merged_state_reads_again_a_source_that_was_about_to_be():
+    # A rank saved its state as source a ran out and was to be read again (its
+    # count since its start at 0): the merged state read as "a's window is
+    # empty" and dropped a for good.
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat")
+    values = {k: v for k, v in repeat_values().items()}
+    values[("a", 0)] = ROWS.encode_blocks({"id": np.arange(15), "x": np.zeros((15, 2),
+                                                                                np.float32)}, 5)
+
+    def job(state: dict | None, stops: list[int] | None) -> tuple[list, list]:
+        got, states = [], []
+        for rank in range(2):
+            ids, st = read(values, mix, batch_size=16, state=state, rank=rank, world_size=2,
+                           assignment="static", stop=stops[rank] if stops else None)
+            got += ids
+            states.append(st)
+        return got, states
+
+    whole, _ = job(None, None)
+    first, states = job(None, [3, 3])
+    assert any(st["mix"]["to_repeat"] is not None for st in states)
+    unmerged = [np.concatenate(read(values, mix, batch_size=16, state=st, rank=rank,
+                                    world_size=2, assignment="static")[0])
+                for rank, st in enumerate(states)]
+    rest, _ = job(Loader.merge_states(states), None)
+    a_rest = sum(int((r < 10**6).sum()) for r in rest)
+    assert a_rest == sum(int((u < 10**6).sum()) for u in unmerged)
+    assert sum(int((r >= 10**6).sum()) for r in rest) == \
+        sum(int((u >= 10**6).sum()) for u in unmerged)
+    assert a_rest > 100  # a goes on beside b (37 of b's 152 when it was dropped)
 
 
 def small_a_values(a_records: int = 5, empty_a0: bool = False) -> dict:

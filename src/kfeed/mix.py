@@ -33,7 +33,8 @@ state, lets them out in the same order as the run that saved it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping
+import numbers
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,13 +124,21 @@ def _checked(weights: Any, topics: tuple[str, ...] | None, what: str) -> dict[st
     for topic, w in weights.items():
         if not isinstance(topic, str) or not topic:
             raise ConfigError(f"{what}: topic names must be non-empty strings, got {topic!r}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
-                or w < 0:
+        try:
+            x = float(w) if isinstance(w, numbers.Real) and not isinstance(w, (bool, np.bool_)) \
+                else math.nan
+        except OverflowError:
+            x = math.inf
+        if not math.isfinite(x) or x < 0:
             raise ConfigError(f"{what}: the weight of {topic!r} must be a finite number >= 0, "
                               f"got {w!r}")
-        out[topic] = float(w)
-    if sum(out.values()) <= 0:
+        out[topic] = x
+    total = sum(out.values())
+    if total <= 0:
         raise ConfigError(f"{what}: at least one weight must be above 0, got {out}")
+    if not math.isfinite(total):
+        raise ConfigError(f"{what}: the weights {out} add up past the largest float: "
+                          f"give them on a smaller scale (only their proportions count)")
     if topics is not None:
         if set(out) != set(topics):
             raise ConfigError(f"{what} names {sorted(out)}, not the mixture's topics "
@@ -189,6 +198,7 @@ class Mixer:
         # number, so that it survives a new assignment).
         self._next: list[Hashable | None] = [None] * n
         self._parts: dict[int, Hashable] = {}  # id -> partition, of the assignment
+        self._known: set[Hashable] = set()  # the partitions of the last assignment
         self._one_source = False  # see in_turn
         self.reset()
 
@@ -290,8 +300,10 @@ class Mixer:
             rings[s].append(parts[tp])
         self._parts = {pid: tp for tp, pid in parts.items()}
         self.present = np.array([bool(r) for r in rings], np.uint8)
-        for s, ring in enumerate(rings):  # a partition not read to its end: the source is back
-            if any(not self._done[p] for p in ring):
+        new = set(parts) - self._known
+        self._known = set(parts)
+        for s, ring in enumerate(rings):  # a new partition not read to its end: the source is back
+            if any(self._parts[p] in new and not self._done[p] for p in ring):
                 self.live[s] = 1
         for s, ring in enumerate(rings):
             self._src_of[ring] = s
@@ -387,7 +399,9 @@ class Mixer:
         self._step = step
         w = self.mix.weights_at(step, self.sources)
         total = sum(w.values())
-        self.weights = np.array([round(w[t] / total * _SCALE) for t in self.sources], np.int64)
+        # (A weight above 0 is never rounded to none: its source still takes turns.)
+        self.weights = np.array([max(round(w[t] / total * _SCALE), 1) if w[t] > 0 else 0
+                                 for t in self.sources], np.int64)
 
     def take(self) -> np.ndarray:
         """The records that may go out now, in the mixture's order."""
@@ -428,7 +442,9 @@ class Mixer:
                     self.live[src] = 0
                     self.credits[src] = 0
                     continue
-                if not (self.ran_out | ~self.live.astype(bool) | ~self.present.astype(bool)).all():
+                # (A source of weight 0 now is never drawn: it cannot run out.)
+                if not (self.ran_out | ~self.live.astype(bool) | ~self.present.astype(bool)
+                        | (self.weights == 0)).all():
                     self.to_repeat = src  # the caller starts its partitions again
                     self.since[src] = 0
                     break
@@ -467,7 +483,9 @@ class Mixer:
             "since": [int(x) for x in self.since],
         }
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state(self, state: Mapping[str, Any], held: Iterable[Hashable] = ()) -> None:
+        """``state`` (``state()``) saved with ``held`` assigned: those partitions are
+        not new to this mixer, so a source they belong to that ran out stays out."""
         want = self.mix.describe()
         if state.get("mix") != want:
             raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
@@ -489,4 +507,5 @@ class Mixer:
         self.to_repeat = state.get("to_repeat")
         self._next = nxt
         self.mixed, self.ended = mixed, ended
+        self._known = set(held)
         self._step = -1

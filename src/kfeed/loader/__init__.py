@@ -85,7 +85,7 @@ from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status, no_revoke_hook
-from kfeed.loader.ledger import Ledger, OrderLedger, no_reset_hook
+from kfeed.loader.ledger import Ledger, OrderLedger, _key, no_reset_hook
 from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
@@ -285,7 +285,9 @@ class Loader:
         self._given_source = source
         self._epoch = 0
         self._epoch_finished = False
-        self._window: tuple[dict[TP, int], dict[TP, int]] | None = None
+        # epochs=: the window's start and end offsets, and the records to skip
+        # at a start the group committed part-way into a message.
+        self._window: tuple[dict[TP, int], dict[TP, int], dict[TP, int]] | None = None
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -300,7 +302,7 @@ class Loader:
         if base.mix is not None:
             changes["mix"] = dataclasses.replace(base.mix, seed=seed(base.mix.seed, self._epoch))
         if self._window is not None:
-            changes["start"], changes["until"] = self._window
+            changes["start"], changes["until"] = self._window[:2]
         return base.replace(**changes)
 
     def _setup(self, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
@@ -453,14 +455,15 @@ class Loader:
         self._ledger.lineages = set(lineages)
         self._ledger.superseded = superseded
 
-    def _resolve_window(self) -> tuple[dict[TP, int], dict[TP, int]]:
+    def _resolve_window(self) -> tuple[dict[TP, int], dict[TP, int], dict[TP, int]]:
         """Where the window starts and ends in every partition, now."""
         source, ledger = self._source, self._ledger
         self._status.doing = "resolving the window (start and until)"
         parts = source.partitions()
         starts = ledger.start_positions(parts, source.committed(parts))
         return ({tp: off for tp, (off, _skip) in starts.items()},
-                self._fetcher.ends_of(parts))
+                self._fetcher.ends_of(parts),
+                {tp: skip for tp, (_off, skip) in starts.items() if skip})
 
     def _start(self) -> None:
         f = self._feeder
@@ -472,7 +475,7 @@ class Loader:
                 mine = self._resolve_window() if not ranks or self.rank == 0 else None
                 self._window = from_rank0(mine) if ranks else mine
             # Every epoch reads the same window, resolved once.
-            self._ledger.start, self._fetcher.until = self._window
+            self._ledger.start, self._fetcher.until, self._ledger.start_skips = self._window
         if self.assignment_mode == "static":
             parts = self._source.partitions()
             mix = self.config.mix
@@ -726,7 +729,7 @@ class Loader:
         if self._base.epochs is not None:
             window = None if self._window is None else {
                 name: [[t, p, o] for (t, p), o in sorted(ends.items())]
-                for name, ends in zip(("start", "until"), self._window, strict=True)}
+                for name, ends in zip(("start", "until", "skips"), self._window, strict=True)}
             out["epochs"] = {"epoch": self._epoch, "finished": self._epoch_finished,
                              "window": window}
         return out
@@ -767,8 +770,8 @@ class Loader:
             epoch, finished = int(saved["epoch"]), bool(saved["finished"])
             window = saved["window"]
             if window is not None:
-                window = tuple({(str(t), int(p)): int(o) for t, p, o in window[name]}
-                               for name in ("start", "until"))
+                window = tuple({(str(t), int(p)): int(o) for t, p, o in window.get(name, [])}
+                               for name in ("start", "until", "skips"))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a loader state: its epochs: {e!r}") from None
         self._window = window
@@ -1054,6 +1057,13 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
             tp = (t, p)
             if tp not in seen and (tp not in carried or (o, s) > tuple(carried[tp][2:4])):
                 carried[tp] = [t, p, o, s, note]
+    # A document's tokens out only grow: where ranks name it twice (one holds
+    # it, another kept an older count from an earlier merge), the most.
+    most: dict[Any, tuple[list[Any], int]] = {}
+    for *key, n in partial:
+        k = _key(key)
+        most[k] = (key, max(most[k][1], int(n)) if k in most else int(n))
+    partial = [[*key, n] for key, n in most.values()]
     out: dict[str, Any] = {"order": merged, "pack_offset": 0, "partial": partial,
                            "carried": [carried[tp] for tp in sorted(carried)]}
     if "mix" in states[0]:
@@ -1061,12 +1071,15 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         if any(m.get("mix") != mixes[0].get("mix") for m in mixes):
             raise ConfigError("the states differ in their Mix")
         # Rank 0's round robin goes on; which sources ran out was rank 0's
-        # alone: every rank finds that out again from its own partitions.
+        # alone: every rank finds that out again from its own partitions. A
+        # source a rank was about to read again let records out in its window
+        # (its count restarted at 0, which would read as an empty window).
         n = len(mixes[0]["live"])
+        again = {m.get("to_repeat") for m in mixes} - {None}
+        since = [sum(int(m.get("since", [0] * n)[k]) for m in mixes) for k in range(n)]
         out["mix"] = {**mixes[0], "ended": False, "live": [True] * n, "to_repeat": None,
                       "ran_out": [False] * n,
-                      "since": [sum(int(m.get("since", [0] * n)[k]) for m in mixes)
-                                for k in range(n)]}
+                      "since": [max(c, 1) if k in again else c for k, c in enumerate(since)]}
         # Mix(exhausted="repeat"): each partition's window start and round.
         for key in ("window", "rounds"):
             if any(key in st for st in states):

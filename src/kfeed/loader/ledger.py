@@ -181,6 +181,9 @@ class Ledger:
     def __init__(self, source: Source, start: str | datetime | Mapping[TP, int]) -> None:
         self.source = source
         self.start = start
+        # An epochs= window's start as the group committed it, part-way into a
+        # message: records to skip there (Loader._resolve_window).
+        self.start_skips: dict[TP, int] = {}
         self.lock = threading.Lock()
         # Bumped by every revoke: batches made before it are not handed out.
         self.gen = 0
@@ -305,7 +308,7 @@ class Ledger:
             elif isinstance(self.start, datetime):
                 out[tp] = (self.source.offsets_for_time([tp], self.start)[tp], 0)
             elif isinstance(self.start, Mapping):  # a window's start; unnamed: the earliest
-                out[tp] = (self.start[tp], 0) if tp in self.start \
+                out[tp] = (self.start[tp], self.start_skips.get(tp, 0)) if tp in self.start \
                     else (self.source.watermarks(tp)[0], 0)
             elif self.start == "latest":
                 out[tp] = (self.source.watermarks(tp)[1], 0)
@@ -706,7 +709,8 @@ class OrderLedger(Ledger):
                 "of a kfeed.Mix; pass the same Mix" if self.mixer is None
                 else "without a kfeed.Mix"))
         if self.mixer is not None:
-            self.mixer.load_state(state["mix"])
+            held = [tuple(e[0]) for e in state.get("order", {}).get("partitions", [])]
+            self.mixer.load_state(state["mix"], held)
         try:
             self.window = {(str(t), int(p)): int(o) for t, p, o in state.get("window", [])}
             self.saved_rounds = {(str(t), int(p)): int(r) for t, p, r in state.get("rounds", [])}
