@@ -251,7 +251,10 @@ cdef class Chunk:
     read from the buffer's format); ``offsets``: int64, ``ndocs + 1`` entries
     from 0, never decreasing, the last one ``len(tokens)``: document ``d`` is
     ``tokens[offsets[d]:offsets[d + 1]]``. Both are checked here and held
-    while the chunk lives, so the loop reads inside them only.
+    while the chunk lives, so the loop reads inside them only. ``owed``
+    (optional, uint8 per document): a document of no tokens whose EOS is
+    still to come (the rest of one whose tokens are all out already, NOTE
+    [ Elastic resume ]); any other document of no tokens gives nothing.
     """
 
     cdef Py_buffer view
@@ -260,8 +263,10 @@ cdef class Chunk:
     cdef readonly int code
     cdef readonly Py_ssize_t ndocs
     cdef const int64_t[::1] offs
+    cdef const uint8_t[::1] owed_view
+    cdef const uint8_t* owed
 
-    def __cinit__(self, tokens, const int64_t[::1] offsets):
+    def __cinit__(self, tokens, const int64_t[::1] offsets, const uint8_t[::1] owed=None):
         try:
             PyObject_GetBuffer(tokens, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
         except (TypeError, BufferError, ValueError) as e:
@@ -285,6 +290,13 @@ cdef class Chunk:
         self.ids = <const uint8_t*>self.view.buf
         self.ndocs = n
         self.offs = offsets
+        self.owed = NULL
+        if owed is not None:
+            if owed.shape[0] != n:
+                raise ValueError(f"owed has {owed.shape[0]} entries for {n} documents")
+            self.owed_view = owed
+            if n:
+                self.owed = &owed[0]
 
     def __dealloc__(self):
         if self.held:
@@ -449,8 +461,8 @@ cdef class Core:
                     unit += self.has_eos
                 if off < 0 or off >= unit or not self.split_long:
                     raise ValueError(f"off {off} is outside document {doc} ({unit} tokens)")
-            complete, doc, off = self._run(out, c.ids, c.code, &c.offs[0], ndocs, doc, off,
-                                           finished and used == last)
+            complete, doc, off = self._run(out, c.ids, c.code, &c.offs[0], c.owed, ndocs, doc,
+                                           off, finished and used == last)
             if complete:
                 break
             doc = off = 0
@@ -464,8 +476,9 @@ cdef class Core:
                 self.truncated, self.documents)
 
     cdef (bint, Py_ssize_t, int64_t) _run(self, Outputs out, const uint8_t* s, int src_code,
-                                          const int64_t* offsets, Py_ssize_t ndocs,
-                                          Py_ssize_t doc, int64_t off, bint final):
+                                          const int64_t* offsets, const uint8_t* owed,
+                                          Py_ssize_t ndocs, Py_ssize_t doc, int64_t off,
+                                          bint final):
         """Pack from document ``doc`` (``off`` tokens of it already out) of one chunk.
 
         Returns ``(complete, doc, off)``. Not complete: the chunk ran out
@@ -493,7 +506,8 @@ cdef class Core:
         with nogil:
             while r < rows:
                 while col < L:
-                    while doc < ndocs and offsets[doc + 1] == offsets[doc]:
+                    while doc < ndocs and offsets[doc + 1] == offsets[doc] \
+                            and not (has_eos and owed != NULL and owed[doc]):
                         doc += 1  # an empty document gives nothing, not even an EOS
                         done += 1
                     if doc == ndocs:

@@ -85,13 +85,13 @@ def test_tokens_saved_by_n_ranks_are_read_once_by_m_partial_documents_too(
     parts = len(sizes)
     n, m = min(n, parts), min(m, parts)
     rng = np.random.default_rng(sum(sizes) + seq_len)
-    values, tokens, k = {}, [], 3
+    values, tokens, token = {}, [], 3
     for p, count in enumerate(sizes):
         docs = []
         for _ in range(count):
             length = int(rng.choice([1, 3, 17, 60]))
-            docs.append(np.arange(k, k + length, dtype=np.int32))  # every token once
-            k += length
+            docs.append(np.arange(token, token + length, dtype=np.int32))  # every token once
+            token += length
         tokens += [t for d in docs for t in d.tolist()]
         values[p] = TOKENS.encode_blocks({"tokens": docs}, int(rng.integers(1, 6)))
     stops = [data.draw(st.integers(1, 8)) for _ in range(n)]
@@ -106,6 +106,7 @@ def test_tokens_saved_by_n_ranks_are_read_once_by_m_partial_documents_too(
     rest, _ = run_job(values, m, None, Loader.merge_states(states), "tokens", **kw)
     got = np.concatenate([b.reshape(-1) for b in first + rest]) if first + rest \
         else np.empty(0, np.int32)
+    assert (got == 2).sum() == sum(sizes)  # an EOS a document
     got = got[got >= 3]  # less padding and EOS
     assert Counter(got.tolist()) == Counter(tokens)
 

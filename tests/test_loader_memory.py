@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import threading
 import time
 
@@ -345,6 +346,37 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=None))
     ids = torch.cat([b["id"] for b in batches]).numpy()
     assert np.array_equal(np.sort(ids), np.arange(640))
+
+
+def test_dataloader_workers_deal_out_static_partitions_and_see_set_epoch() -> None:
+    # Static assignment: each worker of a rank reads its own share (every
+    # worker read every partition, 1,200 records of 600). Persistent workers
+    # got the dataset once: set_epoch must still reach them (they replayed
+    # epoch 0's order every epoch).
+    parts = {0: blocks(0, 300, 30), 1: blocks(300, 300, 30)}
+    dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 100, until="end",
+                                         source=kfeed.MemorySource(parts), assignment="static")
+    ids = torch.cat([b["id"] for b in torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")]).tolist()
+    assert sorted(ids) == list(range(600))
+
+    def orders(workers: int) -> list[list[int]]:
+        ds = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 50, start="earliest",
+                                        until={("memory", 0): 20}, epochs=3,
+                                        source=kfeed.MemorySource(blocks(0, 200, 10)),
+                                        shuffle=kfeed.Shuffle(64, seed=1))
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            multiprocessing_context="spawn" if workers else None)
+        out = []
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            out.append(torch.cat([b["id"] for b in loader]).tolist())
+        return out
+
+    alone, persistent = orders(0), orders(1)
+    assert persistent == alone and alone[0] != alone[1] != alone[2]
+    assert pickle.loads(pickle.dumps(dataset)).epoch == 0  # a plain copy still pickles
 
 
 def test_state_holds_partitions_with_nothing_handed_out_yet() -> None:

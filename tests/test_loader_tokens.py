@@ -146,6 +146,30 @@ def test_several_partitions_resume_with_every_document_once(shuffle, stop) -> No
     assert documents(first + rest) == want_documents(docs)
 
 
+def test_a_restart_from_the_commit_gives_the_eos_a_batch_ended_before() -> None:
+    # A batch can end right after a document's last token, before its EOS. A
+    # reader that takes over from the group's commit (its note says how many
+    # tokens of that document are out) cut the document to nothing and gave no
+    # EOS: the next document was glued on. (One partition: the reader that takes
+    # over goes on with the same document, so the documents are whole in order.)
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(1, 500, int(k), dtype=np.int32) for k in rng.integers(0, 25, 120)]
+    values = {0: TOKENS.encode_blocks({"tokens": docs}, 7)}
+    pack = Pack(seq_len=16, eos_id=EOS, pad_id=0)
+    whole, _ = run(values, TOKENS, 3, pack=pack)
+    assert documents(whole) == want_documents(docs)
+    for stop in range(1, len(whole)):
+        source = kfeed.MemorySource(values)
+        first = kfeed.Loader(None, "memory", TOKENS, 3, source=source, until="end", device="cpu",
+                             pack=pack)
+        got = [as_numpy(b) for _, b in zip(range(stop), first)]
+        first.close()  # commits what was used, with its note
+        with kfeed.Loader(None, "memory", TOKENS, 3, source=source, until="end", device="cpu",
+                          pack=pack) as second:
+            got += [as_numpy(b) for b in second]
+        assert documents(got) == want_documents(docs), stop
+
+
 def test_a_stream_short_of_a_batch_yields_a_partial_batch_once_max_wait_is_over() -> None:
     # A streaming loader (no until=) whose topic holds far less than one
     # [8, 128] batch: after max_wait_ms the packer's tokens go out anyway.

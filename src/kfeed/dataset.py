@@ -10,7 +10,9 @@ hand-over, cannot copy to the GPU on a side stream, and has no
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator, Mapping
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import torch
@@ -28,13 +30,16 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     The settings are checked here, when the dataset is made, not in a
     worker. With DataLoader workers, every worker opens its own consumer in
     the same consumer group, so the topic's partitions are shared among them
-    and each record is read by one worker once. Start the workers with
+    and each record is read by one worker once; with ``assignment="static"``
+    the workers of a rank deal out its share of the partitions, as ranks do
+    (worker ``w`` of rank ``r`` reads as rank ``r * num_workers + w``). Start the workers with
     ``multiprocessing_context="forkserver"`` (or ``"spawn"``) when the
     process holds Kafka clients of its own: a forked worker inherits them
     without the librdkafka threads behind them, and may crash freeing them.
 
     With ``epochs=N`` and a window (``until=``), ``set_epoch(e)`` before each
-    epoch's loop reads epoch ``e``'s order, as ``Loader.set_epoch`` does.
+    epoch's loop reads epoch ``e``'s order, as ``Loader.set_epoch`` does;
+    workers kept between epochs (``persistent_workers=True``) see it too.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any] | None, topics: Any, schema: Schema,
@@ -51,19 +56,40 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
                               "commits move with every epoch): give start= and until= a "
                               "datetime or a {(topic, partition): offset} dict (start= may "
                               "be 'earliest'), so that every epoch reads the same window")
-        self.epoch = 0
+        # Shared memory: persistent DataLoader workers got their copy of the
+        # dataset once, when they started, and must still see set_epoch.
+        self._epoch = multiprocessing.Value("q", 0, lock=False)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` at the next iteration, as ``DistributedSampler.set_epoch``.
 
-        Call it in the main process before each epoch's loop: DataLoader
-        workers get the dataset, and so the epoch, when the loop starts.
+        Call it in the main process before each epoch's loop.
         """
         self.config.check_epoch(epoch, "KafkaIterableDataset")
-        self.epoch = epoch
+        self._epoch.value = epoch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if get_spawning_popen() is None:  # a copy, not a DataLoader worker starting
+            state["_epoch"] = self.epoch
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["_epoch"], int):
+            state["_epoch"] = multiprocessing.Value("q", state["_epoch"], lock=False)
+        self.__dict__.update(state)
 
     def __iter__(self) -> Iterator[Batch]:
-        with Loader.from_config(self.kafka_config, self.config, source=self.source) as loader:
+        config = self.config
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1 and config.assignment == "static":
+            config = config.replace(rank=config.rank * worker.num_workers + worker.id,
+                                    world_size=config.world_size * worker.num_workers)
+        with Loader.from_config(self.kafka_config, config, source=self.source) as loader:
             if self.epoch:
                 loader.set_epoch(self.epoch)
             yield from loader

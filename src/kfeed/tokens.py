@@ -189,12 +189,15 @@ class Packer:
 
     # -- input ---------------------------------------------------------------
 
-    def feed(self, tokens: Any, lengths: Any, *, copy: bool = True) -> None:
+    def feed(self, tokens: Any, lengths: Any, *, copy: bool = True,
+             owed: np.ndarray | None = None) -> None:
         """Append documents: ``tokens`` 1-D (all concatenated), ``lengths`` one per document.
 
         ``copy=False`` keeps a reference to ``tokens`` instead of a copy until
         its documents are packed (e.g. the fresh arrays of
         ``Schema.decode_documents``): the caller must not change it meanwhile.
+        ``owed`` (bool per document): a document of length 0 that still gives
+        its EOS, the rest of one whose tokens all came out before a resume.
         """
         if self._finished:
             raise ConfigError("feed after finish(): the stream is over")
@@ -229,7 +232,13 @@ class Packer:
                     f"the document resumed at holds {unit} tokens (EOS counted), not more "
                     f"than the {self._off} already out: fed from the wrong document"
                 )
-        self._chunks.append(_pack.Chunk(flat, offsets))
+        flags = None
+        if owed is not None and self.pack.eos_id is not None:
+            flags = np.ascontiguousarray(owed, np.uint8)
+            if flags.shape != lens.shape:
+                raise ConfigError(f"owed has {flags.size} entries for {lens.size} documents")
+            nonempty += int((flags.astype(bool) & (lens == 0)).sum())
+        self._chunks.append(_pack.Chunk(flat, offsets, flags))
         if self.pack.split_long:
             self._pending += total + (nonempty if self.pack.eos_id is not None else 0)
         else:

@@ -525,7 +525,7 @@ class Loader:
             raise StopIteration
         t = time.monotonic()
         if self._agreement is None and self.config.bounded and self.world_size > 1 \
-                and dist_ready():
+                and dist_ready() and get_worker_info() is None:  # (no collectives in workers)
             self._agreement = EpochAgreement()
         ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall
         if self._again is not None:
@@ -1007,7 +1007,10 @@ class Loader:
 # every partition's entry (each rank's own), and every held or unfinished
 # record as one outbox, rank after rank, so each comes out again first, in
 # that order; a document part-way out is cut by the tokens already out
-# (``partial``, which the build stage applies as the document comes out).
+# (``partial``, which the build stage applies as the document comes out; the
+# count includes the EOS, so one that covers every token still owes the EOS,
+# which the packer gives for the document cut to nothing: Chunk's ``owed``).
+# A merge keeps the largest count a document has in any rank's state.
 # Each rank of the new job keeps the partitions it is given and drops the
 # rest (OrderLedger.positions), so together they read each record not
 # handed out exactly once. The shuffle goes on from rank 0's generator and

@@ -795,7 +795,8 @@ class RecordBuilder(SlotBuilder):
         cut = self._cuts(emitted)
         if self.fetches is not None:
             assert self.packer is not None
-            self.packer.feed(*self.fetches.take(ids, cut), copy=False)
+            tokens, lengths = self.fetches.take(ids, cut)
+            self.packer.feed(tokens, lengths, copy=False, owed=_owed(cut, lengths))
             return
         order = ids.tolist()
         docs = [self.docs.pop(i) for i in order]
@@ -808,7 +809,7 @@ class RecordBuilder(SlotBuilder):
             self._queue_jagged(columns, np.concatenate(docs), lengths)
             return
         assert self.packer is not None
-        self.packer.feed(np.concatenate(docs), lengths, copy=False)
+        self.packer.feed(np.concatenate(docs), lengths, copy=False, owed=_owed(cut, lengths))
 
     def _cuts(self, emitted: np.ndarray) -> np.ndarray | None:
         """Tokens to cut from the front of each document: those already out (NOTE [ Elastic resume ])."""
@@ -941,6 +942,16 @@ class _Fetches:
 
 
 _NO_CUT = np.empty(0, np.int64)
+
+
+def _owed(cut: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:
+    """Documents cut to nothing that still give their EOS: a partial count is
+    less than a document's tokens plus its EOS, so one that covers every token
+    leaves the EOS (it came out with an earlier reader's last batch, or not)."""
+    if cut is None:
+        return None
+    owed = (cut > 0) & (lengths == 0)
+    return owed if owed.any() else None
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
