@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -124,6 +125,18 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "kfeed: -X 'acks' is not KEY=VALUE: write it as e.g. -X fetch.min.bytes=1048576"),
     (("produce", "--bootstrap-servers", "", "--topic", "t", "--synthetic", "5"),
      "kfeed: no brokers given: pass --bootstrap-servers HOST:PORT or set KFEED_BOOTSTRAP"),
+    (TRAIN + ("-X", "group.id=other"),
+     "kfeed: -X group.id is set by --group-id: leave it out of -X"),
+    (PRODUCE + ("--synthetic", "5", "-X", "bootstrap.servers=h:1"),
+     "kfeed: -X bootstrap.servers is set by --bootstrap-servers: leave it out of -X"),
+    (("lag", "--bootstrap-servers", CLOSED, "--group-id", "g", "-X", "fetch.min.bytes=1"),
+     ("kfeed: kfeed lag uses only the brokers' address and login settings (bootstrap., "
+      "security., sasl., ssl., client., socket. ...): -X fetch.min.bytes would have no effect")),
+    (("lag", "--bootstrap-servers", CLOSED, "--group-id", "g", "-X", "security.protocol=x"),
+     "kfeed: bad kafka_config: Invalid value \"x\" for configuration property "
+     "\"security.protocol\""),
+    (("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", " "),
+     "kfeed: group.id must be a non-empty string, got ' '"),
 ])
 def test_flags_that_would_be_ignored_are_errors(capsys, argv, line) -> None:
     code, err, out = run_main(capsys, *argv)
@@ -452,6 +465,42 @@ def test_produce_help_and_train_mistakes_never_import_torch() -> None:
     assert done.returncode == 2 and "torch" not in done.stderr
     assert done.stderr.splitlines()[-1] == ("kfeed: --batch-size 0 is out of range: give an "
                                             "integer >= 1")
+
+
+def interrupted(argv: list[str], sig: signal.Signals, after_s: float) -> tuple[int, list[str],
+                                                                         float]:
+    """``kfeed ARGV`` sent ``sig`` after ``after_s``: exit status, stderr lines, seconds it
+    took to end after the signal."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kfeed", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "KFEED_BOOTSTRAP": CLOSED},
+        # (a shell's background job starts with SIGINT ignored: give it back)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    time.sleep(after_s)
+    proc.send_signal(sig)
+    t0 = time.monotonic()
+    _out, err = proc.communicate(timeout=120)
+    return proc.returncode, err.splitlines(), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("command", [
+    ["produce", "--topic", "t", "--synthetic", "10"],
+    ["train", "--topic", "t", "--group-id", "g"],
+    ["convert", "--from-topic", "t", "--to-topic", "t.b", "--format", "json", "--field",
+     "id=int64"],
+    ["lag", "--group-id", "g"],
+])
+def test_a_signal_while_the_brokers_do_not_answer_ends_at_once_in_one_line(command) -> None:
+    # Each waited out its 30 s connect timeout first (convert then exited 1).
+    # (train's signal comes once torch is loaded and it waits for the brokers)
+    wait = 4.0 if command[0] == "train" else 1.5
+    for sig, after_s in ((signal.SIGINT, wait), (signal.SIGTERM, wait), (signal.SIGTERM, 0.05)):
+        code, err, took = interrupted(command, sig, after_s)
+        assert code == 128 + sig and len(err) == 1 and err[0].startswith("kfeed: "), \
+            (sig, after_s, code, err)
+        assert took < 10, (sig, after_s, took)
+        if command[0] == "train" and after_s > 1:  # nothing was read: nothing to say was saved
+            assert "nothing was trained in this run" in err[0], err
 
 
 # -- against the cluster --------------------------------------------------------------

@@ -379,6 +379,29 @@ def test_dataloader_workers_deal_out_static_partitions_and_see_set_epoch() -> No
     assert pickle.loads(pickle.dumps(dataset)).epoch == 0  # a plain copy still pickles
 
 
+@pytest.mark.parametrize("fmt", ["raw", "block"])
+@pytest.mark.parametrize("kwargs", [
+    {"shuffle": kfeed.Shuffle(4, seed=1)},
+    {"schema": kfeed.Schema({"x": ("int64", (None,))})},                       # jagged
+    {"schema": kfeed.Schema({"x": ("int64", (None,))}), "pack": kfeed.Pack(8, eos_id=0)},
+])
+def test_a_partition_read_to_its_end_is_committed_at_its_end(fmt, kwargs) -> None:
+    # Read through the order (shuffle, documents), the end was committed as
+    # (last offset, its records): Kafka's committed offset one short of the
+    # end, so `kfeed lag` and the lag metric showed 1 forever.
+    kwargs = dict(kwargs)
+    schema = kwargs.pop("schema", kfeed.Schema({"x": ("int64", ())}))
+    cols = {"x": [np.arange(1, 3 + i % 3) for i in range(16)] if schema.varlen
+            else np.arange(16)}
+    values = schema.encode_raw(cols) if fmt == "raw" else schema.encode_blocks(cols, 8)
+    source = kfeed.MemorySource({0: values})
+    with Loader(None, "memory", schema, 2, source=source, until="end", device="cpu",
+                format=fmt, **kwargs) as loader:
+        for _ in loader:
+            pass
+    assert source.committed_positions == {("memory", 0): (len(values), 0)}
+
+
 def test_state_holds_partitions_with_nothing_handed_out_yet() -> None:
     # A partition with no batch yet must be in the state at its start
     # position; otherwise a resume would take the committed offset, which

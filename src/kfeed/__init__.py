@@ -10,14 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kfeed._kafka import create_topic
-from kfeed.arrowformat import Arrow
-from kfeed.avro import Avro
-from kfeed.convert import ConvertStats, convert
-from kfeed.jsonformat import Json
-from kfeed.lag import PartitionLag, group_lag
-from kfeed.mix import Mix
-from kfeed.protobuf import Protobuf
 from kfeed.errors import (
     ClusterError,
     ConfigError,
@@ -27,11 +19,6 @@ from kfeed.errors import (
     LoaderError,
     ProduceError,
 )
-from kfeed.partition import murmur2, partition_for, partitions_for
-from kfeed.producer import Producer
-from kfeed.schema import DecodeResult, Schema
-from kfeed.sources import MemorySource, Source
-from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 __version__ = "0.1.0"
 
@@ -74,9 +61,33 @@ __all__ = [
     "ClusterError",
 ]
 
-# Names whose modules import torch load on first use, so that `kfeed cluster`
-# and the producer-only paths start fast.
+# Every other name loads its module on first use, so that `import kfeed` is
+# quick: the command line starts (and takes a Ctrl-C) at once, and `kfeed
+# cluster` and the producer-only paths never import torch.
 _LAZY = {
+    "create_topic": "kfeed._kafka",
+    "Arrow": "kfeed.arrowformat",
+    "Avro": "kfeed.avro",
+    "ConvertStats": "kfeed.convert",
+    "convert": "kfeed.convert",
+    "Json": "kfeed.jsonformat",
+    "PartitionLag": "kfeed.lag",
+    "group_lag": "kfeed.lag",
+    "Mix": "kfeed.mix",
+    "Protobuf": "kfeed.protobuf",
+    "murmur2": "kfeed.partition",
+    "partition_for": "kfeed.partition",
+    "partitions_for": "kfeed.partition",
+    "Producer": "kfeed.producer",
+    "DecodeResult": "kfeed.schema",
+    "Schema": "kfeed.schema",
+    "MemorySource": "kfeed.sources",
+    "Source": "kfeed.sources",
+    "Pack": "kfeed.tokens",
+    "Packer": "kfeed.tokens",
+    "PackInfo": "kfeed.tokens",
+    "Shuffle": "kfeed.tokens",
+    "ShuffleBuffer": "kfeed.tokens",
     "BufferPool": "kfeed.pool",
     "Loader": "kfeed.loader",
     "LoaderConfig": "kfeed.loader",
@@ -85,9 +96,22 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from kfeed._kafka import create_topic
+    from kfeed.arrowformat import Arrow
+    from kfeed.avro import Avro
+    from kfeed.convert import ConvertStats, convert
     from kfeed.dataset import KafkaIterableDataset
+    from kfeed.jsonformat import Json
+    from kfeed.lag import PartitionLag, group_lag
     from kfeed.loader import Batch, Loader, LoaderConfig
+    from kfeed.mix import Mix
+    from kfeed.partition import murmur2, partition_for, partitions_for
     from kfeed.pool import BufferPool
+    from kfeed.producer import Producer
+    from kfeed.protobuf import Protobuf
+    from kfeed.schema import DecodeResult, Schema
+    from kfeed.sources import MemorySource, Source
+    from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 
 def __getattr__(name: str) -> Any:

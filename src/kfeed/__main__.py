@@ -1,5 +1,26 @@
-"""``python -m kfeed``: the same as the ``kfeed`` command."""
+"""``python -m kfeed`` and the ``kfeed`` command: ``kfeed.cli.main``.
 
-from kfeed.cli import main
+Kept apart from ``kfeed.cli`` so that a Ctrl-C or SIGTERM while the command
+line still loads its modules ends it with one line and exit status 130 or
+143, as later.
+"""
 
-raise SystemExit(main())
+import signal
+import sys
+
+from kfeed.errors import Interrupted
+
+
+def run() -> int:
+    signal.signal(signal.SIGTERM, Interrupted.handler)
+    try:
+        from kfeed.cli import main
+
+        return main()
+    except KeyboardInterrupt as e:
+        print("kfeed: interrupted", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

@@ -60,9 +60,24 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     librdkafka's lines go to the ``kfeed.librdkafka`` logger, connection
     trouble folded (``ConnectionLog``), not to stderr.
     """
+    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient(logged_config(kafka_config))
+    try:
+        return AdminClient(logged_config(kafka_config))
+    except KafkaException as e:
+        raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
+
+
+def check_settings(kafka_config: Mapping[str, Any]) -> None:
+    """librdkafka's verdict on every setting of a producer, before anything is made on the
+    brokers (a topic created for a run that then fails on a misspelt -X stays behind)."""
+    from confluent_kafka import KafkaException, Producer
+
+    try:
+        Producer({**kafka_config, "logger": ConnectionLog()})  # freed at once
+    except KafkaException as e:
+        raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
 
 
 def create_topic(
@@ -105,11 +120,15 @@ def create_topic(
     servers = kafka_config["bootstrap.servers"]
     admin = admin_client(kafka_config)
     deadline = time.monotonic() + timeout_s
-    try:
-        admin.list_topics(timeout=timeout_s)
-    except KafkaException as e:
-        raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
-                         topic=name) from e
+    while True:  # in short slices: a Ctrl-C is taken between them, not after the timeout
+        try:
+            admin.list_topics(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            break
+        except KafkaException as e:
+            if time.monotonic() >= deadline:
+                raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
+                                 topic=name) from e
+            time.sleep(0.05)
     topic = NewTopic(name, num_partitions=partitions,
                      replication_factor=-1 if replication is None else replication,
                      config={k: str(v) for k, v in (config or {}).items()})

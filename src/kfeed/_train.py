@@ -239,11 +239,14 @@ class StopGuard:
     never cut in half. When the signal comes while ``next(loader)`` waits for
     data (a stream with nothing new), waiting for a boundary could last
     forever: then the handler raises out of the wait, which is safe only in
-    the loader's wait itself (see ``_SAFE_WAITS``).
+    the loader's wait itself (see ``_SAFE_WAITS``), or anywhere before the
+    loader handed out its first batch (brokers that do not answer: nothing
+    was read, so nothing can be cut in half).
     """
 
     signum: int | None = None
     waiting: bool = False
+    started: bool = False  # the loader handed out a batch
     _previous: dict[int, Any] = field(default_factory=dict)
 
     def install(self) -> None:
@@ -261,7 +264,7 @@ class StopGuard:
             self.restore()
             raise KeyboardInterrupt
         self.signum = signum
-        if self.waiting and _in_safe_wait(frame):
+        if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped
 
 
@@ -378,6 +381,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                 guard.waiting = True
                 try:
                     batch = next(loader)
+                    guard.started = True
                 except (StopIteration, _Stopped):
                     break
                 finally:
@@ -409,7 +413,8 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
             # on a signal alike: a resume then repeats nothing.
             checkpoint()
             out.stats = loader.stats()
-            out.positions = loader.state_dict().get("positions", {})
+            if guard.started or guard.signum is None:  # (else the loader may not be up)
+                out.positions = loader.state_dict().get("positions", {})
     finally:
         out.signum = guard.signum
         if seen_log is not None:

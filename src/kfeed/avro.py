@@ -38,6 +38,7 @@ from kfeed.formats import (
     PlanDecoder,
     RecordFormat,
     ask_registry,
+    checked_registry,
     codes,
     defaults,
     fetch_schema,
@@ -77,11 +78,7 @@ class Avro(RecordFormat):
             raise ConfigError("kfeed.Avro needs schema= (values without framing) or "
                               "registry= (values in the Confluent wire format), not both")
         self.schema = _load_schema(schema) if schema is not None else None
-        if registry is not None and not isinstance(registry, Mapping) \
-                and not callable(getattr(registry, "get_schema", None)):
-            raise ConfigError("registry must be a SchemaRegistryClient config dict "
-                              "({'url': ...}) or a client with get_schema(schema_id)")
-        self.registry = registry
+        self.registry = checked_registry(registry)
         self._client: Any = None
 
     @property

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kfeed import cluster
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.errors import ConfigError, Interrupted, KfeedError
 from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_columns, synthetic_schema
@@ -184,11 +184,15 @@ def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
         raise ConfigError("no brokers given: pass --bootstrap-servers HOST:PORT or set "
                           "KFEED_BOOTSTRAP")
     config: dict[str, Any] = {"bootstrap.servers": args.bootstrap_servers, **extra}
+    flags = {"bootstrap.servers": "--bootstrap-servers", "group.id": "--group-id",
+             "transactional.id": "kfeed produce (a job's own id, for --resume)"}
     for item in args.kafka:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"-X {item!r} is not KEY=VALUE: write it as e.g. "
                               f"-X fetch.min.bytes=1048576")
+        if key in flags:
+            raise ConfigError(f"-X {key} is set by {flags[key]}: leave it out of -X")
         config[key] = value
     return config
 
@@ -344,7 +348,7 @@ def _check_produce(args: argparse.Namespace) -> str:
         raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
                           "documents with --key-field FIELD")
     _wire_format(args)
-    if args.format in ("avro", "protobuf") and kind in ("text", "corpus"):
+    if args.format in ("avro", "protobuf", "json") and kind in ("text", "corpus"):
         raise ConfigError(f"--format {args.format} writes fixed-shape samples, not token "
                           f"documents: leave --format out")
     if args.block_records is not None and args.format not in ("block", "arrow"):
@@ -426,7 +430,9 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def _ensure_topic(args: argparse.Namespace, config: dict[str, Any]) -> None:
     """Create the topic if it is missing; say so in one line."""
     import kfeed
+    from kfeed._kafka import check_settings
 
+    check_settings(config)  # a bad -X is a usage mistake, with no topic left behind
     partitions = args.partitions or DEFAULT_PARTITIONS
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  exist_ok=True, timeout_s=args.connect_timeout)
@@ -837,9 +843,12 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"final loss {out.loss:.4f}", flush=True)
     if out.signum is not None:
         name = signal.Signals(out.signum).name
-        saved = (f"checkpoint saved to {ckpt} at step {out.step}: --resume goes on from there"
-                 if ckpt is not None else "offsets committed; no --checkpoint, so the model "
-                 "is not saved")
+        if out.step == out.first_step:
+            saved = "nothing was trained in this run, and nothing committed"
+        elif ckpt is not None:
+            saved = f"checkpoint saved to {ckpt} at step {out.step}: --resume goes on from there"
+        else:
+            saved = "offsets committed; no --checkpoint, so the model is not saved"
         print(f"kfeed: stopped by {name} at step {out.step}: {saved}", file=sys.stderr)
         return 128 + out.signum
     if st["bad_records"] and not st["samples"]:
@@ -1045,9 +1054,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stopped: list[int] = []
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stopped:  # a second signal: do not wait for the round
-            raise KeyboardInterrupt
+    def on_signal(signum: int, frame: Any) -> None:
+        # A second signal, or one before the rounds began (still waiting for the
+        # brokers: no transaction open), does not wait for the round to end.
+        if stopped or not _inside(frame, "kfeed.convert", "run"):
+            raise Interrupted(signum)
         stopped.append(signum)
         stop.set()
 
@@ -1081,13 +1092,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inside(frame: Any, module: str, function: str) -> bool:
+    """Whether ``frame`` (a signal handler's) is inside ``function`` of ``module``."""
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 # -- lag ---------------------------------------------------------------------------
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
     from kfeed.lag import group_lag
 
+    from kfeed._kafka import client_config
+
     config = _kafka_config(args)
+    unused = sorted(set(config) - set(client_config(config)))
+    if unused:
+        raise ConfigError(f"kfeed lag uses only the brokers' address and login settings "
+                          f"(bootstrap., security., sasl., ssl., client., socket. ...): -X "
+                          f"{', '.join(unused)} would have no effect")
     rows = group_lag(config, args.group_id, args.topic or None, args.connect_timeout)
     if not rows:
         raise KfeedError(f"group {args.group_id} committed no offsets: name its topics with "
@@ -1312,16 +1339,23 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.CRITICAL,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # SIGTERM as SIGINT: one line and 143, not a silent end (train and convert
+    # set their own, which stop at a step or round).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, Interrupted.handler) if main_thread else None
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
         return _report(args, e, 2)
     except KfeedError as e:
         return _report(args, e, 1)
-    except KeyboardInterrupt:
-        print("kfeed: interrupted before a clean stop: the last checkpoint (if any) stands",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        after = {"train": ": the last checkpoint (if any) stands",
+                 "produce": ": what was sent before stands (a run --from a dataset goes on "
+                            "with --resume)",
+                 "convert": ": the rounds committed before stand"}.get(args.command, "")
+        print(f"kfeed: interrupted{after}", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - the one place that reports any failure
         if args.verbose:
             traceback.print_exc()
@@ -1329,6 +1363,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kfeed: unexpected {type(e).__name__}: {_one_line(str(e))}: {hint}",
               file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _report(args: argparse.Namespace, e: KfeedError, code: int) -> int:

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import (admin_client, admin_partitions, client_config, create_topic,
-                          kafka_error, weakly)
+from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, client_config,
+                          create_topic, kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
@@ -152,6 +152,14 @@ class _Convert:
         self.round_messages = round_messages
         self.stats = ConvertStats()
         self.timeout = connect_timeout_s
+        # The consumer first: librdkafka checks every setting before any topic is made.
+        config = {**CONSUMER_DEFAULTS, **kafka_config, "group.id": group_id,
+                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                  "enable.partition.eof": True, "logger": ConnectionLog()}
+        try:
+            self.consumer = Consumer(config)
+        except KafkaException as e:
+            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         base = client_config(kafka_config)
         nparts = self._source_partitions(kafka_config)
         create_topic(base, to_topic, partitions=nparts, timeout_s=connect_timeout_s)
@@ -160,13 +168,6 @@ class _Convert:
         if policy is BadRecordPolicy.DEAD_LETTER:
             create_topic(base, self.dlq_topic, partitions=nparts, timeout_s=connect_timeout_s)
             self.dlq_parts = nparts
-        config = {**CONSUMER_DEFAULTS, **kafka_config, "group.id": group_id,
-                  "enable.auto.commit": False, "isolation.level": "read_committed",
-                  "enable.partition.eof": True}
-        try:
-            self.consumer = Consumer(config)
-        except KafkaException as e:
-            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
                                  transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
                                  connect_timeout_s=connect_timeout_s)

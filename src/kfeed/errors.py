@@ -76,3 +76,16 @@ class LoaderError(KfeedError):
 
 class ClusterError(KfeedError):
     """The local Apache Kafka cluster tool could not do what was asked."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM that stops a ``kfeed`` command where it is (exit 128 + ``signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @staticmethod
+    def handler(signum: int, _frame: object) -> None:
+        """A signal handler that raises it."""
+        raise Interrupted(signum)

@@ -216,6 +216,25 @@ def resolve(value: str | Format | RecordFormat) -> Format | RecordFormat:
     return Format.parse(value)
 
 
+def checked_registry(registry: Any) -> Any:
+    """``registry=`` of a format, checked where it is given: a client, or a config dict
+    whose url(s) a client can reach (checked when the client is made, too late)."""
+    if registry is None:
+        return None
+    if isinstance(registry, Mapping):
+        url = registry.get("url")
+        parts = url.split(",") if isinstance(url, str) else []
+        if not parts or not all(u.strip().startswith(("http://", "https://", "mock://"))
+                                for u in parts):
+            raise ConfigError(f"registry url {url!r} is not an http:// or https:// address: "
+                              f"give e.g. {{'url': 'http://registry:8081'}}")
+        return registry
+    if not callable(getattr(registry, "get_schema", None)):
+        raise ConfigError("registry must be a SchemaRegistryClient config dict "
+                          "({'url': ...}) or a client with get_schema(schema_id)")
+    return registry
+
+
 def registry_client(registry: Any, who: str) -> Any:
     """A Schema Registry client from its config dict, or the client given."""
     if not isinstance(registry, Mapping):

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import admin_client, admin_partitions, logged_config
+from kfeed._kafka import admin_client, admin_partitions, logged_config, unreachable_message
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_lag"]
@@ -54,6 +54,7 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     """
     from confluent_kafka import (
         ConsumerGroupTopicPartitions,
+        KafkaError,
         KafkaException,
         TopicPartition,
     )
@@ -65,12 +66,12 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     if not isinstance(group_id, str) or not group_id:
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
     admin = admin_client(kafka_config)
+    servers = str(kafka_config["bootstrap.servers"])
     # The reader of the records' ages logs as the admin client does (not to stderr).
     config = logged_config(kafka_config)
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
-        servers = str(kafka_config["bootstrap.servers"])
         parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
@@ -82,7 +83,12 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                  **committed}
         owners = _owners(admin, group_id, timeout_s)
     except KafkaException as e:
-        raise ConsumeError(f"cannot read the lag of group {group_id}: {e.args[0].str()}") from e
+        err = e.args[0]
+        if err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+                          KafkaError._ALL_BROKERS_DOWN):
+            raise ConsumeError(unreachable_message(servers, timeout_s, err.str()),
+                               code=err.code()) from e
+        raise ConsumeError(f"cannot read the lag of group {group_id}: {err.str()}") from e
     left = {tp: start[tp] for tp in parts if start[tp] < end[tp]}
     ages = _ages(config, left, timeout_s)
     return [PartitionLag(t, p, committed.get((t, p)), end[(t, p)],

@@ -37,6 +37,7 @@ from kfeed.formats import (
     PlanDecoder,
     RecordFormat,
     ask_registry,
+    checked_registry,
     codes,
     defaults,
     fetch_schema,
@@ -84,13 +85,9 @@ class Protobuf(RecordFormat):
         if message is not None and not hasattr(descriptor, "fields_by_name"):
             raise ConfigError(f"message= must be a generated message class or its descriptor, "
                               f"got {message!r}")
-        if registry is not None and not isinstance(registry, Mapping) \
-                and not callable(getattr(registry, "get_schema", None)):
-            raise ConfigError("registry must be a SchemaRegistryClient config dict "
-                              "({'url': ...}) or a client with get_schema(schema_id)")
         self.message = message
         self.descriptor = descriptor
-        self.registry = registry
+        self.registry = checked_registry(registry)
         self._client: Any = None
 
     @property

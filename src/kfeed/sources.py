@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -205,6 +206,8 @@ class Source:
     lineage: str | None = None  # written with every commit, with run (see Committed)
     run: str | None = None
     group_id = ""  # the consumer group, for metrics and logs
+    # Set when the loader closes: a wait for the brokers gives up at once.
+    stopping: threading.Event | None = None
     # Counted for metrics: commit requests sent, commits (or partitions of
     # one) refused, and messages copied to the dead-letter queue.
     commits_sent = 0
@@ -310,6 +313,8 @@ class KafkaSource(Source):
             raise ConfigError("kafka_config needs 'bootstrap.servers'")
         if "group.id" not in config:
             raise ConfigError("kafka_config needs 'group.id': offsets are committed to a group")
+        if not isinstance(config["group.id"], str) or not config["group.id"].strip():
+            raise ConfigError(f"group.id must be a non-empty string, got {config['group.id']!r}")
         if bounded:
             # The end of a bounded epoch is seen as a partition EOF event, which
             # also covers a transaction marker or aborted records at the tail.
@@ -453,6 +458,8 @@ class KafkaSource(Source):
             while True:
                 self._consumer.poll(0)  # serves error_cb (not yet subscribed: reads nothing)
                 self._raise_fatal()
+                if self.stopping is not None and self.stopping.is_set():
+                    raise ConsumeError("closed while waiting for the brokers", topic=topic)
                 try:
                     md = self._consumer.list_topics(topic, timeout=min(
                         0.5, max(0.01, deadline - time.monotonic())))

@@ -562,6 +562,10 @@ class ShuffleBuffer:
             return None
         return int(self._pos[p, 0]), int(self._pos[p, 1])
 
+    def partition(self, pid: int) -> Hashable:
+        """The partition of id ``pid``."""
+        return self._parts[pid]
+
     def known_pid(self, partition: Hashable) -> int | None:
         """The id of ``partition``, or None if it has none yet."""
         return self._pid.get(partition)

@@ -373,6 +373,7 @@ class Loader:
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
                                fail_fast=c.fail_fast)
         stop = threading.Event()  # set by close(); every wait of the thread watches it
+        source.stopping = stop
         fetcher = Fetcher(source, self._ledger, bounded=c.bounded, until=c.until,
                           batch_size=c.batch_size,
                           status=self._status, stop=stop)
