@@ -72,6 +72,13 @@ def test_a_schema_mismatch_says_what_the_loader_expects_and_what_the_topic_holds
     assert bad.explain(with_header, "schema fingerprint mismatch") == (
         f"schema mismatch: the loader expects {EXPECTED}; the message was written with "
         "features float32[768]")
+    # Token documents read as samples: the block's flags differ before its fingerprint.
+    tokens = kfeed.Schema({"tokens": ("uint16", (None,))})
+    documents = _Msg(tokens.encode_blocks({"tokens": [np.arange(3, dtype=np.uint16)]}, 1)[0],
+                     0, [(SCHEMA_HEADER, schema_header(tokens))])
+    assert bad.explain(documents, "unsupported block flags") == (
+        f"schema mismatch: the loader expects {EXPECTED}; the message was written with "
+        "tokens uint16[*]")
     # A header that does not hash to the block's fingerprint is not believed.
     lying = _Msg(value, 0, [(SCHEMA_HEADER, schema_header(SCHEMA))])
     fp = FEATURES_ONLY.fingerprint

@@ -46,6 +46,8 @@ FINGERPRINT_HEADER = "kfeed.fingerprint"
 
 WARN_EVERY_S = 5.0
 _FINGERPRINT_REASON = "schema fingerprint mismatch"
+# A block of documents read with a fixed-shape schema, or the other way round.
+_FLAGS_REASON = "unsupported block flags"
 _RAW_SIZE_REASON = "raw value size is not the record size"
 _MAGIC = b"KFDB"
 
@@ -127,7 +129,7 @@ class BadRecords:
         self._warned: dict[str, tuple[float, int]] = {}  # reason -> (last line, since then)
 
     def explain(self, msg: Any, reason: str) -> str:
-        if reason == _FINGERPRINT_REASON:
+        if reason in (_FINGERPRINT_REASON, _FLAGS_REASON):
             return (f"schema mismatch: the loader expects {describe_schema(self.schema)}; "
                     f"the message was written with {_written_with(msg)}")
         if reason == _RAW_SIZE_REASON and self.schema.varlen is None:
