@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kfeed
-from kfeed import KfeedError
+from kfeed import ConfigError, KfeedError
 from kfeed._train import document_mask, lm_logits, lm_loss, tiny_lm
 from kfeed.text import (
     BYTE_EOS_ID,
@@ -93,7 +93,7 @@ def test_missing_tokenizers_package_says_what_to_install(tmp_path, monkeypatch) 
 
 def test_missing_tokenizer_file(tmp_path) -> None:
     pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
-    with pytest.raises(KfeedError, match="no tokenizer file"):
+    with pytest.raises(ConfigError, match="no tokenizer file"):  # a usage mistake: exit 2
         load_tokenizer(str(tmp_path / "nope.json"))
 
 

@@ -86,7 +86,8 @@ def _usage_error(message: str, prog: str) -> str:
     see = f"see '{prog} --help'"
     m = re.fullmatch(r"the following arguments are required: (.*)", message)
     if m:
-        return f"missing {m.group(1)}: {see}"
+        missing = {"command": "a command", "cluster_command": "a cluster command"}
+        return f"missing {missing.get(m.group(1), m.group(1))}: {see}"
     m = re.fullmatch(r"unrecognized arguments: (.*)", message)
     if m:
         return f"unknown argument {m.group(1)}: {see}"

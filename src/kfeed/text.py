@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from kfeed.errors import KfeedError
+from kfeed.errors import ConfigError, KfeedError
 
 __all__ = [
     "BYTE_EOS_ID",
@@ -131,7 +131,8 @@ class HFTokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise KfeedError(f"no tokenizer file at {path}")
+            raise ConfigError(f"no tokenizer file at {path}: give a tokenizer.json (or its "
+                              f"folder), or --tokenizer bytes")
         try:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
