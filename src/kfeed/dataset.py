@@ -6,6 +6,13 @@ batches (use ``DataLoader(dataset, batch_size=None)``; a DataLoader with
 stay kfeed's. It is the simpler and slower path: the DataLoader adds its own
 hand-over, cannot copy to the GPU on a side stream, and has no
 ``state_dict`` of the stream; prefer ``kfeed.Loader`` directly.
+
+Commits: a loader counts a batch as used when it is asked for the next one.
+In the main process (``num_workers=0``) that is after the step, as with
+``kfeed.Loader``. A worker makes ``prefetch_factor`` batches ahead of the
+training loop, so its commits can run that far ahead of the steps: a trainer
+that dies may leave up to ``num_workers * prefetch_factor`` batches committed
+and not trained. Where that matters, use ``kfeed.Loader``.
 """
 
 from __future__ import annotations
