@@ -45,7 +45,7 @@ PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_
 
 cdef enum:
     A_WIRE = 100     # a field's wire type is not its type's
-    A_TAG            # field number 0, or a group
+    A_TAG            # field number 0, a group's end without its start, wire type 6 or 7
     A_INDEXES        # the Confluent message-index array is malformed
     PB_MAX_DEPTH = 100
 
