@@ -111,7 +111,10 @@ def test_a_shuffle_and_a_mixture_hold_their_records_within_the_cap():
         return most
 
     assert peak() > share  # (so the cap below has work to do)
-    assert peak(max_memory_bytes=2 * share) <= share
+    # Values are compacted once a fetch's are added, and the figure is read from
+    # this thread meanwhile: it may catch one message's worth over (1% seen in a
+    # loaded make test run).
+    assert peak(max_memory_bytes=2 * share) <= share + len(blocks[0])
     # A shuffle whose records may not fit is refused, in one line with the sizes.
     with pytest.raises(kfeed.ConfigError, match=r"leaves 8000000 bytes for the records a shuffle "
                                                 r"holds; its 2256 records of 1032 bytes .* may "
