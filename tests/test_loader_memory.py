@@ -402,6 +402,19 @@ def test_a_partition_read_to_its_end_is_committed_at_its_end(fmt, kwargs) -> Non
     assert source.committed_positions == {("memory", 0): (len(values), 0)}
 
 
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(4, seed=1)])
+def test_a_mixture_read_to_its_end_is_committed_at_the_ends(shuffle) -> None:
+    schema = kfeed.Schema({"x": ("int64", ())})
+    values = {("a", 0): schema.encode_blocks({"x": np.arange(16)}, 8),
+              ("b", 0): schema.encode_blocks({"x": np.arange(10)}, 4)}
+    source = kfeed.MemorySource(values)
+    mix = kfeed.Mix({"a": 1.0, "b": 1.0}, exhausted="renormalize")
+    with Loader(None, mix, schema, 2, source=source, until="end", device="cpu",
+                shuffle=shuffle) as loader:
+        assert sum(b.size for b in loader) == 26
+    assert source.committed_positions == {("a", 0): (2, 0), ("b", 0): (3, 0)}
+
+
 def test_state_holds_partitions_with_nothing_handed_out_yet() -> None:
     # A partition with no batch yet must be in the state at its start
     # position; otherwise a resume would take the committed offset, which
