@@ -592,10 +592,10 @@ class RecordBuilder(SlotBuilder):
         """Records into the order, through the mixer if there is one (under the ledger's lock)."""
         order = self.order_ledger.order
         mixer = self.mixer
-        if mixer is None:
-            return order.push_many(recs)
         if len(recs) and not self.order_ledger.repeat:
             self.order_ledger.note_ends(recs)
+        if mixer is None:
+            return order.push_many(recs)
         self._sync_mixer()
         # Records another reader used (NOTE [ Commit notes ]) take no turn in the mixture.
         recs, used = order.screen(recs)

@@ -444,8 +444,8 @@ class OrderLedger(Ledger):
         # The notes of the positions given up (``carried``, with them in the
         # state): a partition back after a resume skips what they say was used.
         self.carried_notes: dict[TP, str] = {}
-        # A mixture's, per partition: the position after the last record of the
-        # last message read (``note_ends``; a commit there is the next offset).
+        # Per partition, the position after the last record of the last message
+        # read (``note_ends``): a commit there is the next message's offset.
         self.message_ends: dict[TP, Position] = {}
         # A mixture's partitions read again (NOTE [ Rounds ]): the round each
         # is read in, and where its reading starts.
@@ -655,25 +655,18 @@ class OrderLedger(Ledger):
             self.used_stale = False
 
     def note_ends(self, recs: np.ndarray) -> None:
-        """A mixture's: where the last message of each partition in ``recs`` ends (rows
-        ``[pid, offset, sub, item]`` of whole messages, each message's records together,
-        in order), before the mixer lets them into the order a few at a time."""
+        """Where the last message of each partition in ``recs`` ends: rows ``[pid, offset,
+        sub, item]`` of whole messages, each message's records together, in order."""
         last = np.flatnonzero(np.append(recs[1:, 0] != recs[:-1, 0], True))
         for pid, off, sub, _item in recs[last].tolist():
             self.message_ends[self.order.partition(pid)] = (off, sub + 1)
 
     def _whole(self, tp: TP, pos: Position) -> Position:
         """``pos``, or ``(offset + 1, 0)`` where it is right after the last record of the
-        last message read: the same place, as Kafka counts it (its lag 0 there, not 1).
-
-        Without a mixture, messages come into the order whole, so the position
-        after the last record taken (``read_position``) is a message's end.
-        """
-        if self.repeat:
-            return pos
-        end = self.message_ends.get(tp) if self.mixer is not None \
-            else self.order.read_position(tp)
-        return (pos[0] + 1, 0) if end is not None and tuple(end) == tuple(pos) else pos
+        last message read: the same place, as Kafka counts it (its lag 0 there, not 1)."""
+        if not self.repeat and self.message_ends.get(tp) == tuple(pos):
+            return (pos[0] + 1, 0)
+        return pos
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         self._update_used()
