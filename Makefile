@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kfeed-installed
 TEST_CLUSTER := .kfeed/test-cluster
+# Below the kernel's ephemeral ports (32768-60999), where a client's outgoing
+# connection can take a killed node's port before a fault test restarts it.
+TEST_PORT := 29092
 CRASH_LOG := .kfeed/crash.log
 DEMO_CLUSTER := .kfeed/demo-cluster
 PYTEST_ARGS ?=
@@ -25,7 +28,7 @@ install: $(STAMP)
 # even when tests fail. pytest's exit 5 (no tests ran) fails like any other.
 test: install
 	@set -u; \
-	$(PY) -m kfeed cluster up --nodes 3 --dir $(TEST_CLUSTER) || { $(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; exit 1; }; \
+	$(PY) -m kfeed cluster up --nodes 3 --dir $(TEST_CLUSTER) --port $(TEST_PORT) || { $(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; exit 1; }; \
 	KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(TEST_CLUSTER) | tail -n 1) \
 	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) KFEED_CRASH_LOG=$(CRASH_LOG) \
 	$(PY) -m pytest -p no:faulthandler -m "not slow" $(PYTEST_ARGS); rc=$$?; \

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
-# Where the search for free ports starts: away from the default 39092, so the
-# session cluster never collides with one a developer keeps running.
+# Where the search for free ports starts: away from the default 39092 and make
+# test's 29092, so the session cluster never collides with one a developer keeps
+# running.
 FALLBACK_PORT = 39392
 TOPIC_TIMEOUT_S = 60.0
 

@@ -1,6 +1,6 @@
 """The local cluster tool: its lifecycle, the 3-node settings, and every failure it reports.
 
-``make test`` runs these while its own 3-node cluster holds 39092-39094, so
+``make test`` runs these while its own 3-node cluster holds 29092-29094, so
 every cluster started here lives in a temporary folder on a free port base of
 its own, and is stopped in a ``finally``. The failure cases that stop before any
 JVM starts are unmarked: they need no broker and take well under a second.
@@ -29,11 +29,14 @@ import pytest
 from kfeed import cluster
 from kfeed.cluster import _jars, _registry, _tool
 from kfeed.cluster._layout import Layout, new_cluster_id
+from kfeed.errors import ClusterError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Where the search for a free port base starts; other clusters (make test's on
-# 39092, the session fallback) may hold ports on a shared machine.
-FIRST_PORT = 39592
+# 29092, the session fallback) may hold ports on a shared machine. Below the
+# kernel's ephemeral ports (32768-60999): there a client's outgoing connection
+# can take a killed node's port before the node is started again.
+FIRST_PORT = 29592
 
 
 def kfeed(
@@ -328,6 +331,22 @@ def test_port_already_taken_is_named(tmp_path: Path, port: int, offset: int) -> 
         result = kfeed("up", "--dir", str(tmp_path / "c"), "--port", str(port))
     assert_fails_cleanly(result, f"port {taken}", "already in use")
     assert jvms_in(tmp_path / "c") == []
+
+
+def test_a_taken_port_among_the_ephemeral_ones_says_why_it_may_be_taken() -> None:
+    low, high = _tool._ephemeral_ports()
+    base = cluster.free_port_base(1, low + 5000)
+    assert low <= base <= high
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base))
+        holder.listen()
+        with pytest.raises(ClusterError) as e:
+            _tool._check_ports(Layout(nodes=1, port=base, cluster_id=""), [1])
+    assert str(e.value) == (
+        f"port {base} (broker of node 1) is already in use on 127.0.0.1: free it or choose "
+        f"another base port (--port) (ports {low}-{high} are also the local ends of outgoing "
+        f"connections, so one can hold it while its node is down: a base port below {low} "
+        f"avoids that)")
 
 
 def test_down_with_nothing_running(tmp_path: Path) -> None:

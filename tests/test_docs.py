@@ -33,7 +33,7 @@ What the harness changes, and nothing else:
    other ``127.0.0.1:PORT`` or ``localhost:PORT`` in a block fails
    ``test_blocks_use_the_one_address``.
 2. ``kfeed cluster up`` with no ``--port`` gets ``--port <a free base>``
-   (``make test``'s own cluster holds 39092). Its state folder is the default,
+   (``make test``'s own cluster holds 29092). Its state folder is the default,
    relative ``.kfeed/cluster``: inside the document's temporary folder. After
    the document, even a failed one, the harness runs ``kfeed cluster down
    --dir <it> --wipe``. ``KFEED_CLUSTER_REGISTRY`` names a temporary folder
@@ -91,7 +91,7 @@ SHOWN = ("text", "json", "yaml", "toml", "ini")
 # Documents left out for now, each with why; their fence check xfails.
 EXCLUDED: dict[str, str] = {}
 # Where a document's own `kfeed cluster up` looks for free ports: clear of
-# make test's 39092, the fixtures' 39392 and the Makefile's demo/bench/profile.
+# make test's 29092, the fixtures' 39392 and the Makefile's demo/bench/profile.
 DOC_CLUSTER_PORT = 39342
 BLOCK_TIMEOUT_S = 240
 COMMAND_TIMEOUT_S = 200

@@ -194,9 +194,38 @@ def test_a_bad_row_after_rows_were_sent_says_resume(bootstrap, make_topic, tmp_p
         "(4,000 rows before it were sent and recorded: after the fix, run again with "
         "--resume to send the rest)"), line
     pq.write_table(table(np.arange(4000, 5000)), tmp_path / "part-2.parquet")
+    # The same command again, as a user would type it, sends nothing twice.
+    again = kfeed_cli(bootstrap, *argv)
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines() == [
+        f"kfeed: 4,000 rows of {source_key(str(tmp_path))} were already sent to {topic} by an "
+        f"earlier run: --resume sends the rest, --resend sends them all again"], again.stderr
     done = kfeed_cli(bootstrap, *argv, "--resume")
     assert done.returncode == 0, done.stderr
     check_topic(bootstrap, topic, 5000)
+
+
+@pytest.mark.integration
+def test_a_finished_source_is_sent_again_only_with_resend(bootstrap, make_topic,
+                                                          tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    pq.write_table(table(np.arange(0, 2000)), tmp_path / "part-0.parquet")
+    argv = ("produce", "--topic", topic, "--from", str(tmp_path), "--progress-every", "600")
+    done = kfeed_cli(bootstrap, *argv)
+    assert done.returncode == 0, done.stderr
+    again = kfeed_cli(bootstrap, *argv)
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines() == [
+        f"kfeed: all 2,000 rows of {source_key(str(tmp_path))} were already sent to {topic} "
+        f"by an earlier run: --resend sends them again"], again.stderr
+    check_topic(bootstrap, topic, 2000)
+    resent = kfeed_cli(bootstrap, *argv, "--resend")
+    assert resent.returncode == 0, resent.stderr
+    assert resent.stdout.startswith("produced 2000 samples"), resent.stdout
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      SCHEMA, 1000, device="cpu", until="end") as loader:
+        ids = np.concatenate([b["id"].numpy().copy() for b in loader])
+    assert np.array_equal(np.sort(ids), np.repeat(np.arange(2000), 2))
 
 
 def _json_lines(t: pa.Table) -> Iterator[str]:
@@ -233,6 +262,9 @@ def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
         (["--from", "postgresql://u@127.0.0.1:1/db"], "give the rows to read with --query"),
         (["--from", str(tmp_path / "missing.parquet")], "no such file or directory"),
         (["--synthetic", "5", "--resume"], "--resume applies to --from samples streamed"),
+        (["--synthetic", "5", "--resend"], "--resend applies to --from samples streamed"),
+        (["--from", str(tmp_path / "a.parquet"), "--resume", "--resend"],
+         "--resume goes on after the rows sent before and --resend sends them again"),
     ]
     for argv, line in cases:
         done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)

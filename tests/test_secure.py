@@ -33,7 +33,7 @@ import kfeed
 from kfeed import cluster
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-# Away from the ports of make test (39092), the session fallback (39392) and
+# Away from the ports of make test (29092), the session fallback (39392) and
 # test_cluster (39592).
 FIRST_PORT = 40192
 PREFIX = "kfeed-secure-"

@@ -332,6 +332,7 @@ def _check_produce(args: argparse.Namespace) -> str:
         ("--fill", bool(args.fill), kind in ("file", "stream"), file_only),
         ("--query", args.query is not None, kind == "stream", streamed),
         ("--resume", args.resume, kind == "stream", streamed),
+        ("--resend", args.resend, kind == "stream", streamed),
         ("--transaction-mb", args.transaction_mb is not None, kind == "stream", streamed),
         ("--first-id", args.first_id is not None, kind in ("samples", "text"),
          "--synthetic and --synthetic-text"),
@@ -345,6 +346,9 @@ def _check_produce(args: argparse.Namespace) -> str:
     for flag, given, applies, scope in checks:
         if given and not applies:
             raise _refuse(flag, scope, mode)
+    if args.resume and args.resend:
+        raise ConfigError("--resume goes on after the rows sent before and --resend sends "
+                          "them again: give one of them")
     if args.keyed and kind == "corpus":
         raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
                           "documents with --key-field FIELD")
@@ -539,7 +543,17 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                           transactional_id=job, connect_timeout_s=args.connect_timeout
                           ) as producer:
                 _check_partitions(args, producer)
-                done = progress.done() if args.resume else 0
+                done = 0 if args.resend else progress.done()
+                if done and not args.resume:
+                    # Sending from the first row again would put every row sent
+                    # before into the topic twice: only on the user's word.
+                    if rows.total == done:
+                        raise ConfigError(
+                            f"all {done:,} rows of {where} were already sent to {args.topic} "
+                            f"by an earlier run: --resend sends them again")
+                    raise ConfigError(
+                        f"{done:,} rows of {where} were already sent to {args.topic} by an "
+                        f"earlier run: --resume sends the rest, --resend sends them all again")
                 if args.resume and not done:
                     print(f"kfeed produce: no rows of {where} recorded as sent to {args.topic}: "
                           f"sending from the first", file=sys.stderr)
@@ -897,7 +911,8 @@ Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
   Streamed sources are sent in transactions that also record, in Kafka, how many
   rows are sent: after a crash, the same command with --resume goes on after
   them, sending nothing twice and skipping nothing (a query needs an ORDER BY on
-  a unique key for that).
+  a unique key for that); without --resume it is refused, and --resend sends
+  every row again.
   Without --field, the columns/arrays named features, label and id are read;
   --field FIELD=COLUMN maps a field to another column (a .npy holds one array,
   named after the file: --field features=STEM). Columns become fields by these
@@ -1166,6 +1181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="streamed --from: go on after the rows an earlier run of the same "
                         "source into the same topic recorded as sent")
+    p.add_argument("--resend", action="store_true",
+                   help="streamed --from: send every row again, from the first, although an "
+                        "earlier run of the same source into the same topic recorded rows as "
+                        "sent (without --resume or --resend such a run is refused)")
     p.add_argument("--transaction-mb", type=_positive_float, metavar="MB",
                    help="streamed --from: the bytes a transaction holds before it commits at "
                         "a batch's end (default 64): a crash sends at most this much again")

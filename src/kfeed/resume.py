@@ -20,8 +20,9 @@ query (credentials left out, ``ingest.source_key``), so the same command
 finds its own progress, and another source into the same topic has its own. The producer's ``transactional.id`` is the
 group's name: a restarted run fences the one it replaces, whose open
 transaction the brokers abort, so a killed run's last rows are never seen.
-A run without ``--resume`` starts from the source's first row and records
-its progress anew. Resuming skips the rows already sent by reading them
+A run with neither ``--resume`` nor ``--resend`` is refused once rows are
+recorded (they would be sent twice); ``--resend`` starts from the source's
+first row and records its progress anew. Resuming skips the rows already sent by reading them
 again (files whose row counts are in their metadata are skipped unopened),
 so the source must give its rows in the same order: files are read in
 sorted order, and a query needs an ``ORDER BY`` on a unique key.

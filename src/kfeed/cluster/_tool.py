@@ -498,10 +498,24 @@ def free_port_base(nodes: int = 1, start: int = DEFAULT_PORT, step: int = 10) ->
 def _check_ports(layout: Layout, node_ids: Iterable[int]) -> None:
     for node_id, role, port in _ports(layout, node_ids):
         if _in_use(port):
+            low, high = _ephemeral_ports()
+            why = (f" (ports {low}-{high} are also the local ends of outgoing connections, "
+                   f"so one can hold it while its node is down: a base port below {low} "
+                   f"avoids that)" if low <= port <= high else "")
             raise ClusterError(
                 f"port {port} ({role} of node {node_id}) is already in use on {HOST}: "
-                f"free it or choose another base port (--port)"
+                f"free it or choose another base port (--port){why}"
             )
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The ports the kernel picks the local ends of outgoing connections from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
 
 
 def _ports(layout: Layout, node_ids: Iterable[int]) -> list[tuple[int, str, int]]:
