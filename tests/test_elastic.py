@@ -217,3 +217,38 @@ def test_a_mixture_one_rank_finished_is_read_to_the_end_by_the_new_ranks(exhaust
         assert sorted(ids.tolist()) == list(range(k))
     else:  # the new ranks went on where rank 1 stood: more than the old job read
         assert len(rest) > 0
+
+
+def test_an_epoch_one_rank_finished_and_another_did_not_is_read_to_its_end():
+    # Rank 0's partition is short: it finishes epoch 0 while rank 1 is in the middle of it.
+    values = {0: ROWS.encode_blocks({"id": np.arange(0, 20)}, 5),
+              1: ROWS.encode_blocks({"id": np.arange(20, 420)}, 5)}
+    kw = {"batch_size": 8, "epochs": 2}
+    first, states = run_job(values, 2, [100, 3], None, "id", **kw)
+    assert [s["epochs"]["finished"] for s in states] == [True, False]
+    merged = Loader.merge_states(states)
+    assert merged["epochs"]["epoch"] == 0 and not merged["epochs"]["finished"]
+    loader = rank_loader(values, 0, 1, state=merged, **kw)
+    with loader:
+        rest = [b["id"].numpy().copy() for b in loader]  # the rest of epoch 0
+        again = [b["id"].numpy().copy() for b in loader]  # epoch 1
+    assert sorted(np.concatenate(first + rest).tolist()) == list(range(420))
+    assert sorted(np.concatenate(again).tolist()) == list(range(420))
+
+
+def test_states_of_different_epochs_do_not_merge():
+    values = {0: ROWS.encode_blocks({"id": np.arange(0, 20)}, 5),
+              1: ROWS.encode_blocks({"id": np.arange(20, 420)}, 5)}
+    kw = {"batch_size": 8, "epochs": 3}
+    _, states = run_job(values, 2, [100, 3], None, "id", **kw)
+    ahead = rank_loader(values, 0, 2, state=states[0], **kw)
+    with ahead:
+        for _ in ahead:  # rank 0 reads epoch 1 too
+            pass
+        later = ahead.state_dict()
+    assert later["epochs"]["epoch"] == 1
+    with pytest.raises(ConfigError, match=r"the states are of different epochs \(0 and 1\)"):
+        Loader.merge_states([later, states[1]])
+    _, plain = run_job(values, 2, [1, 1], None, "id", batch_size=8)
+    with pytest.raises(ConfigError, match="different kinds"):
+        Loader.merge_states([plain[0], states[1]])

@@ -810,9 +810,10 @@ class Loader:
             for key in ("schema_fingerprint", "format", "topics", "pack"):
                 if st.get(key) != first.get(key):
                     raise ConfigError(f"the states differ in {key}")
-            if ("order" in st) != ("order" in first) or ("mix" in st) != ("mix" in first):
+            if (("order" in st) != ("order" in first) or ("mix" in st) != ("mix" in first)
+                    or (st.get("epochs") is None) != (first.get("epochs") is None)):
                 raise ConfigError("the states come from loaders of different kinds "
-                                  "(with and without shuffle, pack or a Mix)")
+                                  "(with and without shuffle, pack, a Mix or epochs)")
         positions: dict[str, dict[int, list[int]]] = {}
         lineages: list[str] = []
         superseded: set[str] = set()
@@ -827,6 +828,8 @@ class Loader:
             superseded.update(st.get("superseded", []))
         out = {**first, "positions": positions, "lineages": lineages,
                "superseded": sorted(superseded)}
+        if first.get("epochs") is not None:
+            out["epochs"] = _merge_epochs(states)
         if "order" in first:
             out.update(_merge_orders(states))
         return out
@@ -1025,6 +1028,24 @@ def _epoch_seed(seed: int, epoch: int) -> int:
         return seed
     # The (epoch)th SplitMix64 output from the seed: the mixer's own generator.
     return _splitmix((seed + (epoch - 1) * 0x9E3779B97F4A7C15) & (2**64 - 1))[1]
+
+
+def _merge_epochs(states: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The epoch of states saved by the ranks of a job with ``epochs=N``.
+
+    They must be in one epoch, over one window. It counts as finished only
+    if every rank finished it: a rank that finished early (no agreement
+    between the ranks stopped the others with it) leaves the rest of the
+    epoch to the new job, whose positions already pass what that rank read.
+    """
+    saved = [st["epochs"] for st in states]
+    numbers = sorted({int(e["epoch"]) for e in saved})
+    if len(numbers) > 1:
+        raise ConfigError(f"the states are of different epochs ({', '.join(map(str, numbers[:-1]))}"
+                          f" and {numbers[-1]}): gather every rank's state at one step")
+    if any(e["window"] != saved[0]["window"] for e in saved):
+        raise ConfigError("the states differ in their epochs' window")
+    return {**saved[0], "finished": all(bool(e["finished"]) for e in saved)}
 
 
 def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
