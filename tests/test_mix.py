@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kfeed import (
     ConfigError,
     KafkaIterableDataset,
+    LoaderError,
     Loader,
     MemorySource,
     Mix,
@@ -701,3 +702,39 @@ def test_a_dataset_reads_the_epoch_set_as_the_loader_does():
         with pytest.raises(ConfigError, match="would find the window's ends anew"):
             KafkaIterableDataset(None, "memory", ROWS, 32, source=MemorySource(values),
                                  **{**kwargs, **change})
+
+
+def test_a_member_given_only_topics_of_weight_zero_says_why_it_hands_out_nothing(caplog):
+    import threading
+    import time
+
+    values = {(t, 0): ROWS.encode_blocks({"id": np.arange(50), "x": np.zeros((50, 2), np.float32)},
+                                         10) for t in ("a", "b")}
+    # Unbounded, in a group that gave this member only topic b's partition.
+    loader = Loader(None, Mix({"a": 1.0, "b": 0.0}), ROWS, 8, device="cpu",
+                    source=MemorySource(values, first=[("b", 0)]))
+    got: list[int] = []
+    raised: list[str] = []
+
+    def read() -> None:
+        try:
+            got.extend(b.size for b in loader)
+        except LoaderError as e:
+            raised.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    with caplog.at_level("WARNING", logger="kfeed.loader"):
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loader.close()
+        reader.join(30)
+    assert got == [] and not reader.is_alive()
+    assert raised == ["the loader was closed, by another thread, while next() waited for a batch"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [  # each once, though the loader asked the mixer again and again
+        "this loader holds no partition of ['a']: the mixture goes on without them, in the "
+        "others' proportions",
+        "this member holds partitions only of topic b, whose weight in the mixture is 0 now: "
+        "it hands out nothing until it is given a partition of a topic weighted above 0"], lines

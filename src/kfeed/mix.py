@@ -38,10 +38,14 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 import numpy as np
 
 from kfeed import _pack
 from kfeed.errors import ConfigError
+
+log = logging.getLogger("kfeed.loader")
 
 __all__ = ["Mix", "Mixer"]
 
@@ -200,6 +204,7 @@ class Mixer:
         self._parts: dict[int, Hashable] = {}  # id -> partition, of the assignment
         self._known: set[Hashable] = set()  # the partitions of the last assignment
         self._one_source = False  # see in_turn
+        self._idle_said: tuple[Any, ...] | None = None  # (topics, weights) last warned of
         self.reset()
 
     @property
@@ -449,13 +454,25 @@ class Mixer:
                     self.since[src] = 0
                     break
             if why == _pack.MIX_NONE and not self.bounded:
-                break  # what this member holds has no weight now: nothing goes out
+                self._say_idle()  # what this member holds has no weight now
+                break
             self.ended = True  # a source ran out ("stop"), or all did
         self._count(out_parts)
         taken, self._taken = self._taken, []
         if not taken:
             return np.empty((0, 4), np.int64)
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
+
+    def _say_idle(self) -> None:
+        """Once per assignment and weights: why a member of a group hands out nothing."""
+        held = sorted({str(tp[0]) for tp in self._parts.values()})  # type: ignore[index]
+        said = (tuple(held), tuple(self.weights.tolist()))
+        if said == self._idle_said:
+            return
+        self._idle_said = said
+        log.warning("this member holds partitions only of topic%s %s, whose weight in the "
+                    "mixture is 0 now: it hands out nothing until it is given a partition of "
+                    "a topic weighted above 0", "s" if len(held) > 1 else "", ", ".join(held))
 
     def _count(self, out_parts: list[np.ndarray]) -> None:
         """Count the records let out so far by source (once each), and keep them."""

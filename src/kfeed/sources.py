@@ -1019,7 +1019,8 @@ class MemorySource(Source):
     step by step, without a broker; ``incremental=True`` plays them as
     cooperative-sticky and the consumer protocol do (a revoke takes some
     partitions, the others keep their read position). ``first`` is the
-    group's first assignment (default: every partition). ``most``: at most
+    group's first assignment (default: every partition; partitions, or
+    ``(topic, partition)`` for several topics). ``most``: at most
     this many messages a ``consume()`` call returns, as a broker's fetch size
     bounds what librdkafka holds (default: as many as asked for), so that a
     script plays while the partitions are being read.
@@ -1027,7 +1028,7 @@ class MemorySource(Source):
 
     def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
                  topic: str = "memory", loop: bool = False, incremental: bool = False,
-                 first: Sequence[int] | None = None, most: int | None = None) -> None:
+                 first: Sequence[int | TP] | None = None, most: int | None = None) -> None:
         if most is not None and (not isinstance(most, int) or most < 1):
             raise ConfigError(f"most must be an int >= 1 or None, got {most!r}")
         self.most = most
@@ -1050,7 +1051,8 @@ class MemorySource(Source):
         self._note_warned: set[TP] = set()
         self.dead_letters: list[tuple[Any, str]] = []
         self.incremental = incremental
-        self._first = None if first is None else [(topic, p) for p in first]
+        self._first = None if first is None else [
+            p if isinstance(p, tuple) else (topic, p) for p in first]
         self.calls = 0  # consume() calls so far
         self._script: list[tuple[int, list[TP], list[TP]]] = []
         self._callbacks: tuple[AssignCallback, RevokeCallback] | None = None

@@ -601,6 +601,9 @@ class Loader:
             except queue.Empty:
                 self._run_revoke_hook()  # the thread may be waiting for it
                 if f.thread is not None and not f.thread.is_alive() and f.ready.empty():
+                    if self._closed:
+                        raise LoaderError("the loader was closed, by another thread, while "
+                                          "next() waited for a batch") from None
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
             if isinstance(item, Failure):
