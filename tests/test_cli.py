@@ -549,6 +549,42 @@ def test_produce_creates_a_missing_topic_and_says_so(bootstrap) -> None:
 
 
 @pytest.mark.integration
+def test_produce_refuses_blocks_of_another_schema_beside_a_topic_s_blocks(bootstrap,
+                                                                         make_topic) -> None:
+    from kfeed.synthetic import synthetic_schema
+    from kfeed.text import token_schema
+
+    samples, tokens = synthetic_schema().fingerprint, token_schema("uint16").fingerprint
+    topic = make_topic(partitions=2)
+    done = kfeed("produce", "--topic", topic, "--synthetic", "100", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    again = kfeed("produce", "--topic", topic, "--synthetic", "100", "--first-id", "100",
+                  bootstrap=bootstrap)  # the same schema: more of the same
+    assert again.returncode == 0, again.stderr
+    other = kfeed("produce", "--topic", topic, "--synthetic-text", "10", bootstrap=bootstrap)
+    assert other.returncode == 2, (other.stdout, other.stderr)
+    part = other.stderr.split("the newest of partition ")[-1][0]  # where the first went
+    assert other.stderr.splitlines() == [
+        f"kfeed: topic {topic} holds kfeed blocks of another schema (fingerprint {samples:#018x},"
+        f" the newest of partition {part}) than this run writes (tokens uint16[None]; "
+        f"{tokens:#018x}): a loader of either schema would reject the other's blocks as bad "
+        f"records; write to another --topic"]
+    raw = make_topic(partitions=1)
+    done = kfeed("produce", "--topic", raw, "--synthetic", "10", "--format", "raw",
+                 bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    blocks = kfeed("produce", "--topic", raw, "--synthetic", "10", bootstrap=bootstrap)
+    assert (blocks.returncode, blocks.stderr.splitlines()) == (2, [
+        f"kfeed: topic {raw} holds messages that are not kfeed blocks (the newest of partition "
+        f"0): blocks written beside them would not read as one topic; write to another --topic"])
+    import kfeed as kf
+
+    with kf.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                   synthetic_schema(), 64, device="cpu", until="end") as loader:
+        assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(200))
+
+
+@pytest.mark.integration
 def test_every_record_bad_fails_in_one_line(bootstrap, make_topic, group_id) -> None:
     topic = make_topic(partitions=1)
     done = kfeed("produce", "--topic", topic, "--synthetic-text", "20", "--token-dtype", "int32",

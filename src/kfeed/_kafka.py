@@ -80,6 +80,43 @@ def check_settings(kafka_config: Mapping[str, Any]) -> None:
         raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
 
 
+def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
+                  ) -> dict[int, bytes | None]:
+    """The value of each partition's newest message, of the partitions that hold any.
+
+    Read with the connection settings alone, in no group (nothing is
+    committed), from a few offsets before the end: a transactional
+    producer's last offsets are its commit markers, which are no messages.
+    What has not come within ``timeout_s`` is left out.
+    """
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**logged_config(kafka_config), "group.id": "kfeed-peek",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        md = consumer.list_topics(topic, timeout=timeout_s)
+        ends, starts = {}, []
+        for p in sorted(md.topics[topic].partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p),
+                                                       timeout=timeout_s)
+            if high > low:
+                ends[p] = high
+                starts.append(TopicPartition(topic, p, max(low, high - 4)))
+        consumer.assign(starts)
+        got: dict[int, bytes | None] = {}
+        deadline = time.monotonic() + timeout_s
+        while ends and time.monotonic() < deadline:
+            for msg in consumer.consume(16, timeout=0.1):
+                if msg.error() is None:
+                    got[msg.partition()] = msg.value()
+            for tp in consumer.position([TopicPartition(topic, p) for p in ends]):
+                if tp.offset >= ends[tp.partition]:
+                    del ends[tp.partition]
+        return got
+    finally:
+        consumer.close()
+
+
 def create_topic(
     kafka_config: Mapping[str, Any],
     name: str,

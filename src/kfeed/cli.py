@@ -428,12 +428,13 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
         def chunk(i: int, n: int) -> dict[str, Any]:
             return {name: col[i:i + n] for name, col in data.items()}
-    _ensure_topic(args, config)
+    _ensure_topic(args, config, schema)
     return _send_samples(args, config, schema, total, chunk)
 
 
-def _ensure_topic(args: argparse.Namespace, config: dict[str, Any]) -> None:
-    """Create the topic if it is missing; say so in one line."""
+def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
+    """Create the topic if it is missing, and say so in one line; an existing topic
+    of kfeed blocks must hold blocks of ``schema`` (``_check_blocks``)."""
     import kfeed
     from kfeed._kafka import check_settings
 
@@ -445,6 +446,36 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any]) -> None:
         print(f"created topic {args.topic} with {partitions} partition"
               f"{'s' if partitions > 1 else ''} (replication: the brokers' default)",
               file=sys.stderr)
+    elif (args.format or "block") == "block":
+        _check_blocks(args, config, schema)
+
+
+def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
+    """Refuse to write blocks beside blocks of another schema, or beside messages that
+    are no kfeed blocks: a loader of either schema would reject the others as bad.
+
+    Only each partition's newest messages are read (``_kafka.newest_values``).
+    """
+    import struct
+
+    from kfeed._kafka import newest_values
+
+    for part, value in sorted(newest_values(config, args.topic, args.connect_timeout).items()):
+        if value is None:
+            continue  # a tombstone says nothing of the schema
+        if value[:4] != b"KFDB" or len(value) < 32:
+            raise ConfigError(
+                f"topic {args.topic} holds messages that are not kfeed blocks (the newest of "
+                f"partition {part}): blocks written beside them would not read as one topic; "
+                f"write to another --topic")
+        fingerprint = struct.unpack_from("<Q", value, 16)[0]
+        if fingerprint != schema.fingerprint:
+            fields = ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in schema.fields)
+            raise ConfigError(
+                f"topic {args.topic} holds kfeed blocks of another schema (fingerprint "
+                f"{fingerprint:#018x}, the newest of partition {part}) than this run writes "
+                f"({fields}; {schema.fingerprint:#018x}): a loader of either schema would "
+                f"reject the other's blocks as bad records; write to another --topic")
 
 
 def _check_partitions(args: argparse.Namespace, producer: Any) -> None:
@@ -537,7 +568,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         job = job_id(args.topic, where, args.query)
         progress = IngestProgress(config, args.topic, job, where, args.connect_timeout)
         try:
-            _ensure_topic(args, config)
+            _ensure_topic(args, config, schema)
             with Producer(config, args.topic, schema, format=_wire_format(args),
                           block_records=args.block_records or 64, compression=args.compression,
                           transactional_id=job, connect_timeout_s=args.connect_timeout
@@ -717,7 +748,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     else:
         chunks = text.read_corpus(args.source, text_field=args.text_field or "text",
                                   key_field=args.key_field, lengths=args.lengths)
-    _ensure_topic(args, config)
+    _ensure_topic(args, config, schema)
     docs = tokens = 0
     done = [0, 1]  # how far the corpus is read: done, total
     with _producer(args, config, schema) as producer:
