@@ -79,6 +79,49 @@ def test_a_raw_topic_converts_with_its_order_per_partition(bootstrap, make_topic
     assert rows[0] + rows[1] == n
 
 
+def test_token_documents_convert_to_blocks_through_the_command_line(bootstrap, make_topic):
+    from records import kfeed_cli
+
+    src = make_topic(partitions=2)
+    rng = np.random.default_rng(4)
+    docs = {i: rng.integers(0, 50_000, int(rng.integers(0, 300))).tolist() for i in range(2000)}
+    producer = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i, tokens in docs.items():
+        producer.produce(src, json.dumps({"id": i, "text": "x", "tokens": tokens}).encode(),
+                         partition=i % 2)
+    producer.produce(src, json.dumps({"id": -1, "tokens": "not a list"}).encode(), partition=0)
+    assert producer.flush(30) == 0
+    done = kfeed_cli(bootstrap, "convert", "--from-topic", src, "--to-topic", src + ".blocks",
+                     "--format", "json", "--field", "tokens=int32[None]", "--field", "id=int64",
+                     "--round-messages", "300", "--progress-every", "600")
+    assert done.returncode == 0, done.stderr
+    schema = kfeed.Schema({"tokens": ("int32", (None,)), "id": ("int64", ())})
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "enable.partition.eof": True, "isolation.level": "read_committed"})
+    got = {}
+    for part in (0, 1):
+        c.assign([TopicPartition(src + ".blocks", part, 0)])
+        while (m := c.poll(10)) is not None and not m.error():
+            d = schema.decode_documents([m.value()])
+            assert not d.bad
+            starts = np.concatenate([[0], np.cumsum(d.lengths)])
+            for k, i in enumerate(d.columns["id"].tolist()):
+                assert i % 2 == part and i not in got
+                got[i] = d.tokens[starts[k]:starts[k + 1]].tolist()
+        assert m is not None and m.error().code() == -191  # the partition's end
+    assert got == docs
+    dead = []  # the record whose tokens were a string
+    c.assign([TopicPartition(src + ".dlq", part, 0) for part in (0, 1)])
+    ends = 0
+    while ends < 2 and (m := c.poll(10)) is not None:
+        if m.error():
+            ends += 1
+        else:
+            dead.append(json.loads(m.value())["id"])
+    c.close()
+    assert dead == [-1]
+
+
 class Committed:
     """The offsets a consumer group committed on a topic, summed over its partitions.
 

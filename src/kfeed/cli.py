@@ -1015,7 +1015,8 @@ which stop it after the round in hand.
 
   --field NAME=DTYPE[SHAPE][@SOURCE] names a field of the blocks, e.g.
   --field features=float32[768] --field label=int64 --field age=float32@user.age
-  (SOURCE: the record's field, dotted for nested ones; default NAME). Without
+  (SOURCE: the record's field, dotted for nested ones; default NAME); one field
+  may be variable-length, an array of any length: --field tokens=int32[None]. Without
   --field: features=float32[768], label=int64, id=int64, what kfeed train reads.
   Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none).
   Protobuf: --proto MODULE:MESSAGE, a generated class on the Python path
@@ -1023,7 +1024,7 @@ which stop it after the round in hand.
   --registry URL alone: each writer schema read from the registry.
 """
 
-_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[(\d+(?:,\d+)*)\])?(?:@([\w.]+))?")
+_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[((?:\d+|None)(?:,\d+)*)\])?(?:@([\w.]+))?")
 
 
 def _convert_schema(specs: list[str]) -> Any:
@@ -1041,7 +1042,7 @@ def _convert_schema(specs: list[str]) -> Any:
         name, dtype, dims, source = m.groups()
         if name in fields:
             raise ConfigError(f"--field {name} is given twice")
-        shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+        shape = tuple(None if d == "None" else int(d) for d in dims.split(",")) if dims else ()
         fields[name] = (dtype, shape, {"source": source}) if source else (dtype, shape)
     return Schema(fields)
 

@@ -8,6 +8,10 @@ messages, so that every later epoch reads it at block speed::
     from-topic --consume--> decoder.decode_into --> numpy rows
                --Schema.encode_blocks--> block values --Producer--> to-topic
 
+A schema with a variable-length field (token documents) is decoded with
+``decoder.decode_documents`` instead: the field's elements flat, one length
+per record, beside the fixed fields' rows.
+
 Consume-transform-produce, exactly once (NOTE [ One transaction a round ]):
 each round's blocks, its dead-letter copies and the source offsets it read
 up to are one Kafka transaction. A convert that is killed and started again
@@ -32,7 +36,7 @@ from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
 from kfeed.producer import Producer
-from kfeed.schema import DecodeResult, Format, Schema, Target
+from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
 from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers
 
 __all__ = ["ConvertStats", "convert"]
@@ -68,6 +72,9 @@ class _Raw(Decoder):
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         return self.schema.decode_into(values, out, row, Format.RAW)
+
+    def decode_documents(self, values: Sequence[Any]) -> Documents:
+        return self.schema.decode_documents(values, Format.RAW)
 
 
 def convert(
@@ -174,8 +181,9 @@ class _Convert:
         self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
         self.assigned: set[int] = set()
         self.eof: set[int] = set()
-        self.rows = schema.empty(round_messages, like="numpy")
-        self.target = schema.bind(self.rows)
+        if schema.varlen is None:  # rows of a round's partition, decoded in place
+            self.rows = schema.empty(round_messages, like="numpy")
+            self.target = schema.bind(self.rows)
         self.dead: list[tuple[Any, str]] = []  # this round's dead-letter copies
         self.carried: list[Any] = []  # rounds held back (NOTE [ Bad records first ])
 
@@ -281,13 +289,12 @@ class _Convert:
         messages_before = p.messages
         with p.transaction():
             for part, pms in by_part.items():
-                n, k = self._decode(pms)
+                cols, n, k = self._decode(pms)
                 rows += n
                 bad += k
                 nbytes += sum(len(m.value() or b"") for m in pms)
                 if n:
-                    p.send({name: a[:n] for name, a in self.rows.items()},
-                           partition=part % p.num_partitions)
+                    p.send(cols, partition=part % p.num_partitions)
             if not self.bad.good_seen:
                 raise _HeldBack  # nothing was sent: the transaction is empty
             for m, why in self.dead:
@@ -306,17 +313,25 @@ class _Convert:
         stats.transactions += 1
         stats.lag = self._lag()
 
-    def _decode(self, msgs: list[Any]) -> tuple[int, int]:
-        """Decode one partition's messages of the round into ``self.rows``: (rows, bad)."""
+    def _decode(self, msgs: list[Any]) -> tuple[dict[str, Any], int, int]:
+        """Decode one partition's messages of the round: (columns, rows, bad)."""
         values = [m.value() for m in msgs]
-        res = self.decoder.decode_into(values, self.target, 0)
-        if res.consumed != len(values):  # one row a message at most, and room for all
-            raise KfeedError(f"the decoder took {res.consumed} of {len(values)} values")
-        if res.rows:
+        varlen = self.schema.varlen
+        if varlen is not None:
+            docs = self.decoder.decode_documents(values)
+            cols = {**docs.columns, varlen.name: (docs.tokens, docs.lengths)}
+            n, bad = len(docs.lengths), docs.bad
+        else:
+            res = self.decoder.decode_into(values, self.target, 0)
+            if res.consumed != len(values):  # one row a message at most, and room for all
+                raise KfeedError(f"the decoder took {res.consumed} of {len(values)} values")
+            cols = {name: a[:res.rows] for name, a in self.rows.items()}
+            n, bad = res.rows, res.bad
+        if n:
             self.bad.good()
-        for j, reason in res.bad:
+        for j, reason in bad:
             self.bad.bad(msgs[j], reason)
-        return res.rows, len(res.bad)
+        return cols, n, len(bad)
 
     def dead_letter(self, msg: Any, reason: str) -> None:
         """``BadRecords`` routes a rejected message here: copied within the round."""
