@@ -477,10 +477,25 @@ def interrupted(argv: list[str], sig: signal.Signals, after_s: float) -> tuple[i
         # (a shell's background job starts with SIGINT ignored: give it back)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     time.sleep(after_s)
+    # Not before kfeed catches it: on a loaded machine Python's start alone
+    # can take longer than after_s, and the signal's default action is not kfeed's.
+    deadline = time.monotonic() + 30
+    while not _catches(proc.pid, sig) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     proc.send_signal(sig)
     t0 = time.monotonic()
     _out, err = proc.communicate(timeout=120)
     return proc.returncode, err.splitlines(), time.monotonic() - t0
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask, on Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True  # no /proc: the sleep alone
+    return bool(mask >> (sig - 1) & 1)
 
 
 @pytest.mark.parametrize("command", [
