@@ -16,6 +16,12 @@
 # into an integer field. A key repeated in one object: the last one wins. A
 # value starting with a zero byte carries the Confluent JSON Schema framing
 # (zero byte, 4-byte schema id), which is skipped.
+#
+# Every string, read or skipped, key or value, is checked as json.loads checks
+# it, so that a record json.loads refuses is a bad record here too: no raw
+# control character (bytes 0x00-0x1F), only RFC 8259's escapes (\uXXXX with
+# four hex digits), and valid UTF-8 as json.loads decodes bytes (with
+# "surrogatepass": an encoded surrogate, ED A0-BF xx, is taken).
 
 from libc.math cimport INFINITY, NAN
 from libc.stdlib cimport strtod
@@ -28,6 +34,9 @@ cdef enum:
     J_MAX_DIMS = 8
     A_JSON = 200       # not JSON where a value was expected
     A_OBJECT           # a key that leads to fields holds neither an object nor null
+    A_CONTROL          # a raw control character in a string (its byte in err_value)
+    A_ESCAPE           # a backslash not followed by one of RFC 8259's escapes
+    A_UTF8             # a string's bytes are not UTF-8
     # js_number's integers past int64, which only some fields take (not errors):
     J_UINT64           # up to 2**64 - 1: its bits in ``iv``, its double in ``dv``
     J_WIDE             # any other: its double in ``dv`` (inf past float64)
@@ -216,29 +225,6 @@ cdef inline bint js_lit(JsCur* c, const char* word, Py_ssize_t n) noexcept nogil
     return True
 
 
-cdef int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
-                   bint* escaped) noexcept nogil:
-    """Skip a string at ``c.p`` (its opening quote); give the span between the quotes."""
-    cdef uint8_t b
-    c.p += 1
-    start[0] = c.p
-    escaped[0] = False
-    while c.p < c.end:
-        b = c.p[0]
-        if b == 0x22:
-            length[0] = c.p - start[0]
-            c.p += 1
-            return A_OK
-        if b == 0x5C:
-            if c.end - c.p < 2:
-                return A_TRUNCATED
-            escaped[0] = True
-            c.p += 2
-            continue
-        c.p += 1
-    return A_TRUNCATED
-
-
 cdef inline int js_hex(uint8_t b) noexcept nogil:
     if 0x30 <= b <= 0x39:
         return b - 0x30
@@ -247,6 +233,105 @@ cdef inline int js_hex(uint8_t b) noexcept nogil:
     if 0x41 <= b <= 0x46:
         return b - 0x41 + 10
     return -1
+
+
+# Per byte: 1 for what a string holds as it is (printable ASCII but the quote
+# and the backslash), 0 for what needs a look: the quote, an escape, a control
+# character, the start of a UTF-8 sequence.
+cdef uint8_t JS_PLAIN[256]
+for _k in range(256):
+    JS_PLAIN[_k] = 0x20 <= _k < 0x80 and _k != 0x22 and _k != 0x5C
+
+
+cdef int js_escape(JsCur* c) noexcept nogil:
+    """Step over the escape at ``c.p`` (its backslash), if it is one json.loads reads."""
+    cdef int k
+    if c.end - c.p < 2:
+        return A_TRUNCATED
+    cdef uint8_t b = c.p[1]
+    if b == 0x75:  # \uXXXX (a surrogate pair is two of them)
+        for k in range(2, 6):
+            if c.end - c.p <= k:
+                return A_TRUNCATED
+            if js_hex(c.p[k]) < 0:
+                return A_ESCAPE
+        c.p += 6
+        return A_OK
+    if b == 0x22 or b == 0x5C or b == 0x2F or b == 0x62 or b == 0x66 or b == 0x6E \
+            or b == 0x72 or b == 0x74:
+        c.p += 2
+        return A_OK
+    return A_ESCAPE
+
+
+cdef int js_utf8(JsCur* c) noexcept nogil:
+    """Step over the UTF-8 sequence at ``c.p`` (a byte from 0x80), if json.loads decodes it.
+
+    Shortest forms up to U+10FFFF; json.loads decodes bytes with
+    "surrogatepass", so an encoded surrogate (ED A0-BF xx) is one too.
+    """
+    cdef uint8_t b = c.p[0], lo = 0x80, hi = 0xBF
+    cdef int n, k
+    if 0xC2 <= b <= 0xDF:
+        n = 1
+    elif 0xE0 <= b <= 0xEF:
+        n = 2
+        if b == 0xE0:
+            lo = 0xA0  # not an overlong 2-byte form
+    elif 0xF0 <= b <= 0xF4:
+        n = 3
+        if b == 0xF0:
+            lo = 0x90  # not an overlong 3-byte form
+        elif b == 0xF4:
+            hi = 0x8F  # not past U+10FFFF
+    else:
+        return A_UTF8
+    for k in range(1, n + 1):
+        if c.end - c.p <= k:
+            return A_TRUNCATED
+        if not ((lo if k == 1 else 0x80) <= c.p[k] <= (hi if k == 1 else 0xBF)):
+            return A_UTF8
+    c.p += n + 1
+    return A_OK
+
+
+cdef inline int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
+                          bint* escaped) noexcept nogil:
+    """Skip a string at ``c.p`` (its opening quote); give the span between the quotes.
+
+    Checked as json.loads checks it: a raw control character, a malformed
+    escape or bytes that are not UTF-8 are errors. Plain ASCII, what most
+    strings hold, costs one table look-up a byte, as the quote alone did.
+    """
+    cdef const uint8_t* p = c.p + 1
+    cdef const uint8_t* end = c.end
+    cdef uint8_t b
+    cdef int r
+    start[0] = p
+    escaped[0] = False
+    while True:
+        while p < end and JS_PLAIN[p[0]]:
+            p += 1
+        if p >= end:
+            c.p = p
+            return A_TRUNCATED
+        b = p[0]
+        if b == 0x22:
+            length[0] = p - start[0]
+            c.p = p + 1
+            return A_OK
+        c.p = p
+        if b == 0x5C:
+            escaped[0] = True
+            r = js_escape(c)
+        elif b < 0x20:
+            c.err_value = b
+            return A_CONTROL
+        else:
+            r = js_utf8(c)
+        if r:
+            return r
+        p = c.p
 
 
 cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
@@ -835,6 +920,12 @@ cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
         return f"not JSON{where}"
     if err == A_OBJECT:
         return f"not an object{where}"
+    if err == A_CONTROL:
+        return f"a raw control character (byte 0x{b.value:02x}) in a string{where}"
+    if err == A_ESCAPE:
+        return f"a malformed escape in a string{where}"
+    if err == A_UTF8:
+        return f"invalid UTF-8 in a string{where}"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_RANGE:

@@ -149,6 +149,53 @@ def test_keys_escaped_repeated_and_numbers_as_json_loads_reads_them():
     assert out["é"][:3].tolist() == [2.0, 0.0, 0.0]
 
 
+def _json_loads_verdict(value: bytes) -> dict | None:
+    try:
+        return json.loads(value)
+    except ValueError:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        return None
+
+
+def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
+    # A raw control character, a malformed escape or bytes that are not UTF-8
+    # make json.loads refuse the record, wherever the string lies: a value
+    # read, a value skipped (nested or not), a key. json.loads decodes bytes
+    # with "surrogatepass", so an encoded surrogate (ED A0 80) is taken.
+    refused = [b"a\x00b", b"\x1f", b"tab\there", b"\n", b"\\x", b"\\u12G4", b"\\U0041",
+               b"\x80", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xe2\x82", b"\xf0\x8f\xbf\xbf",
+               b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"ok\xed\xa0"]
+    taken = [b"plain", b"\x7f", b"caf\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80",
+             b"\xed\xa0\x80", b"\xf4\x8f\xbf\xbf", b"\\u00e9\\ud83d\\ude00\\n\\/", b"\\ud800"]
+    places = [b'{"id": 1, "note": "%s"}', b'{"id": 1, "%s": 0}',
+              b'{"id": 1, "x": [{"y": "%s", "z": 1}]}', b'{"id": 1, "doc": {"text": "%s"}}']
+    values = [place % text for place in places for text in refused + taken]
+    want = [_json_loads_verdict(v) for v in values]
+    assert [w is None for w in want] == [t in refused for _ in places for t in refused + taken]
+    rows = kfeed.Schema({"id": ("int64", ())})
+    got, bad = decode_all(kfeed.Json().decoder(rows), rows, values)
+    assert [i for i, _ in bad] == [i for i, w in enumerate(want) if w is None]
+    assert got["id"].tolist() == [1] * (len(values) - len(bad))
+    for i, why in bad:
+        text = refused[i % len(refused + taken)]
+        what = ("a raw control character" if min(text) < 0x20 else
+                "a malformed escape" if text.startswith(b"\\") else "invalid UTF-8")
+        assert why.startswith(what) and why.endswith("in a string"), (i, why)
+    # Read as bytes: the very bytes json.loads's string encodes to.
+    text = kfeed.Schema({"id": ("int64", ()), "text": ("uint8", (None,), {"source": "doc.text",
+                                                                          "default": []})})
+    docs = kfeed.Json().decoder(text).decode_documents(values)
+    assert [i for i, _ in docs.bad] == [i for i, _ in bad]
+    assert docs.tokens.tobytes() == b"".join(
+        w.get("doc", {}).get("text", "").encode("utf-8", "surrogatepass")
+        for w in want if w is not None)
+    # Every lead byte from 0x80, with every second byte from 0x70 and what may follow it.
+    sweep = [b'{"id": 2, "s": "' + bytes([lead, second]) + tail + b'"}'
+             for lead in range(0x80, 0x100) for second in range(0x70, 0x100)
+             for tail in (b"", b"\x80", b"\x80\xbf", b"\xbf\x80\x80", b"A")]
+    got, bad = decode_all(kfeed.Json().decoder(rows), rows, sweep, rows=len(sweep))
+    assert {i for i, _ in bad} == {i for i, v in enumerate(sweep) if _json_loads_verdict(v) is None}
+
+
 def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_reads_them():
     # json.loads gives ints of any size: a uint64 field takes one up to
     # 2**64 - 1, a float field any (as numpy casts it), an unread key any; a
@@ -204,12 +251,8 @@ def test_mutated_values_never_crash_and_read_as_json_loads_reads_them(data):
     assert res.consumed == 2 and res.rows + len(res.bad) == 2
     if res.bad and res.bad[0][0] == 0:
         return
-    # kfeed took it: json.loads must read the same values (it may refuse a
-    # string kfeed skipped, say for a raw control character in it).
-    try:
-        record = json.loads(bytes(raw))
-    except ValueError:
-        return
+    # kfeed took it: json.loads takes it too, and reads the same values.
+    record = json.loads(bytes(raw[5:] if raw[:1] == b"\x00" else raw))
     if not isinstance(record, dict):
         return
     try:
