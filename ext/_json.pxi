@@ -30,7 +30,11 @@ from libc.string cimport memcmp
 cdef enum:
     J_OBJECT = 0       # an object level: its children are keys
     J_FIELD = 1        # a field's value (a scalar, or arrays nested ndim deep)
-    J_MAX_DEPTH = 128  # nesting of skipped values
+    # Nesting, objects and arrays: json.loads reads as deep as Python's recursion
+    # limit (1000 unless raised; less the caller's frames, 994 from a script's
+    # top level), so a record that deep is read, what lies deeper is bad.
+    J_MAX_DEPTH = 1000
+    J_KIND_WORDS = (J_MAX_DEPTH + 63) // 64  # js_skip's bit per open container
     J_MAX_DIMS = 8
     A_JSON = 200       # not JSON where a value was expected
     A_OBJECT           # a key that leads to fields holds neither an object nor null
@@ -576,62 +580,101 @@ cdef int js_put_number(JsCur* c, uint8_t* d, uint64_t nelem, int code,
     return put_int(d, nelem, code, elem, iv)
 
 
-cdef int js_skip(JsCur* c) noexcept nogil:
-    """Skip one value of any kind at ``c.p``."""
+cdef int js_key(JsCur* c) noexcept nogil:
+    """Skip a key and its colon, at ``c.p`` (or whitespace before them)."""
     cdef const uint8_t* s
     cdef Py_ssize_t n
-    cdef bint esc, fl
-    cdef int64_t iv
-    cdef double dv
-    cdef int r
-    cdef uint8_t close
+    cdef bint esc
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
-    cdef uint8_t b = c.p[0]
-    if b == 0x22:
-        return js_string(c, &s, &n, &esc)
-    if b == 0x7B or b == 0x5B:
-        close = 0x7D if b == 0x7B else 0x5D
-        c.depth += 1
-        if c.depth > J_MAX_DEPTH:
-            return A_DEPTH
-        c.p += 1
+    if c.p[0] != 0x22:
+        return A_JSON
+    cdef int r = js_string(c, &s, &n, &esc)
+    if r:
+        return r
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    if c.p[0] != 0x3A:
+        return A_JSON
+    c.p += 1
+    return A_OK
+
+
+cdef int js_skip(JsCur* c) noexcept nogil:
+    """Skip one value of any kind at ``c.p``.
+
+    Without recursion, so a value nested as deep as json.loads reads costs
+    no C stack: one bit per open container (object or array) says which
+    closes it and whether a key comes after its commas.
+    """
+    cdef const uint8_t* s
+    cdef Py_ssize_t n
+    cdef bint esc, fl, obj
+    cdef int64_t iv
+    cdef double dv
+    cdef int r, top = 0  # containers open in this value
+    cdef uint64_t kinds[J_KIND_WORDS]
+    cdef uint8_t b
+    while True:
+        # A value at c.p.
         js_ws(c)
-        if c.p < c.end and c.p[0] == close:
+        if c.p >= c.end:
+            return A_TRUNCATED
+        b = c.p[0]
+        r = A_OK
+        if b == 0x7B or b == 0x5B:
+            if c.depth + top >= J_MAX_DEPTH:
+                return A_DEPTH
+            obj = b == 0x7B
+            if obj:
+                kinds[top >> 6] |= <uint64_t>1 << (top & 63)
+            else:
+                kinds[top >> 6] &= ~(<uint64_t>1 << (top & 63))
+            top += 1
             c.p += 1
-            c.depth -= 1
-            return A_OK
-        while True:
-            if b == 0x7B:
-                js_ws(c)
-                if c.p >= c.end or c.p[0] != 0x22:
-                    return A_JSON if c.p < c.end else A_TRUNCATED
-                r = js_string(c, &s, &n, &esc)
+            js_ws(c)
+            if c.p < c.end and c.p[0] == (0x7D if obj else 0x5D):
+                c.p += 1
+                top -= 1  # empty: a value read, as below
+            elif obj:
+                r = js_key(c)
                 if r:
                     return r
-                js_ws(c)
-                if c.p >= c.end or c.p[0] != 0x3A:
-                    return A_JSON if c.p < c.end else A_TRUNCATED
-                c.p += 1
-            r = js_skip(c)
-            if r:
-                return r
+                continue  # the first member's value
+            else:
+                continue  # the first element
+        elif b == 0x22:
+            r = js_string(c, &s, &n, &esc)
+        elif js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
+            pass
+        else:
+            r = js_number(c, &fl, &iv, &dv)
+            if r == J_UINT64 or r == J_WIDE:
+                r = A_OK
+        if r:
+            return r
+        # After a value: the containers it closes, then the next member or element.
+        while True:
+            if top == 0:
+                return A_OK
             js_ws(c)
             if c.p >= c.end:
                 return A_TRUNCATED
+            obj = (kinds[(top - 1) >> 6] >> ((top - 1) & 63)) & 1
             if c.p[0] == 0x2C:
                 c.p += 1
-                continue
-            if c.p[0] == close:
+                if obj:
+                    r = js_key(c)
+                    if r:
+                        return r
+                break
+            if c.p[0] == (0x7D if obj else 0x5D):
                 c.p += 1
-                c.depth -= 1
-                return A_OK
+                top -= 1
+                continue
             return A_JSON
-    if js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
-        return A_OK
-    r = js_number(c, &fl, &iv, &dv)
-    return A_OK if r == J_UINT64 or r == J_WIDE else r
 
 
 cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexcept nogil:

@@ -111,7 +111,7 @@ def test_bad_values_are_rejected_whole_with_a_reason():
         variant(features=[1.0] * 7 + [None]),                 # a null element
         b"[1, 2]",                                            # not an object
         b"\x00\x00\x01",                                      # a short frame
-        b'{"id": 2, "a": ' + b"[" * 200 + b"]" * 200 + b"}",  # nested too deep
+        b'{"id": 2, "a": ' + b"[" * 1000 + b"]" * 1000 + b"}",  # nested too deep
         variant(id=2),
     ]
     reasons = {1: "not JSON", 2: "truncated",
@@ -122,7 +122,7 @@ def test_bad_values_are_rejected_whole_with_a_reason():
                7: "field 'id': missing or null, and no default",
                8: "2 bytes left after the object", 9: "not an object at user",
                10: "null element at features", 11: "not JSON",
-               12: "too short for the Confluent framing", 13: "nested deeper than"}
+               12: "too short for the Confluent framing", 13: "nested deeper than 1000"}
     got, bad = decode_all(kfeed.Json().decoder(SCHEMA), SCHEMA, values, rows=4)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:
@@ -194,6 +194,43 @@ def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
              for tail in (b"", b"\x80", b"\x80\xbf", b"\xbf\x80\x80", b"A")]
     got, bad = decode_all(kfeed.Json().decoder(rows), rows, sweep, rows=len(sweep))
     assert {i for i, _ in bad} == {i for i, v in enumerate(sweep) if _json_loads_verdict(v) is None}
+
+
+def _nested(levels: int, inner: str = "0") -> str:
+    """``inner`` inside ``levels`` objects and arrays, in turn, with members after each
+    (none deeper than ``inner``'s levels)."""
+    text = inner
+    for k in range(levels):
+        text = ('{"x": %s, "y": [1, "a"]}' if k % 2 else
+                '[%s, {"z": null}, 3]' if k else '[%s, 3]') % text
+    return text
+
+
+def test_unread_values_nested_as_deep_as_json_loads_reads_them_are_skipped():
+    # json.loads reads nesting as deep as Python's recursion limit (1000 unless
+    # raised, less its caller's frames): a record that deep is read, whatever
+    # its unread parts hold. Malformed nesting stays bad, as does nesting past 1000.
+    schema = kfeed.Schema({"id": ("int64", ()), "v": ("int32", (2,), {"source": "a.v"})})
+    record = '{"id": %d, "skip": %s, "a": {"w": %s, "v": [%d, 2]}}'
+    values = [(record % (i, _nested(n - 1), _nested(n - 2), -i)).encode()
+              for i, n in enumerate((2, 128, 129, 130, 500, 800))]
+    want = [json.loads(v) for v in values]
+    malformed = ["1: 2", '{"a" 1}', "{1: 2}", "[1,]", '{"a": 1,}', "[1 2]", '{"a": 1]', "[1}",
+                 '"\\q"']
+    for inner in malformed:
+        bad_value = (record % (9, _nested(300, inner), "0", 9)).encode()
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(bad_value)
+        values.append(bad_value)
+    values.append((record % (10, "0", _nested(998), 10)).encode())   # 1000 deep: the limit
+    values.append((record % (11, _nested(1000), "0", 11)).encode())  # 1001 deep
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    assert got["id"].tolist() == [w["id"] for w in want] + [10]
+    assert got["v"].tolist() == [w["a"]["v"] for w in want] + [[10, 2]]
+    assert [i for i, _ in bad] == list(range(len(want), len(want) + len(malformed))) + [
+        len(values) - 1]
+    assert [why for _, why in bad] == ["not JSON"] * (len(malformed) - 1) + [
+        "a malformed escape in a string", "nested deeper than 1000"]
 
 
 def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_reads_them():
