@@ -338,79 +338,109 @@ cdef inline int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
         p = c.p
 
 
-cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
-                            Py_ssize_t cap) noexcept nogil:
-    """A key's escapes undone into ``out`` as UTF-8; -1 if malformed or too long."""
-    cdef Py_ssize_t i = 0, o = 0
+cdef int js_char(const uint8_t* s, Py_ssize_t n, Py_ssize_t* at, uint8_t* out) noexcept nogil:
+    """The byte or escape at ``s[at]`` (of a string's ``n``) into ``out`` as UTF-8 (1 to 4
+    bytes, the count returned), ``at`` stepped over it; -1 if malformed."""
+    cdef Py_ssize_t i = at[0]
     cdef uint32_t cp, lo
     cdef int k, h
-    while i < n:
-        if o + 4 > cap:
+    if s[i] != 0x5C:
+        out[0] = s[i]
+        at[0] = i + 1
+        return 1
+    if i + 1 >= n:
+        return -1
+    i += 1
+    if s[i] == 0x75:  # \uXXXX, maybe a surrogate pair
+        cp = 0
+        if i + 4 >= n:
             return -1
-        if s[i] != 0x5C:
-            out[o] = s[i]
-            o += 1
-            i += 1
-            continue
-        if i + 1 >= n:
-            return -1
-        i += 1
-        if s[i] == 0x75:  # \\uXXXX, maybe a surrogate pair
-            cp = 0
-            if i + 4 >= n:
+        for k in range(1, 5):
+            h = js_hex(s[i + k])
+            if h < 0:
                 return -1
-            for k in range(1, 5):
+            cp = cp * 16 + h
+        i += 5
+        if 0xD800 <= cp < 0xDC00 and i + 5 < n and s[i] == 0x5C and s[i + 1] == 0x75:
+            lo = 0
+            for k in range(2, 6):
                 h = js_hex(s[i + k])
                 if h < 0:
                     return -1
-                cp = cp * 16 + h
-            i += 5
-            if 0xD800 <= cp < 0xDC00 and i + 5 < n and s[i] == 0x5C and s[i + 1] == 0x75:
-                lo = 0
-                for k in range(2, 6):
-                    h = js_hex(s[i + k])
-                    if h < 0:
-                        return -1
-                    lo = lo * 16 + h
-                if 0xDC00 <= lo < 0xE000:
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
-                    i += 6
-            if cp < 0x80:
-                out[o] = cp
-                o += 1
-            elif cp < 0x800:
-                out[o] = 0xC0 | (cp >> 6)
-                out[o + 1] = 0x80 | (cp & 0x3F)
-                o += 2
-            elif cp < 0x10000:
-                out[o] = 0xE0 | (cp >> 12)
-                out[o + 1] = 0x80 | ((cp >> 6) & 0x3F)
-                out[o + 2] = 0x80 | (cp & 0x3F)
-                o += 3
-            else:
-                out[o] = 0xF0 | (cp >> 18)
-                out[o + 1] = 0x80 | ((cp >> 12) & 0x3F)
-                out[o + 2] = 0x80 | ((cp >> 6) & 0x3F)
-                out[o + 3] = 0x80 | (cp & 0x3F)
-                o += 4
-            continue
-        if s[i] == 0x62:
-            out[o] = 0x08
-        elif s[i] == 0x66:
-            out[o] = 0x0C
-        elif s[i] == 0x6E:
-            out[o] = 0x0A
-        elif s[i] == 0x72:
-            out[o] = 0x0D
-        elif s[i] == 0x74:
-            out[o] = 0x09
-        elif s[i] == 0x22 or s[i] == 0x5C or s[i] == 0x2F:
-            out[o] = s[i]
-        else:
+                lo = lo * 16 + h
+            if 0xDC00 <= lo < 0xE000:
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                i += 6
+        at[0] = i
+        if cp < 0x80:
+            out[0] = cp
+            return 1
+        if cp < 0x800:
+            out[0] = 0xC0 | (cp >> 6)
+            out[1] = 0x80 | (cp & 0x3F)
+            return 2
+        if cp < 0x10000:
+            out[0] = 0xE0 | (cp >> 12)
+            out[1] = 0x80 | ((cp >> 6) & 0x3F)
+            out[2] = 0x80 | (cp & 0x3F)
+            return 3
+        out[0] = 0xF0 | (cp >> 18)
+        out[1] = 0x80 | ((cp >> 12) & 0x3F)
+        out[2] = 0x80 | ((cp >> 6) & 0x3F)
+        out[3] = 0x80 | (cp & 0x3F)
+        return 4
+    if s[i] == 0x62:
+        out[0] = 0x08
+    elif s[i] == 0x66:
+        out[0] = 0x0C
+    elif s[i] == 0x6E:
+        out[0] = 0x0A
+    elif s[i] == 0x72:
+        out[0] = 0x0D
+    elif s[i] == 0x74:
+        out[0] = 0x09
+    elif s[i] == 0x22 or s[i] == 0x5C or s[i] == 0x2F:
+        out[0] = s[i]
+    else:
+        return -1
+    at[0] = i + 1
+    return 1
+
+
+cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
+                            Py_ssize_t cap) noexcept nogil:
+    """A string's escapes undone into ``out`` as UTF-8; -1 if malformed or too long
+    (``cap`` needs 4 bytes of room past the last character)."""
+    cdef Py_ssize_t i = 0, o = 0
+    cdef int k
+    while i < n:
+        if o + 4 > cap:
             return -1
-        o += 1
-        i += 1
+        k = js_char(s, n, &i, out + o)
+        if k < 0:
+            return -1
+        o += k
     return o
+
+
+cdef bint js_key_is(const uint8_t* s, Py_ssize_t n, const uint8_t* name,
+                    Py_ssize_t length) noexcept nogil:
+    """Whether the escaped key ``s[:n]`` reads as ``name`` (``length`` UTF-8 bytes).
+
+    Undone a character at a time against ``name``, so a key of any length
+    compares right, with no buffer to outgrow.
+    """
+    cdef Py_ssize_t i = 0, o = 0
+    cdef uint8_t one[4]
+    cdef int k
+    if length > n:
+        return False  # undoing escapes never lengthens a key
+    while i < n:
+        k = js_char(s, n, &i, one)
+        if k < 0 or o + k > length or memcmp(name + o, one, k) != 0:
+            return False
+        o += k
+    return o == length
 
 
 cdef extern from "<float.h>":
@@ -757,10 +787,10 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
     """The object at ``c.p`` (its ``{``), reading the keys of node ``ni``."""
     cdef const JsNode* nd = &c.plan.nodes[ni]
     cdef const uint8_t* key
+    cdef const uint8_t* name
     cdef Py_ssize_t n, k, match
     cdef bint esc
     cdef int r
-    cdef uint8_t buf[256]
     c.depth += 1
     if c.depth > J_MAX_DEPTH:
         return A_DEPTH
@@ -779,13 +809,16 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
         r = js_string(c, &key, &n, &esc)
         if r:
             return r
-        if esc:
-            n = js_unescape(key, n, buf, 256)
-            key = buf
         match = -1
-        if n >= 0:
-            for k in range(nd.first, nd.first + nd.n):
-                if c.plan.key_len[k] == n and memcmp(c.plan.names + c.plan.key_off[k], key, n) == 0:
+        for k in range(nd.first, nd.first + nd.n):
+            if esc:
+                if js_key_is(key, n, c.plan.names + c.plan.key_off[k], c.plan.key_len[k]):
+                    match = c.plan.key_node[k]
+                    break
+            elif c.plan.key_len[k] == n:
+                # Most keys of the same length differ in their first byte: no call.
+                name = c.plan.names + c.plan.key_off[k]
+                if n == 0 or (name[0] == key[0] and memcmp(name + 1, key + 1, n - 1) == 0):
                     match = c.plan.key_node[k]
                     break
         js_ws(c)

@@ -233,6 +233,32 @@ def test_unread_values_nested_as_deep_as_json_loads_reads_them_are_skipped():
         "a malformed escape in a string", "nested deeper than 1000"]
 
 
+def _escaped(text: str) -> str:
+    """``text`` as a JSON string's inside, every character a \\u escape (a pair past U+FFFF)."""
+    units = text.encode("utf-16-be")
+    return "".join(f"\\u{units[k]:02x}{units[k + 1]:02x}" for k in range(0, len(units), 2))
+
+
+def test_escaped_keys_of_any_length_match_as_json_loads_reads_them():
+    # A key written with escapes is the name json.loads gives it, whatever its
+    # length (around 256 bytes too); one character off, or one more or fewer,
+    # is another key.
+    names = ["k" * (n - 1) + "a" for n in (1, 2, 252, 253, 254, 255, 256, 257, 300, 1000)]
+    names += ["\u00e9" * 200 + "\U0001F600", "x" * 255 + "\u00e9"]
+    schema = kfeed.Schema({name: ("int64", (), {"default": -1}) for name in names})
+    keys = []
+    for name in names:
+        keys += [_escaped(name), name[:-1] + _escaped(name[-1]), _escaped(name[:-1] + "b"),
+                 _escaped(name + "a"), _escaped(name[:-1])]
+    values = [b'{"%s": %d}' % (key.encode(), i) for i, key in enumerate(keys)]
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    assert bad == []
+    want = [json.loads(v) for v in values]
+    for name in names:
+        assert got[name].tolist() == [w.get(name, -1) for w in want], len(name)
+        assert sum(got[name] >= 0) == 2  # all escaped, or the last character only
+
+
 def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_reads_them():
     # json.loads gives ints of any size: a uint64 field takes one up to
     # 2**64 - 1, a float field any (as numpy casts it), an unread key any; a
