@@ -12,7 +12,10 @@
 # a varint, 1 eight little-endian bytes, 2 a varint length then that many
 # bytes (strings, bytes, messages, packed repeated scalars), 5 four bytes.
 # A field may appear several times: the last value of a scalar wins, a
-# repeated field collects them all, packed or not. int32 and enum negatives
+# repeated field collects them all, packed or not. A known field in a wire
+# type that is not its type's (bar a repeated scalar's packed or unpacked
+# form) is parsed by protobuf as an unknown field: skipped here too, so the
+# field stays as it was (unset, if nothing else set it). int32 and enum negatives
 # are sign-extended to 10-byte varints; sint32/sint64 are zig-zag. Absent
 # fields read as zero (proto3). The Confluent framing puts a zero byte, a
 # 4-byte big-endian schema id and the message-index array (a zig-zag varint
@@ -44,8 +47,7 @@ PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_
             "message": P_MESSAGE, "string": P_BYTES, "bytes": P_BYTES}
 
 cdef enum:
-    A_WIRE = 100     # a field's wire type is not its type's
-    A_TAG            # field number 0, a group's end without its start, wire type 6 or 7
+    A_TAG = 101      # field number 0, a group's end without its start, wire type 6 or 7
     A_INDEXES        # the Confluent message-index array is malformed
     PB_MAX_DEPTH = 100
 
@@ -248,7 +250,8 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
 
 
 cdef inline int pb_wire(int kind) noexcept nogil:
-    if kind == P_BYTES:
+    """The wire type of a field of ``kind`` (a repeated scalar's packed form aside)."""
+    if kind == P_BYTES or kind == P_MESSAGE:
         return 2
     if kind == P_FIXED32 or kind == P_SFIXED32 or kind == P_FLOAT:
         return 5
@@ -404,15 +407,14 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                 hi = mid
         if lo < m.first + m.n and c.plan.entries[lo].number == number:
             e = &c.plan.entries[lo]
-        if e == NULL:
+        if e == NULL or (wt != pb_wire(e.kind) and not (wt == 2 and e.repeated)):
+            # Not in the plan; or a known field in another wire type, which
+            # protobuf keeps among the unknown fields, leaving the field unset.
             r = pb_skip(c, end, tag)
             if r:
                 return r
             continue
         if e.kind == P_MESSAGE:
-            if wt != 2:
-                c.err_entry, c.err_value = lo, wt
-                return A_WIRE
             r = pb_varint(c, end, &n)
             if r:
                 return r
@@ -427,7 +429,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             continue
         if wt == pb_wire(e.kind):
             r = pb_value(c, e, end)
-        elif wt == 2 and e.repeated:  # packed
+        else:  # a repeated scalar, packed
             r = pb_varint(c, end, &n)
             if r:
                 return r
@@ -441,9 +443,6 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                 r = pb_packed_copy(c, e, n)  # the elements as they lie: one memcpy
             while c.p < stop and r == A_OK:
                 r = pb_value(c, e, stop)
-        else:
-            c.err_value = wt
-            r = A_WIRE
         if r:
             c.err_entry = lo
             return r
@@ -778,8 +777,6 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         if b.field < 0 and b.node >= 0 and plan is not None:
             name = layout.names[plan.p.entries[b.node].field]
         return f"field {name!r}: {b.value} values do not match its shape{where}"
-    if err == A_WIRE:
-        return f"wire type {b.value} does not match the field's type{where}"
     if err == A_TAG:
         return "bad tag (field number 0, a group's end without its start, or wire type 6 or 7)"
     if err == A_TRUNCATED:

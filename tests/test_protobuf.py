@@ -22,6 +22,7 @@ from confluent_kafka.schema_registry.protobuf import (
 )
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from records import check_packed_documents, damage, decode_all, read_columns, read_dlq
@@ -277,6 +278,58 @@ def test_proto2_defaults_groups_and_values_past_int64_read_as_protobuf_reads_the
     kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", (), {"default": 0})}))
 
 
+def _tag(number: int, wire: int) -> bytes:
+    return bytes([number << 3 | wire])
+
+
+def test_a_known_field_in_another_wire_type_reads_as_protobuf_parses_it():
+    # protobuf parses a known field sent in another wire type as an unknown
+    # field: the message parses, the field keeps what it had (unset, if
+    # nothing set it). A repeated scalar may come packed or unpacked, either
+    # way. A group's end alone, or wire type 6 or 7, fails the parse.
+    rng = np.random.default_rng(8)
+    base = Click(id=7, features=rng.standard_normal(N).astype(np.float32).tolist(), label=-3,
+                 f32=9, flag=True, user={"age": 4, "score": 1.5}).SerializeToString()
+    no_lists = Click(id=8, label=5, user={"age": 6}).SerializeToString()
+    half = np.arange(N // 2, dtype=np.float32)
+    user_age_as_fixed64 = _tag(1, 1) + bytes(8)
+    values = [
+        base + _tag(1, 5) + b"\x01\x00\x00\x00",                 # id (int64) as fixed32
+        base + _tag(1, 1) + bytes(range(8)),                     # ... as fixed64
+        base + _tag(1, 2) + b"\x02\x01\x02",                     # ... as bytes (not repeated)
+        base + _tag(1, 3) + _tag(1, 0) + b"\x05" + _tag(1, 4),    # ... as a group
+        _tag(1, 5) + b"\x01\x00\x00\x00" + base,                 # before the field itself
+        base + _tag(13, 0) + b"\x07",                            # user (a message) as varint
+        base + _tag(13, 2) + bytes([len(user_age_as_fixed64)]) + user_age_as_fixed64,
+        base + _tag(9, 0) + b"\x05",                             # f32 (fixed32) as varint
+        base + _tag(7, 5) + b"\x00\x00\x00\x00",                 # flag (bool) as fixed32
+        base + _tag(2, 0) + b"\x01",                             # features as varint
+        base + _tag(3, 5) + b"\x00\x00\x80\x3f",                 # weights (double) as float
+        # features packed and unpacked in one message; weights (unpacked) packed.
+        no_lists + _tag(2, 2) + bytes([4 * len(half)]) + half.tobytes()
+        + b"".join(_tag(2, 5) + x.tobytes() for x in half + 10)
+        + _tag(3, 2) + b"\x10" + np.array([1.5, -2.5]).tobytes(),
+        base + _tag(1, 4),                                       # a group's end alone
+        base + _tag(1, 7),                                       # wire type 7
+        base + _tag(13, 6),
+    ]
+    parsed = []
+    for v in values:
+        try:
+            parsed.append(Click.FromString(v))
+        except DecodeError:
+            parsed.append(None)
+    assert [p is None for p in parsed] == [False] * 12 + [True] * 3
+    got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(SCHEMA), SCHEMA, values)
+    want = expected([p for p in parsed if p is not None])
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
+    assert got["id"].tolist() == [7] * 11 + [8]
+    assert got["features"][-1].tolist() == [*half, *(half + 10)]
+    assert bad == [(i, "bad tag (field number 0, a group's end without its start, "
+                       "or wire type 6 or 7)") for i in (12, 13, 14)]
+
+
 def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
     rng = np.random.default_rng(5)
     write = ProtobufSerializer(Click, registry, CONF)
@@ -292,7 +345,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
         write(short, CTX),                          # 7 features, not 8
         write(loud, CTX),                           # 40000 in an int16
         good[0][:5] + b"\x7f" + good[0][6:],        # a message-index count of -64
-        good[0][:7] + b"\x0d\x00\x00\x80\x3f",      # field 1 (int64) sent as fixed32
+        good[0][:7] + b"\x0d\x00\x00\x80\x3f",      # id as fixed32, unknown: no features
         b"\x00\x00\x00",                            # shorter than the framing
         good[2],
     ]
@@ -300,7 +353,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
                3: "field 'features': 7 values do not match its shape",
                4: "40000 does not fit the field's dtype at user.age",
                5: "malformed message-index array",
-               6: "wire type 5 does not match the field's type at id",
+               6: "field 'features': repeated field absent, and no default",
                7: "too short for the Confluent framing"}
     got, bad = decode_all(kfeed.Protobuf(message=Click, registry=registry).decoder(SCHEMA),
                           SCHEMA, values, rows=3)

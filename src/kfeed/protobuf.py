@@ -8,8 +8,9 @@ kfeed field, by number. ``ProtobufDecoder.decode_into`` runs it over a fetch
 of values into the pool slot (Cython, no GIL, no Python object per record).
 
 Fields map to message fields by name, or by their dotted ``source`` through
-nested messages. Unknown fields are skipped. Repeated scalars, packed or
-not, fill a fixed shape exactly. Absent fields read as proto3 does: zero,
+nested messages. Unknown fields are skipped; so is a known field sent in a
+wire type that is not its type's, which protobuf's parser keeps among the
+unknown fields too. Repeated scalars, packed or not, fill a fixed shape exactly. Absent fields read as proto3 does: zero,
 unless the kfeed field has a ``default``; an absent repeated field takes its
 ``default`` or makes the record bad. Everything about the layout is known
 from the class, so a field that cannot map is a ``ConfigError`` at once.
