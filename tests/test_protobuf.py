@@ -330,6 +330,74 @@ def test_a_known_field_in_another_wire_type_reads_as_protobuf_parses_it():
                        "or wire type 6 or 7)") for i in (12, 13, 14)]
 
 
+def _oneof_class() -> type:
+    fdp = descriptor_pb2.FileDescriptorProto(name="pick.proto", package="pick", syntax="proto3")
+    inner = fdp.message_type.add(name="Inner")
+    inner.field.add(name="x", number=1, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL)
+    inner.field.add(name="r", number=2, type=F.TYPE_INT32, label=F.LABEL_REPEATED)
+    ev = fdp.message_type.add(name="Event")
+    for name in ("choice", "pick", "_opt"):
+        ev.oneof_decl.add(name=name)
+    add = ev.field.add
+    add(name="id", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    add(name="a", number=2, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="b", number=3, type=F.TYPE_DOUBLE, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="c", number=4, type=F.TYPE_MESSAGE, type_name=".pick.Inner",
+        label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="s", number=5, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="raw", number=9, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="opt", number=6, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=2,
+        proto3_optional=True)
+    add(name="p", number=8, type=F.TYPE_SINT64, label=F.LABEL_OPTIONAL, oneof_index=1)
+    add(name="q", number=10, type=F.TYPE_FIXED32, label=F.LABEL_OPTIONAL, oneof_index=1)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("pick.Event"))
+
+
+def test_oneof_members_on_the_wire_leave_the_last_one_as_protobuf_does():
+    # Two members of one oneof in a message: protobuf keeps the one parsed
+    # last, and the others read as unset (their default), whether the schema
+    # reads the last one or not; a message member again merges into itself.
+    # A proto3 optional field is a oneof of its own, and a member in another
+    # wire type is an unknown field, which leaves the oneof as it was.
+    event = _oneof_class()
+    schema = kfeed.Schema({"id": ("int64", ()), "a": ("int32", ()),
+                           "b": ("float64", (), {"default": -1.0}),
+                           "x": ("int32", (), {"source": "c.x"}),
+                           "r": ("int32", (2,), {"source": "c.r", "default": [0, 0]}),
+                           "opt": ("int32", ()), "p": ("int64", ())})
+    cases = [
+        [{"a": 5}, {"b": 2.5}], [{"b": 2.5}, {"a": 5}],
+        [{"c": {"x": 3, "r": [1, 2]}}, {"a": 7}], [{"a": 7}, {"c": {"x": 3}}],
+        [{"c": {"x": 3}}, {"c": {"r": [1, 2]}}], [{"c": {"x": 3}}, {"a": 1}, {"c": {"r": [1, 2]}}],
+        [{"a": 5}, {"s": "hi"}], [{"a": 5}, {"raw": b"\x00"}], [{"s": "hi"}, {"b": 0.0}],
+        [{"p": -3}, {"q": 9}], [{"q": 9}, {"p": -3}], [{"opt": 4}, {"a": 1}, {"opt": 5}],
+        [{"b": 1.5}, {"a": 2}, {"b": 2.5}, {"c": {"x": 1}}, {"a": 3}],
+    ]
+    values = [b"".join(event(id=i, **piece).SerializeToString() for piece in pieces)
+              for i, pieces in enumerate(cases)]
+    values.append(event(id=99, a=5).SerializeToString() + _tag(3, 0) + b"\x01")  # b as varint
+    msgs = [event.FromString(v) for v in values]
+    assert [m.WhichOneof("choice") for m in msgs] == [
+        "b", "a", "a", "c", "c", "c", "s", "raw", "b", None, None, "a", "a", "a"]
+    got, bad = decode_all(kfeed.Protobuf(message=event).decoder(schema), schema, values)
+    assert bad == []
+    assert got["id"].tolist() == [m.id for m in msgs]
+    assert got["a"].tolist() == [m.a for m in msgs]
+    assert got["b"].tolist() == [m.b if m.HasField("b") else -1.0 for m in msgs]
+    assert got["x"].tolist() == [m.c.x for m in msgs]
+    assert got["r"].tolist() == [list(m.c.r) or [0, 0] for m in msgs]
+    assert got["opt"].tolist() == [m.opt for m in msgs]
+    assert got["p"].tolist() == [m.p for m in msgs]
+    # A member read as a document: unset by a later member, it is empty.
+    text = kfeed.Schema({"raw": ("uint8", (None,))})
+    docs = kfeed.Protobuf(message=event).decoder(text).decode_documents(
+        [event(raw=b"abc").SerializeToString() + event(a=1).SerializeToString(),
+         event(a=1).SerializeToString() + event(raw=b"xy").SerializeToString()])
+    assert not docs.bad and docs.lengths.tolist() == [0, 2] and docs.tokens.tobytes() == b"xy"
+
+
 def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
     rng = np.random.default_rng(5)
     write = ProtobufSerializer(Click, registry, CONF)
