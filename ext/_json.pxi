@@ -16,6 +16,12 @@
 # into an integer field. A key repeated in one object: the last one wins. A
 # value starting with a zero byte carries the Confluent JSON Schema framing
 # (zero byte, 4-byte schema id), which is skipped.
+#
+# Every string, read or skipped, key or value, is checked as json.loads checks
+# it, so that a record json.loads refuses is a bad record here too: no raw
+# control character (bytes 0x00-0x1F), only RFC 8259's escapes (\uXXXX with
+# four hex digits), and valid UTF-8 as json.loads decodes bytes (with
+# "surrogatepass": an encoded surrogate, ED A0-BF xx, is taken).
 
 from libc.math cimport INFINITY, NAN
 from libc.stdlib cimport strtod
@@ -24,10 +30,17 @@ from libc.string cimport memcmp
 cdef enum:
     J_OBJECT = 0       # an object level: its children are keys
     J_FIELD = 1        # a field's value (a scalar, or arrays nested ndim deep)
-    J_MAX_DEPTH = 128  # nesting of skipped values
+    # Nesting, objects and arrays: json.loads reads as deep as Python's recursion
+    # limit (1000 unless raised; less the caller's frames, 994 from a script's
+    # top level), so a record that deep is read, what lies deeper is bad.
+    J_MAX_DEPTH = 1000
+    J_KIND_WORDS = (J_MAX_DEPTH + 63) // 64  # js_skip's bit per open container
     J_MAX_DIMS = 8
     A_JSON = 200       # not JSON where a value was expected
     A_OBJECT           # a key that leads to fields holds neither an object nor null
+    A_CONTROL          # a raw control character in a string (its byte in err_value)
+    A_ESCAPE           # a backslash not followed by one of RFC 8259's escapes
+    A_UTF8             # a string's bytes are not UTF-8
     # js_number's integers past int64, which only some fields take (not errors):
     J_UINT64           # up to 2**64 - 1: its bits in ``iv``, its double in ``dv``
     J_WIDE             # any other: its double in ``dv`` (inf past float64)
@@ -216,29 +229,6 @@ cdef inline bint js_lit(JsCur* c, const char* word, Py_ssize_t n) noexcept nogil
     return True
 
 
-cdef int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
-                   bint* escaped) noexcept nogil:
-    """Skip a string at ``c.p`` (its opening quote); give the span between the quotes."""
-    cdef uint8_t b
-    c.p += 1
-    start[0] = c.p
-    escaped[0] = False
-    while c.p < c.end:
-        b = c.p[0]
-        if b == 0x22:
-            length[0] = c.p - start[0]
-            c.p += 1
-            return A_OK
-        if b == 0x5C:
-            if c.end - c.p < 2:
-                return A_TRUNCATED
-            escaped[0] = True
-            c.p += 2
-            continue
-        c.p += 1
-    return A_TRUNCATED
-
-
 cdef inline int js_hex(uint8_t b) noexcept nogil:
     if 0x30 <= b <= 0x39:
         return b - 0x30
@@ -249,79 +239,208 @@ cdef inline int js_hex(uint8_t b) noexcept nogil:
     return -1
 
 
-cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
-                            Py_ssize_t cap) noexcept nogil:
-    """A key's escapes undone into ``out`` as UTF-8; -1 if malformed or too long."""
-    cdef Py_ssize_t i = 0, o = 0
+# Per byte: 1 for what a string holds as it is (printable ASCII but the quote
+# and the backslash), 0 for what needs a look: the quote, an escape, a control
+# character, the start of a UTF-8 sequence.
+cdef uint8_t JS_PLAIN[256]
+for _k in range(256):
+    JS_PLAIN[_k] = 0x20 <= _k < 0x80 and _k != 0x22 and _k != 0x5C
+
+
+cdef int js_escape(JsCur* c) noexcept nogil:
+    """Step over the escape at ``c.p`` (its backslash), if it is one json.loads reads."""
+    cdef int k
+    if c.end - c.p < 2:
+        return A_TRUNCATED
+    cdef uint8_t b = c.p[1]
+    if b == 0x75:  # \uXXXX (a surrogate pair is two of them)
+        for k in range(2, 6):
+            if c.end - c.p <= k:
+                return A_TRUNCATED
+            if js_hex(c.p[k]) < 0:
+                return A_ESCAPE
+        c.p += 6
+        return A_OK
+    if b == 0x22 or b == 0x5C or b == 0x2F or b == 0x62 or b == 0x66 or b == 0x6E \
+            or b == 0x72 or b == 0x74:
+        c.p += 2
+        return A_OK
+    return A_ESCAPE
+
+
+cdef int js_utf8(JsCur* c) noexcept nogil:
+    """Step over the UTF-8 sequence at ``c.p`` (a byte from 0x80), if json.loads decodes it.
+
+    Shortest forms up to U+10FFFF; json.loads decodes bytes with
+    "surrogatepass", so an encoded surrogate (ED A0-BF xx) is one too.
+    """
+    cdef uint8_t b = c.p[0], lo = 0x80, hi = 0xBF
+    cdef int n, k
+    if 0xC2 <= b <= 0xDF:
+        n = 1
+    elif 0xE0 <= b <= 0xEF:
+        n = 2
+        if b == 0xE0:
+            lo = 0xA0  # not an overlong 2-byte form
+    elif 0xF0 <= b <= 0xF4:
+        n = 3
+        if b == 0xF0:
+            lo = 0x90  # not an overlong 3-byte form
+        elif b == 0xF4:
+            hi = 0x8F  # not past U+10FFFF
+    else:
+        return A_UTF8
+    for k in range(1, n + 1):
+        if c.end - c.p <= k:
+            return A_TRUNCATED
+        if not ((lo if k == 1 else 0x80) <= c.p[k] <= (hi if k == 1 else 0xBF)):
+            return A_UTF8
+    c.p += n + 1
+    return A_OK
+
+
+cdef inline int js_string(JsCur* c, const uint8_t** start, Py_ssize_t* length,
+                          bint* escaped) noexcept nogil:
+    """Skip a string at ``c.p`` (its opening quote); give the span between the quotes.
+
+    Checked as json.loads checks it: a raw control character, a malformed
+    escape or bytes that are not UTF-8 are errors. Plain ASCII, what most
+    strings hold, costs one table look-up a byte, as the quote alone did.
+    """
+    cdef const uint8_t* p = c.p + 1
+    cdef const uint8_t* end = c.end
+    cdef uint8_t b
+    cdef int r
+    start[0] = p
+    escaped[0] = False
+    while True:
+        while p < end and JS_PLAIN[p[0]]:
+            p += 1
+        if p >= end:
+            c.p = p
+            return A_TRUNCATED
+        b = p[0]
+        if b == 0x22:
+            length[0] = p - start[0]
+            c.p = p + 1
+            return A_OK
+        c.p = p
+        if b == 0x5C:
+            escaped[0] = True
+            r = js_escape(c)
+        elif b < 0x20:
+            c.err_value = b
+            return A_CONTROL
+        else:
+            r = js_utf8(c)
+        if r:
+            return r
+        p = c.p
+
+
+cdef int js_char(const uint8_t* s, Py_ssize_t n, Py_ssize_t* at, uint8_t* out) noexcept nogil:
+    """The byte or escape at ``s[at]`` (of a string's ``n``) into ``out`` as UTF-8 (1 to 4
+    bytes, the count returned), ``at`` stepped over it; -1 if malformed."""
+    cdef Py_ssize_t i = at[0]
     cdef uint32_t cp, lo
     cdef int k, h
-    while i < n:
-        if o + 4 > cap:
+    if s[i] != 0x5C:
+        out[0] = s[i]
+        at[0] = i + 1
+        return 1
+    if i + 1 >= n:
+        return -1
+    i += 1
+    if s[i] == 0x75:  # \uXXXX, maybe a surrogate pair
+        cp = 0
+        if i + 4 >= n:
             return -1
-        if s[i] != 0x5C:
-            out[o] = s[i]
-            o += 1
-            i += 1
-            continue
-        if i + 1 >= n:
-            return -1
-        i += 1
-        if s[i] == 0x75:  # \\uXXXX, maybe a surrogate pair
-            cp = 0
-            if i + 4 >= n:
+        for k in range(1, 5):
+            h = js_hex(s[i + k])
+            if h < 0:
                 return -1
-            for k in range(1, 5):
+            cp = cp * 16 + h
+        i += 5
+        if 0xD800 <= cp < 0xDC00 and i + 5 < n and s[i] == 0x5C and s[i + 1] == 0x75:
+            lo = 0
+            for k in range(2, 6):
                 h = js_hex(s[i + k])
                 if h < 0:
                     return -1
-                cp = cp * 16 + h
-            i += 5
-            if 0xD800 <= cp < 0xDC00 and i + 5 < n and s[i] == 0x5C and s[i + 1] == 0x75:
-                lo = 0
-                for k in range(2, 6):
-                    h = js_hex(s[i + k])
-                    if h < 0:
-                        return -1
-                    lo = lo * 16 + h
-                if 0xDC00 <= lo < 0xE000:
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
-                    i += 6
-            if cp < 0x80:
-                out[o] = cp
-                o += 1
-            elif cp < 0x800:
-                out[o] = 0xC0 | (cp >> 6)
-                out[o + 1] = 0x80 | (cp & 0x3F)
-                o += 2
-            elif cp < 0x10000:
-                out[o] = 0xE0 | (cp >> 12)
-                out[o + 1] = 0x80 | ((cp >> 6) & 0x3F)
-                out[o + 2] = 0x80 | (cp & 0x3F)
-                o += 3
-            else:
-                out[o] = 0xF0 | (cp >> 18)
-                out[o + 1] = 0x80 | ((cp >> 12) & 0x3F)
-                out[o + 2] = 0x80 | ((cp >> 6) & 0x3F)
-                out[o + 3] = 0x80 | (cp & 0x3F)
-                o += 4
-            continue
-        if s[i] == 0x62:
-            out[o] = 0x08
-        elif s[i] == 0x66:
-            out[o] = 0x0C
-        elif s[i] == 0x6E:
-            out[o] = 0x0A
-        elif s[i] == 0x72:
-            out[o] = 0x0D
-        elif s[i] == 0x74:
-            out[o] = 0x09
-        elif s[i] == 0x22 or s[i] == 0x5C or s[i] == 0x2F:
-            out[o] = s[i]
-        else:
+                lo = lo * 16 + h
+            if 0xDC00 <= lo < 0xE000:
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                i += 6
+        at[0] = i
+        if cp < 0x80:
+            out[0] = cp
+            return 1
+        if cp < 0x800:
+            out[0] = 0xC0 | (cp >> 6)
+            out[1] = 0x80 | (cp & 0x3F)
+            return 2
+        if cp < 0x10000:
+            out[0] = 0xE0 | (cp >> 12)
+            out[1] = 0x80 | ((cp >> 6) & 0x3F)
+            out[2] = 0x80 | (cp & 0x3F)
+            return 3
+        out[0] = 0xF0 | (cp >> 18)
+        out[1] = 0x80 | ((cp >> 12) & 0x3F)
+        out[2] = 0x80 | ((cp >> 6) & 0x3F)
+        out[3] = 0x80 | (cp & 0x3F)
+        return 4
+    if s[i] == 0x62:
+        out[0] = 0x08
+    elif s[i] == 0x66:
+        out[0] = 0x0C
+    elif s[i] == 0x6E:
+        out[0] = 0x0A
+    elif s[i] == 0x72:
+        out[0] = 0x0D
+    elif s[i] == 0x74:
+        out[0] = 0x09
+    elif s[i] == 0x22 or s[i] == 0x5C or s[i] == 0x2F:
+        out[0] = s[i]
+    else:
+        return -1
+    at[0] = i + 1
+    return 1
+
+
+cdef Py_ssize_t js_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out,
+                            Py_ssize_t cap) noexcept nogil:
+    """A string's escapes undone into ``out`` as UTF-8; -1 if malformed or too long
+    (``cap`` needs 4 bytes of room past the last character)."""
+    cdef Py_ssize_t i = 0, o = 0
+    cdef int k
+    while i < n:
+        if o + 4 > cap:
             return -1
-        o += 1
-        i += 1
+        k = js_char(s, n, &i, out + o)
+        if k < 0:
+            return -1
+        o += k
     return o
+
+
+cdef bint js_key_is(const uint8_t* s, Py_ssize_t n, const uint8_t* name,
+                    Py_ssize_t length) noexcept nogil:
+    """Whether the escaped key ``s[:n]`` reads as ``name`` (``length`` UTF-8 bytes).
+
+    Undone a character at a time against ``name``, so a key of any length
+    compares right, with no buffer to outgrow.
+    """
+    cdef Py_ssize_t i = 0, o = 0
+    cdef uint8_t one[4]
+    cdef int k
+    if length > n:
+        return False  # undoing escapes never lengthens a key
+    while i < n:
+        k = js_char(s, n, &i, one)
+        if k < 0 or o + k > length or memcmp(name + o, one, k) != 0:
+            return False
+        o += k
+    return o == length
 
 
 cdef extern from "<float.h>":
@@ -491,62 +610,101 @@ cdef int js_put_number(JsCur* c, uint8_t* d, uint64_t nelem, int code,
     return put_int(d, nelem, code, elem, iv)
 
 
-cdef int js_skip(JsCur* c) noexcept nogil:
-    """Skip one value of any kind at ``c.p``."""
+cdef int js_key(JsCur* c) noexcept nogil:
+    """Skip a key and its colon, at ``c.p`` (or whitespace before them)."""
     cdef const uint8_t* s
     cdef Py_ssize_t n
-    cdef bint esc, fl
-    cdef int64_t iv
-    cdef double dv
-    cdef int r
-    cdef uint8_t close
+    cdef bint esc
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED
-    cdef uint8_t b = c.p[0]
-    if b == 0x22:
-        return js_string(c, &s, &n, &esc)
-    if b == 0x7B or b == 0x5B:
-        close = 0x7D if b == 0x7B else 0x5D
-        c.depth += 1
-        if c.depth > J_MAX_DEPTH:
-            return A_DEPTH
-        c.p += 1
+    if c.p[0] != 0x22:
+        return A_JSON
+    cdef int r = js_string(c, &s, &n, &esc)
+    if r:
+        return r
+    js_ws(c)
+    if c.p >= c.end:
+        return A_TRUNCATED
+    if c.p[0] != 0x3A:
+        return A_JSON
+    c.p += 1
+    return A_OK
+
+
+cdef int js_skip(JsCur* c) noexcept nogil:
+    """Skip one value of any kind at ``c.p``.
+
+    Without recursion, so a value nested as deep as json.loads reads costs
+    no C stack: one bit per open container (object or array) says which
+    closes it and whether a key comes after its commas.
+    """
+    cdef const uint8_t* s
+    cdef Py_ssize_t n
+    cdef bint esc, fl, obj
+    cdef int64_t iv
+    cdef double dv
+    cdef int r, top = 0  # containers open in this value
+    cdef uint64_t kinds[J_KIND_WORDS]
+    cdef uint8_t b
+    while True:
+        # A value at c.p.
         js_ws(c)
-        if c.p < c.end and c.p[0] == close:
+        if c.p >= c.end:
+            return A_TRUNCATED
+        b = c.p[0]
+        r = A_OK
+        if b == 0x7B or b == 0x5B:
+            if c.depth + top >= J_MAX_DEPTH:
+                return A_DEPTH
+            obj = b == 0x7B
+            if obj:
+                kinds[top >> 6] |= <uint64_t>1 << (top & 63)
+            else:
+                kinds[top >> 6] &= ~(<uint64_t>1 << (top & 63))
+            top += 1
             c.p += 1
-            c.depth -= 1
-            return A_OK
-        while True:
-            if b == 0x7B:
-                js_ws(c)
-                if c.p >= c.end or c.p[0] != 0x22:
-                    return A_JSON if c.p < c.end else A_TRUNCATED
-                r = js_string(c, &s, &n, &esc)
+            js_ws(c)
+            if c.p < c.end and c.p[0] == (0x7D if obj else 0x5D):
+                c.p += 1
+                top -= 1  # empty: a value read, as below
+            elif obj:
+                r = js_key(c)
                 if r:
                     return r
-                js_ws(c)
-                if c.p >= c.end or c.p[0] != 0x3A:
-                    return A_JSON if c.p < c.end else A_TRUNCATED
-                c.p += 1
-            r = js_skip(c)
-            if r:
-                return r
+                continue  # the first member's value
+            else:
+                continue  # the first element
+        elif b == 0x22:
+            r = js_string(c, &s, &n, &esc)
+        elif js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
+            pass
+        else:
+            r = js_number(c, &fl, &iv, &dv)
+            if r == J_UINT64 or r == J_WIDE:
+                r = A_OK
+        if r:
+            return r
+        # After a value: the containers it closes, then the next member or element.
+        while True:
+            if top == 0:
+                return A_OK
             js_ws(c)
             if c.p >= c.end:
                 return A_TRUNCATED
+            obj = (kinds[(top - 1) >> 6] >> ((top - 1) & 63)) & 1
             if c.p[0] == 0x2C:
                 c.p += 1
-                continue
-            if c.p[0] == close:
+                if obj:
+                    r = js_key(c)
+                    if r:
+                        return r
+                break
+            if c.p[0] == (0x7D if obj else 0x5D):
                 c.p += 1
-                c.depth -= 1
-                return A_OK
+                top -= 1
+                continue
             return A_JSON
-    if js_lit(c, "true", 4) or js_lit(c, "false", 5) or js_lit(c, "null", 4):
-        return A_OK
-    r = js_number(c, &fl, &iv, &dv)
-    return A_OK if r == J_UINT64 or r == J_WIDE else r
 
 
 cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexcept nogil:
@@ -629,10 +787,10 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
     """The object at ``c.p`` (its ``{``), reading the keys of node ``ni``."""
     cdef const JsNode* nd = &c.plan.nodes[ni]
     cdef const uint8_t* key
+    cdef const uint8_t* name
     cdef Py_ssize_t n, k, match
     cdef bint esc
     cdef int r
-    cdef uint8_t buf[256]
     c.depth += 1
     if c.depth > J_MAX_DEPTH:
         return A_DEPTH
@@ -651,13 +809,16 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
         r = js_string(c, &key, &n, &esc)
         if r:
             return r
-        if esc:
-            n = js_unescape(key, n, buf, 256)
-            key = buf
         match = -1
-        if n >= 0:
-            for k in range(nd.first, nd.first + nd.n):
-                if c.plan.key_len[k] == n and memcmp(c.plan.names + c.plan.key_off[k], key, n) == 0:
+        for k in range(nd.first, nd.first + nd.n):
+            if esc:
+                if js_key_is(key, n, c.plan.names + c.plan.key_off[k], c.plan.key_len[k]):
+                    match = c.plan.key_node[k]
+                    break
+            elif c.plan.key_len[k] == n:
+                # Most keys of the same length differ in their first byte: no call.
+                name = c.plan.names + c.plan.key_off[k]
+                if n == 0 or (name[0] == key[0] and memcmp(name + 1, key + 1, n - 1) == 0):
                     match = c.plan.key_node[k]
                     break
         js_ws(c)
@@ -835,6 +996,12 @@ cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
         return f"not JSON{where}"
     if err == A_OBJECT:
         return f"not an object{where}"
+    if err == A_CONTROL:
+        return f"a raw control character (byte 0x{b.value:02x}) in a string{where}"
+    if err == A_ESCAPE:
+        return f"a malformed escape in a string{where}"
+    if err == A_UTF8:
+        return f"invalid UTF-8 in a string{where}"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_RANGE:

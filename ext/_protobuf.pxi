@@ -12,7 +12,13 @@
 # a varint, 1 eight little-endian bytes, 2 a varint length then that many
 # bytes (strings, bytes, messages, packed repeated scalars), 5 four bytes.
 # A field may appear several times: the last value of a scalar wins, a
-# repeated field collects them all, packed or not. int32 and enum negatives
+# repeated field collects them all, packed or not. A known field in a wire
+# type that is not its type's (bar a repeated scalar's packed or unpacked
+# form) is parsed by protobuf as an unknown field: skipped here too, so the
+# field stays as it was (unset, if nothing else set it). Of the members of a
+# oneof, protobuf keeps the last one parsed: each member's entry names the
+# fields the others lead to, unset when it is read (a member the schema does
+# not read has an entry for that alone). int32 and enum negatives
 # are sign-extended to 10-byte varints; sint32/sint64 are zig-zag. Absent
 # fields read as zero (proto3). The Confluent framing puts a zero byte, a
 # 4-byte big-endian schema id and the message-index array (a zig-zag varint
@@ -35,17 +41,17 @@ cdef enum PbKind:
     P_DOUBLE
     P_MESSAGE
     P_BYTES          # string or bytes: only into a document of bytes
+    P_GROUP          # a proto2 group: only a oneof member the schema does not read
     P_KINDS
 
 PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_UINT64,
             "sint32": P_SINT32, "sint64": P_SINT64, "bool": P_BOOL, "enum": P_ENUM,
             "fixed32": P_FIXED32, "sfixed32": P_SFIXED32, "float": P_FLOAT,
             "fixed64": P_FIXED64, "sfixed64": P_SFIXED64, "double": P_DOUBLE,
-            "message": P_MESSAGE, "string": P_BYTES, "bytes": P_BYTES}
+            "message": P_MESSAGE, "string": P_BYTES, "bytes": P_BYTES, "group": P_GROUP}
 
 cdef enum:
-    A_WIRE = 100     # a field's wire type is not its type's
-    A_TAG            # field number 0, a group's end without its start, wire type 6 or 7
+    A_TAG = 101      # field number 0, a group's end without its start, wire type 6 or 7
     A_INDEXES        # the Confluent message-index array is malformed
     PB_MAX_DEPTH = 100
 
@@ -53,10 +59,12 @@ cdef enum:
 cdef struct PbEntry:
     uint32_t number
     int kind
-    int field        # the field written; P_MESSAGE: -1
+    int field        # the field written; P_MESSAGE: -1; -1 and msg -1: none, skipped
     int code
     int repeated     # elements go one after another (a repeated scalar)
     Py_ssize_t msg   # P_MESSAGE: the message type's index
+    Py_ssize_t clear_first  # a oneof member: the fields its oneof's other members
+    Py_ssize_t clear_n      # lead to, clear_fields[clear_first:clear_first + clear_n]
 
 
 cdef struct PbMsg:
@@ -70,6 +78,7 @@ cdef struct PbPlan:
     PbMsg* msgs
     Py_ssize_t nmsgs
     Py_ssize_t nfields
+    int* clear_fields        # the entries' fields to unset when they are read
     int* codes
     uint64_t* nelem
     uint8_t* repeated        # per field: filled by a repeated entry
@@ -99,7 +108,10 @@ cdef class ProtobufPlan:
     are (number, kind, field, code, repeated, msg), ``msgs`` rows (first, n)
     with each message's entries sorted by number, message 0 the root;
     ``codes`` and ``defaults`` per field as for ``AvroPlan``; ``notes`` names
-    each entry (its dotted path) for error messages.
+    each entry (its dotted path) for error messages. ``clears`` rows (entry,
+    field), by entry: a oneof member's entry unsets, when it is read, the
+    fields its oneof's other members lead to; an entry of field -1 and msg -1
+    (a member the schema does not read) does that alone, its value skipped.
     """
 
     cdef PbPlan p
@@ -108,8 +120,10 @@ cdef class ProtobufPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] entries, const int64_t[:, ::1] msgs,
-                  codes, defaults, notes, Py_ssize_t varfield=-1):
+                  codes, defaults, notes, Py_ssize_t varfield=-1, clears=None):
         cdef Py_ssize_t i, k, f, ne = entries.shape[0], nm = msgs.shape[0]
+        cdef const int64_t[:, ::1] cl = np.zeros((0, 2), np.int64) if clears is None else clears
+        cdef Py_ssize_t ncl = cl.shape[0]
         cdef PbEntry* e
         if entries.shape[1] != 6 or msgs.shape[1] != 2 or nm == 0:
             raise ValueError("entries must have shape (n, 6) and msgs (m >= 1, 2)")
@@ -125,9 +139,12 @@ cdef class ProtobufPlan:
         self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
         self.p.repeated = <uint8_t*>calloc(layout.nfields, 1)
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
+        self.p.clear_fields = <int*>calloc(ncl if ncl else 1, sizeof(int))
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
-                and self.p.repeated and self.p.default):
+                and self.p.repeated and self.p.default and self.p.clear_fields):
             raise MemoryError()
+        if cl.shape[1] != 2:
+            raise ValueError("clears must have shape (k, 2)")
         # A document: ``varfield``, filled by a repeated scalar, or by bytes.
         if not -1 <= varfield < layout.nfields:
             raise ValueError(f"field {varfield} is not in the layout")
@@ -152,9 +169,14 @@ cdef class ProtobufPlan:
             e.repeated, e.msg = entries[i, 4], entries[i, 5]
             if not 0 <= e.kind < P_KINDS:
                 raise ValueError(f"entry {i}: unknown kind {e.kind}")
-            if e.kind == P_MESSAGE:
+            if e.field == -1 and e.msg == -1:
+                if e.repeated:
+                    raise ValueError(f"entry {i}: an entry that reads nothing is not repeated")
+            elif e.kind == P_MESSAGE:
                 if e.field != -1 or e.repeated or not 0 <= e.msg < nm:
                     raise ValueError(f"entry {i}: a message entry names a message, no field")
+            elif e.kind == P_GROUP:
+                raise ValueError(f"entry {i}: a group is not read")
             else:
                 if not 0 <= e.field < layout.nfields or e.code != self.p.codes[e.field]:
                     raise ValueError(f"entry {i}: its field or code is not the layout's")
@@ -163,6 +185,17 @@ cdef class ProtobufPlan:
                     raise ValueError(f"entry {i}: bytes go into a document of 1-byte elements")
                 if e.repeated:
                     self.p.repeated[e.field] = 1
+        for k in range(ncl):
+            i, f = cl[k, 0], cl[k, 1]
+            if not 0 <= i < ne or not 0 <= f < layout.nfields:
+                raise ValueError(f"clears row {k}: not an entry and a field")
+            e = &self.p.entries[i]
+            if e.clear_n == 0:
+                if k and i <= cl[k - 1, 0]:
+                    raise ValueError("clears must be sorted by entry")
+                e.clear_first = k
+            e.clear_n += 1
+            self.p.clear_fields[k] = <int>f
         for k in range(nm):
             self.p.msgs[k].first, self.p.msgs[k].n = msgs[k, 0], msgs[k, 1]
             if msgs[k, 0] < 0 or msgs[k, 1] < 0 or msgs[k, 0] + msgs[k, 1] > ne:
@@ -178,6 +211,7 @@ cdef class ProtobufPlan:
         free(self.p.nelem)
         free(self.p.repeated)
         free(self.p.default)
+        free(self.p.clear_fields)
 
 
 cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
@@ -248,8 +282,11 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
 
 
 cdef inline int pb_wire(int kind) noexcept nogil:
-    if kind == P_BYTES:
+    """The wire type of a field of ``kind`` (a repeated scalar's packed form aside)."""
+    if kind == P_BYTES or kind == P_MESSAGE:
         return 2
+    if kind == P_GROUP:
+        return 3
     if kind == P_FIXED32 or kind == P_SFIXED32 or kind == P_FLOAT:
         return 5
     if kind == P_FIXED64 or kind == P_SFIXED64 or kind == P_DOUBLE:
@@ -373,6 +410,17 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
     return A_OK
 
 
+cdef inline void pb_clear(PbCur* c, const PbEntry* e) noexcept nogil:
+    """Unset the fields the other members of ``e``'s oneof lead to: of a oneof,
+    protobuf keeps the member parsed last (a message member again merges)."""
+    cdef Py_ssize_t j
+    cdef int f
+    for j in range(e.clear_first, e.clear_first + e.clear_n):
+        f = c.plan.clear_fields[j]
+        c.written[f] = 0
+        c.count[f] = 0
+
+
 cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     """Read the fields of message type ``mi`` from ``c.p`` to ``end``."""
     cdef const PbMsg* m = &c.plan.msgs[mi]
@@ -404,15 +452,22 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                 hi = mid
         if lo < m.first + m.n and c.plan.entries[lo].number == number:
             e = &c.plan.entries[lo]
-        if e == NULL:
+        if e == NULL or (wt != pb_wire(e.kind) and not (wt == 2 and e.repeated)):
+            # Not in the plan; or a known field in another wire type, which
+            # protobuf keeps among the unknown fields, leaving the field unset.
             r = pb_skip(c, end, tag)
             if r:
                 return r
             continue
+        if e.clear_n:
+            pb_clear(c, e)
+        if e.field < 0 and e.msg < 0:  # a oneof member read for the line above alone
+            r = pb_skip(c, end, tag)
+            if r:
+                c.err_entry = lo
+                return r
+            continue
         if e.kind == P_MESSAGE:
-            if wt != 2:
-                c.err_entry, c.err_value = lo, wt
-                return A_WIRE
             r = pb_varint(c, end, &n)
             if r:
                 return r
@@ -427,7 +482,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             continue
         if wt == pb_wire(e.kind):
             r = pb_value(c, e, end)
-        elif wt == 2 and e.repeated:  # packed
+        else:  # a repeated scalar, packed
             r = pb_varint(c, end, &n)
             if r:
                 return r
@@ -441,9 +496,6 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                 r = pb_packed_copy(c, e, n)  # the elements as they lie: one memcpy
             while c.p < stop and r == A_OK:
                 r = pb_value(c, e, stop)
-        else:
-            c.err_value = wt
-            r = A_WIRE
         if r:
             c.err_entry = lo
             return r
@@ -778,8 +830,6 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         if b.field < 0 and b.node >= 0 and plan is not None:
             name = layout.names[plan.p.entries[b.node].field]
         return f"field {name!r}: {b.value} values do not match its shape{where}"
-    if err == A_WIRE:
-        return f"wire type {b.value} does not match the field's type{where}"
     if err == A_TAG:
         return "bad tag (field number 0, a group's end without its start, or wire type 6 or 7)"
     if err == A_TRUNCATED:

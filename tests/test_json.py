@@ -111,7 +111,7 @@ def test_bad_values_are_rejected_whole_with_a_reason():
         variant(features=[1.0] * 7 + [None]),                 # a null element
         b"[1, 2]",                                            # not an object
         b"\x00\x00\x01",                                      # a short frame
-        b'{"id": 2, "a": ' + b"[" * 200 + b"]" * 200 + b"}",  # nested too deep
+        b'{"id": 2, "a": ' + b"[" * 1000 + b"]" * 1000 + b"}",  # nested too deep
         variant(id=2),
     ]
     reasons = {1: "not JSON", 2: "truncated",
@@ -122,7 +122,7 @@ def test_bad_values_are_rejected_whole_with_a_reason():
                7: "field 'id': missing or null, and no default",
                8: "2 bytes left after the object", 9: "not an object at user",
                10: "null element at features", 11: "not JSON",
-               12: "too short for the Confluent framing", 13: "nested deeper than"}
+               12: "too short for the Confluent framing", 13: "nested deeper than 1000"}
     got, bad = decode_all(kfeed.Json().decoder(SCHEMA), SCHEMA, values, rows=4)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:
@@ -147,6 +147,116 @@ def test_keys_escaped_repeated_and_numbers_as_json_loads_reads_them():
     assert out["id"][:3].tolist() == [w["id"] for w in want]
     np.testing.assert_array_equal(out["x"][:3], np.array([w["x"] for w in want]))
     assert out["é"][:3].tolist() == [2.0, 0.0, 0.0]
+
+
+def _json_loads_verdict(value: bytes) -> dict | None:
+    try:
+        return json.loads(value)
+    except ValueError:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        return None
+
+
+def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
+    # A raw control character, a malformed escape or bytes that are not UTF-8
+    # make json.loads refuse the record, wherever the string lies: a value
+    # read, a value skipped (nested or not), a key. json.loads decodes bytes
+    # with "surrogatepass", so an encoded surrogate (ED A0 80) is taken.
+    refused = [b"a\x00b", b"\x1f", b"tab\there", b"\n", b"\\x", b"\\u12G4", b"\\U0041",
+               b"\x80", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xe2\x82", b"\xf0\x8f\xbf\xbf",
+               b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"ok\xed\xa0"]
+    taken = [b"plain", b"\x7f", b"caf\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80",
+             b"\xed\xa0\x80", b"\xf4\x8f\xbf\xbf", b"\\u00e9\\ud83d\\ude00\\n\\/", b"\\ud800"]
+    places = [b'{"id": 1, "note": "%s"}', b'{"id": 1, "%s": 0}',
+              b'{"id": 1, "x": [{"y": "%s", "z": 1}]}', b'{"id": 1, "doc": {"text": "%s"}}']
+    values = [place % text for place in places for text in refused + taken]
+    want = [_json_loads_verdict(v) for v in values]
+    assert [w is None for w in want] == [t in refused for _ in places for t in refused + taken]
+    rows = kfeed.Schema({"id": ("int64", ())})
+    got, bad = decode_all(kfeed.Json().decoder(rows), rows, values)
+    assert [i for i, _ in bad] == [i for i, w in enumerate(want) if w is None]
+    assert got["id"].tolist() == [1] * (len(values) - len(bad))
+    for i, why in bad:
+        text = refused[i % len(refused + taken)]
+        what = ("a raw control character" if min(text) < 0x20 else
+                "a malformed escape" if text.startswith(b"\\") else "invalid UTF-8")
+        assert why.startswith(what) and why.endswith("in a string"), (i, why)
+    # Read as bytes: the very bytes json.loads's string encodes to.
+    text = kfeed.Schema({"id": ("int64", ()), "text": ("uint8", (None,), {"source": "doc.text",
+                                                                          "default": []})})
+    docs = kfeed.Json().decoder(text).decode_documents(values)
+    assert [i for i, _ in docs.bad] == [i for i, _ in bad]
+    assert docs.tokens.tobytes() == b"".join(
+        w.get("doc", {}).get("text", "").encode("utf-8", "surrogatepass")
+        for w in want if w is not None)
+    # Every lead byte from 0x80, with every second byte from 0x70 and what may follow it.
+    sweep = [b'{"id": 2, "s": "' + bytes([lead, second]) + tail + b'"}'
+             for lead in range(0x80, 0x100) for second in range(0x70, 0x100)
+             for tail in (b"", b"\x80", b"\x80\xbf", b"\xbf\x80\x80", b"A")]
+    got, bad = decode_all(kfeed.Json().decoder(rows), rows, sweep, rows=len(sweep))
+    assert {i for i, _ in bad} == {i for i, v in enumerate(sweep) if _json_loads_verdict(v) is None}
+
+
+def _nested(levels: int, inner: str = "0") -> str:
+    """``inner`` inside ``levels`` objects and arrays, in turn, with members after each
+    (none deeper than ``inner``'s levels)."""
+    text = inner
+    for k in range(levels):
+        text = ('{"x": %s, "y": [1, "a"]}' if k % 2 else
+                '[%s, {"z": null}, 3]' if k else '[%s, 3]') % text
+    return text
+
+
+def test_unread_values_nested_as_deep_as_json_loads_reads_them_are_skipped():
+    # json.loads reads nesting as deep as Python's recursion limit (1000 unless
+    # raised, less its caller's frames): a record that deep is read, whatever
+    # its unread parts hold. Malformed nesting stays bad, as does nesting past 1000.
+    schema = kfeed.Schema({"id": ("int64", ()), "v": ("int32", (2,), {"source": "a.v"})})
+    record = '{"id": %d, "skip": %s, "a": {"w": %s, "v": [%d, 2]}}'
+    values = [(record % (i, _nested(n - 1), _nested(n - 2), -i)).encode()
+              for i, n in enumerate((2, 128, 129, 130, 500, 800))]
+    want = [json.loads(v) for v in values]
+    malformed = ["1: 2", '{"a" 1}', "{1: 2}", "[1,]", '{"a": 1,}', "[1 2]", '{"a": 1]', "[1}",
+                 '"\\q"']
+    for inner in malformed:
+        bad_value = (record % (9, _nested(300, inner), "0", 9)).encode()
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(bad_value)
+        values.append(bad_value)
+    values.append((record % (10, "0", _nested(998), 10)).encode())   # 1000 deep: the limit
+    values.append((record % (11, _nested(1000), "0", 11)).encode())  # 1001 deep
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    assert got["id"].tolist() == [w["id"] for w in want] + [10]
+    assert got["v"].tolist() == [w["a"]["v"] for w in want] + [[10, 2]]
+    assert [i for i, _ in bad] == list(range(len(want), len(want) + len(malformed))) + [
+        len(values) - 1]
+    assert [why for _, why in bad] == ["not JSON"] * (len(malformed) - 1) + [
+        "a malformed escape in a string", "nested deeper than 1000"]
+
+
+def _escaped(text: str) -> str:
+    """``text`` as a JSON string's inside, every character a \\u escape (a pair past U+FFFF)."""
+    units = text.encode("utf-16-be")
+    return "".join(f"\\u{units[k]:02x}{units[k + 1]:02x}" for k in range(0, len(units), 2))
+
+
+def test_escaped_keys_of_any_length_match_as_json_loads_reads_them():
+    # A key written with escapes is the name json.loads gives it, whatever its
+    # length (around 256 bytes too); one character off, or one more or fewer,
+    # is another key.
+    names = ["k" * (n - 1) + "a" for n in (1, 2, 252, 253, 254, 255, 256, 257, 300, 1000)]
+    names += ["\u00e9" * 200 + "\U0001F600", "x" * 255 + "\u00e9"]
+    schema = kfeed.Schema({name: ("int64", (), {"default": -1}) for name in names})
+    keys = []
+    for name in names:
+        keys += [_escaped(name), name[:-1] + _escaped(name[-1]), _escaped(name[:-1] + "b"),
+                 _escaped(name + "a"), _escaped(name[:-1])]
+    values = [b'{"%s": %d}' % (key.encode(), i) for i, key in enumerate(keys)]
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    assert bad == []
+    want = [json.loads(v) for v in values]
+    for name in names:
+        assert got[name].tolist() == [w.get(name, -1) for w in want], len(name)
+        assert sum(got[name] >= 0) == 2  # all escaped, or the last character only
 
 
 def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_reads_them():
@@ -204,12 +314,8 @@ def test_mutated_values_never_crash_and_read_as_json_loads_reads_them(data):
     assert res.consumed == 2 and res.rows + len(res.bad) == 2
     if res.bad and res.bad[0][0] == 0:
         return
-    # kfeed took it: json.loads must read the same values (it may refuse a
-    # string kfeed skipped, say for a raw control character in it).
-    try:
-        record = json.loads(bytes(raw))
-    except ValueError:
-        return
+    # kfeed took it: json.loads takes it too, and reads the same values.
+    record = json.loads(bytes(raw[5:] if raw[:1] == b"\x00" else raw))
     if not isinstance(record, dict):
         return
     try:

@@ -22,6 +22,7 @@ from confluent_kafka.schema_registry.protobuf import (
 )
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from records import check_packed_documents, damage, decode_all, read_columns, read_dlq
@@ -277,6 +278,126 @@ def test_proto2_defaults_groups_and_values_past_int64_read_as_protobuf_reads_the
     kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", (), {"default": 0})}))
 
 
+def _tag(number: int, wire: int) -> bytes:
+    return bytes([number << 3 | wire])
+
+
+def test_a_known_field_in_another_wire_type_reads_as_protobuf_parses_it():
+    # protobuf parses a known field sent in another wire type as an unknown
+    # field: the message parses, the field keeps what it had (unset, if
+    # nothing set it). A repeated scalar may come packed or unpacked, either
+    # way. A group's end alone, or wire type 6 or 7, fails the parse.
+    rng = np.random.default_rng(8)
+    base = Click(id=7, features=rng.standard_normal(N).astype(np.float32).tolist(), label=-3,
+                 f32=9, flag=True, user={"age": 4, "score": 1.5}).SerializeToString()
+    no_lists = Click(id=8, label=5, user={"age": 6}).SerializeToString()
+    half = np.arange(N // 2, dtype=np.float32)
+    user_age_as_fixed64 = _tag(1, 1) + bytes(8)
+    values = [
+        base + _tag(1, 5) + b"\x01\x00\x00\x00",                 # id (int64) as fixed32
+        base + _tag(1, 1) + bytes(range(8)),                     # ... as fixed64
+        base + _tag(1, 2) + b"\x02\x01\x02",                     # ... as bytes (not repeated)
+        base + _tag(1, 3) + _tag(1, 0) + b"\x05" + _tag(1, 4),    # ... as a group
+        _tag(1, 5) + b"\x01\x00\x00\x00" + base,                 # before the field itself
+        base + _tag(13, 0) + b"\x07",                            # user (a message) as varint
+        base + _tag(13, 2) + bytes([len(user_age_as_fixed64)]) + user_age_as_fixed64,
+        base + _tag(9, 0) + b"\x05",                             # f32 (fixed32) as varint
+        base + _tag(7, 5) + b"\x00\x00\x00\x00",                 # flag (bool) as fixed32
+        base + _tag(2, 0) + b"\x01",                             # features as varint
+        base + _tag(3, 5) + b"\x00\x00\x80\x3f",                 # weights (double) as float
+        # features packed and unpacked in one message; weights (unpacked) packed.
+        no_lists + _tag(2, 2) + bytes([4 * len(half)]) + half.tobytes()
+        + b"".join(_tag(2, 5) + x.tobytes() for x in half + 10)
+        + _tag(3, 2) + b"\x10" + np.array([1.5, -2.5]).tobytes(),
+        base + _tag(1, 4),                                       # a group's end alone
+        base + _tag(1, 7),                                       # wire type 7
+        base + _tag(13, 6),
+    ]
+    parsed = []
+    for v in values:
+        try:
+            parsed.append(Click.FromString(v))
+        except DecodeError:
+            parsed.append(None)
+    assert [p is None for p in parsed] == [False] * 12 + [True] * 3
+    got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(SCHEMA), SCHEMA, values)
+    want = expected([p for p in parsed if p is not None])
+    for f in SCHEMA.fields:
+        np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
+    assert got["id"].tolist() == [7] * 11 + [8]
+    assert got["features"][-1].tolist() == [*half, *(half + 10)]
+    assert bad == [(i, "bad tag (field number 0, a group's end without its start, "
+                       "or wire type 6 or 7)") for i in (12, 13, 14)]
+
+
+def _oneof_class() -> type:
+    fdp = descriptor_pb2.FileDescriptorProto(name="pick.proto", package="pick", syntax="proto3")
+    inner = fdp.message_type.add(name="Inner")
+    inner.field.add(name="x", number=1, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL)
+    inner.field.add(name="r", number=2, type=F.TYPE_INT32, label=F.LABEL_REPEATED)
+    ev = fdp.message_type.add(name="Event")
+    for name in ("choice", "pick", "_opt"):
+        ev.oneof_decl.add(name=name)
+    add = ev.field.add
+    add(name="id", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    add(name="a", number=2, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="b", number=3, type=F.TYPE_DOUBLE, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="c", number=4, type=F.TYPE_MESSAGE, type_name=".pick.Inner",
+        label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="s", number=5, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="raw", number=9, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL, oneof_index=0)
+    add(name="opt", number=6, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=2,
+        proto3_optional=True)
+    add(name="p", number=8, type=F.TYPE_SINT64, label=F.LABEL_OPTIONAL, oneof_index=1)
+    add(name="q", number=10, type=F.TYPE_FIXED32, label=F.LABEL_OPTIONAL, oneof_index=1)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("pick.Event"))
+
+
+def test_oneof_members_on_the_wire_leave_the_last_one_as_protobuf_does():
+    # Two members of one oneof in a message: protobuf keeps the one parsed
+    # last, and the others read as unset (their default), whether the schema
+    # reads the last one or not; a message member again merges into itself.
+    # A proto3 optional field is a oneof of its own, and a member in another
+    # wire type is an unknown field, which leaves the oneof as it was.
+    event = _oneof_class()
+    schema = kfeed.Schema({"id": ("int64", ()), "a": ("int32", ()),
+                           "b": ("float64", (), {"default": -1.0}),
+                           "x": ("int32", (), {"source": "c.x"}),
+                           "r": ("int32", (2,), {"source": "c.r", "default": [0, 0]}),
+                           "opt": ("int32", ()), "p": ("int64", ())})
+    cases = [
+        [{"a": 5}, {"b": 2.5}], [{"b": 2.5}, {"a": 5}],
+        [{"c": {"x": 3, "r": [1, 2]}}, {"a": 7}], [{"a": 7}, {"c": {"x": 3}}],
+        [{"c": {"x": 3}}, {"c": {"r": [1, 2]}}], [{"c": {"x": 3}}, {"a": 1}, {"c": {"r": [1, 2]}}],
+        [{"a": 5}, {"s": "hi"}], [{"a": 5}, {"raw": b"\x00"}], [{"s": "hi"}, {"b": 0.0}],
+        [{"p": -3}, {"q": 9}], [{"q": 9}, {"p": -3}], [{"opt": 4}, {"a": 1}, {"opt": 5}],
+        [{"b": 1.5}, {"a": 2}, {"b": 2.5}, {"c": {"x": 1}}, {"a": 3}],
+    ]
+    values = [b"".join(event(id=i, **piece).SerializeToString() for piece in pieces)
+              for i, pieces in enumerate(cases)]
+    values.append(event(id=99, a=5).SerializeToString() + _tag(3, 0) + b"\x01")  # b as varint
+    msgs = [event.FromString(v) for v in values]
+    assert [m.WhichOneof("choice") for m in msgs] == [
+        "b", "a", "a", "c", "c", "c", "s", "raw", "b", None, None, "a", "a", "a"]
+    got, bad = decode_all(kfeed.Protobuf(message=event).decoder(schema), schema, values)
+    assert bad == []
+    assert got["id"].tolist() == [m.id for m in msgs]
+    assert got["a"].tolist() == [m.a for m in msgs]
+    assert got["b"].tolist() == [m.b if m.HasField("b") else -1.0 for m in msgs]
+    assert got["x"].tolist() == [m.c.x for m in msgs]
+    assert got["r"].tolist() == [list(m.c.r) or [0, 0] for m in msgs]
+    assert got["opt"].tolist() == [m.opt for m in msgs]
+    assert got["p"].tolist() == [m.p for m in msgs]
+    # A member read as a document: unset by a later member, it is empty.
+    text = kfeed.Schema({"raw": ("uint8", (None,))})
+    docs = kfeed.Protobuf(message=event).decoder(text).decode_documents(
+        [event(raw=b"abc").SerializeToString() + event(a=1).SerializeToString(),
+         event(a=1).SerializeToString() + event(raw=b"xy").SerializeToString()])
+    assert not docs.bad and docs.lengths.tolist() == [0, 2] and docs.tokens.tobytes() == b"xy"
+
+
 def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
     rng = np.random.default_rng(5)
     write = ProtobufSerializer(Click, registry, CONF)
@@ -292,7 +413,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
         write(short, CTX),                          # 7 features, not 8
         write(loud, CTX),                           # 40000 in an int16
         good[0][:5] + b"\x7f" + good[0][6:],        # a message-index count of -64
-        good[0][:7] + b"\x0d\x00\x00\x80\x3f",      # field 1 (int64) sent as fixed32
+        good[0][:7] + b"\x0d\x00\x00\x80\x3f",      # id as fixed32, unknown: no features
         b"\x00\x00\x00",                            # shorter than the framing
         good[2],
     ]
@@ -300,7 +421,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
                3: "field 'features': 7 values do not match its shape",
                4: "40000 does not fit the field's dtype at user.age",
                5: "malformed message-index array",
-               6: "wire type 5 does not match the field's type at id",
+               6: "field 'features': repeated field absent, and no default",
                7: "too short for the Confluent framing"}
     got, bad = decode_all(kfeed.Protobuf(message=Click, registry=registry).decoder(SCHEMA),
                           SCHEMA, values, rows=3)

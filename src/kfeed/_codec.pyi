@@ -139,6 +139,8 @@ class ProtobufPlan:
         codes: list[int],
         defaults: list[bytes | None],
         notes: list[str],
+        varfield: int = -1,
+        clears: npt.NDArray[np.int64] | None = None,
     ) -> None: ...
 
 class JsonPlan:

@@ -18,6 +18,9 @@ arrays for more dimensions). A missing key or ``null`` takes the field's
 ``default`` or makes the record bad; so does a value of another kind. A value
 that begins with a zero byte carries the Confluent JSON Schema framing (zero
 byte, schema id), which is skipped: the JSON Schema itself is not consulted.
+Every string, read or skipped, key or value, is checked as ``json.loads``
+checks it (no raw control character, only JSON's escapes, valid UTF-8): a
+record ``json.loads`` refuses is a bad record, with the reason.
 """
 
 from __future__ import annotations

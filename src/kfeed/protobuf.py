@@ -8,10 +8,13 @@ kfeed field, by number. ``ProtobufDecoder.decode_into`` runs it over a fetch
 of values into the pool slot (Cython, no GIL, no Python object per record).
 
 Fields map to message fields by name, or by their dotted ``source`` through
-nested messages. Unknown fields are skipped. Repeated scalars, packed or
-not, fill a fixed shape exactly. Absent fields read as proto3 does: zero,
-unless the kfeed field has a ``default``; an absent repeated field takes its
-``default`` or makes the record bad. Everything about the layout is known
+nested messages. Unknown fields are skipped; so is a known field sent in a
+wire type that is not its type's, which protobuf's parser keeps among the
+unknown fields too. Of the members of a oneof, the one parsed last is kept
+and the others read as absent, as protobuf reads them. Repeated scalars,
+packed or not, fill a fixed shape exactly. Absent fields read as proto3
+does: zero, unless the kfeed field has a ``default``; an absent repeated
+field takes its ``default`` or makes the record bad. Everything about the layout is known
 from the class, so a field that cannot map is a ``ConfigError`` at once.
 
 A schema of one variable-length field (``pack=``) reads documents instead:
@@ -306,10 +309,16 @@ def _at(descriptor: Any, path: tuple[str, ...]) -> Any:
 
 
 def compile_plan(descriptor: Any, schema: Schema) -> Any:
-    """The ``_codec.ProtobufPlan`` reading ``descriptor``'s messages into ``schema``'s fields."""
+    """The ``_codec.ProtobufPlan`` reading ``descriptor``'s messages into ``schema``'s fields.
+
+    Of the members of a oneof, protobuf keeps the one parsed last: each
+    member's entry names the fields its oneof's other members lead to, which
+    the codec unsets when it reads the member (a member the schema does not
+    read gets an entry for that alone).
+    """
     layout = plan_layout(schema, "Protobuf")  # the dtypes checked first
     field_codes = codes(schema)
-    tables: list[list[tuple[int, int, int, int, int, int, str]]] = []
+    tables: list[list[tuple[int, int, int, int, int, int, str, tuple[int, ...]]]] = []
     found = defaults(schema)
 
     def table(desc: Any, targets: dict[tuple[str, ...], int], path: str) -> int:
@@ -319,6 +328,7 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
         by_first: dict[str, dict[tuple[str, ...], int]] = {}
         for rest, f in targets.items():
             by_first.setdefault(rest[0], {})[rest[1:]] = f
+        below: dict[str, set[int]] = {}  # per field name read: the kfeed fields it leads to
         for name, sub in by_first.items():
             where = f"{path}.{name}" if path else name
             fd = desc.fields_by_name.get(name)
@@ -328,6 +338,7 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
                 raise ConfigError(f"field {f.name!r}: {desc.full_name} has no field {name!r} "
                                   f"(source {f.source or f.name!r}); its fields: {known}")
             kind = _TYPES.get(fd.type, "?")
+            below[name] = set(sub.values())
             if () in sub:
                 f = sub[()]
                 rows.append((fd.number, _codec.PB_KINDS.get(kind, -1), f, field_codes[f],
@@ -343,20 +354,43 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
                                   f"not a message to read {f.source!r} from")
             rows.append((fd.number, _codec.PB_KINDS["message"], -1, 0, 0,
                          table(fd.message_type, sub, where), where))
-        tables[index] = sorted(rows)
+        clears = _oneof_clears(desc, below)
+        for fd in clears:
+            if fd.name not in below:  # a member read only to unset the others
+                rows.append((fd.number, _codec.PB_KINDS[_TYPES[fd.type]], -1, 0, 0, -1,
+                             f"{path}.{fd.name}" if path else fd.name))
+        unset = {fd.number: tuple(sorted(fields)) for fd, fields in clears.items()}
+        tables[index] = sorted((*row, unset.get(row[0], ())) for row in rows)
         return index
 
     table(descriptor, {f.path: i for i, f in enumerate(schema.fields)}, "")
-    entries, msgs, notes = [], [], []
+    entries, msgs, notes, cleared = [], [], [], []
     for rows in tables:
         msgs.append((len(entries), len(rows)))
-        for number, kind, field, code, repeated, msg, note in rows:
+        for number, kind, field, code, repeated, msg, note, clear in rows:
+            cleared += [(len(entries), f) for f in clear]
             entries.append((number, kind, field, code, repeated, msg))
             notes.append(note)
     return _codec.ProtobufPlan(layout, np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
                                found, notes, -1 if schema.varlen is None
-                               else schema.fields.index(schema.varlen))
+                               else schema.fields.index(schema.varlen),
+                               np.array(cleared, np.int64).reshape(-1, 2))
+
+
+def _oneof_clears(desc: Any, below: dict[str, set[int]]) -> dict[Any, set[int]]:
+    """Per member of a oneof of ``desc`` that the schema reads a member of: the kfeed
+    fields (of ``below``, per field name read) its oneof's other members lead to."""
+    clears: dict[Any, set[int]] = {}
+    for oneof in desc.oneofs:
+        read = [fd for fd in oneof.fields if fd.name in below]
+        if len(oneof.fields) < 2 or not read:
+            continue  # a proto3 optional field is a oneof of one: nothing to unset
+        for fd in oneof.fields:
+            fields = set().union(*(below[o.name] for o in read if o is not fd))
+            if fields:
+                clears[fd] = fields
+    return clears
 
 
 def _declared_default(field: Field, fd: Any, where: str) -> bytes:
