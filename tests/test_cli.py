@@ -592,11 +592,33 @@ def test_produce_refuses_blocks_of_another_schema_beside_a_topic_s_blocks(bootst
     assert (blocks.returncode, blocks.stderr.splitlines()) == (2, [
         f"kfeed: topic {raw} holds messages that are not kfeed blocks (the newest of partition "
         f"0): blocks written beside them would not read as one topic; write to another --topic"])
+    arrow = kfeed("produce", "--topic", topic, "--synthetic", "10", "--format", "arrow",
+                  bootstrap=bootstrap)
+    assert arrow.returncode == 2 and arrow.stderr.splitlines()[0].startswith(
+        f"kfeed: topic {topic} holds kfeed blocks (the newest of partition "), arrow.stderr
+    assert arrow.stderr.splitlines()[0].endswith(
+        "--format arrow messages written beside them would not read as one topic; write to "
+        "another --topic")
     import kfeed as kf
 
     with kf.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
                    synthetic_schema(), 64, device="cpu", until="end") as loader:
         assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(200))
+    # The committed blocks are found behind an aborted transaction of many records too
+    # (a killed ingestion's), whose records and marker end the partition.
+    tail = make_topic(partitions=1)
+    schema = kf.Schema({"id": ("int64", ())})
+    with kf.Producer({"bootstrap.servers": bootstrap}, tail, schema, block_records=1,
+                     transactional_id=f"kfeed-test-{tail}") as p:
+        with p.transaction():
+            p.send({"id": np.arange(3)})
+        with pytest.raises(RuntimeError), p.transaction():
+            p.send({"id": np.arange(3, 203)})
+            p.flush()
+            raise RuntimeError("killed")
+    other = kfeed("produce", "--topic", tail, "--synthetic", "10", bootstrap=bootstrap)
+    assert other.returncode == 2 and "holds kfeed blocks of another schema (fingerprint " \
+        f"{schema.fingerprint:#018x}, the newest of partition 0)" in other.stderr, other.stderr
 
 
 @pytest.mark.integration

@@ -82,11 +82,13 @@ def check_settings(kafka_config: Mapping[str, Any]) -> None:
 
 def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
                   ) -> dict[int, bytes | None]:
-    """The value of each partition's newest message, of the partitions that hold any.
+    """The value of each partition's newest committed message, of the partitions that hold any.
 
     Read with the connection settings alone, in no group (nothing is
-    committed), from a few offsets before the end: a transactional
-    producer's last offsets are its commit markers, which are no messages.
+    committed), read-committed, from a few offsets before the end and then,
+    where nothing was there, from further and further back: a transaction's
+    last offset is its marker, which is no message, and an aborted one (a
+    killed producer's) may end a partition with many records never seen.
     What has not come within ``timeout_s`` is left out.
     """
     from confluent_kafka import Consumer, TopicPartition
@@ -95,23 +97,30 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
                          "enable.auto.commit": False, "isolation.level": "read_committed"})
     try:
         md = consumer.list_topics(topic, timeout=timeout_s)
-        ends, starts = {}, []
+        lows, ends = {}, {}
         for p in sorted(md.topics[topic].partitions):
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p),
                                                        timeout=timeout_s)
             if high > low:
-                ends[p] = high
-                starts.append(TopicPartition(topic, p, max(low, high - 4)))
-        consumer.assign(starts)
+                lows[p], ends[p] = low, high
         got: dict[int, bytes | None] = {}
         deadline = time.monotonic() + timeout_s
+        span = 4
         while ends and time.monotonic() < deadline:
-            for msg in consumer.consume(16, timeout=0.1):
-                if msg.error() is None:
-                    got[msg.partition()] = msg.value()
-            for tp in consumer.position([TopicPartition(topic, p) for p in ends]):
-                if tp.offset >= ends[tp.partition]:
-                    del ends[tp.partition]
+            starts = {p: max(lows[p], end - span) for p, end in ends.items()}
+            consumer.assign([TopicPartition(topic, p, o) for p, o in starts.items()])
+            left = dict(ends)
+            while left and time.monotonic() < deadline:
+                for msg in consumer.consume(64, timeout=0.1):
+                    p = msg.partition()
+                    if msg.error() is None and msg.offset() < ends.get(p, 0):
+                        got[p] = msg.value()
+                for tp in consumer.position([TopicPartition(topic, p) for p in left]):
+                    if tp.offset >= left[tp.partition]:
+                        del left[tp.partition]
+            # Found, or read back to the start: done; else the span before.
+            ends = {p: starts[p] for p in ends if p not in got and starts[p] > lows[p]}
+            span *= 16
         return got
     finally:
         consumer.close()

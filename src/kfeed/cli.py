@@ -433,8 +433,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
-    """Create the topic if it is missing, and say so in one line; an existing topic
-    of kfeed blocks must hold blocks of ``schema`` (``_check_blocks``)."""
+    """Create the topic if it is missing, and say so in one line; an existing one must
+    hold messages of the same format, blocks of ``schema`` (``_check_blocks``)."""
     import kfeed
     from kfeed._kafka import check_settings
 
@@ -446,13 +446,14 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any)
         print(f"created topic {args.topic} with {partitions} partition"
               f"{'s' if partitions > 1 else ''} (replication: the brokers' default)",
               file=sys.stderr)
-    elif (args.format or "block") == "block":
+    else:
         _check_blocks(args, config, schema)
 
 
 def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
-    """Refuse to write blocks beside blocks of another schema, or beside messages that
-    are no kfeed blocks: a loader of either schema would reject the others as bad.
+    """Refuse to write blocks beside blocks of another schema or beside messages that
+    are no kfeed blocks, and messages of another format beside blocks: a loader of
+    either would reject the others as bad.
 
     Only each partition's newest messages are read (``_kafka.newest_values``).
     """
@@ -460,10 +461,19 @@ def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any)
 
     from kfeed._kafka import newest_values
 
+    fmt = args.format or "block"
     for part, value in sorted(newest_values(config, args.topic, args.connect_timeout).items()):
         if value is None:
             continue  # a tombstone says nothing of the schema
-        if value[:4] != b"KFDB" or len(value) < 32:
+        block = value[:4] == b"KFDB" and len(value) >= 32
+        if fmt != "block":
+            if block:
+                raise ConfigError(
+                    f"topic {args.topic} holds kfeed blocks (the newest of partition {part}): "
+                    f"--format {fmt} messages written beside them would not read as one "
+                    f"topic; write to another --topic")
+            continue
+        if not block:
             raise ConfigError(
                 f"topic {args.topic} holds messages that are not kfeed blocks (the newest of "
                 f"partition {part}): blocks written beside them would not read as one topic; "
