@@ -307,6 +307,33 @@ def test_casts_check_the_values(tmp_path) -> None:
         ingest.read_columns(tmp_path / "d.npz", {"x": "big"}, dtypes={"x": "uint8"})
     with pytest.raises(ConfigError, match=r"^--dtype z=int64: no field 'z' is read"):
         ingest.read_columns(tmp_path / "d.npz", {"label": "y"}, dtypes={"z": "int64"})
+    # Casts that would lose values: bools past 0 and 1, floats past the target's
+    # range, integers a float cannot hold exactly. Each one line, no numpy warning.
+    np.savez(tmp_path / "e.npz", flag=np.array([0, 1, 2]), huge=np.array([1.0, 1e300, -1e300]),
+             ids=np.array([3, 2**24 + 1, 2**53 + 1]), ok=np.array([0.0, 1.0]))
+    cases = [
+        ("flag", "bool", r"^--dtype x=bool: 'flag' of e.npz holds values 0..2, outside bool "
+                         r"\(0 or 1\)"),
+        ("huge", "float32", r"^--dtype x=float32: 'huge' of e.npz holds 2 value\(s\) past "
+                            r"float32's range \(up to 3.40282e\+38\)"),
+        ("ids", "float32", r"^--dtype x=float32: 'ids' of e.npz holds 2 value\(s\) that "
+                           r"float32 cannot hold exactly \(integers past 2\*\*24\)"),
+        ("ids", "float64", r"^--dtype x=float64: 'ids' of e.npz holds 1 value\(s\) that "
+                           r"float64 cannot hold exactly \(integers past 2\*\*53\)"),
+        ("huge", "int32", r"^--dtype x=int32: 'huge' of e.npz holds values -1e\+300..1e\+300, "
+                          r"outside int32"),
+    ]
+    import warnings
+
+    for src, cast, line in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ConfigError, match=line):
+                ingest.read_columns(tmp_path / "e.npz", {"x": src}, dtypes={"x": cast})
+    got = ingest.read_columns(tmp_path / "e.npz", {"x": "ok"}, dtypes={"x": "bool"})
+    assert got["x"].tolist() == [False, True]
+    got = ingest.read_columns(tmp_path / "e.npz", {"x": "flag"}, dtypes={"x": "float32"})
+    assert got["x"].tolist() == [0.0, 1.0, 2.0]
 
 
 # -- failures while running: exit 1, one line ---------------------------------------

@@ -317,15 +317,33 @@ def _settle(file: str, name: str, src: str, arr: np.ndarray, cast: str | None) -
         if not whole.all():
             raise ConfigError(f"--dtype {name}={cast}: {where} holds {int((~whole).sum())} value(s) "
                               f"that are not whole numbers: round them first, or keep {have.name}")
-    if target.kind in "iu" and arr.size:
-        info = np.iinfo(target)
+    if target.kind in "iub" and arr.size:
+        info = np.iinfo(target) if target.kind != "b" else np.iinfo(np.uint8)
+        top = info.max if target.kind != "b" else 1
         low, high = arr.min(), arr.max()
+        shown = f"{low:g}..{high:g}" if have.kind == "f" else f"{low}..{high}"
         if have.kind == "f":  # whole numbers (checked above): compared exactly, not as floats,
             low, high = int(low), int(high)  # where 2**63 - 1 rounds up to 2**63
-        if low < info.min or high > info.max:
-            raise ConfigError(f"--dtype {name}={cast}: {where} holds values {low}..{high}, "
-                              f"outside {cast}: pick a wider dtype")
-    return np.ascontiguousarray(arr.astype(target))
+        if low < info.min or high > top:
+            raise ConfigError(f"--dtype {name}={cast}: {where} holds values {shown}, "
+                              f"outside {cast if target.kind != 'b' else 'bool (0 or 1)'}: "
+                              f"pick a wider dtype")
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(arr.astype(target))
+    if target.kind == "f" and have.kind == "f":
+        over = np.isinf(out) & np.isfinite(arr)
+        if over.any():
+            raise ConfigError(f"--dtype {name}={cast}: {where} holds {int(over.sum())} value(s) "
+                              f"past {cast}'s range (up to {np.finfo(target).max:g}): pick a "
+                              f"wider dtype")
+    elif target.kind == "f" and have.kind in "iu":
+        with np.errstate(invalid="ignore"):
+            inexact = out.astype(have) != arr
+        if inexact.any():
+            raise ConfigError(f"--dtype {name}={cast}: {where} holds {int(inexact.sum())} "
+                              f"value(s) that {cast} cannot hold exactly (integers past "
+                              f"2**{np.finfo(target).nmant + 1}): pick a wider dtype")
+    return out
 
 
 def _described(arr: np.ndarray) -> str:
