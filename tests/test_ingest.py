@@ -701,6 +701,78 @@ def test_a_glob_s_question_mark_is_a_wildcard_and_hidden_folders_are_left_out(tm
     assert split_params("/data/x?.parquet") == ("/data/x?.parquet", "")
 
 
+def test_a_file_or_folder_named_with_glob_characters_is_read_as_it_is_named(tmp_path) -> None:
+    from kfeed.ingest import DatasetRows, is_stream
+
+    (tmp_path / "run[2024]").mkdir()
+    pq.write_table(table(np.arange(3)), tmp_path / "run[2024]" / "data[1].parquet")
+    pq.write_table(table(np.arange(3, 5)), tmp_path / "run[2024]" / "data1.parquet")
+    one = str(tmp_path / "run[2024]" / "data[1].parquet")
+    assert is_stream(one, None, False) and is_stream(str(tmp_path / "run[2024]"), None, False)
+    assert [Path(f).name for f in DatasetRows(one).files] == ["data[1].parquet"]
+    assert [Path(f).name for f in DatasetRows(str(tmp_path / "run[2024]")).files] == \
+        ["data1.parquet", "data[1].parquet"]
+    # Where no such file is, the brackets are a pattern still.
+    pq.write_table(table(np.arange(3)), tmp_path / "data7.parquet")
+    pattern = str(tmp_path / "data[0-9].parquet")
+    assert [Path(f).name for f in DatasetRows(pattern).files] == ["data7.parquet"]
+
+
+def test_a_later_file_without_a_column_is_named(tmp_path) -> None:
+    from kfeed.ingest import DatasetRows
+
+    pq.write_table(table(np.arange(3)), tmp_path / "a.parquet")
+    pq.write_table(table(np.arange(3, 5)).drop_columns(["label"]), tmp_path / "b.parquet")
+    rows = DatasetRows(str(tmp_path))
+    got = rows.batches(["features", "label", "id"])
+    assert next(got).num_rows == 3 and rows.where == "a.parquet"
+    with pytest.raises(kfeed.ConfigError, match=r"^b.parquet has no column 'label', which the "
+                                                 r"files before it have: give every file the "
+                                                 r"same columns$"):
+        next(got)
+
+
+@pytest.mark.integration
+def test_a_later_file_that_differs_is_named_in_the_run_and_in_its_resume(bootstrap, make_topic,
+                                                                         tmp_path) -> None:
+    # A list of another width in the second file: the first run sent the first
+    # file's rows; the resume must not send the second's (its first batch was unchecked).
+    topic = make_topic(partitions=1)
+    pq.write_table(table(np.arange(0, 2000)), tmp_path / "a.parquet")
+    wide = table(np.arange(2000, 2100))
+    wide = wide.set_column(0, "features", pa.FixedSizeListArray.from_arrays(
+        pa.array(np.zeros(100 * 8, np.float32)), 8))
+    pq.write_table(wide, tmp_path / "b.parquet")
+    argv = ("produce", "--topic", topic, "--from", str(tmp_path), "--transaction-mb", "0.1",
+            "--progress-every", "600")
+    done = kfeed_cli(bootstrap, *argv)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("kfeed: b.parquet: a later batch gives ") and line.endswith(
+        "(2,000 rows before it were sent and recorded: after the fix, run again with --resume "
+        "to send the rest)"), line
+    again = kfeed_cli(bootstrap, *argv, "--resume")
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines()[-1].startswith(
+        "kfeed: b.parquet: a later batch gives "), again.stderr
+    check_topic(bootstrap, topic, 2000)
+    # A file that cannot be read after some rows were sent says how many were.
+    csv = tmp_path / "csv"
+    csv.mkdir()
+    lines = ["id,label"] + [f"{i},{i % 10}" for i in range(70_000)]
+    (csv / "a.csv").write_text("\n".join(lines) + "\n")
+    (csv / "b.csv").write_text("id,label\n70000,2,5\n")  # a row of three columns
+    topic = make_topic(partitions=1)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(csv), "--field",
+                     "id=id", "--field", "label=label", "--transaction-mb", "0.1",
+                     "--progress-every", "600")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("kfeed: b.csv: ") and "3" in line and line.endswith(
+        "(65,536 rows before it were sent and recorded: after the fix, run again with --resume "
+        "to send the rest)"), line
+
+
 def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:
     # While the producer waits on the brokers, pyarrow must not read on: its
     # own read-ahead held most of a file (1.2 to 2.7 GB seen).

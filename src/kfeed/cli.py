@@ -564,9 +564,15 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                               f"{', '.join(fields)}: add --field id=COLUMN, or leave --keyed out")
         columns = sorted(set(fields.values()))
 
+        first_schema: list[Any] = []  # the first batch's, which every batch must give
+
         def read(skip: int) -> Iterator[dict[str, Any]]:
             for batch in rows.batches(columns, skip):
-                yield ingest.batch_columns(rows.name, batch, fields, dtypes, fills)
+                where = rows.where or rows.name
+                cols = ingest.batch_columns(where, batch, fields, dtypes, fills)
+                if first_schema:
+                    _same_schema(first_schema[0], cols, where)
+                yield cols
 
         batches = read(0)
         first = next(batches, None)
@@ -574,6 +580,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
             print(f"nothing to send: {rows.name} holds no rows")
             return 0
         schema = ingest.schema_for(first)
+        first_schema.append(schema)
         where = ingest.source_key(args.source)
         job = job_id(args.topic, where, args.query)
         progress = IngestProgress(config, args.topic, job, where, args.connect_timeout)
@@ -656,13 +663,11 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
 
     def following(timeout: float | None) -> Any:
         try:
-            later = batches.take(timeout)
+            return batches.take(timeout)  # (checked as read: _produce_stream's read)
         except StopIteration:
             return None
         except TimeoutError:
             return _LATER
-        _same_schema(schema, later, name)
-        return later
 
     progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
     committed = done
@@ -687,12 +692,13 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
             committed = sent
             if cols is _LATER:
                 cols = following(None)
-    except ConfigError as e:
+    except KfeedError as e:
         progress_bar.close()
         if committed == done:
-            raise  # nothing sent: a mistake in the command (exit 2)
-        # Rows before the bad one were sent: a failure while running (exit 1),
-        # and a rerun without --resume would send them again.
+            raise  # nothing sent (a ConfigError: a mistake in the command, exit 2)
+        # Rows before the bad one (a bad value, a file that cannot be read, a
+        # broker's refusal) were sent: a failure while running (exit 1), and a
+        # rerun must go on after them.
         raise KfeedError(f"{e} ({committed - done:,} rows before it were sent and recorded: "
                          f"after the fix, run again with --resume to send the rest)") from e
     except BaseException:
@@ -707,13 +713,13 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
     return 0
 
 
-def _same_schema(schema: Any, cols: dict[str, Any], name: str) -> None:
-    """Refuse a later batch that gives other fields than the first batch."""
+def _same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
+    """Refuse a later batch (of file ``where``) that gives other fields than the first."""
     from kfeed import ingest
 
     later = ingest.schema_for(cols)
     if later != schema:
-        raise ConfigError(f"{name}: a later batch gives {later} where the first gave {schema}: "
+        raise ConfigError(f"{where}: a later batch gives {later} where the first gave {schema}: "
                           f"give every file and row the same columns and list lengths")
 
 

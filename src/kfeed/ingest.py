@@ -377,7 +377,9 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
         return True
     if source is None:
         return False
-    if "://" in source or any(c in source for c in _GLOB) or Path(source).is_dir():
+    if "://" in source or Path(source).is_dir():
+        return True
+    if any(c in source for c in _GLOB) and not Path(source).exists():  # else a name with [?*
         return True
     suffix = Path(source).suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
@@ -481,7 +483,8 @@ def _hdfs(base: str, query: str) -> tuple[Any, str]:
 class Rows:
     """A source's rows, a ``pyarrow.RecordBatch`` at a time, always in the same order.
 
-    ``name`` names it in messages (a file's name, the query's database).
+    ``name`` names it in messages (a file's name, the query's database);
+    ``where`` the file the latest batch came from, where there are several.
     ``batches(columns, skip)`` reads only ``columns`` and leaves out the first
     ``skip`` rows (a resume): files wholly before them are not opened when
     their row counts are in their metadata (Parquet, Arrow), the rest are
@@ -489,6 +492,7 @@ class Rows:
     """
 
     name = ""
+    where = ""  # the file the latest batch came from (for messages), if files
     total: int | None = None
 
     def names(self) -> list[str]:
@@ -512,6 +516,8 @@ class DatasetRows(Rows):
         self.source = source
         base, params = split_params(source)
         cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
+        if cut >= 0 and "://" not in base and os.path.exists(base):
+            cut = -1  # a local file or folder whose name has [, ? or *: that one
         pattern = None
         if cut >= 0:  # a glob: list the folder before its first wildcard
             slash = base.rfind("/", 0, cut) + 1
@@ -598,6 +604,14 @@ class DatasetRows(Rows):
         options = ds.ParquetFragmentScanOptions(pre_buffer=False) \
             if self.format == "parquet" else None
         for fragment in fragments:
+            self.where = Path(fragment.path).name
+            try:
+                missing = [c for c in columns if c not in fragment.physical_schema.names]
+            except (pa.ArrowException, OSError) as e:
+                raise KfeedError(f"{self.where}: {_first_line(e)}") from None
+            if missing:
+                raise ConfigError(f"{self.where} has no column {missing[0]!r}, which the files "
+                                  f"before it have: give every file the same columns")
             try:
                 # In the file's order: a resume counts on it.
                 yield from fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
