@@ -969,7 +969,9 @@ Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
     strings, timestamps, decimals, structs, nested or ragged lists: refused, naming
     the column and its type
     nulls: refused, naming the column and their count, unless --fill FIELD=VALUE
-    --dtype FIELD=DTYPE casts a field (float -> int only when every value is whole)
+    --dtype FIELD=DTYPE casts a field, refusing any cast that would change a value
+      (a fraction or an int out of range into an int, past 0/1 into bool, past a
+      narrower float's range, an int a float cannot hold exactly)
   kfeed train reads features float32[W], label int64, id int64. A column of
   another dtype under one of those names (say list<double> features, or a float64
   label) is refused unless --dtype says what to do: --dtype features=float32 casts
