@@ -401,3 +401,31 @@ def test_the_c_reader_and_pyarrow_read_the_same_rows() -> None:
     got = runs["c"]
     where = {int(i): k for k, i in enumerate(got["id"])}
     assert got["w"][where[9000]] == -1 and got["w"][where[9001]] == 5
+
+
+def nested_m(inner_mask: list[bool], outer_mask: list[bool] | None = None) -> pa.Array:
+    """A (2, 3) float32 column of two rows as nested fixed-size lists, as pyarrow builds one."""
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(12, dtype=np.float32)), 3,
+                                              mask=pa.array(inner_mask))
+    mask = None if outer_mask is None else pa.array(outer_mask)
+    return pa.FixedSizeListArray.from_arrays(inner, 2, mask=mask)
+
+
+def test_a_null_inner_list_is_refused_unless_its_row_is_null() -> None:
+    plain = kfeed.Schema({"id": ("int64", ()), "m": ("float32", (2, 3))})
+    with_default = kfeed.Schema({"id": ("int64", ()), "m": ("float32", (2, 3), {"default": -1.0})})
+    inner_null = nested_m([False, True, False, False])  # row 0's second list: None to pyarrow
+    assert inner_null.to_pylist()[0] == [[0.0, 1.0, 2.0], None]
+    batch = pa.RecordBatch.from_arrays([pa.array([0, 1]), inner_null], names=["id", "m"])
+    for schema in (plain, with_default):  # as a null item in a row that is not null
+        res = ArrowDecoder(schema).decode_into([stream(batch)], schema.bind(schema.empty(4)), 0)
+        assert res.rows == 0 and "column 'm' has null inner lists" in res.bad[0][1]
+    with pytest.raises(kfeed.ConfigError, match="column 'm' has null inner lists"):
+        kfeed.arrowformat.table_columns(plain, pa.Table.from_batches([batch]))
+    # Under a null row, which takes the default, null inner lists are no matter.
+    row_null = nested_m([True, True, False, False], [True, False])
+    value = stream(pa.RecordBatch.from_arrays([pa.array([0, 1]), row_null], names=["id", "m"]))
+    with memory_loader([value], with_default, 8, until="end", device="cpu",
+                       format="arrow") as loader:
+        got = next(loader)["m"].tolist()
+    assert got == [[[-1.0] * 3] * 2, [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]

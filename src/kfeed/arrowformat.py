@@ -36,9 +36,11 @@ dtype, shape ``(None,)``        ``list<dtype>`` or ``large_list<dtype>``; for a
                                 uint8 field also ``binary`` or ``string``
 ==============================  ===============================================
 
-A column of another type, or missing, or with nulls (in a list's items too),
-makes the message bad, with a reason that names the column, unless the
-field has a ``default``: a null or missing value then takes it. A message is
+A column of another type, or missing, or with nulls, makes the message
+bad, with a reason that names the column, unless the field has a
+``default``: a null or missing value then takes it. A null inside a row
+that is not null (an item, or an inner list of nested fixed-size lists)
+makes it bad whatever the default. A message is
 good or bad whole: never part of it in a batch. bool columns unpack from
 bits (a copy); bfloat16 fields have no Arrow type and are refused.
 
@@ -310,20 +312,30 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
     if kind == "tensor":
         col = col.storage
     # Fixed-size lists: the items of the rows in the slice, null rows' too
-    # (each row has its k items, whatever its validity).
-    for _ in range(len(f.shape) if kind == "lists" else 1 if kind == "tensor" else 0):
+    # (each row has its k items, whatever its validity). A null at any level
+    # below the row, an inner list's or an item's, is only allowed in a null
+    # row (which takes the default): elsewhere pyarrow reads None there.
+    levels = len(f.shape) if kind == "lists" else 1 if kind == "tensor" else 0
+    for level in range(levels):
         k = col.type.list_size
         col = col.values.slice(col.offset * k, len(col) * k)
+        if level + 1 < levels and col.null_count:
+            _in_null_rows(col, n, valid, f"column {name!r} has null inner lists")
     if col.null_count:
-        # Null items: only a null row's (which takes the default) may have them.
         import pyarrow.compute as pc
 
-        ok = col.is_valid().to_numpy(zero_copy_only=False).reshape(n, -1).all(axis=1)
-        if not (ok if valid is None else ok | ~valid).all():
-            raise _Bad(f"column {name!r} has null items in its lists")
+        _in_null_rows(col, n, valid, f"column {name!r} has null items in its lists")
         col = pc.fill_null(col, _pa().scalar(0, col.type))
     values = col.to_numpy(zero_copy_only=False).reshape(n, *f.shape)
     return _filled(f, n, valid, values)
+
+
+def _in_null_rows(col: Any, n: int, valid: np.ndarray | None, reason: str) -> None:
+    """``_Bad(reason)`` unless each null of ``col``, ``n`` rows' values of one size each,
+    lies in a row that ``valid`` says is null."""
+    ok = col.is_valid().to_numpy(zero_copy_only=False).reshape(n, -1).all(axis=1)
+    if not (ok if valid is None else ok | ~valid).all():
+        raise _Bad(reason)
 
 
 def _filled(f: Field, n: int, valid: np.ndarray | None, values: Any) -> Any:
