@@ -429,3 +429,44 @@ def test_a_null_inner_list_is_refused_unless_its_row_is_null() -> None:
                        format="arrow") as loader:
         got = next(loader)["m"].tolist()
     assert got == [[[-1.0] * 3] * 2, [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
+
+
+def rewritten(value: bytes, old: tuple[int, ...], new: tuple[int, ...]) -> bytes:
+    """``value`` with the int32s ``old`` (found once in it) replaced by ``new``."""
+    was = np.array(old, "<i4").tobytes()
+    assert value.count(was) == 1
+    return value.replace(was, np.array(new, "<i4").tobytes())
+
+
+def dead_letters(values: list[bytes], schema: kfeed.Schema,
+                 **kwargs: object) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, str]]]:
+    source = kfeed.MemorySource(values)
+    with Loader(None, "memory", schema, 3, source=source, until="end", device="cpu",
+                format="arrow", **kwargs) as loader:
+        batches = [{k: t.numpy().copy() for k, t in b.items()} for b in loader]
+    return batches, sorted((m.offset(), why) for m, why in source.dead_letters)
+
+
+def test_list_and_string_offsets_out_of_order_make_the_message_bad() -> None:
+    tokens = kfeed.Schema({"tok": ("int32", (None,))})
+    text = kfeed.Schema({"id": ("int64", ()), "s": ("uint8", (None,))})
+    lists = stream(pa.RecordBatch.from_arrays(
+        [pa.array([[1, 2], [3], [4, 5, 6]], pa.list_(pa.int32()))], names=["tok"]))
+    strings = stream(pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array(["ab", "c", "def"])],
+                                                names=["id", "s"]))
+    for schema, good in ((tokens, lists), (text, strings)):
+        for offsets in ((0, 2, 1, 6), (0, 5, 3, 6), (0, -5, 3, 6)):  # pyarrow's full validation
+            bad = rewritten(good, (0, 2, 3, 6), offsets)                 # refuses each
+            with pytest.raises(pa.ArrowInvalid):
+                pa.ipc.open_stream(bad).read_all().validate(full=True)
+            batches, refused = dead_letters([good, bad, good], schema)
+            assert [o for o, _ in refused] == [1], offsets
+            assert "an invalid record batch" in refused[0][1]
+            name = schema.names[-1]
+            assert [b[f"{name}_offsets"].tolist() for b in batches] == [[0, 2, 3, 6]] * 2
+    bad = rewritten(lists, (0, 2, 3, 6), (0, 2, 1, 6))
+    batches, refused = dead_letters([lists, bad, lists], tokens,
+                                    pack=kfeed.Pack(seq_len=8, eos_id=None))
+    assert [o for o, _ in refused] == [1]
+    assert sorted(t for b in batches for t in b["tokens"].ravel().tolist() if t) == \
+        sorted([1, 2, 3, 4, 5, 6] * 2)

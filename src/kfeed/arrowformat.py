@@ -219,11 +219,27 @@ class _Plan:
             col = batch.column(path[0])
             for i in path[1:]:
                 col = _child(col, i)
+            if kind in _FULLY_VALIDATED:
+                _validate_full(f, col)
             if kind == "plain" and not col.null_count:  # most columns: a view of the buffer
                 out.append(col.to_numpy(zero_copy_only=False))
             else:
                 out.append(_values(f, col, kind, n))
         return n, out
+
+
+# Kinds of column whose offsets the fields read: ``validate()`` checks only
+# that the first and last are in range, and a row between them could have a
+# negative length.
+_FULLY_VALIDATED = frozenset({"list", "binary"})
+
+
+def _validate_full(f: Field, col: Any) -> None:
+    """``_Bad`` unless ``col`` passes pyarrow's full validation (offsets in order)."""
+    try:
+        col.validate(full=True)
+    except (_pa().ArrowException, ValueError) as e:
+        raise _Bad(f"an invalid record batch: column {'.'.join(f.path)!r}: {e}") from None
 
 
 def _locate(arrow: Any, path: tuple[str, ...]) -> tuple[tuple[int, ...], Any] | None:
