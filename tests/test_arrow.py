@@ -470,3 +470,21 @@ def test_list_and_string_offsets_out_of_order_make_the_message_bad() -> None:
     assert [o for o, _ in refused] == [1]
     assert sorted(t for b in batches for t in b["tokens"].ravel().tolist() if t) == \
         sorted([1, 2, 3, 4, 5, 6] * 2)
+
+
+def test_streams_of_several_batches_empty_or_damaged_are_read_batch_by_batch() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()), "tok": ("int32", (None,))})
+    rb = pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array([[1, 2], [3], [4, 5, 6]],
+                                                                    pa.list_(pa.int32()))],
+                                    names=["id", "tok"])
+    good = stream(rb)
+    empties = stream(rb.slice(0, 0), rb.slice(0, 0))
+    assert pa.ipc.open_stream(empties).read_all().num_rows == 0
+    halves = stream(rb.slice(0, 1), rb.slice(1))
+    past_the_end = rewritten(stream(rb, rb.slice(0, 1)), (0, 2, 3, 6), (0, 2, 3, 60))
+    batches, refused = dead_letters([good, empties, halves, past_the_end, good], schema)
+    assert [o for o, _ in refused] == [3]
+    assert "an invalid record batch" in refused[0][1]
+    assert [b["id"].tolist() for b in batches] == [[0, 1, 2]] * 3
+    assert [b["tok_offsets"].tolist() for b in batches] == [[0, 2, 3, 6]] * 3
+    assert [b["tok"].tolist() for b in batches] == [[1, 2, 3, 4, 5, 6]] * 3

@@ -430,7 +430,9 @@ class ArrowDecoder(Decoder):
             return plan.read(batches[0])
         if not batches:
             return plan.read(pa.RecordBatch.from_pylist([], schema=reader.schema))
-        return plan.read(pa.Table.from_batches(batches).combine_chunks().to_batches()[0])
+        # Each batch read and checked on its own, then joined: pyarrow's
+        # concatenation would read offsets and indices before they are checked.
+        return _joined(self.schema, [plan.read(b) for b in batches])
 
     def _plan(self, arrow: Any, key: bytes | None) -> _Plan:
         if key is not None and not _native_schema(key):
@@ -712,6 +714,23 @@ def _schema_end(value: Any) -> int:
         return 0
     end = 8 + int.from_bytes(value[4:8], "little")
     return end if end + 8 <= len(value) else 0
+
+
+def _joined(schema: Schema, parts: list[tuple[int, list[Any]]]) -> tuple[int, list[Any]]:
+    """Several record batches' ``_Plan.read`` as one's: their rows in turn."""
+    out: list[Any] = []
+    for j, f in enumerate(schema.fields):
+        if not f.variable:
+            out.append(np.concatenate([cols[j] for _n, cols in parts]))
+            continue
+        flats, lengths = [], []
+        for _n, cols in parts:
+            flat, offsets = cols[j]
+            flats.append(flat[offsets[0]:offsets[-1]])
+            lengths.append(np.diff(offsets))
+        out.append((np.concatenate(flats),
+                    np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)))
+    return sum(n for n, _cols in parts), out
 
 
 def _writable(owner: Any) -> np.ndarray:
