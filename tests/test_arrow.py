@@ -488,3 +488,19 @@ def test_streams_of_several_batches_empty_or_damaged_are_read_batch_by_batch() -
     assert [b["id"].tolist() for b in batches] == [[0, 1, 2]] * 3
     assert [b["tok_offsets"].tolist() for b in batches] == [[0, 2, 3, 6]] * 3
     assert [b["tok"].tolist() for b in batches] == [[1, 2, 3, 4, 5, 6]] * 3
+
+
+def test_a_dictionary_index_past_the_dictionary_makes_the_message_bad() -> None:
+    schema = kfeed.Schema({"p": ("int32", ())})
+    d = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0, 1], pa.int8()),
+                                       pa.array([10, 20], pa.int32()))
+    good = stream(pa.RecordBatch.from_arrays([d], names=["p"]))
+    at = good.rindex(bytes([0, 1, 0, 1]))
+    for index in (2, 99, 255):  # 255: -1 as int8
+        bad = good[:at] + bytes([0, 1, 0, index]) + good[at + 4:]
+        with pytest.raises(pa.ArrowInvalid):
+            pa.ipc.open_stream(bad).read_all().validate(full=True)
+        batches, refused = dead_letters([good, bad, good], schema)
+        assert [o for o, _ in refused] == [1], index
+        assert "an invalid record batch: column 'p'" in refused[0][1]
+        assert np.concatenate([b["p"] for b in batches]).tolist() == [10, 20, 10, 20] * 2

@@ -228,14 +228,15 @@ class _Plan:
         return n, out
 
 
-# Kinds of column whose offsets the fields read: ``validate()`` checks only
-# that the first and last are in range, and a row between them could have a
-# negative length.
-_FULLY_VALIDATED = frozenset({"list", "binary"})
+# Kinds of column whose offsets or dictionary indices the fields read:
+# ``validate()`` checks only that the first and last offsets are in range (a
+# row between them could have a negative length), and no index at all.
+_FULLY_VALIDATED = frozenset({"list", "binary", "dictionary"})
 
 
 def _validate_full(f: Field, col: Any) -> None:
-    """``_Bad`` unless ``col`` passes pyarrow's full validation (offsets in order)."""
+    """``_Bad`` unless ``col`` passes pyarrow's full validation (offsets in order,
+    indices inside the dictionary)."""
     try:
         col.validate(full=True)
     except (_pa().ArrowException, ValueError) as e:
