@@ -504,3 +504,19 @@ def test_a_dictionary_index_past_the_dictionary_makes_the_message_bad() -> None:
         assert [o for o, _ in refused] == [1], index
         assert "an invalid record batch: column 'p'" in refused[0][1]
         assert np.concatenate([b["p"] for b in batches]).tolist() == [10, 20, 10, 20] * 2
+
+
+def test_a_column_name_that_is_not_utf8_makes_the_message_bad() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()), "score": ("float64", (), {"source": "meta.score"})})
+    meta = pa.StructArray.from_arrays([pa.array([0.5, 1.5])], names=["score"])
+    good = stream(pa.RecordBatch.from_arrays([pa.array([7, 8]), meta], names=["id", "meta"]))
+    for name in (b"id", b"score"):  # a top-level column's name, and a struct field's
+        at = good.index(name)
+        bad = good[:at] + b"\xc1" + good[at + 1:]
+        with pytest.raises(UnicodeDecodeError):
+            pa.ipc.open_stream(bad).schema.names if name == b"id" else \
+                pa.ipc.open_stream(bad).schema.field(1).type.field(0).name
+        batches, refused = dead_letters([good, bad, good], schema)
+        assert [o for o, _ in refused] == [1], name
+        assert "not UTF-8" in refused[0][1]
+        assert np.concatenate([b["id"] for b in batches]).tolist() == [7, 8] * 2

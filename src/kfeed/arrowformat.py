@@ -186,6 +186,14 @@ class _Plan:
         self.arrow = arrow
         self.steps: list[tuple[Field, tuple[int, ...] | None, str]] = []
         self.reason: str | None = None
+        try:
+            self._match(schema, arrow)
+        except UnicodeDecodeError as e:  # a damaged schema message: pyarrow decodes names late
+            self.steps = []
+            self.reason = f"a name in the message's Arrow schema is not UTF-8 ({e.reason})"
+
+    def _match(self, schema: Schema, arrow: Any) -> None:
+        """Each field's column and kind into ``steps``, or why none into ``reason``."""
         for f in schema.fields:
             where = _locate(arrow, f.path)
             if where is None:
