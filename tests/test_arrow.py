@@ -520,3 +520,29 @@ def test_a_column_name_that_is_not_utf8_makes_the_message_bad() -> None:
         assert [o for o, _ in refused] == [1], name
         assert "not UTF-8" in refused[0][1]
         assert np.concatenate([b["id"] for b in batches]).tolist() == [7, 8] * 2
+
+
+def test_nulls_pyarrow_reads_under_a_null_row_or_in_a_dictionary_take_the_default() -> None:
+    schema = kfeed.Schema({"tok": ("int32", (None,), {"default": [0]}),
+                           "p": ("int64", (), {"default": -1})})
+    tok = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3], pa.int32()),
+                                   pa.array([1, None, 2], pa.int32()),
+                                   mask=pa.array([False, True, False]))  # None over [None]
+    p = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0], pa.int8()),
+                                       pa.array([5, None], pa.int64()))  # a null value
+    batch = pa.RecordBatch.from_arrays([tok, p], names=["tok", "p"])
+    assert batch.to_pydict() == {"tok": [[1], None, [2]], "p": [5, None, 5]}
+    batches, refused = dead_letters([stream(batch)], schema)
+    assert refused == []
+    assert batches[0]["tok"].tolist() == [1, 0, 2]
+    assert batches[0]["tok_offsets"].tolist() == [0, 1, 2, 3]
+    assert batches[0]["p"].tolist() == [5, -1, 5]
+    # A null item in a row that is not null, or a null without a default: bad.
+    no_default = kfeed.Schema({"p": ("int64", ())})
+    item = pa.array([[1], [None], [2]], pa.list_(pa.int32()))
+    _, refused = dead_letters([stream(pa.RecordBatch.from_arrays([item, p], names=["tok", "p"]))],
+                              schema, fail_fast=None)
+    assert "column 'tok' has null items in its lists" in refused[0][1]
+    _, refused = dead_letters([stream(pa.RecordBatch.from_arrays([p], names=["p"]))], no_default,
+                              fail_fast=None)
+    assert "column 'p' has 1 null(s) and field 'p' has no default" in refused[0][1]

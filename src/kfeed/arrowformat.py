@@ -307,15 +307,15 @@ def _kind(f: Field, typ: Any) -> str | None:
 def _values(f: Field, col: Any, kind: str, n: int) -> Any:
     """Field ``f``'s values from its column ``col`` of ``n`` rows (see ``_Plan.read``)."""
     name = ".".join(f.path)
+    if kind == "dictionary":  # first: a null in the dictionary is a null row too
+        col = col.dictionary_decode()
+        kind = "plain"
     valid = None
     if col.null_count:
         if f.default is None:
             raise _Bad(f"column {name!r} has {col.null_count} null(s) and field {f.name!r} "
                        f"has no default")
         valid = col.is_valid().to_numpy(zero_copy_only=False)
-    if kind == "dictionary":
-        col = col.dictionary_decode()
-        kind = "plain"
     if kind in ("list", "binary"):
         if kind == "list":
             # The offsets index the whole child array; a null list's range is
@@ -323,7 +323,14 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
             offsets = col.offsets.to_numpy()
             items = col.values.slice(offsets[0], offsets[-1] - offsets[0])
             if items.null_count:
-                raise _Bad(f"column {name!r} has null items in its lists")
+                # Only a null row's range, which is never read, may hold them.
+                import pyarrow.compute as pc
+
+                read = (np.repeat(valid, np.diff(offsets)) if valid is not None
+                        else np.ones(len(items), np.bool_))
+                if (read & ~items.is_valid().to_numpy(zero_copy_only=False)).any():
+                    raise _Bad(f"column {name!r} has null items in its lists")
+                items = pc.fill_null(items, _pa().scalar(0, items.type))
             flat = items.to_numpy(zero_copy_only=False)
             offsets = offsets - offsets[0]
         else:
