@@ -401,3 +401,148 @@ def test_the_c_reader_and_pyarrow_read_the_same_rows() -> None:
     got = runs["c"]
     where = {int(i): k for k, i in enumerate(got["id"])}
     assert got["w"][where[9000]] == -1 and got["w"][where[9001]] == 5
+
+
+def nested_m(inner_mask: list[bool], outer_mask: list[bool] | None = None) -> pa.Array:
+    """A (2, 3) float32 column of two rows as nested fixed-size lists, as pyarrow builds one."""
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(12, dtype=np.float32)), 3,
+                                              mask=pa.array(inner_mask))
+    mask = None if outer_mask is None else pa.array(outer_mask)
+    return pa.FixedSizeListArray.from_arrays(inner, 2, mask=mask)
+
+
+def test_a_null_inner_list_is_refused_unless_its_row_is_null() -> None:
+    plain = kfeed.Schema({"id": ("int64", ()), "m": ("float32", (2, 3))})
+    with_default = kfeed.Schema({"id": ("int64", ()), "m": ("float32", (2, 3), {"default": -1.0})})
+    inner_null = nested_m([False, True, False, False])  # row 0's second list: None to pyarrow
+    assert inner_null.to_pylist()[0] == [[0.0, 1.0, 2.0], None]
+    batch = pa.RecordBatch.from_arrays([pa.array([0, 1]), inner_null], names=["id", "m"])
+    for schema in (plain, with_default):  # as a null item in a row that is not null
+        res = ArrowDecoder(schema).decode_into([stream(batch)], schema.bind(schema.empty(4)), 0)
+        assert res.rows == 0 and "column 'm' has null inner lists" in res.bad[0][1]
+    with pytest.raises(kfeed.ConfigError, match="column 'm' has null inner lists"):
+        kfeed.arrowformat.table_columns(plain, pa.Table.from_batches([batch]))
+    # Under a null row, which takes the default, null inner lists are no matter.
+    row_null = nested_m([True, True, False, False], [True, False])
+    value = stream(pa.RecordBatch.from_arrays([pa.array([0, 1]), row_null], names=["id", "m"]))
+    with memory_loader([value], with_default, 8, until="end", device="cpu",
+                       format="arrow") as loader:
+        got = next(loader)["m"].tolist()
+    assert got == [[[-1.0] * 3] * 2, [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
+
+
+def rewritten(value: bytes, old: tuple[int, ...], new: tuple[int, ...]) -> bytes:
+    """``value`` with the int32s ``old`` (found once in it) replaced by ``new``."""
+    was = np.array(old, "<i4").tobytes()
+    assert value.count(was) == 1
+    return value.replace(was, np.array(new, "<i4").tobytes())
+
+
+def dead_letters(values: list[bytes], schema: kfeed.Schema,
+                 **kwargs: object) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, str]]]:
+    source = kfeed.MemorySource(values)
+    with Loader(None, "memory", schema, 3, source=source, until="end", device="cpu",
+                format="arrow", **kwargs) as loader:
+        batches = [{k: t.numpy().copy() for k, t in b.items()} for b in loader]
+    return batches, sorted((m.offset(), why) for m, why in source.dead_letters)
+
+
+def test_list_and_string_offsets_out_of_order_make_the_message_bad() -> None:
+    tokens = kfeed.Schema({"tok": ("int32", (None,))})
+    text = kfeed.Schema({"id": ("int64", ()), "s": ("uint8", (None,))})
+    lists = stream(pa.RecordBatch.from_arrays(
+        [pa.array([[1, 2], [3], [4, 5, 6]], pa.list_(pa.int32()))], names=["tok"]))
+    strings = stream(pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array(["ab", "c", "def"])],
+                                                names=["id", "s"]))
+    for schema, good in ((tokens, lists), (text, strings)):
+        for offsets in ((0, 2, 1, 6), (0, 5, 3, 6), (0, -5, 3, 6)):  # pyarrow's full validation
+            bad = rewritten(good, (0, 2, 3, 6), offsets)                 # refuses each
+            with pytest.raises(pa.ArrowInvalid):
+                pa.ipc.open_stream(bad).read_all().validate(full=True)
+            batches, refused = dead_letters([good, bad, good], schema)
+            assert [o for o, _ in refused] == [1], offsets
+            assert "an invalid record batch" in refused[0][1]
+            name = schema.names[-1]
+            assert [b[f"{name}_offsets"].tolist() for b in batches] == [[0, 2, 3, 6]] * 2
+    bad = rewritten(lists, (0, 2, 3, 6), (0, 2, 1, 6))
+    batches, refused = dead_letters([lists, bad, lists], tokens,
+                                    pack=kfeed.Pack(seq_len=8, eos_id=None))
+    assert [o for o, _ in refused] == [1]
+    assert sorted(t for b in batches for t in b["tokens"].ravel().tolist() if t) == \
+        sorted([1, 2, 3, 4, 5, 6] * 2)
+
+
+def test_streams_of_several_batches_empty_or_damaged_are_read_batch_by_batch() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()), "tok": ("int32", (None,))})
+    rb = pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array([[1, 2], [3], [4, 5, 6]],
+                                                                    pa.list_(pa.int32()))],
+                                    names=["id", "tok"])
+    good = stream(rb)
+    empties = stream(rb.slice(0, 0), rb.slice(0, 0))
+    assert pa.ipc.open_stream(empties).read_all().num_rows == 0
+    halves = stream(rb.slice(0, 1), rb.slice(1))
+    past_the_end = rewritten(stream(rb, rb.slice(0, 1)), (0, 2, 3, 6), (0, 2, 3, 60))
+    batches, refused = dead_letters([good, empties, halves, past_the_end, good], schema)
+    assert [o for o, _ in refused] == [3]
+    assert "an invalid record batch" in refused[0][1]
+    assert [b["id"].tolist() for b in batches] == [[0, 1, 2]] * 3
+    assert [b["tok_offsets"].tolist() for b in batches] == [[0, 2, 3, 6]] * 3
+    assert [b["tok"].tolist() for b in batches] == [[1, 2, 3, 4, 5, 6]] * 3
+
+
+def test_a_dictionary_index_past_the_dictionary_makes_the_message_bad() -> None:
+    schema = kfeed.Schema({"p": ("int32", ())})
+    d = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0, 1], pa.int8()),
+                                       pa.array([10, 20], pa.int32()))
+    good = stream(pa.RecordBatch.from_arrays([d], names=["p"]))
+    at = good.rindex(bytes([0, 1, 0, 1]))
+    for index in (2, 99, 255):  # 255: -1 as int8
+        bad = good[:at] + bytes([0, 1, 0, index]) + good[at + 4:]
+        with pytest.raises(pa.ArrowInvalid):
+            pa.ipc.open_stream(bad).read_all().validate(full=True)
+        batches, refused = dead_letters([good, bad, good], schema)
+        assert [o for o, _ in refused] == [1], index
+        assert "an invalid record batch: column 'p'" in refused[0][1]
+        assert np.concatenate([b["p"] for b in batches]).tolist() == [10, 20, 10, 20] * 2
+
+
+def test_a_column_name_that_is_not_utf8_makes_the_message_bad() -> None:
+    schema = kfeed.Schema({"id": ("int64", ()), "score": ("float64", (), {"source": "meta.score"})})
+    meta = pa.StructArray.from_arrays([pa.array([0.5, 1.5])], names=["score"])
+    good = stream(pa.RecordBatch.from_arrays([pa.array([7, 8]), meta], names=["id", "meta"]))
+    for name in (b"id", b"score"):  # a top-level column's name, and a struct field's
+        at = good.index(name)
+        bad = good[:at] + b"\xc1" + good[at + 1:]
+        with pytest.raises(UnicodeDecodeError):
+            pa.ipc.open_stream(bad).schema.names if name == b"id" else \
+                pa.ipc.open_stream(bad).schema.field(1).type.field(0).name
+        batches, refused = dead_letters([good, bad, good], schema)
+        assert [o for o, _ in refused] == [1], name
+        assert "not UTF-8" in refused[0][1]
+        assert np.concatenate([b["id"] for b in batches]).tolist() == [7, 8] * 2
+
+
+def test_nulls_pyarrow_reads_under_a_null_row_or_in_a_dictionary_take_the_default() -> None:
+    schema = kfeed.Schema({"tok": ("int32", (None,), {"default": [0]}),
+                           "p": ("int64", (), {"default": -1})})
+    tok = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3], pa.int32()),
+                                   pa.array([1, None, 2], pa.int32()),
+                                   mask=pa.array([False, True, False]))  # None over [None]
+    p = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0], pa.int8()),
+                                       pa.array([5, None], pa.int64()))  # a null value
+    batch = pa.RecordBatch.from_arrays([tok, p], names=["tok", "p"])
+    assert batch.to_pydict() == {"tok": [[1], None, [2]], "p": [5, None, 5]}
+    batches, refused = dead_letters([stream(batch)], schema)
+    assert refused == []
+    assert batches[0]["tok"].tolist() == [1, 0, 2]
+    assert batches[0]["tok_offsets"].tolist() == [0, 1, 2, 3]
+    assert batches[0]["p"].tolist() == [5, -1, 5]
+    # A null item in a row that is not null, or a null without a default: bad.
+    no_default = kfeed.Schema({"p": ("int64", ())})
+    item = pa.array([[1], [None], [2]], pa.list_(pa.int32()))
+    _, refused = dead_letters([stream(pa.RecordBatch.from_arrays([item, p], names=["tok", "p"]))],
+                              schema, fail_fast=None)
+    assert "column 'tok' has null items in its lists" in refused[0][1]
+    _, refused = dead_letters([stream(pa.RecordBatch.from_arrays([p], names=["p"]))], no_default,
+                              fail_fast=None)
+    assert "column 'p' has 1 null(s) and field 'p' has no default" in refused[0][1]

@@ -35,7 +35,10 @@ The decoders of formats others write (``kfeed.Avro``, ``kfeed.Protobuf``,
 rewritten, cut, grown, long varints, deep nesting), placed against guard
 pages, into sentinel rows; each value kfeed takes must read as fastavro,
 protobuf or ``json.loads`` read it, and a rejected one may have begun only the
-row after the last good one.
+row after the last good one. Arrow messages (``kfeed.Arrow``) are too, those
+of the C reader and those it leaves to pyarrow (dictionaries, strings, lists,
+nulls), with their list offsets and dictionary indices rewritten as well: each
+one kfeed takes passes pyarrow's full validation and reads as pyarrow reads it.
 
 Kafka message headers are not fuzzed: no kfeed API reads them. The producer
 writes ``kfeed.fingerprint`` and ``kfeed.format`` for tools; decoding takes
@@ -1534,6 +1537,129 @@ def test_arrow_values_decode_as_pyarrow_reads_them_and_write_nowhere_else(data):
         row += n
     assert row == res.rows
     rows_untouched(whole, before, res, capacity, GUARD_ROWS)
+
+
+# Messages the C reader leaves to pyarrow: a dictionary column (with a null in
+# its dictionary), fixed-size lists with null rows, and strings, binaries or
+# lists into a jagged field, one or two record batches, with their offsets and
+# dictionary indices rewritten as well as their bytes.
+ARROW_NULLS = Schema({"p": ("int32", (), {"default": -1}),
+                      "w": ("float32", (2,), {"default": 0.5}),
+                      "s": ("uint8", (None,), {"default": [63]})})
+ARROW_DICTIONARY = [10, None, 30, 40]
+
+
+def arrow_nulls_value(data: st.DataObject) -> bytes:
+    import pyarrow as pa
+
+    n = data.draw(st.integers(0, 6))
+    idx = data.draw(st.lists(st.none() | st.integers(0, 3), min_size=n, max_size=n))
+    p = pa.DictionaryArray.from_arrays(pa.array(idx, pa.int8()),
+                                       pa.array(ARROW_DICTIONARY, pa.int32()))
+    w = pa.FixedSizeListArray.from_arrays(
+        pa.array(np.arange(2 * n, dtype=np.float32)), 2,
+        mask=pa.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), pa.bool_()))
+    rows = data.draw(st.lists(st.none() | st.lists(st.integers(1, 127), max_size=5),
+                              min_size=n, max_size=n))
+    kind = data.draw(st.sampled_from(["string", "binary", "list"]))
+    if kind == "list":
+        col = pa.array(rows, pa.list_(pa.uint8()))
+    elif kind == "binary":
+        col = pa.array([None if r is None else bytes(r) for r in rows], pa.binary())
+    else:
+        col = pa.array([None if r is None else bytes(r).decode() for r in rows], pa.string())
+    batch = pa.RecordBatch.from_arrays([p, w, col], names=["p", "w", "s"])
+    cut = data.draw(st.integers(0, n)) if data.draw(st.booleans()) else None
+    parts = [batch] if cut is None else [batch.slice(0, cut), batch.slice(cut)]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        for part in parts:
+            writer.write_batch(part)
+    return sink.getvalue().to_pybytes()
+
+
+def arrow_offsets_and_indices(raw: bytes) -> list[tuple[int, int, str]]:
+    """Where ``raw``'s offsets and dictionary indices lie: (start, count, struct format)."""
+    import pyarrow as pa
+
+    src = pa.py_buffer(raw)
+    found = []
+    for batch in pa.ipc.open_stream(src):
+        n = batch.num_rows
+        for col, buf, fmt, count in ((batch.column(0), 1, "<b", n), (batch.column(2), 1, "<i", n + 1)):
+            b = col.buffers()[buf]
+            if b is not None and b.size and 0 <= b.address - src.address < len(raw):
+                found.append((b.address - src.address + col.offset * struct.calcsize(fmt),
+                              count, fmt))
+    return found
+
+
+def arrow_nulls_oracle(raw: bytes) -> tuple[dict[str, list] | None, str]:
+    """Each field's values as pyarrow reads them (defaults for nulls), or None and why not."""
+    import pyarrow as pa
+
+    try:
+        table = pa.ipc.open_stream(raw).read_all()
+        table.validate(full=True)
+        if table.schema.names != ["p", "w", "s"]:
+            return None, f"columns {table.schema.names}"
+        cols = table.to_pydict()
+    except (pa.ArrowException, OSError, ValueError, UnicodeDecodeError) as e:
+        return None, str(e)
+    if not pa.types.is_int32(table.schema.field("p").type.value_type):
+        return None, "p is not int32"
+    if any(w is not None and None in w for w in cols["w"]):
+        return None, "a null item in a row that is not null"
+    if any(s is not None and not isinstance(s, (str, bytes)) and None in s for s in cols["s"]):
+        return None, "a null item in a row that is not null"
+    return {"p": [-1 if v is None else v for v in cols["p"]],
+            "w": [[0.5, 0.5] if v is None else v for v in cols["w"]],
+            "s": [[63] if v is None else list(v.encode() if isinstance(v, str) else v)
+                  for v in cols["s"]]}, ""
+
+
+@PROPERTY
+@given(data=st.data())
+def test_arrow_messages_pyarrow_reads_follow_it_damaged_offsets_and_indices_too(data):
+    from kfeed.arrowformat import ArrowDecoder
+
+    oracle, at_end = [], []
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw = bytearray(arrow_nulls_value(data))
+        how = data.draw(st.sampled_from(["offset or index", "bytes", "none"]))
+        places = arrow_offsets_and_indices(bytes(raw))
+        if how == "offset or index" and places:
+            start, count, fmt = data.draw(st.sampled_from(places))
+            at = start + struct.calcsize(fmt) * data.draw(st.integers(0, max(count - 1, 0)))
+            old = struct.unpack_from(fmt, raw, at)[0]
+            lo, hi = (-128, 127) if fmt == "<b" else (-2**31, 2**31 - 1)
+            new = data.draw(st.sampled_from([old - 1, old + 1, 0, -1, 4, hi]) | st.integers(lo, hi))
+            struct.pack_into(fmt, raw, at, max(lo, min(hi, new)))
+        elif how == "bytes":
+            raw = damage(data, raw, [0, 1, 2, 0x7F, 0x80, 0xFF], [b"\xff\xff\xff\xff", b"\x00" * 8],
+                         rounds=(1, 3))
+        oracle.append(bytes(raw))
+        at_end.append(data.draw(st.booleans()))
+    values = [guarded_bytes(raw, at_end=end) for raw, end in zip(oracle, at_end, strict=True)]
+    docs = ArrowDecoder(ARROW_NULLS).decode_documents(values)
+    bad = {i for i, _ in docs.bad}
+    assert len(docs.counts) == len(values) and docs.lengths.sum() == len(docs.tokens)
+    row = start = 0
+    for i, raw in enumerate(oracle):
+        if i in bad:
+            continue
+        want, why = arrow_nulls_oracle(raw)
+        assert want is not None, f"value {i}: kfeed took what pyarrow refuses: {why}"
+        n = int(docs.counts[i])
+        assert n == len(want["p"])
+        assert docs.columns["p"][row:row + n].tolist() == want["p"]
+        assert docs.columns["w"][row:row + n].tolist() == want["w"]
+        for k in range(n):
+            length = int(docs.lengths[row + k])
+            assert docs.tokens[start:start + length].tolist() == want["s"][k]
+            start += length
+        row += n
+    assert row == len(docs.lengths)
 
 
 TOKENS_AT = Schema({"tokens": ("int16", (None,), {"source": "doc.ids"})})

@@ -36,9 +36,11 @@ dtype, shape ``(None,)``        ``list<dtype>`` or ``large_list<dtype>``; for a
                                 uint8 field also ``binary`` or ``string``
 ==============================  ===============================================
 
-A column of another type, or missing, or with nulls (in a list's items too),
-makes the message bad, with a reason that names the column, unless the
-field has a ``default``: a null or missing value then takes it. A message is
+A column of another type, or missing, or with nulls, makes the message
+bad, with a reason that names the column, unless the field has a
+``default``: a null or missing value then takes it. A null inside a row
+that is not null (an item, or an inner list of nested fixed-size lists)
+makes it bad whatever the default. A message is
 good or bad whole: never part of it in a batch. bool columns unpack from
 bits (a copy); bfloat16 fields have no Arrow type and are refused.
 
@@ -184,6 +186,14 @@ class _Plan:
         self.arrow = arrow
         self.steps: list[tuple[Field, tuple[int, ...] | None, str]] = []
         self.reason: str | None = None
+        try:
+            self._match(schema, arrow)
+        except UnicodeDecodeError as e:  # a damaged schema message: pyarrow decodes names late
+            self.steps = []
+            self.reason = f"a name in the message's Arrow schema is not UTF-8 ({e.reason})"
+
+    def _match(self, schema: Schema, arrow: Any) -> None:
+        """Each field's column and kind into ``steps``, or why none into ``reason``."""
         for f in schema.fields:
             where = _locate(arrow, f.path)
             if where is None:
@@ -217,11 +227,28 @@ class _Plan:
             col = batch.column(path[0])
             for i in path[1:]:
                 col = _child(col, i)
+            if kind in _FULLY_VALIDATED:
+                _validate_full(f, col)
             if kind == "plain" and not col.null_count:  # most columns: a view of the buffer
                 out.append(col.to_numpy(zero_copy_only=False))
             else:
                 out.append(_values(f, col, kind, n))
         return n, out
+
+
+# Kinds of column whose offsets or dictionary indices the fields read:
+# ``validate()`` checks only that the first and last offsets are in range (a
+# row between them could have a negative length), and no index at all.
+_FULLY_VALIDATED = frozenset({"list", "binary", "dictionary"})
+
+
+def _validate_full(f: Field, col: Any) -> None:
+    """``_Bad`` unless ``col`` passes pyarrow's full validation (offsets in order,
+    indices inside the dictionary)."""
+    try:
+        col.validate(full=True)
+    except (_pa().ArrowException, ValueError) as e:
+        raise _Bad(f"an invalid record batch: column {'.'.join(f.path)!r}: {e}") from None
 
 
 def _locate(arrow: Any, path: tuple[str, ...]) -> tuple[tuple[int, ...], Any] | None:
@@ -280,15 +307,15 @@ def _kind(f: Field, typ: Any) -> str | None:
 def _values(f: Field, col: Any, kind: str, n: int) -> Any:
     """Field ``f``'s values from its column ``col`` of ``n`` rows (see ``_Plan.read``)."""
     name = ".".join(f.path)
+    if kind == "dictionary":  # first: a null in the dictionary is a null row too
+        col = col.dictionary_decode()
+        kind = "plain"
     valid = None
     if col.null_count:
         if f.default is None:
             raise _Bad(f"column {name!r} has {col.null_count} null(s) and field {f.name!r} "
                        f"has no default")
         valid = col.is_valid().to_numpy(zero_copy_only=False)
-    if kind == "dictionary":
-        col = col.dictionary_decode()
-        kind = "plain"
     if kind in ("list", "binary"):
         if kind == "list":
             # The offsets index the whole child array; a null list's range is
@@ -296,7 +323,14 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
             offsets = col.offsets.to_numpy()
             items = col.values.slice(offsets[0], offsets[-1] - offsets[0])
             if items.null_count:
-                raise _Bad(f"column {name!r} has null items in its lists")
+                # Only a null row's range, which is never read, may hold them.
+                import pyarrow.compute as pc
+
+                read = (np.repeat(valid, np.diff(offsets)) if valid is not None
+                        else np.ones(len(items), np.bool_))
+                if (read & ~items.is_valid().to_numpy(zero_copy_only=False)).any():
+                    raise _Bad(f"column {name!r} has null items in its lists")
+                items = pc.fill_null(items, _pa().scalar(0, items.type))
             flat = items.to_numpy(zero_copy_only=False)
             offsets = offsets - offsets[0]
         else:
@@ -310,20 +344,30 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
     if kind == "tensor":
         col = col.storage
     # Fixed-size lists: the items of the rows in the slice, null rows' too
-    # (each row has its k items, whatever its validity).
-    for _ in range(len(f.shape) if kind == "lists" else 1 if kind == "tensor" else 0):
+    # (each row has its k items, whatever its validity). A null at any level
+    # below the row, an inner list's or an item's, is only allowed in a null
+    # row (which takes the default): elsewhere pyarrow reads None there.
+    levels = len(f.shape) if kind == "lists" else 1 if kind == "tensor" else 0
+    for level in range(levels):
         k = col.type.list_size
         col = col.values.slice(col.offset * k, len(col) * k)
+        if level + 1 < levels and col.null_count:
+            _in_null_rows(col, n, valid, f"column {name!r} has null inner lists")
     if col.null_count:
-        # Null items: only a null row's (which takes the default) may have them.
         import pyarrow.compute as pc
 
-        ok = col.is_valid().to_numpy(zero_copy_only=False).reshape(n, -1).all(axis=1)
-        if not (ok if valid is None else ok | ~valid).all():
-            raise _Bad(f"column {name!r} has null items in its lists")
+        _in_null_rows(col, n, valid, f"column {name!r} has null items in its lists")
         col = pc.fill_null(col, _pa().scalar(0, col.type))
     values = col.to_numpy(zero_copy_only=False).reshape(n, *f.shape)
     return _filled(f, n, valid, values)
+
+
+def _in_null_rows(col: Any, n: int, valid: np.ndarray | None, reason: str) -> None:
+    """``_Bad(reason)`` unless each null of ``col``, ``n`` rows' values of one size each,
+    lies in a row that ``valid`` says is null."""
+    ok = col.is_valid().to_numpy(zero_copy_only=False).reshape(n, -1).all(axis=1)
+    if not (ok if valid is None else ok | ~valid).all():
+        raise _Bad(reason)
 
 
 def _filled(f: Field, n: int, valid: np.ndarray | None, values: Any) -> Any:
@@ -402,7 +446,9 @@ class ArrowDecoder(Decoder):
             return plan.read(batches[0])
         if not batches:
             return plan.read(pa.RecordBatch.from_pylist([], schema=reader.schema))
-        return plan.read(pa.Table.from_batches(batches).combine_chunks().to_batches()[0])
+        # Each batch read and checked on its own, then joined: pyarrow's
+        # concatenation would read offsets and indices before they are checked.
+        return _joined(self.schema, [plan.read(b) for b in batches])
 
     def _plan(self, arrow: Any, key: bytes | None) -> _Plan:
         if key is not None and not _native_schema(key):
@@ -684,6 +730,23 @@ def _schema_end(value: Any) -> int:
         return 0
     end = 8 + int.from_bytes(value[4:8], "little")
     return end if end + 8 <= len(value) else 0
+
+
+def _joined(schema: Schema, parts: list[tuple[int, list[Any]]]) -> tuple[int, list[Any]]:
+    """Several record batches' ``_Plan.read`` as one's: their rows in turn."""
+    out: list[Any] = []
+    for j, f in enumerate(schema.fields):
+        if not f.variable:
+            out.append(np.concatenate([cols[j] for _n, cols in parts]))
+            continue
+        flats, lengths = [], []
+        for _n, cols in parts:
+            flat, offsets = cols[j]
+            flats.append(flat[offsets[0]:offsets[-1]])
+            lengths.append(np.diff(offsets))
+        out.append((np.concatenate(flats),
+                    np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)))
+    return sum(n for n, _cols in parts), out
 
 
 def _writable(owner: Any) -> np.ndarray:
