@@ -321,9 +321,10 @@ def _settle(file: str, name: str, src: str, arr: np.ndarray, cast: str | None) -
         info = np.iinfo(target) if target.kind != "b" else np.iinfo(np.uint8)
         top = info.max if target.kind != "b" else 1
         low, high = arr.min(), arr.max()
-        shown = f"{low:g}..{high:g}" if have.kind == "f" else f"{low}..{high}"
         if have.kind == "f":  # whole numbers (checked above): compared exactly, not as floats,
             low, high = int(low), int(high)  # where 2**63 - 1 rounds up to 2**63
+        # (past 20 digits, as a float: not a 300-digit integer)
+        shown = "..".join(f"{v:.6g}" if abs(v) >= 10**20 else str(v) for v in (low, high))
         if low < info.min or high > top:
             raise ConfigError(f"--dtype {name}={cast}: {where} holds values {shown}, "
                               f"outside {cast if target.kind != 'b' else 'bool (0 or 1)'}: "
