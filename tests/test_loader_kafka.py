@@ -8,7 +8,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
