@@ -338,10 +338,14 @@ def test_a_taken_port_among_the_ephemeral_ones_says_why_it_may_be_taken() -> Non
     base = cluster.free_port_base(1, low + 5000)
     assert low <= base <= high
     with socket.socket() as holder:
-        holder.bind(("127.0.0.1", base))
-        holder.listen()
+        holder.bind(("127.0.0.1", base))  # bound, not listening: as a connection's local end
         with pytest.raises(ClusterError) as e:
             _tool._check_ports(Layout(nodes=1, port=base, cluster_id=""), [1])
+        holder.listen()  # a server there (another cluster, say): no such guess
+        with pytest.raises(ClusterError) as served:
+            _tool._check_ports(Layout(nodes=1, port=base, cluster_id=""), [1])
+    assert str(served.value) == (f"port {base} (broker of node 1) is already in use on "
+                                 f"127.0.0.1: free it or choose another base port (--port)")
     assert str(e.value) == (
         f"port {base} (broker of node 1) is already in use on 127.0.0.1: free it or choose "
         f"another base port (--port) (ports {low}-{high} are also the local ends of outgoing "

@@ -501,11 +501,18 @@ def _check_ports(layout: Layout, node_ids: Iterable[int]) -> None:
             low, high = _ephemeral_ports()
             why = (f" (ports {low}-{high} are also the local ends of outgoing connections, "
                    f"so one can hold it while its node is down: a base port below {low} "
-                   f"avoids that)" if low <= port <= high else "")
+                   f"avoids that)" if low <= port <= high and not _listening(port) else "")
             raise ClusterError(
                 f"port {port} ({role} of node {node_id}) is already in use on {HOST}: "
                 f"free it or choose another base port (--port){why}"
             )
+
+
+def _listening(port: int) -> bool:
+    """Whether a server takes connections on ``port`` (another cluster, say)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((HOST, port)) == 0
 
 
 def _ephemeral_ports() -> tuple[int, int]:
