@@ -89,12 +89,16 @@ def _header(msg: Any, name: str) -> bytes | None:
     return None
 
 
+def block_fingerprint(value: Any) -> int | None:
+    """The schema fingerprint in a kfeed block's header, or None for no block."""
+    if value is not None and len(value) >= 24 and bytes(value[:4]) == _MAGIC:
+        return int.from_bytes(bytes(value[16:24]), "little")
+    return None
+
+
 def _written_with(msg: Any) -> str:
     """What the producer of ``msg`` says its schema was, when it says it truthfully."""
-    value = msg.value()
-    found = None
-    if value is not None and len(value) >= 24 and bytes(value[:4]) == _MAGIC:
-        found = int.from_bytes(bytes(value[16:24]), "little")
+    found = block_fingerprint(msg.value())
     text = _header(msg, SCHEMA_HEADER)
     if text is not None:
         try:

@@ -457,15 +457,15 @@ def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any)
 
     Only each partition's newest messages are read (``_kafka.newest_values``).
     """
-    import struct
-
     from kfeed._kafka import newest_values
+    from kfeed.badrecords import block_fingerprint
 
     fmt = args.format or "block"
     for part, value in sorted(newest_values(config, args.topic, args.connect_timeout).items()):
         if value is None:
             continue  # a tombstone says nothing of the schema
-        block = value[:4] == b"KFDB" and len(value) >= 32
+        fingerprint = block_fingerprint(value)
+        block = fingerprint is not None and len(value) >= 32
         if fmt != "block":
             if block:
                 raise ConfigError(
@@ -478,7 +478,6 @@ def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any)
                 f"topic {args.topic} holds messages that are not kfeed blocks (the newest of "
                 f"partition {part}): blocks written beside them would not read as one topic; "
                 f"write to another --topic")
-        fingerprint = struct.unpack_from("<Q", value, 16)[0]
         if fingerprint != schema.fingerprint:
             fields = ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in schema.fields)
             raise ConfigError(
