@@ -879,6 +879,10 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
             c.doc.start, c.doc.len, c.doc.found = c.doc.len, c.doc.len, False
             continue
         c.row[f] = dst[f] + row * plan.nelem[f] * code_size(plan.codes[f])
+    # A UTF-8 byte order mark, which RFC 8259 lets a reader ignore and
+    # json.loads of bytes does (UTF-16 and UTF-32 stay refused).
+    if c.end - c.p >= 3 and c.p[0] == 0xEF and c.p[1] == 0xBB and c.p[2] == 0xBF:
+        c.p += 3
     js_ws(c)
     if c.p >= c.end:
         return A_TRUNCATED

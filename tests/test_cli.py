@@ -281,6 +281,34 @@ def test_nulls_are_refused_with_their_count_unless_filled(capsys, tmp_path) -> N
                                "int64: give one (a whole number for an int column)")])
 
 
+def test_a_column_of_only_nulls_is_filled_as_its_fill_reads(tmp_path) -> None:
+    # An empty CSV column reads as pyarrow's null type: counted as nulls, filled
+    # with the --fill value in its own type, which --dtype may cast.
+    import pyarrow as pa
+
+    batch = pa.record_batch([pa.array([1, 2]), pa.nulls(2), pa.array([[None, None], None],
+                                                                      pa.list_(pa.null())),
+                             pa.nulls(2, pa.list_(pa.null()))], ["id", "x", "l", "e"])
+    fields = {"id": "id", "x": "x"}
+    with pytest.raises(ConfigError, match=r"^column 'x' of b.csv \(field 'x'\) has 2 "
+                       r"null value\(s\): give --fill x=VALUE"):
+        ingest.batch_columns("b.csv", batch, fields, {}, {})
+    got = ingest.batch_columns("b.csv", batch, fields, {}, {"x": "5"})
+    assert got["x"].dtype == np.int64 and got["x"].tolist() == [5, 5]
+    got = ingest.batch_columns("b.csv", batch, fields, {"x": "float32"}, {"x": "5"})
+    assert got["x"].dtype == np.float32 and got["x"].tolist() == [5.0, 5.0]
+    assert ingest.batch_columns("b.csv", batch, fields, {}, {"x": "0.5"})["x"].tolist() == [0.5] * 2
+    assert ingest.batch_columns("b.csv", batch, fields, {}, {"x": "true"})["x"].tolist() == [True] * 2
+    with pytest.raises(ConfigError, match=r"^--fill x=abc: not a number, and the column "
+                       "holds only nulls"):
+        ingest.batch_columns("b.csv", batch, fields, {}, {"x": "abc"})
+    got = ingest.batch_columns("b.csv", batch, {"l": "l"}, {}, {"l": "-1"})
+    assert got["l"].tolist() == [[-1, -1], [-1, -1]]
+    with pytest.raises(ConfigError, match=r"^column 'e' of b.csv \(field 'e'\) holds only "
+                       "null lists: their length, which the field needs, is unknown"):
+        ingest.batch_columns("b.csv", batch, {"e": "e"}, {}, {"e": "1"})
+
+
 def test_unsendable_columns_are_named_with_their_type(capsys, tmp_path) -> None:
     path = write_parquet(tmp_path / "d.parquet", name=["a", "b"], ragged=[[1.0], [1.0, 2.0]])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path), "--field", "label=name")
@@ -608,7 +636,7 @@ def test_produce_refuses_blocks_of_another_schema_beside_a_topic_s_blocks(bootst
     part = other.stderr.split("the newest of partition ")[-1][0]  # where the first went
     assert other.stderr.splitlines() == [
         f"kfeed: topic {topic} holds kfeed blocks of another schema (fingerprint {samples:#018x},"
-        f" the newest of partition {part}) than this run writes (tokens uint16[None]; "
+        f" the newest of partition {part}) than this run writes (tokens uint16[*]; "
         f"{tokens:#018x}): a loader of either schema would reject the other's blocks as bad "
         f"records; write to another --topic"]
     raw = make_topic(partitions=1)

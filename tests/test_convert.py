@@ -269,6 +269,14 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
     with pytest.raises(kfeed.ConsumeError, match="not available"):
         kfeed.convert(conf, f"missing-{uuid.uuid4().hex}", "x", schema, format="json",
                       connect_timeout_s=5)
+    # A setting a transaction refuses is refused before the topics are made.
+    to_topic = f"never-{uuid.uuid4().hex}"
+    with pytest.raises(kfeed.ConfigError, match="`acks` must be set to `all`"):
+        kfeed.convert({**conf, "acks": "1"}, src, to_topic, schema, format="json")
+    from confluent_kafka.admin import AdminClient
+
+    topics = AdminClient(conf).list_topics(timeout=30).topics
+    assert to_topic not in topics and src + ".dlq" not in topics
     env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
 
     def cli(*args: str) -> subprocess.CompletedProcess:

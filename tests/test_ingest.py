@@ -236,6 +236,24 @@ def _json_lines(t: pa.Table) -> Iterator[str]:
 
 
 @pytest.mark.integration
+def test_a_setting_a_transaction_refuses_leaves_no_topic_behind(bootstrap, tmp_path) -> None:
+    # Rows from a dataset go in transactions, which refuse acks other than all:
+    # checked before the topic is made, not by the producer after it.
+    from confluent_kafka.admin import AdminClient
+
+    topic = f"never-{uuid.uuid4().hex}"
+    pq.write_table(table(np.arange(0, 10)), tmp_path / "part-0.parquet")
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path),
+                     "-X", "acks=1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip().splitlines() == [
+        "kfeed: bad kafka_config: Failed to create producer: `acks` must be set to `all` "
+        "when `enable.idempotence` is true"], done.stderr
+    topics = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
+    assert topic not in topics
+
+
+@pytest.mark.integration
 def test_a_killed_run_resumed_sends_every_row_exactly_once(bootstrap, make_topic,
                                                            tmp_path) -> None:
     topic = make_topic(partitions=4)

@@ -196,6 +196,21 @@ def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
     assert {i for i, _ in bad} == {i for i, v in enumerate(sweep) if _json_loads_verdict(v) is None}
 
 
+def test_a_utf8_byte_order_mark_is_skipped_as_json_loads_skips_it():
+    # RFC 8259 lets a reader ignore a UTF-8 BOM, and json.loads of bytes does; one
+    # anywhere else, or UTF-16 and UTF-32 (which json.loads also reads), is refused.
+    bom = b"\xef\xbb\xbf"
+    values = [bom + b'{"id": 1}', bom + b' {"id": 2} ', b'{"id": 3}' + bom, bom + bom + b'{"id": 4}',
+              b' ' + bom + b'{"id": 5}', bom, b"\xef\xbb", '{"id": 6}'.encode("utf-16"),
+              '{"id": 7}'.encode("utf-32")]
+    want = [_json_loads_verdict(v) for v in values]
+    assert [w is None for w in want] == [False, False, True, True, True, True, True, False, False]
+    rows = kfeed.Schema({"id": ("int64", ())})
+    got, bad = decode_all(kfeed.Json().decoder(rows), rows, values)
+    assert got["id"].tolist() == [1, 2]
+    assert [i for i, _ in bad] == [2, 3, 4, 5, 6, 7, 8]
+
+
 def _nested(levels: int, inner: str = "0") -> str:
     """``inner`` inside ``levels`` objects and arrays, in turn, with members after each
     (none deeper than ``inner``'s levels)."""

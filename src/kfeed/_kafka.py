@@ -69,13 +69,20 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
         raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
 
 
-def check_settings(kafka_config: Mapping[str, Any]) -> None:
+def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = False) -> None:
     """librdkafka's verdict on every setting of a producer, before anything is made on the
-    brokers (a topic created for a run that then fails on a misspelt -X stays behind)."""
+    brokers (a topic created for a run that then fails on a misspelt -X stays behind).
+
+    ``transactional``: checked as a transactional producer's, which refuses
+    more (``acks`` other than all, ``enable.idempotence=false``).
+    """
     from confluent_kafka import KafkaException, Producer
 
+    config = {**kafka_config, "logger": ConnectionLog()}
+    if transactional:
+        config["transactional.id"] = "kfeed-settings-check"
     try:
-        Producer({**kafka_config, "logger": ConnectionLog()})  # freed at once
+        Producer(config)  # freed at once
     except KafkaException as e:
         raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
 

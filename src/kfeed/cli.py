@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -432,13 +432,15 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return _send_samples(args, config, schema, total, chunk)
 
 
-def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
+def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any, *,
+                  transactional: bool = False) -> None:
     """Create the topic if it is missing, and say so in one line; an existing one must
     hold messages of the same format, blocks of ``schema`` (``_check_blocks``)."""
     import kfeed
     from kfeed._kafka import check_settings
 
-    check_settings(config)  # a bad -X is a usage mistake, with no topic left behind
+    # A bad -X is a usage mistake, with no topic left behind.
+    check_settings(config, transactional=transactional)
     partitions = args.partitions or DEFAULT_PARTITIONS
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  exist_ok=True, timeout_s=args.connect_timeout)
@@ -458,7 +460,7 @@ def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any)
     Only each partition's newest messages are read (``_kafka.newest_values``).
     """
     from kfeed._kafka import newest_values
-    from kfeed.badrecords import block_fingerprint
+    from kfeed.badrecords import block_fingerprint, describe_schema
 
     fmt = args.format or "block"
     for part, value in sorted(newest_values(config, args.topic, args.connect_timeout).items()):
@@ -479,7 +481,7 @@ def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any)
                 f"partition {part}): blocks written beside them would not read as one topic; "
                 f"write to another --topic")
         if fingerprint != schema.fingerprint:
-            fields = ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in schema.fields)
+            fields = describe_schema(schema)
             raise ConfigError(
                 f"topic {args.topic} holds kfeed blocks of another schema (fingerprint "
                 f"{fingerprint:#018x}, the newest of partition {part}) than this run writes "
@@ -554,7 +556,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
     dtypes = parse_pairs(args.dtype, "--dtype", "DTYPE")
     fills = parse_pairs(args.fill, "--fill", "VALUE")
     rows = ingest.open_rows(args.source, args.query)
-    batches: Iterator[dict[str, Any]] = iter(())
+    batches: Generator[dict[str, Any], None, None] | ingest.ReadAhead = (b for b in ())
     try:
         fields = ingest.stream_fields(rows, parse_pairs(args.field, "--field", "COLUMN") or None,
                                       dtypes, fills)
@@ -584,7 +586,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         job = job_id(args.topic, where, args.query)
         progress = IngestProgress(config, args.topic, job, where, args.connect_timeout)
         try:
-            _ensure_topic(args, config, schema)
+            _ensure_topic(args, config, schema, transactional=True)
             with Producer(config, args.topic, schema, format=_wire_format(args),
                           block_records=args.block_records or 64, compression=args.compression,
                           transactional_id=job, connect_timeout_s=args.connect_timeout
@@ -612,16 +614,13 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         print(f"nothing to send: {rows.name} holds no rows after the "
                               f"{done:,} sent before")
                         return 0
-                ahead = ingest.ReadAhead(batches)  # the next batch read while this is sent
-                batches = ahead
+                batches = ingest.ReadAhead(batches)  # the next batch read while this is sent
                 return _send_stream(args, producer, schema, rows.name, rows.total, first,
-                                    ahead, progress, done, _transaction_age_s(config))
+                                    batches, progress, done, _transaction_age_s(config))
         finally:
             progress.close()
     finally:
-        close = getattr(batches, "close", None)  # a generator: stops the read-ahead first
-        if close is not None:
-            close()
+        batches.close()  # the read-ahead, or the generator under it
         rows.close()
 
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, client_config,
-                          create_topic, kafka_error, weakly)
+from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, check_settings,
+                          client_config, create_topic, kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, resolve
@@ -159,7 +159,9 @@ class _Convert:
         self.round_messages = round_messages
         self.stats = ConvertStats()
         self.timeout = connect_timeout_s
-        # The consumer first: librdkafka checks every setting before any topic is made.
+        # The settings first, as a transactional producer's and the consumer's:
+        # librdkafka checks every one before any topic is made.
+        check_settings(kafka_config, transactional=True)
         config = {**CONSUMER_DEFAULTS, **kafka_config, "group.id": group_id,
                   "enable.auto.commit": False, "isolation.level": "read_committed",
                   "enable.partition.eof": True, "logger": ConnectionLog()}

@@ -227,7 +227,12 @@ def _arrow_column(file: str, name: str, src: str, col: Any, fill: str | None) ->
     is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)
                or pa.types.is_fixed_size_list(kind))
     value_type = kind.value_type if is_list else kind
-    if not _numeric(value_type):
+    if pa.types.is_null(value_type) and fill is not None:
+        # Only nulls (an empty CSV column reads so): the fill's own type, which --dtype may cast.
+        value_type = _fill_type(name, fill)
+        col = col.cast(pa.list_(value_type) if is_list else value_type)
+        kind = col.type
+    if not _numeric(value_type) and not pa.types.is_null(value_type):
         what = f"list<{value_type}>" if is_list else str(kind)
         raise ConfigError(f"{where} is {what}: kfeed produce sends numbers and fixed-length "
                           f"lists of numbers; leave the column out (--field picks the columns) "
@@ -250,7 +255,10 @@ def _arrow_column(file: str, name: str, src: str, col: Any, fill: str | None) ->
         raise ConfigError(f"{where} (field {name!r}) holds lists of different lengths "
                           f"({int(widths[0])} to {int(widths[-1])}): a field needs one "
                           f"length in every row; pad or cut the lists first")
-    width = int(widths[0]) if len(widths) else 0
+    if not len(widths):
+        raise ConfigError(f"{where} (field {name!r}) holds only null lists: their length, "
+                          f"which the field needs, is unknown; drop the column or its rows")
+    width = int(widths[0])
     if values.null_count:
         values = pc.fill_null(values, _fill_scalar(name, fill, value_type))
     flat = np.asarray(values.to_numpy(zero_copy_only=False))
@@ -268,6 +276,22 @@ def _numeric(kind: Any) -> bool:
 
     return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
                 or pa.types.is_boolean(kind))
+
+
+def _fill_type(name: str, fill: str) -> Any:
+    """The type a --fill value reads as on its own: bool, int64 or float64."""
+    import pyarrow as pa
+
+    if fill.lower() in ("true", "false"):
+        return pa.bool_()
+    for parse, kind in ((int, pa.int64()), (float, pa.float64())):
+        try:
+            parse(fill)
+            return kind
+        except ValueError:
+            pass
+    raise ConfigError(f"--fill {name}={fill}: not a number, and the column holds only nulls: "
+                      f"give a number, or true or false")
 
 
 def _fill_scalar(name: str, fill: Any, kind: Any) -> Any:
