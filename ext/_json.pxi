@@ -632,6 +632,28 @@ cdef int js_key(JsCur* c) noexcept nogil:
     return A_OK
 
 
+cdef int js_count_rest(JsCur* c, uint64_t k) noexcept nogil:
+    """A_LENGTH with the array's length in ``err_value``: ``k`` items read, the
+    rest (from ``c.p``, an item) skipped and counted to its ``]``."""
+    cdef int r
+    while True:
+        js_ws(c)
+        r = js_skip(c)
+        if r:
+            return r
+        k += 1
+        js_ws(c)
+        if c.p >= c.end:
+            return A_TRUNCATED
+        if c.p[0] == 0x2C:
+            c.p += 1
+            continue
+        if c.p[0] != 0x5D:
+            return A_JSON
+        c.err_value = k
+        return A_LENGTH
+
+
 cdef int js_skip(JsCur* c) noexcept nogil:
     """Skip one value of any kind at ``c.p``.
 
@@ -734,9 +756,8 @@ cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexc
             c.p += 1
         else:
             while True:
-                if k >= dim:
-                    c.err_value = k + 1
-                    return A_LENGTH
+                if k >= dim:  # too long: the rest skipped, to say how long
+                    return js_count_rest(c, k)
                 r = js_field(c, ni, f, level + 1, elem + k * stride)
                 if r:
                     return r

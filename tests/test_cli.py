@@ -87,6 +87,36 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
      "kfeed: --synthetic-text and --synthetic exclude each other: give one of them"),
     (TRAIN + ("--bogus",), "kfeed: unknown argument --bogus: see 'kfeed train --help'"),
     (PRODUCE + ("--synthetic",), "kfeed: --synthetic needs a value: see 'kfeed produce --help'"),
+    (PRODUCE + ("--synthetic", "5", "--metrics-port", "70000"),
+     "kfeed: --metrics-port 70000 is out of range: give an integer in 1..65535"),
+    (("train", "--bootstrap-servers", CLOSED, "--topic", "", "--group-id", "g"),
+     "kfeed: --topic '': topic name '' is not valid: use up to 249 of a-z A-Z 0-9 . _ -"),
+    (("train", "--bootstrap-servers", CLOSED, "--topic", "bad topic!", "--group-id", "g"),
+     ("kfeed: --topic 'bad topic!': topic name 'bad topic!' is not valid: use up to 249 of "
+      "a-z A-Z 0-9 . _ -")),
+    (("lag", "--bootstrap-servers", CLOSED, "--group-id", ""),
+     "kfeed: --group-id '' is empty: give a name"),
+    (("convert", "--bootstrap-servers", CLOSED, "--from-topic", "a", "--to-topic", "b",
+      "--format", "json", "--field", "id=int64", "--group-id", " "),
+     "kfeed: --group-id ' ' is empty: give a name"),
+    (("convert", "--bootstrap-servers", CLOSED, "--from-topic", "a", "--to-topic", "a",
+      "--format", "json", "--field", "id=int64"),
+     ("kfeed: the topic converted from and the one converted to are both 'a': convert "
+      "writes to another topic")),
+    (("convert", "--bootstrap-servers", CLOSED, "--from-topic", "a", "--to-topic", "b",
+      "--format", "avro", "--registry", "registry:8081"),
+     ("kfeed: --registry registry:8081 is not an http:// or https:// address: give e.g. "
+      "--registry http://registry:8081")),
+    (("bogus",), ("kfeed: 'bogus' is not a kfeed command: choose from 'cluster', 'produce', "
+                  "'train', 'convert', 'lag'")),
+    (("cluster", "bogus"), ("kfeed: 'bogus' is not a kfeed cluster command: choose from 'up', "
+                            "'status', 'down', 'list', 'jars'")),
+    (("produce", "--bootstrap-servers", "http://127.0.0.1:9092", "--topic", "t", "--synthetic",
+      "5"), ("kfeed: --bootstrap-servers http://127.0.0.1:9092: 'http://127.0.0.1:9092' is not "
+             "HOST:PORT (e.g. 127.0.0.1:9092; several joined by commas)")),
+    (("lag", "--bootstrap-servers", "h:1,h:notaport", "--group-id", "g"),
+     ("kfeed: --bootstrap-servers h:1,h:notaport: 'h:notaport' is not HOST:PORT (e.g. "
+      "127.0.0.1:9092; several joined by commas)")),
 ])
 def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     code, err, out = run_main(capsys, *argv)
@@ -129,6 +159,9 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "kfeed: -X group.id is set by --group-id: leave it out of -X"),
     (PRODUCE + ("--synthetic", "5", "-X", "bootstrap.servers=h:1"),
      "kfeed: -X bootstrap.servers is set by --bootstrap-servers: leave it out of -X"),
+    (PRODUCE + ("--synthetic", "5", "-X", "fetch.min.bytes=5", "-X", "linger.ms=5"),
+     ("kfeed: -X fetch.min.bytes: a consumer setting, which a producer would ignore: leave "
+      "it out")),
     (("lag", "--bootstrap-servers", CLOSED, "--group-id", "g", "-X", "fetch.min.bytes=1"),
      ("kfeed: kfeed lag uses only the brokers' address and login settings (bootstrap., "
       "security., sasl., ssl., client., socket. ...): -X fetch.min.bytes would have no effect")),
@@ -136,11 +169,23 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "kfeed: bad kafka_config: Invalid value \"x\" for configuration property "
      "\"security.protocol\""),
     (("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", " "),
-     "kfeed: group.id must be a non-empty string, got ' '"),
+     "kfeed: --group-id ' ' is empty: give a name"),
 ])
 def test_flags_that_would_be_ignored_are_errors(capsys, argv, line) -> None:
     code, err, out = run_main(capsys, *argv)
     assert (code, err, out) == (2, [line], "")
+
+
+def test_checkpoint_and_id_log_paths_are_checked_before_training(capsys, tmp_path) -> None:
+    # A folder given as the file trained every step, then failed at the first save.
+    for flag, file in (("--checkpoint", "ck.pt"), ("--log-ids", "ids.txt")):
+        code, err, _ = run_main(capsys, *TRAIN, flag, str(tmp_path))
+        assert (code, err) == (2, [f"kfeed: {flag} {tmp_path} is a folder: name a file in it, "
+                                   f"such as {tmp_path / file}"])
+        missing = tmp_path / "none" / file
+        code, err, _ = run_main(capsys, *TRAIN, flag, str(missing))
+        assert (code, err) == (2, [f"kfeed: {flag} {missing}: folder {missing.parent} does not "
+                                   f"exist: create it first"])
 
 
 def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:

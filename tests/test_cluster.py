@@ -759,11 +759,13 @@ def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns
         (["up", "--set", "oops"], "--set wants KEY=VALUE, not 'oops'"),
         (["up", "--port", "80"], "base port 80 leaves the range 1024..65535 for this layout:"
                                  " choose one from 1024 to 65435"),
+        (["up", "--port", "0"], "base port 0 leaves the range 1024..65535 for this layout:"
+                                " choose one from 1024 to 65435"),
         (["status", "--dir", "none"], "no cluster in none (start one with: kfeed cluster up --dir none;"
                                       " kfeed cluster list shows the others)"),
         (["list", "--all"], "unrecognized arguments: --all (see: kfeed cluster list --help)"),
     ],
-    ids=["nodes", "set", "port", "dir", "extra"],
+    ids=["nodes", "set", "port", "port0", "dir", "extra"],
 )  # fmt: skip
 def test_a_mistake_in_the_arguments_is_one_line_and_exit_2(elsewhere: Path, args: list[str], error: str) -> None:
     result = kfeed(*args, "--dir", "c") if args[0] == "up" else kfeed(*args, cwd=elsewhere)

@@ -636,8 +636,11 @@ def test_bad_schemas_raise_config_error_naming_the_field(fields, match):
 
 def test_a_list_with_a_duplicate_name_is_not_a_schema():
     # A dict cannot hold a duplicate name; a list of pairs could, so it is refused.
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^a schema is a dict \{name: \(dtype, shape\)\}, "
+                       "got list$"):
         Schema([("a", ("int8", ())), ("a", ("int16", ()))])
+    with pytest.raises(ConfigError, match="^a schema needs at least one field"):
+        Schema({})
 
 
 def test_config_error_is_a_value_error_and_a_kfeed_error():

@@ -152,6 +152,28 @@ def test_fail_fast_none_routes_from_the_first_message() -> None:
         kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, fail_fast=0)
 
 
+@pytest.mark.parametrize("kwargs, line", [
+    # NaN passes every bound (each comparison is False): a commit interval of
+    # NaN never committed while the loader ran.
+    ({"commit_interval_ms": float("nan")}, "commit_interval_ms must be a number >= 0, got nan"),
+    ({"max_wait_ms": float("nan")}, "max_wait_ms must be a number > 0, got nan"),
+    ({"connect_timeout_s": float("inf")}, "connect_timeout_s must be a number > 0, got inf"),
+    ({"drop_last": "false"}, "drop_last must be True or False, got 'false'"),
+    ({"topics": "clicks/2024"}, "topic name 'clicks/2024' is not valid: use up to 249 of "
+                                "a-z A-Z 0-9 . _ -"),
+    ({"rank": "0", "world_size": 2},
+     "need ints 0 <= rank < world_size, got rank='0', world_size=2"),
+    ({"rank": True, "world_size": 2},
+     "need ints 0 <= rank < world_size, got rank=True, world_size=2"),
+])
+def test_loader_settings_of_the_wrong_kind_are_one_line(kwargs, line) -> None:
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(None, kwargs.get("topics", "memory"), SCHEMA, 8, device="cpu",
+                     source=MemorySource([]),
+                     **{k: v for k, v in kwargs.items() if k != "topics"})
+    assert str(e.value) == line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_a_config_error() -> None:
     with pytest.raises(kfeed.ConfigError) as e:

@@ -283,6 +283,9 @@ def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
         (["--synthetic", "5", "--resend"], "--resend applies to --from samples streamed"),
         (["--from", str(tmp_path / "a.parquet"), "--resume", "--resend"],
          "--resume goes on after the rows sent before and --resend sends them again"),
+        # Checked against the column's type though no batch read yet has a null.
+        (["--from", str(tmp_path / "a.parquet"), "--fill", "label=abc"],
+         "--fill label=abc: not a value of the column's type int64"),
     ]
     for argv, line in cases:
         done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)

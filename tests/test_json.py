@@ -112,6 +112,8 @@ def test_bad_values_are_rejected_whole_with_a_reason():
         b"[1, 2]",                                            # not an object
         b"\x00\x00\x01",                                      # a short frame
         b'{"id": 2, "a": ' + b"[" * 1000 + b"]" * 1000 + b"}",  # nested too deep
+        variant(features=[1.0] * 8 + [[2, {"x": [3]}], "a"]),  # 10 of 8, counted
+        variant(grid=[[1, 2, 3, 4, 5], [4, 5, 6]]),          # 5 of 3, one level down
         variant(id=2),
     ]
     reasons = {1: "not JSON", 2: "truncated",
@@ -122,7 +124,9 @@ def test_bad_values_are_rejected_whole_with_a_reason():
                7: "field 'id': missing or null, and no default",
                8: "2 bytes left after the object", 9: "not an object at user",
                10: "null element at features", 11: "not JSON",
-               12: "too short for the Confluent framing", 13: "nested deeper than 1000"}
+               12: "too short for the Confluent framing", 13: "nested deeper than 1000",
+               14: "array of 10 items does not match the field's shape at features",
+               15: "array of 5 items does not match the field's shape at grid"}
     got, bad = decode_all(kfeed.Json().decoder(SCHEMA), SCHEMA, values, rows=4)
     assert [i for i, _ in bad] == sorted(reasons)
     for i, why in bad:

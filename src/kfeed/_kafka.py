@@ -69,22 +69,45 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
         raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
 
 
-def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = False) -> None:
+def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = False,
+                   producer_only: bool = False) -> None:
     """librdkafka's verdict on every setting of a producer, before anything is made on the
     brokers (a topic created for a run that then fails on a misspelt -X stays behind).
 
     ``transactional``: checked as a transactional producer's, which refuses
     more (``acks`` other than all, ``enable.idempotence=false``).
+    ``producer_only``: the settings go to a producer alone, so a consumer's,
+    which librdkafka would only warn of and ignore, is refused too.
     """
     from confluent_kafka import KafkaException, Producer
 
-    config = {**kafka_config, "logger": ConnectionLog()}
+    lines = _Lines()
+    config = {**kafka_config, "logger": lines}
     if transactional:
         config["transactional.id"] = "kfeed-settings-check"
     try:
-        Producer(config)  # freed at once
+        producer = Producer(config)
     except KafkaException as e:
         raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
+    producer.poll(0)  # serves the warnings librdkafka queued while it read the settings
+    ignored = [m.group(1) for m in map(_CONSUMER_ONLY.search, lines.texts) if m]
+    if producer_only and ignored:
+        what = "a consumer setting" if len(ignored) == 1 else "consumer settings"
+        raise ConfigError(f"-X {', -X '.join(ignored)}: {what}, which a producer would "
+                          f"ignore: leave {'it' if len(ignored) == 1 else 'them'} out")
+
+
+_CONSUMER_ONLY = re.compile(r"Configuration property (\S+) is a consumer property")
+
+
+class _Lines:
+    """A librdkafka logger that keeps the lines."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        self.texts.append(fmt % args if args else fmt)
 
 
 def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
@@ -159,10 +182,7 @@ def create_topic(
     if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
         raise ConfigError("kafka_config must be a dict of librdkafka settings "
                           "with 'bootstrap.servers'")
-    if not isinstance(name, str) or not name or len(name) > 249 or \
-            not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in (".", ".."):
-        raise ConfigError(f"topic name {name!r} is not valid: use up to 249 of "
-                          "a-z A-Z 0-9 . _ -")
+    check_topic_name(name)
     if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
         raise ConfigError(f"partitions must be an int >= 1, got {partitions!r}")
     if replication is not None and (not isinstance(replication, int)
@@ -215,6 +235,14 @@ def _wait_for_leaders(admin: Any, name: str, deadline: float) -> None:
         if time.monotonic() >= deadline:
             raise KfeedError(f"topic {name!r} has no leader for every partition yet", topic=name)
         time.sleep(0.1)
+
+
+def check_topic_name(name: Any) -> None:
+    """Kafka's rule for a topic name: up to 249 of a-z A-Z 0-9 . _ -, not "." or ".."."""
+    if not isinstance(name, str) or not name or len(name) > 249 or \
+            not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in (".", ".."):
+        raise ConfigError(f"topic name {name!r} is not valid: use up to 249 of "
+                          "a-z A-Z 0-9 . _ -")
 
 
 def unavailable_message(topic: str, servers: str, why: str) -> str:

@@ -100,6 +100,9 @@ def _usage_error(message: str, prog: str) -> str:
     flag, what = m.group(1).split("/")[-1], m.group(2)
     m = re.fullmatch(r"invalid choice: '([^']*)' \(choose from (.*)\)", what)
     if m:
+        if flag in ("command", "cluster_command"):
+            kind = flag.replace("_", " ")
+            return f"{m.group(1)!r} is not a kfeed {kind}: choose from {m.group(2)}"
         return f"{flag} {m.group(1)!r} is not one of its choices: choose from {m.group(2)}"
     m = re.fullmatch(r"not allowed with argument (.*)", what)
     if m:
@@ -111,19 +114,39 @@ def _usage_error(message: str, prog: str) -> str:
     return f"{flag} {what}"  # the type helpers below: "VALUE ...: how to fix"
 
 
-def _count(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (and <= ``high``)."""
+    span = f">= {low}" if high is None else f"in {low}..{high}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number: give an integer >= {low}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is out of range: give an integer >= {low}")
+                f"{text!r} is not a whole number: give an integer {span}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give an integer {span}")
         return value
     parse.__name__ = "count"
     return parse
+
+
+def _name(text: str) -> str:
+    """An argparse type: a group name, not empty or blank."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give a name")
+    return text
+
+
+def _topic(text: str) -> str:
+    """An argparse type: a topic name as Kafka allows it."""
+    from kfeed._kafka import check_topic_name
+
+    try:
+        check_topic_name(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
 
 
 def _prefetch(text: str) -> int | str:
@@ -171,7 +194,7 @@ def _one_line(text: str) -> str:
 def _kafka_args(p: argparse.ArgumentParser, *aliases: str) -> None:
     p.add_argument("--bootstrap-servers", default=os.environ.get("KFEED_BOOTSTRAP"),
                    help="host:port,... (default: $KFEED_BOOTSTRAP)")
-    p.add_argument(*aliases, "--topic", dest="topic", required=True)
+    p.add_argument(*aliases, "--topic", dest="topic", required=True, type=_topic)
     p.add_argument("-X", dest="kafka", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra librdkafka setting (repeatable)")
     p.add_argument("--connect-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
@@ -180,10 +203,27 @@ def _kafka_args(p: argparse.ArgumentParser, *aliases: str) -> None:
                    help="log at DEBUG level and show tracebacks")
 
 
+# One broker address of --bootstrap-servers as librdkafka reads it:
+# [PROTOCOL://]HOST[:PORT] (9092 without one), the host a name, an IPv4
+# address or an IPv6 one in brackets.
+_BROKER = re.compile(r"(?:(?:plaintext|ssl|sasl_plaintext|sasl_ssl)://)?"
+                     r"(?:\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::(\d{1,5}))?", re.IGNORECASE)
+
+
+def _check_bootstrap(servers: str) -> None:
+    """Refuse a broker list librdkafka would only fail to reach, after the whole timeout."""
+    for entry in servers.split(","):
+        m = _BROKER.fullmatch(entry.strip())
+        if m is None or not 1 <= int(m.group(1) or 9092) <= 65535:
+            raise ConfigError(f"--bootstrap-servers {servers}: {entry.strip()!r} is not "
+                              f"HOST:PORT (e.g. 127.0.0.1:9092; several joined by commas)")
+
+
 def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     if not args.bootstrap_servers:
         raise ConfigError("no brokers given: pass --bootstrap-servers HOST:PORT or set "
                           "KFEED_BOOTSTRAP")
+    _check_bootstrap(args.bootstrap_servers)
     config: dict[str, Any] = {"bootstrap.servers": args.bootstrap_servers, **extra}
     flags = {"bootstrap.servers": "--bootstrap-servers", "group.id": "--group-id",
              "transactional.id": "kfeed produce (a job's own id, for --resume)"}
@@ -386,7 +426,7 @@ def _step_bar(steps: int) -> _StepBar | None:
 
 
 def _metrics_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=_count(1), metavar="PORT",
+    p.add_argument("--metrics-port", type=_count(1, 65535), metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while running "
                         "(needs pip install 'kfeed[metrics]')")
 
@@ -440,7 +480,7 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     from kfeed._kafka import check_settings
 
     # A bad -X is a usage mistake, with no topic left behind.
-    check_settings(config, transactional=transactional)
+    check_settings(config, transactional=transactional, producer_only=True)
     partitions = args.partitions or DEFAULT_PARTITIONS
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  exist_ok=True, timeout_s=args.connect_timeout)
@@ -827,16 +867,15 @@ def _check_train(args: argparse.Namespace) -> None:
     if args.checkpoint_every is not None and not args.checkpoint:
         raise ConfigError("--checkpoint-every needs --checkpoint PATH: name where to save, or "
                           "leave it out")
-    if args.checkpoint:
-        folder = Path(args.checkpoint).parent
+    for flag, path in (("--checkpoint", args.checkpoint), ("--log-ids", args.log_ids)):
+        if not path:
+            continue
+        folder = Path(path).parent
         if not folder.is_dir():
-            raise ConfigError(f"--checkpoint {args.checkpoint}: folder {folder} does not exist: "
-                              f"create it first")
-    if args.log_ids:
-        folder = Path(args.log_ids).parent
-        if not folder.is_dir():
-            raise ConfigError(f"--log-ids {args.log_ids}: folder {folder} does not exist: "
-                              f"create it first")
+            raise ConfigError(f"{flag} {path}: folder {folder} does not exist: create it first")
+        if Path(path).is_dir():
+            raise ConfigError(f"{flag} {path} is a folder: name a file in it, such as "
+                              f"{Path(path) / ('ck.pt' if flag == '--checkpoint' else 'ids.txt')}")
 
 
 def _check_task_flags(args: argparse.Namespace) -> None:
@@ -1070,6 +1109,10 @@ def _wire_format(args: argparse.Namespace) -> Any:
     import kfeed
 
     registry = {"url": args.registry} if args.registry else None
+    if args.registry and not all(u.strip().startswith(("http://", "https://"))
+                                 for u in args.registry.split(",")):
+        raise ConfigError(f"--registry {args.registry} is not an http:// or https:// address: "
+                          f"give e.g. --registry http://registry:8081")
     avro_schema = getattr(args, "avro_schema", None)
     proto = getattr(args, "proto", None)
     if args.format == "avro":
@@ -1292,7 +1335,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=TRAIN_HELP, epilog=EXIT_CODES)
     _kafka_args(t)
-    t.add_argument("--group-id", required=True)
+    t.add_argument("--group-id", required=True, type=_name)
     t.add_argument("--task", choices=["mlp", "lm"], default="mlp")
     t.add_argument("--batch-size", type=_count(1), metavar="N",
                    help="samples, or rows of --seq-len tokens (default: 256 mlp, 16 lm)")
@@ -1345,7 +1388,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=CONVERT_HELP, epilog=EXIT_CODES)
     _kafka_args(c, "--from-topic")
-    c.add_argument("--to-topic", required=True,
+    c.add_argument("--to-topic", required=True, type=_topic,
                    help="the block topic (made with the source's partitions if missing)")
     c.add_argument("--format", choices=["avro", "protobuf", "json", "raw"], required=True)
     c.add_argument("--field", action="append", default=[], metavar="NAME=DTYPE[SHAPE][@SOURCE]",
@@ -1353,7 +1396,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--registry", metavar="URL", help="the Schema Registry (Confluent framing)")
     c.add_argument("--avro-schema", metavar="FILE.avsc", help="avro: the writer schema")
     c.add_argument("--proto", metavar="MODULE:MESSAGE", help="protobuf: the message class")
-    c.add_argument("--group-id", help="the consumer group (default kfeed-convert.TO_TOPIC)")
+    c.add_argument("--group-id", type=_name, help="the consumer group (default kfeed-convert.TO_TOPIC)")
     c.add_argument("--block-records", type=_count(1), default=64, metavar="N",
                    help="records per block message (default 64)")
     c.add_argument("--round-messages", type=_count(1), default=10_000, metavar="N",
@@ -1376,8 +1419,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "member that owns it; then one summary line.", epilog=EXIT_CODES)
     g.add_argument("--bootstrap-servers", default=os.environ.get("KFEED_BOOTSTRAP"),
                    help="host:port,... (default: $KFEED_BOOTSTRAP)")
-    g.add_argument("--group-id", required=True)
-    g.add_argument("--topic", action="append", default=[],
+    g.add_argument("--group-id", required=True, type=_name)
+    g.add_argument("--topic", action="append", default=[], type=_topic,
                    help="a topic to report (repeatable; default: those the group committed on)")
     g.add_argument("-X", dest="kafka", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra librdkafka setting (repeatable)")

@@ -116,8 +116,11 @@ def convert(
         if not isinstance(topic, str) or not topic:
             raise ConfigError(f"{name} must be a non-empty string, got {topic!r}")
     if from_topic == to_topic:
-        raise ConfigError(f"from_topic and to_topic are both {from_topic!r}: "
-                          "convert writes to another topic")
+        raise ConfigError(f"the topic converted from and the one converted to are both "
+                          f"{from_topic!r}: convert writes to another topic")
+    if group_id is not None and (not isinstance(group_id, str) or not group_id.strip()):
+        raise ConfigError(f"group_id must be a non-empty string or None (the default group "
+                          f"kfeed-convert.{to_topic}), got {group_id!r}")
     fmt = resolve(format)
     if fmt is Format.BLOCK:
         raise ConfigError(f"{from_topic} would be converted from block to block: convert "
@@ -134,9 +137,9 @@ def convert(
         raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
                           f"got {on_bad_record!r}") from None
     decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else _Raw(schema)
-    job = _Convert(kafka_config, from_topic, to_topic, schema, fmt, decoder, policy,
-                   group_id or f"kfeed-convert.{to_topic}", block_records, round_messages,
-                   connect_timeout_s)
+    group = group_id if group_id is not None else f"kfeed-convert.{to_topic}"
+    job = _Convert(kafka_config, from_topic, to_topic, schema, fmt, decoder, policy, group,
+                   block_records, round_messages, connect_timeout_s)
     try:
         return job.run(follow, progress, stop or threading.Event())
     finally:

@@ -519,6 +519,7 @@ class Rows:
     name = ""
     where = ""  # the file the latest batch came from (for messages), if files
     total: int | None = None
+    schema: Any = None  # the pyarrow schema of the rows
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -817,6 +818,8 @@ class ReadAhead:
 def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
                   dtypes: Mapping[str, str], fills: Mapping[str, str]) -> dict[str, str]:
     """``fields`` (default ``DEFAULT_FIELDS``) checked against the rows' columns and flags."""
+    import pyarrow as pa
+
     fields = dict(fields or DEFAULT_FIELDS)
     names = rows.names()
     for name, src in fields.items():
@@ -824,6 +827,14 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
             raise ConfigError(f"{rows.name} has no column {src!r} for field {name!r} (it has: "
                               f"{', '.join(names)}): map the field with --field {name}=COLUMN")
     _check_flags(fields, dtypes, fills)
+    for name, fill in fills.items():  # a bad value is a mistake before any row is sent
+        kind = rows.schema.field(fields[name]).type
+        if hasattr(kind, "value_type"):
+            kind = kind.value_type
+        if pa.types.is_null(kind):
+            _fill_type(name, fill)
+        elif _numeric(kind):
+            _fill_scalar(name, fill, kind)
     return fields
 
 

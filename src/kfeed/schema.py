@@ -187,7 +187,10 @@ class Schema:
     def __init__(self, fields: Mapping[str, tuple[str, Sequence[int | None]]]) -> None:
         if isinstance(fields, Schema):
             fields = fields.to_dict()
-        if not isinstance(fields, Mapping) or not fields:
+        if not isinstance(fields, Mapping):
+            raise ConfigError(f"a schema is a dict {{name: (dtype, shape)}}, got "
+                              f"{type(fields).__name__}")
+        if not fields:
             raise ConfigError("a schema needs at least one field, as {name: (dtype, shape)}")
         parsed = []
         for name, spec in fields.items():

@@ -351,12 +351,13 @@ def _layout_for(
     if existing is None:
         return Layout(
             nodes=nodes or 1,
-            port=port or DEFAULT_PORT,
+            port=DEFAULT_PORT if port is None else port,
             cluster_id=new_cluster_id(),
             overrides=dict(overrides or {}),
             secure=bool(secure),
         )
-    if (nodes or existing.nodes, port or existing.port) != (existing.nodes, existing.port):
+    asked = (nodes or existing.nodes, existing.port if port is None else port)
+    if asked != (existing.nodes, existing.port):
         raise UsageError(
             f"{shown} holds a {existing.nodes}-node cluster on port {existing.port}; "
             f"to replace it run: kfeed cluster down --dir {shown} --wipe"

@@ -8,6 +8,7 @@ wherever it comes from, before any thread starts or any broker is asked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kfeed._kafka import check_topic_name
 from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
@@ -75,6 +77,8 @@ class LoaderConfig:
         if not topics or not all(isinstance(t, str) and t for t in topics):
             raise ConfigError(f"topics must be a topic name, a list of them or a kfeed.Mix, "
                               f"got {self.topics!r}")
+        for topic in topics:
+            check_topic_name(topic)
         if self.mix is not None and tuple(topics) != self.mix.topics:
             raise ConfigError(f"topics {topics} are not the mixture's {list(self.mix.topics)}")
         put("topics", tuple(topics))
@@ -115,11 +119,15 @@ class LoaderConfig:
         if self.assignment not in ("group", "static"):
             raise ConfigError(f"assignment must be 'group' or 'static', got {self.assignment!r}")
         if not _number(self.max_wait_ms) or self.max_wait_ms <= 0:
-            raise ConfigError(f"max_wait_ms must be > 0, got {self.max_wait_ms!r}")
+            raise ConfigError(f"max_wait_ms must be a number > 0, got {self.max_wait_ms!r}")
         if not _number(self.connect_timeout_s) or self.connect_timeout_s <= 0:
-            raise ConfigError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+            raise ConfigError(f"connect_timeout_s must be a number > 0, got "
+                              f"{self.connect_timeout_s!r}")
         if not _number(self.commit_interval_ms) or self.commit_interval_ms < 0:
-            raise ConfigError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms!r}")
+            raise ConfigError(f"commit_interval_ms must be a number >= 0, got "
+                              f"{self.commit_interval_ms!r}")
+        if not isinstance(self.drop_last, bool):
+            raise ConfigError(f"drop_last must be True or False, got {self.drop_last!r}")
         put("format", resolve(self.format))
         if isinstance(self.format, RecordFormat):
             if self.pack is not None and not self.format.documents:
@@ -197,11 +205,16 @@ def _offsets(name: str, offsets: Mapping[Any, Any], topics: tuple[str, ...]
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float: NaN compares false with every bound, so it would pass them."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _positive_int(name: str, value: Any, what: str = "a positive int") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _int(value) or value < 1:
         raise ConfigError(f"{name} must be {what}, got {value!r}")
 
 
@@ -235,7 +248,7 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         world_size = torch.distributed.get_world_size() if world_size is None else world_size
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
-            and 0 <= rank < world_size):
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if not (_int(world_size) and world_size >= 1 and _int(rank) and 0 <= rank < world_size):
+        raise ConfigError(f"need ints 0 <= rank < world_size, got rank={rank!r}, "
+                          f"world_size={world_size!r}")
     return rank, world_size
