@@ -321,6 +321,11 @@ def test_configuration_mistakes_get_one_clear_line(registry):
         pickle.dumps(kfeed.Avro(registry=registry))
     spec = kfeed.Avro(registry={"url": "mock://x"})
     assert pickle.loads(pickle.dumps(spec)).registry == {"url": "mock://x"}
+    # A registry that cannot be reached, named in the error of the producer's encoder.
+    with pytest.raises(kfeed.ProduceError, match=r"^cannot register the Avro schema under "
+                       r"t-value with the registry at http://127\.0\.0\.1:9: "):
+        kfeed.Avro(registry={"url": "http://127.0.0.1:9"}).encoder(kfeed.Schema(
+            {"x": ("float32", ())}), "t")
 
 
 def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkeypatch, registry):

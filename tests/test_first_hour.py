@@ -161,6 +161,8 @@ def test_fail_fast_none_routes_from_the_first_message() -> None:
     ({"drop_last": "false"}, "drop_last must be True or False, got 'false'"),
     ({"topics": "clicks/2024"}, "topic name 'clicks/2024' is not valid: use up to 249 of "
                                 "a-z A-Z 0-9 . _ -"),
+    ({"topics": ["a", "b", "a"]},
+     "topics ['a', 'b', 'a'] name 'a' more than once: give each topic once"),
     ({"rank": "0", "world_size": 2},
      "need ints 0 <= rank < world_size, got rank='0', world_size=2"),
     ({"rank": True, "world_size": 2},

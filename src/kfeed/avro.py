@@ -45,6 +45,7 @@ from kfeed.formats import (
     fixed_layout,
     plan_layout,
     registry_client,
+    registry_where,
 )
 from kfeed.schema import Field, Schema
 
@@ -180,7 +181,8 @@ class AvroEncoder(Encoder):
         self.order = _write_order(schema, self.writer)
         self.schema = schema
         if fmt.framed:
-            self.schema_id = _register(fmt.client(), f"{topic}-value", self.writer)
+            self.schema_id = _register(fmt.client(), f"{topic}-value", self.writer,
+                                       registry_where(fmt.registry))
             self.prefix = b"\0" + self.schema_id.to_bytes(4, "big")
         else:
             if fmt.schema != self.writer:
@@ -268,7 +270,7 @@ def _write_order(schema: Schema, writer: dict[str, Any]) -> list[int]:
     return order
 
 
-def _register(client: Any, subject: str, writer: Any) -> int:
+def _register(client: Any, subject: str, writer: Any, where: str) -> int:
     """Register ``writer`` under ``subject``; its schema id."""
     try:
         from confluent_kafka.schema_registry import Schema as RegistrySchema
@@ -278,7 +280,8 @@ def _register(client: Any, subject: str, writer: Any) -> int:
     try:
         return int(client.register_schema(subject, RegistrySchema(json.dumps(writer), "AVRO")))
     except Exception as e:  # the registry client raises errors of many kinds
-        raise ProduceError(f"cannot register the Avro schema under {subject}: {e}") from e
+        raise ProduceError(f"cannot register the Avro schema under {subject} with {where}: "
+                           f"{e}") from e
 
 
 def _load_schema(schema: Mapping[str, Any] | str | Path | list[Any]) -> Any:

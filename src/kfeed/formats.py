@@ -235,6 +235,13 @@ def checked_registry(registry: Any) -> Any:
     return registry
 
 
+def registry_where(registry: Any) -> str:
+    """The registry in a message: its url, or the client given."""
+    if isinstance(registry, Mapping):
+        return f"the registry at {registry.get('url')}"
+    return f"the registry client {type(registry).__name__}"
+
+
 def registry_client(registry: Any, who: str) -> Any:
     """A Schema Registry client from its config dict, or the client given."""
     if not isinstance(registry, Mapping):

@@ -46,6 +46,7 @@ from kfeed.formats import (
     fetch_schema,
     plan_layout,
     registry_client,
+    registry_where,
 )
 from kfeed.schema import Field, Schema
 
@@ -269,7 +270,8 @@ class ProtobufEncoder(Encoder):
                     return serializer(message, context)
                 except Exception as e:  # the registry client raises errors of many kinds
                     raise ProduceError(f"cannot register or frame {fmt.descriptor.full_name} "
-                                       f"for {topic}: {e}") from e
+                                       f"for {topic} with {registry_where(fmt.registry)}: "
+                                       f"{e}") from e
 
             self.serialize = framed
 

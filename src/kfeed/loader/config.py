@@ -79,6 +79,10 @@ class LoaderConfig:
                               f"got {self.topics!r}")
         for topic in topics:
             check_topic_name(topic)
+        twice = sorted({t for t in topics if topics.count(t) > 1})
+        if twice:
+            raise ConfigError(f"topics {topics} name {', '.join(map(repr, twice))} more than "
+                              f"once: give each topic once")
         if self.mix is not None and tuple(topics) != self.mix.topics:
             raise ConfigError(f"topics {topics} are not the mixture's {list(self.mix.topics)}")
         put("topics", tuple(topics))
