@@ -20,7 +20,9 @@
 # fields the others lead to, unset when it is read (a member the schema does
 # not read has an entry for that alone). int32 and enum negatives
 # are sign-extended to 10-byte varints; sint32/sint64 are zig-zag. Absent
-# fields read as zero (proto3). The Confluent framing puts a zero byte, a
+# fields read as zero (proto3). A closed (proto2) enum's value that is none
+# of the enum's is kept by protobuf among the unknown fields: skipped here,
+# packed or not, the field and its oneof left as they were. The Confluent framing puts a zero byte, a
 # 4-byte big-endian schema id and the message-index array (a zig-zag varint
 # count, then that many zig-zag varints; a single 0 byte for [0]) first.
 
@@ -65,6 +67,8 @@ cdef struct PbEntry:
     Py_ssize_t msg   # P_MESSAGE: the message type's index
     Py_ssize_t clear_first  # a oneof member: the fields its oneof's other members
     Py_ssize_t clear_n      # lead to, clear_fields[clear_first:clear_first + clear_n]
+    Py_ssize_t enum_first   # a closed (proto2) enum: its values, sorted,
+    Py_ssize_t enum_n       # enum_values[enum_first:enum_first + enum_n]; 0: open
 
 
 cdef struct PbMsg:
@@ -79,6 +83,7 @@ cdef struct PbPlan:
     Py_ssize_t nmsgs
     Py_ssize_t nfields
     int* clear_fields        # the entries' fields to unset when they are read
+    int32_t* enum_values     # the closed enums' values
     int* codes
     uint64_t* nelem
     uint8_t* repeated        # per field: filled by a repeated entry
@@ -112,6 +117,7 @@ cdef class ProtobufPlan:
     field), by entry: a oneof member's entry unsets, when it is read, the
     fields its oneof's other members lead to; an entry of field -1 and msg -1
     (a member the schema does not read) does that alone, its value skipped.
+    ``enums`` rows (entry, value), by entry then value: a closed enum's values.
     """
 
     cdef PbPlan p
@@ -120,10 +126,11 @@ cdef class ProtobufPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] entries, const int64_t[:, ::1] msgs,
-                  codes, defaults, notes, Py_ssize_t varfield=-1, clears=None):
+                  codes, defaults, notes, Py_ssize_t varfield=-1, clears=None, enums=None):
         cdef Py_ssize_t i, k, f, ne = entries.shape[0], nm = msgs.shape[0]
         cdef const int64_t[:, ::1] cl = np.zeros((0, 2), np.int64) if clears is None else clears
-        cdef Py_ssize_t ncl = cl.shape[0]
+        cdef const int64_t[:, ::1] en = np.zeros((0, 2), np.int64) if enums is None else enums
+        cdef Py_ssize_t ncl = cl.shape[0], nen = en.shape[0]
         cdef PbEntry* e
         if entries.shape[1] != 6 or msgs.shape[1] != 2 or nm == 0:
             raise ValueError("entries must have shape (n, 6) and msgs (m >= 1, 2)")
@@ -140,11 +147,15 @@ cdef class ProtobufPlan:
         self.p.repeated = <uint8_t*>calloc(layout.nfields, 1)
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
         self.p.clear_fields = <int*>calloc(ncl if ncl else 1, sizeof(int))
+        self.p.enum_values = <int32_t*>calloc(nen if nen else 1, sizeof(int32_t))
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
-                and self.p.repeated and self.p.default and self.p.clear_fields):
+                and self.p.repeated and self.p.default and self.p.clear_fields
+                and self.p.enum_values):
             raise MemoryError()
         if cl.shape[1] != 2:
             raise ValueError("clears must have shape (k, 2)")
+        if en.shape[1] != 2:
+            raise ValueError("enums must have shape (k, 2)")
         # A document: ``varfield``, filled by a repeated scalar, or by bytes.
         if not -1 <= varfield < layout.nfields:
             raise ValueError(f"field {varfield} is not in the layout")
@@ -196,6 +207,21 @@ cdef class ProtobufPlan:
                 e.clear_first = k
             e.clear_n += 1
             self.p.clear_fields[k] = <int>f
+        for k in range(nen):
+            i = en[k, 0]
+            if not 0 <= i < ne or self.p.entries[i].kind != P_ENUM:
+                raise ValueError(f"enums row {k}: not an enum's entry")
+            if not -2**31 <= en[k, 1] < 2**31:
+                raise ValueError(f"enums row {k}: {en[k, 1]} is no int32")
+            e = &self.p.entries[i]
+            if e.enum_n == 0:
+                if k and i <= en[k - 1, 0]:
+                    raise ValueError("enums must be sorted by entry")
+                e.enum_first = k
+            elif en[k, 1] <= en[k - 1, 1]:
+                raise ValueError("an enum's values must be sorted, once each")
+            e.enum_n += 1
+            self.p.enum_values[k] = <int32_t>en[k, 1]
         for k in range(nm):
             self.p.msgs[k].first, self.p.msgs[k].n = msgs[k, 0], msgs[k, 1]
             if msgs[k, 0] < 0 or msgs[k, 1] < 0 or msgs[k, 0] + msgs[k, 1] > ne:
@@ -212,6 +238,7 @@ cdef class ProtobufPlan:
         free(self.p.repeated)
         free(self.p.default)
         free(self.p.clear_fields)
+        free(self.p.enum_values)
 
 
 cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
@@ -344,6 +371,8 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
         r = pb_varint(c, end, &raw)
         if r:
             return r
+        if e.enum_n and not pb_known(c.plan, e, raw):
+            return A_OK  # a closed enum's unknown value: protobuf keeps it aside, unread
     if e.repeated:
         elem = c.count[e.field]
         c.count[e.field] += 1
@@ -410,6 +439,20 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
     return A_OK
 
 
+cdef inline bint pb_known(const PbPlan* plan, const PbEntry* e, uint64_t raw) noexcept nogil:
+    """Whether ``raw``, read as an int32 as protobuf reads an enum, is one of the
+    values of ``e``'s closed enum."""
+    cdef int32_t v = <int32_t>raw
+    cdef Py_ssize_t lo = e.enum_first, hi = e.enum_first + e.enum_n, mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan.enum_values[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < e.enum_first + e.enum_n and plan.enum_values[lo] == v
+
+
 cdef inline void pb_clear(PbCur* c, const PbEntry* e) noexcept nogil:
     """Unset the fields the other members of ``e``'s oneof lead to: of a oneof,
     protobuf keeps the member parsed last (a message member again merges)."""
@@ -459,6 +502,17 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             if r:
                 return r
             continue
+        if e.enum_n and wt == 0:
+            # A closed enum's unknown value is an unknown field to protobuf: the
+            # field, and its oneof, stay as they were.
+            stop = c.p
+            r = pb_varint(c, end, &n)
+            if r:
+                c.err_entry = lo
+                return r
+            if not pb_known(c.plan, e, n):
+                continue
+            c.p = stop
         if e.clear_n:
             pb_clear(c, e)
         if e.field < 0 and e.msg < 0:  # a oneof member read for the line above alone

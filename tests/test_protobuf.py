@@ -282,6 +282,72 @@ def _tag(number: int, wire: int) -> bytes:
     return bytes([number << 3 | wire])
 
 
+def test_a_closed_enum_s_unknown_values_are_left_aside_as_protobuf_leaves_them():
+    # proto2 enums are closed: a value none of the enum's is kept among the
+    # unknown fields, the field (and its oneof) as it was, an absent field
+    # reading as the enum's first value; packed or not, a repeated field
+    # keeps only the known values.
+    fdp = descriptor_pb2.FileDescriptorProto(name="closed.proto", package="closed",
+                                             syntax="proto2")
+    color = fdp.enum_type.add(name="Color")
+    for name, number in (("RED", 3), ("BLUE", -2), ("GREEN", 7)):
+        color.value.add(name=name, number=number)
+    m = fdp.message_type.add(name="Paint")
+    m.oneof_decl.add(name="choice")
+    m.field.add(name="c", number=1, type=F.TYPE_ENUM, type_name=".closed.Color",
+                label=F.LABEL_OPTIONAL)
+    m.field.add(name="cs", number=2, type=F.TYPE_ENUM, type_name=".closed.Color",
+                label=F.LABEL_REPEATED)
+    m.field.add(name="cp", number=3, type=F.TYPE_ENUM, type_name=".closed.Color",
+                label=F.LABEL_REPEATED, options=descriptor_pb2.FieldOptions(packed=True))
+    m.field.add(name="pick", number=4, type=F.TYPE_ENUM, type_name=".closed.Color",
+                label=F.LABEL_OPTIONAL, oneof_index=0)
+    m.field.add(name="other", number=5, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL,
+                oneof_index=0)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    Paint = message_factory.GetMessageClass(pool.FindMessageTypeByName("closed.Paint"))
+
+    def varint(v: int) -> bytes:
+        v &= (1 << 64) - 1
+        out = b""
+        while True:
+            out += bytes([v & 0x7F | (0x80 if v > 0x7F else 0)])
+            v >>= 7
+            if not v:
+                return out
+
+    rng = np.random.default_rng(5)
+    values = []
+    for _ in range(400):
+        parts = []
+        for _ in range(int(rng.integers(0, 6))):
+            number = int(rng.integers(1, 6))
+            v = int(rng.choice([3, -2, 7, 0, 1, 9, -1, 2**31 - 1]))
+            if number == 3 and rng.random() < 0.7:
+                body = b"".join(varint(int(rng.choice([3, -2, 7, 0, 5])))
+                                for _ in range(int(rng.integers(0, 4))))
+                parts.append(_tag(3, 2) + varint(len(body)) + body)
+            else:
+                parts.append(_tag(number, 0) + varint(v))
+        values.append(b"".join(parts))
+    schema = kfeed.Schema({"c": ("int32", ()), "pick": ("int32", (), {"default": 100}),
+                           "other": ("int32", (), {"default": 200})})
+    got, bad = decode_all(kfeed.Protobuf(message=Paint).decoder(schema), schema, values,
+                          rows=len(values))
+    assert bad == []
+    want = [Paint.FromString(v) for v in values]
+    assert got["c"].tolist() == [w.c for w in want]
+    assert got["pick"].tolist() == [w.pick if w.HasField("pick") else 100 for w in want]
+    assert got["other"].tolist() == [w.other if w.HasField("other") else 200 for w in want]
+    for name in ("cs", "cp"):  # unpacked, packed
+        docs = kfeed.Protobuf(message=Paint).decoder(kfeed.Schema({name: ("int64", (None,))}))
+        out = docs.decode_documents(values)
+        assert out.bad == []
+        assert out.tokens.tolist() == [x for w in want for x in getattr(w, name)]
+    assert {w.c for w in want} == {3, -2, 7} and any(len(w.cp) for w in want)
+
+
 def test_a_known_field_in_another_wire_type_reads_as_protobuf_parses_it():
     # protobuf parses a known field sent in another wire type as an unknown
     # field: the message parses, the field keeps what it had (unset, if

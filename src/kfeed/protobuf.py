@@ -320,7 +320,8 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
     """
     layout = plan_layout(schema, "Protobuf")  # the dtypes checked first
     field_codes = codes(schema)
-    tables: list[list[tuple[int, int, int, int, int, int, str, tuple[int, ...]]]] = []
+    tables: list[list[tuple[int, int, int, int, int, int, str, tuple[int, ...],
+                            tuple[int, ...]]]] = []
     found = defaults(schema)
 
     def table(desc: Any, targets: dict[tuple[str, ...], int], path: str) -> int:
@@ -344,9 +345,12 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
             if () in sub:
                 f = sub[()]
                 rows.append((fd.number, _codec.PB_KINDS.get(kind, -1), f, field_codes[f],
-                             int(fd.is_repeated), 0, where))
+                             int(fd.is_repeated), 0, where, _closed_values(fd)))
                 _check(schema.fields[f], kind, fd, where)
-                if found[f] is None and fd.has_default_value and not fd.is_repeated \
+                # proto2: a declared default, and an enum's first value, are what an
+                # absent field reads as.
+                declared = fd.has_default_value or (kind == "enum" and fd.default_value)
+                if found[f] is None and declared and not fd.is_repeated \
                         and not schema.fields[f].variable:
                     found[f] = _declared_default(schema.fields[f], fd, where)
                 continue
@@ -355,29 +359,31 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
                 raise ConfigError(f"field {f.name!r}: {where} is a {_describe(kind, fd)}, "
                                   f"not a message to read {f.source!r} from")
             rows.append((fd.number, _codec.PB_KINDS["message"], -1, 0, 0,
-                         table(fd.message_type, sub, where), where))
+                         table(fd.message_type, sub, where), where, ()))
         clears = _oneof_clears(desc, below)
         for fd in clears:
             if fd.name not in below:  # a member read only to unset the others
                 rows.append((fd.number, _codec.PB_KINDS[_TYPES[fd.type]], -1, 0, 0, -1,
-                             f"{path}.{fd.name}" if path else fd.name))
+                             f"{path}.{fd.name}" if path else fd.name, _closed_values(fd)))
         unset = {fd.number: tuple(sorted(fields)) for fd, fields in clears.items()}
         tables[index] = sorted((*row, unset.get(row[0], ())) for row in rows)
         return index
 
     table(descriptor, {f.path: i for i, f in enumerate(schema.fields)}, "")
-    entries, msgs, notes, cleared = [], [], [], []
+    entries, msgs, notes, cleared, enums = [], [], [], [], []
     for rows in tables:
         msgs.append((len(entries), len(rows)))
-        for number, kind, field, code, repeated, msg, note, clear in rows:
+        for number, kind, field, code, repeated, msg, note, closed, clear in rows:
             cleared += [(len(entries), f) for f in clear]
+            enums += [(len(entries), v) for v in closed]
             entries.append((number, kind, field, code, repeated, msg))
             notes.append(note)
     return _codec.ProtobufPlan(layout, np.array(entries, np.int64).reshape(-1, 6),
                                np.array(msgs, np.int64).reshape(-1, 2), field_codes,
                                found, notes, -1 if schema.varlen is None
                                else schema.fields.index(schema.varlen),
-                               np.array(cleared, np.int64).reshape(-1, 2))
+                               np.array(cleared, np.int64).reshape(-1, 2),
+                               np.array(enums, np.int64).reshape(-1, 2))
 
 
 def _oneof_clears(desc: Any, below: dict[str, set[int]]) -> dict[Any, set[int]]:
@@ -393,6 +399,17 @@ def _oneof_clears(desc: Any, below: dict[str, set[int]]) -> dict[Any, set[int]]:
             if fields:
                 clears[fd] = fields
     return clears
+
+
+def _closed_values(fd: Any) -> tuple[int, ...]:
+    """A closed (proto2) enum field's values, sorted; () for any other field."""
+    if _TYPES.get(fd.type) != "enum":
+        return ()
+    enum = fd.enum_type
+    closed = getattr(enum, "is_closed", None)  # protobuf >= 4.22
+    if closed is None:
+        closed = enum.file.syntax == "proto2"
+    return tuple(sorted({v.number for v in enum.values})) if closed else ()
 
 
 def _declared_default(field: Field, fd: Any, where: str) -> bytes:
