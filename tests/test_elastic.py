@@ -219,6 +219,35 @@ def test_a_mixture_one_rank_finished_is_read_to_the_end_by_the_new_ranks(exhaust
         assert len(rest) > 0
 
 
+@pytest.mark.parametrize("stops", [[7, 8], [8, 8]])
+def test_a_repeated_mixture_keeps_which_sources_ran_out_through_a_merge(stops):
+    # Mix(exhausted="repeat"): a (2 x 30) is read again until b (2 x 40) runs out
+    # once. The merged state forgot that both had run out on every rank, so b
+    # was read a second time after a ran out again.
+    values = {}
+    for k, (t, n) in enumerate((("a", 30), ("b", 40))):
+        for p in range(2):
+            values[(t, p)] = ROWS.encode_blocks({"id": np.arange(n) + k * 10**6 + p * 10**4}, 2)
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=0, exhausted="repeat")
+    kw = {"topics": mix, "shuffle": Shuffle(12, seed=1), "batch_size": 8}
+    first, states = run_job(values, 2, stops, None, "id", **kw)
+    assert [st["mix"]["ran_out"] for st in states] == [[True, True]] * 2
+    rest, _ = run_job(values, 2, None, Loader.merge_states(states), "id", **kw)
+    ids = np.concatenate(first + rest)
+    b = Counter(ids[ids >= 10**6].tolist())
+    assert len(b) == 80 and set(b.values()) == {1}
+    # One rank, in order: its state through merge_states gives the very stream
+    # the state gives (a shuffle's held records would come first).
+    kw.pop("shuffle")
+    whole, _ = run_job(values, 1, None, None, "id", **kw)
+    for stop in (4, 8):
+        head, (state,) = run_job(values, 1, [stop], None, "id", **kw)
+        plain, _ = run_job(values, 1, None, state, "id", **kw)
+        merged, _ = run_job(values, 1, None, Loader.merge_states([state]), "id", **kw)
+        assert np.array_equal(np.concatenate(head + merged), np.concatenate(head + plain))
+        assert np.array_equal(np.concatenate(head + plain), np.concatenate(whole))
+
+
 def test_an_epoch_one_rank_finished_and_another_did_not_is_read_to_its_end():
     # Rank 0's partition is short: it finishes epoch 0 while rank 1 is in the middle of it.
     values = {0: ROWS.encode_blocks({"id": np.arange(0, 20)}, 5),

@@ -360,6 +360,29 @@ def test_a_weight_schedule_changes_the_proportions_at_its_steps():
     assert np.all(src[:320] == 0) and np.all(src[320:] == 1)
 
 
+def test_a_source_a_schedule_weights_0_at_first_is_waited_for_not_taken_as_read(caplog):
+    # A warm-up on a (12 records, which run out during it), then a and b 1:1.
+    # "repeat" reads a again until b's turn comes (it ended at once, b unread);
+    # "renormalize" has nothing to draw while b weighs 0, and says so.
+    sources = {"a": (0, 1, 12), "b": (1, 1, 40)}
+
+    def warmup(step: int) -> dict[str, float]:
+        return {"a": 1.0, "b": 0.0} if step < 3 else {"a": 1.0, "b": 1.0}
+
+    got, stats = read(row_values(sources=sources), Mix(warmup, exhausted="repeat"),
+                      batch_size=8)
+    ids = np.concatenate(got)
+    b = ids[ids >= 10**6]
+    assert sorted(b.tolist()) == list(range(10**6, 10**6 + 40))
+    assert np.all(ids[:24] < 10**6)  # the warm-up's three steps, a alone
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, _ = read(row_values(sources=sources), Mix(warmup, exhausted="renormalize"),
+                      batch_size=8)
+    assert len(np.concatenate(got)) == 12
+    assert ("the mixture ends at step 1 with records of b left unread: the schedule weights "
+            "it 0 now, and no other source has records left") in caplog.text
+
+
 def test_a_state_must_come_from_the_same_mixture():
     _, state = read(row_values(), Mix(WEIGHTS, seed=1), stop=2)
     with pytest.raises(ConfigError, match="saved by the mixture"):

@@ -447,15 +447,20 @@ class Mixer:
                     self.live[src] = 0
                     self.credits[src] = 0
                     continue
-                # (A source of weight 0 now is never drawn: it cannot run out.)
+                # (A source of weight 0 throughout is never drawn: it cannot run
+                # out. One a schedule weights 0 now may be later: the others are
+                # read again till then.)
+                never = (self.weights == 0) if not self.mix.scheduled else False
                 if not (self.ran_out | ~self.live.astype(bool) | ~self.present.astype(bool)
-                        | (self.weights == 0)).all():
+                        | never).all():
                     self.to_repeat = src  # the caller starts its partitions again
                     self.since[src] = 0
                     break
             if why == _pack.MIX_NONE and not self.bounded:
                 self._say_idle()  # what this member holds has no weight now
                 break
+            if why == _pack.MIX_NONE:
+                self._say_unread()
             self.ended = True  # a source ran out ("stop"), or all did
         self._count(out_parts)
         taken, self._taken = self._taken, []
@@ -473,6 +478,18 @@ class Mixer:
         log.warning("this member holds partitions only of topic%s %s, whose weight in the "
                     "mixture is 0 now: it hands out nothing until it is given a partition of "
                     "a topic weighted above 0", "s" if len(held) > 1 else "", ", ".join(held))
+
+    def _say_unread(self) -> None:
+        """A bounded read that ends with sources left only because they weigh 0 now."""
+        pids = np.array(sorted(self._parts), np.int64)
+        unread = (self._head[pids] < self._end[pids]) | (self._done[pids] == 0)
+        has = np.bincount(self._src_of[pids[unread]], minlength=len(self.sources))
+        left = [t for k, t in enumerate(self.sources) if self.live[k] and has[k]]
+        if left:
+            log.warning("the mixture ends at step %d with records of %s left unread: the "
+                        "schedule weights %s 0 now, and no other source has records left",
+                        self.mixed // self.batch_size, ", ".join(left),
+                        "it" if len(left) == 1 else "them")
 
     def _count(self, out_parts: list[np.ndarray]) -> None:
         """Count the records let out so far by source (once each), and keep them."""

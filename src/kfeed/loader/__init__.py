@@ -1098,15 +1098,24 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         mixes = [st["mix"] for st in states]
         if any(m.get("mix") != mixes[0].get("mix") for m in mixes):
             raise ConfigError("the states differ in their Mix")
-        # Rank 0's round robin goes on; which sources ran out was rank 0's
-        # alone: every rank finds that out again from its own partitions. A
+        # Rank 0's round robin goes on. A source ran out (Mix(exhausted="repeat"):
+        # at least once) where it ran out on every rank that held its partitions
+        # (each rank's window names them): forgetting it read a source meant to
+        # be read once a second time, after the others ran out. Whether a source
+        # is live is found out again from the partitions each rank gets. A
         # source a rank was about to read again let records out in its window
         # (its count restarted at 0, which would read as an empty window).
         n = len(mixes[0]["live"])
+        topics = mixes[0]["mix"]["topics"]
         again = {m.get("to_repeat") for m in mixes} - {None}
         since = [sum(int(m.get("since", [0] * n)[k]) for m in mixes) for k in range(n)]
+        held = [{str(e[0]) for e in st.get("window", [])} for st in states]
+        ran_out = []
+        for k, topic in enumerate(topics):
+            holders = [m for m, h in zip(mixes, held, strict=True) if topic in h] or mixes
+            ran_out.append(all(bool(m.get("ran_out", [False] * n)[k]) for m in holders))
         out["mix"] = {**mixes[0], "ended": False, "live": [True] * n, "to_repeat": None,
-                      "ran_out": [False] * n,
+                      "ran_out": ran_out,
                       "since": [max(c, 1) if k in again else c for k, c in enumerate(since)]}
         # Mix(exhausted="repeat"): each partition's window start and round.
         for key in ("window", "rounds"):
