@@ -181,7 +181,11 @@ def short_sessions(bootstrap: str, group: str) -> None:
     admin.incremental_alter_configs([resource])[resource].result(30)
 
 
-@pytest.mark.parametrize("protocol", ["eager", "cooperative", "consumer"])
+# One trainer in its group: cooperative-sticky's incremental assignment differs
+# from eager's only when members come and go, which the two-rank proof below runs
+# under all three protocols; its single-member run is left to `pytest -m slow`.
+@pytest.mark.parametrize("protocol", [
+    "eager", pytest.param("cooperative", marks=pytest.mark.slow), "consumer"])
 def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_path,
                                                    protocol) -> None:
     from test_loader_kafka import produce, trained_ids
