@@ -31,7 +31,7 @@ test: install
 	$(PY) -m kfeed cluster up --nodes 3 --dir $(TEST_CLUSTER) --port $(TEST_PORT) || { $(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; exit 1; }; \
 	KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(TEST_CLUSTER) | tail -n 1) \
 	KFEED_CLUSTER_DIR=$(TEST_CLUSTER) KFEED_CRASH_LOG=$(CRASH_LOG) \
-	$(PY) -m pytest -p no:faulthandler -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -p no:faulthandler -m "not slow" --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	$(PY) -m kfeed cluster down --dir $(TEST_CLUSTER) --wipe; \
 	if grep -q "^Fatal Python error" $(CRASH_LOG) 2>/dev/null; then \
 		echo "pytest crashed; the test and the crashing thread (all threads: $(CRASH_LOG)):"; \
