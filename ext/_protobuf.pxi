@@ -63,12 +63,12 @@ cdef struct PbEntry:
     int kind
     int field        # the field written; P_MESSAGE: -1; -1 and msg -1: none, skipped
     int code
-    int repeated     # elements go one after another (a repeated scalar)
+    uint8_t repeated  # elements go one after another (a repeated scalar)
+    uint8_t closed    # a closed (proto2) enum: its values in the plan's enum_values,
+                      # [enum_at[i], enum_at[i + 1]) for entry i
     Py_ssize_t msg   # P_MESSAGE: the message type's index
     Py_ssize_t clear_first  # a oneof member: the fields its oneof's other members
     Py_ssize_t clear_n      # lead to, clear_fields[clear_first:clear_first + clear_n]
-    Py_ssize_t enum_first   # a closed (proto2) enum: its values, sorted,
-    Py_ssize_t enum_n       # enum_values[enum_first:enum_first + enum_n]; 0: open
 
 
 cdef struct PbMsg:
@@ -83,7 +83,8 @@ cdef struct PbPlan:
     Py_ssize_t nmsgs
     Py_ssize_t nfields
     int* clear_fields        # the entries' fields to unset when they are read
-    int32_t* enum_values     # the closed enums' values
+    int32_t* enum_values     # the closed enums' values, each enum's sorted
+    Py_ssize_t* enum_at      # per entry and one more: where its values start
     int* codes
     uint64_t* nelem
     uint8_t* repeated        # per field: filled by a repeated entry
@@ -148,9 +149,10 @@ cdef class ProtobufPlan:
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
         self.p.clear_fields = <int*>calloc(ncl if ncl else 1, sizeof(int))
         self.p.enum_values = <int32_t*>calloc(nen if nen else 1, sizeof(int32_t))
+        self.p.enum_at = <Py_ssize_t*>calloc(ne + 1, sizeof(Py_ssize_t))
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
                 and self.p.repeated and self.p.default and self.p.clear_fields
-                and self.p.enum_values):
+                and self.p.enum_values and self.p.enum_at):
             raise MemoryError()
         if cl.shape[1] != 2:
             raise ValueError("clears must have shape (k, 2)")
@@ -177,7 +179,9 @@ cdef class ProtobufPlan:
                 raise ValueError(f"entry {i}: field number {entries[i, 0]} is out of range")
             e.number = <uint32_t>entries[i, 0]
             e.kind, e.field, e.code = entries[i, 1], entries[i, 2], entries[i, 3]
-            e.repeated, e.msg = entries[i, 4], entries[i, 5]
+            if entries[i, 4] not in (0, 1):
+                raise ValueError(f"entry {i}: repeated is 0 or 1")
+            e.repeated, e.msg = <uint8_t>entries[i, 4], entries[i, 5]
             if not 0 <= e.kind < P_KINDS:
                 raise ValueError(f"entry {i}: unknown kind {e.kind}")
             if e.field == -1 and e.msg == -1:
@@ -213,15 +217,15 @@ cdef class ProtobufPlan:
                 raise ValueError(f"enums row {k}: not an enum's entry")
             if not -2**31 <= en[k, 1] < 2**31:
                 raise ValueError(f"enums row {k}: {en[k, 1]} is no int32")
-            e = &self.p.entries[i]
-            if e.enum_n == 0:
-                if k and i <= en[k - 1, 0]:
-                    raise ValueError("enums must be sorted by entry")
-                e.enum_first = k
-            elif en[k, 1] <= en[k - 1, 1]:
-                raise ValueError("an enum's values must be sorted, once each")
-            e.enum_n += 1
+            if k and (i < en[k - 1, 0] or (i == en[k - 1, 0] and en[k, 1] <= en[k - 1, 1])):
+                raise ValueError("enums must be sorted by entry, then value, once each")
+            self.p.entries[i].closed = 1
             self.p.enum_values[k] = <int32_t>en[k, 1]
+        k = 0  # each entry's values start where the earlier entries' end
+        for i in range(ne + 1):
+            while k < nen and en[k, 0] < i:
+                k += 1
+            self.p.enum_at[i] = k
         for k in range(nm):
             self.p.msgs[k].first, self.p.msgs[k].n = msgs[k, 0], msgs[k, 1]
             if msgs[k, 0] < 0 or msgs[k, 1] < 0 or msgs[k, 0] + msgs[k, 1] > ne:
@@ -239,6 +243,7 @@ cdef class ProtobufPlan:
         free(self.p.default)
         free(self.p.clear_fields)
         free(self.p.enum_values)
+        free(self.p.enum_at)
 
 
 cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
@@ -371,8 +376,6 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
         r = pb_varint(c, end, &raw)
         if r:
             return r
-        if e.enum_n and not pb_known(c.plan, e, raw):
-            return A_OK  # a closed enum's unknown value: protobuf keeps it aside, unread
     if e.repeated:
         elem = c.count[e.field]
         c.count[e.field] += 1
@@ -443,14 +446,15 @@ cdef inline bint pb_known(const PbPlan* plan, const PbEntry* e, uint64_t raw) no
     """Whether ``raw``, read as an int32 as protobuf reads an enum, is one of the
     values of ``e``'s closed enum."""
     cdef int32_t v = <int32_t>raw
-    cdef Py_ssize_t lo = e.enum_first, hi = e.enum_first + e.enum_n, mid
+    cdef Py_ssize_t i = e - plan.entries
+    cdef Py_ssize_t lo = plan.enum_at[i], end = plan.enum_at[i + 1], hi = end, mid
     while lo < hi:
         mid = (lo + hi) // 2
         if plan.enum_values[mid] < v:
             lo = mid + 1
         else:
             hi = mid
-    return lo < e.enum_first + e.enum_n and plan.enum_values[lo] == v
+    return lo < end and plan.enum_values[lo] == v
 
 
 cdef inline void pb_clear(PbCur* c, const PbEntry* e) noexcept nogil:
@@ -473,6 +477,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     cdef int wt, r
     cdef Py_ssize_t lo, hi, mid
     cdef const uint8_t* stop
+    cdef const uint8_t* at
     c.depth += 1
     if c.depth > PB_MAX_DEPTH:
         return A_DEPTH
@@ -502,17 +507,17 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             if r:
                 return r
             continue
-        if e.enum_n and wt == 0:
+        if e.closed and wt == 0:
             # A closed enum's unknown value is an unknown field to protobuf: the
             # field, and its oneof, stay as they were.
-            stop = c.p
+            at = c.p
             r = pb_varint(c, end, &n)
             if r:
                 c.err_entry = lo
                 return r
             if not pb_known(c.plan, e, n):
                 continue
-            c.p = stop
+            c.p = at
         if e.clear_n:
             pb_clear(c, e)
         if e.field < 0 and e.msg < 0:  # a oneof member read for the line above alone
@@ -549,6 +554,12 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             if (e.kind == P_FLOAT and e.code == C_F32) or (e.kind == P_DOUBLE and e.code == C_F64):
                 r = pb_packed_copy(c, e, n)  # the elements as they lie: one memcpy
             while c.p < stop and r == A_OK:
+                if e.closed:  # an unknown value is left aside, as unpacked below
+                    at = c.p
+                    r = pb_varint(c, stop, &n)
+                    if r or not pb_known(c.plan, e, n):
+                        continue
+                    c.p = at
                 r = pb_value(c, e, stop)
         if r:
             c.err_entry = lo
