@@ -517,6 +517,24 @@ def test_lag_is_na_until_the_loader_knows_it() -> None:
     assert lag_text({"t[0]": 3, "t[1]": 4}) == "lag 7"
 
 
+def test_a_second_signal_stops_training_with_its_own_exit_status() -> None:
+    # A second SIGTERM exited 130, as if it were a SIGINT.
+    from kfeed import _train
+    from kfeed.errors import Interrupted
+
+    for first, second in ((signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)):
+        guard = _train.StopGuard()
+        guard.install()
+        try:
+            guard._handle(first, None)  # the first: noted, the step goes on
+            assert guard.signum == first
+            with pytest.raises(Interrupted) as stopped:
+                guard._handle(second, None)
+            assert stopped.value.signum == second
+        finally:
+            guard.restore()
+
+
 def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:
     import threading
     import time

@@ -107,6 +107,22 @@ def test_bad_record_warnings_come_once_per_reason_every_few_seconds(caplog) -> N
     assert bad.summary() == "250 bad record(s): 200x bad magic; 50x empty value (tombstone)"
 
 
+def test_reasons_that_differ_only_in_their_numbers_count_and_warn_as_one_kind(caplog) -> None:
+    # Raw values of 9 to 299 bytes made 291 reasons: 291 metric series, 291 warnings.
+    src = MemorySource([])
+    bad = BadRecords(SCHEMA, Format.RAW, BadRecordPolicy.DEAD_LETTER, src, fail_fast=None)
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        for i in range(9, 300):
+            bad.bad(_Msg(b"x" * i, i), "raw value size is not the record size")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("bad record at t[0]@9, sent to t.dlq: raw "
+                                                   "value of 9 bytes, but the schema's record")
+    assert list(bad.by_reason) == ["raw value of N bytes, but the schema's record is N bytes "
+                                   "(features float32[N], label int64, id int64)"]
+    assert len(src.dead_letters) == 291 and src.dead_letters[-1][1].startswith(
+        "raw value of 299 bytes")  # the copies keep the whole reason
+
+
 def test_a_read_whose_first_messages_are_all_bad_raises_one_error_and_routes_nothing() -> None:
     values = [_block_of(FEATURES_ONLY)] * 40
     src = MemorySource(values)

@@ -46,6 +46,19 @@ def test_lag_in_messages_and_seconds_and_the_owning_member(bootstrap, make_topic
              asynchronous=False)
     c.close()
     assert [(r.lag, r.lag_s) for r in kfeed.group_lag(config, group)] == [(0, 0.0), (0, 0.0)]
+    # A commit below the log's start (records deleted, or gone with retention): the
+    # group reads next from the start, whose record's age this is (it read 0 s).
+    from confluent_kafka.admin import AdminClient
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    c.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)
+    c.close()
+    admin = AdminClient(config)
+    for f in admin.delete_records([TopicPartition(topic, 0, 50)]).values():
+        f.result(30)
+    p0 = kfeed.group_lag(config, group, [topic])[0]
+    assert (p0.committed, p0.end, p0.lag) == (2, 60, 10)
+    assert 49 <= p0.lag_s <= 49 + 60  # the record at offset 50 was written 50 s ago
     # A live member owns both partitions.
     member = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
                        "client.id": "trainer-7"})

@@ -108,6 +108,27 @@ def test_serve_refuses_what_it_cannot_do():
             metrics.serve(s.server_port)
     finally:
         s.shutdown()
+    # Shut down, the port is free: serving on it again works (it stayed bound).
+    again = metrics.serve(s.server_port)
+    again.shutdown()
+
+
+def test_two_loaders_of_the_same_topics_are_two_series_and_epochs_only_add(server):
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = schema.encode_blocks({"id": np.arange(100)}, 10)
+    with memory_loader(values, schema, 10, device="cpu", until="end") as a, \
+            memory_loader(values, schema, 10, device="cpu", until="end", epochs=3) as b:
+        assert sum(1 for _ in a) == 10
+        seen = []
+        for _epoch in range(3):
+            assert sum(1 for _ in b) == 10
+            got = scrape(server)
+            series = [x for x in got["kfeed_loader_samples"] if x.name.endswith("_total")]
+            assert len({tuple(sorted(x.labels.items())) for x in series}) == len(series) == 2
+            seen.append(sorted(x.value for x in series))
+            assert b.stats()["bytes"] == (len(seen)) * a.stats()["bytes"]
+    # The loader of three epochs counts on: 100, 200, 300 samples, never back to 100.
+    assert seen == [[100, 100], [100, 200], [100, 300]]
 
 
 def test_without_prometheus_client_kfeed_imports_and_runs():

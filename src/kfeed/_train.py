@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.errors import ConfigError, Interrupted, KfeedError
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
@@ -260,9 +260,10 @@ class StopGuard:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
-            # A second signal: the user will not wait for the checkpoint.
+            # A second signal: the user will not wait for the checkpoint. The
+            # exit status is the second signal's (143 for a SIGTERM).
             self.restore()
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
         self.signum = signum
         if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -89,6 +90,15 @@ def _header(msg: Any, name: str) -> bytes | None:
     return None
 
 
+_NUMBERS = re.compile(r"\b(?:0x[0-9a-f]+|-?\d+)\b")  # not the 32 of float32
+
+
+def reason_kind(why: str) -> str:
+    """A reason with its numbers as N: "raw value of N bytes, but ...". The
+    sizes and counts in reasons are as many as the messages; their kinds few."""
+    return _NUMBERS.sub("N", why)
+
+
 def block_fingerprint(value: Any) -> int | None:
     """The schema fingerprint in a kfeed block's header, or None for no block."""
     if value is not None and len(value) >= 24 and bytes(value[:4]) == _MAGIC:
@@ -125,6 +135,8 @@ class BadRecords:
         self.source = source
         self.fail_fast = fail_fast
         self.count = 0
+        # By kind of reason (``reason_kind``): a few keys, however many sizes and
+        # counts the messages show, for the metrics' label and the warnings' pace.
         self.by_reason: Counter[str] = Counter()
         self.good_seen = False
         # Before the first good record: rejected messages held back, so that
@@ -154,7 +166,7 @@ class BadRecords:
     def bad(self, msg: Any, reason: str) -> None:
         self.count += 1
         why = self.explain(msg, reason)
-        self.by_reason[why] += 1
+        self.by_reason[reason_kind(why)] += 1
         tp = (msg.topic(), msg.partition())
         if self.policy is BadRecordPolicy.RAISE:
             raise DecodeError(f"bad record: {why}", topic=tp[0], partition=tp[1],
@@ -201,11 +213,12 @@ class BadRecords:
 
     def _warn(self, msg: Any, why: str, dest: str) -> None:
         now = time.monotonic()
-        last, since = self._warned.get(why, (None, 0))
+        kind = reason_kind(why)
+        last, since = self._warned.get(kind, (None, 0))
         if last is not None and now - last < WARN_EVERY_S:
-            self._warned[why] = (last, since + 1)
+            self._warned[kind] = (last, since + 1)
             return
-        self._warned[why] = (now, 0)
+        self._warned[kind] = (now, 0)
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
         more = f" (and {since} more in the last {now - last:.0f}s)" if since else ""
         log.warning("bad record at %s, %s: %s%s", where, dest, why, more)

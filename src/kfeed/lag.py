@@ -76,11 +76,12 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
         end = {(tp.topic, tp.partition): f.result().offset for tp, f in ends.items()}
-        fresh = [tp for tp in parts if tp not in committed]  # no commit: from the log's start
+        # Where the group reads next: its commit, or the log's start where it has none
+        # or where retention (or deleted records) moved the start past it.
         firsts = admin.list_offsets({TopicPartition(t, p): OffsetSpec.earliest()
-                                     for t, p in fresh}, request_timeout=timeout_s) if fresh else {}
-        start = {**{(tp.topic, tp.partition): f.result().offset for tp, f in firsts.items()},
-                 **committed}
+                                     for t, p in parts}, request_timeout=timeout_s) if parts else {}
+        first = {(tp.topic, tp.partition): f.result().offset for tp, f in firsts.items()}
+        start = {tp: max(committed.get(tp, first[tp]), first[tp]) for tp in parts}
         owners = _owners(admin, group_id, timeout_s)
     except KafkaException as e:
         err = e.args[0]
@@ -127,7 +128,8 @@ def _ages(config: dict[str, Any], left: dict[tuple[str, int], int],
     if not left:
         return {}
     consumer = Consumer({**config, "group.id": "kfeed-lag-reader", "enable.auto.commit": False,
-                         "isolation.level": "read_committed", "enable.partition.eof": True})
+                         "isolation.level": "read_committed", "enable.partition.eof": True,
+                         "auto.offset.reset": "earliest"})
     try:
         consumer.assign([TopicPartition(t, p, o) for (t, p), o in left.items()])
         out: dict[tuple[str, int], float] = {}

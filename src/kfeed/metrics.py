@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import itertools
 import logging
 import re
 import threading
@@ -42,10 +43,23 @@ from kfeed.errors import ConfigError
 
 log = logging.getLogger("kfeed.metrics")
 
-__all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "GpuReader", "Histogram", "serve"]
+__all__ = ["LATENCY_BUCKETS_S", "LIVE", "WAIT_BUCKETS_S", "GpuReader", "Histogram", "register",
+           "serve"]
 
 # Every Loader and Producer made in this process and not yet collected (or closed).
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+# Each live object's label ("0", "1", ... in the order they were made): two
+# loaders of one group and topics, or two producers of a topic, in one process
+# are two series, not one series twice.
+_IDS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_NEXT_ID = itertools.count()
+
+
+def register(obj: Any) -> None:
+    """Publish ``obj`` (a Loader or a Producer) while it lives, under an id of its own."""
+    if obj not in _IDS:
+        _IDS[obj] = str(next(_NEXT_ID))
+    LIVE.add(obj)
 
 # The caller's wait in next() (the data stall), in seconds.
 WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -115,6 +129,7 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
 
     def stop() -> None:
         shutdown()
+        server.server_close()  # the port, free for another serve()
         ages.close()
         atexit.unregister(ages.close)
 
@@ -285,7 +300,7 @@ class _Collector:
             HistogramMetricFamily,
         )
 
-        loader_labels = ["consumergroup", "topics"]
+        loader_labels = ["consumergroup", "topics", "loader"]
         c = {name: CounterMetricFamily(f"kfeed_loader_{name}", doc, labels=loader_labels)
              for name, doc in (("samples", "samples handed out"),
                                ("bytes", "message bytes decoded"),
@@ -324,7 +339,7 @@ class _Collector:
         lag = GaugeMetricFamily("kafka_consumergroup_lag",
                                 "messages not read yet, per partition (kafka_exporter's name)",
                                 labels=["consumergroup", "topic", "partition"])
-        producer_labels = ["topic"]
+        producer_labels = ["topic", "producer"]
         p = {name: CounterMetricFamily(f"kfeed_producer_{name}", doc, labels=producer_labels)
              for name, doc in (("samples", "samples sent"), ("messages", "messages sent"),
                                ("bytes", "message bytes sent"),
@@ -333,16 +348,17 @@ class _Collector:
                                    "messages handed to librdkafka and not acknowledged yet",
                                    labels=producer_labels)
         devices: set[int] = set()
+        lags: dict[tuple[str, str, str], int] = {}
         for obj in _live():
             stats = obj.stats()
             if "lag" not in stats:  # a producer
-                labels = [obj.topic]
+                labels = [obj.topic, _IDS.get(obj, "")]
                 for name, family in p.items():
                     family.add_metric(labels, stats[name])
                 queued.add_metric(labels, stats["queued"])
                 continue
             group = stats["group"]
-            labels = [group, ",".join(obj.topics)]
+            labels = [group, ",".join(obj.topics), _IDS.get(obj, "")]
             index = _cuda_index(getattr(obj, "device", None))
             if index is not None:
                 devices.add(index)
@@ -363,8 +379,11 @@ class _Collector:
                 stage.add_metric([*labels, name], stats[f"{name}_s"])
             for key, n in stats["lag"].items():
                 m = _LAG_KEY.fullmatch(key)
-                if m is not None:
-                    lag.add_metric([group, m.group(1), m.group(2)], n)
+                if m is not None:  # one series a partition: the largest, if two read it
+                    where = (group, m.group(1), m.group(2))
+                    lags[where] = max(n, lags.get(where, n))
+        for where, n in lags.items():
+            lag.add_metric(list(where), n)
         lag_s = GaugeMetricFamily("kfeed_consumergroup_lag_seconds",
                                   "age of the group's next unread record (committed offset)",
                                   labels=["consumergroup", "topic", "partition"])

@@ -189,7 +189,7 @@ class Producer:
                 self._producer.init_transactions(self._timeout)
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot start transactions", e) from e
-        metrics.LIVE.add(self)
+        metrics.register(self)
 
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException

@@ -113,6 +113,11 @@ __all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"
 
 log = logging.getLogger("kfeed.loader")
 
+# Counts of a pipeline's stages, which a new epoch's pipeline starts again: stats()
+# adds the earlier ones' (``Loader._carried``), so that counters only grow.
+_CARRIED = ("samples_decoded", "bytes", "bad_records", "commits", "commit_failures",
+            "dead_lettered", "rebalances", "fetch_s", "decode_s", "copy_s")
+
 _MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
 _MAX_SUPERSEDED = 256  # and this many runs whose commits it accounts for
 _STATE_VERSION = 1
@@ -404,17 +409,20 @@ class Loader:
         self._again: Handoff | None = None
         self._broken: BaseException | None = None  # with ranks: such a failure ends the read
         self._exhausted = False
-        self._wait_s = 0.0          # waited in next() after the first batch
-        self._startup_s = 0.0       # from the first next() to the first batch
-        self._longest_wait_s = 0.0
-        self._batches = 0
-        self._samples_out = 0
-        self._t0: float | None = None       # first next()
-        self._t_first: float | None = None  # first batch handed out
-        self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
-        self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
         self._closed = False
-        metrics.LIVE.add(self)
+        if not hasattr(self, "_batches"):  # the first pipeline: counters for the loader's life
+            self._wait_s = 0.0          # waited in next() after the first batch
+            self._startup_s = 0.0       # from the first next() to the first batch
+            self._longest_wait_s = 0.0
+            self._batches = 0
+            self._samples_out = 0
+            self._t0: float | None = None       # first next()
+            self._t_first: float | None = None  # first batch handed out
+            self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
+            self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
+            # The earlier epochs' pipelines' counts (their stages are made anew).
+            self._carried: dict[str, Any] = {}
+        metrics.register(self)
 
     # -- iteration ------------------------------------------------------------
 
@@ -449,6 +457,8 @@ class Loader:
         with self._ledger.lock:
             superseded = self._ledger.superseded.union(self._ledger.seen_runs)
         self.close()
+        stats = self.stats()  # the counts so far, which the new stages start again from
+        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason")}
         self._epoch_finished = False
         self._setup(self._kafka_config, self._epoch_config(), self._given_source)
         self._lineages = lineages
@@ -866,9 +876,16 @@ class Loader:
             for tp, end in fetcher.ends.items():
                 if tp in positions:
                     positions[tp] = max(positions[tp], end)
+        # The partitions held now: one given up in a rebalance is its new owner's to report.
+        assigned = fetcher.assigned
         lag = {f"{t}[{p}]": n
-               for (t, p), n in sorted(self._source.lag(positions, fetcher.ends).items())}
-        return {
+               for (t, p), n in sorted(self._source.lag(positions, fetcher.ends).items())
+               if (t, p) in assigned}
+        carried = self._carried
+        reasons = dict(carried.get("bad_by_reason", {}))
+        for why, n in self._bad.by_reason.items():
+            reasons[why] = reasons.get(why, 0) + n
+        stats = {
             "samples": self._samples_out,
             "samples_decoded": builder.samples,
             "bytes": builder.value_bytes,
@@ -885,7 +902,7 @@ class Loader:
             "pool_bytes": self._pool.nbytes,
             "held_bytes": builder.held_bytes(),
             "group": self._source.group_id,
-            "bad_by_reason": dict(self._bad.by_reason),
+            "bad_by_reason": reasons,
             "wait_histogram": self._wait_hist,
             "latency_histogram": self._latency_hist,
             "commits": self._source.commits_sent,
@@ -900,6 +917,11 @@ class Loader:
             "epoch": self._epoch,
             **self._mix_stats(),
         }
+        for key in _CARRIED:
+            stats[key] += carried.get(key, 0)
+        if carried:
+            stats["mb_per_s"] = stats["bytes"] / elapsed / 1e6 if elapsed > 0 else 0.0
+        return stats
 
     def _mix_stats(self) -> dict[str, Any]:
         mixer = getattr(self._ledger, "mixer", None)
