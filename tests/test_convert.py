@@ -47,6 +47,23 @@ def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer
     assert (again.records, again.transactions) == (0, 0)
 
 
+def test_the_progress_counts_the_lag_of_partitions_not_read_yet(bootstrap, make_topic):
+    # A partition nothing was read from yet has no position: its lag was left
+    # out, so the lag reported first was a partition's, then jumped up.
+    src = make_topic(partitions=3)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    n = 60_000
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, src, schema, format="raw") as p:
+        for part in range(3):
+            p.send({"id": np.arange(part * n, (part + 1) * n)}, partition=part)
+    seen = []
+    kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema, format="raw",
+                  round_messages=1000, progress=lambda s: seen.append((s.messages, s.lag)))
+    assert len(seen) >= 3 * n // 1000 and seen[-1] == (3 * n, 0)
+    # Read plus not read is the whole topic at every round (none is read twice).
+    assert [m + lag for m, lag in seen] == [3 * n] * len(seen)
+
+
 def test_a_raw_topic_converts_with_its_order_per_partition(bootstrap, make_topic):
     src = make_topic(partitions=2)
     schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (4,))})

@@ -105,3 +105,30 @@ def test_a_commit_waits_for_the_dead_letter_copies_before_it() -> None:
     assert order and all(order[i - 1] == "settle" for i, x in enumerate(order) if x == "commit")
     assert order[-1] == "settle" or order[-2:] == ["settle", "commit"]
     assert len(src.dead_letters) == 1
+
+
+def test_a_wait_under_way_or_cut_short_counts_as_the_stall() -> None:
+    # A trainer starved after its first batch showed 0% stall while next() waited,
+    # and a wait a close() cut short was never counted.
+    values = SCHEMA.encode_blocks(synthetic_columns(np.arange(16)), 16)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu", source=MemorySource(values))
+    next(ld)  # the only batch; the stream then has nothing new
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            next(ld)
+        except kfeed.LoaderError as e:
+            failed.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    during = ld.stats()
+    assert during["wait_s"] >= 0.4 and during["longest_wait_s"] >= 0.4
+    assert during["stall_fraction"] > 0.5
+    ld.close()
+    waiter.join(10)
+    assert failed and "closed" in str(failed[0])
+    after = ld.stats()
+    assert after["wait_s"] >= during["wait_s"] and sum(after["wait_histogram"].counts) == 1

@@ -58,7 +58,8 @@ def test_a_bursty_loop_deepens_the_queue_within_the_cap():
                 f"http://127.0.0.1:{server.server_port}/metrics").read().decode()
         finally:
             server.shutdown()
-        assert f"kfeed_loader_prefetch_batches{{consumergroup=\"\",topics=\"memory\"}} " \
+        assert f"kfeed_loader_prefetch_batches{{consumergroup=\"\",loader=" \
+               f"\"{metrics._IDS[loader]}\",topics=\"memory\"}} " \
                f"{float(loader.stats()['prefetch'])}" in page
 
 

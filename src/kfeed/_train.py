@@ -227,7 +227,7 @@ class _Stopped(Exception):
 # batch out, committing, running a revoke hook, releasing a slot) must finish
 # first. If the names change in kfeed.loader, a signal simply waits for the
 # next step boundary.
-_SAFE_WAITS = (["_take"], ["get", "_take"])  # innermost first
+_SAFE_WAITS = (["_take", "_next_batch"], ["get", "_take", "_next_batch"])  # innermost first
 
 
 @dataclass

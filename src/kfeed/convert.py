@@ -363,11 +363,19 @@ class _Convert:
 
         lag = 0
         try:
+            unread = []
             for tp in self.consumer.position([TopicPartition(self.from_topic, p)
                                               for p in sorted(self.assigned)]):
+                if tp.offset < 0:  # nothing read from it yet: from where it will start
+                    unread.append(tp)
+                    continue
                 _low, high = self.consumer.get_watermark_offsets(tp, cached=True)
-                if tp.offset >= 0 and high >= 0:
+                if high >= 0:
                     lag += max(0, high - tp.offset)
+            if unread:  # (asked of the brokers: only until every partition is being read)
+                for tp in self.consumer.committed(unread, timeout=self.timeout):
+                    low, high = self.consumer.get_watermark_offsets(tp, timeout=self.timeout)
+                    lag += max(0, high - max(tp.offset, low))
         except Exception as e:  # noqa: BLE001 - the lag is only reported
             log.debug("lag not known: %s", kafka_error(e) or e)
         return lag

@@ -419,6 +419,7 @@ class Loader:
             self._t0: float | None = None       # first next()
             self._t_first: float | None = None  # first batch handed out
             self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
+            self._waiting_since: float | None = None  # next() waits since then
             self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
             # The earlier epochs' pipelines' counts (their stages are made anew).
             self._carried: dict[str, Any] = {}
@@ -538,6 +539,20 @@ class Loader:
         if self._agreement is None and self.config.bounded and self.world_size > 1 \
                 and dist_ready() and get_worker_info() is None:  # (no collectives in workers)
             self._agreement = EpochAgreement()
+        # A wait after the first batch is the data stall: stats() counts it while it
+        # lasts, and one cut short (a signal, close(), an error) counts as well.
+        self._waiting_since = t if self._t_first is not None else None
+        try:
+            return self._next_batch(f, t)
+        except StopIteration:  # the end of a bounded read: no stall
+            self._waiting_since = None
+            raise
+        except BaseException:
+            if self._waiting_since is not None:
+                self._waited(time.monotonic() - t)
+            raise
+
+    def _next_batch(self, f: Any, t: float) -> Batch:
         ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall
         if self._again is not None:
             item, self._again, ready = self._again, None, True
@@ -563,12 +578,16 @@ class Loader:
         else:
             now = time.monotonic()
             waited = now - t
-            self._wait_s += waited
-            self._longest_wait_s = max(self._longest_wait_s, waited)
-            self._wait_hist.observe(waited)
+            self._waited(waited)
             if self._tuner is not None:
                 self._tuner.observe(0.0 if ready else waited, now)
         return batch
+
+    def _waited(self, waited: float) -> None:
+        self._waiting_since = None
+        self._wait_s += waited
+        self._longest_wait_s = max(self._longest_wait_s, waited)
+        self._wait_hist.observe(waited)
 
     def _agreed(self) -> Any:
         """The next item, or ``END`` once any rank has run out (see ``EpochAgreement``)."""
@@ -866,7 +885,10 @@ class Loader:
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
         # Rates and stall are over the steady state, from the first batch on;
         # joining the group and the first fetch show as startup_s.
-        elapsed = time.monotonic() - self._t_first if self._t_first is not None else 0.0
+        now = time.monotonic()
+        elapsed = now - self._t_first if self._t_first is not None else 0.0
+        since = self._waiting_since  # a wait under way, in next() on another thread
+        waiting = now - since if since is not None else 0.0
         with ledger.lock:
             positions = {tp: off for tp, (off, _skip) in ledger.delivered().items()}
         if self._exhausted and self._feeder.epoch_over:
@@ -896,9 +918,9 @@ class Loader:
             "mb_per_s": builder.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
             "bad_records": self._bad.count,
             "lag": lag,
-            "wait_s": self._wait_s,
-            "longest_wait_s": self._longest_wait_s,
-            "stall_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
+            "wait_s": self._wait_s + waiting,
+            "longest_wait_s": max(self._longest_wait_s, waiting),
+            "stall_fraction": (self._wait_s + waiting) / elapsed if elapsed > 0 else 0.0,
             "pool_bytes": self._pool.nbytes,
             "held_bytes": builder.held_bytes(),
             "group": self._source.group_id,
