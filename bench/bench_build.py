@@ -58,9 +58,12 @@ def _drain(loader: kfeed.Loader, cpu: str | None = None) -> int:
             n += batch.size
             batches += 1
             if cpu is not None:  # read each batch: the thread is gone after the last
-                if clock is None:
-                    clock = time.pthread_getcpuclockid(loader._feeder.thread.ident)
-                thread_s = time.clock_gettime(clock)
+                try:
+                    if clock is None:
+                        clock = time.pthread_getcpuclockid(loader._feeder.thread.ident)
+                    thread_s = time.clock_gettime(clock)
+                except OSError:  # it ended (the read's last batches were queued)
+                    pass
     if cpu is not None:
         acc = CPU.setdefault(cpu, [0.0, 0.0, 0])
         acc[0] += thread_s
