@@ -214,6 +214,33 @@ def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
     committed.consumer.close()
 
 
+def test_a_follow_with_nothing_new_still_reports_its_progress(bootstrap, make_topic):
+    # An idle --follow printed nothing, and looked hung.
+    import threading
+
+    src = make_topic(partitions=1)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(10):
+        p.produce(src, json.dumps({"id": i}).encode())
+    assert p.flush(30) == 0
+    stop, seen = threading.Event(), []
+
+    def progress(st: kfeed.ConvertStats) -> None:
+        seen.append(st.records)
+        if seen.count(10) >= 5:  # five rounds since the last record: idle ones
+            stop.set()
+
+    timer = threading.Timer(60, stop.set)  # (the test's own bound)
+    timer.start()
+    try:
+        st = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
+                           kfeed.Schema({"id": ("int64", ())}), format="json", follow=True,
+                           stop=stop, progress=progress)
+    finally:
+        timer.cancel()
+    assert st.records == 10 and seen.count(10) >= 5
+
+
 def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstrap,
                                                                         make_topic):
     # Three bad events come first, alone in their rounds: that is not yet "every

@@ -159,6 +159,8 @@ def test_the_producer_and_a_kafka_loader_under_their_real_names(server, bootstra
         assert sample(got, "kfeed_producer_messages_total", topic=topic) == p.messages == 10
         assert sample(got, "kfeed_producer_queue_messages", topic=topic) == 0
         assert sample(got, "kfeed_producer_delivery_failures_total", topic=topic) == 0
+    # Closed (and still referenced, as p is): no longer published.
+    assert not [x for x in scrape(server)["kfeed_producer_samples"] if x.labels["topic"] == topic]
     group = uuid.uuid4().hex
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": group}, topic, schema, 64,
                       device="cpu", until="end") as loader:

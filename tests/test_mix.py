@@ -135,6 +135,9 @@ def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
     ({"weights": ["a", "b"]}, "dict {topic: weight} or a callable"),
     ({"weights": {"a": 1.0}, "exhausted": "forever"}, "'stop', 'renormalize' or 'repeat'"),
     ({"weights": {"a": 1.0}, "seed": -1}, "seed must be an int"),
+    ({"weights": {"a": 1.0}, "seed": True}, "seed must be an int"),
+    ({"weights": {"a": 1.0}, "seed": np.bool_(True)}, "seed must be an int"),
+    ({"weights": {"a": 1.0}, "seed": 1.0}, "seed must be an int"),
     ({"weights": lambda step: 1 / 0}, "schedule failed at step 0"),
 ])
 def test_bad_mixtures_say_what_is_wrong(kwargs, match):
@@ -145,6 +148,8 @@ def test_bad_mixtures_say_what_is_wrong(kwargs, match):
 def test_numpy_weights_are_numbers_and_a_tiny_weight_still_takes_turns():
     mix = Mix({"a": np.float32(0.75), "b": np.int64(1)})
     assert mix.weights == {"a": 0.75, "b": 1.0}
+    seeded = Mix({"a": 1.0}, seed=np.uint64(2**63))  # a numpy integer seed, as an int
+    assert seeded.seed == 2**63 and type(seeded.seed) is int
     assert Mix(lambda step: {"a": np.float64(1), "b": 0}).weights_at(0, ("a", "b")) == \
         {"a": 1.0, "b": 0.0}
     mixer = Mixer(Mix({"a": 1.0, "b": 1e-12}), 8, bounded=True)
@@ -547,6 +552,9 @@ def test_bad_epochs_say_what_is_wrong():
     loader = epoch_loader()
     with pytest.raises(ConfigError, match="epoch must be an int in 0..2"):
         loader.set_epoch(3)
+    loader.set_epoch(np.int64(1))  # a numpy integer, as an int
+    assert loader.epoch == 1 and type(loader.epoch) is int
+    loader.set_epoch(0)
     next(iter(loader))
     with pytest.raises(ConfigError, match="set_epoch goes between epochs"):
         loader.set_epoch(1)

@@ -223,7 +223,7 @@ class _Convert:
                     self.carried = []
                     self.bad.forget(lambda _m: True)  # any held are among those read again
             self.stats.elapsed_s = time.monotonic() - t0
-            if progress is not None and (msgs or not follow):
+            if progress is not None:  # (an idle round of --follow too: it is alive)
                 progress(self.stats)
             if not follow and not msgs and self.assigned and self.assigned <= self.eof:
                 self.bad.end_of_read()  # every record to the end was bad: that is the error

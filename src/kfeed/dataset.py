@@ -76,7 +76,7 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
 
         Call it in the main process before each epoch's loop.
         """
-        self.config.check_epoch(epoch, "KafkaIterableDataset")
+        epoch = self.config.check_epoch(epoch, "KafkaIterableDataset")
         self._epoch.value = epoch
 
     def __getstate__(self) -> dict[str, Any]:

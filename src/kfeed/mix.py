@@ -33,6 +33,7 @@ state, lets them out in the same order as the run that saved it.
 from __future__ import annotations
 
 import math
+import operator
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,9 +84,10 @@ class Mix:
     topics: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
-                or not 0 <= self.seed < 2**64:
+        seed = as_int(self.seed)
+        if seed is None or not 0 <= seed < 2**64:
             raise ConfigError(f"Mix seed must be an int in 0..2**64-1, got {self.seed!r}")
+        object.__setattr__(self, "seed", seed)  # a numpy integer, as a Python int
         if self.exhausted not in _EXHAUSTED:
             raise ConfigError(f"Mix exhausted must be 'stop', 'renormalize' or 'repeat', "
                               f"got {self.exhausted!r}")
@@ -119,6 +121,16 @@ class Mix:
                                                      sorted(self.weights.items())}  # type: ignore[union-attr]
         return {"topics": list(self.topics), "seed": self.seed, "exhausted": self.exhausted,
                 "weights": weights}
+
+
+def as_int(x: Any) -> int | None:
+    """``x`` as a Python int, if it is an integer (numpy's too) and no bool; else None."""
+    if isinstance(x, bool) or isinstance(x, np.bool_):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _checked(weights: Any, topics: tuple[str, ...] | None, what: str) -> dict[str, float]:

@@ -486,6 +486,7 @@ class Producer:
         read_committed consumers can read what it committed."""
         self.flush()
         self._await_readable()
+        metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
 
     def __enter__(self) -> Producer:
         return self

@@ -443,7 +443,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next, as ``DistributedSampler.set_epoch`` (between epochs)."""
-        self._base.check_epoch(epoch, "Loader")
+        epoch = self._base.check_epoch(epoch, "Loader")
         if self._feeder.thread is not None and not self._epoch_finished:
             raise ConfigError(f"epoch {self._epoch} is being read: set_epoch goes between "
                               f"epochs (before iterating, or after the loop ended)")

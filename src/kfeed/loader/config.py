@@ -21,7 +21,7 @@ from kfeed.badrecords import BadRecordPolicy
 from kfeed.device import default_device
 from kfeed.errors import ConfigError
 from kfeed.formats import RecordFormat, one_field, resolve
-from kfeed.mix import Mix
+from kfeed.mix import Mix, as_int
 from kfeed.outputs import check_output
 from kfeed.schema import Schema
 from kfeed.tokens import Pack, Shuffle
@@ -180,12 +180,15 @@ class LoaderConfig:
         """Whether batches hold a variable-length field as elements and offsets (no pack)."""
         return self.pack is None and self.schema.varlen is not None
 
-    def check_epoch(self, epoch: Any, who: str) -> None:
-        """Refuse an epoch that ``set_epoch`` of ``who`` (the class asked) cannot read."""
+    def check_epoch(self, epoch: Any, who: str) -> int:
+        """``epoch`` as an int; refused where ``set_epoch`` of ``who`` (the class asked)
+        cannot read it."""
         if self.epochs is None:
             raise ConfigError(f"set_epoch needs {who}(..., epochs=N)")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < self.epochs:
+        whole = as_int(epoch)
+        if whole is None or not 0 <= whole < self.epochs:
             raise ConfigError(f"epoch must be an int in 0..{self.epochs - 1}, got {epoch!r}")
+        return whole
 
     def replace(self, **changes: Any) -> LoaderConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
