@@ -1109,7 +1109,7 @@ def _wire_format(args: argparse.Namespace) -> Any:
     import kfeed
 
     registry = {"url": args.registry} if args.registry else None
-    if args.registry and not all(u.strip().startswith(("http://", "https://"))
+    if args.registry and not all(u.strip().startswith(("http://", "https://", "mock://"))
                                  for u in args.registry.split(",")):
         raise ConfigError(f"--registry {args.registry} is not an http:// or https:// address: "
                           f"give e.g. --registry http://registry:8081")
