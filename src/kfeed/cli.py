@@ -1107,10 +1107,10 @@ def _wire_format(args: argparse.Namespace) -> Any:
     import importlib
 
     import kfeed
+    from kfeed.formats import registry_url_ok
 
     registry = {"url": args.registry} if args.registry else None
-    if args.registry and not all(u.strip().startswith(("http://", "https://", "mock://"))
-                                 for u in args.registry.split(",")):
+    if args.registry and not registry_url_ok(args.registry):
         raise ConfigError(f"--registry {args.registry} is not an http:// or https:// address: "
                           f"give e.g. --registry http://registry:8081")
     avro_schema = getattr(args, "avro_schema", None)

@@ -216,6 +216,14 @@ def resolve(value: str | Format | RecordFormat) -> Format | RecordFormat:
     return Format.parse(value)
 
 
+def registry_url_ok(url: Any) -> bool:
+    """Whether ``url`` is one or more http://, https:// (or mock://, confluent-kafka's
+    in-memory registry) addresses, joined by commas."""
+    parts = url.split(",") if isinstance(url, str) else []
+    return bool(parts) and all(u.strip().startswith(("http://", "https://", "mock://"))
+                               for u in parts)
+
+
 def checked_registry(registry: Any) -> Any:
     """``registry=`` of a format, checked where it is given: a client, or a config dict
     whose url(s) a client can reach (checked when the client is made, too late)."""
@@ -223,9 +231,7 @@ def checked_registry(registry: Any) -> Any:
         return None
     if isinstance(registry, Mapping):
         url = registry.get("url")
-        parts = url.split(",") if isinstance(url, str) else []
-        if not parts or not all(u.strip().startswith(("http://", "https://", "mock://"))
-                                for u in parts):
+        if not registry_url_ok(url):
             raise ConfigError(f"registry url {url!r} is not an http:// or https:// address: "
                               f"give e.g. {{'url': 'http://registry:8081'}}")
         return registry
