@@ -915,7 +915,8 @@ class Loader:
             "startup_s": self._startup_s,
             "elapsed_s": elapsed,
             "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
-            "mb_per_s": builder.value_bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
+            "mb_per_s": ((builder.value_bytes + carried.get("bytes", 0)) / elapsed / 1e6
+                         if elapsed > 0 else 0.0),
             "bad_records": self._bad.count,
             "lag": lag,
             "wait_s": self._wait_s + waiting,
@@ -941,8 +942,6 @@ class Loader:
         }
         for key in _CARRIED:
             stats[key] += carried.get(key, 0)
-        if carried:
-            stats["mb_per_s"] = stats["bytes"] / elapsed / 1e6 if elapsed > 0 else 0.0
         return stats
 
     def _mix_stats(self) -> dict[str, Any]:
