@@ -133,6 +133,18 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "create it first")),
     (TRAIN + ("--seq-len", "64"),
      "kfeed: --seq-len applies to --task lm, not to --task mlp: leave it out"),
+    # Named max_memory_bytes, and said only what the batches need; the least
+    # --max-memory-mb that fits was the user's to guess.
+    (TRAIN + ("--max-memory-mb", "1"),
+     ("kfeed: --max-memory-mb 1 is too small for these settings: they need at least 12 (or a "
+      "smaller --batch-size, --prefetch or --shuffle)")),
+    # An EOS id no token of the topic can be made a 51 TB embedding.
+    (TRAIN + ("--task", "lm", "--eos-id", "99999999999"),
+     ("kfeed: --eos-id 99999999999 is no uint16 token id (at most 65535): a smaller id, or a "
+      "wider --token-dtype as produced")),
+    (TRAIN + ("--task", "lm", "--eos-id", "4000000", "--token-dtype", "uint32"),
+     ("kfeed: --eos-id 4000000: the demo model's vocabulary would have 4000001 ids, more than "
+      "its 1048576")),
     (TRAIN + ("--token-dtype", "int32"),
      "kfeed: --token-dtype applies to --task lm, not to --task mlp: leave it out"),
     (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
@@ -410,6 +422,39 @@ def test_casts_check_the_values(tmp_path) -> None:
 
 
 # -- failures while running: exit 1, one line ---------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["avro", "protobuf"])
+def test_a_registry_that_cannot_be_reached_stops_produce_before_a_topic_is_made(capsys,
+                                                                               fmt) -> None:
+    # The topic was made first, then the schema's registration failed. Here
+    # the brokers cannot be reached either: the registry is asked first.
+    code, err, out = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt,
+                              "--registry", "http://127.0.0.1:9", "--connect-timeout", "2")
+    assert code == 1 and len(err) == 1 and out == "", err
+    assert err[0].startswith("kfeed: cannot reach the registry at http://127.0.0.1:9: "), err
+
+
+def test_kfeeds_warnings_show_without_v_one_line_each_and_nothing_else(capsys,
+                                                                      monkeypatch) -> None:
+    # Without -v every log line was hidden: a topic of another schema read by
+    # `kfeed train` waited in silence, its bad records' warnings unseen.
+    import logging
+
+    def train(args):
+        logging.getLogger("kfeed.loader").warning("bad record at t[0]@0, skipped: %s", "why")
+        logging.getLogger("kfeed.sources").warning("kafka: %s", "down",
+                                                   extra={"connection": True})
+        logging.getLogger("kfeed.librdkafka").warning("FAIL %s", "rdkafka")
+        logging.getLogger("kfeed.loader").info("assigned")
+        logging.getLogger("urllib3").warning("another library")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_train", train)
+    code, err, out = run_main(capsys, *TRAIN)
+    assert (code, err) == (0, ["kfeed: warning: bad record at t[0]@0, skipped: why"])
+    # Undone on return: the program's own logging is as it was.
+    assert logging.getLogger("kfeed").handlers == [] and logging.getLogger("kfeed").propagate
 
 
 def test_unexpected_exceptions_are_one_line_and_v_shows_the_traceback(capsys, monkeypatch) -> None:

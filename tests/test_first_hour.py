@@ -229,6 +229,60 @@ def test_connection_trouble_is_logged_once_per_broker_every_few_seconds(caplog) 
     assert lines[2] == "something else"
 
 
+def test_a_few_bad_messages_and_then_nothing_say_so_while_the_read_waits(monkeypatch,
+                                                                         caplog) -> None:
+    # Fewer bad messages than fail_fast, then nothing: a stream (not bounded)
+    # held them back and waited in silence, for ever.
+    import threading
+
+    from kfeed import badrecords
+
+    monkeypatch.setattr(badrecords, "WARN_EVERY_S", 0.3)
+    src = MemorySource([b"junk"] * 5)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src)
+    caught: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            next(ld)
+        except BaseException as e:  # noqa: BLE001 - the close() below ends it
+            caught.append(e)
+
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(caplog.records) < 2:
+            time.sleep(0.05)
+        ld.close()
+        reader.join(10)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 2, lines  # again while it waits, not once
+    assert lines[0].startswith("5 message(s) rejected and held back for 0 s, waiting for one "
+                               "that decodes (32 rejected first end the read); the first at "
+                               "memory[0]@0: shorter than the block header"), lines
+    assert isinstance(caught[0], kfeed.LoaderError) and src.dead_letters == []
+
+
+def test_a_record_larger_than_a_kafka_message_is_refused_by_the_schema() -> None:
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Schema({"x": ("float32", (2**40,)), "id": ("int64", ())})
+    assert str(e.value) == (
+        "a record of these fields takes 4398046511112 bytes; one must fit in a Kafka message, "
+        "at most 2147483647 bytes: 'x' float32[1099511627776] 4398046511104, 'id' int64[] 8")
+
+
+def test_batches_that_cannot_be_allocated_are_a_config_error() -> None:
+    # 2**20 records of 2 GB: more than any address space. torch's own
+    # RuntimeError (or MemoryError) reached the user from deep in the pool.
+    schema = kfeed.Schema({"x": ("uint8", (2**31 - 1,))})
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(None, "memory", schema, 2**20, device="cpu", source=MemorySource([]))
+    assert str(e.value).startswith(
+        "the loader's 4 batches of 1048576 records of 2147483647 bytes do not fit in memory "
+        "here: a smaller batch_size or smaller fields ("), str(e.value)
+
+
 # -- against the cluster ------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kfeed import (
     ConfigError,
     KafkaIterableDataset,
+    LoaderConfig,
     LoaderError,
     Loader,
     MemorySource,
@@ -394,6 +395,27 @@ def test_a_state_must_come_from_the_same_mixture():
         read(row_values(), Mix(WEIGHTS, seed=2), state=state)
     with pytest.raises(ConfigError, match="without a kfeed.Mix|of a kfeed.Mix"):
         read(row_values(), list(WEIGHTS), shuffle=Shuffle(10), state=state)
+    with pytest.raises(ConfigError, match="saved by the mixture"):
+        read(row_values(), Mix({"web": 0.5, "code": 0.3, "math": 0.2}, seed=1), state=state)
+
+
+def test_a_mix_hashes_as_a_frozen_value_does():
+    # hash(Mix(...)) raised TypeError (its weights are a dict), and so did the
+    # hash of a LoaderConfig holding one.
+    a, b = Mix(dict(WEIGHTS), seed=1), Mix(dict(WEIGHTS), seed=1)
+    assert a == b and hash(a) == hash(b) and len({a, b, Mix(WEIGHTS, seed=2)}) == 2
+    assert hash(Mix(lambda step: WEIGHTS)) is not None
+    config = LoaderConfig(a, ROWS, 8)
+    assert hash(config) == hash(LoaderConfig(b, ROWS, 8))
+
+
+def test_the_same_weights_at_another_scale_resume_the_same_stream():
+    # {6, 3, 1} mixes as {0.6, 0.3, 0.1} does (weights are normalized), but a
+    # state saved by one was refused by the other.
+    whole, _ = read(row_values(), Mix(WEIGHTS, seed=1))
+    _, state = read(row_values(), Mix(WEIGHTS, seed=1), stop=2)
+    rest, _ = read(row_values(), Mix({"web": 6, "code": 3, "math": 1}, seed=1), state=state)
+    assert np.array_equal(np.concatenate(whole[2:]), np.concatenate(rest))
 
 
 def test_static_ranks_each_mix_their_share_of_every_topic():

@@ -408,7 +408,9 @@ class ConnectionLog(logging.Handler):
     a broker that cannot be reached are folded: the first is logged, the
     next ones within ``every_s`` only counted, and the count goes with the
     next line that passes. Everything else is passed on unchanged to
-    ``target`` (the ``kfeed.librdkafka`` logger by default).
+    ``target`` (the ``kfeed.librdkafka`` logger by default), marked as
+    connection lines (the record's ``connection`` attribute), which ``kfeed``
+    commands show only with ``-v``: a failure that matters is an error of its own.
     """
 
     def __init__(self, target: logging.Logger | None = None, every_s: float = 5.0) -> None:
@@ -431,7 +433,7 @@ class ConnectionLog(logging.Handler):
             self._last[broker] = (now, 0)
             if held:
                 text = f"{text} ({held} more like it in the last {now - last:.0f}s)"
-        self.target.log(level, "%s", text)
+        self.target.log(level, "%s", text, extra={"connection": True})
 
     def emit(self, record: logging.LogRecord) -> None:  # as a plain logging.Handler
         self.log(record.levelno, record.getMessage())

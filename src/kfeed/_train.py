@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
+
 from kfeed.errors import ConfigError, Interrupted, KfeedError
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
@@ -147,6 +149,10 @@ def lm_loss(logits: Any, tokens: Any, doc_ids: Any) -> Any:
     return (per_token * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
 
 
+# The demo model's largest vocabulary (its embedding: 128 floats an id).
+_MAX_VOCAB = 1 << 20
+
+
 class _LMTask:
     """A tiny causal transformer on packed ``[batch, seq_len]`` rows of a token topic."""
 
@@ -159,7 +165,14 @@ class _LMTask:
         eos = opts.eos_id if opts.eos_id is not None else tokenizer.eos_id
         if eos is None:
             raise ConfigError(f"--tokenizer {opts.tokenizer} names no EOS token: pass --eos-id")
+        top = int(np.iinfo(opts.token_dtype).max)
+        if eos > top:
+            raise ConfigError(f"--eos-id {eos} is no {opts.token_dtype} token id (at most {top}): "
+                              f"a smaller id, or a wider --token-dtype as produced")
         self.vocab_size = max(tokenizer.vocab_size, eos + 1)
+        if self.vocab_size > _MAX_VOCAB:
+            raise ConfigError(f"--eos-id {eos}: the demo model's vocabulary would have "
+                              f"{self.vocab_size} ids, more than its {_MAX_VOCAB}")
         self.eos_id = eos
         self.seq_len = opts.seq_len
         self.shuffle = opts.shuffle
@@ -330,6 +343,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     import torch
 
     from kfeed.loader import Loader, LoaderConfig
+    from kfeed.loader.tuning import CapTooSmall
 
     torch.manual_seed(0)
     device = resolve_device(opts.device)
@@ -346,7 +360,12 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                             max_memory_bytes=(opts.max_memory_mb << 20
                                               if getattr(opts, "max_memory_mb", None) else None),
                             **task.loader_kwargs())
-    loader = Loader.from_config(config, settings)
+    try:
+        loader = Loader.from_config(config, settings)
+    except CapTooSmall as e:
+        raise ConfigError(f"--max-memory-mb {opts.max_memory_mb} is too small for these "
+                          f"settings: they need at least {e.least >> 20} (or a smaller "
+                          f"--batch-size, --prefetch or --shuffle)") from None
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -142,6 +142,8 @@ class BadRecords:
         # Before the first good record: rejected messages held back, so that
         # a read that is wrong from the start dead-letters nothing.
         self._held: list[tuple[Any, str]] = []
+        self._held_since: float | None = None  # when the first was held back
+        self._held_said: float | None = None  # when waiting() last said so
         self._warned: dict[str, tuple[float, int]] = {}  # reason -> (last line, since then)
 
     def explain(self, msg: Any, reason: str) -> str:
@@ -177,12 +179,38 @@ class BadRecords:
         self._held.append((msg, why))
         if len(self._held) >= self.fail_fast:
             self._give_up()
-        self._warn(msg, why, "held back until a record decodes")
+        if self._held_since is None:
+            self._held_since = time.monotonic()
+        self.waiting()
+
+    def waiting(self) -> None:
+        """The read waits for more messages: once in a while, say what it holds back.
+
+        Not at once: a read whose first ``fail_fast`` messages, or whose
+        bounded window, are all bad ends with one error that says it. A
+        topic with fewer bad messages and nothing after them would wait in
+        silence.
+        """
+        if self.good_seen or not self._held:
+            return
+        now = time.monotonic()
+        assert self._held_since is not None
+        if now - self._held_since < WARN_EVERY_S or (
+                self._held_said is not None and now - self._held_said < WARN_EVERY_S):
+            return
+        self._held_said = now
+        msg, why = self._held[0]
+        log.warning("%d message(s) rejected and held back for %.0f s, waiting for one that "
+                    "decodes (%d rejected first end the read); the first at %s[%d]@%d: %s",
+                    len(self._held), now - self._held_since, self.fail_fast, msg.topic(),
+                    msg.partition(), msg.offset(), why)
 
     def forget(self, gone: Callable[[Any], bool]) -> None:
         """Drop the held messages that ``gone`` picks (their partition was taken
         away: its next owner reads them again)."""
         self._held = [(m, why) for m, why in self._held if not gone(m)]
+        if not self._held:
+            self._held_since = None
 
     def end_of_read(self) -> None:
         """A bounded read is over: if it held only bad messages, that is the error."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kfeed import cluster
-from kfeed.errors import ConfigError, Interrupted, KfeedError
+from kfeed.errors import ConfigError, Interrupted, KfeedError, ProduceError
 from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_columns, synthetic_schema
@@ -481,6 +481,7 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
 
     # A bad -X is a usage mistake, with no topic left behind.
     check_settings(config, transactional=transactional, producer_only=True)
+    _reach_registry(args)
     partitions = args.partitions or DEFAULT_PARTITIONS
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  exist_ok=True, timeout_s=args.connect_timeout)
@@ -490,6 +491,20 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
               file=sys.stderr)
     else:
         _check_blocks(args, config, schema)
+
+
+def _reach_registry(args: argparse.Namespace) -> None:
+    """The --registry that the producer registers its schema with, asked first: one it
+    cannot reach stops the run before a topic is made."""
+    if not getattr(args, "registry", None) or args.format not in ("avro", "protobuf"):
+        return
+    from kfeed.formats import registry_client
+
+    client = registry_client({"url": args.registry}, f"--format {args.format}")
+    try:
+        client.get_subjects()
+    except Exception as e:  # noqa: BLE001 - the registry client raises errors of many kinds
+        raise ProduceError(f"cannot reach the registry at {args.registry}: {e}") from e
 
 
 def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
@@ -1446,10 +1461,23 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error already reported in one line
         return int(e.code or 0)
     args.t0 = t0
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.CRITICAL,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.CRITICAL,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Without -v, kfeed's own warnings still show (bad records, a commit that
+    # failed, a registry asked again), one line each; nothing from other
+    # libraries, nor librdkafka's and the connection's lines (a failure that
+    # matters is an error of its own). Undone on return: a program may call
+    # main() more than once.
+    kfeed_log = logging.getLogger("kfeed")
+    warnings_shown = logging.StreamHandler()
+    warnings_shown.setFormatter(logging.Formatter("kfeed: warning: %(message)s"))
+    warnings_shown.addFilter(lambda record: not (getattr(record, "connection", False)
+                                                 or record.name.endswith(".librdkafka")))
+    level = kfeed_log.level
+    if not args.verbose:
+        kfeed_log.addHandler(warnings_shown)
+        kfeed_log.setLevel(logging.WARNING)
+        kfeed_log.propagate = False
     # SIGTERM as SIGINT: one line and 143, not a silent end (train and convert
     # set their own, which stop at a step or round).
     main_thread = threading.current_thread() is threading.main_thread()
@@ -1477,6 +1505,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        kfeed_log.removeHandler(warnings_shown)
+        kfeed_log.setLevel(level)
+        kfeed_log.propagate = True
 
 
 def _report(args: argparse.Namespace, e: KfeedError, code: int) -> int:

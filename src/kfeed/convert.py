@@ -222,6 +222,8 @@ class _Convert:
                     self._rewind(self.carried + msgs)
                     self.carried = []
                     self.bad.forget(lambda _m: True)  # any held are among those read again
+            else:
+                self.bad.waiting()
             self.stats.elapsed_s = time.monotonic() - t0
             if progress is not None:  # (an idle round of --follow too: it is alive)
                 progress(self.stats)

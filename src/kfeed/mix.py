@@ -101,6 +101,10 @@ class Mix:
                               f"of the step returning one, got {type(self.weights).__name__}")
         object.__setattr__(self, "topics", tuple(first))
 
+    def __hash__(self) -> int:  # (the generated one fails on the weights' dict)
+        weights = self.weights if callable(self.weights) else frozenset(self.weights.items())
+        return hash((weights, self.seed, self.exhausted, self.topics))
+
     @property
     def scheduled(self) -> bool:
         return callable(self.weights)
@@ -121,6 +125,26 @@ class Mix:
                                                      sorted(self.weights.items())}  # type: ignore[union-attr]
         return {"topics": list(self.topics), "seed": self.seed, "exhausted": self.exhausted,
                 "weights": weights}
+
+
+def _scaled(weights: Mapping[str, Any]) -> dict[str, int]:
+    """Weights as the order uses them (``Mixer._weights_for``): scaled to sum to ``_SCALE``."""
+    total = sum(weights.values())
+    return {t: max(round(w / total * _SCALE), 1) if w > 0 else 0 for t, w in weights.items()}
+
+
+def _same_mix(saved: Any, want: dict[str, Any]) -> bool:
+    """Whether a state's ``describe()`` is ``want``'s mixture: its weights compared as
+    the order uses them, so {a: 1, b: 1} resumes a state of {a: 0.5, b: 0.5}."""
+    if not isinstance(saved, Mapping):
+        return False
+    a, b = saved.get("weights"), want["weights"]
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        try:
+            saved, want = {**saved, "weights": _scaled(a)}, {**want, "weights": _scaled(b)}
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+            return False
+    return saved == want
 
 
 def as_int(x: Any) -> int | None:
@@ -414,11 +438,9 @@ class Mixer:
         if step == self._step:
             return
         self._step = step
-        w = self.mix.weights_at(step, self.sources)
-        total = sum(w.values())
         # (A weight above 0 is never rounded to none: its source still takes turns.)
-        self.weights = np.array([max(round(w[t] / total * _SCALE), 1) if w[t] > 0 else 0
-                                 for t in self.sources], np.int64)
+        w = _scaled(self.mix.weights_at(step, self.sources))
+        self.weights = np.array([w[t] for t in self.sources], np.int64)
 
     def take(self) -> np.ndarray:
         """The records that may go out now, in the mixture's order."""
@@ -533,7 +555,7 @@ class Mixer:
         """``state`` (``state()``) saved with ``held`` assigned: those partitions are
         not new to this mixer, so a source they belong to that ran out stays out."""
         want = self.mix.describe()
-        if state.get("mix") != want:
+        if not _same_mix(state.get("mix"), want):
             raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
                               f"this loader mixes {want}")
         try:

@@ -165,7 +165,13 @@ class BufferPool:
         self.pinned = bool(pin)
         self._packer = packer
         self._made = 0
-        self._slots = [self._make() for _ in range(slots)]
+        try:
+            self._slots = [self._make() for _ in range(slots)]
+        except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError
+            what = (f"[{packer.batch_size}, {packer.pack.seq_len}] packed rows" if packer
+                    else f"{batch_size} records of {schema.record_size} bytes")
+            raise ConfigError(f"the loader's {slots} batches of {what} do not fit in memory "
+                              f"here: a smaller batch_size or smaller fields ({e})") from None
         self._free: deque[Slot] = deque(self._slots)
         self._lent: deque[Slot] = deque()
         self.most_lent = most_lent

@@ -54,6 +54,8 @@ _VARLEN_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 # Elements of one document in a block: its offsets are uint32.
 _MAX_DOC_ELEMENTS = 0xFFFFFFFF
+# Kafka's largest message (its sizes are int32): a fixed-shape record must fit in one.
+_MAX_RECORD = 2**31 - 1
 
 
 class Format(str, Enum):
@@ -207,6 +209,11 @@ class Schema:
         # fixed fields only.
         self.varlen: Field | None = variable[0] if variable else None
         self.record_size = sum(f.nbytes for f in self.fields)
+        if self.record_size > _MAX_RECORD:
+            raise ConfigError(
+                f"a record of these fields takes {self.record_size} bytes; one must fit in a "
+                f"Kafka message, at most {_MAX_RECORD} bytes: "
+                + ", ".join(f"{f.name!r} {f.dtype}{list(f.shape)} {f.nbytes}" for f in self.fields))
         canonical = json.dumps(
             [[f.name, f.dtype, list(f.shape)] for f in self.fields], separators=(",", ":")
         )

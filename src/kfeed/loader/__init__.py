@@ -90,17 +90,14 @@ from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
     PrefetchTuner,
-    batches_budget,
-    held_budget,
+    memory_plan,
     memory_settings,
-    prefetch_ceiling,
 )
 from kfeed.mix import Mix, Mixer, _splitmix
 from kfeed.outputs import converter
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
 from kfeed.sources import (
-    CONSUMER_DEFAULTS,
     TP,
     KafkaSource,
     MemorySource,
@@ -323,15 +320,15 @@ class Loader:
         self._closed = True
         # Where the brokers are, for the metrics' lag in seconds (None: not Kafka).
         self._connection: dict[str, Any] | None = None
-        rdkafka: Mapping[str, Any] = {}
+        user_config: Mapping[str, Any] | None = None  # the user's librdkafka settings
         if source is None:
             if kafka_config is None:
                 kafka_config = {}
             if isinstance(kafka_config, Mapping):  # (KafkaSource refuses anything else)
+                user_config = kafka_config
                 if c.max_memory_bytes is not None:  # librdkafka's buffers within the cap
                     kafka_config = {**kafka_config,
                                     **memory_settings(c.max_memory_bytes, kafka_config)}
-                rdkafka = {**CONSUMER_DEFAULTS, **kafka_config}
             source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
                                  connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
             self._connection = client_config(kafka_config)
@@ -357,13 +354,12 @@ class Loader:
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
                                 pin=self._copier.cuda, most_lent=depth + HELD_BESIDES_QUEUE - 1)
         batch_bytes = self._pool.nbytes // len(self._pool)
-        held = held_budget(c.max_memory_bytes, record_size=c.schema.record_size,
-                           shuffled_records=(c.shuffle.buffer + c.batch_size
-                                             if c.shuffle is not None and c.pack is None
-                                             and not c.jagged else 0),
-                           mixing=c.mix is not None)
-        ceiling = prefetch_ceiling(c.prefetch, c.max_memory_bytes, batches_budget(
-            c.max_memory_bytes, rdkafka, batch_bytes, held[0] if held else 0), batch_bytes)
+        held, ceiling = memory_plan(
+            c.max_memory_bytes, user_config, prefetch=c.prefetch, batch_bytes=batch_bytes,
+            record_size=c.schema.record_size,
+            shuffled_records=(c.shuffle.buffer + c.batch_size
+                              if c.shuffle is not None and c.pack is None and not c.jagged else 0),
+            mixing=c.mix is not None)
         self._status = Status()
         mixer = None
         if c.mix is not None:

@@ -188,6 +188,7 @@ class SlotBuilder:
         its last, however the records trickle in: there max_wait does not apply.
         """
         f = self.fetcher
+        self.bad.waiting()
         # (Nothing ahead while the records a message holds are not known yet.)
         ahead = self.fetch_size(FETCH_AHEAD * self.batch_size) if f.learned else 0
         if started is None:

@@ -19,8 +19,7 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 
-__all__ = ["FETCH_AHEAD", "PrefetchTuner", "batches_budget", "held_budget", "memory_settings",
-           "prefetch_ceiling"]
+__all__ = ["FETCH_AHEAD", "CapTooSmall", "PrefetchTuner", "memory_plan", "memory_settings"]
 
 log = logging.getLogger("kfeed.loader")
 
@@ -67,6 +66,55 @@ def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]
               "fetch.max.bytes": share,
               "max.partition.fetch.bytes": min(8 << 20, share)}
     return {k: v for k, v in wanted.items() if k not in kafka_config}
+
+
+class CapTooSmall(ConfigError):
+    """``max_memory_bytes`` below what the loader's settings need; ``least`` fits them."""
+
+    def __init__(self, message: str, least: int) -> None:
+        super().__init__(message)
+        self.least = least
+
+
+def memory_plan(cap: int | None, kafka_config: Mapping[str, Any] | None, *,
+                prefetch: int | str, batch_bytes: int, shuffled_records: int, record_size: int,
+                mixing: bool) -> tuple[tuple[int, int] | None, int]:
+    """What ``held_budget`` and ``prefetch_ceiling`` give for ``cap``.
+
+    ``kafka_config``: the user's librdkafka settings (None: not Kafka, no
+    librdkafka buffers). A cap too small raises ``CapTooSmall`` naming the
+    least cap, in whole MiB, that fits the same settings.
+    """
+
+    def plan(cap: int | None) -> tuple[tuple[int, int] | None, int]:
+        rdkafka: Mapping[str, Any] = {}
+        if cap is not None and kafka_config is not None:
+            rdkafka = {**kafka_config, **memory_settings(cap, kafka_config)}
+        held = held_budget(cap, shuffled_records=shuffled_records, record_size=record_size,
+                           mixing=mixing)
+        budget = batches_budget(cap, rdkafka, batch_bytes, held[0] if held else 0)
+        return held, prefetch_ceiling(prefetch, cap, budget, batch_bytes)
+
+    def fits(cap: int) -> bool:
+        try:
+            plan(cap)
+        except ConfigError:
+            return False
+        return True
+
+    try:
+        return plan(cap)
+    except ConfigError as e:
+        if cap is None:
+            raise
+        lo, hi = cap >> 20, max(1, cap >> 19)  # MiB: lo does not fit
+        while not fits(hi << 20):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid << 20) else (mid, hi)
+        raise CapTooSmall(f"{e}; the least max_memory_bytes these settings fit in is "
+                          f"{hi << 20} ({hi} MiB)", hi << 20) from None
 
 
 def held_budget(cap: int | None, *, shuffled_records: int, record_size: int, mixing: bool
