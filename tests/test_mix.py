@@ -791,3 +791,21 @@ def test_a_member_given_only_topics_of_weight_zero_says_why_it_hands_out_nothing
         "others' proportions",
         "this member holds partitions only of topic b, whose weight in the mixture is 0 now: "
         "it hands out nothing until it is given a partition of a topic weighted above 0"], lines
+
+
+def test_a_schedule_starts_again_at_step_0_each_epoch():
+    # As the README says: with epochs=N the schedule's step counts within the epoch.
+    steps: list[int] = []
+
+    def schedule(step: int) -> dict[str, float]:
+        steps.append(step)
+        return {"web": 1.0, "code": 1.0}
+
+    sources = {"web": (0, 1, 64), "code": (1, 1, 64)}
+    loader = Loader(None, Mix(schedule), ROWS, 16, source=MemorySource(row_values(sources=sources)),
+                    device="cpu", until="end", epochs=2)
+    with loader:
+        for _ in range(2):
+            steps.clear()
+            assert sum(b.size for b in loader) == 128
+            assert min(steps) == 0 and max(steps) == 8

@@ -64,7 +64,8 @@ class Mix:
     ``weights``: ``{topic: weight}`` (any non-negative numbers; they are
     normalized), or a callable of the step returning such a dict, the same
     topics every time, for a curriculum. The step counts ``batch_size``
-    records mixed (documents, with ``pack``), so it is the same on a resume.
+    records mixed (documents, with ``pack``), so it is the same on a resume;
+    with ``epochs=N`` it counts within the epoch, from 0 each time.
 
     ``seed``: where the round robin starts; the same seed over the same
     records gives the same stream.
