@@ -41,6 +41,19 @@ def test_an_avro_topic_converts_to_blocks_equal_to_confluent_kafkas_deserializer
     assert stats.transactions >= 4 and seen and seen[-1].records == 10_000
     cols = read_columns(bootstrap, src + ".blocks", SCHEMA, batch_size=1000)
     check_clicks(cols, records, bootstrap, src, bad)
+    # The blocks and their bytes are the topic's: the dead-letter copies were
+    # counted among them (and among the producer's series of the topic).
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "enable.partition.eof": True, "isolation.level": "read_committed"})
+    c.assign([TopicPartition(src + ".blocks", part, 0) for part in range(3)])
+    sizes, ends = [], 0
+    while ends < 3 and (m := c.poll(10)) is not None:
+        if m.error():
+            ends += 1
+        else:
+            sizes.append(len(m.value()))
+    c.close()
+    assert bad and (stats.blocks, stats.bytes_out) == (len(sizes), sum(sizes))
     # Converted already: a second run finds nothing new and writes nothing.
     again = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", SCHEMA,
                           format=kfeed.Avro(registry=registry))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import kfeed
 from kfeed import metrics
 from kfeed.loader import memory_loader
+from kfeed.synthetic import synthetic_columns, synthetic_schema
+
+SCHEMA = synthetic_schema()
 
 
 def scrape(server) -> dict[str, list]:
@@ -97,6 +101,26 @@ def test_a_loader_closed_or_let_go_is_no_longer_published(server):
     del other  # never closed: collected, so gone too
     gc.collect()
     assert not scrape(server)["kfeed_loader_samples"]
+
+
+def test_the_lag_in_seconds_of_a_closed_loaders_group_goes_with_it():
+    # The lag reader's last round (every 15 s by default) still held the
+    # group of a loader closed since: a scrape published its ages.
+    values = SCHEMA.encode_blocks(synthetic_columns(np.arange(64)), 16)
+    ages = SimpleNamespace(ages={})
+    collector = metrics._Collector(ages)
+
+    def published() -> set[str]:
+        return {s.labels["consumergroup"] for family in collector.collect()
+                if family.name == "kfeed_consumergroup_lag_seconds" for s in family.samples}
+
+    loader = kfeed.Loader(None, "memory", SCHEMA, 16, device="cpu",
+                          source=kfeed.MemorySource(values))
+    group = loader.stats()["group"]
+    ages.ages = {(group, "memory", "0"): 12.0, ("another", "t", "0"): 3.0}
+    assert published() == {group}
+    loader.close()
+    assert published() == set()
 
 
 def test_serve_refuses_what_it_cannot_do():

@@ -307,7 +307,7 @@ class _Convert:
             for m, why in self.dead:
                 p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts,
                        dead_letter_headers(m, why))
-            blocks = p.messages - messages_before - len(self.dead)
+            blocks = p.messages - messages_before
             p.send_offsets(self.consumer, [TopicPartition(self.from_topic, part, end)
                                            for part, end in ends.items()])
         carried, self.carried = self.carried, []

@@ -349,6 +349,7 @@ class _Collector:
                                    labels=producer_labels)
         devices: set[int] = set()
         lags: dict[tuple[str, str, str], int] = {}
+        groups: set[str] = set()  # of the live loaders: a closed one's ages go with it
         for obj in _live():
             stats = obj.stats()
             if "lag" not in stats:  # a producer
@@ -358,6 +359,7 @@ class _Collector:
                 queued.add_metric(labels, stats["queued"])
                 continue
             group = stats["group"]
+            groups.add(group)
             labels = [group, ",".join(obj.topics), _IDS.get(obj, "")]
             index = _cuda_index(getattr(obj, "device", None))
             if index is not None:
@@ -388,7 +390,8 @@ class _Collector:
                                   "age of the group's next unread record (committed offset)",
                                   labels=["consumergroup", "topic", "partition"])
         for (group, topic, partition), age in self.ages.ages.items():
-            lag_s.add_metric([group, topic, partition], age)
+            if group in groups:  # (the reader's round may be older than a close)
+                lag_s.add_metric([group, topic, partition], age)
         yield from c.values()
         yield from (bad, wait, latency, startup, pool, held, slots, depth, stage, lag, lag_s)
         yield from p.values()

@@ -181,6 +181,7 @@ class Producer:
         self.samples = 0
         self.messages = 0
         self.bytes = 0
+        self.copies = 0  # consumed messages sent on to other topics (``copy``)
         self.delivery_failures = 0
         self.purged = 0  # messages an aborted transaction threw away before delivery
         self._transactional = transactional_id is not None
@@ -361,8 +362,11 @@ class Producer:
                     # dropping or failing (backpressure).
                     self._producer.poll(_SLICE_S)
                     self._raise_fatal()
-            self.messages += 1
-            self.bytes += len(value or b"")
+            if topic is None:  # (a dead-letter copy is not the topic's: ``copies``)
+                self.messages += 1
+                self.bytes += len(value or b"")
+            else:
+                self.copies += 1
             self._producer.poll(0)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send", e) from e
