@@ -268,6 +268,26 @@ def test_a_killed_run_resumed_sends_every_row_exactly_once(bootstrap, make_topic
     assert again.stdout.startswith("nothing to send"), again.stdout
 
 
+@pytest.mark.integration
+def test_a_resume_naming_the_files_another_way_is_refused(bootstrap, make_topic,
+                                                          tmp_path) -> None:
+    # A folder, then a glob of its one file: two jobs. The --resume of the
+    # second found no rows of its own and sent them all a second time.
+    topic = make_topic(partitions=2)
+    pq.write_table(table(np.arange(500)), tmp_path / "a.parquet")
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    glob = str(tmp_path / "*.parquet")
+    again = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", glob, "--resume")
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"kfeed: --resume: no rows of {glob} are recorded as sent to {topic}, but 500 rows of "
+        f"{tmp_path} are: if that is the same data, resume with --from naming it as before; "
+        f"if not, leave --resume out"], again.stderr
+    check_topic(bootstrap, topic, 500)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path), "--resume")
+    assert done.returncode == 0 and done.stdout.startswith("nothing to send"), done.stdout
+
+
 def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
     closed = "127.0.0.1:1"
     pq.write_table(table(np.arange(5)), tmp_path / "a.parquet")

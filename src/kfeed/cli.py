@@ -606,7 +606,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
     """
     from kfeed import ingest
     from kfeed.producer import Producer
-    from kfeed.resume import IngestProgress, job_id
+    from kfeed.resume import IngestProgress, job_id, other_sources
 
     dtypes = parse_pairs(args.dtype, "--dtype", "DTYPE")
     fills = parse_pairs(args.fill, "--fill", "VALUE")
@@ -659,6 +659,15 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         f"{done:,} rows of {where} were already sent to {args.topic} by an "
                         f"earlier run: --resume sends the rest, --resend sends them all again")
                 if args.resume and not done:
+                    others = other_sources(config, args.topic, job, args.connect_timeout)
+                    if others:
+                        # The same files named another way would be sent twice.
+                        named = "; ".join(f"{rows:,} rows of {source}"
+                                          for source, rows in others)
+                        raise ConfigError(
+                            f"--resume: no rows of {where} are recorded as sent to "
+                            f"{args.topic}, but {named} are: if that is the same data, resume "
+                            f"with --from naming it as before; if not, leave --resume out")
                     print(f"kfeed produce: no rows of {where} recorded as sent to {args.topic}: "
                           f"sending from the first", file=sys.stderr)
                 if done:

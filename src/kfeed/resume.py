@@ -17,7 +17,9 @@ offset is the count of rows sent, and its metadata says so in words (the
 source, the rows). Nobody consumes with that group; ``kfeed lag`` would
 show it, with a meaningless lag. ``job`` is a hash of the source and the
 query (credentials left out, ``ingest.source_key``), so the same command
-finds its own progress, and another source into the same topic has its own. The producer's ``transactional.id`` is the
+finds its own progress, and another source into the same topic has its own (a
+``--resume`` that finds none of its own while others are recorded is refused:
+the same files named another way, a folder then a glob, would be sent twice). The producer's ``transactional.id`` is the
 group's name: a restarted run fences the one it replaces, whose open
 transaction the brokers abort, so a killed run's last rows are never seen.
 A run with neither ``--resume`` nor ``--resend`` is refused once rows are
@@ -37,7 +39,7 @@ from typing import Any
 
 from kfeed.errors import ProduceError
 
-__all__ = ["IngestProgress", "job_id"]
+__all__ = ["IngestProgress", "job_id", "other_sources"]
 
 
 def job_id(topic: str, source: str, query: str | None) -> str:
@@ -85,3 +87,39 @@ class IngestProgress:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def other_sources(kafka_config: Mapping[str, Any], topic: str, job: str,
+                  timeout_s: float) -> list[tuple[str, int]]:
+    """The other sources with rows recorded as sent to ``topic``: (source, rows) each.
+
+    For a ``--resume`` that finds nothing of its own: the same files named
+    another way (a folder, then a glob) are another job, whose rows it would
+    send again.
+    """
+    from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+
+    from kfeed._kafka import admin_client
+
+    admin = admin_client(kafka_config)
+    prefix = f"kfeed-produce.{topic}."
+    try:
+        groups = [g.group_id for g in admin.list_consumer_groups(
+            request_timeout=timeout_s).result().valid
+            if g.group_id.startswith(prefix) and g.group_id != job]
+        found = []
+        for group in groups:  # (one group a request: the admin API asks so)
+            future = admin.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group, [TopicPartition(topic, 0)])],
+                request_timeout=timeout_s)[group]
+            for tp in future.result().topic_partitions:
+                if tp.error is None and tp.offset > 0:
+                    try:
+                        source = json.loads(tp.metadata or "{}").get("source", group)
+                    except ValueError:
+                        source = group
+                    found.append((str(source), int(tp.offset)))
+    except KafkaException as e:
+        raise ProduceError(f"cannot read the progress recorded in {topic}: "
+                           f"{e.args[0].str()}") from e
+    return sorted(found)
