@@ -218,15 +218,22 @@ def _read_parquet(path: Path, fields: Mapping[str, str],
         yield name, _arrow_column(path.name, name, src, col, fills.get(name))
 
 
+def _element_type(kind: Any) -> tuple[bool, Any]:
+    """Whether an Arrow type is a list (of any kind), and the type of its elements (or itself)."""
+    import pyarrow as pa
+
+    is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+               or pa.types.is_fixed_size_list(kind))
+    return is_list, kind.value_type if is_list else kind
+
+
 def _arrow_column(file: str, name: str, src: str, col: Any, fill: str | None) -> np.ndarray:
     import pyarrow as pa
     import pyarrow.compute as pc
 
     where = f"column {src!r} of {file}"
     kind = col.type
-    is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)
-               or pa.types.is_fixed_size_list(kind))
-    value_type = kind.value_type if is_list else kind
+    is_list, value_type = _element_type(kind)
     if pa.types.is_null(value_type) and fill is not None:
         # Only nulls (an empty CSV column reads so): the fill's own type, which --dtype may cast.
         value_type = _fill_type(name, fill)
@@ -828,9 +835,7 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
                               f"{', '.join(names)}): map the field with --field {name}=COLUMN")
     _check_flags(fields, dtypes, fills)
     for name, fill in fills.items():  # a bad value is a mistake before any row is sent
-        kind = rows.schema.field(fields[name]).type
-        if hasattr(kind, "value_type"):
-            kind = kind.value_type
+        _, kind = _element_type(rows.schema.field(fields[name]).type)
         if pa.types.is_null(kind):
             _fill_type(name, fill)
         elif _numeric(kind):
