@@ -246,3 +246,151 @@ def test_sends_from_several_threads_at_once_lose_and_repeat_nothing(bootstrap: s
             assert all(kfeed.partition_for(str(i), 3) == part for i in out["id"][:res.rows])
     ids = np.concatenate(got)
     assert len(ids) == len(np.unique(ids)) == 24_000
+
+
+def _watermarks(bootstrap: str, topic: str, n: int) -> dict[int, int]:
+    """Messages per partition (high watermark less low), markers of transactions included."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex})
+    try:
+        return {p: (lambda lo_hi: lo_hi[1] - lo_hi[0])(
+            c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)) for p in range(n)}
+    finally:
+        c.close()
+
+
+@pytest.mark.integration
+def test_blocks_fit_what_a_broker_takes_by_default(bootstrap: str, make_topic: Any) -> None:
+    # Blocks were sized against the producer's own 8 MiB message.max.bytes:
+    # 64 records of 16 KB made 1 MB messages the broker refused (its default
+    # is 1048588), and the whole send failed at flush().
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"features": ("float32", (4096,)), "id": ("int64", ())})
+    config = {"bootstrap.servers": bootstrap}
+    with kfeed.Producer(config, topic, schema) as p:
+        assert p.block_records == 60  # 64 would not fit: as many as do
+        p.send({"features": np.ones((200, 4096), np.float32), "id": np.arange(200)})
+    assert _watermarks(bootstrap, topic, 1) == {0: 4}
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Producer(config, topic, schema, block_records=64)
+    assert str(e.value) == (
+        "a block of 64 records is 1049120 bytes, over message.max.bytes=1000000 less 1024 for "
+        "the headers: lower block_records to 60 or fewer (or leave it out), or raise "
+        "message.max.bytes (and the topic's max.message.bytes)")
+
+
+@pytest.mark.integration
+def test_messages_without_keys_are_dealt_to_every_partition(bootstrap: str,
+                                                            make_topic: Any) -> None:
+    # librdkafka's sticky partitioner put all 16 blocks of a send() on one
+    # partition: the other ranks of a static assignment read nothing.
+    topic = make_topic(partitions=4)
+    schema = kfeed.Schema({"x": ("float32", (8,)), "id": ("int64", ())})
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
+        p.send({"x": np.zeros((1024, 8), np.float32), "id": np.arange(1024)})
+        p.send({"x": np.zeros((8, 8), np.float32), "id": np.arange(8)},
+               partition=np.int64(2))  # numpy's ints are ints
+    assert _watermarks(bootstrap, topic, 4) == {0: 4, 1: 4, 2: 5, 3: 4}
+
+
+@pytest.mark.integration
+def test_an_aborted_transactions_failures_do_not_fail_the_next(bootstrap: str, make_topic: Any,
+                                                               caplog) -> None:
+    # A message the broker refused in a transaction the caller's error then
+    # aborted was raised again by the next, healthy transaction's flush().
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"x": ("uint8", (None,)), "id": ("int64", ())})
+    # librdkafka takes 8 MB here, the broker 1 MB: the refusal comes back later.
+    config = {"bootstrap.servers": bootstrap, "message.max.bytes": 8 << 20}
+    p = kfeed.Producer(config, topic, schema, transactional_id=uuid.uuid4().hex,
+                       compression="none")
+    with pytest.raises(RuntimeError), p.transaction():
+        p.send({"x": [np.ones(2_000_000, np.uint8)], "id": np.arange(1)})
+        p._producer.flush(10)  # the broker's answer is in
+        raise RuntimeError("the caller's own error")
+    assert "in the aborted transaction: 1 message(s) to " in caplog.text
+    committed = 0
+    for _ in range(3):
+        try:
+            with p.transaction():
+                p.send({"x": [np.zeros(10, np.uint8)], "id": np.arange(1)})
+            committed += 1
+        except kfeed.ProduceError as e:
+            # librdkafka may fail the next one on its own (its sequence numbers
+            # skip the refused message), never with the refused message's error.
+            assert "not delivered" not in str(e) and "too large" not in str(e), e
+    assert committed >= 2
+    p.close()
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "isolation.level": "read_committed", "enable.partition.eof": True})
+    c.assign([TopicPartition(topic, 0, 0)])
+    values = []
+    while (m := c.poll(10)) is not None and m.error() is None:
+        values.append(m.value())
+    c.close()
+    assert m is not None and m.error().code() == -191  # the partition's end
+    assert len(schema.decode_documents(values).lengths) == committed
+
+
+def test_bfloat16_fields_take_ml_dtypes_arrays_as_torch_tensors() -> None:
+    # JAX's and ml_dtypes' bfloat16 arrays were refused: "expected dtype uint16, got bfloat16".
+    import ml_dtypes
+
+    schema = kfeed.Schema({"emb": ("bfloat16", (4,)), "id": ("int64", ())})
+    x = torch.randn(8, 4).to(torch.bfloat16)
+    ids = np.arange(8)
+    want = schema.encode_block({"emb": x, "id": ids})
+    as_numpy = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    assert schema.encode_block({"emb": as_numpy, "id": ids}) == want
+    with pytest.raises(kfeed.ConfigError) as e:
+        schema.encode_block({"emb": x.float().numpy(), "id": ids})
+    assert str(e.value) == ("field 'emb': expected dtype bfloat16 (a torch.bfloat16 tensor, a "
+                            "numpy array of ml_dtypes' bfloat16, or its bits as uint16), got "
+                            "float32")
+
+
+@pytest.mark.integration
+def test_leaving_the_with_block_by_an_exception_says_what_was_not_delivered(
+        bootstrap: str, make_topic: Any, caplog) -> None:
+    # The caller's exception won, as it should, and the refused message went unsaid.
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"x": ("uint8", (None,)), "id": ("int64", ())})
+    config = {"bootstrap.servers": bootstrap, "message.max.bytes": 8 << 20}
+    with pytest.raises(ValueError), kfeed.Producer(config, topic, schema,
+                                                   compression="none") as p:
+        p.send({"x": [np.ones(2_000_000, np.uint8)], "id": np.arange(1)})
+        raise ValueError("bad row in the data loop")
+    assert f"after ValueError: 1 message(s) to {topic} not delivered; first error: Broker: " \
+           f"Message size too large" in caplog.text
+
+
+def test_producer_mistakes_before_any_connection() -> None:
+    closed = {"bootstrap.servers": "127.0.0.1:1"}
+    with pytest.raises(kfeed.ConfigError, match=r"^topic name 'bad name!' is not valid"):
+        kfeed.Producer(closed, "bad name!", RAW_SCHEMA)  # (it said: create it with create_topic)
+    with pytest.raises(kfeed.ConfigError, match="block_records must be None or an int"):
+        kfeed.Producer(closed, "t", RAW_SCHEMA, block_records=True)
+
+
+@pytest.mark.integration
+def test_a_transactional_send_outside_a_transaction_and_a_flush_timeout_say_so(
+        bootstrap: str, make_topic: Any) -> None:
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"x": ("float32", (256,)), "id": ("int64", ())})
+    cols = {"x": np.zeros((64, 256), np.float32), "id": np.arange(64)}
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema,
+                        transactional_id=uuid.uuid4().hex, block_records=np.int64(8)) as p:
+        with pytest.raises(kfeed.ConfigError, match="^a transactional producer sends only "
+                                                    "inside `with producer.transaction"):
+            p.send(cols)  # was: "cannot send: ... Local: Erroneous state"
+        with p.transaction():
+            p.send(cols)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
+        for _ in range(20):
+            p.send(cols)
+        with pytest.raises(kfeed.ProduceError, match=r"^flush timed out with \d+ message\(s\) "
+                                                     r"still queued, none failed"):
+            p.flush(timeout=1e-6)  # was: "0 message(s) not delivered, N still queued"

@@ -555,7 +555,7 @@ def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> 
     from kfeed.producer import Producer
 
     return Producer(config, args.topic, schema, format=_wire_format(args),
-                    block_records=args.block_records or 64, compression=args.compression,
+                    block_records=args.block_records, compression=args.compression,
                     connect_timeout_s=args.connect_timeout)
 
 
@@ -643,7 +643,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         try:
             _ensure_topic(args, config, schema, transactional=True)
             with Producer(config, args.topic, schema, format=_wire_format(args),
-                          block_records=args.block_records or 64, compression=args.compression,
+                          block_records=args.block_records, compression=args.compression,
                           transactional_id=job, connect_timeout_s=args.connect_timeout
                           ) as producer:
                 _check_partitions(args, producer)

@@ -85,7 +85,7 @@ def convert(
     *,
     format: str | Format | RecordFormat,
     group_id: str | None = None,
-    block_records: int = 64,
+    block_records: int | None = None,
     round_messages: int = 10_000,
     follow: bool = False,
     on_bad_record: str = "dead_letter",
@@ -151,7 +151,7 @@ class _Convert:
 
     def __init__(self, kafka_config: Mapping[str, Any], from_topic: str, to_topic: str,
                  schema: Schema, fmt: Any, decoder: Decoder, policy: BadRecordPolicy,
-                 group_id: str, block_records: int, round_messages: int,
+                 group_id: str, block_records: int | None, round_messages: int,
                  connect_timeout_s: float) -> None:
         from confluent_kafka import Consumer, KafkaException
 

@@ -32,6 +32,7 @@ from kfeed._kafka import (
     TopicUnavailable,
     admin_client,
     chain,
+    check_topic_name,
     client_config,
     kafka_error,
     topic_partitions,
@@ -41,6 +42,7 @@ from kfeed._kafka import (
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import RecordFormat, resolve
+from kfeed.mix import as_int
 from kfeed.partition import partitions_for
 from kfeed.schema import Format, Schema
 
@@ -54,12 +56,18 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "acks": "all",
     "enable.idempotence": True,
     "linger.ms": 5,
-    "batch.size": 1 << 20,
+    "batch.size": 1_000_000,
     "queue.buffering.max.kbytes": 262144,
-    "message.max.bytes": 8 << 20,
+    # What a broker takes by default (its message.max.bytes, 1048588): blocks
+    # are sized below it. Larger ones need the topic's max.message.bytes raised.
+    "message.max.bytes": 1_000_000,
 }
 
 _COMPRESSION = ("none", "gzip", "snappy", "lz4", "zstd")
+
+# Records a block message holds, unless block_records says otherwise (fewer
+# where 64 would not fit in message.max.bytes).
+_BLOCK_RECORDS = 64
 
 # How long close() waits for the commit markers of the transactions this
 # producer committed (NOTE [ A commit is readable a moment later ]).
@@ -96,6 +104,11 @@ class Producer:
     schema ``kfeed.avro.writer_schema(schema)`` registered under
     ``<topic>-value`` when the producer is made).
 
+    ``block_records``: records a block (or Arrow) message holds; by default
+    64, or fewer where 64 would pass ``message.max.bytes`` (1,000,000 by
+    default, what a broker takes unless its topic's ``max.message.bytes`` is
+    raised). Messages without a key are dealt to the partitions in turn.
+
     >>> with Producer({"bootstrap.servers": "127.0.0.1:39092"}, "train", schema) as p:
     ...     p.send({"features": x, "label": y, "id": ids}, keys=ids.astype(str))
     """
@@ -107,7 +120,7 @@ class Producer:
         schema: Schema,
         *,
         format: str | Format | RecordFormat = "block",
-        block_records: int = 64,
+        block_records: int | None = None,
         compression: str | None = None,
         transactional_id: str | None = None,
         partitioner: str | Partitioner = "murmur2",
@@ -119,12 +132,17 @@ class Producer:
         if not isinstance(kafka_config, Mapping) or "bootstrap.servers" not in kafka_config:
             raise ConfigError("kafka_config must be a dict of librdkafka settings "
                               "with 'bootstrap.servers'")
-        if not isinstance(topic, str) or not topic:
-            raise ConfigError(f"topic must be a non-empty string, got {topic!r}")
+        check_topic_name(topic)
         if not isinstance(schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
-        if not isinstance(block_records, int) or not 1 <= block_records <= 0xFFFFFFFF:
-            raise ConfigError(f"block_records must be a positive int, got {block_records!r}")
+        chosen = block_records is None  # 64, or as many as a message holds
+        if chosen:
+            block_records = _BLOCK_RECORDS
+        if isinstance(block_records, (bool, np.bool_)) or not isinstance(
+                block_records, (int, np.integer)) or not 1 <= block_records <= 0xFFFFFFFF:
+            raise ConfigError(f"block_records must be None or an int in 1..{0xFFFFFFFF}, got "
+                              f"{block_records!r}")
+        block_records = int(block_records)
         if compression is not None and compression not in _COMPRESSION:
             raise ConfigError(f"compression must be one of {_COMPRESSION}, got {compression!r}")
         if partitioner != "murmur2" and not callable(partitioner):
@@ -144,13 +162,32 @@ class Producer:
             config["compression.type"] = compression
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
-        block_bytes = schema.block_nbytes(block_records)
-        if self.format is Format.BLOCK and block_bytes > int(config["message.max.bytes"]):
-            raise ConfigError(
-                f"a block of {block_records} records is {block_bytes} bytes, over "
-                f"message.max.bytes={config['message.max.bytes']}; lower block_records")
         # Room for the key, the headers and the record's framing.
         self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
+        block_bytes = schema.block_nbytes(block_records)
+        if self.format is Format.BLOCK and block_bytes > self._block_bytes:
+            limit = (f"message.max.bytes={config['message.max.bytes']} less 1024 for the "
+                     f"headers")
+            raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
+            if schema.varlen is not None:
+                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, "
+                                  f"over {limit}: lower block_records or {raise_it}")
+            per = schema.block_nbytes(2) - schema.block_nbytes(1)
+            fit = (self._block_bytes - (schema.block_nbytes(1) - per)) // per
+            if fit < 1:
+                raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
+                                  f"{raise_it}")
+            if chosen:
+                block_records = self.block_records = fit
+            else:
+                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, over "
+                                  f"{limit}: lower block_records to {fit} or fewer (or leave it "
+                                  f"out), or {raise_it}")
+        if self.format is Format.RAW and schema.varlen is None \
+                and schema.record_size > self._block_bytes:
+            raise ConfigError(f"a record of {schema.record_size} bytes is over message.max.bytes="
+                              f"{config['message.max.bytes']} less 1024 for the headers: raise "
+                              f"message.max.bytes (and the topic's max.message.bytes)")
         self._warn = ConnectionLog(log)
         self._fatal: Any = None
         # Delivery failures, appended by _on_delivery and taken by flush; a
@@ -171,6 +208,7 @@ class Producer:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._timeout = connect_timeout_s
         self.num_partitions = self._partition_count()
+        self._turn = -1  # the partition the last message without one was dealt to
         # The schema travels with each message (~60 bytes), so that a loader
         # with another schema can say what the topic holds.
         self._headers = [
@@ -185,6 +223,7 @@ class Producer:
         self.delivery_failures = 0
         self.purged = 0  # messages an aborted transaction threw away before delivery
         self._transactional = transactional_id is not None
+        self._in_transaction = False
         if self._transactional:
             try:
                 self._producer.init_transactions(self._timeout)
@@ -280,10 +319,12 @@ class Producer:
 
             columns = table_columns(self.schema, columns)
         views, n, _owners = self.schema._columns(columns)
-        if partition is not None and (not isinstance(partition, int) or isinstance(partition, bool)
-                                      or not 0 <= partition < self.num_partitions):
-            raise ConfigError(f"partition must be an int in 0..{self.num_partitions - 1} "
-                              f"({self.topic} has {self.num_partitions}), got {partition!r}")
+        if partition is not None:
+            part = as_int(partition)
+            if part is None or not 0 <= part < self.num_partitions:
+                raise ConfigError(f"partition must be an int in 0..{self.num_partitions - 1} "
+                                  f"({self.topic} has {self.num_partitions}), got {partition!r}")
+            partition = part
         if keys is not None:
             keys = list(keys)
             if len(keys) != n:
@@ -326,16 +367,31 @@ class Producer:
                 values = self.schema.encode_blocks(columns, self.block_records,
                                                    block_bytes=self._block_bytes)
             for v in values:
-                self._produce(v, None, partition)
+                self._produce(v, None, self._dealt(partition))
         elif isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow: block_records records a message, as blocks
             assert self._encoder is not None
             for v in self._encoder.encode_blocks(columns, self.block_records, self._block_bytes):
-                self._produce(v, None, partition)
+                self._produce(v, None, self._dealt(partition))
         else:  # one record a message, each with its key
             values = (self._encoder.encode(columns) if self._encoder is not None
                       else self.schema.encode_raw(columns))
             for i, v in enumerate(values):
-                self._produce(v, None if keys is None else _key_bytes(keys[i]), partition)
+                if keys is None:
+                    self._produce(v, None, self._dealt(partition))
+                else:
+                    self._produce(v, _key_bytes(keys[i]), partition)
+
+    def _dealt(self, partition: int | None) -> int:
+        """``partition``, or for a message without one the next partition in turn.
+
+        librdkafka's sticky partitioner would put every message of a send(),
+        all made within a few ms, on one partition: the ranks and group
+        members reading the others would get none of them.
+        """
+        if partition is not None:
+            return partition
+        self._turn = (self._turn + 1) % self.num_partitions
+        return self._turn
 
     def copy(self, msg: Any, topic: str, partition: int, headers: list[tuple[str, bytes]]) -> None:
         """Send a consumed message's value and key, unchanged, to ``topic`` (a dead-letter copy).
@@ -348,6 +404,10 @@ class Producer:
     def _produce(self, value: bytes, key: bytes | None, partition: int | None, *,
                  topic: str | None = None, headers: list[tuple[str, bytes]] | None = None) -> None:
         from confluent_kafka import KafkaException
+
+        if self._transactional and not self._in_transaction:
+            raise ConfigError("a transactional producer sends only inside "
+                              "`with producer.transaction():`")
 
         kwargs: dict[str, Any] = {} if partition is None else {"partition": partition}
         try:
@@ -420,6 +480,16 @@ class Producer:
             left = self._producer.flush(slice_s)
         return left
 
+    def _settle_failures(self, when: str, left: int = 0) -> None:
+        """Log (not raise) the failures waiting, and forget them: another error is raised."""
+        failed = len(self._failures)
+        first = self._failures[0] if failed else None
+        self._failures.clear()
+        if failed or left:
+            log.error("%s: %d message(s) to %s not delivered%s%s", when, failed, self.topic,
+                      f", {left} still queued" if left else "",
+                      f"; first error: {first.str()}" if first is not None else "")
+
     def _raise_failures(self, left: int = 0) -> None:
         failed, first = 0, None
         while self._failures:
@@ -428,6 +498,11 @@ class Producer:
             failed += 1
         if first is not None:
             log.error("delivery to %s failed: %s", self.topic, first)
+        if left and not failed:  # a flush(timeout) ran out: nothing failed
+            raise ProduceError(f"flush timed out with {left} message(s) still queued, none "
+                               f"failed: they are still being delivered, and flush() again "
+                               f"waits for them (sending them again would repeat them)",
+                               topic=self.topic)
         if failed or left:
             raise ProduceError(
                 f"{failed} message(s) not delivered" + (f", {left} still queued" if left else "")
@@ -448,6 +523,7 @@ class Producer:
             self._producer.begin_transaction()
         except (KafkaException, SystemError) as e:
             raise self._error("cannot begin a transaction", e) from e
+        self._in_transaction = True
         try:
             yield self
             self.flush()
@@ -457,13 +533,19 @@ class Producer:
                 raise self._error("cannot commit the transaction", e) from e
             self._unstable.update(self._written)
             self._written.clear()
+            self._in_transaction = False
         except BaseException:
             self._written.clear()
+            self._in_transaction = False
             if self._fatal is None:
                 try:
                     self._producer.abort_transaction(self._timeout)
                 except (KafkaException, SystemError) as e:
                     log.error("abort_transaction failed: %s", e)
+                # The aborted messages' reports are in now: their failures are
+                # this transaction's, not the next one's.
+                self._producer.poll(0)
+                self._settle_failures("in the aborted transaction")
             raise
 
     def send_offsets(self, consumer: Any, offsets: Sequence[Any]) -> None:
@@ -501,11 +583,14 @@ class Producer:
         if exc_type is None:
             self.close()
         elif self._fatal is None:
-            # Still deliver what was sent; the original exception wins.
+            # Still deliver what was sent; the original exception wins, and
+            # what was not delivered is said, never dropped in silence.
             try:
-                self._flush(self._timeout)
+                left = self._flush(self._timeout)
             except (KafkaException, SystemError) as e:
                 log.error("flush after %s failed: %s", exc_type.__name__, e)
+                return
+            self._settle_failures(f"after {exc_type.__name__}", left)
 
     def _await_readable(self) -> None:
         """Wait (at most _READABLE_WAIT_S) until the transactions committed are readable."""

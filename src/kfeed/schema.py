@@ -729,8 +729,12 @@ def _as_numpy(f: Field, col: Any) -> np.ndarray:
         arr = col.detach().numpy()
         return arr.view(f.storage)
     arr = np.asarray(col)
+    if f.dtype == "bfloat16" and arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:
+        return arr.view(f.storage)  # ml_dtypes' (JAX's) bfloat16: its bits are the storage
     if arr.dtype != f.storage:
-        raise ConfigError(f"field {f.name!r}: expected dtype {f.storage}, got {arr.dtype}")
+        want = ("bfloat16 (a torch.bfloat16 tensor, a numpy array of ml_dtypes' bfloat16, or "
+                "its bits as uint16)") if f.dtype == "bfloat16" else str(f.storage)
+        raise ConfigError(f"field {f.name!r}: expected dtype {want}, got {arr.dtype}")
     return arr
 
 
