@@ -575,6 +575,23 @@ def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
     assert len(ids) == 4000 and np.array_equal(np.sort(ids), np.arange(4000))
 
 
+def test_more_dataloader_workers_than_partitions_in_a_group_is_one_clear_error(
+        bootstrap, make_topic, group_id) -> None:
+    # A worker of the group with no partition never ended, and the DataLoader,
+    # which takes batches from each worker in turn, waited on it for ever.
+    import torch
+
+    topic = make_topic(partitions=1)
+    produce(bootstrap, topic, 0, 300)
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
+                                    topic, SCHEMA, 100, until="end")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, timeout=120,
+                                     multiprocessing_context="forkserver")
+    with pytest.raises(kfeed.ConfigError, match=f"2 DataLoader workers share the partitions in "
+                                                f"a consumer group, and {topic} has 1: "):
+        list(dl)
+
+
 def test_the_dataset_and_its_schema_travel_to_spawned_workers() -> None:
     import pickle
 

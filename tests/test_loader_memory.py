@@ -348,6 +348,17 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
     assert np.array_equal(np.sort(ids), np.arange(640))
 
 
+def test_a_given_source_in_dataloader_workers_of_a_group_is_refused() -> None:
+    # Each worker read the whole source: every record once per worker.
+    parts = {0: blocks(0, 300, 30), 1: blocks(300, 300, 30)}
+    dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 100, until="end",
+                                         source=kfeed.MemorySource(parts))
+    with pytest.raises(kfeed.ConfigError, match="a given source in 2 DataLoader workers is read "
+                                                "whole by each .* pass assignment='static'"):
+        list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context="spawn"))
+
+
 def test_dataloader_workers_deal_out_static_partitions_and_see_set_epoch() -> None:
     # Static assignment: each worker of a rank reads its own share (every
     # worker read every partition, 1,200 records of 600). Persistent workers

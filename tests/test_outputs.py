@@ -191,6 +191,12 @@ def test_what_an_output_cannot_hold_is_one_clear_error(jax_x32: None) -> None:
         make(kfeed.Schema({"tokens": ("int32", (None,))}), output="arrow", pack=kfeed.Pack(16, eos_id=None))
     with pytest.raises(kfeed.ConfigError, match="'id' is int64, but JAX has 64-bit types"):
         make(kfeed.Schema({"id": ("int64", ())}), output="jax")
+    # Packed rows hold ids as int64: a uint32 id of 3,000,000,000 came out -1,294,967,296.
+    with pytest.raises(kfeed.ConfigError, match="'tokens' is uint32, whose ids past 2..31 "
+                                                "packed rows would give JAX"):
+        make(kfeed.Schema({"tokens": ("uint32", (None,))}), output="jax",
+             pack=kfeed.Pack(16, eos_id=0))
+    make(kfeed.Schema({"tokens": ("uint32", (None,))}), output="jax")  # jagged: uint32 as is
     if jax.default_backend() == "cpu":
         with pytest.raises(kfeed.ConfigError, match="this JAX has no GPU backend"):
             make(output="jax", device="cuda")

@@ -37,7 +37,9 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     The settings are checked here, when the dataset is made, not in a
     worker. With DataLoader workers, every worker opens its own consumer in
     the same consumer group, so the topic's partitions are shared among them
-    and each record is read by one worker once; with ``assignment="static"``
+    and each record is read by one worker once (more workers than partitions
+    is a ``ConfigError``, and so is a given ``source``, which no group
+    shares); with ``assignment="static"``
     the workers of a rank deal out its share of the partitions, as ranks do
     (worker ``w`` of rank ``r`` reads as rank ``r * num_workers + w``). Start the workers with
     ``multiprocessing_context="forkserver"`` (or ``"spawn"``) when the
@@ -96,7 +98,33 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         if worker is not None and worker.num_workers > 1 and config.assignment == "static":
             config = config.replace(rank=config.rank * worker.num_workers + worker.id,
                                     world_size=config.world_size * worker.num_workers)
+        elif worker is not None and worker.num_workers > 1:
+            self._check_group_workers(worker.num_workers)
         with Loader.from_config(self.kafka_config, config, source=self.source) as loader:
             if self.epoch:
                 loader.set_epoch(self.epoch)
             yield from loader
+
+    def _check_group_workers(self, workers: int) -> None:
+        """Workers that share partitions in a group: a source of their own each would
+        read every record once per worker, and a worker left without a partition
+        would hold the DataLoader, which takes batches from each worker in turn,
+        for ever (the others wait on it with their batches made)."""
+        if self.source is not None:
+            raise ConfigError(f"a given source in {workers} DataLoader workers is read whole "
+                              f"by each (no consumer group shares it): pass "
+                              f"assignment='static', which deals its partitions out")
+        from kfeed._kafka import admin_client, admin_partitions
+
+        admin = admin_client(self.kafka_config)
+        servers = str(self.kafka_config.get("bootstrap.servers"))
+        counts = {t: len(admin_partitions(admin, t, servers, self.config.connect_timeout_s))
+                  for t in self.config.topics}
+        # A mixture's member reads every topic; otherwise the topics' partitions add up.
+        have = min(counts.values()) if self.config.mix is not None else sum(counts.values())
+        if have < workers:
+            raise ConfigError(f"{workers} DataLoader workers share the partitions in a "
+                              f"consumer group, and {', '.join(counts)} "
+                              f"{'have' if len(counts) > 1 else 'has'} {have}: a worker "
+                              f"without one would hold the DataLoader up for ever; use at "
+                              f"most {have} workers, or more partitions")

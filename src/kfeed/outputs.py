@@ -81,6 +81,12 @@ def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
             raise ConfigError(f"field {wide[0].name!r} is {wide[0].dtype}, but JAX has 64-bit "
                               f"types off and would narrow it: call jax.config.update("
                               f"'jax_enable_x64', True) first, or make it a 32-bit field")
+        if packed and schema.varlen is not None and schema.varlen.dtype == "uint32":
+            # Packed rows hold token ids as int64, narrowed to int32 for such a JAX.
+            raise ConfigError(f"field {schema.varlen.name!r} is uint32, whose ids past 2**31 "
+                              f"packed rows would give JAX with 64-bit types off as negative "
+                              f"int32: call jax.config.update('jax_enable_x64', True) first, "
+                              f"or make it an int32 field")
     jax_gpu = _has_gpu_backend(jax)
     if device is None:
         return "cuda" if torch.cuda.is_available() and jax_gpu else "cpu"
