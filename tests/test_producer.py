@@ -394,3 +394,51 @@ def test_a_transactional_send_outside_a_transaction_and_a_flush_timeout_say_so(
         with pytest.raises(kfeed.ProduceError, match=r"^flush timed out with \d+ message\(s\) "
                                                      r"still queued, none failed"):
             p.flush(timeout=1e-6)  # was: "0 message(s) not delivered, N still queued"
+
+
+@pytest.mark.integration
+def test_a_bad_key_sends_nothing_of_the_call(bootstrap: str, make_topic: Any) -> None:
+    # Keys were turned to bytes as each message went: the first four were sent.
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema, format="raw") as p:
+        with pytest.raises(kfeed.ConfigError, match="keys must be bytes, str or int, got float"):
+            p.send({"id": np.arange(6)}, keys=[0, 1, 2, 3, 4.0, 5], partition=0)
+        assert p.stats()["messages"] == p.stats()["samples"] == 0
+
+
+@pytest.mark.integration
+def test_a_large_send_is_encoded_a_chunk_at_a_time(bootstrap: str, make_topic: Any,
+                                                   monkeypatch) -> None:
+    # Every block of the call was encoded into one list before the first was
+    # sent: a 1 GiB memory-mapped array took 1.3 GiB more to send.
+    from kfeed import producer as producer_module
+
+    monkeypatch.setattr(producer_module, "_CHUNK_BYTES", 100_000)
+    topic = make_topic(partitions=3)
+    schema = kfeed.Schema({"x": ("float32", (256,)), "id": ("int64", ())})
+    most = []
+    encode = kfeed.Schema.encode_blocks
+
+    def spy(self, columns, *args, **kwargs):
+        most.append(len(columns["id"]))
+        return encode(self, columns, *args, **kwargs)
+
+    monkeypatch.setattr(kfeed.Schema, "encode_blocks", spy)
+    ids = np.arange(3000)
+    x = np.repeat(ids[:, None], 256, axis=1).astype(np.float32)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
+        p.send({"x": x, "id": ids}, keys=ids)
+        p.send({"x": x, "id": ids + 3000})
+    assert max(most) <= 128 and sum(most) == 6000  # 96 rows of 1,032 bytes a chunk
+    monkeypatch.undo()
+    got = {}
+    for part, msgs in read_partitions(bootstrap, topic).items():
+        for m in msgs:
+            out = {f.name: np.zeros((64, *f.shape), f.storage) for f in schema.fields}
+            res = schema.decode_into([m.value()], schema.bind(out), 0)
+            for i, row in zip(out["id"][:res.rows], out["x"][:res.rows], strict=True):
+                assert int(i) not in got and np.all(row == i % 3000)
+                got[int(i)] = part
+    assert sorted(got) == list(range(6000))
+    assert all(got[i] == kfeed.partition_for(str(i).encode(), 3) for i in range(3000))

@@ -69,6 +69,9 @@ _COMPRESSION = ("none", "gzip", "snappy", "lz4", "zstd")
 # where 64 would not fit in message.max.bytes).
 _BLOCK_RECORDS = 64
 
+# A send() of fixed-shape rows encodes this much at a time (see send).
+_CHUNK_BYTES = 64 << 20
+
 # How long close() waits for the commit markers of the transactions this
 # producer committed (NOTE [ A commit is readable a moment later ]).
 _READABLE_WAIT_S = 10.0
@@ -331,25 +334,47 @@ class Producer:
                 raise ConfigError(f"{len(keys)} keys for {n} samples")
         if n == 0:
             return 0
-        if keys is None or partition is not None:
-            self._send_group(columns, partition, keys)
-        else:
-            parts = self._partitions(keys)
-            order = np.argsort(parts, kind="stable")
-            bounds = np.flatnonzero(np.diff(parts[order])) + 1
-            variable = self.schema.varlen.name if self.schema.varlen is not None else None
-            for idx in np.split(order, bounds):
-                part = int(parts[idx[0]])
-                sub = {name: (_take_documents(columns[name], idx) if name == variable
-                              else _take(columns[name], idx))
-                       for name in self.schema.names}
-                self._send_group(sub, part, [keys[i] for i in idx])
-        self.samples += n
+        # Every key is checked (and placed) before anything is sent: a bad
+        # one never leaves part of the call sent.
+        key_bytes = None if keys is None else [_key_bytes(k) for k in keys]
+        parts = None if keys is None or partition is not None else self._partitions(keys,
+                                                                                    key_bytes)
+        # Fixed-shape rows go in chunks of about _CHUNK_BYTES, so that what
+        # one call holds encoded stays bounded however large its columns (a
+        # memory-mapped file, say), as librdkafka's queue bounds the rest.
+        step = n
+        if self.schema.varlen is None:
+            per_chunk = _CHUNK_BYTES // max(1, self.schema.record_size)
+            step = max(self.block_records, per_chunk - per_chunk % self.block_records)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            cols = columns if step >= n else {name: _rows(columns[name], a, b)
+                                              for name in self.schema.names}
+            self._send_rows(cols, None if parts is None else parts[a:b],
+                            None if key_bytes is None else key_bytes[a:b], partition)
+            self.samples += b - a
         return n
 
-    def _partitions(self, keys: list[Any]) -> np.ndarray:
+    def _send_rows(self, columns: Mapping[str, Any], parts: np.ndarray | None,
+                   keys: list[bytes] | None, partition: int | None) -> None:
+        """Rows to ``partition`` (or dealt in turn), or each to its key's in ``parts``."""
+        if parts is None:
+            self._send_group(columns, partition, keys)
+            return
+        assert keys is not None
+        order = np.argsort(parts, kind="stable")
+        bounds = np.flatnonzero(np.diff(parts[order])) + 1
+        variable = self.schema.varlen.name if self.schema.varlen is not None else None
+        for idx in np.split(order, bounds):
+            part = int(parts[idx[0]])
+            sub = {name: (_take_documents(columns[name], idx) if name == variable
+                          else _take(columns[name], idx))
+                   for name in self.schema.names}
+            self._send_group(sub, part, [keys[i] for i in idx])
+
+    def _partitions(self, keys: list[Any], key_bytes: list[bytes]) -> np.ndarray:
         if self.partitioner == "murmur2":
-            return partitions_for([_key_bytes(k) for k in keys], self.num_partitions)
+            return partitions_for(key_bytes, self.num_partitions)
         parts = np.fromiter((self.partitioner(k, self.num_partitions) for k in keys),
                             dtype=np.int64, count=len(keys))
         if parts.size and (parts.min() < 0 or parts.max() >= self.num_partitions):
@@ -689,6 +714,13 @@ def _key_bytes(key: Any) -> bytes:
 def _is_arrow(columns: Any) -> bool:
     """Whether ``columns`` is a pyarrow Table or RecordBatch (without importing pyarrow)."""
     return type(columns).__module__.startswith("pyarrow") and hasattr(columns, "num_rows")
+
+
+def _rows(column: Any, a: int, b: int) -> Any:
+    """Rows ``a:b`` of a fixed-shape column: a view where the column allows one."""
+    if type(column).__module__.startswith("torch"):
+        return column[a:b]
+    return np.asarray(column)[a:b]
 
 
 def _take(column: Any, idx: np.ndarray) -> Any:
