@@ -421,10 +421,10 @@ bootstrap, topic, txn = sys.argv[1:4]
 p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA, transactional_id=txn)
 with p.transaction():
     p.send(columns(np.arange(0, 500)))
-p._producer.begin_transaction()
-p.send(columns(np.arange(500, 1000)))
-p._producer.flush(30)  # the open transaction's records are in the log
-os.kill(os.getpid(), signal.SIGKILL)
+with p.transaction():
+    p.send(columns(np.arange(500, 1000)))
+    p._producer.flush(30)  # the open transaction's records are in the log
+    os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
