@@ -167,30 +167,27 @@ class Producer:
             config["transactional.id"] = transactional_id
         # Room for the key, the headers and the record's framing.
         self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
-        block_bytes = schema.block_nbytes(block_records)
-        if self.format is Format.BLOCK and block_bytes > self._block_bytes:
-            limit = (f"message.max.bytes={config['message.max.bytes']} less 1024 for the "
-                     f"headers")
-            raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
-            if schema.varlen is not None:
-                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, "
-                                  f"over {limit}: lower block_records or {raise_it}")
+        limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
+        raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
+        fixed = schema.varlen is None
+        if fixed and self.format in (Format.BLOCK, Format.RAW):
+            # The records a message holds at most (a raw message holds one).
             per = schema.block_nbytes(2) - schema.block_nbytes(1)
-            fit = (self._block_bytes - (schema.block_nbytes(1) - per)) // per
+            fit = ((self._block_bytes - (schema.block_nbytes(1) - per)) // per
+                   if self.format is Format.BLOCK else int(schema.record_size <= self._block_bytes))
             if fit < 1:
                 raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
                                   f"{raise_it}")
-            if chosen:
-                block_records = self.block_records = fit
-            else:
-                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, over "
-                                  f"{limit}: lower block_records to {fit} or fewer (or leave it "
-                                  f"out), or {raise_it}")
-        if self.format is Format.RAW and schema.varlen is None \
-                and schema.record_size > self._block_bytes:
-            raise ConfigError(f"a record of {schema.record_size} bytes is over message.max.bytes="
-                              f"{config['message.max.bytes']} less 1024 for the headers: raise "
-                              f"message.max.bytes (and the topic's max.message.bytes)")
+        block_bytes = schema.block_nbytes(block_records)
+        if self.format is Format.BLOCK and block_bytes > self._block_bytes:
+            if not fixed:
+                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, "
+                                  f"over {limit}: lower block_records or {raise_it}")
+            if not chosen:
+                raise ConfigError(f"a block of {block_records} records is {block_bytes} bytes, "
+                                  f"over {limit}: lower block_records to {fit} or fewer (or "
+                                  f"leave it out), or {raise_it}")
+            block_records = self.block_records = fit
         self._warn = ConnectionLog(log)
         self._fatal: Any = None
         # Delivery failures, appended by _on_delivery and taken by flush; a
@@ -403,8 +400,8 @@ class Producer:
             for i, v in enumerate(values):
                 if keys is None:
                     self._produce(v, None, self._dealt(partition))
-                else:
-                    self._produce(v, _key_bytes(keys[i]), partition)
+                else:  # (bytes already: send() made them so)
+                    self._produce(v, keys[i], partition)
 
     def _dealt(self, partition: int | None) -> int:
         """``partition``, or for a message without one the next partition in turn.
@@ -505,22 +502,29 @@ class Producer:
             left = self._producer.flush(slice_s)
         return left
 
-    def _settle_failures(self, when: str, left: int = 0) -> None:
-        """Log (not raise) the failures waiting, and forget them: another error is raised."""
-        failed = len(self._failures)
-        first = self._failures[0] if failed else None
-        self._failures.clear()
-        if failed or left:
-            log.error("%s: %d message(s) to %s not delivered%s%s", when, failed, self.topic,
-                      f", {left} still queued" if left else "",
-                      f"; first error: {first.str()}" if first is not None else "")
-
-    def _raise_failures(self, left: int = 0) -> None:
+    def _take_failures(self) -> tuple[int, Any]:
+        """The delivery failures waiting, taken: how many, and the first (or None)."""
         failed, first = 0, None
         while self._failures:
             err = self._failures.popleft()
             first = err if first is None else first
             failed += 1
+        return failed, first
+
+    @staticmethod
+    def _undelivered(failed: int, left: int, first: Any, to: str = "") -> str:
+        return (f"{failed} message(s){to} not delivered" + (f", {left} still queued" if left
+                                                            else "")
+                + (f"; first error: {first.str()}" if first is not None else ""))
+
+    def _settle_failures(self, when: str, left: int = 0) -> None:
+        """Log (not raise) the failures waiting, and forget them: another error is raised."""
+        failed, first = self._take_failures()
+        if failed or left:
+            log.error("%s: %s", when, self._undelivered(failed, left, first, f" to {self.topic}"))
+
+    def _raise_failures(self, left: int = 0) -> None:
+        failed, first = self._take_failures()
         if first is not None:
             log.error("delivery to %s failed: %s", self.topic, first)
         if left and not failed:  # a flush(timeout) ran out: nothing failed
@@ -529,10 +533,8 @@ class Producer:
                                f"waits for them (sending them again would repeat them)",
                                topic=self.topic)
         if failed or left:
-            raise ProduceError(
-                f"{failed} message(s) not delivered" + (f", {left} still queued" if left else "")
-                + (f"; first error: {first.str()}" if first is not None else ""),
-                topic=self.topic, code=first.code() if first is not None else None)
+            raise ProduceError(self._undelivered(failed, left, first), topic=self.topic,
+                               code=first.code() if first is not None else None)
 
     # -- transactions ---------------------------------------------------------
 
