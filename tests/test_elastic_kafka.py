@@ -3,8 +3,10 @@
 A data-parallel job (torch.distributed over gloo, a shuffle buffer; its
 partitions assigned statically, or by the consumer group) checkpoints every few steps: rank 0 writes the merged
 ``state_dict()`` of every rank and the length of every rank's log. The whole
-job is SIGKILLed at a random point, and starts again on the other number of
-ranks: 2 ranks become 3, 3 become 2, and so on. Every id is trained exactly
+job is SIGKILLed after a random number of steps (the ranks halt there, their
+loaders still fetching, so the kill always lands between checkpoints and never
+after the stream's end), and starts again on the other number of ranks: 2 ranks
+become 3, 3 become 2, and so on. Every id is trained exactly
 once over all runs, the records the dead ranks' shuffle buffers held too.
 """
 
@@ -34,7 +36,7 @@ import json, os, sys, time, torch.distributed as dist, kfeed
 from test_elastic_kafka import SCHEMA
 dist.init_process_group("gloo", init_method="env://")
 rank, world = dist.get_rank(), dist.get_world_size()
-bootstrap, topic, group, folder, run, every, assignment = sys.argv[1:8]
+bootstrap, topic, group, folder, run, every, assignment, halt = sys.argv[1:9]
 checkpoint = os.path.join(folder, "checkpoint.json")
 saved = None
 if os.path.exists(checkpoint):
@@ -47,7 +49,7 @@ loader = kfeed.Loader(config, topic, SCHEMA, 40,
                       until="end", device="cpu", assignment=assignment,
                       shuffle=kfeed.Shuffle(300, seed=4),
                       start="earliest" if saved is None else "committed")
-step = 0
+step, steps = 0, 0
 if saved is not None:
     loader.load_state_dict(saved["loader"])
     step = saved["step"]
@@ -67,6 +69,11 @@ with open(os.path.join(folder, f"run{run}-rank{rank}.log"), "wb") as log:
                 os.replace(checkpoint + ".tmp", checkpoint)
             dist.barrier()
         time.sleep(0.01)  # a training step
+        steps += 1
+        if steps == int(halt):  # the crash point: wait here to be SIGKILLed
+            log.flush()
+            open(os.path.join(folder, f"halt{run}-rank{rank}"), "w").close()
+            time.sleep(3600)
 states = [None] * world
 dist.all_gather_object(states, loader.state_dict())
 if rank == 0:
@@ -90,20 +97,18 @@ def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
     group = uuid.uuid4().hex
     worlds = [2, 3, 2, 3, 2]  # the last run goes to the end
 
-    def start(run: int, world: int) -> list[subprocess.Popen[bytes]]:
+    def start(run: int, world: int, halt: int = 0) -> list[subprocess.Popen[bytes]]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
         return [subprocess.Popen([sys.executable, str(script), bootstrap, topic, group,
-                                  str(tmp_path), str(run), str(every), assignment],
+                                  str(tmp_path), str(run), str(every), assignment,
+                                  str(halt)],
                                  env={**env, "RANK": str(r)},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 for r in range(world)]
-
-    def lines(run: int) -> int:
-        return sum(f.read_bytes().count(b"\n") for f in tmp_path.glob(f"run{run}-rank*.log"))
 
     def cut_logs(last_run: int) -> None:
         """What the runs after the checkpoint trained is trained again: drop it from the logs."""
@@ -122,17 +127,21 @@ def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
         ck_path = tmp_path / "checkpoint.json"
         if ck_path.exists():
             crossings.append((json.loads(ck_path.read_text())["world"], world))
-        procs = start(run, world)
-        target = int(rng.integers(15, 40))  # batches trained by the run, then a crash
+        # Steps trained by the run, then a crash: at most 11 steps of 3 ranks' 40
+        # ids a run, so four runs never reach the end of the 6000 ids.
+        procs = start(run, world, halt=int(rng.integers(6, 12)))
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and all(p.poll() is None for p in procs) \
-                and lines(run) < target:
+                and len(list(tmp_path.glob(f"halt{run}-rank*"))) < world:
             time.sleep(0.005)
-        if all(p.poll() is None for p in procs):
-            kills += 1
+        ended = {rank: p.returncode for rank, p in enumerate(procs) if p.poll() is not None}
         for p in procs:  # the job crashes: every rank dies
             p.kill()
-            p.wait()
+        errors = [p.communicate()[1].decode()[-2000:] for p in procs]
+        assert not ended, f"run {run} ended before its crash point: {ended} {errors}"
+        assert len(list(tmp_path.glob(f"halt{run}-rank*"))) == world, \
+            f"run {run} did not reach its crash point in 90 s: {errors}"
+        kills += 1
         cut_logs(run)
     last = len(worlds) - 1
     crossings.append((json.loads((tmp_path / "checkpoint.json").read_text())["world"],
@@ -154,6 +163,5 @@ def test_a_job_killed_between_checkpoints_resumes_on_another_number_of_ranks(
            duplicated=dup,
            resumes=" ".join(f"{a}->{b}" for a, b in crossings),
            left_for_the_next_epoch=len(left))
-    assert kills == len(worlds) - 1
     assert (2, 3) in crossings and (3, 2) in crossings, crossings
     assert (lost, dup) == (0, 0)
