@@ -9,6 +9,7 @@ check that every document arrived exactly once, bit-equal, on the partition
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -292,6 +293,31 @@ def test_messages_without_keys_are_dealt_to_every_partition(bootstrap: str,
         p.send({"x": np.zeros((8, 8), np.float32), "id": np.arange(8)},
                partition=np.int64(2))  # numpy's ints are ints
     assert _watermarks(bootstrap, topic, 4) == {0: 4, 1: 4, 2: 5, 3: 4}
+
+
+@pytest.mark.integration
+def test_keys_follow_partitions_added_to_the_topic(bootstrap: str, make_topic: Any) -> None:
+    # The partition count was read once, when the producer was made: keys
+    # sent after partitions were added still went to the first two.
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    topic = make_topic(partitions=2)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    config = {"bootstrap.servers": bootstrap, "topic.metadata.refresh.interval.ms": 1000}
+    with kfeed.Producer(config, topic, schema, format="raw") as p:
+        p.send({"id": np.arange(100)}, keys=range(100))
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_partitions([NewPartitions(topic, 6)])[topic].result(30)
+        deadline = time.monotonic() + 30
+        while p.num_partitions < 6 and time.monotonic() < deadline:
+            p.send({"id": np.arange(0)}, keys=[])  # a call looks again once a second
+            time.sleep(0.2)
+        p.send({"id": np.arange(100, 400)}, keys=range(100, 400))
+    placed = {int(m.key()): part for part, messages in read_partitions(bootstrap, topic).items()
+              for m in messages}
+    assert sorted(placed) == list(range(400))
+    assert all(placed[k] == kfeed.partition_for(str(k), 2) for k in range(100))
+    assert all(placed[k] == kfeed.partition_for(str(k), 6) for k in range(100, 400))
 
 
 @pytest.mark.integration

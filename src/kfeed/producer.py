@@ -208,6 +208,10 @@ class Producer:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         self._timeout = connect_timeout_s
         self.num_partitions = self._partition_count()
+        # Partitions added to the topic later are found as librdkafka finds
+        # them, at most this long after (keyed placement then follows them).
+        self._recount_s = int(config.get("topic.metadata.refresh.interval.ms", 300_000)) / 1000
+        self._counted_at = time.monotonic()
         self._turn = -1  # the partition the last message without one was dealt to
         # The schema travels with each message (~60 bytes), so that a loader
         # with another schema can say what the topic holds.
@@ -263,6 +267,29 @@ class Producer:
                 return len(found)
             time.sleep(0.1)
 
+    def _recount_partitions(self) -> None:
+        """Take up partitions added to the topic since they were last counted.
+
+        Keys are placed here, not by librdkafka, so the count must follow the
+        topic's as librdkafka's would. A broker that does not answer at once
+        leaves the count as it was: the next interval asks again.
+        """
+        from confluent_kafka import KafkaException
+
+        now = time.monotonic()
+        if not 0 <= self._recount_s <= now - self._counted_at:
+            return
+        self._counted_at = now
+        try:
+            md = self._producer.list_topics(self.topic, timeout=1.0)
+        except (KafkaException, SystemError):
+            return
+        found = md.topics.get(self.topic)
+        if found is not None and found.error is None and len(found.partitions) > self.num_partitions:
+            log.info("%s: %d partitions, %d before", self.topic, len(found.partitions),
+                     self.num_partitions)
+            self.num_partitions = len(found.partitions)
+
     def _raise_fatal(self) -> None:
         err = self._fatal
         if err is not None:
@@ -312,8 +339,14 @@ class Producer:
         takes it; keys then give one partition per document. ``partition``
         sends them all to that partition instead (keys, if any, still go with
         raw and JSON messages).
+
+        ``keys``: one a sample, each ``bytes``, ``str`` (sent as UTF-8) or an
+        int (sent as its decimal digits, ``str(k)``). A sample goes to the
+        partition that Kafka's default partitioner picks for its key's bytes
+        (murmur2, as the Java producer), or the ``partitioner``'s.
         """
         self._raise_fatal()
+        self._recount_partitions()
         if _is_arrow(columns):
             from kfeed.arrowformat import table_columns
 
