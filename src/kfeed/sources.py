@@ -125,6 +125,10 @@ def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
 # moment may both copy it: the check is not a transaction.
 
 
+# Seconds without data after which a consumer asks whether its topics still exist.
+IDLE_PROBE_S = 5.0
+
+
 class Committed(NamedTuple):
     """A committed position, and which loader committed it.
 
@@ -361,6 +365,11 @@ class KafkaSource(Source):
         # once the data stops (``_still_gone``), at most every second.
         self._suspect: Any = None
         self._probed = 0.0
+        # Since when consume() has given nothing: a topic deleted after its
+        # last commit went through is asked about once the data stops, for
+        # no commit is refused to say so (librdkafka's fetcher reports it
+        # only after topic.metadata.propagation.max.ms, 30 s and more).
+        self._idle_since: float | None = None
 
     def _on_error(self, err: Any) -> None:
         # librdkafka reports transient trouble here and keeps retrying; the
@@ -373,23 +382,23 @@ class KafkaSource(Source):
             self._gone = (time.monotonic(), err)
         self._warn.log(logging.WARNING, "kafka: %s", err)
 
-    def _still_gone(self) -> bool:
-        """Whether the brokers know one of the topics no more (asked at most every second)."""
+    def _still_gone(self, every: float = 1.0) -> str | None:
+        """A topic the brokers know no more, if any (asked at most every ``every`` s)."""
         from confluent_kafka import KafkaException
 
         now = time.monotonic()
-        if now - self._probed < 1.0:
-            return False
+        if now - self._probed < every:
+            return None
         self._probed = now
         for topic in self.topics:
             try:
                 md = self._consumer.list_topics(topic, timeout=min(self.connect_timeout, 5.0))
             except KafkaException:
-                return False  # brokers away: that is not a deletion
+                return None  # brokers away: that is not a deletion
             found = md.topics.get(topic)
             if found is None or (found.error is not None and found.error.code() in GONE_CODES):
-                return True
-        return False
+                return topic
+        return None
 
     def _raise_fatal(self) -> None:
         err = self._fatal
@@ -577,15 +586,28 @@ class KafkaSource(Source):
             self._note_ends(msgs)
         if self.protocol == "consumer" and not self._assigned_once:
             self._check_protocol(msgs)
+        now = time.monotonic()
+        if msgs:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
         if self._gone is not None:
             if msgs:  # data still comes: a passing metadata hiccup, or what was fetched before
                 self._suspect, self._gone = self._gone[1], None
-            elif time.monotonic() - self._gone[0] >= GONE_GRACE_S:
+            elif now - self._gone[0] >= GONE_GRACE_S:
                 self._fatal = self._gone[1]
         elif self._suspect is not None and not msgs and self._still_gone():
             # The data stopped and the topic is still unknown: the grace runs
             # from now (else only librdkafka's next report, 30 s on, starts it).
-            self._gone, self._suspect = (time.monotonic(), self._suspect), None
+            self._gone, self._suspect = (now, self._suspect), None
+        elif self._idle_since is not None and now - self._idle_since >= IDLE_PROBE_S:
+            gone = self._still_gone(every=IDLE_PROBE_S)
+            if gone is not None:
+                from confluent_kafka import KafkaError
+
+                self._gone = (now, KafkaError(
+                    KafkaError.UNKNOWN_TOPIC_OR_PART,
+                    f"{gone}: unknown topic: the brokers no longer know it (was it deleted?)"))
         self._raise_fatal()
         if self._callback_error is not None:
             e, self._callback_error = self._callback_error, None
