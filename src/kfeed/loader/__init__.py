@@ -151,12 +151,13 @@ class Batch(dict):
     def update(self, *args: Any, **kwargs: Any) -> None:
         # torch's default_collate copies the first item and update()s it with
         # the items stacked: with DataLoader(batch_size=k) that would make
-        # [k, batch, ...] tensors and fail on the epoch's shorter last batch.
+        # [k, batch, ...] tensors (of numpy batches too) and fail on the
+        # epoch's shorter last batch. (batch_size=None converts, keeping ndim.)
         new = dict(*args, **kwargs)
         for key, value in new.items():
             old = self.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and \
-                    value.dim() == old.dim() + 1:
+            if isinstance(value, torch.Tensor) and hasattr(old, "ndim") and \
+                    value.dim() == old.ndim + 1:
                 raise ConfigError(
                     "kfeed yields whole batches: a DataLoader with batch_size set would stack "
                     "them; use DataLoader(dataset, batch_size=None) and give the batch size "
