@@ -12,6 +12,8 @@ import datetime as dt
 import io
 import json
 import pickle
+import threading
+import time
 import uuid
 
 import fastavro
@@ -27,6 +29,7 @@ from records import check_packed_documents, damage, decode_all, read_columns, re
 
 import kfeed
 from kfeed import avro, formats
+from kfeed.sources import MemorySource
 
 TOPIC = "clicks"
 CTX = SerializationContext(TOPIC, MessageField.VALUE)
@@ -321,6 +324,12 @@ def test_configuration_mistakes_get_one_clear_line(registry):
         pickle.dumps(kfeed.Avro(registry=registry))
     spec = kfeed.Avro(registry={"url": "mock://x"})
     assert pickle.loads(pickle.dumps(spec)).registry == {"url": "mock://x"}
+    # Registry settings the client refuses: here, not in the first batch's traceback.
+    with pytest.raises(kfeed.ConfigError, match="^registry: Unrecognized properties: "
+                       "basic.auth.userinfo$"):
+        kfeed.Avro(registry={"url": "http://r:8081", "basic.auth.userinfo": "u:p"})
+    with pytest.raises(kfeed.ConfigError, match="^registry: basic.auth.user.info must be"):
+        kfeed.Protobuf(registry={"url": "http://r:8081", "basic.auth.user.info": "u"})
     # A registry that cannot be reached, named in the error of the producer's encoder.
     with pytest.raises(kfeed.ProduceError, match=r"^cannot register the Avro schema under "
                        r"t-value with the registry at http://127\.0\.0\.1:9: "):
@@ -336,6 +345,61 @@ def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkey
     out = {f.name: np.zeros((4, *f.shape), f.storage) for f in SCHEMA.fields}
     with pytest.raises(kfeed.ConsumeError, match="did not give schema id 1"):
         decoder.decode_into(values, SCHEMA.bind(out), 0)
+
+
+def test_a_registry_refusal_no_wait_mends_is_said_at_once(monkeypatch) -> None:
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    answers = {"login": SchemaRegistryError(401, 40101, "Unauthorized"),
+               "url": SchemaRegistryError(404, -1, "Unknown Schema Registry Error: b''"),
+               "id": SchemaRegistryError(404, 40403, "Schema not found")}
+    asked = []
+
+    def call(what):
+        def answer():
+            asked.append(what)
+            raise answers[what]
+        return answer
+
+    where = "the registry at http://r:8081"
+    t0 = time.monotonic()
+    with pytest.raises(kfeed.ConsumeError, match=r"^the registry at http://r:8081 refused to "
+                       r"give schema id 3 \(HTTP 401\): check the registry's "
+                       r"basic.auth.user.info"):
+        formats.ask_registry(call("login"), "schema id 3", where)
+    # A 404 without a registry's error code: the url serves something else.
+    with pytest.raises(kfeed.ConsumeError, match=r"answer is not the Schema Registry API's.*"
+                       r"url of the API's root"):
+        formats.ask_registry(call("url"), "schema id 3", where)
+    assert formats.ask_registry(call("id"), "schema id 3", where) is None  # truly not there
+    assert time.monotonic() - t0 < 1 and asked == ["login", "url", "id"]
+
+
+def test_closing_a_loader_ends_its_wait_for_the_registry(caplog, registry) -> None:
+    # close() waited out the 30 s the registry is asked for.
+    values, _ = serialized(registry, 4)
+    caplog.set_level("WARNING", "kfeed.formats")
+    ld = kfeed.Loader(None, "memory", SCHEMA, 4, source=MemorySource(values), device="cpu",
+                      format=kfeed.Avro(registry={"url": "http://127.0.0.1:9"}))
+    got: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            next(ld)
+        except BaseException as e:  # noqa: BLE001 - what next() ends with is checked below
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 20
+    while caplog.text.count("asking again") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "the registry at http://127.0.0.1:9: " in caplog.text
+    t0 = time.monotonic()
+    ld.close()
+    assert time.monotonic() - t0 < 2
+    reader.join(5)
+    assert len(got) == 1 and "closed" in str(got[0])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

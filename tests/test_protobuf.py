@@ -175,7 +175,7 @@ def test_without_the_class_each_schema_id_is_read_from_the_registry(registry):
     text_id = registry.register_schema("text-value", Schema(
         'syntax = "proto3"; message M { int64 id = 1; }', "PROTOBUF"))
     frame = values[0][5:]
-    odd = [b"\x00" + i.to_bytes(4, "big") + frame for i in (99_999, avro_id, text_id)]
+    odd = [b"\x00" + i.to_bytes(4, "big") + frame for i in (99_999, avro_id)]
     odd.append(values[0][:5] + b"\x02\x0e" + values[0][6:])  # message index 7: none
     decoder = kfeed.Protobuf(registry=registry).decoder(SCHEMA)
     got, bad = decode_all(decoder, SCHEMA, [*odd, values[1]])
@@ -183,10 +183,12 @@ def test_without_the_class_each_schema_id_is_read_from_the_registry(registry):
     assert [why for _, why in bad] == [
         "schema id 99999 is not in the registry",
         f"schema id {avro_id} is AVRO, not Protobuf",
-        (f"schema id {text_id}: the registry gave the schema as .proto text, not as a "
-         f"serialized descriptor; give message=, the generated class"),
         (f"schema id {int.from_bytes(values[0][1:5], 'big')}: clicks_v1.proto has no message "
          f"at indexes [7]")]
+    # A schema given as .proto text is no record's fault: every record of it
+    # was dead-lettered. Reading stops, saying what to give.
+    with pytest.raises(kfeed.ConsumeError, match=r"as \.proto text.*Protobuf\(message=\.\.\."):
+        decode_all(decoder, SCHEMA, [b"\x00" + text_id.to_bytes(4, "big") + frame])
     with pytest.raises(kfeed.ConfigError, match="writing Protobuf needs message="):
         kfeed.Protobuf(registry=registry).encoder(SCHEMA, "t")
 
@@ -211,6 +213,48 @@ def test_without_the_class_a_schema_importing_well_known_types_reads(registry):
         values = [write(event(id=i, at={"seconds": 100 + i}), CTX) for i in range(5)]
         got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema, values)
         assert bad == [] and got["sec"].tolist() == [100, 101, 102, 103, 104]
+
+
+def _event_class(version: int) -> type:
+    """shop.Ev as two writers had it: v1 with ``gone``, v2 without it and with ``added``."""
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"ev_v{version}.proto", package="shop",
+                                             syntax="proto3")
+    ev = fdp.message_type.add(name="Ev")
+    ev.field.add(name="id", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    if version == 1:
+        ev.field.add(name="gone", number=2, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    else:
+        ev.field.add(name="added", number=3, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.Ev"))
+
+
+def test_without_the_class_a_field_one_writer_lacks_reads_its_default(registry):
+    # Every record of the writer without the field was bad, default or not.
+    values = []
+    for version in (1, 2):
+        cls = _event_class(version)
+        write = ProtobufSerializer(cls, registry, CONF)
+        extra = {"gone": 50} if version == 1 else {"added": 70}
+        values += [write(cls(id=version * 10 + i, **{k: v + i for k, v in extra.items()}), CTX)
+                   for i in range(3)]
+    schema = kfeed.Schema({"id": ("int64", ()), "added": ("int64", (), {"default": -7}),
+                           "gone": ("int64", (), {"default": -1})})
+    got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema, values)
+    assert bad == []
+    assert got["id"].tolist() == [10, 11, 12, 20, 21, 22]
+    assert got["added"].tolist() == [-7, -7, -7, 70, 71, 72]
+    assert got["gone"].tolist() == [50, 51, 52, -1, -1, -1]
+    # Without a default, the records of the writer lacking it are bad, saying so.
+    schema = kfeed.Schema({"id": ("int64", ()), "added": ("int64", ())})
+    got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema, values)
+    assert got["added"].tolist() == [70, 71, 72]
+    assert [i for i, _ in bad] == [0, 1, 2]
+    assert "shop.Ev has no field 'added'" in bad[0][1] and "a default for the field" in bad[0][1]
+    # A generated class must have every field still.
+    with pytest.raises(kfeed.ConfigError, match="shop.Ev has no field 'added'"):
+        kfeed.Protobuf(message=_event_class(1)).decoder(schema)
 
 
 def test_plain_values_without_framing():

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,9 @@ from kfeed.formats import (
     Encoder,
     PlanDecoder,
     RecordFormat,
-    ask_registry,
     checked_registry,
     codes,
     defaults,
-    fetch_schema,
     fixed_layout,
     plan_layout,
     registry_client,
@@ -87,9 +85,9 @@ class Avro(RecordFormat):
         return self.registry is not None
 
     def client(self) -> Any:
-        """The registry client, made once from the config dict."""
+        """The decoders' registry client, made once from the config dict."""
         if self._client is None:
-            self._client = registry_client(self.registry, "kfeed.Avro")
+            self._client = registry_client(self.registry, "kfeed.Avro", reading=True)
         return self._client
 
     def decoder(self, schema: Schema) -> AvroDecoder:
@@ -122,21 +120,21 @@ class AvroDecoder(PlanDecoder):
 
     def plan_for(self, schema_id: int) -> Any:
         """The plan of a schema id, or the reason its records are bad."""
-        registered = fetch_schema(self.fmt.client(), schema_id)
+        registered = self.registered(schema_id)
         if registered is None:
             return f"schema id {schema_id} is not in the registry"
         kind = getattr(registered, "schema_type", "AVRO") or "AVRO"
         if kind != "AVRO":
             return f"schema id {schema_id} is {kind}, not Avro"
         try:
-            named = _referenced(self.fmt.client(), registered)
+            named = _referenced(self.fmt.client(), registered, self.ask)
             return compile_plan(_load_schema(registered.schema_str), self.schema, named)
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
 
 
-def _referenced(client: Any, registered: Any) -> list[Any]:
+def _referenced(client: Any, registered: Any, ask: Callable[..., Any]) -> list[Any]:
     """The schemas a registered one refers to (Confluent schema references: named
     types registered under subjects of their own), what they refer to first."""
     out: list[Any] = []
@@ -148,8 +146,8 @@ def _referenced(client: Any, registered: Any) -> list[Any]:
             if key in seen:
                 continue
             seen.add(key)
-            got = ask_registry(lambda ref=ref: client.get_version(ref.subject, ref.version),
-                               f"{ref.name} ({ref.subject} version {ref.version})")
+            got = ask(lambda ref=ref: client.get_version(ref.subject, ref.version),
+                      f"{ref.name} ({ref.subject} version {ref.version})")
             if got is None:
                 raise ConfigError(f"it refers to {ref.name}, which the registry does not have "
                                   f"({ref.subject} version {ref.version})")
@@ -181,7 +179,8 @@ class AvroEncoder(Encoder):
         self.order = _write_order(schema, self.writer)
         self.schema = schema
         if fmt.framed:
-            self.schema_id = _register(fmt.client(), f"{topic}-value", self.writer,
+            self.schema_id = _register(registry_client(fmt.registry, "kfeed.Avro"),
+                                       f"{topic}-value", self.writer,
                                        registry_where(fmt.registry))
             self.prefix = b"\0" + self.schema_id.to_bytes(4, "big")
         else:

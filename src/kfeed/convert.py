@@ -34,7 +34,7 @@ from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, check_s
                           client_config, create_topic, kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
-from kfeed.formats import Decoder, RecordFormat, resolve
+from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
 from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers
@@ -137,11 +137,13 @@ def convert(
         raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
                           f"got {on_bad_record!r}") from None
     decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else _Raw(schema)
+    stop = stop or threading.Event()
+    decoder.stop = stop  # a stop ends a wait for the schema registry (Stopped)
     group = group_id if group_id is not None else f"kfeed-convert.{to_topic}"
     job = _Convert(kafka_config, from_topic, to_topic, schema, fmt, decoder, policy, group,
                    block_records, round_messages, connect_timeout_s)
     try:
-        return job.run(follow, progress, stop or threading.Event())
+        return job.run(follow, progress, stop)
     finally:
         job.close()
 
@@ -213,6 +215,8 @@ class _Convert:
                     failures = 0
                 except _HeldBack:
                     self.carried += msgs
+                except Stopped:  # waiting for the registry: the round was aborted
+                    break
                 except ProduceError as e:
                     failures += 1
                     self.stats.aborted += 1

@@ -12,6 +12,7 @@ GIL, no Python object per record), rejecting a message whole with a reason.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,6 +41,8 @@ class Decoder:
     # Many records a message (see RecordFormat.batches): decode_into then takes
     # start= and split=, as Schema.decode_into does for blocks.
     batches = False
+    # Set by whoever runs the decoder: a wait for the schema registry ends with it.
+    stop: threading.Event | None = None
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         raise NotImplementedError
@@ -62,6 +65,7 @@ class PlanDecoder(Decoder):
     """
 
     what = ""
+    fmt: Any = None  # the format, with its registry (see registered())
 
     def __init__(self, schema: Schema, framed: bool, single: Any, decode: Callable[..., Any],
                  documents: Callable[..., Any]) -> None:
@@ -75,6 +79,17 @@ class PlanDecoder(Decoder):
 
     def plan_for(self, key: Any) -> Any:
         raise NotImplementedError
+
+    def ask(self, call: Callable[[], Any], what: str) -> Any:
+        """``call()``'s answer from the format's registry (see ``ask_registry``)."""
+        return ask_registry(call, what, registry_where(self.fmt.registry), self.stop)
+
+    def registered(self, schema_id: int, fmt: str | None = None) -> Any:
+        """The registered schema of ``schema_id`` (None: the registry has no such id)."""
+        client = self.fmt.client()
+        log.info("fetching the writer schema of id %d from the registry", schema_id)
+        return self.ask(lambda: client.get_schema(schema_id, None, fmt) if fmt
+                        else client.get_schema(schema_id), f"schema id {schema_id}")
 
     def decode_into(self, values: Sequence[Any], out: Target, row: int) -> DecodeResult:
         """Decode values into ``out`` from ``row`` on: one row per good value.
@@ -144,19 +159,20 @@ class PlanDecoder(Decoder):
         return _codec.Out(self.layout, bufs), bufs
 
 
-def fetch_schema(client: Any, schema_id: int, fmt: str | None = None) -> Any:
-    """The registered schema of ``schema_id`` (None: the registry has no such id)."""
-    log.info("fetching the writer schema of id %d from the registry", schema_id)
-    return ask_registry(lambda: client.get_schema(schema_id, None, fmt) if fmt
-                        else client.get_schema(schema_id), f"schema id {schema_id}")
+class Stopped(Exception):
+    """The loader or convert was stopped while it waited for the registry."""
 
 
-def ask_registry(call: Callable[[], Any], what: str) -> Any:
-    """``call()``'s answer; None when the registry says it has no such thing (404).
+def ask_registry(call: Callable[[], Any], what: str, where: str,
+                 stop: threading.Event | None = None) -> Any:
+    """``call()``'s answer; None when the registry says it has no such thing.
 
-    A registry that does not answer is asked again, with a growing pause,
-    for ``REGISTRY_RETRY_S``; then ``ConsumeError``: a record is never
-    rejected for want of an answer.
+    "Not found" is a 404 with a registry error code (404xx); a 404 without
+    one is a url that serves no registry, and a refused login (401, 403) or
+    another refusal is said at once: no wait mends them. A registry that
+    does not answer is asked again, with a growing pause, for
+    ``REGISTRY_RETRY_S``; then ``ConsumeError``: a record is never rejected
+    for want of an answer. ``stop``, once set, ends the wait (``Stopped``).
     """
     deadline = time.monotonic() + REGISTRY_RETRY_S
     delay = 0.1
@@ -164,13 +180,29 @@ def ask_registry(call: Callable[[], Any], what: str) -> Any:
         try:
             return call()
         except Exception as e:  # the registry client raises errors of many kinds
-            if getattr(e, "http_status_code", None) == 404:
+            status = getattr(e, "http_status_code", None)
+            code = getattr(e, "error_code", None)
+            if status == 404 and isinstance(code, int) and 40400 <= code < 40500:
                 return None
+            if status == 404:
+                raise ConsumeError(f"{where} has no {what}, and its answer is not the Schema "
+                                   f"Registry API's ({e}): give the url of the API's root, "
+                                   f"e.g. http://registry:8081 (Apicurio's: "
+                                   f".../apis/ccompat/v7)") from e
+            if status in (401, 403):
+                raise ConsumeError(f"{where} refused to give {what} (HTTP {status}): check "
+                                   f"the registry's basic.auth.user.info (or "
+                                   f"bearer.auth.* settings)") from e
+            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                raise ConsumeError(f"{where} refused to give {what}: {e}") from e
             if time.monotonic() + delay > deadline:
-                raise ConsumeError(f"the schema registry did not give {what} "
+                raise ConsumeError(f"{where} did not give {what} "
                                    f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
-            log.warning("schema registry: %s; asking again in %.1f s", e, delay)
-            time.sleep(delay)
+            log.warning("%s: %s; asking again in %.1f s", where, e, delay)
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                raise Stopped from e
             delay = min(delay * 2, 5.0)
 
 
@@ -234,6 +266,10 @@ def checked_registry(registry: Any) -> Any:
         if not registry_url_ok(url):
             raise ConfigError(f"registry url {url!r} is not an http:// or https:// address: "
                               f"give e.g. {{'url': 'http://registry:8081'}}")
+        try:  # the client checks its settings when made (no request yet)
+            registry_client(registry, "the format")
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"registry: {e}") from None
         return registry
     if not callable(getattr(registry, "get_schema", None)):
         raise ConfigError("registry must be a SchemaRegistryClient config dict "
@@ -248,10 +284,17 @@ def registry_where(registry: Any) -> str:
     return f"the registry client {type(registry).__name__}"
 
 
-def registry_client(registry: Any, who: str) -> Any:
-    """A Schema Registry client from its config dict, or the client given."""
+def registry_client(registry: Any, who: str, reading: bool = False) -> Any:
+    """A Schema Registry client from its config dict, or the client given.
+
+    ``reading``: for decoders, which ask again themselves (``ask_registry``,
+    watching their stop): the client's own retries, 7 s of them by default,
+    are off unless the dict sets ``max.retries``.
+    """
     if not isinstance(registry, Mapping):
         return registry
+    if reading:
+        registry = {"max.retries": 0, **registry}
     try:
         from confluent_kafka.schema_registry import SchemaRegistryClient
     except ImportError as e:

@@ -28,22 +28,20 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from kfeed import _codec
-from kfeed.errors import ConfigError, ProduceError
+from kfeed.errors import ConfigError, ConsumeError, ProduceError
 from kfeed.formats import (
     Encoder,
     PlanDecoder,
     RecordFormat,
-    ask_registry,
     checked_registry,
     codes,
     defaults,
-    fetch_schema,
     plan_layout,
     registry_client,
     registry_where,
@@ -99,9 +97,9 @@ class Protobuf(RecordFormat):
         return self.registry is not None
 
     def client(self) -> Any:
-        """The registry client, made once from the config dict."""
+        """The decoders' registry client, made once from the config dict."""
         if self._client is None:
-            self._client = registry_client(self.registry, "kfeed.Protobuf")
+            self._client = registry_client(self.registry, "kfeed.Protobuf", reading=True)
         return self._client
 
     def decoder(self, schema: Schema) -> ProtobufDecoder:
@@ -139,21 +137,22 @@ class ProtobufDecoder(PlanDecoder):
     def plan_for(self, key: tuple[int, tuple[int, ...]]) -> Any:
         """The plan of ``(schema id, message indexes)``, or the reason its records are bad."""
         schema_id, indexes = key
-        registered = fetch_schema(self.fmt.client(), schema_id, "serialized")
+        registered = self.registered(schema_id, "serialized")
         if registered is None:
             return f"schema id {schema_id} is not in the registry"
         kind = getattr(registered, "schema_type", None) or "AVRO"
         if kind != "PROTOBUF":
             return f"schema id {schema_id} is {kind}, not Protobuf"
         try:
-            descriptor = message_at(registry_pool(self.fmt.client(), registered), indexes)
-            return compile_plan(descriptor, self.schema)
+            descriptor = message_at(registry_pool(self.fmt.client(), registered, self.ask),
+                                    indexes)
+            return compile_plan(descriptor, self.schema, writer=True)
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
 
 
-def registry_pool(client: Any, registered: Any) -> Any:
+def registry_pool(client: Any, registered: Any, ask: Callable[..., Any]) -> Any:
     """The file a registered Protobuf schema describes, in a pool with what it imports.
 
     Its references are fetched (serialized) and added first; protobuf's
@@ -170,9 +169,9 @@ def registry_pool(client: Any, registered: Any) -> Any:
             if ref.name in added or ref.name.startswith("google/protobuf/"):
                 continue  # protobuf's own types: from the runtime, below
             added.add(ref.name)
-            got = ask_registry(lambda ref=ref: client.get_version(ref.subject, ref.version, True,
-                                                                  "serialized"),
-                               f"{ref.name} ({ref.subject} version {ref.version})")
+            got = ask(lambda ref=ref: client.get_version(ref.subject, ref.version, True,
+                                                         "serialized"),
+                      f"{ref.name} ({ref.subject} version {ref.version})")
             if got is None:
                 raise ConfigError(f"it imports {ref.name}, which the registry does not have "
                                   f"({ref.subject} version {ref.version})")
@@ -181,8 +180,11 @@ def registry_pool(client: Any, registered: Any) -> Any:
             proto = descriptor_pb2.FileDescriptorProto.FromString(
                 base64.b64decode(schema.schema_str, validate=True))
         except (binascii.Error, ValueError, TypeError, DecodeError) as e:
-            raise ConfigError("the registry gave the schema as .proto text, not as a serialized "
-                              "descriptor; give message=, the generated class") from e
+            # Not a record's fault: every record of the schema would be bad.
+            raise ConsumeError("the registry gave a schema as .proto text, not as a "
+                               "serialized descriptor (it ignored format=serialized): give "
+                               "kfeed.Protobuf(message=..., registry=...) the generated "
+                               "class") from e
         for dep in proto.dependency:
             if dep.startswith("google/protobuf/") and dep not in added:
                 added.add(dep)
@@ -310,8 +312,13 @@ def _at(descriptor: Any, path: tuple[str, ...]) -> Any:
     return descriptor.fields_by_name[path[-1]]
 
 
-def compile_plan(descriptor: Any, schema: Schema) -> Any:
+def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
     """The ``_codec.ProtobufPlan`` reading ``descriptor``'s messages into ``schema``'s fields.
+
+    ``writer``: ``descriptor`` is one of a topic's writer schemas (from the
+    registry), which may lack fields that others have: a kfeed field with a
+    default then reads it from every record (as from a message where the
+    field is absent), where the generated class given must have every field.
 
     Of the members of a oneof, protobuf keeps the one parsed last: each
     member's entry names the fields its oneof's other members lead to, which
@@ -336,10 +343,15 @@ def compile_plan(descriptor: Any, schema: Schema) -> Any:
             where = f"{path}.{name}" if path else name
             fd = desc.fields_by_name.get(name)
             if fd is None:
-                f = schema.fields[next(iter(sub.values()))]
+                lacking = [schema.fields[i] for i in sub.values()
+                           if schema.fields[i].default is None]
+                if writer and not lacking:
+                    continue  # never in this writer's records: their defaults
+                f = lacking[0] if lacking else schema.fields[next(iter(sub.values()))]
                 known = ", ".join(sorted(desc.fields_by_name)) or "none"
+                hint = "; a default for the field reads these records" if writer else ""
                 raise ConfigError(f"field {f.name!r}: {desc.full_name} has no field {name!r} "
-                                  f"(source {f.source or f.name!r}); its fields: {known}")
+                                  f"(source {f.source or f.name!r}); its fields: {known}{hint}")
             kind = _TYPES.get(fd.type, "?")
             below[name] = set(sub.values())
             if () in sub:

@@ -145,6 +145,8 @@ class SlotBuilder:
         self.samples = 0       # records decoded
         # Values others wrote (Avro, Protobuf): one record each, decoded by their plans.
         self.decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else None
+        if self.decoder is not None:
+            self.decoder.stop = stop  # close() ends a wait for the schema registry
         self.value_bytes = 0   # bytes of the message values decoded
         self.decode_s = 0.0    # decoding, ordering and packing, for metrics
 
