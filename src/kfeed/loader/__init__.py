@@ -886,8 +886,8 @@ class Loader:
         elapsed = now - self._t_first if self._t_first is not None else 0.0
         since = self._waiting_since  # a wait under way, in next() on another thread
         waiting = now - since if since is not None else 0.0
-        with ledger.lock:
-            positions = {tp: off for tp, (off, _skip) in ledger.delivered().items()}
+        with ledger.lock:  # (after a message's last record: the next offset, lag 0)
+            positions = {tp: ledger._whole(tp, pos)[0] for tp, pos in ledger.delivered().items()}
         if self._exhausted and self._feeder.epoch_over:
             # Everything up to each partition's end at the start was read;
             # what lies between the last record and that end (transaction

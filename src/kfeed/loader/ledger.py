@@ -353,6 +353,10 @@ class Ledger:
         """Per partition, the position after every record handed out."""
         return dict(self.handed)
 
+    def _whole(self, tp: TP, pos: Position) -> Position:
+        """``pos`` as Kafka counts it (see ``OrderLedger``; in order, it is already)."""
+        return pos
+
     def state(self) -> dict[str, Any]:
         return {"positions": by_topic({**self.carried, **self.delivered()})}
 
@@ -598,7 +602,11 @@ class OrderLedger(Ledger):
             self.rounds.pop(tp, None)
             self.pending_rounds.pop(tp, None)
         marks = self.order.watermarks()
-        mine = self._noted({tp: self._real(marks[tp]) for tp in tps if tp in marks}, used=False)
+        # Whole messages as Kafka counts them, as to_commit gives them: a
+        # revoke's commit (close() makes one) must not take the partition
+        # back from (offset + 1, 0) to (offset, records), lag 1 for ever.
+        mine = self._noted({tp: self._whole(tp, self._real(marks[tp]))
+                            for tp in tps if tp in marks}, used=False)
         for tp, pos in mine.items():  # (``revoke`` carries the positions themselves)
             if len(pos) > 2:
                 self.carried_notes[tp] = pos[2]
