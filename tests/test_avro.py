@@ -465,6 +465,27 @@ def test_loader_reads_a_topic_written_by_confluent_kafkas_serializer(bootstrap, 
     check_clicks(cols, records, bootstrap, topic, bad)
 
 
+@pytest.mark.integration
+def test_a_field_added_with_a_default_keeps_the_subject_backward_compatible(
+        bootstrap, make_topic, schema_registry):
+    # kfeed's writer schema had no Avro default: the registry refused the new
+    # schema under BACKWARD compatibility (409), default or not.
+    topic = make_topic(partitions=1)
+    SchemaRegistryClient({"url": schema_registry}).set_compatibility(f"{topic}-value",
+                                                                     "BACKWARD")
+    config = {"bootstrap.servers": bootstrap}
+    fmt = kfeed.Avro(registry={"url": schema_registry})
+    old = kfeed.Schema({"id": ("int64", ())})
+    new = kfeed.Schema({"id": ("int64", ()), "score": ("float32", (2,), {"default": 0.5})})
+    with kfeed.Producer(config, topic, old, format=fmt) as p:
+        p.send({"id": np.arange(3)})
+    with kfeed.Producer(config, topic, new, format=fmt) as p:
+        p.send({"id": np.arange(3, 5), "score": np.ones((2, 2), np.float32)})
+    cols = read_columns(bootstrap, topic, new, fmt, batch_size=5)
+    assert cols["id"].tolist() == [0, 1, 2, 3, 4]
+    assert cols["score"].tolist() == [[0.5, 0.5]] * 3 + [[1.0, 1.0]] * 2
+
+
 # -- token documents: pack= ---------------------------------------------------------------
 
 DOC = {

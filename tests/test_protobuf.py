@@ -257,6 +257,18 @@ def test_without_the_class_a_field_one_writer_lacks_reads_its_default(registry):
         kfeed.Protobuf(message=_event_class(1)).decoder(schema)
 
 
+def test_two_fields_of_one_source_are_refused() -> None:
+    # The plan kept the last: 'label' read as zeros beside 'label_f', in silence.
+    schema = kfeed.Schema({"label": ("int32", ()),
+                           "label_f": ("float32", (), {"source": "label"})})
+    for fmt in (kfeed.Protobuf(message=Click), kfeed.Json(),
+                kfeed.Avro(schema={"type": "record", "name": "R",
+                                   "fields": [{"name": "label", "type": "int"}]})):
+        with pytest.raises(kfeed.ConfigError, match="^fields 'label' and 'label_f' both "
+                           "read 'label' of the .* records: each is read into one"):
+            fmt.decoder(schema)
+
+
 def test_plain_values_without_framing():
     rng = np.random.default_rng(4)
     msgs = [make(Click, i, rng) for i in range(300)]

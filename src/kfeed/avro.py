@@ -213,7 +213,8 @@ def writer_schema(schema: Schema, name: str = "Record") -> dict[str, Any]:
     after their path, ``user`` or ``user_address``); a shape becomes nested
     arrays of the element type; bool is ``boolean``, int8 to uint16 and int32
     ``int``, uint32 and int64 ``long``, float32 ``float``, float64 ``double``.
-    kfeed's Avro decoder reads it back value for value.
+    A field with a ``default`` has it as its Avro default. kfeed's Avro
+    decoder reads it back value for value.
     """
     fixed_layout(schema, "Avro")
     root: dict[str, Any] = {"type": "record", "name": name, "namespace": "kfeed",
@@ -235,7 +236,13 @@ def writer_schema(schema: Schema, name: str = "Record") -> dict[str, Any]:
         if any(x["name"] == f.path[-1] for x in parent["fields"]):
             raise ConfigError(f"field {f.name!r}: two fields are written at "
                               f"{'.'.join(f.path)}")
-        parent["fields"].append({"name": f.path[-1], "type": t})
+        field: dict[str, Any] = {"name": f.path[-1], "type": t}
+        if f.default is not None:
+            # So that a field added to a topic's schema keeps it compatible
+            # (BACKWARD, the registries' default): a reader of the new
+            # schema reads the default from records written before it.
+            field["default"] = np.full(f.shape, f.default, f.storage).tolist()
+        parent["fields"].append(field)
     return root
 
 

@@ -344,7 +344,20 @@ def document_layout(schema: Schema, what: str) -> Any:
 
 
 def plan_layout(schema: Schema, what: str) -> Any:
-    """The layout a plan of ``what`` writes: fixed-shape rows, or (one token field) documents."""
+    """The layout a plan of ``what`` writes: fixed-shape rows, or (one token field) documents.
+
+    A plan reads each record field into one kfeed field: two fields of one
+    ``source`` are refused (the plans kept the last, and the other read as
+    missing, or as zeros).
+    """
+    by_path: dict[tuple[str, ...], str] = {}
+    for f in schema.fields:
+        other = by_path.setdefault(f.path, f.name)
+        if other != f.name:
+            raise ConfigError(f"fields {other!r} and {f.name!r} both read "
+                              f"{'.'.join(f.path)!r} of the {what} records: each is read "
+                              f"into one kfeed field; leave one out, and convert its values "
+                              f"after the batch")
     if schema.varlen is not None:
         return document_layout(schema, what)
     return fixed_layout(schema, what)
