@@ -66,6 +66,7 @@ cdef enum AvErr:
     A_NEG_LENGTH
     A_UNION
     A_ENUM
+    A_SYMBOL         # an enum symbol not among those the format names (Avro(enums=))
     A_BOOLEAN
     A_RANGE
     A_KIND
@@ -93,7 +94,8 @@ cdef struct AvNode:
     int field           # the field written, -1: skipped
     int code            # the field's AvCode when field >= 0
     int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items (-1: any)
-    int64_t stride      # ARRAY into a field: elements per item
+    int64_t stride      # ARRAY into a field: elements per item; ENUM: 1 + where its
+                        # symbols' numbers start in ``symbols`` (0: the writer's index)
     Py_ssize_t first    # children: kids[first:first + n]
     Py_ssize_t n
 
@@ -102,6 +104,7 @@ cdef struct AvPlan:
     AvNode* nodes
     Py_ssize_t nnodes
     Py_ssize_t* kids
+    int64_t* symbols         # per writer symbol of a mapped enum: its number, -1: none
     Py_ssize_t nfields
     int* codes               # per field
     uint64_t* nelem          # per field: elements in one row
@@ -199,7 +202,8 @@ cdef class AvroPlan:
     (kind, field, code, size, stride, first, n), ``kids`` the children's node
     indices, ``codes`` each field's AvCode, ``defaults`` one row of bytes per
     field or None. ``notes`` names each node for error messages (its path, or
-    why a K_BAD node cannot be read).
+    why a K_BAD node cannot be read). ``symbols``: the numbers an enum node
+    with ``stride > 0`` gives its writer's symbols (-1: a bad record).
     """
 
     cdef AvPlan p
@@ -208,8 +212,11 @@ cdef class AvroPlan:
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[::1] kids,
-                  codes, defaults, notes, Py_ssize_t varfield=-1):
+                  codes, defaults, notes, Py_ssize_t varfield=-1, symbols=None):
         cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = kids.shape[0]
+        cdef const int64_t[::1] syms = np.asarray(
+            symbols if symbols is not None else (), np.int64).reshape(-1)
+        cdef Py_ssize_t ns = syms.shape[0]
         cdef AvNode* nd
         self.nfields = layout.nfields
         if nodes.shape[1] != 7 or nn == 0:
@@ -222,12 +229,15 @@ cdef class AvroPlan:
         self.p.nfields = layout.nfields
         self.p.nodes = <AvNode*>calloc(nn, sizeof(AvNode))
         self.p.kids = <Py_ssize_t*>calloc(nk if nk else 1, sizeof(Py_ssize_t))
+        self.p.symbols = <int64_t*>calloc(ns if ns else 1, sizeof(int64_t))
         self.p.codes = <int*>calloc(layout.nfields, sizeof(int))
         self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
         if not (self.p.nodes and self.p.kids and self.p.codes and self.p.nelem
-                and self.p.default):
+                and self.p.default and self.p.symbols):
             raise MemoryError()
+        for i in range(ns):
+            self.p.symbols[i] = syms[i]
         # A document: ``varfield``, read by nodes of no fixed size (arrays, bytes, strings).
         if not -1 <= varfield < layout.nfields:
             raise ValueError(f"field {varfield} is not in the layout")
@@ -264,10 +274,13 @@ cdef class AvroPlan:
             if (nd.size < 0 and not (nd.size == -1 and nd.field == self.p.varfield >= 0)) \
                     or nd.stride < 0:
                 raise ValueError(f"node {i}: negative size")
+            if nd.kind == K_ENUM and nd.stride > 0 and nd.size > ns - (nd.stride - 1):
+                raise ValueError(f"node {i}: its symbols are not in symbols")
 
     def __dealloc__(self):
         free(self.p.nodes)
         free(self.p.kids)
+        free(self.p.symbols)
         free(self.p.codes)
         free(self.p.nelem)
         free(self.p.default)
@@ -480,6 +493,11 @@ cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
         if r == A_OK and kind == K_ENUM and (v < 0 or v >= nd.size):
             c.err_value = v
             r = A_ENUM
+        elif r == A_OK and kind == K_ENUM and nd.stride > 0:
+            c.err_value = v
+            v = c.plan.symbols[nd.stride - 1 + v]
+            if v < 0:
+                r = A_SYMBOL
         if r == A_OK and nd.field >= 0:
             r = av_store_int(c, nd, elem, v)
     elif kind == K_FLOAT:
@@ -860,6 +878,8 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
         return f"union branch {b.value} does not exist{where}"
     if err == A_ENUM:
         return f"enum index {b.value} out of range{where}"
+    if err == A_SYMBOL:
+        return f"the writer's enum symbol number {b.value} is not among those enums= names{where}"
     if err == A_BOOLEAN:
         return f"boolean byte {b.value}{where}"
     if err == A_RANGE:

@@ -303,6 +303,40 @@ def test_recursive_types_are_skipped_and_bounded():
     assert res.bad[0][0] == 1 and "nested deeper than" in res.bad[0][1]
 
 
+def _colors(symbols: list[str]) -> dict:
+    return {"type": "record", "name": "Event", "namespace": "shop", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "color", "type": {"type": "enum", "name": "Color", "symbols": symbols}}]}
+
+
+def test_enum_symbols_are_read_by_name_where_enums_names_them(registry, caplog):
+    # A symbol added in the middle (compatible in Avro) moved BLUE from 1 to 2:
+    # the same symbol read as two numbers, in silence.
+    first = AvroSerializer(registry, json.dumps(_colors(["RED", "BLUE"])))
+    second = AvroSerializer(registry, json.dumps(_colors(["RED", "GREEN", "BLUE"])))
+    values = [first({"id": 0, "color": "BLUE"}, CTX), first({"id": 1, "color": "RED"}, CTX),
+              second({"id": 2, "color": "BLUE"}, CTX), second({"id": 3, "color": "GREEN"}, CTX)]
+    schema = kfeed.Schema({"id": ("int64", ()), "color": ("int32", ())})
+    fmt = kfeed.Avro(registry=registry, enums={"shop.Color": ["RED", "GREEN", "BLUE"]})
+    got, bad = decode_all(fmt.decoder(schema), schema, values)
+    assert bad == [] and got["color"].tolist() == [2, 0, 2, 1]
+    # Its short name does too; a symbol it does not name makes the record bad.
+    fmt = kfeed.Avro(registry=registry, enums={"Color": ["BLUE", "RED"]})
+    got, bad = decode_all(fmt.decoder(schema), schema, values)
+    assert got["id"].tolist() == [0, 1, 2] and got["color"].tolist() == [0, 1, 0]
+    assert bad == [(3, "the writer's enum symbol number 1 is not among those enums= names at "
+                       "color (the writer's symbols: RED, GREEN, BLUE)")]
+    # Not named: the writer's index, and a warning where a writer renumbers.
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(schema), schema, values)
+    assert bad == [] and got["color"].tolist() == [1, 0, 2, 1]
+    assert "numbers the symbols of enum shop.Color otherwise" in caplog.text
+    assert "BLUE moved" in caplog.text and "kfeed.Avro(enums={'shop.Color': [...]})" in caplog.text
+    with pytest.raises(kfeed.ConfigError, match=r"enums\['Color'\] must be a list of distinct"):
+        kfeed.Avro(registry=registry, enums={"Color": ["RED", "RED"]})
+    spec = kfeed.Avro(registry={"url": "mock://x"}, enums={"Color": ["RED"]})
+    assert pickle.loads(pickle.dumps(spec)).enums == {"Color": ["RED"]}
+
+
 def test_configuration_mistakes_get_one_clear_line(registry):
     with pytest.raises(kfeed.ConfigError, match="needs schema= .* or registry="):
         kfeed.Avro()

@@ -66,18 +66,27 @@ class Avro(RecordFormat):
     ``schema``: the writer schema (a dict, its JSON text, or the path of an
     ``.avsc`` file), for topics whose values are plain Avro binary, without
     the framing.
+
+    ``enums``: per enum type (its full name, or its name), the symbols in
+    the order whose index a field reads: ``{"shop.Color": ["RED", "GREEN",
+    "BLUE"]}``. A symbol is then read by name, whatever its index in a
+    writer schema, and a symbol not listed makes the record bad. An enum
+    not named reads as the writer's index, which a writer schema that adds
+    a symbol before others changes (the loader warns when it does).
     """
 
     value = "avro"
     documents = True
 
     def __init__(self, schema: Mapping[str, Any] | str | Path | None = None,
-                 registry: Mapping[str, Any] | Any | None = None) -> None:
+                 registry: Mapping[str, Any] | Any | None = None,
+                 enums: Mapping[str, Sequence[str]] | None = None) -> None:
         if (schema is None) == (registry is None):
             raise ConfigError("kfeed.Avro needs schema= (values without framing) or "
                               "registry= (values in the Confluent wire format), not both")
         self.schema = _load_schema(schema) if schema is not None else None
         self.registry = checked_registry(registry)
+        self.enums = _checked_enums(enums)
         self._client: Any = None
 
     @property
@@ -105,7 +114,7 @@ class Avro(RecordFormat):
         if self.framed and not isinstance(self.registry, Mapping):
             raise ConfigError("a kfeed.Avro made with a registry client cannot be sent to "
                               "DataLoader workers; give registry= its config dict instead")
-        return (Avro, (self.schema, self.registry))
+        return (Avro, (self.schema, self.registry, self.enums or None))
 
 
 class AvroDecoder(PlanDecoder):
@@ -115,8 +124,12 @@ class AvroDecoder(PlanDecoder):
 
     def __init__(self, fmt: Avro, schema: Schema) -> None:
         self.fmt = fmt
-        single = compile_plan(fmt.schema, schema) if fmt.schema is not None else None
+        single = compile_plan(fmt.schema, schema, enums=fmt.enums) \
+            if fmt.schema is not None else None
         super().__init__(schema, fmt.framed, single, _codec.avro_decode, _codec.avro_documents)
+        # Per enum read by its writer's index: the symbols of the first schema
+        # that had it, and that schema's id (see _check_enums).
+        self.enum_symbols: dict[str, tuple[int, list[str]]] = {}
 
     def plan_for(self, schema_id: int) -> Any:
         """The plan of a schema id, or the reason its records are bad."""
@@ -128,10 +141,45 @@ class AvroDecoder(PlanDecoder):
             return f"schema id {schema_id} is {kind}, not Avro"
         try:
             named = _referenced(self.fmt.client(), registered, self.ask)
-            return compile_plan(_load_schema(registered.schema_str), self.schema, named)
+            enums: dict[str, list[str]] = {}
+            plan = compile_plan(_load_schema(registered.schema_str), self.schema, named,
+                                self.fmt.enums, enums)
+            self._check_enums(schema_id, enums)
+            return plan
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
+
+
+    def _check_enums(self, schema_id: int, enums: Mapping[str, list[str]]) -> None:
+        """Warn where a writer schema gives a symbol another index than an earlier one."""
+        for name, symbols in enums.items():
+            first_id, first = self.enum_symbols.setdefault(name, (schema_id, symbols))
+            moved = [x for i, x in enumerate(symbols) if x in first and first.index(x) != i]
+            if moved:
+                log.warning("schema id %d numbers the symbols of enum %s otherwise than "
+                            "schema id %d (%s moved): the field reads each writer's index, "
+                            "so the same symbol reads as two numbers; give kfeed.Avro(enums="
+                            "{%r: [...]}) to read symbols by name", schema_id, name, first_id,
+                            ", ".join(moved), name)
+
+
+def _checked_enums(enums: Any) -> dict[str, list[str]]:
+    """``enums=`` of ``Avro``: enum name -> its symbols, each a distinct str."""
+    if enums is None:
+        return {}
+    if not isinstance(enums, Mapping):
+        raise ConfigError(f"enums must map enum names to their symbols, e.g. "
+                          f"{{'shop.Color': ['RED', 'GREEN']}}, got {enums!r}")
+    out = {}
+    for name, symbols in enums.items():
+        if not isinstance(name, str) or isinstance(symbols, str) or \
+                not isinstance(symbols, Sequence) or \
+                not all(isinstance(x, str) for x in symbols) or len(set(symbols)) != len(symbols):
+            raise ConfigError(f"enums[{name!r}] must be a list of distinct symbol names, "
+                              f"got {symbols!r}")
+        out[name] = list(symbols)
+    return out
 
 
 def _referenced(client: Any, registered: Any, ask: Callable[..., Any]) -> list[Any]:
@@ -369,9 +417,12 @@ class _Names:
 class _Compiler:
     """Writer schema + kfeed Schema -> the node arrays of an ``AvroPlan``."""
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, enums: Mapping[str, list[str]]) -> None:
         self.schema = schema
         self.codes = codes(schema)
+        self.enums = enums  # Avro(enums=): symbols read by name
+        self.symbols: list[int] = []  # their numbers, per writer symbol (AvroPlan)
+        self.read_enums: dict[str, list[str]] = {}  # enums read by the writer's index
         self.nodes: list[list[int]] = []
         self.kids: list[int] = []
         self.notes: list[str] = []
@@ -463,8 +514,17 @@ class _Compiler:
               "float": field.dtype in _FLOATS, "double": field.dtype in _FLOATS}
         if not ok.get(kind, False):
             return self.bad(field, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}", path)
-        size = len(t["symbols"]) if kind == "enum" else 0
-        return self.node(kind, path, f, size=size)
+        if kind != "enum":
+            return self.node(kind, path, f)
+        symbols = t["symbols"]
+        given = self.enums.get(t["name"], self.enums.get(t["name"].rsplit(".", 1)[-1]))
+        if given is None:
+            self.read_enums[t["name"]] = symbols
+            return self.node(kind, path, f, size=len(symbols))
+        stride = len(self.symbols) + 1
+        self.symbols += [given.index(x) if x in given else -1 for x in symbols]
+        return self.node(kind, f"{path} (the writer's symbols: {', '.join(symbols)})", f,
+                         size=len(symbols), stride=stride)
 
     def bad(self, field: Field, what: str, path: str) -> int:
         shape = "" if not field.shape else f" of shape {field.shape}"
@@ -472,9 +532,13 @@ class _Compiler:
                                 f"({field.dtype}{shape})")
 
 
-def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = ()) -> Any:
+def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
+                 enums: Mapping[str, list[str]] | None = None,
+                 read_enums: dict[str, list[str]] | None = None) -> Any:
     """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields;
-    ``named``: schemas defining the named types that ``writer`` refers to."""
+    ``named``: schemas defining the named types that ``writer`` refers to;
+    ``enums``: as ``Avro(enums=)``. ``read_enums`` gets the enums read by
+    the writer's index, with their symbols."""
     names = _Names()
     for ref in named:
         names.resolve(ref, "")
@@ -482,10 +546,13 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = ()) -> Any:
     if root["type"] != "record":
         raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
     layout = plan_layout(schema, "Avro")  # the dtypes checked first
-    c = _Compiler(schema)
+    c = _Compiler(schema, enums or {})
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
+    if read_enums is not None:
+        read_enums.update(c.read_enums)
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
     varfield = -1 if schema.varlen is None else schema.fields.index(schema.varlen)
     return _codec.AvroPlan(layout, nodes, np.array(c.kids, np.int64), c.codes,
-                           defaults(schema), c.notes, varfield)
+                           defaults(schema), c.notes, varfield,
+                           np.array(c.symbols, np.int64))
 
