@@ -13,6 +13,7 @@ its command line) in place of nodes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -20,6 +21,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +31,7 @@ import pytest
 
 from kfeed import cluster
 from kfeed.cluster import _jars, _registry, _tool
-from kfeed.cluster._layout import Layout, new_cluster_id
+from kfeed.cluster._layout import LOCK_FILE, STATE_FILE, Layout, new_cluster_id
 from kfeed.errors import ClusterError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -353,10 +356,17 @@ def test_a_taken_port_among_the_ephemeral_ones_says_why_it_may_be_taken() -> Non
         f"avoids that)")
 
 
-def test_down_with_nothing_running(tmp_path: Path) -> None:
-    result = kfeed("down", "--dir", str(tmp_path / "none"))
-    assert result.returncode == 0, result.stderr
-    assert "nothing running" in result.stdout
+@pytest.mark.parametrize("wipe", [[], ["--wipe"]], ids=["down", "wipe"])
+def test_down_of_a_folder_without_a_cluster_exits_2_as_status_does(tmp_path: Path, wipe: list[str]) -> None:
+    none = tmp_path / "none"
+    result = kfeed("down", "--dir", str(none), *wipe)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert only_error(result) == (
+        f"kfeed cluster: no cluster in {none} (start one with: kfeed cluster up --dir {none};"
+        " kfeed cluster list shows the others)"
+    )
+    assert not none.exists()
 
 
 def test_status_without_a_cluster(tmp_path: Path) -> None:
@@ -399,9 +409,291 @@ def test_status_from_anywhere_imports_no_torch(elsewhere: Path) -> None:
 def test_wipe_refuses_a_folder_that_is_not_a_cluster(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("precious")
     result = kfeed("down", "--dir", str(tmp_path), "--wipe")
-    assert_fails_cleanly(result, "not a kfeed cluster")
+    assert_fails_cleanly(result, f"no cluster in {tmp_path}")
     assert result.returncode == 2
     assert (tmp_path / "keep.txt").exists()
+
+
+# -- the state folder: only the tool's own files, one command at a time -------
+
+
+def test_up_refuses_a_folder_of_other_files(tmp_path: Path, bin_dir: Path) -> None:
+    user = tmp_path / "project"
+    (user / "src").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    # No java on PATH: an up that accepted the folder would fail later, with exit 1.
+    result = kfeed("up", "--dir", str(user), "--port", "41000", env=env_with_path(bin_dir))
+    assert result.returncode == 2
+    assert only_error(result) == (
+        f"kfeed cluster: {user} holds files (notes.txt, ...) and no cluster.json: not a kfeed cluster's folder;"
+        " pass --dir a new or empty folder"
+    )
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt", "src"]
+
+
+def test_wipe_deletes_the_clusters_own_files_and_nothing_else(tmp_path: Path) -> None:
+    # A cluster folder that also holds files of the user's (made by hand, or
+    # by a kfeed that took any folder): a wipe leaves those and the folder.
+    state = tmp_path / "cluster"
+    layout = Layout(nodes=3, port=41000, cluster_id=new_cluster_id())
+    state.mkdir()
+    layout.save(state)
+    for node_id in layout.node_ids:
+        (layout.node_paths(state, node_id).data).mkdir(parents=True)
+        (layout.node_paths(state, node_id).data / "meta.properties").write_text("")
+    for own in ("log4j2.properties", "secure/ca.pem", "schema-registry/port"):
+        (state / own).parent.mkdir(exist_ok=True)
+        (state / own).write_text("")
+    (state / "notes.txt").write_text("mine")
+    (state / "node-9").mkdir()  # not a node of this layout
+
+    result = kfeed("down", "--dir", str(state), "--wipe")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"nothing running in {state}", f"wiped {state} (the other files there are kept)"]
+    assert sorted(p.name for p in state.iterdir()) == ["node-9", "notes.txt"]
+    assert _registry.records() == []
+
+
+def test_up_waits_for_another_commands_hold_on_the_folder_and_then_gives_up_in_one_line(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
+    with open(state / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("4242\n")
+        lock.flush()
+        result = kfeed("up", "--dir", str(state), "--timeout", "0.5", env=env_with_path(bin_dir))
+    error = assert_fails_cleanly(result, f"waiting for another kfeed cluster command on {state}")
+    assert error == (
+        f"kfeed cluster: another kfeed cluster command (pid 4242) still works on {state} after 0 s:"
+        " run this again once it has finished"
+    )
+
+
+def test_up_goes_on_once_the_other_command_lets_go_of_the_folder(tmp_path: Path, bin_dir: Path) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
+    stderr = tmp_path / "stderr"
+    with open(state / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = env_with_path(bin_dir, PYTHONPATH=str(SRC))
+        with open(stderr, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kfeed", "cluster", "up", "--dir", str(state), "--timeout", "60"],
+                stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while "waiting for another" not in stderr.read_text():
+                assert proc.poll() is None, stderr.read_text()
+                assert time.monotonic() < deadline, "up never waited for the lock"
+                time.sleep(0.05)
+        except BaseException:
+            proc.kill()
+            raise
+    # Let go: up goes on to its next step, finding java, which this PATH lacks.
+    assert proc.wait(timeout=30) == 1
+    assert stderr.read_text().splitlines()[-1].startswith("kfeed cluster: java not found on PATH")
+
+
+def test_a_lock_whose_file_a_wipe_deleted_is_taken_again_on_the_new_file(tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    waiting = threading.Event()
+    held_by_second: list[bool] = []
+
+    def second() -> None:
+        with _tool._locked(state, state, 30, progress=lambda _note: waiting.set()):
+            # Held on the file now at the path: a third open of it cannot lock it.
+            with open(state / LOCK_FILE) as third:
+                try:
+                    fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held_by_second.append(False)
+                except BlockingIOError:
+                    held_by_second.append(True)
+
+    with _tool._locked(state, state, 30):
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert waiting.wait(30)
+        shutil.rmtree(state)  # as down --wipe does, lock file included
+    thread.join(30)
+    assert held_by_second == [True]
+
+
+def test_a_folder_made_only_for_the_lock_is_removed_when_up_fails_early(tmp_path: Path, bin_dir: Path) -> None:
+    result = kfeed("up", "--dir", str(tmp_path / "a" / "b"), "--port", "41000", env=env_with_path(bin_dir))
+    assert_fails_cleanly(result, "java not found")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("command", [["up"], ["status"], ["down"], ["down", "--wipe"]], ids=" ".join)
+def test_a_file_as_dir_is_named(tmp_path: Path, bin_dir: Path, command: list[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    result = kfeed(*command, "--dir", str(afile), env=env_with_path(bin_dir))
+    assert result.returncode == 2
+    assert only_error(result) == f"kfeed cluster: {afile} is a file, not a cluster's folder: pass --dir a folder"
+    assert afile.read_text() == "mine"
+
+
+def test_an_unreadable_cluster_json_names_the_way_out_and_wipe_takes_it(tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    (state / "node-1" / "data").mkdir(parents=True)
+    (state / STATE_FILE).write_text("{not json")
+    status = kfeed("status", "--dir", str(state))
+    assert status.returncode == 1
+    error = only_error(status)
+    assert error.startswith(f"kfeed cluster: unreadable cluster state {state / STATE_FILE}: ")
+    assert error.endswith(
+        f": restore the file, or delete this cluster's files and stop its nodes with:"
+        f" kfeed cluster down --dir {state} --wipe"
+    )
+    wiped = kfeed("down", "--dir", str(state), "--wipe")
+    assert wiped.returncode == 0, wiped.stderr
+    assert wiped.stdout.splitlines() == [f"nothing running in {state}", f"wiped {state}"]
+    assert not state.exists()
+
+
+# -- broker settings (--set, --unset) ------------------------------------------
+
+
+@pytest.fixture
+def fake_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, str]]:
+    """Starts that run no JVM: each records its settings; num.partitions=abc fails as the broker would."""
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(_jars, "java", lambda: "java")
+    monkeypatch.setattr(_jars, "jars", lambda progress=None: tmp_path)
+    monkeypatch.setattr(_tool, "_format", lambda *args: None)
+    monkeypatch.setattr(_tool, "_launch", lambda java, libs, state_dir, paths: 0)
+    monkeypatch.setattr(_tool, "_stop", lambda *args: [])
+
+    def wait_ready(layout: Layout, *args: object, **kwargs: object) -> None:
+        started.append(dict(layout.overrides))
+        if layout.overrides.get("num.partitions") == "abc":
+            raise ClusterError(
+                "node 1 exited while starting: ConfigException: Invalid value abc for configuration"
+                " num.partitions: Not a number of type INT\nlast lines of server.log:\n..."
+            )
+
+    monkeypatch.setattr(_tool, "_wait_ready", wait_ready)
+    return started
+
+
+def saved_overrides(state: Path) -> dict[str, str]:
+    layout = Layout.load(state)
+    assert layout is not None
+    return layout.overrides
+
+
+def test_a_setting_is_kept_only_once_a_start_with_it_has_succeeded(
+    tmp_path: Path, port: int, fake_start: list[dict[str, str]]
+) -> None:
+    state = tmp_path / "c"
+    with pytest.raises(ClusterError) as bad:
+        cluster.up(dir=state, port=port, overrides={"num.partitions": "abc"})
+    assert str(bad.value).splitlines()[0] == (
+        "node 1 exited while starting: ConfigException: Invalid value abc for configuration num.partitions:"
+        " Not a number of type INT (--set num.partitions=abc was not kept)"
+    )
+    assert saved_overrides(state) == {}
+    # So a plain up starts as before the mistake.
+    cluster.up(dir=state)
+    cluster.up(dir=state, overrides={"log.retention.hours": "1"})
+    assert fake_start == [{"num.partitions": "abc"}, {}, {"log.retention.hours": "1"}]
+    assert saved_overrides(state) == {"log.retention.hours": "1"}
+
+
+def test_unset_removes_a_kept_setting_that_stops_the_start(
+    tmp_path: Path, port: int, fake_start: list[dict[str, str]]
+) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    kept = {"num.partitions": "abc", "log.retention.hours": "1"}
+    Layout(nodes=1, port=port, cluster_id=new_cluster_id(), overrides=kept).save(state)
+    with pytest.raises(ClusterError) as bad:
+        cluster.up(dir=state)
+    assert str(bad.value).splitlines()[0].endswith(
+        f"(num.partitions comes from an earlier --set: remove it with kfeed cluster up --dir {state}"
+        " --unset num.partitions)"
+    )
+    assert saved_overrides(state) == kept
+    cluster.up(dir=state, unset=["num.partitions"])
+    assert saved_overrides(state) == {"log.retention.hours": "1"}
+
+
+def test_a_node_that_exits_is_reported_with_the_exception_under_its_error_line(tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    layout = Layout(nodes=1, port=41000, cluster_id=new_cluster_id())
+    paths = layout.node_paths(state, 1)
+    paths.logs.mkdir(parents=True)
+    earlier = "[2026-01-01 00:00:00,000] ERROR Exiting Kafka due to fatal exception (kafka.Kafka$)\n"
+    paths.server_log.write_text(
+        earlier
+        + "java.lang.RuntimeException: an earlier start's reason\n"
+        + "[2026-01-01 00:01:00,000] INFO Registered `kafka:type=kafka.Log4jController` MBean\n"
+    )
+    since = _tool._log_sizes(paths)
+    with paths.server_log.open("a") as log:
+        log.write(
+            "[2026-01-01 00:02:00,000] INFO starting (kafka.Kafka$)\n"
+            + earlier
+            + "org.apache.kafka.common.config.ConfigException: Invalid value abc for configuration"
+            " num.partitions: Not a number of type INT\n"
+            "\tat org.apache.kafka.common.config.ConfigDef.parseType(ConfigDef.java:776)\n"
+            "\tat kafka.Kafka.main(Kafka.scala)\n"
+            + "[2026-01-01 00:02:01,000] INFO shutting down (kafka.Kafka$)\n" * 30
+        )
+    reason = (
+        "node 1 exited while starting: ConfigException: Invalid value abc for configuration num.partitions:"
+        " Not a number of type INT"
+    )
+    # Not running (no pid file): reported at once.
+    with pytest.raises(ClusterError) as e:
+        _tool._wait_ready(layout, state, {1: 0}, [1], 5)
+    assert str(e.value).splitlines()[0] == reason.replace(
+        "ConfigException: Invalid value abc for configuration num.partitions: Not a number of type INT",
+        "RuntimeException: an earlier start's reason",
+    )
+    with pytest.raises(ClusterError) as e:
+        _tool._wait_ready(layout, state, {1: 0}, [1], 5, since={1: since})
+    assert str(e.value).splitlines()[0] == reason
+    assert str(e.value).splitlines()[1] == f"last lines of {paths.server_log}:"
+
+
+def test_java_home_without_java_says_to_fix_or_unset_it(tmp_path: Path, bin_dir: Path) -> None:
+    link_java(bin_dir)
+    env = env_with_path(bin_dir, JAVA_HOME=str(tmp_path / "nonexistent"))
+    result = kfeed("up", "--dir", str(tmp_path / "c"), "--port", "41000", env=env)
+    assert only_error(result) == (
+        f"kfeed cluster: JAVA_HOME={tmp_path / 'nonexistent'} has no bin/java: fix JAVA_HOME,"
+        f" or unset it to use {bin_dir / 'java'} from PATH"
+    )
+    assert result.returncode == 1
+
+
+def test_jars_help_says_what_it_does() -> None:
+    result = kfeed("jars", "--help")
+    assert result.returncode == 0
+    assert "Print the folder of the Kafka broker jars" in result.stdout
+
+
+@pytest.mark.integration
+def test_a_bad_setting_names_the_brokers_reason_and_is_not_kept(state_dir: Path, port: int) -> None:
+    d = str(state_dir)
+    bad = kfeed("up", "--dir", d, "--port", str(port), "--set", "num.partitions=abc")
+    error = assert_fails_cleanly(bad)
+    assert error.endswith(
+        "failed: ConfigException: Invalid value abc for configuration num.partitions: Not a number of type INT"
+        " (--set num.partitions=abc was not kept)"
+    )
+    assert saved_overrides(state_dir) == {}
+    assert jvms_in(state_dir) == []
+    started = kfeed("up", "--dir", d)
+    assert started.returncode == 0, started.stderr
+    assert last_line(started) == f"127.0.0.1:{port}"
 
 
 @pytest.mark.integration
@@ -734,6 +1026,41 @@ def test_a_recorded_pid_that_is_not_the_node_is_never_reported_or_signalled(
     assert proc.poll() is None
 
 
+def test_set_on_a_running_cluster_is_kept_for_its_next_start(
+    standins: StandIns, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kfeed.cli import main
+
+    a = standins.start("a", 41000)
+    # Stand-ins answer no metadata request; the real answer is the integration test's.
+    monkeypatch.setattr(_tool, "_wait_ready", lambda *args, **kwargs: None)
+    node = {"id": 1, "pid": 7, "alive": True, "port": 41000, "controller_port": 41100}
+    state = {"bootstrap": "127.0.0.1:41000", "client_settings": None, "nodes": [node], "brokers": [1]}
+    monkeypatch.setattr(_tool, "status", lambda dir: state)
+    assert main(["cluster", "up", "--dir", str(a), "--set", "log.retention.hours=1"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"already up in {a}; the settings are kept in {a / STATE_FILE} and apply from its next start"
+        f" (kfeed cluster down --dir {a}, then kfeed cluster up --dir {a})"
+    )
+    assert saved_overrides(a) == {"log.retention.hours": "1"}
+    assert standins.alive(a)
+    assert main(["cluster", "up", "--dir", str(a), "--unset", "log.retention.hours"]) == 0
+    assert saved_overrides(a) == {}
+
+
+def test_status_of_nodes_that_do_not_answer_prints_them_and_the_reason(standins: StandIns) -> None:
+    # A stand-in runs but answers nothing, as a hung (SIGSTOPped) broker does.
+    port = cluster.free_port_base(1, FIRST_PORT)
+    a = standins.start("a", port)
+    pid = standins.procs[a][0].pid
+    result = kfeed("status", "--dir", str(a))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [f"node 1  pid {pid}  alive  no-answer  port {port}"]
+    error = only_error(result)
+    assert error.startswith(f"kfeed cluster: the cluster in {a} does not answer at 127.0.0.1:{port}: ")
+    assert "KafkaError{" not in error and "Local:" in error
+
+
 def test_up_names_a_cluster_running_in_another_folder(standins: StandIns, tmp_path: Path, bin_dir: Path) -> None:
     a = standins.start("a", 41000)
     # No java on PATH: up stops right after its note, before any port or JVM.
@@ -747,7 +1074,7 @@ def test_up_names_a_cluster_running_in_another_folder(standins: StandIns, tmp_pa
 def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns, tmp_path: Path) -> None:
     standins.start("a", 41000)
     # The relative --dir is the same folder; the stand-in never answers, so up times out at once.
-    result = kfeed("up", "--dir", "a", "--timeout", "0", cwd=tmp_path)
+    result = kfeed("up", "--dir", "a", "--timeout", "0.1", cwd=tmp_path)
     assert only_error(result).startswith("kfeed cluster: nodes [1] not ready after 0 s")
 
 
@@ -764,11 +1091,28 @@ def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns
         (["status", "--dir", "none"], "no cluster in none (start one with: kfeed cluster up --dir none;"
                                       " kfeed cluster list shows the others)"),
         (["list", "--all"], "unrecognized arguments: --all (see: kfeed cluster list --help)"),
+        (["up", "--timeout", "-5"], "argument --timeout: wants a number of seconds above 0, not '-5'"
+                                    " (see: kfeed cluster up --help)"),
+        (["up", "--timeout", "0"], "argument --timeout: wants a number of seconds above 0, not '0'"
+                                   " (see: kfeed cluster up --help)"),
+        (["up", "--schema-registry", "--schema-registry-port", "0"],
+         "argument --schema-registry-port: wants a port from 1024 to 65535, not '0'"
+         " (see: kfeed cluster up --help)"),
+        (["up", "--schema-registry-port", "28081"], "--schema-registry-port needs --schema-registry"
+                                                    " (add it, or drop the port)"),
+        (["up", "--unset", "num.partitions"], "--unset num.partitions: not among the cluster's --set"
+                                              " settings (none)"),
+        (["up", "--set", "a=1", "--unset", "a"], "--set and --unset both name a: pick one"),
     ],
-    ids=["nodes", "set", "port", "port0", "dir", "extra"],
+    ids=["nodes", "set", "port", "port0", "dir", "extra", "timeout-5", "timeout0", "registry-port0",
+         "registry-port-alone", "unset-unknown", "set-and-unset"],
 )  # fmt: skip
-def test_a_mistake_in_the_arguments_is_one_line_and_exit_2(elsewhere: Path, args: list[str], error: str) -> None:
-    result = kfeed(*args, "--dir", "c") if args[0] == "up" else kfeed(*args, cwd=elsewhere)
+def test_a_mistake_in_the_arguments_is_one_line_and_exit_2(
+    elsewhere: Path, bin_dir: Path, args: list[str], error: str
+) -> None:
+    # No java on PATH: a mistake that got past the checks would fail there, with exit 1, starting nothing.
+    env = env_with_path(bin_dir)
+    result = kfeed(*args, "--dir", "c", env=env, cwd=elsewhere) if args[0] == "up" else kfeed(*args, cwd=elsewhere)
     assert result.returncode == 2
     assert only_error(result) == f"kfeed cluster: {error}"
     assert not (elsewhere / "c").exists()

@@ -10,8 +10,9 @@ formats each node's storage and starts 1 or 3 KRaft nodes (broker and
 controller in one JVM) on 127.0.0.1: node ``i`` serves clients on
 ``port + i - 1`` and its controller on ``port + 100 + i - 1``. The state
 folder (default ``.kfeed/cluster``) holds ``cluster.json``, the log4j2
-config and one ``node-<i>`` folder per node with its properties, data, logs
-and pid file.
+config, one ``node-<i>`` folder per node with its properties, data, logs
+and pid file, and ``cluster.lock``, which ``up`` and ``down`` hold so that
+they never run at once on one folder. ``down(wipe=True)`` deletes only these.
 
 Each start is also recorded in the user's kfeed cache (``_registry``), so
 that ``kfeed cluster status``, ``down`` and ``list`` find the clusters this

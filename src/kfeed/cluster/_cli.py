@@ -78,7 +78,11 @@ def register(subparsers: Any) -> None:
         help="a new cluster serves clients on SASL_SSL (SCRAM-SHA-512 users, TLS from its own CA) with ACLs on",
     )
     up.add_argument(
-        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait for the brokers (default 120)"
+        "--timeout",
+        type=_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long to wait for the brokers (default 120)",
     )
     up.add_argument(
         "--set",
@@ -86,7 +90,15 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an extra broker setting, kept for later starts (repeatable)",
+        help="an extra broker setting, kept in cluster.json once a start with it succeeds; "
+        "on a running cluster it is kept at once and applies from the next start (repeatable)",
+    )
+    up.add_argument(
+        "--unset",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="remove a setting an earlier --set kept, as --set would (repeatable)",
     )
     up.add_argument(
         "--schema-registry",
@@ -96,10 +108,10 @@ def register(subparsers: Any) -> None:
     )
     up.add_argument(
         "--schema-registry-port",
-        type=int,
-        default=_schema_registry.DEFAULT_PORT,
+        type=_port,
+        default=None,
         metavar="PORT",
-        help=f"its port (default {_schema_registry.DEFAULT_PORT})",
+        help=f"its port, 1024 to 65535 (default {_schema_registry.DEFAULT_PORT}); only with --schema-registry",
     )
     up.set_defaults(func=_up)
 
@@ -121,7 +133,11 @@ def register(subparsers: Any) -> None:
         "or with --wipe: name it with --dir).",
     )
     _add_found_dir(down)
-    down.add_argument("--wipe", action="store_true", help="also delete the state folder")
+    down.add_argument(
+        "--wipe",
+        action="store_true",
+        help="also delete the cluster's files (data, logs, cluster.json), and the folder when nothing else is in it",
+    )
     down.set_defaults(func=_down)
 
     listing = commands.add_parser(
@@ -132,7 +148,12 @@ def register(subparsers: Any) -> None:
     )
     listing.set_defaults(func=_list)
 
-    jars = commands.add_parser("jars", help="fetch the Kafka jars if needed and print their folder")
+    jars = commands.add_parser(
+        "jars",
+        help="fetch the Kafka jars if needed and print their folder",
+        description="Print the folder of the Kafka broker jars that up runs: $KAFKA_HOME/libs when KAFKA_HOME "
+        "is set, else the user's cache, which Maven fills once (about a minute) when it is empty.",
+    )
     jars.set_defaults(func=_jars_command)
 
 
@@ -164,38 +185,53 @@ def _reported(command: Command) -> Command:
 
 @_reported
 def _up(args: argparse.Namespace) -> int:
+    if args.schema_registry_port is not None and not args.schema_registry:
+        raise UsageError("--schema-registry-port needs --schema-registry (add it, or drop the port)")
     overrides = dict(_setting(text) for text in args.overrides)
+    unset = [_key(text) for text in args.unset]
     here = _absolute(args.dir)
     others = [record for record in _registry.running() if record.dir != here]
     if others:
         _note(f"note: {_describe(others)}")
     _, started = _tool.ensure_up(
-        args.nodes, args.dir, args.port, args.timeout, overrides=overrides, secure=args.secure, progress=_note
+        args.nodes,
+        args.dir,
+        args.port,
+        args.timeout,
+        overrides=overrides,
+        unset=unset,
+        secure=args.secure,
+        progress=_note,
     )
     if started:
         print(f"started node{'s' if len(started) > 1 else ''} {_ids(started)} in {args.dir}")
+    elif overrides or unset:
+        print(
+            f"already up in {args.dir}; the settings are kept in {args.dir / STATE_FILE} and apply from its next "
+            f"start (kfeed cluster down --dir {args.dir}, then kfeed cluster up --dir {args.dir})"
+        )
     else:
         print(f"already up in {args.dir}")
     if args.schema_registry:
-        _tool.start_schema_registry(args.dir, args.schema_registry_port, args.timeout, progress=_note)
-    _print_status(_tool.status(args.dir))
+        port = args.schema_registry_port or _schema_registry.DEFAULT_PORT
+        _tool.start_schema_registry(args.dir, port, args.timeout, progress=_note)
+    _show_status(args.dir)
     return 0
 
 
 @_reported
 def _status(args: argparse.Namespace) -> int:
     if args.dir is not None:
-        _print_status(_tool.status(args.dir))
+        _show_status(args.dir)
         return 0
     if _holds_cluster(DEFAULT_DIR):
         try:
-            state = _tool.status(DEFAULT_DIR)
+            _show_status(DEFAULT_DIR)
         except ClusterError as exc:
             others = _registry.running() if not _tool.node_pids(DEFAULT_DIR) else []
             if others:
                 raise ClusterError(f"{exc}; {_describe(others)}") from exc
             raise
-        _print_status(state)
         return 0
     records = _registry.records()
     if not records:
@@ -210,7 +246,7 @@ def _status(args: argparse.Namespace) -> int:
         hint = records[0].dir if len(records) == 1 else "DIR"
         raise ClusterError(f"none of them is running (start one with: kfeed cluster up --dir {hint})")
     print(f"status of the one running, {running[0].dir}:")
-    _print_status(_tool.status(running[0].dir))
+    _show_status(running[0].dir)
     return 0
 
 
@@ -232,14 +268,17 @@ def _down(args: argparse.Namespace) -> int:
         if running:
             dir = running[0].dir
             print(f"no cluster in {DEFAULT_DIR}; stopping the one running, {dir}")
-    existed = dir.exists()
+        else:
+            print(f"nothing running in {dir}")
+            return 0
     stopped = _tool.down(dir, wipe=args.wipe)
     if stopped:
         print(f"stopped node{'s' if len(stopped) > 1 else ''} {_ids(stopped)} in {dir}")
     else:
         print(f"nothing running in {dir}")
-    if args.wipe and existed and not dir.exists():
-        print(f"wiped {dir}")
+    if args.wipe:
+        kept = "" if not dir.exists() else " (the other files there are kept)"
+        print(f"wiped {dir}{kept}")
     return 0
 
 
@@ -279,19 +318,62 @@ def _describe(others: list[_registry.Record]) -> str:
     return f"{len(others)} other clusters run (kfeed cluster list shows them)"
 
 
+def _show_status(dir: Path) -> None:
+    """Print the status of the cluster in ``dir``; of one that does not answer, its node lines first."""
+    try:
+        state = _tool.status(dir)
+    except _tool.NoAnswer as exc:
+        _print_nodes(exc.state)
+        raise
+    _print_status(state)
+
+
 def _print_status(state: dict[str, Any]) -> None:
     if state["client_settings"] is not None:
         # Where the password lives, never the password.
         protocol, settings = state["security_protocol"], state["client_settings"]
         print(f"security {protocol} (SCRAM-SHA-512, ACLs on)  admin settings {settings}")
-    for node in state["nodes"]:
-        pid = node["pid"] if node["pid"] is not None else "-"
-        alive = "alive" if node["alive"] else "dead"
-        registered = "registered" if node["id"] in state["brokers"] else "unregistered"
-        print(f"node {node['id']}  pid {pid}  {alive}  {registered}  port {node['port']}")
+    _print_nodes(state)
     if state.get("schema_registry"):
         print(f"schema registry {state['schema_registry']}")
     print(state["bootstrap"])
+
+
+def _print_nodes(state: dict[str, Any]) -> None:
+    for node in state["nodes"]:
+        pid = node["pid"] if node["pid"] is not None else "-"
+        alive = "alive" if node["alive"] else "dead"
+        if state["brokers"] is None:
+            registered = "no-answer"
+        else:
+            registered = "registered" if node["id"] in state["brokers"] else "unregistered"
+        print(f"node {node['id']}  pid {pid}  {alive}  {registered}  port {node['port']}")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"wants a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1024 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"wants a port from 1024 to 65535, not {text!r}")
+    return value
+
+
+def _key(text: str) -> str:
+    if not text.strip() or "=" in text:
+        raise ConfigError(f"--unset wants a KEY that an earlier --set gave, not {text!r}")
+    return text.strip()
 
 
 def _setting(text: str) -> tuple[str, str]:

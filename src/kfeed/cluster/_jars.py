@@ -39,8 +39,16 @@ def java() -> str:
     home = os.environ.get("JAVA_HOME")
     exe = str(Path(home, "bin", "java")) if home else shutil.which("java")
     if not exe or not os.access(exe, os.X_OK):
-        where = f"JAVA_HOME={home} has no bin/java" if home else "java not found on PATH"
-        raise ClusterError(f"{where}: {_INSTALL_JAVA}")
+        if not home:
+            raise ClusterError(f"java not found on PATH: {_INSTALL_JAVA}")
+        # JAVA_HOME wins over PATH, so a stale one hides a good java.
+        on_path = shutil.which("java")
+        fix = (
+            f"fix JAVA_HOME, or unset it to use {on_path} from PATH"
+            if on_path
+            else f"point JAVA_HOME at a Java {MIN_JAVA}+ installation, or unset it and {_INSTALL_JAVA}"
+        )
+        raise ClusterError(f"JAVA_HOME={home} has no bin/java: {fix}")
     try:
         out = subprocess.run(
             [exe, "-version"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL

@@ -12,7 +12,8 @@ import base64
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kfeed.errors import ClusterError, ConfigError
@@ -27,6 +28,9 @@ NODE_COUNTS = (1, 3)
 
 STATE_FILE = "cluster.json"
 LOG4J_FILE = "log4j2.properties"
+# Held (flock) by up, down and start_node, so that two of them never work on
+# one folder at once.
+LOCK_FILE = "cluster.lock"
 _STATE_VERSION = 1
 
 # INFO to a size-capped file per node: enough to diagnose a failed start, and
@@ -217,6 +221,19 @@ class Layout:
         props.update(extra or {})
         props.update(self.overrides)
         return props
+
+    def with_settings(self, overrides: dict[str, str] | None, unset: Iterable[str] = ()) -> Layout:
+        """This layout with ``overrides`` added (or replaced) and the ``unset`` keys removed."""
+        unset = list(unset)
+        both = sorted(set(overrides or {}) & set(unset))
+        if both:
+            raise ConfigError(f"--set and --unset both name {both[0]}: pick one")
+        unknown = [key for key in unset if key not in self.overrides]
+        if unknown:
+            kept = ", ".join(sorted(self.overrides)) or "none"
+            raise ConfigError(f"--unset {unknown[0]}: not among the cluster's --set settings ({kept})")
+        kept_settings = {k: v for k, v in self.overrides.items() if k not in unset}
+        return replace(self, overrides={**kept_settings, **(overrides or {})})
 
     def save(self, state_dir: Path) -> None:
         state = {"version": _STATE_VERSION, **asdict(self), "bootstrap": self.bootstrap}

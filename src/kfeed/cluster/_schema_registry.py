@@ -36,6 +36,8 @@ logger = logging.getLogger("kfeed.cluster")
 
 POM = Path(__file__).with_name("registry-pom.xml")
 DEFAULT_PORT = 38081
+# Inside the state folder: pid, port and log of the registry.
+FOLDER = "schema-registry"
 API = "/apis/ccompat/v7"
 HEAP = "192m"
 START_TIMEOUT_S = 120.0
@@ -92,7 +94,7 @@ def _runner(folder: Path) -> Path | None:
 
 
 def _folder(state_dir: Path) -> Path:
-    return state_dir / "schema-registry"
+    return state_dir / FOLDER
 
 
 def url(state_dir: Path) -> str | None:

@@ -6,19 +6,28 @@ find it again. A pid is only ever signalled after ``/proc/<pid>/cmdline``
 shows that it is a ``java`` running ``kafka.Kafka`` with that node's
 properties file (``_procs``). Each start and stop also updates the user's
 record of the cluster (``_registry``).
+
+``up``, ``down`` and ``start_node`` hold an exclusive lock on the state
+folder's ``cluster.lock`` while they work, so two of them never race over
+one folder. ``down(wipe=True)`` deletes only what the tool made there; a
+folder that holds other files and no ``cluster.json`` is never made a
+cluster's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +37,10 @@ from kfeed.cluster._layout import (
     DEFAULT_DIR,
     DEFAULT_PORT,
     HOST,
+    LOCK_FILE,
     LOG4J_CONFIG,
     LOG4J_FILE,
+    NODE_COUNTS,
     STATE_FILE,
     Layout,
     NodePaths,
@@ -38,7 +49,7 @@ from kfeed.cluster._layout import (
     write_properties,
 )
 from kfeed.cluster._procs import is_node_jvm, running_pid
-from kfeed.errors import ClusterError
+from kfeed.errors import ClusterError, ConfigError
 
 logger = logging.getLogger("kfeed.cluster")
 # librdkafka's own log lines (connection refused while a node boots) are
@@ -58,6 +69,21 @@ _POLL_S = 0.25
 _EXEC_WAIT_S = 5.0
 _LOG_TAIL_LINES = 20
 _LOG_TAIL_BYTES = 64 * 1024
+# How long down waits for another command's hold on the folder: longer than
+# a default up or a down of 3 nodes takes. up waits its own timeout.
+LOCK_WAIT_S = 180.0
+_LOCK_POLL_S = 0.1
+
+
+class NoAnswer(ClusterError):
+    """:func:`status` of a cluster whose nodes run but do not answer; ``state`` holds what is known.
+
+    ``state`` is :func:`status`'s dict with ``brokers`` set to None.
+    """
+
+    def __init__(self, message: str, state: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 def up(
@@ -67,6 +93,7 @@ def up(
     timeout: float = 120.0,
     *,
     overrides: dict[str, str] | None = None,
+    unset: Iterable[str] = (),
     secure: bool | None = None,
 ) -> str:
     """Start the cluster in ``dir`` (creating it if needed); return its bootstrap servers.
@@ -75,10 +102,15 @@ def up(
     else 1, 39092 and plaintext. Returns once every broker is registered and
     answers metadata requests; nodes that were already running are left alone.
 
+    ``overrides`` adds broker settings and ``unset`` removes ones added
+    before. They are kept in ``cluster.json`` once a start with them has
+    succeeded; on a cluster that already runs they are kept at once and apply
+    from its next start. ``dir`` must be new, empty, or a cluster's folder.
+
     ``secure=True`` serves clients on SASL_SSL (SCRAM-SHA-512) with ACLs on;
     :func:`secure_client_config` gives the settings to connect with.
     """
-    layout, _ = ensure_up(nodes, dir, port, timeout, overrides=overrides, secure=secure)
+    layout, _ = ensure_up(nodes, dir, port, timeout, overrides=overrides, unset=unset, secure=secure)
     return layout.bootstrap
 
 
@@ -89,49 +121,78 @@ def ensure_up(
     timeout: float,
     *,
     overrides: dict[str, str] | None = None,
+    unset: Iterable[str] = (),
     secure: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Layout, list[int]]:
     """:func:`up`, also returning the ids of the nodes it started (empty: it was up).
 
-    ``progress`` receives a note before a slow step (the first Maven run).
+    ``progress`` receives a note before a slow step (the first Maven run, a
+    wait for another command's hold on the folder).
     """
+    if not timeout > 0:
+        raise ConfigError(f"timeout must be above 0 s, not {timeout}")
     state_dir = _state_dir(dir)
-    layout = _layout_for(state_dir, dir, nodes, port, overrides, secure)
-    missing = [n for n in layout.node_ids if running_pid(layout.node_paths(state_dir, n)) is None]
-    if missing:
-        _start(layout, state_dir, missing, layout.node_ids, timeout, progress)
-    else:
-        _wait_ready(layout, state_dir, {}, layout.node_ids, timeout)
-        # A cluster started before records were kept is recorded now.
-        _registry.update(layout, state_dir)
+    _check_folder(state_dir, dir)
+    with _locked(state_dir, dir, timeout, progress):
+        saved = _load(state_dir, dir)
+        recorded = _layout_for(saved, dir, nodes, port, secure)
+        layout = recorded.with_settings(overrides, unset)
+        missing = [n for n in layout.node_ids if running_pid(layout.node_paths(state_dir, n)) is None]
+        if missing:
+            try:
+                # cluster.json keeps the settings it had until a start with the new ones succeeds.
+                _start(layout, state_dir, missing, layout.node_ids, timeout, progress, recorded=recorded)
+            except ClusterError as exc:
+                raise _name_the_setting(exc, layout, recorded, overrides or {}, dir) from exc
+            layout.save(state_dir)
+        else:
+            _wait_ready(layout, state_dir, {}, layout.node_ids, timeout)
+            if layout != recorded:
+                layout.save(state_dir)  # for the next start; the running nodes keep theirs
+            # A cluster started before records were kept is recorded now.
+            _registry.update(layout, state_dir)
     return layout, missing
 
 
 def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
     """Stop every node of the cluster in ``dir``; return the ids it stopped.
 
-    With ``wipe`` the state folder (topics, offsets, logs) is deleted too.
+    With ``wipe`` what the tool made in the state folder (``cluster.json``,
+    the nodes' data and logs, the secure material) is deleted too, and the
+    folder itself once nothing else is left in it. Raises ``UsageError`` when
+    ``dir`` holds no cluster. An unreadable ``cluster.json`` stops ``down``,
+    but not ``down(wipe=True)``, which then stops whichever node JVMs of the
+    folder still run.
     """
     state_dir = _state_dir(dir)
-    layout = Layout.load(state_dir)
-    if layout is None:
+    _check_not_a_file(state_dir, dir)
+    if not (state_dir / STATE_FILE).is_file():
         _registry.forget(state_dir)
-        if wipe and state_dir.exists():
-            raise UsageError(
-                f"{dir} holds no {STATE_FILE}: not a kfeed cluster, so not wiping it"
-                " (kfeed cluster list shows the clusters)"
-            )
-        return []
-    try:
-        _schema_registry.stop(state_dir)
-        stopped = _stop(layout, state_dir, layout.node_ids)
-    finally:
-        _registry.update(layout, state_dir)
-    if wipe:
-        shutil.rmtree(state_dir)
-        _registry.forget(state_dir)
-        logger.info("wiped %s", dir)
+        raise _no_cluster(dir)
+    with _locked(state_dir, dir, LOCK_WAIT_S):
+        try:
+            layout = _load(state_dir, dir)
+        except ClusterError:
+            if not wipe:
+                raise
+            layout = None
+            # Any node that may have been: _stop signals only a JVM proven to be one.
+            nodes = Layout(nodes=max(NODE_COUNTS), port=DEFAULT_PORT, cluster_id="")
+        else:
+            if layout is None:  # wiped by another down while this one waited
+                raise _no_cluster(dir)
+            nodes = layout
+        try:
+            _schema_registry.stop(state_dir)
+            stopped = _stop(nodes, state_dir, nodes.node_ids)
+        finally:
+            if layout is not None:
+                _registry.update(layout, state_dir)
+        if wipe:
+            _wipe(state_dir, nodes.node_ids)
+            _registry.forget(state_dir)
+            logger.info("wiped %s", dir)
     return stopped
 
 
@@ -162,20 +223,22 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
         )
     if not any(node["alive"] for node in nodes):
         raise ClusterError(f"the cluster in {dir} is not running (start it with: kfeed cluster up --dir {dir})")
-    try:
-        brokers = _registered_brokers(_admin(layout, state_dir), timeout)
-    except Exception as exc:  # librdkafka raises KafkaException with varied codes
-        raise ClusterError(f"the cluster in {dir} does not answer at {layout.bootstrap}: {exc}") from exc
-    return {
+    state = {
         "dir": str(state_dir),
         "bootstrap": layout.bootstrap,
         "cluster_id": layout.cluster_id,
         "security_protocol": layout.security_protocol,
         "client_settings": str(_secure.SecurePaths.of(state_dir).user(_secure.ADMIN)) if layout.secure else None,
         "nodes": nodes,
-        "brokers": sorted(brokers),
+        "brokers": None,
         "schema_registry": _schema_registry.url(state_dir),
     }
+    try:
+        brokers = _registered_brokers(_admin(layout, state_dir), timeout)
+    except Exception as exc:  # librdkafka raises KafkaException with varied codes
+        message = f"the cluster in {dir} does not answer at {layout.bootstrap}: {_kafka_text(exc)}"
+        raise NoAnswer(message, state) from exc
+    return {**state, "brokers": sorted(brokers)}
 
 
 def start_schema_registry(
@@ -306,15 +369,17 @@ def start_node(dir: Path | str, node_id: int, wait: bool = True, timeout: float 
     Returns its pid. A node that already runs is left alone.
     """
     state_dir = _state_dir(dir)
-    layout = _existing_layout(state_dir, dir)
-    paths = layout.node_paths(state_dir, node_id)
-    pid = running_pid(paths)
-    if pid is not None:
-        return pid
-    if not paths.formatted:
-        raise ClusterError(f"node {node_id} in {dir} was never formatted: run kfeed cluster up --dir {dir}")
-    awaited = [node_id] if wait else []
-    return _start(layout, state_dir, [node_id], awaited, timeout)[node_id]
+    _existing_layout(state_dir, dir)
+    with _locked(state_dir, dir, timeout):
+        layout = _existing_layout(state_dir, dir)
+        paths = layout.node_paths(state_dir, node_id)
+        pid = running_pid(paths)
+        if pid is not None:
+            return pid
+        if not paths.formatted:
+            raise ClusterError(f"node {node_id} in {dir} was never formatted: run kfeed cluster up --dir {dir}")
+        awaited = [node_id] if wait else []
+        return _start(layout, state_dir, [node_id], awaited, timeout)[node_id]
 
 
 def _state_dir(dir: Path | str) -> Path:
@@ -323,13 +388,150 @@ def _state_dir(dir: Path | str) -> Path:
 
 
 def _existing_layout(state_dir: Path, shown: Path | str) -> Layout:
-    layout = Layout.load(state_dir)
+    layout = _load(state_dir, shown)
     if layout is None:
-        raise UsageError(
-            f"no cluster in {shown} (start one with: kfeed cluster up --dir {shown};"
-            " kfeed cluster list shows the others)"
-        )
+        raise _no_cluster(shown)
     return layout
+
+
+def _no_cluster(shown: Path | str) -> UsageError:
+    return UsageError(
+        f"no cluster in {shown} (start one with: kfeed cluster up --dir {shown};"
+        " kfeed cluster list shows the others)"
+    )
+
+
+def _load(state_dir: Path, shown: Path | str) -> Layout | None:
+    """The layout in ``cluster.json``, None without one; a failure to read it names the way out."""
+    _check_not_a_file(state_dir, shown)
+    try:
+        return Layout.load(state_dir)
+    except ClusterError as exc:
+        raise ClusterError(
+            f"{exc}: restore the file, or delete this cluster's files and stop its nodes with:"
+            f" kfeed cluster down --dir {shown} --wipe"
+        ) from exc
+
+
+def _check_not_a_file(state_dir: Path, shown: Path | str) -> None:
+    if state_dir.exists() and not state_dir.is_dir():
+        raise UsageError(f"{shown} is a file, not a cluster's folder: pass --dir a folder")
+
+
+def _own_names(node_ids: Iterable[int]) -> list[str]:
+    """What the tool writes in a state folder, in the order a wipe deletes it (the lock last)."""
+    files = [f"node-{n}" for n in node_ids]
+    files += [_secure.SECURE_DIR, _schema_registry.FOLDER, LOG4J_FILE, f".{LOG4J_FILE}.tmp"]
+    # cluster.json late: a wipe cut short is still a cluster that the next wipe finishes.
+    return [*files, f".{STATE_FILE}.tmp", STATE_FILE, LOCK_FILE]
+
+
+def _check_folder(state_dir: Path, shown: Path | str) -> None:
+    """Refuse to make a cluster in a folder that holds other files and no ``cluster.json``.
+
+    A wipe deletes only the tool's own files, but the user's files still do not
+    belong beside a cluster's data.
+    """
+    _check_not_a_file(state_dir, shown)
+    if not state_dir.is_dir() or (state_dir / STATE_FILE).exists():
+        return
+    own = set(_own_names(range(1, max(NODE_COUNTS) + 1)))
+    others = sorted(entry.name for entry in state_dir.iterdir() if entry.name not in own)
+    if others:
+        raise UsageError(
+            f"{shown} holds files ({others[0]}{', ...' if len(others) > 1 else ''}) and no {STATE_FILE}: "
+            "not a kfeed cluster's folder; pass --dir a new or empty folder"
+        )
+
+
+def _wipe(state_dir: Path, node_ids: Iterable[int]) -> None:
+    """Delete what the tool made in ``state_dir``, then the folder if nothing else is left in it."""
+    for name in _own_names(node_ids):
+        path = state_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # the user's own files stay, and so does the folder
+        if state_dir != Path.cwd():
+            state_dir.rmdir()
+
+
+@contextlib.contextmanager
+def _locked(
+    state_dir: Path, shown: Path | str, wait_s: float, progress: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Hold the exclusive lock of ``state_dir`` (making the folder if needed) for the block.
+
+    Waits up to ``wait_s`` for another holder, then fails in one line. A
+    folder this made and left holding only the lock file is removed again.
+    """
+    made = next((p for p in reversed([state_dir, *state_dir.parents]) if not p.exists()), None)
+    path = state_dir / LOCK_FILE
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                        raise ClusterError(
+                            f"another kfeed cluster command{f' (pid {holder})' if holder else ''} still works"
+                            f" on {shown} after {wait_s:.0f} s: run this again once it has finished"
+                        ) from None
+                    if not waiting and progress is not None:
+                        progress(f"waiting for another kfeed cluster command on {shown}")
+                    waiting = True
+                    time.sleep(_LOCK_POLL_S)
+            # A wipe deletes the lock file while it holds it; a lock on that
+            # deleted file would exclude no one, so take the new one.
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+            held = os.fstat(fd)
+            if current is None or (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        break
+    try:
+        yield
+    finally:
+        if made is not None:
+            _remove_if_only_lock(state_dir, made, fd)
+        os.close(fd)
+
+
+def _remove_if_only_lock(state_dir: Path, made: Path, fd: int) -> None:
+    # After a start that failed before writing anything (no java, say), the
+    # folder it made for its lock is taken away again: only while the lock
+    # file there is still the one held, not one a later command made.
+    try:
+        if [entry.name for entry in state_dir.iterdir()] != [LOCK_FILE]:
+            return
+        current, held = os.stat(state_dir / LOCK_FILE), os.fstat(fd)
+        if (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+            return
+        (state_dir / LOCK_FILE).unlink()
+        folder = state_dir
+        while True:
+            folder.rmdir()
+            if folder == made:
+                return
+            folder = folder.parent
+    except OSError:
+        return
 
 
 def _secure_layout(state_dir: Path, shown: Path | str) -> Layout:
@@ -340,20 +542,18 @@ def _secure_layout(state_dir: Path, shown: Path | str) -> Layout:
 
 
 def _layout_for(
-    state_dir: Path,
+    existing: Layout | None,
     shown: Path | str,
     nodes: int | None,
     port: int | None,
-    overrides: dict[str, str] | None,
     secure: bool | None = None,
 ) -> Layout:
-    existing = Layout.load(state_dir)
+    """The recorded layout that ``up`` asks for: ``existing``, or a new one without settings."""
     if existing is None:
         return Layout(
             nodes=nodes or 1,
             port=DEFAULT_PORT if port is None else port,
             cluster_id=new_cluster_id(),
-            overrides=dict(overrides or {}),
             secure=bool(secure),
         )
     asked = (nodes or existing.nodes, existing.port if port is None else port)
@@ -367,15 +567,25 @@ def _layout_for(
         raise UsageError(
             f"{shown} holds a {kind} cluster; to replace it run: kfeed cluster down --dir {shown} --wipe"
         )
-    if overrides:
-        return Layout(
-            nodes=existing.nodes,
-            port=existing.port,
-            cluster_id=existing.cluster_id,
-            overrides={**existing.overrides, **overrides},
-            secure=existing.secure,
-        )
     return existing
+
+
+def _name_the_setting(
+    exc: ClusterError, layout: Layout, recorded: Layout, given: dict[str, str], shown: Path | str
+) -> ClusterError:
+    """``exc`` with a note on the broker setting its first line names, if one was set with --set."""
+    first, newline, rest = str(exc).partition("\n")
+    named = [key for key in layout.overrides if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w.])", first)]
+    if not named:
+        return exc
+    key = named[0]
+    if key in given:
+        note = f"--set {key}={given[key]} was not kept"
+    elif recorded.overrides.get(key) == layout.overrides[key]:
+        note = f"{key} comes from an earlier --set: remove it with kfeed cluster up --dir {shown} --unset {key}"
+    else:
+        return exc
+    return type(exc)(f"{first} ({note}){newline}{rest}")
 
 
 def _start(
@@ -385,19 +595,27 @@ def _start(
     awaited: Iterable[int],
     timeout: float,
     progress: Callable[[str], None] | None = None,
+    *,
+    recorded: Layout | None = None,
 ) -> dict[int, int]:
-    """Launch ``node_ids`` and wait for the ``awaited`` brokers; on failure stop what it launched."""
+    """Launch ``node_ids`` and wait for the ``awaited`` brokers; on failure stop what it launched.
+
+    The nodes run with ``layout``'s settings; ``cluster.json`` is written from
+    ``recorded`` (default ``layout``).
+    """
     java = _jars.java()
     _check_ports(layout, node_ids)
     libs = _jars.jars(progress)
-    _prepare(layout, state_dir)
+    _prepare(layout, state_dir, recorded or layout)
     _format(java, libs, layout, state_dir, node_ids)
     started: dict[int, int] = {}
+    # Where each log ends now: a failure is told from this start's lines, not an earlier one's.
+    since = {n: _log_sizes(layout.node_paths(state_dir, n)) for n in node_ids}
     try:
         for node_id in node_ids:
             started[node_id] = _launch(java, libs, state_dir, layout.node_paths(state_dir, node_id))
         if awaited:
-            _wait_ready(layout, state_dir, started, awaited, timeout)
+            _wait_ready(layout, state_dir, started, awaited, timeout, since=since)
     except BaseException:
         _stop(layout, state_dir, started)
         raise
@@ -405,12 +623,13 @@ def _start(
     return started
 
 
-def _prepare(layout: Layout, state_dir: Path) -> None:
+def _prepare(layout: Layout, state_dir: Path, recorded: Layout) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     if layout.secure:
         formatted = any(layout.node_paths(state_dir, n).formatted for n in layout.node_ids)
         _secure.ensure_material(layout, state_dir, formatted)
-    layout.save(state_dir)
+    # Before the format: the cluster id must be on record before any node's data holds it.
+    recorded.save(state_dir)
     (state_dir / LOG4J_FILE).write_text(LOG4J_CONFIG)
     for node_id in layout.node_ids:
         paths = layout.node_paths(state_dir, node_id)
@@ -443,7 +662,10 @@ def _format(java: str, libs: Path, layout: Layout, state_dir: Path, node_ids: li
     for paths, proc in zip(todo, procs):
         output, _ = proc.communicate()
         if proc.returncode != 0:
-            failures.append(f"formatting {paths.data} failed:\n{_last_lines(output)}")
+            # The tool checks the settings too, so a bad --set can stop it here.
+            reason = next(filter(None, map(_java_exception, output.splitlines())), None)
+            why = f": {reason}" if reason else ":"
+            failures.append(f"formatting {paths.data} failed{why}\n{_last_lines(output)}")
     if failures:
         raise ClusterError("\n".join(failures))
 
@@ -548,13 +770,21 @@ def _in_use(port: int) -> bool:
 
 
 def _wait_ready(
-    layout: Layout, state_dir: Path, started: dict[int, int], awaited: Iterable[int], timeout: float
+    layout: Layout,
+    state_dir: Path,
+    started: dict[int, int],
+    awaited: Iterable[int],
+    timeout: float,
+    *,
+    since: dict[int, dict[Path, int]] | None = None,
 ) -> None:
     """Return once every ``awaited`` broker is registered and its own listener accepts connections.
 
     Registration alone is not enough after a fast restart: the controller may
-    still list the previous incarnation of the node.
+    still list the previous incarnation of the node. ``since`` holds, per
+    node, where its logs ended before this start (:func:`_log_sizes`).
     """
+    since = since or {}
     awaited = set(awaited)
     deadline = time.monotonic() + timeout
     admin = None
@@ -562,7 +792,12 @@ def _wait_ready(
         for node_id in started:
             paths = layout.node_paths(state_dir, node_id)
             if running_pid(paths) is None:
-                raise ClusterError(f"node {node_id} exited while starting; {_log_tail(paths)}")
+                reason = _log_reason(paths, since.get(node_id))
+                if reason is None:
+                    raise ClusterError(f"node {node_id} exited while starting; {_log_tail(paths, since.get(node_id))}")
+                raise ClusterError(
+                    f"node {node_id} exited while starting: {reason}\n{_log_tail(paths, since.get(node_id))}"
+                )
         pending = sorted(n for n in awaited if not _accepts(layout.broker_port(n)))
         if not pending:
             admin = admin or _admin(layout, state_dir)
@@ -576,7 +811,8 @@ def _wait_ready(
                 return
         if time.monotonic() > deadline:
             paths = layout.node_paths(state_dir, pending[0])
-            raise ClusterError(f"nodes {pending} not ready after {timeout:.0f} s; {_log_tail(paths)}")
+            tail = _log_tail(paths, since.get(pending[0]))
+            raise ClusterError(f"nodes {pending} not ready after {timeout:.0f} s; {tail}")
         time.sleep(_POLL_S)
 
 
@@ -593,6 +829,13 @@ def _admin(layout: Layout, state_dir: Path) -> Any:
 
 def _registered_brokers(admin: Any, timeout: float) -> set[int]:
     return set(admin.list_topics(timeout=timeout).brokers)
+
+
+def _kafka_text(exc: Exception) -> str:
+    """The message of a KafkaException's KafkaError, not the error object's repr."""
+    error = exc.args[0] if exc.args else None
+    text = getattr(error, "str", None)
+    return text() if callable(text) else str(exc)
 
 
 def _accepts(port: int) -> bool:
@@ -649,21 +892,70 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _log_tail(paths: NodePaths) -> str:
+# A Java exception's first line: ``[Caused by: ]package.Name(Exception|Error)[: message]``.
+_JAVA_EXCEPTION = re.compile(r"^(?:Caused by: )?(?:[\w$]+\.)*([\w$]*(?:Exception|Error))(?::\s*(.*))?$")
+
+
+def _java_exception(line: str) -> str | None:
+    """``ConfigException: Invalid value ...`` from a line that starts a Java exception, else None."""
+    line = line.strip().removeprefix('Exception in thread "main" ')
+    match = _JAVA_EXCEPTION.match(line)
+    if match is None:
+        return None
+    return f"{match[1]}: {match[2]}" if match[2] else match[1]
+
+
+def _log_sizes(paths: NodePaths) -> dict[Path, int]:
+    """Where the node's logs end now."""
+    sizes = {}
+    for log in (paths.server_log, paths.stdout):
+        with contextlib.suppress(OSError):
+            sizes[log] = log.stat().st_size
+    return sizes
+
+
+def _read_log(log: Path, since: dict[Path, int] | None) -> str:
+    start = (since or {}).get(log, 0)
+    with log.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size < start:
+            start = 0  # rolled over since
+        # The end is enough, and a log can be tens of megabytes.
+        file.seek(max(start, size - _LOG_TAIL_BYTES))
+        return file.read().decode(errors="replace")
+
+
+def _log_reason(paths: NodePaths, since: dict[Path, int] | None = None) -> str | None:
+    """Why the node stopped, from its logs: the exception after its first ERROR line, else that line."""
+    for log in (paths.server_log, paths.stdout):
+        try:
+            lines = _read_log(log, since).splitlines()
+        except OSError:
+            continue
+        first = None
+        for i, line in enumerate(lines):
+            if " ERROR " not in line:
+                continue
+            # "ERROR Exiting Kafka due to fatal exception" says little; the
+            # exception printed under it says what was wrong.
+            exception = _java_exception(lines[i + 1]) if i + 1 < len(lines) else None
+            if exception is not None:
+                return exception
+            first = first or line.split(" ERROR ", 1)[1].strip()
+        if first is not None:
+            return first
+    return None
+
+
+def _log_tail(paths: NodePaths, since: dict[Path, int] | None = None) -> str:
     parts = []
     for log in (paths.server_log, paths.stdout):
         try:
-            with log.open("rb") as file:
-                # The end is enough, and a log can be tens of megabytes.
-                file.seek(max(0, log.stat().st_size - _LOG_TAIL_BYTES))
-                text = file.read().decode(errors="replace")
+            text = _read_log(log, since)
         except OSError:
             continue
         if text.strip():
-            # Why it stopped is often above the shutdown's own lines.
-            errors = [line for line in text.splitlines() if " ERROR " in line][:3]
-            why = "".join(f"{line}\n" for line in errors)
-            parts.append(f"{why}last lines of {log}:\n{_last_lines(text)}")
+            parts.append(f"last lines of {log}:\n{_last_lines(text)}")
     return "\n".join(parts) if parts else f"no log output in {paths.root}"
 
 
