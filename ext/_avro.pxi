@@ -54,6 +54,16 @@ cdef enum AvCode:
 AVRO_CODES = {"bool": C_BOOL, "int8": C_I8, "int16": C_I16, "int32": C_I32, "int64": C_I64,
               "uint8": C_U8, "uint16": C_U16, "uint32": C_U32, "uint64": C_U64,
               "float32": C_F32, "float64": C_F64}
+_CODE_DTYPES = {code: dtype for dtype, code in AVRO_CODES.items()}
+
+
+cdef str field_dtype(Layout layout, int field, int code):
+    """`` field 'NAME' (DTYPE)``, as reasons name the field a value went to; "" if none."""
+    if field < 0:
+        return ""
+    return f" field {layout.names[field]!r} ({_CODE_DTYPES.get(code, '?')})"
+
+
 AVRO_KINDS = {"null": K_NULL, "boolean": K_BOOLEAN, "int": K_INT, "long": K_LONG,
               "float": K_FLOAT, "double": K_DOUBLE, "bytes": K_BYTES, "string": K_STRING,
               "fixed": K_FIXED, "enum": K_ENUM, "array": K_ARRAY, "map": K_MAP,
@@ -883,7 +893,11 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
     if err == A_BOOLEAN:
         return f"boolean byte {b.value}{where}"
     if err == A_RANGE:
-        return f"{b.value} does not fit the field's dtype{where}"
+        into = "the field's dtype"
+        if plan is not None and b.node >= 0 and plan.p.nodes[b.node].field >= 0:
+            into = field_dtype(layout, plan.p.nodes[b.node].field,
+                               plan.p.nodes[b.node].code).lstrip()
+        return f"{b.value} does not fit {into}{where}"
     if err == A_KIND:
         return f"cannot be read{where}"
     if err == A_NULL:

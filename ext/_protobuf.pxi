@@ -901,10 +901,14 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         return f"truncated{where}"
     if err == A_VARINT:
         return f"malformed varint{where}"
+    into = "the field's dtype"
+    if plan is not None and b.node >= 0 and plan.p.entries[b.node].field >= 0:
+        into = field_dtype(layout, plan.p.entries[b.node].field,
+                           plan.p.entries[b.node].code).lstrip()
     if err == A_RANGE:
-        return f"{b.value} does not fit the field's dtype{where}"
+        return f"{b.value} does not fit {into}{where}"
     if err == A_RANGE_U64:
-        return f"{b.value & 0xFFFFFFFFFFFFFFFF} does not fit the field's dtype{where}"
+        return f"{b.value & 0xFFFFFFFFFFFFFFFF} does not fit {into}{where}"
     if err == A_KIND:
         return f"a value the field cannot take{where}"
     if err == A_DEPTH:

@@ -198,7 +198,7 @@ def corrupt_values(registry: SchemaRegistryClient) -> tuple[list[bytes], dict[in
     reasons = {1: "magic byte 1, expected 0", 3: "schema id 9999 is not in the registry",
                4: "truncated", 6: "array of 15 items does not match the field's shape at "
                "features", 7: "too short for the Confluent framing",
-               8: "40000 does not fit the field's dtype at user.age",
+               8: "40000 does not fit field 'age' (int16) at user.age",
                9: "1 bytes left after the record"}
     return values, reasons
 
@@ -575,7 +575,7 @@ def test_documents_equal_the_deserializers_arrays_and_strings(registry):
     assert text.tokens.tobytes() == "".join(r["body"]["text"] for r in records).encode()
     small = kfeed.Avro(registry=registry).decoder(kfeed.Schema(
         {"tokens": ("int8", (None,), {"source": "body.ids"})})).decode_documents(values[1:3])
-    assert [why for _, why in small.bad] == ["{} does not fit the field's dtype at "
+    assert [why for _, why in small.bad] == ["{} does not fit field 'tokens' (int8) at "
                                              "body.ids[]".format(records[k]["body"]["ids"][0])
                                              for k in (1, 2)]
     with pytest.raises(kfeed.ConfigError, match="default of a variable-length field is a "

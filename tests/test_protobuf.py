@@ -321,7 +321,7 @@ def test_proto2_defaults_groups_and_values_past_int64_read_as_protobuf_reads_the
     assert got["id"].tolist() == [1, 2, 3]
     assert got["level"].tolist() == [w.level for w in want] == [-42, -3, -42]
     assert got["ratio"].tolist() == [w.ratio for w in want] == [0.5, 2.5, 0.5]
-    assert bad == [(3, "9223372036854775813 does not fit the field's dtype at big"),
+    assert bad == [(3, "9223372036854775813 does not fit field 'big' (int64) at big"),
                    (4, "field 'pair': 3 values do not match its shape at pair"),
                    (5, "bad tag (field number 0, a group's end without its start, "
                        "or wire type 6 or 7)"),
@@ -541,7 +541,7 @@ def test_corrupt_values_are_rejected_whole_with_a_reason(registry):
     ]
     reasons = {1: "magic byte 1, expected 0", 2: "truncated",
                3: "field 'features': 7 values do not match its shape",
-               4: "40000 does not fit the field's dtype at user.age",
+               4: "40000 does not fit field 'age' (int16) at user.age",
                5: "malformed message-index array",
                6: "field 'features': repeated field absent, and no default",
                7: "too short for the Confluent framing"}
@@ -650,7 +650,7 @@ def test_documents_equal_the_deserializers_repeated_fields_and_strings(registry)
                         ).decode_documents(values[:20])
     assert {i for i, _ in small.bad} == {i for i, m in enumerate(msgs[:20])
                                          if max(m.ids, default=0) > 255}
-    assert all("does not fit the field's dtype at ids" in why for _, why in small.bad)
+    assert all("does not fit field 't' (uint8) at ids" in why for _, why in small.bad)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
