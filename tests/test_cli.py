@@ -160,6 +160,20 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     (PRODUCE + ("--synthetic-text", "5", "--key-field", "src"),
      ("kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
      "keyed with --keyed), not to --synthetic-text: leave it out")),
+    # A .txt corpus has no fields, and only a flat .npy has lengths: these were
+    # ignored (--text-field) or refused only after the topic was made.
+    (PRODUCE + ("--from", "c.txt", "--text-field", "body"),
+     ("kfeed: --text-field applies to --from a .jsonl or .parquet corpus (a .txt one is all "
+      "text), not to --from c.txt (a corpus): leave it out")),
+    (PRODUCE + ("--from", "ids.npy", "--tokenizer", "bytes", "--text-field", "body"),
+     ("kfeed: --text-field applies to --from a .jsonl or .parquet corpus (a .txt one is all "
+      "text), not to --from ids.npy (a corpus): leave it out")),
+    (PRODUCE + ("--from", "c.txt", "--key-field", "id"),
+     ("kfeed: --key-field applies to --from a .jsonl or .parquet corpus (synthetic text is "
+      "keyed with --keyed), not to --from c.txt (a corpus): leave it out")),
+    (PRODUCE + ("--from", "c.txt", "--lengths", "x.npy"),
+     ("kfeed: --lengths applies to --from a flat .npy of token ids, not to --from c.txt (a "
+      "corpus): leave it out")),
     (PRODUCE + ("--synthetic", "5", "--format", "raw", "--block-records", "8"),
      ("kfeed: --block-records applies to --format block or arrow, not to raw (one record a "
      "message): leave it out")),
@@ -221,6 +235,191 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
                             "--field", "features=x", "--keyed")
     assert (code, err) == (2, [("kfeed: --keyed keys samples by their id field, and the fields "
                                "read are features: add --field id=COLUMN, or leave --keyed out")])
+
+
+def corpus_cases() -> list[tuple[str, Any, tuple[str, ...], str]]:
+    """(file name, its content, more arguments, the line) of corpora refused before the topic
+    is made."""
+    huge = "".join(f"doc {i}\n\n" for i in range(2)) + "x" * 20_000 + "\n"
+    three = "one\n\ntwo\n\nthree\n"
+    return [
+        ("empty.txt", "", (), "no documents in {p}: a corpus holds paragraphs of text "
+         "separated by blank lines; check the file"),
+        ("blank.txt", "\n  \n\n", (), "no documents in {p}: a corpus holds paragraphs of "
+         "text separated by blank lines; check the file"),
+        ("empty.jsonl", "\n\n", (), "no documents in {p}: a corpus holds one JSON object a "
+         "line; check the file"),
+        ("empty-docs.jsonl", '{"text": ""}\n{"text": ""}\n', (),
+         "the 2 documents of {p} are all empty: nothing to send"),
+        ("latin1.txt", b"caf\xe9\n", (),
+         "{p}:1: not UTF-8 (invalid continuation byte at byte 3): convert the file to UTF-8"),
+        ("nofield.jsonl", '{"body": "x"}\n', (), "{p}:1: no field 'text' (fields: ['body']): "
+         "name the text's field (--text-field FIELD)"),
+        ("nonstr.jsonl", '{"text": 5}\n', (), "{p}:1: field 'text' must be a string, got int: "
+         "give the text as a JSON string, or name the text's field (--text-field FIELD)"),
+        ("surrogate.jsonl", '{"text": "ok"}\n{"text": "a \\ud800"}\n', (),
+         "{p}:2: field 'text' holds a lone surrogate (\\ud800), half of a UTF-16 pair, which "
+         "is no text UTF-8 can carry: fix the line"),
+        ("three.txt", three, ("--skip-docs", "5"),
+         "--skip-docs 5 is more than the 3 documents of {p}: give a smaller --skip-docs"),
+        ("three.txt", three, ("--skip-docs", "3"),
+         "--skip-docs 3 leaves out all 3 documents of {p}: nothing is left to send"),
+        ("huge.txt", huge, ("-X", "message.max.bytes=10000"),
+         "{p}:5: document of 20,000 tokens (40,000 bytes) is larger than a message "
+         "(message.max.bytes 10,000 less 1024 for the headers): split it, or raise -X "
+         "message.max.bytes (and the topic's max.message.bytes)"),
+        ("three.txt", three, ("--tokenizer", "{d}/bad.json"),  # (... the parser's words)
+         "cannot read tokenizer {d}/bad.json: ...: give a tokenizer.json that the tokenizers "
+         "package wrote (Tokenizer.save), or --tokenizer bytes"),
+        ("nosuch.txt", None, (), "--from {p}: no such file: check the path"),
+        ("*.txt", None, (), "--from {p}: a corpus is one file, and its name is not expanded as "
+         "a glob: give one file (join the files into one first)"),
+        ("folder.txt", "folder", (), "--from {p}: a folder, and a corpus is one file: give the "
+         "file (join the files into one first)"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "content", "more", "line"), corpus_cases())
+def test_corpus_mistakes_are_found_before_the_topic_is_made(capsys, tmp_path, name, content,
+                                                            more, line) -> None:
+    # Found after the topic was made (and left behind), with exit 1 or no error at all;
+    # here nothing listens at the brokers' address, so a run that got as far as making
+    # the topic fails differently.
+    path = tmp_path / name
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content, encoding="utf-8")
+    if "--tokenizer" in more:
+        pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+        (tmp_path / "bad.json").write_text("not json")
+    more = tuple(m.format(d=tmp_path) for m in more)
+    code, err, out = run_main(capsys, *PRODUCE, "--connect-timeout", "1", "--from", str(path),
+                              *more)
+    head, _, tail = ("kfeed: " + line.format(p=path, d=tmp_path)).partition("...")
+    assert (code, len(err), out) == (2, 1, ""), err
+    assert err[0].startswith(head) and err[0].endswith(tail) if tail else err[0] == head
+
+
+class FakeProducer:
+    """What _produce_text sends, without brokers; ``on_send(n)`` runs after the n-th send."""
+
+    def __init__(self, on_send: Any = None) -> None:
+        self.sent: list[tuple[list[bytes], Any]] = []
+        self.messages = self.bytes = self.flushes = 0
+        self.on_send = on_send
+
+    def __enter__(self) -> FakeProducer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flush()
+
+    def send(self, columns: dict[str, Any], keys: Any = None) -> None:
+        self.sent.append(([bytes(np.asarray(d, np.uint8)) for d in columns["tokens"]], keys))
+        self.messages += 1
+        if self.on_send is not None:
+            self.on_send(len(self.sent))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"queued": 0}
+
+
+@pytest.fixture
+def fake_producer(monkeypatch) -> Any:
+    """Sends of ``kfeed produce`` go to a ``FakeProducer``; no topic is made."""
+    made: list[FakeProducer] = []
+
+    def use(on_send: Any = None) -> list[FakeProducer]:
+        made.append(FakeProducer(on_send))
+        monkeypatch.setattr(cli, "_producer", lambda args, config, schema: made[-1])
+        monkeypatch.setattr(cli, "_ensure_topic", lambda *a, **k: None)
+        monkeypatch.setattr(cli, "_check_partitions", lambda *a: None)
+        return made
+    return use
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_a_corpus_is_sent_says_the_skip_docs_that_goes_on(
+        capsys, tmp_path, fake_producer, sig, code) -> None:
+    # It said "a run --from a dataset goes on with --resume", which a corpus run refuses.
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"doc {i}\n\n" for i in range(3000)))  # chunks of 1024
+    made = fake_producer(lambda n: signal.raise_signal(sig) if n == 2 else None)
+    got, err, out = run_main(capsys, *PRODUCE, "--from", str(path), "--skip-docs", "10")
+    assert (got, err, out) == (code, [
+        "kfeed: interrupted: the 2038 documents before the stop were sent (documents 10 to "
+        "2047 of the corpus): run again with --skip-docs 2048 to go on without sending them "
+        "twice"], "")
+    # The chunk being sent went out whole, and nothing after it.
+    assert [len(docs) for docs, _ in made[0].sent] == [1014, 1024]
+    assert made[0].sent[1][0][-1] == b"doc 2047" and made[0].flushes
+
+
+def test_empty_documents_are_left_out_and_counted_apart(capsys, tmp_path,
+                                                        fake_producer) -> None:
+    # They were counted as produced, and vanished on the way (no tokens to end).
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a", "k": "x"}\n{"text": "", "k": "y"}\n{"text": "bc", "k": "z"}\n')
+    made = fake_producer()
+    code, err, out = run_main(capsys, *PRODUCE, "--from", str(path), "--key-field", "k")
+    assert (code, err) == (0, [])
+    assert out.startswith("produced 2 documents, 1 empty left out (3 tokens, uint16, ")
+    assert made[0].sent == [([b"a", b"bc"], ["x", "z"])]
+
+
+def test_a_document_larger_than_a_message_is_refused_before_its_chunk_is_sent(
+        capsys, tmp_path, fake_producer) -> None:
+    # librdkafka refused it mid-chunk ("Message size too large"), no file or line named.
+    path = tmp_path / "c.txt"
+    docs = [f"doc {i}" for i in range(1100)]
+    docs[1029] = "y" * 9000
+    path.write_text("\n\n".join(docs) + "\n")
+    made = fake_producer()
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(path),
+                            "-X", "message.max.bytes=10000")
+    assert (code, err) == (1, [
+        f"kfeed: {path}:2059: document of 9,000 tokens (18,000 bytes) is larger than a message "
+        f"(message.max.bytes 10,000 less 1024 for the headers): split it, or raise -X "
+        f"message.max.bytes (and the topic's max.message.bytes). The 1024 documents before "
+        f"this chunk were sent (documents 0 to 1023 of the corpus): fix it and run again with "
+        f"--skip-docs 1024 to go on without sending them twice"])
+    assert [len(d) for d, _ in made[0].sent] == [1024]
+
+
+def test_lag_flags_a_commit_past_the_end(capsys, monkeypatch) -> None:
+    from kfeed import lag
+
+    rows = [lag.PartitionLag("t", 0, 100, 8, 0, 0.0, None),
+            lag.PartitionLag("t", 1, 3, 8, 5, 12.0, None)]
+    monkeypatch.setattr(lag, "group_lag", lambda *a: rows)
+    monkeypatch.setattr(lag, "group_exists", lambda *a: True, raising=False)
+    code, err, out = run_main(capsys, "lag", "--bootstrap-servers", CLOSED, "--group-id", "g")
+    assert (code, err) == (0, [])
+    assert out.splitlines() == [
+        "TOPIC  PARTITION  COMMITTED  END  LAG  LAG_S  MEMBER",
+        "t      0          100*       8    0    0.0    -",
+        "t      1          3          8    5    12.0   -",
+        "* t[0]: committed 100 is past the end (8): the group resets by auto.offset.reset on "
+        "its next start, so its lag is 0 only with 'latest'",
+        "group g: lag 5 messages over 2 partitions, oldest unread record 12.0s old"]
+
+
+def test_lag_of_a_group_the_brokers_do_not_know(capsys, monkeypatch) -> None:
+    from kfeed import lag
+
+    rows = [lag.PartitionLag("t", 0, None, 8, 8, 3.0, None)]  # as for any --topic
+    for found in ([], rows):
+        monkeypatch.setattr(lag, "group_lag", lambda *a, found=found: found)
+        monkeypatch.setattr(lag, "group_exists", lambda *a: False)
+        code, err, out = run_main(capsys, "lag", "--bootstrap-servers", CLOSED, "--group-id", "g")
+        assert (code, err, out) == (1, ["kfeed: no group g on these brokers (no members, no "
+                                        "committed offsets): check the name"], "")
 
 
 # -- files into columns (kfeed.ingest) ------------------------------------------------

@@ -73,26 +73,58 @@ def test_lag_in_messages_and_seconds_and_the_owning_member(bootstrap, make_topic
         member.close()
 
 
+def lag_cmd(bootstrap: str, group: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    return subprocess.run([sys.executable, "-m", "kfeed", "lag", "--group-id", group, *args],
+                          env=env, check=False, capture_output=True, text=True, timeout=120)
+
+
 def test_the_command_prints_a_table_and_a_summary(bootstrap, make_topic):
-    topic = make_topic(partitions=1)
+    topic, other = make_topic(partitions=1), make_topic(partitions=1)
     group = uuid.uuid4().hex
     p = KafkaProducer({"bootstrap.servers": bootstrap})
     for _ in range(7):
         p.produce(topic, b"z", partition=0)
     assert p.flush(30) == 0
-    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
-
-    def lag(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kfeed", "lag", "--group-id", group, *args],
-                              env=env, check=False, capture_output=True, text=True, timeout=120)
-
-    done = lag("--topic", topic)
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    c.commit(offsets=[TopicPartition(other, 0, 0)], asynchronous=False)  # the group exists
+    c.close()
+    done = lag_cmd(bootstrap, group, "--topic", topic)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0].split() == ["TOPIC", "PARTITION", "COMMITTED", "END", "LAG", "LAG_S", "MEMBER"]
     assert lines[1].split()[:5] == [topic, "0", "-", "7", "7"]
     assert lines[-1].startswith(f"group {group}: lag 7 messages over 1 partitions")
-    none = lag()
-    assert none.returncode == 1
-    assert none.stderr.strip() == (f"kfeed: group {group} committed no offsets: name its "
-                                   f"topics with --topic T")
+
+
+def test_a_member_that_committed_nothing_is_asked_for_its_topics(bootstrap, make_topic):
+    topic = make_topic(partitions=1)
+    group = uuid.uuid4().hex
+    member = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    member.subscribe([topic])
+    deadline = time.monotonic() + 60
+    while not member.assignment() and time.monotonic() < deadline:
+        member.poll(0.2)
+    try:
+        none = lag_cmd(bootstrap, group)
+    finally:
+        member.close()
+    assert (none.returncode, none.stderr) == (1, f"kfeed: group {group} committed no offsets: "
+                                                 f"name its topics with --topic T\n")
+
+
+def test_a_group_or_topic_the_brokers_do_not_know_is_named(bootstrap, make_topic):
+    # A group never seen was told to name its topics, and then got a full table; an
+    # unknown topic took 11 s and was to be created.
+    topic = make_topic(partitions=1)
+    group = f"no-such-group-{uuid.uuid4().hex}"
+    for args in ((), ("--topic", topic)):
+        done = lag_cmd(bootstrap, group, *args)
+        assert (done.returncode, done.stdout, done.stderr) == (1, "", (
+            f"kfeed: no group {group} on these brokers (no members, no committed offsets): "
+            f"check the name\n"))
+    missing = f"no-such-topic-{uuid.uuid4().hex}"
+    done = lag_cmd(bootstrap, group, "--topic", missing)
+    assert (done.returncode, done.stderr) == (1, (
+        f"kfeed: no topic {missing} on these brokers ({bootstrap}): check the name "
+        f"(topic={missing})\n"))

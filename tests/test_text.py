@@ -26,6 +26,7 @@ from kfeed.text import (
     CorpusError,
     as_token_arrays,
     load_tokenizer,
+    locate_document,
     read_corpus,
     synthetic_documents,
     token_schema,
@@ -85,6 +86,26 @@ def test_tokenizer_json_round_trip(tmp_path: Path) -> None:
     assert 1 not in np.concatenate(ids)  # no special token added
 
 
+def test_a_special_token_s_text_is_plain_text(tmp_path: Path) -> None:
+    # A "</s>" in a document's text became the EOS id: the packer then split
+    # the document in two there.
+    tok = load_tokenizer(str(make_tokenizer_json(tmp_path)))
+    assert tok.eos_id == 1
+    docs = ["the river runs", "html says </s> here and goes on", "</s>"]
+    ids = tok.encode_batch(docs)
+    assert [1 in d.tolist() for d in ids] == [False, False, False]
+    assert len(ids[2]) > 1  # the characters of "</s>", not one id
+
+
+def test_an_unreadable_tokenizer_json_is_a_config_error(tmp_path) -> None:
+    pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"version": ')
+    with pytest.raises(ConfigError, match="cannot read tokenizer .*: give a tokenizer.json "
+                                          "that the tokenizers package wrote"):
+        load_tokenizer(str(path))
+
+
 def test_missing_tokenizers_package_says_what_to_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails
     with pytest.raises(KfeedError, match="pip install tokenizers"):
@@ -122,6 +143,14 @@ def test_txt_paragraphs_are_documents(tmp_path) -> None:
         assert (texts, keys) == (want, [])
 
 
+def test_txt_byte_order_mark_is_not_text(tmp_path) -> None:
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufefffirst doc\n\nsecond \ufeff doc\n".encode())
+    assert docs_of(read_corpus(path))[0] == ["first doc", "second \ufeff doc"]  # only the first
+    path.write_bytes("\ufeff\n\nafter a blank\n".encode())
+    assert docs_of(read_corpus(path))[0] == ["after a blank"]
+
+
 def test_txt_not_utf8_names_the_line(tmp_path) -> None:
     path = tmp_path / "bad.txt"
     path.write_bytes(b"fine\n\nstill fine\n\xff\xfe oops\n")
@@ -155,6 +184,30 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, line, match) -> None:
     path.write_text('{"text": "a", "src": 1}\n{"text": "b", "src": "k"}\n' + line + "\n")
     with pytest.raises(CorpusError, match=match):
         docs_of(read_corpus(path, key_field="src"))
+
+
+def test_jsonl_lone_surrogate_names_the_line(tmp_path) -> None:
+    path = tmp_path / "c.jsonl"
+    # A pair is one character; a lone half is no text (UTF-8 cannot encode it).
+    path.write_text('{"text": "pair \\ud83d\\ude00"}\n\n{"text": "bad \\ud800 half"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:3: field 'text' holds a lone surrogate "
+                                          r"\(\\ud800\)"):
+        docs_of(read_corpus(path))
+    path.write_text('{"text": "a", "k": "\\uDC00"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: field 'k' holds a lone surrogate"):
+        docs_of(read_corpus(path, key_field="k"))
+    path.write_text('{"text": "pair \\ud83d\\ude00 and \\\\ud800 escaped"}\n')
+    assert docs_of(read_corpus(path))[0] == ["pair \U0001f600 and \\ud800 escaped"]
+
+
+def test_locate_document_names_its_first_line(tmp_path) -> None:
+    txt = tmp_path / "c.txt"
+    txt.write_text("\nfirst\nstill first\n\n\nsecond\n\nthird\n")
+    assert [locate_document(txt, i) for i in range(3)] == [f"{txt}:2", f"{txt}:6", f"{txt}:8"]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert locate_document(jsonl, 1) == f"{jsonl}:3"
+    assert locate_document(tmp_path / "c.parquet", 4) == f"{tmp_path / 'c.parquet'}: row 4"
 
 
 def test_parquet_text_and_token_id_columns(tmp_path) -> None:
@@ -210,8 +263,10 @@ def test_corpus_file_errors(tmp_path) -> None:
     with pytest.raises(CorpusError, match="no such file"):
         read_corpus(tmp_path / "c.jsonl")
     (tmp_path / "c.txt").write_text("x")
-    with pytest.raises(CorpusError, match="no key field"):
+    with pytest.raises(ConfigError, match="no key field: leave it out"):  # an argument's mistake
         read_corpus(tmp_path / "c.txt", key_field="k")
+    with pytest.raises(ConfigError, match="lengths apply to a flat .npy only: leave them out"):
+        read_corpus(tmp_path / "c.txt", lengths="l.npy")
 
 
 def test_skip_docs_leaves_out_exactly_the_first_n_documents(tmp_path) -> None:
@@ -363,7 +418,9 @@ def test_produce_corpus_reads_back_equal(bootstrap, make_topic, tmp_path, keyed)
     args = ["produce", "--topic", topic, "--from", str(path), "--token-dtype", "int32"]
     done = kfeed_cmd(*args, *(["--key-field", "src"] if keyed else []), bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
-    assert f"produced {len(texts)} documents" in done.stdout and "tokens/s" in done.stdout
+    # The one empty document has no tokens to send: left out, and said so.
+    assert f"produced {len(texts) - 1} documents, 1 empty left out (" in done.stdout
+    assert "tokens/s" in done.stdout
     schema = token_schema("int32")
     tok = ByteTokenizer()
     got: dict[int, list[bytes]] = {}
@@ -373,23 +430,30 @@ def test_produce_corpus_reads_back_equal(bootstrap, make_topic, tmp_path, keyed)
         bounds = np.cumsum(docs.lengths)[:-1]
         got[p] = [bytes(d.astype(np.uint8)) for d in np.split(docs.tokens, bounds)] \
             if len(docs.lengths) else []
-    want = [t.encode() for t in texts]
-    assert sorted(d for ds in got.values() for d in ds) == sorted(want)
+    want = [(t.encode(), k) for t, k in zip(texts, keys) if t]
+    assert sorted(d for ds in got.values() for d in ds) == sorted(w for w, _ in want)
     if keyed:
         # One key, one partition (Java's murmur2), file order kept inside it.
         for p, ds in got.items():
-            mine = [w for w, k in zip(want, keys) if kfeed.partition_for(k.encode(), 4) == p]
+            mine = [w for w, k in want if kfeed.partition_for(k.encode(), 4) == p]
             assert ds == mine
-    assert tok.decode(np.frombuffer(want[-1], np.uint8)) == texts[-1]
+    assert tok.decode(np.frombuffer(want[-1][0], np.uint8)) == texts[-1]
 
 
 @pytest.mark.integration
-def test_produce_bad_corpus_fails_with_the_line(bootstrap, topic, tmp_path) -> None:
+def test_produce_bad_corpus_fails_with_the_line_and_makes_no_topic(bootstrap, tmp_path) -> None:
+    from confluent_kafka.admin import AdminClient
+
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"\n')
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
     done = kfeed_cmd("produce", "--topic", topic, "--from", str(path), bootstrap=bootstrap)
-    assert done.returncode == 1
-    assert "bad.jsonl:2: not valid JSON" in done.stderr
+    # Among the first documents, before anything was sent: a mistake to fix, no topic made.
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"kfeed: {path}:2: not valid JSON (Expecting ',' delimiter at "
+                           f"column 1)\n")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    assert topic not in admin.list_topics(timeout=30).topics
 
 
 @pytest.mark.integration
@@ -412,7 +476,7 @@ def test_a_bad_line_after_the_first_chunk_says_how_to_go_on(bootstrap, make_topi
     path.write_text("".join(lines), encoding="utf-8")
     done = kfeed_cmd(*args, "--skip-docs", "1024", bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
-    assert f"produced {len(texts) - 1024} documents" in done.stdout
+    assert f"produced {len(texts) - 1024 - 1} documents, 1 empty left out" in done.stdout
     schema = token_schema("int32")
     got = []
     for values in read_topic(bootstrap, topic, 2).values():
@@ -420,7 +484,7 @@ def test_a_bad_line_after_the_first_chunk_says_how_to_go_on(bootstrap, make_topi
         if len(docs.lengths):  # a partition may hold none
             got += [bytes(d.astype(np.uint8))
                     for d in np.split(docs.tokens, np.cumsum(docs.lengths)[:-1])]
-    assert sorted(got) == sorted(t.encode() for t in texts)  # each document once
+    assert sorted(got) == sorted(t.encode() for t in texts if t)  # each document once
 
 
 def _loader_packs() -> bool:

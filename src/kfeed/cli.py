@@ -62,12 +62,12 @@ DEFAULT_PARTITIONS = 4
 EXIT_CODES = """\
 Exit status: 0 done; 2 a mistake in the command (a bad or missing argument, a
 flag that would be ignored, a missing file, field or column, a column type
-kfeed will not guess at): nothing was sent or read; 1 a failure while running
-(brokers unreachable, a topic that cannot be used, every record of the topic
-bad, a bad corpus line, anything unexpected); 130 / 143 stopped by SIGINT /
-SIGTERM. Each is reported as one line on stderr, "kfeed: <what is wrong>: <how
-to fix>"; -v adds the traceback and kfeed's logging (without -v, kfeed prints
-only its own lines).
+kfeed will not guess at, a bad line among a corpus's first documents): nothing
+was sent or read; 1 a failure while running (brokers unreachable, a topic that
+cannot be used, every record of the topic bad, a bad corpus line once documents
+were sent, anything unexpected); 130 / 143 stopped by SIGINT / SIGTERM. Each is
+reported as one line on stderr, "kfeed: <what is wrong>: <how to fix>"; -v adds
+the traceback and kfeed's logging (without -v, kfeed prints only its own lines).
 """
 
 
@@ -366,6 +366,8 @@ def _check_produce(args: argparse.Namespace) -> str:
     streamed = ("--from samples streamed through pyarrow or ADBC (Parquet, Arrow, CSV, "
                 "JSON Lines; folders, globs, URIs, postgresql://)")
     tokens = "token documents (--synthetic-text, or --from a corpus)"
+    suffix = Path(args.source).suffix.lower() if args.source is not None else ""
+    fields = suffix in (".jsonl", ".parquet")  # a corpus whose documents have fields
     checks = [
         ("--field", bool(args.field), kind in ("file", "stream"), file_only),
         ("--dtype", bool(args.dtype), kind in ("file", "stream"), file_only),
@@ -380,8 +382,12 @@ def _check_produce(args: argparse.Namespace) -> str:
         ("--token-dtype", args.token_dtype is not None, kind in ("text", "corpus"), tokens),
         ("--skip-docs", args.skip_docs is not None, kind in ("text", "corpus"), tokens),
         ("--tokenizer", args.tokenizer is not None, kind in ("text", "corpus"), tokens),
-        ("--key-field", args.key_field is not None, kind == "corpus",
+        ("--key-field", args.key_field is not None, kind == "corpus" and fields,
          "--from a .jsonl or .parquet corpus (synthetic text is keyed with --keyed)"),
+        ("--text-field", args.text_field is not None, kind == "corpus" and fields,
+         "--from a .jsonl or .parquet corpus (a .txt one is all text)"),
+        ("--lengths", args.lengths is not None, kind == "corpus" and suffix == ".npy",
+         "--from a flat .npy of token ids"),
     ]
     for flag, given, applies, scope in checks:
         if given and not applies:
@@ -804,13 +810,40 @@ def _token_arrays(chunk: Any, tokenizer: Any, token_dtype: str, where: str) -> l
     return text.as_token_arrays(ids, token_dtype, where=where)
 
 
+def _corpus_file(source: str) -> None:
+    """A corpus is one file: refuse a glob, a folder, or a path with nothing there."""
+    path = Path(source)
+    if path.is_file():
+        return
+    if any(c in source for c in "*?["):
+        raise ConfigError(f"--from {source}: a corpus is one file, and its name is not "
+                          f"expanded as a glob: give one file (join the files into one first)")
+    if path.is_dir():
+        raise ConfigError(f"--from {source}: a folder, and a corpus is one file: give the "
+                          f"file (join the files into one first)")
+    raise ConfigError(f"--from {source}: no such file: check the path")
+
+
+def _no_documents(source: str) -> ConfigError:
+    holds = {".txt": "paragraphs of text separated by blank lines",
+             ".jsonl": "one JSON object a line"}.get(Path(source).suffix.lower(), "documents")
+    return ConfigError(f"no documents in {source}: a corpus holds {holds}; check the file")
+
+
 def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    """Token documents: read, tokenized and checked a chunk at a time, each chunk checked
+    whole before any of it is sent. The first documents to send are read before the topic
+    is made, so that a mistake in the command or at the corpus's start leaves nothing
+    behind; a mistake further on, or a signal, says the --skip-docs N that goes on."""
     from kfeed import text
+    from kfeed.producer import PRODUCER_DEFAULTS
 
     token_dtype = args.token_dtype or "uint16"
     skip = args.skip_docs or 0
     schema = text.token_schema(token_dtype)
     tokenizer = text.load_tokenizer(args.tokenizer or "bytes")
+    source = args.source or "synthetic text"
+    where = f"{source}: "
     chunks: Iterator[text.Chunk]
     if args.synthetic_text is not None:
         total, first, step, seed = args.synthetic_text, args.first_id or 0, 1024, args.seed or 0
@@ -822,63 +855,180 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
                 yield text.Chunk(text.synthetic_documents(first + i, n, seed=seed), None,
                                  ids if args.keyed else None, i + n, total)
 
+        def place(i: int) -> str:
+            return f"synthetic text: document {first + i}"
+
         chunks = synthetic()
     else:
-        chunks = text.read_corpus(args.source, text_field=args.text_field or "text",
-                                  key_field=args.key_field, lengths=args.lengths)
+        _corpus_file(args.source)
+
+        def place(i: int) -> str:
+            return text.locate_document(args.source, i)
+
+    # A document gets a block of its own when it is larger than the producer's
+    # blocks (message.max.bytes less 1024): one larger than that fits no message.
+    message_max = int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"])
+    block_max = max(40, message_max - 1024)
+
+    def prepare(chunk: text.Chunk, at: int) -> tuple[list[Any], list[Any] | None]:
+        """The documents of ``chunk`` (the first is document ``at`` of the corpus) to send,
+        and their keys: tokenized, checked, the empty ones left out."""
+        arrays = _token_arrays(chunk, tokenizer, token_dtype, where)
+        if arrays and schema.block_nbytes(1, max(map(len, arrays))) > block_max:
+            i, big = next((i, a) for i, a in enumerate(arrays)
+                          if schema.block_nbytes(1, len(a)) > block_max)
+            raise KfeedError(
+                f"{place(at + i)}: document of {len(big):,} tokens ({big.nbytes:,} bytes) is "
+                f"larger than a message (message.max.bytes {message_max:,} less 1024 for the "
+                f"headers): split it, or raise -X message.max.bytes (and the topic's "
+                f"max.message.bytes)")
+        # An empty document has no tokens for the packer to end with an EOS: it
+        # would vanish on the way. Left out here, and counted apart.
+        keep = [i for i, a in enumerate(arrays) if len(a)]
+        if len(keep) == len(arrays):
+            return arrays, chunk.keys
+        return [arrays[i] for i in keep], None if chunk.keys is None else [chunk.keys[i]
+                                                                           for i in keep]
+
+    seen = [0, 0]  # documents read from the corpus; 1 once it ended
+
+    def counted(chunks: Iterator[text.Chunk]) -> Iterator[text.Chunk]:
+        for c in chunks:
+            seen[0] += len(c)
+            yield c
+        seen[1] = 1
+
+    docs = sent = empty = tokens = 0  # docs: past --skip-docs, sent or empty
+    pending: tuple[list[Any], list[Any] | None, text.Chunk] | None = None
+    try:
+        if args.synthetic_text is None:
+            chunks = text.read_corpus(args.source, text_field=args.text_field or "text",
+                                      key_field=args.key_field, lengths=args.lengths)
+        todo = _skip_documents(counted(chunks), skip, where)
+        while pending is None:
+            chunk = next(todo, None)
+            if chunk is None:
+                break
+            arrays, keys = prepare(chunk, skip + docs)
+            if arrays:
+                pending = (arrays, keys, chunk)
+            else:
+                docs += len(chunk)
+                empty += len(chunk)
+    except ConfigError:
+        raise
+    except KfeedError as e:
+        if seen[1] and seen[0] < skip:
+            raise ConfigError(f"--skip-docs {skip} is more than the {seen[0]:,} documents of "
+                              f"{source}: give a smaller --skip-docs") from None
+        raise ConfigError(_one_line(str(e))) from None  # nothing sent: the topic not made
+    if pending is None:
+        if not seen[0]:
+            raise _no_documents(source)
+        if seen[0] <= skip:
+            raise ConfigError(f"--skip-docs {skip} leaves out all {seen[0]:,} documents of "
+                              f"{source}: nothing is left to send")
+        raise ConfigError(f"the {docs:,} documents of {source}"
+                          f"{f' after --skip-docs {skip}' if skip else ''} are all empty: "
+                          f"nothing to send")
     _ensure_topic(args, config, schema)
-    docs = tokens = 0
     done = [0, 1]  # how far the corpus is read: done, total
-    with _producer(args, config, schema) as producer:
-        _check_partitions(args, producer)
-        t0 = time.monotonic()
+    # The first SIGINT or SIGTERM while sending stops between chunks (a chunk is
+    # never half sent), so that the run can say the --skip-docs N that goes on;
+    # a second one, or one outside the sending, stops at once.
+    stopped: list[int] = []
+    sending = [False]
 
-        def status() -> tuple[float, float, str]:
-            share = _acknowledged(producer)
-            dt = max(time.monotonic() - t0, 1e-9)
-            # The corpus read, in percent (of its bytes or rows).
-            return 100 * done[0] / max(done[1], 1), 100.0, (
-                f"{docs * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s")
+    def on_signal(signum: int, frame: Any) -> None:
+        if stopped or not sending[0]:
+            raise Interrupted(signum)
+        stopped.append(signum)
 
-        progress = _Progress("kfeed produce", "%", status, t0, args.progress_every)
-        try:
-            where = f"{args.source or 'synthetic text'}: "
-            todo = _skip_documents(chunks, skip, where)
-            while True:
-                try:  # reading the corpus, tokenizing, checking
-                    chunk = next(todo, None)
-                    if chunk is None:
-                        break
-                    arrays = _token_arrays(chunk, tokenizer, token_dtype, where)
-                except KfeedError as e:
-                    if not docs:
-                        raise
-                    # A bad chunk: the ones before it are in Kafka. Say how to
-                    # go on without sending them twice. (An error from send()
-                    # itself may come after part of its chunk went out: no such
-                    # advice.)
-                    producer.flush()
-                    raise type(e)(
-                        f"{_one_line(str(e))}. The {docs} documents before this chunk were "
-                        f"sent (documents {skip} to {skip + docs - 1} of the corpus): fix it "
-                        f"and run again with --skip-docs {skip + docs} to go on without "
-                        f"sending them twice") from None
-                producer.send({"tokens": arrays}, keys=chunk.keys)
-                docs += len(arrays)
-                tokens += int(sum(len(a) for a in arrays))
-                done[:] = [chunk.done, chunk.total]
-            producer.flush()
-        except BaseException:
-            progress.close()
-            raise
-        elapsed = max(time.monotonic() - t0, 1e-9)
-        progress.close(final=True)
+    previous = ({sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
+    try:
+        with _producer(args, config, schema) as producer:
+            _check_partitions(args, producer)
+            t0 = time.monotonic()
+
+            def status() -> tuple[float, float, str]:
+                share = _acknowledged(producer)
+                dt = max(time.monotonic() - t0, 1e-9)
+                # The corpus read, in percent (of its bytes or rows).
+                return 100 * done[0] / max(done[1], 1), 100.0, (
+                    f"{sent * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s")
+
+            progress = _Progress("kfeed produce", "%", status, t0, args.progress_every)
+            try:
+                sending[0] = True
+                while pending is not None and not stopped:
+                    arrays, keys, chunk = pending
+                    producer.send({"tokens": arrays}, keys=keys)
+                    docs += len(chunk)
+                    sent += len(arrays)
+                    empty += len(chunk) - len(arrays)
+                    tokens += int(sum(len(a) for a in arrays))
+                    done[:] = [chunk.done, chunk.total]
+                    pending = None
+                    while pending is None and not stopped:
+                        try:  # reading the corpus, tokenizing, checking
+                            chunk = next(todo, None)
+                            if chunk is None:
+                                break
+                            arrays, keys = prepare(chunk, skip + docs)
+                        except KfeedError as e:
+                            # A bad chunk: the ones before it are in Kafka. Say how
+                            # to go on without sending them twice. (An error from
+                            # send() itself may come after part of its chunk went
+                            # out: no such advice.)
+                            sending[0] = False
+                            producer.flush()
+                            # (Exit 1, as any failure once something was sent.)
+                            cls = KfeedError if isinstance(e, ConfigError) else type(e)
+                            before = _sent_before(skip, docs, empty, "this chunk")
+                            raise cls(f"{_one_line(str(e))}. {before[0].upper()}{before[1:]}: "
+                                      f"fix it and run again with --skip-docs {skip + docs} to "
+                                      f"go on without sending them twice") from None
+                        if arrays:
+                            pending = (arrays, keys, chunk)
+                        else:
+                            docs += len(chunk)
+                            empty += len(chunk)
+                sending[0] = False
+                producer.flush()
+            except BaseException:
+                progress.close()
+                raise
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            progress.close(final=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped:
+        raise _StoppedAt(stopped[0], f": {_sent_before(skip, docs, empty, 'the stop')}: run "
+                                     f"again with --skip-docs {skip + docs} to go on without "
+                                     f"sending them twice")
     eos = "none" if tokenizer.eos_id is None else tokenizer.eos_id
-    print(f"produced {docs} documents ({tokens} tokens, {token_dtype}, tokenizer "
+    left_out = f", {empty} empty left out" if empty else ""
+    print(f"produced {sent} documents{left_out} ({tokens} tokens, {token_dtype}, tokenizer "
           f"{tokenizer.name}: vocab {tokenizer.vocab_size}, eos {eos}) in {producer.messages} "
-          f"messages to {args.topic}: {docs / elapsed:,.0f} documents/s, "
+          f"messages to {args.topic}: {sent / elapsed:,.0f} documents/s, "
           f"{tokens / elapsed:,.0f} tokens/s, {producer.bytes / elapsed / 1e6:,.1f} MB/s")
     return 0
+
+
+class _StoppedAt(Interrupted):
+    """A signal that stopped a command where it can say how to go on (``after``)."""
+
+    def __init__(self, signum: int, after: str) -> None:
+        super().__init__(signum)
+        self.after = after
+
+
+def _sent_before(skip: int, docs: int, empty: int, what: str) -> str:
+    empties = f", {empty} of them empty and left out" if empty else ""
+    return (f"the {docs} documents before {what} were sent (documents {skip} to "
+            f"{skip + docs - 1} of the corpus{empties})")
 
 
 # -- train -------------------------------------------------------------------------
@@ -1048,10 +1198,16 @@ Token documents (a topic with one variable-length field, "tokens"):
                                 (text) or a list<int> column (token ids already)
   --from ids.npy --tokenizer T  token ids already: an object array of 1-D int arrays,
                                 or a flat 1-D int array with --lengths FILE.npy
-The tokenizer adds no EOS: the loader's packer appends one after each document
-(256 for --tokenizer bytes). The corpus is read in chunks of 1024 documents. A bad
-line stops the run; once earlier chunks were sent, the error names the --skip-docs N
-that goes on after them without sending them twice.
+A corpus is one file (no globs or folders). The tokenizer adds no EOS: the
+loader's packer appends one after each document (256 for --tokenizer bytes), and
+a special token's text in a document (say "</s>") is encoded as plain text, never
+as its id. An empty document (no tokens) is left out, and counted apart in the
+last line. The corpus is read in chunks of 1024 documents, each checked whole
+before any of it is sent; a document larger than a message (message.max.bytes)
+is refused. A bad line among the first documents stops the run before the topic
+is made; once earlier chunks were sent, the error names the --skip-docs N that
+goes on after them without sending them twice, and so does Ctrl-C (or SIGTERM),
+which stops after the chunk being sent.
 
 A flag that does not apply to the run (--field with --synthetic, --seed without
 --synthetic-text, ...) is an error rather than ignored.
@@ -1236,7 +1392,7 @@ def _inside(frame: Any, module: str, function: str) -> bool:
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    from kfeed.lag import group_lag
+    from kfeed.lag import group_exists, group_lag
 
     from kfeed._kafka import client_config
 
@@ -1247,18 +1403,28 @@ def cmd_lag(args: argparse.Namespace) -> int:
                           f"(bootstrap., security., sasl., ssl., client., socket. ...): -X "
                           f"{', '.join(unused)} would have no effect")
     rows = group_lag(config, args.group_id, args.topic or None, args.connect_timeout)
+    if all(r.committed is None and r.member is None for r in rows) and \
+            not group_exists(config, args.group_id, args.connect_timeout):
+        raise KfeedError(f"no group {args.group_id} on these brokers (no members, no committed "
+                         f"offsets): check the name")
     if not rows:
         raise KfeedError(f"group {args.group_id} committed no offsets: name its topics with "
                          f"--topic T")
+    past = [r for r in rows if r.committed is not None and r.committed > r.end]
     table = [("TOPIC", "PARTITION", "COMMITTED", "END", "LAG", "LAG_S", "MEMBER")]
     for r in rows:
-        table.append((r.topic, str(r.partition), "-" if r.committed is None else str(r.committed),
+        committed = "-" if r.committed is None else f"{r.committed}{'*' if r in past else ''}"
+        table.append((r.topic, str(r.partition), committed,
                       str(r.end), str(r.lag), "?" if r.lag_s is None else f"{r.lag_s:.1f}",
                       r.member or "-"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
               + "  " + row[-1])
+    for r in past:
+        print(f"* {r.topic}[{r.partition}]: committed {r.committed} is past the end ({r.end}): "
+              f"the group resets by auto.offset.reset on its next start, so its lag is 0 only "
+              f"with 'latest'")
     total = sum(r.lag for r in rows)
     oldest = max((r.lag_s for r in rows if r.lag_s is not None), default=0.0)
     print(f"group {args.group_id}: lag {total:,} messages over {len(rows)} partitions, "
@@ -1498,10 +1664,8 @@ def main(argv: list[str] | None = None) -> int:
     except KfeedError as e:
         return _report(args, e, 1)
     except KeyboardInterrupt as e:
-        after = {"train": ": the last checkpoint (if any) stands",
-                 "produce": ": what was sent before stands (a run --from a dataset goes on "
-                            "with --resume)",
-                 "convert": ": the rounds committed before stand"}.get(args.command, "")
+        # A command that knows how to go on says so (a corpus: --skip-docs N).
+        after = e.after if isinstance(e, _StoppedAt) else _after_interrupt(args)
         print(f"kfeed: interrupted{after}", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - the one place that reports any failure
@@ -1517,6 +1681,15 @@ def main(argv: list[str] | None = None) -> int:
         kfeed_log.removeHandler(warnings_shown)
         kfeed_log.setLevel(level)
         kfeed_log.propagate = True
+
+
+def _after_interrupt(args: argparse.Namespace) -> str:
+    if args.command == "produce":
+        if args.synthetic_text is not None or _corpus_mode(args):
+            return ": what was sent before stands"
+        return ": what was sent before stands (a run --from a dataset goes on with --resume)"
+    return {"train": ": the last checkpoint (if any) stands",
+            "convert": ": the rounds committed before stand"}.get(args.command, "")
 
 
 def _report(args: argparse.Namespace, e: KfeedError, code: int) -> int:

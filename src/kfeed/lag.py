@@ -19,8 +19,7 @@ from typing import Any
 from kfeed._kafka import admin_client, admin_partitions, logged_config, unreachable_message
 from kfeed.errors import ConfigError, ConsumeError
 
-__all__ = ["PartitionLag", "group_lag"]
-
+__all__ = ["PartitionLag", "group_exists", "group_lag"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +33,13 @@ class PartitionLag:
     record in seconds (0.0 when there is none; None when it could not be
     read within the timeout). member: the owning member's
     ``client_id@host (member_id)``, or None when no member holds it.
+
+    A commit past the end (``committed > end``: the topic was deleted and
+    made again, say) has lag 0, though the group does not read from there:
+    its next start resets by ``auto.offset.reset``. A kfeed loader's commit
+    at a block message whose records it used only some of (``skip=`` in the
+    commit's metadata, ``kfeed.sources.Committed``) counts that message as
+    lag: the rest of its records are unread.
     """
 
     topic: str
@@ -72,6 +78,14 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     try:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
+        if topics:
+            # One look at every topic's name: an unknown one is a mistake in the
+            # name, not a topic still being made (as admin_partitions would wait for).
+            known = admin.list_topics(timeout=timeout_s).topics
+            for t in wanted:
+                if t not in known:
+                    raise ConsumeError(f"no topic {t} on these brokers ({servers}): check the "
+                                       f"name", topic=t)
         parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
@@ -96,6 +110,31 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                          max(0, end[(t, p)] - start[(t, p)]),
                          ages.get((t, p)) if (t, p) in left else 0.0, owners.get((t, p)))
             for t, p in parts]
+
+
+def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: float = 10.0) -> bool:
+    """Whether the brokers know ``group_id``: it has members or committed offsets.
+
+    A group the brokers never saw, or whose members left and whose offsets
+    expired, reads as one with no offsets and no members: ``group_lag``
+    cannot tell it from a group that has not committed yet, this can.
+    """
+    from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
+
+    admin = admin_client(kafka_config)
+    servers = str(kafka_config["bootstrap.servers"])
+    try:
+        desc = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)[group_id]
+        return desc.result().state != ConsumerGroupState.DEAD
+    except KafkaException as e:
+        err = e.args[0]
+        if err.code() == KafkaError.GROUP_ID_NOT_FOUND:  # the consumer protocol's answer
+            return False
+        if err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+                          KafkaError._ALL_BROKERS_DOWN):
+            raise ConsumeError(unreachable_message(servers, timeout_s, err.str()),
+                               code=err.code()) from e
+        raise ConsumeError(f"cannot describe group {group_id}: {err.str()}") from e
 
 
 def _committed(admin: Any, request: Any, timeout_s: float) -> dict[tuple[str, int], int]:

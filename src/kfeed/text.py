@@ -14,7 +14,8 @@ bounded by a chunk, not by the corpus.
 Corpus forms:
 
 - ``.txt``: UTF-8 text; documents are separated by one or more blank lines
-  (a paragraph is a document); the line breaks inside a document are kept.
+  (a paragraph is a document); the line breaks inside a document are kept,
+  a byte order mark at the start is not text.
 - ``.jsonl``: one JSON object per line; the text is in ``text_field``, the
   optional key in ``key_field``. Blank lines are skipped.
 - ``.parquet``: ``text_field`` is a string column (text) or a list-of-ints
@@ -27,12 +28,16 @@ Tokenizers: ``ByteTokenizer`` (UTF-8 bytes as ids 0..255, EOS 256, vocab
 257), or a ``tokenizer.json`` read with the ``tokenizers`` package
 (``HFTokenizer``), which is imported only then and never downloads anything.
 No tokenizer adds an EOS: the packer appends ``eos_id`` after each document.
+Nor does a document's text ever become a special token: a literal ``</s>``
+in the text is encoded as the characters it is, so the EOS id marks the ends
+of documents and nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -52,6 +57,7 @@ __all__ = [
     "TOKEN_DTYPES",
     "as_token_arrays",
     "load_tokenizer",
+    "locate_document",
     "read_corpus",
     "synthetic_documents",
     "token_schema",
@@ -117,7 +123,12 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` read with the ``tokenizers`` package; special tokens not added."""
+    """A ``tokenizer.json`` read with the ``tokenizers`` package; special tokens not added.
+
+    Special tokens' strings in a text are encoded as plain text (``</s>`` in
+    an HTML document is ``<``, ``/``, ``s``, ``>``): a document never holds
+    the EOS id, or any other special id, from its text.
+    """
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -136,15 +147,30 @@ class HFTokenizer:
         try:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
-            raise KfeedError(f"cannot read tokenizer {path}: {e}") from e
+            raise ConfigError(f"cannot read tokenizer {path}: {e}: give a tokenizer.json that "
+                              f"the tokenizers package wrote (Tokenizer.save), or --tokenizer "
+                              f"bytes") from e
         self.name = str(path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = next((i for i in map(self._tok.token_to_id, _EOS_NAMES) if i is not None),
                            None)
+        # tokenizers 0.15.1 and later can encode special tokens' strings as text;
+        # before that, a document that would hold the EOS id is refused instead.
+        self._special_as_text = hasattr(self._tok, "encode_special_tokens")
+        if self._special_as_text:
+            self._tok.encode_special_tokens = True
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, np.int64) for e in encodings]
+        ids = [np.asarray(e.ids, np.int64) for e in encodings]
+        if not self._special_as_text and self.eos_id is not None:
+            for i, d in enumerate(ids):
+                if (d == self.eos_id).any():
+                    raise KfeedError(
+                        f"document {i} of a chunk holds the text of the EOS token (id "
+                        f"{self.eos_id}), which this tokenizers version encodes as the EOS: "
+                        f"pip install 'tokenizers>=0.15.1' (it encodes it as plain text)")
+        return ids
 
     def decode(self, ids: Any) -> str:
         return str(self._tok.decode([int(i) for i in np.asarray(ids)], skip_special_tokens=False))
@@ -215,9 +241,10 @@ def read_corpus(
     if chunk_docs <= 0:
         raise KfeedError(f"chunk_docs must be positive, got {chunk_docs}")
     if lengths is not None and suffix != ".npy":
-        raise CorpusError(f"{path}: lengths apply to a flat .npy only")
+        raise ConfigError(f"{path}: lengths apply to a flat .npy only: leave them out")
     if key_field is not None and suffix in (".txt", ".npy"):
-        raise CorpusError(f"{path}: a {suffix} corpus has no fields, so no key field")
+        raise ConfigError(f"{path}: a {suffix} corpus has no fields, so no key field: leave "
+                          f"it out")
     if suffix == ".txt":
         return _read_txt(path, chunk_docs)
     if suffix == ".jsonl":
@@ -227,67 +254,129 @@ def read_corpus(
     return _read_npy(path, lengths, chunk_docs)
 
 
-def _read_txt(path: Path, chunk_docs: int) -> Iterator[Chunk]:
-    total = path.stat().st_size
+def locate_document(path: str | Path, index: int) -> str:
+    """Where document ``index`` (from 0, in file order) of a corpus is, for an error.
+
+    ``FILE:LINE`` (its first line) for a .txt or .jsonl, ``FILE: row R`` for
+    a .parquet, ``FILE: document I`` for a .npy. The file is read again up to
+    that document: for errors, not for every document.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    lines: Iterator[int] | None = None
+    if suffix == ".txt":
+        lines = (first for first, _text, _done in _txt_documents(path))
+    elif suffix == ".jsonl":
+        lines = (lineno for lineno, _raw, _done in _jsonl_lines(path))
+    if lines is None:
+        return f"{path}: {'row' if suffix == '.parquet' else 'document'} {index}"
+    for i, line in enumerate(lines):
+        if i == index:
+            return f"{path}:{line}"
+    return f"{path}: document {index}"
+
+
+def _txt_documents(path: Path) -> Iterator[tuple[int, str, int]]:
+    """Each document of a .txt corpus: its first line, its text, the bytes read so far."""
     done = 0
-    texts: list[str] = []
     para: list[str] = []
+    first = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             done += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise CorpusError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+                raise CorpusError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start}): "
+                                  f"convert the file to UTF-8") from None
+            if lineno == 1 and line.startswith("\ufeff"):
+                line = line[1:]  # a byte order mark (as .jsonl lines lose theirs)
             if line.strip():
+                if not para:
+                    first = lineno
                 para.append(line)
                 continue
             if para:
-                texts.append("".join(para).rstrip("\r\n"))
+                yield first, "".join(para).rstrip("\r\n"), done
                 para = []
-                if len(texts) >= chunk_docs:
-                    yield Chunk(texts, None, None, done, total)
-                    texts = []
     if para:
-        texts.append("".join(para).rstrip("\r\n"))
+        yield first, "".join(para).rstrip("\r\n"), done
+
+
+def _read_txt(path: Path, chunk_docs: int) -> Iterator[Chunk]:
+    total = path.stat().st_size
+    texts: list[str] = []
+    for _first, text, done in _txt_documents(path):
+        texts.append(text)
+        if len(texts) >= chunk_docs:
+            yield Chunk(texts, None, None, done, total)
+            texts = []
     if texts:
-        yield Chunk(texts, None, None, done, total)
+        yield Chunk(texts, None, None, total, total)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    """Each line of a .jsonl corpus that is not blank: its number, its bytes, the bytes read."""
+    done = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            done += len(raw)
+            if raw.strip():
+                yield lineno, raw, done
+
+
+# A JSON escape of a UTF-16 surrogate: a pair is one character, a lone one is no text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _read_jsonl(path: Path, text_field: str, key_field: str | None,
                 chunk_docs: int) -> Iterator[Chunk]:
     total = path.stat().st_size
-    done = 0
     texts: list[str] = []
     keys: list[Any] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            done += len(raw)
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except UnicodeDecodeError as e:
-                raise CorpusError(f"{where}: not UTF-8 ({e.reason})") from None
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if text_field not in obj:
-                raise CorpusError(f"{where}: no field {text_field!r} (fields: {sorted(obj)[:8]})")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise CorpusError(f"{where}: field {text_field!r} must be a string, "
-                                  f"got {type(text).__name__}")
-            texts.append(text)
-            if key_field is not None:
-                keys.append(_key(obj.get(key_field), key_field, where))
-            if len(texts) >= chunk_docs:
-                yield Chunk(texts, None, keys if key_field else None, done, total)
-                texts, keys = [], []
+    for lineno, raw, done in _jsonl_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(raw)
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"{where}: not UTF-8 ({e.reason}): convert the file to "
+                              f"UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if text_field not in obj:
+            raise CorpusError(f"{where}: no field {text_field!r} (fields: {sorted(obj)[:8]}): "
+                              f"name the text's field (--text-field FIELD)")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise CorpusError(f"{where}: field {text_field!r} must be a string, "
+                              f"got {type(text).__name__}: give the text as a JSON string, or "
+                              f"name the text's field (--text-field FIELD)")
+        key = _key(obj.get(key_field), key_field, where) if key_field is not None else None
+        if _SURROGATE_ESCAPE.search(raw):
+            for name, value in ((text_field, text), (key_field, key)):
+                _check_surrogates(value, name, where)
+        texts.append(text)
+        if key_field is not None:
+            keys.append(key)
+        if len(texts) >= chunk_docs:
+            yield Chunk(texts, None, keys if key_field else None, done, total)
+            texts, keys = [], []
     if texts:
-        yield Chunk(texts, None, keys if key_field else None, done, total)
+        yield Chunk(texts, None, keys if key_field else None, total, total)
+
+
+def _check_surrogates(value: Any, field: str | None, where: str) -> None:
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        raise CorpusError(f"{where}: field {field!r} holds a lone surrogate "
+                          f"(\\u{ord(bad):04x}), half of a UTF-16 pair, which is no text UTF-8 "
+                          f"can carry: fix the line") from None
 
 
 def _key(value: Any, key_field: str, where: str) -> str | int:
