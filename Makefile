@@ -9,6 +9,8 @@ TEST_CLUSTER := .kfeed/test-cluster
 TEST_PORT := 29092
 CRASH_LOG := .kfeed/crash.log
 DEMO_CLUSTER := .kfeed/demo-cluster
+# Beside the cluster's folder, which a wipe leaves to the tool's own files.
+DEMO_CHECKPOINT := .kfeed/demo-checkpoint
 PYTEST_ARGS ?=
 
 DEMO_PORT := 39492
@@ -59,26 +61,26 @@ fuzz-debug: install
 # The main job on a local 1-node Apache Kafka: produce the seeds' synthetic
 # workload, train an MLP from it with the Loader, print the figures.
 demo: install
-	@set -u; \
+	@set -u; rm -f $(DEMO_CHECKPOINT)*.pt; \
 	$(PY) -m kfeed cluster up --nodes 1 --dir $(DEMO_CLUSTER) --port $(DEMO_PORT) || { $(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; exit 1; }; \
 	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(DEMO_CLUSTER) | tail -n 1); \
 	$(PY) -m kfeed produce --topic kfeed-demo --partitions 4 --synthetic $(DEMO_SAMPLES) --keyed \
 	&& $(PY) -m kfeed train --topic kfeed-demo --group-id kfeed-demo --until-end \
-		--checkpoint $(DEMO_CLUSTER)/checkpoint.pt --checkpoint-every 100; rc=$$?; \
-	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
+		--checkpoint $(DEMO_CHECKPOINT).pt --checkpoint-every 100; rc=$$?; \
+	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; rm -f $(DEMO_CHECKPOINT)*.pt; \
 	exit $$rc
 
 # The LLM side of the demo: generated documents as a token topic, then a tiny
 # causal transformer trained on packed, shuffled [8, 128] token batches.
 demo-lm: install
-	@set -u; \
+	@set -u; rm -f $(DEMO_CHECKPOINT)*.pt; \
 	$(PY) -m kfeed cluster up --nodes 1 --dir $(DEMO_CLUSTER) --port $(DEMO_PORT) || { $(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; exit 1; }; \
 	export KFEED_BOOTSTRAP=$$($(PY) -m kfeed cluster status --dir $(DEMO_CLUSTER) | tail -n 1); \
 	$(PY) -m kfeed produce --topic kfeed-demo-text --partitions 2 --synthetic-text 200 \
 	&& $(PY) -m kfeed train --task lm --topic kfeed-demo-text --group-id kfeed-demo-lm \
 		--batch-size 8 --seq-len 128 --shuffle 128 --until-end --log-every 20 \
-		--checkpoint $(DEMO_CLUSTER)/checkpoint-lm.pt --checkpoint-every 50; rc=$$?; \
-	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; \
+		--checkpoint $(DEMO_CHECKPOINT)-lm.pt --checkpoint-every 50; rc=$$?; \
+	$(PY) -m kfeed cluster down --dir $(DEMO_CLUSTER) --wipe; rm -f $(DEMO_CHECKPOINT)*.pt; \
 	exit $$rc
 
 clean:
