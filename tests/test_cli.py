@@ -1137,3 +1137,18 @@ def test_on_a_terminal_produce_and_train_draw_bars(bootstrap, make_topic, group_
     assert rc == 0, text[-2000:]
     assert "kfeed train: 100%|" in text and "6/6" in text, text[-2000:]
     assert "step 3  loss" in text and "trained 6 steps" in text
+
+
+def test_convert_fields_take_a_default() -> None:
+    # A field a newer writer schema added could not be given one: every
+    # record written before it was dead-lettered by kfeed convert.
+    schema = cli._convert_schema(["added=int32=7", "age=float32@user.age=0.5",
+                              "tokens=int32[None]=[]", "ok=bool=true", "id=int64"])
+    assert [(f.name, f.source, f.default) for f in schema.fields] == [
+        ("added", None, 7), ("age", "user.age", 0.5), ("tokens", None, ()),
+        ("ok", None, True), ("id", None, None)]
+    with pytest.raises(ConfigError, match=r"^--field 'added=int32=seven': its default "
+                       r"'seven' is not a number"):
+        cli._convert_schema(["added=int32=seven"])
+    with pytest.raises(ConfigError, match="does not fit int8"):
+        cli._convert_schema(["small=int8=300"])

@@ -24,6 +24,7 @@ fix>``, checked before any connection where it can be (see ``EXIT_CODES``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -1248,9 +1249,11 @@ killed and started again writes every record once. Progress goes to stderr
 every few seconds; --follow keeps converting new records until SIGINT/SIGTERM,
 which stop it after the round in hand.
 
-  --field NAME=DTYPE[SHAPE][@SOURCE] names a field of the blocks, e.g.
+  --field NAME=DTYPE[SHAPE][@SOURCE][=DEFAULT] names a field of the blocks, e.g.
   --field features=float32[768] --field label=int64 --field age=float32@user.age
-  (SOURCE: the record's field, dotted for nested ones; default NAME); one field
+  (SOURCE: the record's field, dotted for nested ones; default NAME); =DEFAULT is
+  what a record without it (null, missing, or written before a schema added it)
+  reads, where without one such a record is bad: --field score=float32=0. One field
   may be variable-length, an array of any length: --field tokens=int32[None]. Without
   --field: features=float32[768], label=int64, id=int64, what kfeed train reads.
   Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none).
@@ -1259,7 +1262,8 @@ which stop it after the round in hand.
   --registry URL alone: each writer schema read from the registry.
 """
 
-_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[((?:\d+|None)(?:,\d+)*)\])?(?:@([\w.]+))?")
+_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[((?:\d+|None)(?:,\d+)*)\])?(?:@([\w.]+))?"
+                    r"(?:=(.+))?")
 
 
 def _convert_schema(specs: list[str]) -> Any:
@@ -1271,14 +1275,21 @@ def _convert_schema(specs: list[str]) -> Any:
     for spec in specs:
         m = _FIELD.fullmatch(spec)
         if m is None:
-            raise ConfigError(f"--field {spec!r} is not NAME=DTYPE[SHAPE][@SOURCE]: write it "
-                              f"as e.g. --field features=float32[768] or "
-                              f"--field age=float32@user.age")
-        name, dtype, dims, source = m.groups()
+            raise ConfigError(f"--field {spec!r} is not NAME=DTYPE[SHAPE][@SOURCE][=DEFAULT]: "
+                              f"write it as e.g. --field features=float32[768] or "
+                              f"--field age=float32@user.age=0")
+        name, dtype, dims, source, default = m.groups()
         if name in fields:
             raise ConfigError(f"--field {name} is given twice")
         shape = tuple(None if d == "None" else int(d) for d in dims.split(",")) if dims else ()
-        fields[name] = (dtype, shape, {"source": source}) if source else (dtype, shape)
+        options: dict[str, Any] = {"source": source} if source else {}
+        if default is not None:
+            try:
+                options["default"] = json.loads(default)
+            except ValueError:
+                raise ConfigError(f"--field {spec!r}: its default {default!r} is not a "
+                                  f"number, true, false or a JSON list such as []") from None
+        fields[name] = (dtype, shape, options) if options else (dtype, shape)
     return Schema(fields)
 
 
@@ -1581,7 +1592,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to-topic", required=True, type=_topic,
                    help="the block topic (made with the source's partitions if missing)")
     c.add_argument("--format", choices=["avro", "protobuf", "json", "raw"], required=True)
-    c.add_argument("--field", action="append", default=[], metavar="NAME=DTYPE[SHAPE][@SOURCE]",
+    c.add_argument("--field", action="append", default=[], metavar="NAME=DTYPE[SHAPE][@SOURCE][=DEFAULT]",
                    help="a field of the blocks (repeatable; see above)")
     c.add_argument("--registry", metavar="URL", help="the Schema Registry (Confluent framing)")
     c.add_argument("--avro-schema", metavar="FILE.avsc", help="avro: the writer schema")
