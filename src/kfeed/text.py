@@ -154,23 +154,13 @@ class HFTokenizer:
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = next((i for i in map(self._tok.token_to_id, _EOS_NAMES) if i is not None),
                            None)
-        # tokenizers 0.15.1 and later can encode special tokens' strings as text;
-        # before that, a document that would hold the EOS id is refused instead.
-        self._special_as_text = hasattr(self._tok, "encode_special_tokens")
-        if self._special_as_text:
-            self._tok.encode_special_tokens = True
+        # A special token's string in a document is its text, not the token: a
+        # literal "</s>" must not end the document early (tokenizers >= 0.15.1).
+        self._tok.encode_special_tokens = True
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        ids = [np.asarray(e.ids, np.int64) for e in encodings]
-        if not self._special_as_text and self.eos_id is not None:
-            for i, d in enumerate(ids):
-                if (d == self.eos_id).any():
-                    raise KfeedError(
-                        f"document {i} of a chunk holds the text of the EOS token (id "
-                        f"{self.eos_id}), which this tokenizers version encodes as the EOS: "
-                        f"pip install 'tokenizers>=0.15.1' (it encodes it as plain text)")
-        return ids
+        return [np.asarray(e.ids, np.int64) for e in encodings]
 
     def decode(self, ids: Any) -> str:
         return str(self._tok.decode([int(i) for i in np.asarray(ids)], skip_special_tokens=False))
