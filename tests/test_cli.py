@@ -1037,10 +1037,21 @@ def test_a_clean_end_saves_the_last_steps(bootstrap, make_topic, group_id, tmp_p
     done = kfeed(*args, "--steps", "7", "--checkpoint-every", "5", bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
     assert torch.load(ckpt, weights_only=False)["step"] == 7
+    assert summary(done.stdout).startswith("trained 7 steps on 700 samples: "), done.stdout
+    assert "now at step" not in summary(done.stdout)
+    # With --resume, --steps counts this run's steps: 3 more than the
+    # checkpoint's 7 (it stopped after 1 step, comparing 8 with 3).
+    more = kfeed(*args, "--steps", "3", bootstrap=bootstrap)
+    assert more.returncode == 0, more.stderr
+    assert torch.load(ckpt, weights_only=False)["step"] == 10
+    # This run's steps beside this run's samples, and the total apart.
+    assert summary(more.stdout).startswith("trained 3 steps on 300 samples: "), more.stdout
+    assert ", now at step 10, " in summary(more.stdout), more.stdout
     rest = kfeed(*args, "--until-end", bootstrap=bootstrap)
     assert rest.returncode == 0, rest.stderr
-    # 700 samples before, 1300 after: none repeated, none skipped.
-    assert summary(rest.stdout).startswith("trained 20 steps on 1300 samples"), rest.stdout
+    # 1000 samples before, 1000 after: none repeated, none skipped.
+    assert summary(rest.stdout).startswith("trained 10 steps on 1000 samples: "), rest.stdout
+    assert ", now at step 20, " in summary(rest.stdout), rest.stdout
 
 
 def stop_after_step(proc: subprocess.Popen[str], sig: int, step_line: str) -> tuple[str, str]:

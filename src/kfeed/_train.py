@@ -87,8 +87,9 @@ class _MLPTask:
         self._last = st["samples"]
         return f"{rate:,.0f} samples/s"
 
-    def summary(self, step: int, st: dict[str, Any]) -> str:
-        return (f"trained {step} steps on {st['samples']} samples: "
+    def summary(self, steps: int, st: dict[str, Any]) -> str:
+        """``steps``: this run's, as ``st`` counts this run's samples."""
+        return (f"trained {steps} steps on {st['samples']} samples: "
                 f"{st['samples_per_s']:,.0f} samples/s")
 
     def expects(self) -> str:
@@ -214,11 +215,12 @@ class _LMTask:
         eff = d_real / d_slots if d_slots else 0.0
         return f"{d_real / span:,.0f} tokens/s  packing {100 * eff:.1f}%"
 
-    def summary(self, step: int, st: dict[str, Any]) -> str:
+    def summary(self, steps: int, st: dict[str, Any]) -> str:
+        """``steps``: this run's, as its token counts are."""
         real = int(self._real)
         eff = real / self._slots if self._slots else 0.0
         rate = real / st["elapsed_s"] if st["elapsed_s"] > 0 else 0.0
-        return (f"trained {step} steps on {real} tokens in [{self.batch_size}, {self.seq_len}] "
+        return (f"trained {steps} steps on {real} tokens in [{self.batch_size}, {self.seq_len}] "
                 f"rows: {rate:,.0f} tokens/s, packing efficiency {100 * eff:.1f}%")
 
     def expects(self) -> str:
@@ -334,7 +336,10 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
         tick: Callable[[int], None] | None = None) -> Outcome:
     """Train ``opts.task`` from ``opts.topic``; ``say`` gets each progress line.
 
-    ``tick``, if given, gets the step count after every step (a live bar).
+    ``tick``, if given, gets this run's step count after every step (a live bar).
+
+    ``opts.steps`` counts this run's steps: after a resume from step S the
+    run stops at step S + ``opts.steps``.
 
     ``state``: a loaded checkpoint to resume from (its loader positions win
     over ``start``). ``t0``: when the command started, for the time to the
@@ -412,7 +417,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                 optimizer.step()
                 out.step += 1
                 if tick is not None:
-                    tick(out.step)
+                    tick(out.step - out.first_step)
                 if out.step == out.first_step + 1:
                     out.start_to_first_step_s = time.monotonic() - t0
                 if seen_log is not None:
@@ -427,7 +432,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                     e_last, w_last = st["elapsed_s"], st["wait_s"]
                     say(f"step {out.step}  loss {loss.item():.4f}  {rate}  "
                         f"stall {100 * stall:.1f}%  {lag_text(st['lag'])}")
-                if opts.steps and out.step >= opts.steps:
+                if opts.steps and out.step - out.first_step >= opts.steps:
                     break
             # The last steps since a periodic checkpoint, on a clean end and
             # on a signal alike: a resume then repeats nothing.

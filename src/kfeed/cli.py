@@ -1111,7 +1111,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             bar.close()
     st = out.stats
     log.info("first step %.2fs after the command started", out.start_to_first_step_s)
-    print(f"{out.task.summary(out.step, st)}, startup {st['startup_s']:.1f}s, "
+    # This run's steps, as the samples and rates are this run's; a resumed
+    # run says where the checkpoint's count stands now.
+    at = f", now at step {out.step}" if out.first_step else ""
+    print(f"{out.task.summary(out.step - out.first_step, st)}{at}, startup {st['startup_s']:.1f}s, "
           f"{st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
           f"{_train.lag_text(st['lag'])}, bad records {st['bad_records']}, "
           f"final loss {out.loss:.4f}", flush=True)
@@ -1561,7 +1564,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="protobuf: the generated message class (on PYTHONPATH)")
     t.add_argument("--device", help="default: cuda if available, else cpu")
     t.add_argument("--steps", type=_count(0), default=0, metavar="N",
-                   help="stop after this many steps (default 0: no limit)")
+                   help="stop after this many steps of this run (with --resume: N more "
+                        "than the checkpoint's; default 0: no limit)")
     t.add_argument("--until-end", action="store_true",
                    help="stop at the end of the topic's current content")
     t.add_argument("--start", type=_start, metavar="earliest|latest|committed|ISO-TIME",
