@@ -384,3 +384,83 @@ def test_avro_across_processes_through_a_real_schema_registry(bootstrap, make_to
     again = cli("train", "--topic", topic + ".blocks", "--group-id", uuid.uuid4().hex,
                 "--until-end", "--device", "cpu")
     assert "trained 4 steps on 1000 samples" in again.stdout
+
+
+# A member of the convert's group that holds every partition and then dies
+# without leaving: its session (6 s, the brokers' least) must end first.
+_DEAD_MEMBER = """
+import sys
+from confluent_kafka import Consumer
+c = Consumer({"bootstrap.servers": sys.argv[1], "group.id": sys.argv[2],
+              "session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+c.subscribe([sys.argv[3]])
+while not c.assignment():
+    c.poll(0.2)
+print("assigned", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_rerun_says_it_waits_for_a_stopped_members_partitions(bootstrap, make_topic):
+    # It printed "0 records ... lag 0 messages" until the dead member's session
+    # ended: the lag counts only assigned partitions, and none were.
+    src = make_topic(partitions=2)
+    dst = src + ".blocks"
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(100):
+        p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
+    assert p.flush(30) == 0
+    dead = subprocess.Popen([sys.executable, "-c", _DEAD_MEMBER, bootstrap,
+                             f"kfeed-convert.{dst}", src], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert dead.stdout is not None and dead.stdout.readline() == "assigned\n"
+    finally:
+        dead.kill()
+        dead.wait(30)
+    done = subprocess.run([sys.executable, "-m", "kfeed", "convert", "--from-topic", src,
+                           "--to-topic", dst, "--format", "json", "--field", "id=int64",
+                           "--progress-every", "0.2"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "KFEED_BOOTSTRAP": bootstrap})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("converted 100 records"), done.stdout
+    lines = done.stderr.splitlines()
+    waits = [line for line in lines if line.startswith("kfeed convert: waiting")]
+    assert waits and lines[:len(waits)] == waits, lines
+    assert waits[0] == (f"kfeed convert: waiting for group kfeed-convert.{dst} to assign it "
+                        f"partitions of {src} (those a stopped convert held come free when "
+                        f"its session ends, within session.timeout.ms: 45 s)")
+    # Once assigned, the lag counts what is left: never 0 before the records are in.
+    for line in lines[len(waits):]:
+        assert "lag 0 messages" not in line or " 100 records" in line, lines
+
+
+def test_convert_into_a_topic_of_blocks_of_another_schema_is_refused(bootstrap, make_topic):
+    # kfeed produce refused it; convert wrote sample blocks among token documents.
+    from records import kfeed_cli
+
+    src, dst = make_topic(partitions=2), make_topic(partitions=2)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(20):
+        p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
+    assert p.flush(30) == 0
+    tokens = kfeed.Schema({"tokens": ("int32", (None,))})
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, dst, tokens) as producer:
+        producer.send({"tokens": (np.arange(10, dtype=np.int32), np.array([4, 6]))})
+    done = kfeed_cli(bootstrap, "convert", "--from-topic", src, "--to-topic", dst,
+                     "--format", "json", "--field", "id=int64")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"kfeed: topic {dst} holds kfeed blocks of another schema "), \
+        done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "convert to another topic" in done.stderr
+    with pytest.raises(kfeed.ConfigError, match="holds kfeed blocks of another schema"):
+        kfeed.convert({"bootstrap.servers": bootstrap}, src, dst,
+                      kfeed.Schema({"id": ("int64", ())}), format="json")
+    assert Committed(bootstrap, f"kfeed-convert.{dst}", src, 2)() == 0  # nothing converted
+    # Blocks of the same schema: a second convert goes on beside them.
+    ids = make_topic(partitions=2)
+    first = kfeed.convert({"bootstrap.servers": bootstrap}, src, ids,
+                          kfeed.Schema({"id": ("int64", ())}), format="json")
+    again = kfeed.convert({"bootstrap.servers": bootstrap}, src, ids,
+                          kfeed.Schema({"id": ("int64", ())}), format="json", group_id="other")
+    assert (first.records, again.records) == (20, 20)

@@ -1365,10 +1365,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     last = [0.0]
+    group = args.group_id or f"kfeed-convert.{args.to_topic}"
+    session_ms = float(config.get("session.timeout.ms", 45000))  # librdkafka's default
 
     def progress(st: Any) -> None:
         now = time.monotonic()
-        if now - last[0] >= args.progress_every:
+        if now - last[0] >= args.progress_every and not st.partitions:
+            last[0] = now
+            # No lag to show: it counts the partitions assigned. A stopped
+            # convert of the same group holds them until its session ends.
+            print(f"kfeed convert: waiting for group {group} to assign it partitions of "
+                  f"{args.topic} (those a stopped convert held come free when its session "
+                  f"ends, within session.timeout.ms: {session_ms / 1000:g} s)",
+                  file=sys.stderr, flush=True)
+        elif now - last[0] >= args.progress_every:
             last[0] = now
             print(f"kfeed convert: {st.records:,} records, {st.bad:,} bad, "
                   f"{_rates(st.records, st.bytes_in, st.elapsed_s, 'records')} in, "

@@ -63,6 +63,8 @@ class ConvertStats:
     transactions: int = 0
     aborted: int = 0
     lag: int = 0            # source messages not read yet, at the last round
+    partitions: int = 0     # source partitions assigned to this convert now; 0 until the
+                            # group gives it some (a stopped member's session must end first)
     elapsed_s: float = 0.0
 
 
@@ -148,6 +150,35 @@ def convert(
         job.close()
 
 
+def _check_blocks(kafka_config: Mapping[str, Any], topic: str, schema: Schema,
+                  timeout_s: float) -> None:
+    """Refuse an existing ``topic`` whose newest messages are blocks of another schema, or
+    no kfeed blocks: a loader of either would reject the others as bad records.
+
+    The same check as ``kfeed produce`` makes; only each partition's newest
+    committed message is read (``_kafka.newest_values``).
+    """
+    from kfeed._kafka import newest_values
+    from kfeed.badrecords import block_fingerprint, describe_schema
+
+    for part, value in sorted(newest_values(kafka_config, topic, timeout_s).items()):
+        if value is None:
+            continue  # a tombstone says nothing of the schema
+        fingerprint = block_fingerprint(value)
+        if fingerprint is None or len(value) < 32:
+            raise ConfigError(
+                f"topic {topic} holds messages that are not kfeed blocks (the newest of "
+                f"partition {part}): blocks converted into it would not read as one topic; "
+                f"convert to another topic")
+        if fingerprint != schema.fingerprint:
+            raise ConfigError(
+                f"topic {topic} holds kfeed blocks of another schema (fingerprint "
+                f"{fingerprint:#018x}, the newest of partition {part}) than this convert "
+                f"writes ({describe_schema(schema)}; {schema.fingerprint:#018x}): a loader of "
+                f"either schema would reject the other's blocks as bad records; convert to "
+                f"another topic")
+
+
 class _Convert:
     """One convert: its consumer, its transactional producer, and the rounds."""
 
@@ -176,15 +207,23 @@ class _Convert:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
         base = client_config(kafka_config)
         nparts = self._source_partitions(kafka_config)
-        create_topic(base, to_topic, partitions=nparts, timeout_s=connect_timeout_s)
+        created = create_topic(base, to_topic, partitions=nparts, timeout_s=connect_timeout_s)
+        self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
+                                 transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
+                                 connect_timeout_s=connect_timeout_s)
+        if not created:
+            # After init_transactions: a killed convert's open transaction is
+            # aborted by now, so its newest committed blocks are readable.
+            try:
+                _check_blocks(kafka_config, to_topic, schema, connect_timeout_s)
+            except BaseException:
+                self.close()
+                raise
         self.dlq_topic = f"{from_topic}.dlq"
         self.dlq_parts = 0
         if policy is BadRecordPolicy.DEAD_LETTER:
             create_topic(base, self.dlq_topic, partitions=nparts, timeout_s=connect_timeout_s)
             self.dlq_parts = nparts
-        self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
-                                 transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
-                                 connect_timeout_s=connect_timeout_s)
         self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
         self.assigned: set[int] = set()
         self.eof: set[int] = set()
@@ -228,7 +267,10 @@ class _Convert:
                     self.bad.forget(lambda _m: True)  # any held are among those read again
             else:
                 self.bad.waiting()
+                if self.assigned and not self.stats.transactions:
+                    self.stats.lag = self._lag()  # (no round has counted it yet)
             self.stats.elapsed_s = time.monotonic() - t0
+            self.stats.partitions = len(self.assigned)
             if progress is not None:  # (an idle round of --follow too: it is alive)
                 progress(self.stats)
             if not follow and not msgs and self.assigned and self.assigned <= self.eof:
