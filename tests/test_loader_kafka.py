@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -224,6 +225,38 @@ def test_bad_messages_go_to_the_dead_letter_topic(bootstrap, make_topic, group_i
         assert h["kfeed.source.partition"] == b"0"
         assert int(h["kfeed.source.offset"]) in (1, 3, 5)
         assert h["kfeed.reason"]
+
+
+@pytest.mark.parametrize(("until", "policy"), [("end", "skip"), (None, "skip"),
+                                               (None, "dead_letter")])
+def test_a_bad_message_at_a_partitions_end_is_committed_past(bootstrap, make_topic, group_id,
+                                                            until, policy) -> None:
+    # The good records filled whole batches, so the bad one after them made
+    # a batch of no rows, dropped with its place: the group stayed one message
+    # short for ever, and its next run read only that message and failed
+    # ("all 1 messages read so far were rejected").
+    topic = make_topic(partitions=1)
+    produce(bootstrap, topic, 0, 128, format="raw")
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    p.produce(topic, value=b"not a record", partition=0)
+    assert p.flush(30) == 0
+    with loader(bootstrap, topic, group_id, batch_size=64, on_bad_record=policy,
+                until=until, max_wait_ms=100, format="raw") as ld:
+        assert [next(ld).size, next(ld).size] == [64, 64]
+        if until is None:  # live: the next next() waits, and takes the bad message's place
+            waiting = threading.Thread(target=lambda: pytest.raises(kfeed.LoaderError, next, ld),
+                                       daemon=True)
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while ld.stats()["lag"] != {f"{topic}[0]": 0} and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            with pytest.raises(StopIteration):
+                next(ld)
+    [part] = kfeed.group_lag({"bootstrap.servers": bootstrap}, group_id, [topic])
+    assert (part.committed, part.lag) == (129, 0)
+    with loader(bootstrap, topic, group_id, start="committed", format="raw") as again:
+        assert list(again) == []
 
 
 def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period() -> None:

@@ -156,6 +156,12 @@ class BadRecords:
                     f"{self.schema.record_size} bytes ({describe_schema(self.schema)})")
         return reason
 
+    @property
+    def holding(self) -> bool:
+        """Whether rejected messages are held back (no good record yet): their
+        positions must not move on before they are routed."""
+        return bool(self._held)
+
     def good(self) -> None:
         """Records decoded well: the held messages were stray ones, route them now."""
         if self.good_seen:

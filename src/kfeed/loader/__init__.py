@@ -642,9 +642,37 @@ class Loader:
             if item is END:
                 return item
             with self._ledger.lock:
+                if item.gen == self._ledger.gen and item.rows == 0:
+                    # NOTE [ Batches of no rows ]: in offset order, messages
+                    # the codec all rejected make no batch, yet their
+                    # positions come in their place in the queue: every batch
+                    # before was handed out, and used (next() marked the last
+                    # one), so they are handed out and used as they are taken.
+                    self._pass_over(item)
+                    continue
                 if item.gen == self._ledger.gen:
                     return item
             item.release(self._pool)  # from before a rebalance
+
+    def _take_rejected(self) -> None:
+        """At close: positions of rejected messages queued next, as ``_take`` takes them.
+
+        Only those right behind what was handed out: a batch not handed out
+        ends it (it, and what follows, is read again by the next reader).
+        """
+        f = self._feeder
+        while not f.ready.empty():
+            item = f.ready.get(timeout=0)
+            if not isinstance(item, Handoff) or item.rows:
+                return
+            with self._ledger.lock:
+                if item.gen == self._ledger.gen:
+                    self._pass_over(item)
+
+    def _pass_over(self, item: Handoff) -> None:
+        """A batch of no rows, its messages all rejected: past them (under the ledger's lock)."""
+        self._ledger.accept(item.end, 0, 0)
+        self._ledger.mark_used(item.offsets())
 
     def _hand_out(self, out: Handoff) -> Any:
         ledger = self._ledger
@@ -987,6 +1015,7 @@ class Loader:
         try:
             if commit_current:
                 self._mark_used()
+                self._take_rejected()
             if not (self._ledger.failed and not self._ledger.handed_any):
                 # (A read that failed before its first batch moved nothing:
                 # committing its start positions would only make them look

@@ -169,6 +169,10 @@ class SlotBuilder:
             if not f.pending():
                 if self.bounded and f.all_done():
                     break
+                if slot.rows == 0 and out.end and not self.bad.holding:
+                    # Read, and all rejected: their place goes on alone, now, not
+                    # once records come again (NOTE [ Batches of no rows ]).
+                    break
                 if not self.fetch_within(started, slot.rows):
                     break
                 continue
