@@ -123,6 +123,18 @@ def test_the_lag_in_seconds_of_a_closed_loaders_group_goes_with_it():
     assert published() == set()
 
 
+def test_the_lag_in_seconds_asks_for_every_topic_of_a_groups_loaders():
+    # Keyed by group, the last loader's topics won: a group's loaders on two
+    # topics had ages published for one of them.
+    config = {"bootstrap.servers": "127.0.0.1:9"}
+    loaders = [SimpleNamespace(lag_target=lambda: (config, "g", ["clicks"])),
+               SimpleNamespace(lag_target=lambda: (config, "g", ["views", "clicks"])),
+               SimpleNamespace(lag_target=lambda: (config, "other", ["clicks"])),
+               SimpleNamespace(lag_target=lambda: None)]
+    assert metrics.lag_targets(loaders) == [(config, "g", ["clicks", "views"]),
+                                            (config, "other", ["clicks"])]
+
+
 def test_serve_refuses_what_it_cannot_do():
     with pytest.raises(kfeed.ConfigError, match="port must be an int"):
         metrics.serve(70000)

@@ -36,7 +36,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kfeed.errors import ConfigError
@@ -173,12 +173,7 @@ class _LagSeconds(threading.Thread):
 
         while not self.stopped.is_set():
             ages: dict[tuple[str, str, str], float] = {}
-            targets = {}
-            for obj in _live():
-                target = getattr(obj, "lag_target", lambda: None)()
-                if target is not None:
-                    targets[target[1]] = target
-            for config, group, topics in targets.values():
+            for config, group, topics in lag_targets(_live()):
                 if self.stopped.is_set():
                     return
                 try:
@@ -195,6 +190,19 @@ class _LagSeconds(threading.Thread):
                         ages[(group, p.topic, str(p.partition))] = p.lag_s
             self.ages = ages
             self.stopped.wait(self.interval_s)
+
+
+def lag_targets(objs: Iterable[Any]) -> list[tuple[Any, str, list[str]]]:
+    """(connection settings, group, topics) to ask the lag of: per group, the topics of
+    all its live loaders (two loaders of one group may read different topics)."""
+    targets: dict[str, tuple[Any, str, list[str]]] = {}
+    for obj in objs:
+        target = getattr(obj, "lag_target", lambda: None)()
+        if target is not None:
+            config, group, topics = target
+            known = targets.setdefault(group, (config, group, []))[2]
+            known.extend(t for t in topics if t not in known)
+    return list(targets.values())
 
 
 class GpuReader:
