@@ -571,14 +571,17 @@ def gather(Layout layout, Out src, const int64_t[::1] rows, Out dst, uint64_t ro
 
 # An item's low 32 bits: the record's index in its value (a block counts in uint32).
 cdef int64_t ITEM_RECORD = 0xFFFFFFFF
-# Held.gather asks for record k + GATHER_AHEAD's field while it copies record
-# k's, its first GATHER_LINES cache lines (3 KB): a shuffle's records are
-# scattered over its buffer, and the hardware's prefetcher only follows a
-# stream once it has started. 1.45x on 3 KB records picked at random from
-# 10,000 (4 records ahead and 2 gave the same; 1 less), in order 1.1x.
+# Held.gather asks for the first cache line of record k + GATHER_AHEAD's
+# field while it copies record k's: the miss on a record's first line (and
+# its page) then overlaps the copies before it, and the hardware's
+# prefetcher follows the rest of the record once it is read. On 3 KB
+# records (AMD EPYC, 2 vCPUs), against copying with no prefetch: picked at
+# random from 10,000, 1.15x; in offset order (a mixture's records, taken in
+# turn from each source), 1.05x to 1.1x. Asking for a whole record 4 ahead (48
+# lines, what an earlier machine favoured) was 1.08x at random but 0.83x in
+# order: the prefetches of lines the hardware fetches anyway cost more.
 cdef enum:
-    GATHER_AHEAD = 4
-    GATHER_LINES = 48
+    GATHER_AHEAD = 16
 
 
 cdef struct HeldValue:
@@ -874,7 +877,6 @@ cdef class Held:
         cdef int64_t j
         cdef const HeldValue* v
         cdef const HeldValue* pv
-        cdef uint64_t q
         # Field by field, not record by record: one field's rows are read
         # from fewer places at once, which a mixture's records, taken from
         # several values in turn, need (2x faster there, 1.3x in order).
@@ -904,8 +906,7 @@ cdef class Held:
                 for k in range(n):
                     if k + GATHER_AHEAD < n:
                         pv = &self.v[items[k + GATHER_AHEAD] >> 32]
-                        for q in range(0, min(rb, GATHER_LINES * 64), 64):
-                            __builtin_prefetch(pv.ptr + at[k + GATHER_AHEAD] + q)
+                        __builtin_prefetch(pv.ptr + at[k + GATHER_AHEAD])
                     v = &self.v[items[k] >> 32]
                     memcpy(d[f] + (row + k) * rb, v.ptr + at[k], rb)
                     if f + 1 == nf:
