@@ -313,8 +313,18 @@ def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstr
     assert dead == ["not a number"] * 3  # each once
 
 
-def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
+def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, monkeypatch):
     src = make_topic(partitions=1)
+    import confluent_kafka
+
+    closed = []
+
+    class Consumer(confluent_kafka.Consumer):
+        def close(self) -> None:
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", Consumer)
     conf = {"bootstrap.servers": bootstrap}
     schema = kfeed.Schema({"id": ("int64", ())})
     with pytest.raises(kfeed.ConfigError, match="both 'a'"):
@@ -326,6 +336,7 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path):
     with pytest.raises(kfeed.ConsumeError, match="not available"):
         kfeed.convert(conf, f"missing-{uuid.uuid4().hex}", "x", schema, format="json",
                       connect_timeout_s=5)
+    assert len(closed) == 1  # the consumer made before the topic was looked up
     # A setting a transaction refuses is refused before the topics are made.
     to_topic = f"never-{uuid.uuid4().hex}"
     with pytest.raises(kfeed.ConfigError, match="`acks` must be set to `all`"):

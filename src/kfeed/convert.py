@@ -205,25 +205,28 @@ class _Convert:
             self.consumer = Consumer(config)
         except KafkaException as e:
             raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
-        base = client_config(kafka_config)
-        nparts = self._source_partitions(kafka_config)
-        created = create_topic(base, to_topic, partitions=nparts, timeout_s=connect_timeout_s)
-        self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
-                                 transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
-                                 connect_timeout_s=connect_timeout_s)
-        if not created:
-            # After init_transactions: a killed convert's open transaction is
-            # aborted by now, so its newest committed blocks are readable.
-            try:
+        self.producer: Producer | None = None
+        try:  # what fails from here on closes the clients made
+            base = client_config(kafka_config)
+            nparts = self._source_partitions(kafka_config)
+            created = create_topic(base, to_topic, partitions=nparts,
+                                   timeout_s=connect_timeout_s)
+            self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
+                                     transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
+                                     connect_timeout_s=connect_timeout_s)
+            if not created:
+                # After init_transactions: a killed convert's open transaction is
+                # aborted by now, so its newest committed blocks are readable.
                 _check_blocks(kafka_config, to_topic, schema, connect_timeout_s)
-            except BaseException:
-                self.close()
-                raise
-        self.dlq_topic = f"{from_topic}.dlq"
-        self.dlq_parts = 0
-        if policy is BadRecordPolicy.DEAD_LETTER:
-            create_topic(base, self.dlq_topic, partitions=nparts, timeout_s=connect_timeout_s)
-            self.dlq_parts = nparts
+            self.dlq_topic = f"{from_topic}.dlq"
+            self.dlq_parts = 0
+            if policy is BadRecordPolicy.DEAD_LETTER:
+                create_topic(base, self.dlq_topic, partitions=nparts,
+                             timeout_s=connect_timeout_s)
+                self.dlq_parts = nparts
+        except BaseException:
+            self.close()
+            raise
         self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
         self.assigned: set[int] = set()
         self.eof: set[int] = set()
@@ -336,6 +339,7 @@ class _Convert:
         ends = {m.partition(): m.offset() + 1 for m in self.carried + msgs}
         self.dead = []
         p = self.producer
+        assert p is not None
         stats = self.stats
         rows = bad = blocks = nbytes = 0
         out_before = p.bytes
@@ -442,5 +446,6 @@ class _Convert:
         try:
             self.consumer.close()
         finally:
-            self.producer.close()
+            if self.producer is not None:
+                self.producer.close()
 
