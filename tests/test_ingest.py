@@ -288,11 +288,15 @@ def test_a_resume_naming_the_files_another_way_is_refused(bootstrap, make_topic,
     assert done.returncode == 0 and done.stdout.startswith("nothing to send"), done.stdout
 
 
-def test_source_mistakes_get_one_clear_line(tmp_path) -> None:
+def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
     closed = "127.0.0.1:1"
     pq.write_table(table(np.arange(5)), tmp_path / "a.parquet")
     feather.write_feather(table(np.arange(5)), tmp_path / "b.feather")
+    texts = tmp_path_factory.mktemp("texts")
+    (texts / "a.txt").write_text("a document\n")
     cases = [
+        (["--from", str(texts)],
+         "a text corpus is one file, --from corpus.txt (documents separated by blank lines)"),
         (["--from", str(tmp_path / "*.csv")], "no files there match the pattern"),
         (["--from", str(tmp_path)], "the files are .feather, .parquet: a run reads one format"),
         (["--from", str(tmp_path / "a.parquet"), "--query", "SELECT 1"],

@@ -592,8 +592,10 @@ class DatasetRows(Rows):
                               f"{' match the pattern' if pattern else ''}: check the path")
         if None in kinds or len(kinds) > 1:
             suffixes = sorted({Path(f).suffix or "(none)" for f in files})
+            corpus = (": a text corpus is one file, --from corpus.txt (documents "
+                      "separated by blank lines)" if ".txt" in suffixes else "")
             raise ConfigError(f"--from {source}: the files are {', '.join(suffixes)}: a run "
-                              f"reads one format, one of {', '.join(DATASET_FORMATS)}")
+                              f"reads one format, one of {', '.join(DATASET_FORMATS)}{corpus}")
         self.format = kinds.pop()
         self.files = files
         self.name = Path(files[0]).name if len(files) == 1 else source
