@@ -759,6 +759,8 @@ def test_lag_is_na_until_the_loader_knows_it() -> None:
     assert lag_text({}) == "lag n/a"
     assert lag_text({"t[0]": 0, "t[1]": 0}) == "lag 0"
     assert lag_text({"t[0]": 3, "t[1]": 4}) == "lag 7"
+    # A partition whose lag is not known yet: the sum would be short ("lag 9" of 56 left).
+    assert lag_text({"t[0]": 9}, ["t[1]"]) == "lag n/a"
 
 
 def test_a_second_signal_stops_training_with_its_own_exit_status() -> None:

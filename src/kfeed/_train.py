@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -431,7 +431,8 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                     stall = min(1.0, (st["wait_s"] - w_last) / span)
                     e_last, w_last = st["elapsed_s"], st["wait_s"]
                     say(f"step {out.step}  loss {loss.item():.4f}  {rate}  "
-                        f"stall {100 * stall:.1f}%  {lag_text(st['lag'])}")
+                        f"stall {100 * stall:.1f}%  "
+                        f"{lag_text(st['lag'], st['lag_unknown'])}")
                 if opts.steps and out.step - out.first_step >= opts.steps:
                     break
             # The last steps since a periodic checkpoint, on a clean end and
@@ -448,6 +449,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     return out
 
 
-def lag_text(lag: dict[str, int]) -> str:
-    """``lag N`` summed over partitions; ``lag n/a`` before the loader knows any."""
-    return f"lag {sum(lag.values())}" if lag else "lag n/a"
+def lag_text(lag: dict[str, int], unknown: Sequence[str] = ()) -> str:
+    """``lag N`` summed over partitions; ``lag n/a`` while the loader does not know
+    every partition's (a sum over some would be short)."""
+    return f"lag {sum(lag.values())}" if lag and not unknown else "lag n/a"

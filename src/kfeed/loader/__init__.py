@@ -896,6 +896,11 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Throughput, bad records, lag per partition and time spent waiting in next().
 
+        ``lag``: messages past what was handed out, per partition held;
+        ``lag_unknown``: the partitions held whose lag is not known yet (a
+        stream's partitions not fetched from, for about a second after they
+        are assigned), left out of ``lag``.
+
         Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``,
         ``wait_histogram`` (the waits in next() after the first batch),
         ``latency_histogram`` (from each batch's newest record's Kafka
@@ -928,6 +933,11 @@ class Loader:
         lag = {f"{t}[{p}]": n
                for (t, p), n in sorted(self._source.lag(positions, fetcher.ends).items())
                if (t, p) in assigned}
+        # A stream's partition not fetched from yet, before librdkafka's
+        # first statistics: its end is not known (nothing asks the brokers
+        # from here), so neither is its lag, and a sum over ``lag`` is short.
+        lag_unknown = sorted(name for name in (f"{t}[{p}]" for t, p in list(assigned))
+                             if name not in lag)
         carried = self._carried
         reasons = dict(carried.get("bad_by_reason", {}))
         for why, n in self._bad.by_reason.items():
@@ -944,6 +954,7 @@ class Loader:
                          if elapsed > 0 else 0.0),
             "bad_records": self._bad.count,
             "lag": lag,
+            "lag_unknown": lag_unknown,
             "wait_s": self._wait_s + waiting,
             "longest_wait_s": max(self._longest_wait_s, waiting),
             "stall_fraction": (self._wait_s + waiting) / elapsed if elapsed > 0 else 0.0,
