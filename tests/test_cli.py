@@ -688,7 +688,7 @@ def fake_run(stats: dict[str, Any], positions: dict[str, Any], first_step: int =
     return run
 
 
-STATS = {"startup_s": 0.0, "mb_per_s": 0.0, "stall_fraction": 0.0, "lag": {},
+STATS = {"startup_s": 0.0, "mb_per_s": 0.0, "stall_fraction": 0.0, "lag": {}, "lag_unknown": [],
          "bad_records": 0, "samples": 0}
 
 
