@@ -104,7 +104,7 @@ from kfeed.sources import (
     Position,
     Source,
 )
-from kfeed.tokens import Pack, Packer, PackInfo, Shuffle
+from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 __all__ = ["Loader", "Batch", "BadRecordPolicy", "LoaderConfig", "memory_loader"]
 
@@ -1100,7 +1100,10 @@ class Loader:
 # A merge keeps the largest count a document has in any rank's state.
 # Each rank of the new job keeps the partitions it is given and drops the
 # rest (OrderLedger.positions), so together they read each record not
-# handed out exactly once. The shuffle goes on from rank 0's generator and
+# handed out exactly once. Until its first assignment a rank holds the whole
+# merged order; its state names those partitions ``inherited``, and a merge
+# takes each partition from the rank that read it (one copy where none did),
+# so a job can checkpoint before all its ranks had a batch. The shuffle goes on from rank 0's generator and
 # a mixture from rank 0's round robin: the order after a change of size is
 # a new one, the records are the same.
 
@@ -1138,24 +1141,39 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     if any((o.get("buffer"), o.get("seed")) != (first.get("buffer"), first.get("seed"))
            for o in orders):
         raise ConfigError("the states differ in their Shuffle")
-    seen: set[Any] = set()
-    entries, outbox, partial = [], [], []
-    for st, order in zip(states, orders, strict=True):
-        for entry in order["partitions"]:
-            tp = tuple(entry[0])
-            if tp in seen:
-                raise ConfigError(f"partition {tp} is in two of the states: merge the states "
-                                  f"of one step of one job, one per rank")
-            seen.add(tp)
-            entries.append(entry)
-        outbox += list(order["outbox"]) + list(order["held"])
-        partial += [list(k) for k in st.get("partial", [])]
-        if order["outbox"] and int(st.get("pack_offset", 0)):
+    # Which rank's order each partition comes from: the rank that read it;
+    # one that only holds it as loaded, not assigned yet (``inherited``: a
+    # rank saved before its first assignment), gives it where none read it.
+    owner: dict[tuple[str, int], int] = {}
+    for inherited in (False, True):
+        for i, (st, order) in enumerate(zip(states, orders, strict=True)):
+            copies = {tuple(tp) for tp in st.get("inherited", [])}
+            for entry in order["partitions"]:
+                tp = tuple(entry[0])
+                if (tp in copies) != inherited or (inherited and tp in owner):
+                    continue
+                if tp in owner:
+                    raise ConfigError(f"partition {tp} is in two of the states: merge the "
+                                      f"states of one step of one job, one per rank")
+                owner[tp] = i
+    seen = set(owner)
+    entries, outbox, partial, allow = [], [], [], []
+    for i, (st, order) in enumerate(zip(states, orders, strict=True)):
+        mine = ShuffleBuffer.without(order, {tp for tp, j in owner.items() if j != i})
+        entries += mine["partitions"]
+        outbox += list(mine["outbox"]) + list(mine["held"])
+        allow += mine.get("allow", [])  # commit notes being followed
+        partial += [list(k) for k in st.get("partial", []) if owner.get(tuple(k[0]), i) == i]
+        if mine["outbox"] and order["outbox"][0] == mine["outbox"][0] \
+                and int(st.get("pack_offset", 0)):
             partial.append([*order["outbox"][0], int(st["pack_offset"])])
     merged = {**first, "partitions": entries, "held": [], "outbox": outbox,
-              "emitted": sum(int(o["emitted"]) for o in orders)}
+              # (a count: ranks holding the same loaded order count it once)
+              "emitted": sum(int(o["emitted"]) for st, o in zip(states, orders, strict=True)
+                             if not st.get("inherited"))
+              + max([int(o["emitted"]) for st, o in zip(states, orders, strict=True)
+                     if st.get("inherited")], default=0)}
     merged.pop("allow", None)
-    allow = [e for o in orders for e in o.get("allow", [])]  # commit notes being followed
     if allow:
         merged["allow"] = allow
     # Partitions a rank gave up: the furthest one, unless a rank holds it.
