@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import re
 import threading
 import time
 
@@ -388,6 +389,53 @@ def test_dataloader_workers_deal_out_static_partitions_and_see_set_epoch() -> No
     alone, persistent = orders(0), orders(1)
     assert persistent == alone and alone[0] != alone[1] != alone[2]
     assert pickle.loads(pickle.dumps(dataset)).epoch == 0  # a plain copy still pickles
+
+
+@pytest.mark.parametrize("window", [{"until": {("memory", 7): 1}},
+                                    {"start": {("memory", 7): 9}, "until": "end"},
+                                    {"start": "earliest", "until": {("memory", 2): 5}, "epochs": 2}])
+def test_a_window_naming_a_partition_the_topic_lacks_is_refused(window) -> None:
+    # A typo'd partition in start= or until= was ignored: the loader read the
+    # whole topic.
+    loader = memory_loader({0: blocks(0, 40, 4), 1: blocks(40, 40, 4)}, SCHEMA, 8,
+                           device="cpu", **window)
+    tp = next(iter(window["until"] if isinstance(window["until"], dict) else window["start"]))
+    name = "until" if isinstance(window["until"], dict) else "start"
+    with loader, pytest.raises(kfeed.ConfigError, match=re.escape(
+            f"{name}: {tp!r} is not a partition of memory, which has 2 (0..1)")):
+        next(iter(loader))
+
+
+def test_static_ranks_more_than_partitions_all_refuse() -> None:
+    # Only the ranks left without a partition raised; the others read on,
+    # towards collectives their peers would never join.
+    values = {0: blocks(0, 40, 4), 1: blocks(40, 40, 4)}
+    for rank in range(3):
+        loader = memory_loader(values, SCHEMA, 8, device="cpu", until="end", rank=rank,
+                               world_size=3, assignment="static")
+        with loader, pytest.raises(kfeed.ConfigError, match=re.escape(
+                "the topics have 2 partitions, fewer than the 3 readers")):
+            next(iter(loader))
+
+
+def test_a_datasets_epochs_refuse_an_until_that_leaves_a_partition_to_its_end_now() -> None:
+    # Each epoch of a KafkaIterableDataset is a new loader: a partition until=
+    # does not name ended where its end was at that epoch's start, so records
+    # written between the epochs made them read different windows.
+    source = kfeed.MemorySource({0: blocks(0, 40, 8), 1: blocks(40, 40, 8)})
+    ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 8, source=source, start="earliest",
+                                    until={("memory", 0): 3}, epochs=2)
+    with pytest.raises(kfeed.ConfigError, match=re.escape(
+            "name every partition (1 missing, e.g. ('memory', 1)), or give until= a datetime")):
+        next(iter(ds))
+    whole = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 8, source=source,
+                                       start="earliest", epochs=2,
+                                       until={("memory", 0): 3, ("memory", 1): 2})
+    epochs = []
+    for epoch in range(2):
+        whole.set_epoch(epoch)
+        epochs.append(sorted(torch.cat([b["id"] for b in whole]).tolist()))
+    assert epochs[0] == epochs[1] == list(range(24)) + list(range(40, 56))
 
 
 @pytest.mark.parametrize("fmt", ["raw", "block"])

@@ -46,7 +46,8 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     process holds Kafka clients of its own: a forked worker inherits them
     without the librdkafka threads behind them, and may crash freeing them.
 
-    With ``epochs=N`` and a window (``until=``), ``set_epoch(e)`` before each
+    With ``epochs=N`` and a window (``until=`` a datetime, or a map naming
+    every partition: each epoch is a new loader), ``set_epoch(e)`` before each
     epoch's loop reads epoch ``e``'s order, as ``Loader.set_epoch`` does;
     workers kept between epochs (``persistent_workers=True``) see it too.
     """
@@ -63,8 +64,9 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
             raise ConfigError("with epochs=, each epoch of a KafkaIterableDataset opens a new "
                               "loader, which would find the window's ends anew (the group's "
                               "commits move with every epoch): give start= and until= a "
-                              "datetime or a {(topic, partition): offset} dict (start= may "
-                              "be 'earliest'), so that every epoch reads the same window")
+                              "datetime or a {(topic, partition): offset} dict naming every "
+                              "partition (start= may be 'earliest'), so that every epoch "
+                              "reads the same window")
         # Shared memory: persistent DataLoader workers got their copy of the
         # dataset once, when they started, and must still see set_epoch.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
@@ -101,6 +103,7 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         elif worker is not None and worker.num_workers > 1:
             self._check_group_workers(worker.num_workers)
         with Loader.from_config(self.kafka_config, config, source=self.source) as loader:
+            loader._until_names_all = config.epochs is not None
             if self.epoch:
                 loader.set_epoch(self.epoch)
             yield from loader

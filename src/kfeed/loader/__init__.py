@@ -291,6 +291,12 @@ class Loader:
         # epochs=: the window's start and end offsets, and the records to skip
         # at a start the group committed part-way into a message.
         self._window: tuple[dict[TP, int], dict[TP, int], dict[TP, int]] | None = None
+        # start= and until= maps are checked against the partitions once, at
+        # the first start; ``_until_names_all`` is set by a KafkaIterableDataset
+        # with epochs=, whose every epoch is a new loader: a partition until=
+        # does not name would end where its end is at each epoch's start.
+        self._maps_checked = False
+        self._until_names_all = False
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -474,8 +480,35 @@ class Loader:
                 self._fetcher.ends_of(parts),
                 {tp: skip for tp, (_off, skip) in starts.items() if skip})
 
+    def _check_maps(self) -> None:
+        """start= and until= maps name partitions of the topics (ConfigError if not)."""
+        self._maps_checked = True
+        maps = [(name, m) for name, m in (("start", self._base.start),
+                                          ("until", self._base.until)) if isinstance(m, Mapping)]
+        if not maps:
+            return
+        self._status.doing = "checking start= and until= against the partitions"
+        parts = set(self._source.partitions())
+        for name, offsets in maps:
+            unknown = sorted(tp for tp in offsets if tp not in parts)
+            if unknown:
+                t = unknown[0][0]
+                n = sum(1 for topic, _p in parts if topic == t)
+                raise ConfigError(f"{name}: {unknown[0]!r} is not a partition of {t}, which has "
+                                  + (f"{n} (0..{n - 1})" if n else "none"))
+        if self._until_names_all and isinstance(self._base.until, Mapping):
+            missing = sorted(parts - set(self._base.until))
+            if missing:
+                raise ConfigError(
+                    f"until: with epochs=, each epoch of a KafkaIterableDataset opens a new "
+                    f"loader, which would find the end of a partition until= does not name "
+                    f"anew: name every partition ({len(missing)} missing, e.g. "
+                    f"{missing[0]!r}), or give until= a datetime")
+
     def _start(self) -> None:
         f = self._feeder
+        if not self._maps_checked:
+            self._check_maps()
         if self._base.epochs is not None:
             if self._window is None:
                 # The ranks of a job read one window: rank 0's, resolved
@@ -488,23 +521,28 @@ class Loader:
         if self.assignment_mode == "static":
             parts = self._source.partitions()
             mix = self.config.mix
+            # Every rank checks every topic, so that all of them refuse alike,
+            # not only those left without a partition.
             if mix is None:
+                if len(parts) < self.world_size:
+                    raise ConfigError(
+                        f"the topics have {len(parts)} partitions, fewer than the "
+                        f"{self.world_size} readers (ranks, times DataLoader workers): with "
+                        f"assignment='static' each reads partitions of its own")
                 f.assignment = [tp for i, tp in enumerate(parts)
                                 if i % self.world_size == self.rank]
             else:  # each topic's partitions dealt out on their own: every rank mixes them all
+                lacking = [t for t in mix.topics
+                           if sum(1 for tp in parts if tp[0] == t) < self.world_size]
+                if lacking:
+                    raise ConfigError(
+                        f"{lacking} {'has' if len(lacking) == 1 else 'have'} fewer partitions "
+                        f"than the {self.world_size} ranks: in a mixture with "
+                        f"assignment='static' every rank reads every topic, so each needs at "
+                        f"least {self.world_size} partitions")
                 f.assignment = [tp for t in mix.topics
                                 for i, tp in enumerate(sorted(p for p in parts if p[0] == t))
                                 if i % self.world_size == self.rank]
-                lacking = [t for t in mix.topics if not any(tp[0] == t for tp in f.assignment)]
-                if lacking:
-                    raise ConfigError(
-                        f"rank {self.rank} of {self.world_size} gets no partition of {lacking}: "
-                        f"in a mixture every rank reads every topic, so each needs at least "
-                        f"{self.world_size} partitions")
-            if not f.assignment:
-                raise ConfigError(
-                    f"rank {self.rank} of {self.world_size} gets no partition: "
-                    f"the topics have only {len(parts)}")
         elif self.world_size > 1 and dist_ready() and get_worker_info() is None:
             # Partitions move between the ranks: each must believe the
             # others' commits, and not a crashed run's (NOTE [ Whose commits
