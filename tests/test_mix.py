@@ -578,10 +578,30 @@ def test_bad_epochs_say_what_is_wrong():
         loader.set_epoch(3)
     loader.set_epoch(np.int64(1))  # a numpy integer, as an int
     assert loader.epoch == 1 and type(loader.epoch) is int
-    loader.set_epoch(0)
-    next(iter(loader))
-    with pytest.raises(ConfigError, match="set_epoch goes between epochs"):
-        loader.set_epoch(1)
+    loader.close()
+
+
+def test_set_epoch_leaves_an_epoch_left_early():
+    # Steps per epoch, as with DistributedSampler: a loop left early, then
+    # set_epoch(next). It raised "epoch 0 is being read"; now the next epoch
+    # is read whole, in its own order, and set_epoch of the epoch being read
+    # lets it go on.
+    whole = epoch_loader()
+    orders = [epoch_ids(whole).tolist() for _ in range(3)]
+    whole.close()
+    loader = epoch_loader()
+    for epoch, steps in ((0, 2), (1, 3), (2, None)):
+        loader.set_epoch(epoch)
+        got = []
+        for step, batch in enumerate(loader):
+            got += batch["id"].tolist()
+            if step + 1 == steps:
+                break
+        assert got == (orders[epoch][:steps * 32] if steps else orders[epoch])
+    loader.set_epoch(1)
+    first = next(iter(loader))["id"].tolist()
+    loader.set_epoch(1)  # the epoch being read: it goes on
+    assert first + [i for b in loader for i in b["id"].tolist()] == orders[1]
     loader.close()
 
 

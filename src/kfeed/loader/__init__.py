@@ -445,13 +445,20 @@ class Loader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` next, as ``DistributedSampler.set_epoch`` (between epochs)."""
+        """Read epoch ``epoch`` next, as ``DistributedSampler.set_epoch``.
+
+        Called while another epoch is being read (its loop left early, e.g.
+        after a number of steps per epoch), it leaves that epoch: the batches
+        used are committed, and the rest of it is not read. The epoch being
+        read itself goes on at the next loop.
+        """
         epoch = self._base.check_epoch(epoch, "Loader")
-        if self._feeder.thread is not None and not self._epoch_finished:
-            raise ConfigError(f"epoch {self._epoch} is being read: set_epoch goes between "
-                              f"epochs (before iterating, or after the loop ended)")
-        if epoch == self._epoch and self._feeder.thread is None:
+        reading = self._feeder.thread is not None and not self._epoch_finished
+        if epoch == self._epoch and (reading or self._feeder.thread is None):
             return
+        if reading:
+            log.info("set_epoch(%d): epoch %d left after %d batches; the rest of it is not read",
+                     epoch, self._epoch, self._batches)
         self._epoch = epoch
         self._rebuild()
 
