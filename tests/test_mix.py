@@ -395,6 +395,15 @@ def test_a_state_must_come_from_the_same_mixture():
         read(row_values(), Mix(WEIGHTS, seed=2), state=state)
     with pytest.raises(ConfigError, match="without a kfeed.Mix|of a kfeed.Mix"):
         read(row_values(), list(WEIGHTS), shuffle=Shuffle(10), state=state)
+    # The same topics in offset order: the message blamed shuffle or pack, which
+    # neither loader has.
+    with pytest.raises(ConfigError, match="saved by a loader with a kfeed.Mix; this one reads "
+                                          "in offset order"):
+        read(row_values(), list(WEIGHTS), state=state)
+    _, plain = read(row_values(), list(WEIGHTS), stop=2)
+    with pytest.raises(ConfigError, match="saved by a loader reading in offset order .*; this "
+                                          "one has a kfeed.Mix"):
+        read(row_values(), Mix(WEIGHTS, seed=1), state=plain)
     with pytest.raises(ConfigError, match="saved by the mixture"):
         read(row_values(), Mix({"web": 0.5, "code": 0.3, "math": 0.2}, seed=1), state=state)
 

@@ -362,7 +362,8 @@ class Ledger:
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" in state:
-            raise ConfigError("the state was saved by a loader with shuffle or pack")
+            raise ConfigError(f"the state was saved by a loader with {_order_kinds(state)}; "
+                              f"this one reads in offset order: pass the same")
         handed: dict[TP, Position] = {}
         for topic, parts in state.get("positions", {}).items():
             for part, (off, skip) in parts.items():
@@ -388,6 +389,14 @@ _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 def no_reset_hook(_pack_offset: int) -> None:
     """No build stage to tell that the order was rebuilt."""
     return None
+
+
+def _order_kinds(state: Mapping[str, Any]) -> str:
+    """What made a saved loader's records go through an order: its Mix, shuffle, pack."""
+    kinds = [name for name, on in (("a kfeed.Mix", state.get("mix") is not None),
+                                   ("shuffle", bool(state["order"].get("buffer"))),
+                                   ("pack", state.get("pack") is not None)) if on]
+    return " and ".join(kinds) or "a variable-length field"
 
 
 def _as_tp(p: Any) -> TP:
@@ -735,7 +744,12 @@ class OrderLedger(Ledger):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if "order" not in state:
-            raise ConfigError("the state was saved by a loader without shuffle or pack")
+            raise ConfigError("the state was saved by a loader reading in offset order (no "
+                              "shuffle, pack, kfeed.Mix or variable-length field); this one "
+                              "has " + ("a kfeed.Mix" if self.mixer is not None else
+                                        "pack" if self.packer is not None else
+                                        "shuffle" if self.shuffle is not None else
+                                        "a variable-length field"))
         want = self._pack_spec()
         if state.get("pack") != want:
             raise ConfigError(f"the state was saved with pack {state.get('pack')}, "
