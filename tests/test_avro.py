@@ -12,6 +12,7 @@ import datetime as dt
 import io
 import json
 import pickle
+import re
 import threading
 import time
 import uuid
@@ -347,6 +348,19 @@ def test_configuration_mistakes_get_one_clear_line(registry):
                            "fields": [{"name": "a", "type": "Missing"}]}).decoder(SCHEMA)
     with pytest.raises(kfeed.ConfigError, match="bool, integer, float32 or float64"):
         kfeed.Avro(schema=V1).decoder(kfeed.Schema({"id": ("bfloat16", ())}))
+    # A malformed writer schema: a field without a type or a name, or not an
+    # object, was a KeyError or TypeError; enum symbols and fixed sizes of
+    # other types were taken ("AB" as ['A', 'B'], true as 1).
+    for field, what in (({"name": "a"}, "{'name': 'a'}"), ({"type": "long"}, "{'type': 'long'}"),
+                        ("a", "a"), ({"name": 1, "type": "long"}, "{'name': 1, ")):
+        with pytest.raises(kfeed.ConfigError, match=re.escape(
+                f"Avro record 'R': field 0 must be an object with a name and a type, got {what}")):
+            kfeed.Avro(schema={"type": "record", "name": "R", "fields": [field]}).decoder(SCHEMA)
+    for kind, bad, match in (("enum", {"symbols": "AB"}, "needs a list of symbols"),
+                             ("fixed", {"size": True}, "needs a size")):
+        with pytest.raises(kfeed.ConfigError, match=match):
+            kfeed.Avro(schema={"type": "record", "name": "R", "fields": [
+                {"name": "id", "type": {"type": kind, "name": "E", **bad}}]}).decoder(SCHEMA)
     with pytest.raises(kfeed.ConfigError, match="gives one field, 'tokens': leave 'id' out"):
         kfeed.LoaderConfig(("t",), kfeed.Schema({"tokens": ("int32", (None,)),
                                                  "id": ("int64", ())}), 8,

@@ -790,6 +790,12 @@ def test_written_values_read_back_by_confluent_kafkas_deserializer_and_by_kfeed(
     with pytest.raises(kfeed.ConfigError, match="0.5 is not a whole number, and f32 is an"):
         kfeed.Protobuf(message=Click).encoder(SCHEMA, "clicks").encode(
             {**cols, "f32": np.full(n, 0.5)})
+    # A value the message field cannot hold was protobuf's bare "ValueError: Value
+    # out of range", naming no field.
+    with pytest.raises(kfeed.ConfigError, match=r"^field 'f32', row 3: -1 does not fit f32, of "
+                                                r"type fixed32 \(Value out of range: -1\)$"):
+        kfeed.Protobuf(message=Click).encoder(SCHEMA, "clicks").encode(
+            {**cols, "f32": np.where(np.arange(n) == 3, -1.0, 1.0)})
     with pytest.raises(kfeed.ConfigError, match="has no field 'nope'"):
         kfeed.Protobuf(message=Click).encoder(kfeed.Schema({"nope": ("int32", ())}), "clicks")
 

@@ -394,17 +394,29 @@ class _Names:
             node: dict[str, Any] = {"type": "record" if t == "error" else t, "name": full}
             self.types[full] = node  # before the fields: a record may refer to itself
             if t == "enum":
-                node["symbols"] = list(s.get("symbols", []))
+                symbols = s.get("symbols")
+                if not (isinstance(symbols, list)
+                        and all(isinstance(x, str) and x for x in symbols)):
+                    raise ConfigError(f"Avro enum {full!r} needs a list of symbols (names), "
+                                      f"got {symbols!r}")
+                node["symbols"] = list(symbols)
             elif t == "fixed":
                 size = s.get("size")
-                if not isinstance(size, int) or size < 0:
-                    raise ConfigError(f"Avro fixed {full!r} needs a size")
+                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                    raise ConfigError(f"Avro fixed {full!r} needs a size (an int >= 0), "
+                                      f"got {size!r}")
                 node["size"] = size
             else:
                 fields = s.get("fields")
                 if not isinstance(fields, list):
                     raise ConfigError(f"Avro record {full!r} needs a list of fields")
-                node["fields"] = [(f["name"], self.resolve(f["type"], space or "")) for f in fields]
+                node["fields"] = []
+                for i, f in enumerate(fields):
+                    if not (isinstance(f, Mapping) and isinstance(f.get("name"), str)
+                            and f["name"] and "type" in f):
+                        raise ConfigError(f"Avro record {full!r}: field {i} must be an object "
+                                          f"with a name and a type, got {str(f)[:80]}")
+                    node["fields"].append((f["name"], self.resolve(f["type"], space or "")))
             return node
         if t == "array":
             return {"type": "array", "items": self.resolve(s.get("items"), ns)}

@@ -292,14 +292,19 @@ class ProtobufEncoder(Encoder):
         out = []
         for i in range(n):
             message = self.cls()
-            for path, values in zip(self.paths, lists, strict=True):
+            for f, path, values in zip(self.schema.fields, self.paths, lists, strict=True):
                 node = message
                 for key in path[:-1]:
                     node = getattr(node, key)
-                if isinstance(values[i], list):
-                    getattr(node, path[-1]).extend(values[i])
-                else:
-                    setattr(node, path[-1], values[i])
+                try:
+                    if isinstance(values[i], list):
+                        getattr(node, path[-1]).extend(values[i])
+                    else:
+                        setattr(node, path[-1], values[i])
+                except (ValueError, TypeError) as e:  # protobuf's range and type checks
+                    kind = _TYPES.get(_at(self.cls.DESCRIPTOR, path).type, "its")
+                    raise ConfigError(f"field {f.name!r}, row {i}: {values[i]!r} does not fit "
+                                      f"{'.'.join(path)}, of type {kind} ({e})") from None
             out.append(message.SerializeToString() if self.serialize is None
                        else self.serialize(message))
         return out
