@@ -737,12 +737,33 @@ def test_written_values_read_back_by_confluent_kafkas_deserializer_and_by_kfeed(
 def test_without_a_registry_the_writer_schema_must_be_kfeeds_own():
     schema = avro.writer_schema(WRITE)
     assert schema["fields"][6] == {"name": "user", "type": {
-        "type": "record", "name": "user", "fields": [
+        "type": "record", "name": "user", "namespace": "kfeed.path", "fields": [
             {"name": "age", "type": "int"},
             {"name": "flags", "type": {"type": "record", "name": "user_flags",
+                                       "namespace": "kfeed.path.user",
                                        "fields": [{"name": "vip", "type": "boolean"}]}}]}}
     cols = write_columns(50, seed=1)
     values = kfeed.Avro(schema=schema).encoder(WRITE, TOPIC).encode(cols)
+    # As writer_schema gave it before nested records had namespaces: the same bytes.
+    old = json.loads(json.dumps(schema).replace('"namespace": "kfeed.path.user", ', "")
+                     .replace('"namespace": "kfeed.path", ', ""))
+    assert "kfeed.path" not in json.dumps(old)
+    assert kfeed.Avro(schema=old).encoder(WRITE, TOPIC).encode(cols) == values
+    # Paths whose records were both named kfeed.a_b (and one under Record, the
+    # root's name): kfeed wrote a schema that defined a name twice, which the
+    # registries refuse and fastavro cannot parse.
+    clash = kfeed.Schema({"p": ("int64", (), {"source": "a.b.c"}),
+                          "q": ("int32", (), {"source": "a_b.c"}),
+                          "r": ("int32", (), {"source": "Record.x"})})
+    clash_cols = {"p": np.arange(5), "q": np.arange(5, dtype=np.int32) + 10,
+                  "r": np.arange(5, dtype=np.int32) + 20}
+    writer = avro.writer_schema(clash)
+    parsed = fastavro.parse_schema(json.loads(json.dumps(writer)))
+    encoded = kfeed.Avro(schema=writer).encoder(clash, TOPIC).encode(clash_cols)
+    assert [fastavro.schemaless_reader(io.BytesIO(v), parsed, None) for v in encoded][4] == {
+        "a": {"b": {"c": 4}}, "a_b": {"c": 14}, "Record": {"x": 24}}
+    out, bad = decode_all(kfeed.Avro(schema=writer).decoder(clash), clash, encoded)
+    assert not bad and all(np.array_equal(out[k], v) for k, v in clash_cols.items())
     parsed = fastavro.parse_schema(json.loads(json.dumps(schema)))
     for i, v in enumerate(values):
         assert same_record(fastavro.schemaless_reader(io.BytesIO(v), parsed, None),

@@ -232,7 +232,9 @@ class AvroEncoder(Encoder):
                                        registry_where(fmt.registry))
             self.prefix = b"\0" + self.schema_id.to_bytes(4, "big")
         else:
-            if fmt.schema != self.writer:
+            # (Nested records' namespaces aside: writer_schema gave them none
+            # before, and the values are the same bytes either way.)
+            if _without_namespaces(fmt.schema) != _without_namespaces(self.writer):
                 raise ConfigError(
                     "kfeed writes Avro with the schema it derives from the kfeed Schema: pass "
                     "format=kfeed.Avro(registry=...) to register it, or "
@@ -258,7 +260,8 @@ def writer_schema(schema: Schema, name: str = "Record") -> dict[str, Any]:
     """The Avro schema kfeed writes ``schema``'s rows with.
 
     One field per kfeed field, at its dotted ``source`` (nested records named
-    after their path, ``user`` or ``user_address``); a shape becomes nested
+    after their path, ``user`` or ``user_address``, each in a namespace of the
+    path above it, so no two share a full name); a shape becomes nested
     arrays of the element type; bool is ``boolean``, int8 to uint16 and int32
     ``int``, uint32 and int64 ``long``, float32 ``float``, float64 ``double``.
     A field with a ``default`` has it as its Avro default. kfeed's Avro
@@ -294,6 +297,16 @@ def writer_schema(schema: Schema, name: str = "Record") -> dict[str, Any]:
     return root
 
 
+def _without_namespaces(schema: Any) -> Any:
+    """``schema`` without the namespaces ``writer_schema`` gives its nested records."""
+    if isinstance(schema, list):
+        return [_without_namespaces(x) for x in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    return {k: _without_namespaces(v) for k, v in schema.items()
+            if not (k == "namespace" and str(v).startswith("kfeed.path"))}
+
+
 def _record_at(records: dict[tuple[str, ...], Any], path: tuple[str, ...], field: str) -> Any:
     """The nested record at ``path``, made (with its parents) on first use."""
     if path in records:
@@ -301,7 +314,12 @@ def _record_at(records: dict[tuple[str, ...], Any], path: tuple[str, ...], field
     parent = _record_at(records, path[:-1], field)
     if any(x["name"] == path[-1] for x in parent["fields"]):
         raise ConfigError(f"field {field!r}: {'.'.join(path)} is both a value and a record")
-    record = {"type": "record", "name": "_".join(path), "fields": []}
+    # Named after its path, in a namespace of the path above it: "a.b" is
+    # kfeed.path.a.a_b and "a_b" kfeed.path.a_b, never the same full name
+    # (nor the root's, kfeed.Record); the simple names, which schema
+    # resolution and the registries' compatibility compare, are as before.
+    record = {"type": "record", "name": "_".join(path),
+              "namespace": ".".join(("kfeed", "path", *path[:-1])), "fields": []}
     parent["fields"].append({"name": path[-1], "type": record})
     records[path] = record
     return record
