@@ -13,7 +13,11 @@ wire type that is not its type's, which protobuf's parser keeps among the
 unknown fields too. Of the members of a oneof, the one parsed last is kept
 and the others read as absent, as protobuf reads them. Repeated scalars,
 packed or not, fill a fixed shape exactly. Absent fields read as proto3
-does: zero, unless the kfeed field has a ``default``; an absent repeated
+does: zero, unless the kfeed field has a ``default`` and the field has
+presence (proto2, proto3 ``optional``, a oneof's member: a default for a
+proto3 scalar without one, whose 0 is sent as nothing, would replace every
+0, and is refused; a writer schema lacking the field reads the default, one
+having it reads its zeros); an absent repeated
 field takes its ``default`` or makes the record bad. Everything about the layout is known
 from the class, so a field that cannot map is a ``ConfigError`` at once.
 
@@ -364,6 +368,20 @@ def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
                 rows.append((fd.number, _codec.PB_KINDS.get(kind, -1), f, field_codes[f],
                              int(fd.is_repeated), 0, where, _closed_values(fd)))
                 _check(schema.fields[f], kind, fd, where)
+                if schema.fields[f].default is not None and not fd.is_repeated \
+                        and not fd.has_presence and not schema.fields[f].variable:
+                    # proto3 without presence: a 0 and an absent value are the same
+                    # bytes (none), and protobuf reads both as 0; a default would
+                    # replace every 0. A writer schema that has the field reads it
+                    # so; the default is for those that lack it.
+                    if not writer:
+                        raise ConfigError(
+                            f"field {schema.fields[f].name!r}: {where} is a proto3 {kind} "
+                            f"without presence, where a 0 is sent as nothing at all: a "
+                            f"default would replace every 0. Leave the default out (an "
+                            f"absent value reads 0, as protobuf reads it), or declare it "
+                            f"'optional' in the .proto")
+                    found[f] = None
                 # proto2: a declared default, and an enum's first value, are what an
                 # absent field reads as.
                 declared = fd.has_default_value or (kind == "enum" and fd.default_value)
