@@ -13,6 +13,8 @@ import io
 import json
 import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -783,6 +785,14 @@ def test_without_a_registry_the_writer_schema_must_be_kfeeds_own():
         kfeed.Avro(schema=schema).encoder(WRITE, TOPIC).encode({**cols, "age": cols["age"][:9]})
 
 
+def test_kfeed_avro_is_there_after_import_kfeed_alone():
+    # As the README writes it: an AttributeError unless kfeed.avro was imported first.
+    done = subprocess.run([sys.executable, "-c", "import kfeed; print(kfeed.avro.writer_schema("
+                           "kfeed.Schema({'a': ('int32', ())}))['name'], kfeed.metrics.serve)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("Record <function serve"), done.stderr
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(["bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                                  "uint32", "float32", "float64"]), min_size=1, max_size=6),
@@ -836,8 +846,6 @@ def test_the_producer_writes_a_topic_the_loader_and_confluent_kafka_read(bootstr
 @pytest.mark.integration
 def test_kfeed_produce_format_avro_writes_framed_records(bootstrap, make_topic):
     import os
-    import subprocess
-    import sys
 
     from confluent_kafka import Consumer
 

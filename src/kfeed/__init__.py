@@ -114,12 +114,18 @@ if TYPE_CHECKING:
     from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
 
+# Modules the docs call into by name (kfeed.avro.writer_schema, kfeed.metrics.serve).
+_MODULES = ("avro", "metrics", "protobuf")
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kfeed' has no attribute {name!r}")
     import importlib
 
+    if module is None and name in _MODULES:
+        return importlib.import_module(f"kfeed.{name}")
+    if module is None:
+        raise AttributeError(f"module 'kfeed' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
