@@ -887,7 +887,8 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
             return f"{size} bytes: too short for the Confluent framing (6 bytes or more)"
         return f"magic byte {b.value}, expected 0 (Confluent framing)"
     if err == A_INDEXES:
-        return "malformed message-index array (Confluent framing)"
+        return ("malformed message-index array (Confluent framing; is the topic Protobuf? Avro "
+                "and JSON frames have no message indexes)")
     if err == A_MISSING:
         return f"field {layout.names[b.field]!r}: repeated field absent, and no default"
     if err == A_LENGTH:
