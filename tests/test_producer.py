@@ -20,6 +20,7 @@ import torch
 
 import kfeed
 from kfeed._kafka import kafka_error as _kafka_error
+from kfeed import producer as producer_module
 from kfeed.producer import _take_documents
 
 # A document's first token is its id, so that raw values (the documents
@@ -279,6 +280,31 @@ def test_blocks_fit_what_a_broker_takes_by_default(bootstrap: str, make_topic: A
         "a block of 64 records is 1049120 bytes, over message.max.bytes=1000000 less 1024 for "
         "the headers: lower block_records to 60 or fewer (or leave it out), or raise "
         "message.max.bytes (and the topic's max.message.bytes)")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fields", [{"f": ("float32", ())}, {"label": ("int8", ())},
+                                    {"f": ("float32", ()), "g": ("int8", ())}])
+def test_records_under_8_bytes_are_sent_and_read_back(bootstrap: str, make_topic: Any,
+                                                      fields: Any) -> None:
+    # Blocks pad each column to 8 bytes: a block of 2 such records is no larger
+    # than one of 1, and sizing blocks by that difference divided by zero.
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema(fields)
+    cols = {name: (np.arange(300) % 100).astype(dtype) for name, (dtype, _) in fields.items()}
+    config = {"bootstrap.servers": bootstrap}
+    with kfeed.Producer(config, topic, schema) as p:
+        assert schema.block_nbytes(p.block_records) <= 1_000_000 - 1024
+        p.send(cols)
+    with kfeed.Loader({**config, "group.id": uuid.uuid4().hex}, topic, schema, 64,
+                      device="cpu", until="end") as loader:
+        got = [b for b in loader]
+    for name in fields:
+        assert np.concatenate([b[name].numpy() for b in got]).tolist() == cols[name].tolist()
+    # The most that fit: one more would not.
+    limit = 1000
+    most = producer_module._most_records(schema, limit)
+    assert schema.block_nbytes(most) <= limit < schema.block_nbytes(most + 1)
 
 
 @pytest.mark.integration

@@ -172,9 +172,8 @@ class Producer:
         fixed = schema.varlen is None
         if fixed and self.format in (Format.BLOCK, Format.RAW):
             # The records a message holds at most (a raw message holds one).
-            per = schema.block_nbytes(2) - schema.block_nbytes(1)
-            fit = ((self._block_bytes - (schema.block_nbytes(1) - per)) // per
-                   if self.format is Format.BLOCK else int(schema.record_size <= self._block_bytes))
+            fit = (_most_records(schema, self._block_bytes) if self.format is Format.BLOCK
+                   else int(schema.record_size <= self._block_bytes))
             if fit < 1:
                 raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
                                   f"{raise_it}")
@@ -785,3 +784,20 @@ def _take_documents(column: Any, idx: np.ndarray) -> Any:
     positions = (np.arange(int(take_lengths.sum()), dtype=np.int64)
                  + np.repeat(starts[idx] - run_starts, take_lengths))
     return _take(flat, positions), take_lengths
+
+
+def _most_records(schema: Schema, limit: int) -> int:
+    """The most records of ``schema`` (fixed shapes) a block of at most ``limit`` bytes holds.
+
+    Each column is padded to 8 bytes, so a record's share of a block is not
+    one number (records under 8 bytes add nothing to some counts): the
+    largest count that fits, by bisection.
+    """
+    lo, hi = 0, limit // max(1, schema.record_size) + 1  # block_nbytes(hi) > limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if schema.block_nbytes(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
