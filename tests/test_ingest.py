@@ -40,7 +40,7 @@ from records import kfeed_cli
 
 import kfeed
 from kfeed.cluster._jars import cache_root
-from kfeed.ingest import source_key
+from kfeed.ingest import shown, source_key
 from kfeed.resume import IngestProgress, job_id
 
 WIDTH = 32
@@ -311,6 +311,15 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
         (["--from", str(tmp_path / "a.parquet"), "--fill", "label=abc"],
          "--fill label=abc: not a value of the column's type int64"),
     ]
+    # A later file of a folder or glob that is not what its name says: it was
+    # "unexpected ArrowInvalid" (its rows are counted from its metadata first).
+    corrupt = tmp_path_factory.mktemp("corrupt")
+    pq.write_table(table(np.arange(5)), corrupt / "a.parquet")
+    (corrupt / "b.parquet").write_bytes(b"PAR1 this is not parquet")
+    for source in (corrupt, corrupt / "*.parquet"):
+        cases.append((["--from", str(source)], "kfeed: b.parquet: not a parquet file (Could "
+                      "not open Parquet input source"))
+        cases.append((["--from", str(source), "--resume"], "b.parquet: not a parquet file"))
     for argv, line in cases:
         done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
@@ -702,6 +711,31 @@ def test_a_source_that_pauses_longer_than_the_transaction_timeout_loses_nothing(
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"produced {n} samples"), done.stdout
     check_topic(bootstrap, topic, n)
+
+
+@pytest.mark.integration
+def test_credentials_in_an_s3_uri_are_never_printed(bootstrap, make_topic, s3_server) -> None:
+    # pyarrow takes s3://KEY:SECRET@bucket/...: kfeed printed the URI back whole.
+    fs = s3_fs(s3_server)
+    bucket = f"kfeed-{uuid.uuid4().hex[:8]}"
+    fs.create_dir(bucket)
+    for part in ("a", "b"):  # no rows: "nothing to send" names the source
+        pq.write_table(table(np.arange(0)), f"{bucket}/empty/{part}.parquet", filesystem=fs)
+    secret = "TopSecretValue123"
+    at = f"s3://{S3_ENV['AWS_ACCESS_KEY_ID']}:{secret}@{bucket}"
+    topic = make_topic(partitions=1)
+    for argv, code, line in (
+            ([f"{at}/empty?{s3_server}"], 0, "nothing to send: s3://kfeed:***@"),
+            ([f"{at}/empty?{s3_server}&session_token={secret}"], 2, "session_token=***"),
+            ([f"{at}/nothing?{s3_server}"], 2, "--from s3://kfeed:***@")):
+        done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", *argv, timeout=120,
+                         env={"AWS_EC2_METADATA_DISABLED": "true"})
+        out = done.stdout + done.stderr
+        assert done.returncode == code and line in out, out
+        assert secret not in out, out
+    assert shown(f"{at}/p?secret_key=x&region=eu") == \
+        f"s3://kfeed:***@{bucket}/p?secret_key=***&region=eu"
+    assert shown("data/*.parquet") == "data/*.parquet"
 
 
 def test_a_job_is_named_by_its_source_without_its_secrets() -> None:

@@ -358,11 +358,11 @@ def _check_produce(args: argparse.Namespace) -> str:
     elif args.synthetic_text is not None:
         kind, mode = "text", "--synthetic-text"
     elif _corpus_mode(args):
-        kind, mode = "corpus", f"--from {Path(args.source).name} (a corpus)"
+        kind, mode = "corpus", f"--from {Path(ingest.shown(args.source)).name} (a corpus)"
     elif ingest.is_stream(args.source, args.query, bool(args.field)):
-        kind, mode = "stream", f"--from {Path(args.source).name} (samples)"
+        kind, mode = "stream", f"--from {Path(ingest.shown(args.source)).name} (samples)"
     else:
-        kind, mode = "file", f"--from {Path(args.source).name} (samples)"
+        kind, mode = "file", f"--from {Path(ingest.shown(args.source)).name} (samples)"
     file_only = "--from samples (files, object stores, databases)"
     streamed = ("--from samples streamed through pyarrow or ADBC (Parquet, Arrow, CSV, "
                 "JSON Lines; folders, globs, URIs, postgresql://)")

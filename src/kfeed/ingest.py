@@ -547,6 +547,7 @@ class DatasetRows(Rows):
         import pyarrow.fs as pafs
 
         self.source = source
+        said = shown(source)  # in messages: no credentials
         base, params = split_params(source)
         cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
         if cut >= 0 and "://" not in base and os.path.exists(base):
@@ -575,11 +576,11 @@ class DatasetRows(Rows):
                                and not _hidden(f.path[len(top):] if f.path.startswith(top)
                                                else Path(f.path).name))
             else:
-                raise ConfigError(f"--from {source}: no such file or directory: check the path")
+                raise ConfigError(f"--from {said}: no such file or directory: check the path")
         except ConfigError:
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
-            raise ConfigError(f"--from {source}: cannot open it ({_first_line(e)}): check the "
+            raise ConfigError(f"--from {said}: cannot open it ({_first_line(e)}): check the "
                               f"address, and for object stores the endpoint, region and "
                               f"credentials (as pyarrow takes them)") from None
         if pattern is not None:
@@ -588,17 +589,17 @@ class DatasetRows(Rows):
             files = [f for f in files if _glob_match(f, want)]
         kinds = {DATASET_FORMATS.get(Path(f).suffix.lower()) for f in files}
         if not files:
-            raise ConfigError(f"--from {source}: no files there"
+            raise ConfigError(f"--from {said}: no files there"
                               f"{' match the pattern' if pattern else ''}: check the path")
         if None in kinds or len(kinds) > 1:
             suffixes = sorted({Path(f).suffix or "(none)" for f in files})
             corpus = (": a text corpus is one file, --from corpus.txt (documents "
                       "separated by blank lines)" if ".txt" in suffixes else "")
-            raise ConfigError(f"--from {source}: the files are {', '.join(suffixes)}: a run "
+            raise ConfigError(f"--from {said}: the files are {', '.join(suffixes)}: a run "
                               f"reads one format, one of {', '.join(DATASET_FORMATS)}{corpus}")
         self.format = kinds.pop()
         self.files = files
-        self.name = Path(files[0]).name if len(files) == 1 else source
+        self.name = Path(files[0]).name if len(files) == 1 else said
         try:
             self.dataset = ds.dataset(files, filesystem=fs, format=self.format)
             schema = self.dataset.schema
@@ -607,7 +608,18 @@ class DatasetRows(Rows):
                               f"check the file") from None
         self.schema = schema
         if self.format in ("parquet", "ipc"):
-            self.total = sum(f.count_rows() for f in self.dataset.get_fragments())
+            self.total = sum(self._count(f) for f in self.dataset.get_fragments())
+
+    def _count(self, fragment: Any) -> int:
+        """``fragment``'s rows, from its metadata; a file that is not what its name says
+        is a ConfigError naming it."""
+        import pyarrow as pa
+
+        try:
+            return int(fragment.count_rows())
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"{Path(fragment.path).name}: not a {self.format} file "
+                              f"({_first_line(e)}): check the file") from None
 
     def names(self) -> list[str]:
         return list(self.schema.names)
@@ -616,13 +628,13 @@ class DatasetRows(Rows):
         fragments = list(self.dataset.get_fragments())
         if self.format in ("parquet", "ipc"):  # files wholly skipped, by their metadata
             while skip and fragments:
-                n = fragments[0].count_rows()
+                n = self._count(fragments[0])
                 if n > skip:
                     break
                 skip -= n
                 fragments.pop(0)
         yield from _skip_rows(self._read(fragments, columns), skip,
-                              f"--from {self.source}: it holds fewer rows than the {{}} more "
+                              f"--from {shown(self.source)}: it holds fewer rows than the {{}} more "
                               f"that --resume would leave out: it changed since the last run")
 
     def _read(self, fragments: list[Any], columns: list[str]) -> Iterator[Any]:
@@ -663,7 +675,7 @@ class QueryRows(Rows):
     def __init__(self, source: str, query: str) -> None:
         if not source.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"--query reads from a database: --from postgresql://..., "
-                              f"not {source}")
+                              f"not {shown(source)}")
         try:
             import adbc_driver_postgresql.dbapi as pg
         except ImportError:
@@ -919,6 +931,16 @@ def source_key(source: str) -> str:
     base, params = split_params(no_password(source))
     kept = sorted(p for p in params.split("&")
                   if p and not any(s in p.split("=")[0].lower() for s in _SECRET_PARAMS))
+    return f"{base}?{'&'.join(kept)}" if kept else base
+
+
+def shown(source: str) -> str:
+    """``source`` for messages: a URI's password and secret parameters as ``***``."""
+    if "://" not in source:
+        return source
+    base, params = split_params(no_password(source))
+    kept = [p if not any(x in p.split("=")[0].lower() for x in _SECRET_PARAMS)
+            else f"{p.split('=')[0]}=***" for p in params.split("&") if p]
     return f"{base}?{'&'.join(kept)}" if kept else base
 
 
