@@ -753,6 +753,23 @@ def test_progress_off_a_terminal_is_plain_lines_with_the_eta(capsys) -> None:
     assert ", ETA 10s, 12.4 MB/s" in first or ", ETA 11s, 12.4 MB/s" in first
 
 
+def test_a_resumed_runs_progress_counts_its_own_rate(capsys) -> None:
+    # --resume: 40,000 rows were sent by the run before; this one sent 10,000
+    # in its 10 s. The rate counted all 50,000 (5,000/s), the ETA 10 s.
+    import time
+
+    progress = cli._Progress("kfeed produce", "samples",
+                             lambda: (50_000.0, 100_000.0, ""), time.monotonic() - 10.0,
+                             every_s=3600, before=40_000)
+    progress._draw()
+    progress.close()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("kfeed produce: 50,000/100,000 samples (50%), "), line
+    rate = int(line.split(", ")[1].split()[0].replace(",", ""))
+    eta = int(line.split("ETA ")[1].rstrip("s"))
+    assert 900 <= rate <= 1_000 and 50 <= eta <= 56, line
+
+
 def test_lag_is_na_until_the_loader_knows_it() -> None:
     from kfeed._train import lag_text
 

@@ -287,14 +287,17 @@ class _Progress:
     """
 
     def __init__(self, what: str, unit: str, status: Callable[[], tuple[float, float, str]],
-                 t0: float, every_s: float | None = None) -> None:
+                 t0: float, every_s: float | None = None, before: float = 0.0) -> None:
+        # ``before``: done by an earlier run (--resume), in ``done`` but not in the rate.
         self._what, self._unit, self._status, self._t0 = what, unit, status, t0
+        self._before = before
         self._stop = threading.Event()
         self._bar: Any = None
         tty = sys.stderr.isatty()
         self._every_s = every_s if every_s is not None else (0.25 if tty else 10.0)
         if tty:
-            self._bar = _tqdm(unit=unit, unit_scale=unit != "%", desc=what, mininterval=0.1)
+            self._bar = _tqdm(unit=unit, unit_scale=unit != "%", desc=what, mininterval=0.1,
+                              initial=before)
         self._thread = threading.Thread(target=self._run, name="kfeed-progress", daemon=True)
         self._thread.start()
 
@@ -311,7 +314,7 @@ class _Progress:
             self._bar.refresh()
             return
         elapsed = max(time.monotonic() - self._t0, 1e-9)
-        rate = done / elapsed
+        rate = (done - self._before) / elapsed
         if self._unit == "%":
             parts = [f"{done:.0f}% read"]
         elif total:
@@ -738,7 +741,8 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         except TimeoutError:
             return _LATER
 
-    progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+    progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every,
+                             before=done)
     committed = done
     try:
         while cols is not None:
