@@ -15,6 +15,7 @@ exactly once too.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pwd
 import shutil
@@ -302,6 +303,9 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
         (["--from", str(tmp_path / "a.parquet"), "--query", "SELECT 1"],
          "--query reads from a database: --from postgresql://..."),
         (["--from", "postgresql://u@127.0.0.1:1/db"], "give the rows to read with --query"),
+        # A password given as a parameter is a password too: it was printed back.
+        (["--from", "postgresql://u@127.0.0.1:1/db?password=hunter2&sslmode=disable"],
+         "--from postgresql://u:***@127.0.0.1:1/db?password=***&sslmode=disable: give the rows"),
         (["--from", str(tmp_path / "missing.parquet")], "no such file or directory"),
         (["--synthetic", "5", "--resume"], "--resume applies to --from samples streamed"),
         (["--synthetic", "5", "--resend"], "--resend applies to --from samples streamed"),
@@ -320,10 +324,15 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
         cases.append((["--from", str(source)], "kfeed: b.parquet: not a parquet file (Could "
                       "not open Parquet input source"))
         cases.append((["--from", str(source), "--resume"], "b.parquet: not a parquet file"))
+    if importlib.util.find_spec("adbc_driver_postgresql") is not None:
+        cases.append((["--from", "postgresql://u@127.0.0.1:1/db?password=hunter2",
+                       "--query", "SELECT 1 AS id"],
+                      "--from postgresql://u:***@127.0.0.1:1/db?password=***: cannot connect"))
     for argv, line in cases:
         done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         assert line in done.stderr, (argv, done.stderr)
+        assert "hunter2" not in done.stdout + done.stderr, (argv, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     # Brokers away: one line, librdkafka's own (the resume's reader's too) in the log.
     done = kfeed_cli(closed, "produce", "--topic", "t", "--from", str(tmp_path / "a.parquet"),

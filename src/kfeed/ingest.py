@@ -686,7 +686,7 @@ class QueryRows(Rows):
         try:
             self._conn = pg.connect(source)
         except Exception as e:  # noqa: BLE001 - the driver's errors are its own classes
-            raise ConfigError(f"--from {no_password(source)}: cannot connect "
+            raise ConfigError(f"--from {shown(source)}: cannot connect "
                               f"({_first_line(e)})") from None
         self._cursor: Any = None
         try:
@@ -745,7 +745,7 @@ def open_rows(source: str, query: str | None = None) -> Rows:
     if query is not None:
         return QueryRows(source, query)
     if source.startswith(("postgresql://", "postgres://")):
-        raise ConfigError(f"--from {no_password(source)}: give the rows to read with "
+        raise ConfigError(f"--from {shown(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
     return DatasetRows(source)
 
