@@ -634,8 +634,9 @@ class DatasetRows(Rows):
                 skip -= n
                 fragments.pop(0)
         yield from _skip_rows(self._read(fragments, columns), skip,
-                              f"--from {shown(self.source)}: it holds fewer rows than the {{}} more "
-                              f"that --resume would leave out: it changed since the last run")
+                              f"--from {shown(self.source)}: it holds fewer rows than the "
+                              f"{{}} more that --resume would leave out: it changed since the "
+                              f"last run")
 
     def _read(self, fragments: list[Any], columns: list[str]) -> Iterator[Any]:
         import pyarrow as pa
@@ -928,9 +929,8 @@ def source_key(source: str) -> str:
     """
     if "://" not in source:
         return os.path.realpath(source)
-    base, params = split_params(no_password(source))
-    kept = sorted(p for p in params.split("&")
-                  if p and not any(s in p.split("=")[0].lower() for s in _SECRET_PARAMS))
+    base, params = _uri_params(source)
+    kept = sorted(p for p in params if not _secret(p))
     return f"{base}?{'&'.join(kept)}" if kept else base
 
 
@@ -938,10 +938,19 @@ def shown(source: str) -> str:
     """``source`` for messages: a URI's password and secret parameters as ``***``."""
     if "://" not in source:
         return source
-    base, params = split_params(no_password(source))
-    kept = [p if not any(x in p.split("=")[0].lower() for x in _SECRET_PARAMS)
-            else f"{p.split('=')[0]}=***" for p in params.split("&") if p]
+    base, params = _uri_params(source)
+    kept = [f"{p.split('=')[0]}=***" if _secret(p) else p for p in params]
     return f"{base}?{'&'.join(kept)}" if kept else base
+
+
+def _uri_params(uri: str) -> tuple[str, list[str]]:
+    """A URI without its password, and its query parameters."""
+    base, params = split_params(no_password(uri))
+    return base, [p for p in params.split("&") if p]
+
+
+def _secret(param: str) -> bool:
+    return any(s in param.split("=")[0].lower() for s in _SECRET_PARAMS)
 
 
 def no_password(uri: str) -> str:

@@ -1148,9 +1148,9 @@ class Loader:
 # handed out exactly once. Until its first assignment a rank holds the whole
 # merged order; its state names those partitions ``inherited``, and a merge
 # takes each partition from the rank that read it (one copy where none did),
-# so a job can checkpoint before all its ranks had a batch. The shuffle goes on from rank 0's generator and
-# a mixture from rank 0's round robin: the order after a change of size is
-# a new one, the records are the same.
+# so a job can checkpoint before all its ranks had a batch. The shuffle goes
+# on from rank 0's generator and a mixture from rank 0's round robin: the
+# order after a change of size is a new one, the records are the same.
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
