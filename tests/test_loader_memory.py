@@ -406,6 +406,53 @@ def test_a_window_naming_a_partition_the_topic_lacks_is_refused(window) -> None:
         next(iter(loader))
 
 
+def test_two_threads_reading_one_loader_both_end_with_stop_iteration() -> None:
+    # The thread that did not take the end found the loader's thread gone and
+    # the queue empty: "the loader thread stopped without a reason" (a race:
+    # 1 to 3 runs of 5 before).
+    values = {0: blocks(0, 4000, 64), 1: blocks(4000, 4000, 64)}
+    for _ in range(10):
+        loader = memory_loader(values, SCHEMA, 50, until="end", device="cpu")
+        ids: list[list[int]] = [[], []]
+        errors: list[BaseException] = []
+
+        def read(k: int, loader: Loader = loader, ids: list = ids) -> None:
+            try:
+                for batch in loader:
+                    ids[k] += batch["id"].tolist()
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        loader.close()
+        assert errors == [] and sorted(ids[0] + ids[1]) == list(range(8000))
+
+
+def test_a_state_of_other_topics_is_refused() -> None:
+    # It was taken in silence: the loader read from the start, as if no state.
+    def loader(topic: str, topics: list[str] | None = None) -> Loader:
+        return Loader(None, topics or topic, SCHEMA, 100, until="end", device="cpu",
+                      source=kfeed.MemorySource({0: blocks(0, 1000)}, topic=topic))
+
+    old = loader("clicks-v1")
+    next(iter(old))
+    state = old.state_dict()
+    old.close()
+    new = loader("clicks-v2")
+    with pytest.raises(kfeed.ConfigError, match=re.escape(
+            "the state was saved by a loader of topics ['clicks-v1']; this one reads "
+            "['clicks-v2'], without ['clicks-v1']")):
+        new.load_state_dict(state)
+    new.close()
+    more = loader("clicks-v1", ["clicks-v1", "clicks-v2"])  # a topic added: its state holds
+    more.load_state_dict(state)
+    more.close()
+
+
 def test_static_ranks_more_than_partitions_all_refuse() -> None:
     # Only the ranks left without a partition raised; the others read on,
     # towards collectives their peers would never join.

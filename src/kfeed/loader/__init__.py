@@ -675,6 +675,8 @@ class Loader:
                     if self._closed:
                         raise LoaderError("the loader was closed, by another thread, while "
                                           "next() waited for a batch") from None
+                    if self._exhausted or f.epoch_over:  # another thread's next() took END
+                        return END
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
             if isinstance(item, Failure):
@@ -847,6 +849,13 @@ class Loader:
             raise ConfigError("the state was saved with another schema")
         if state.get("format") != self.format.value:
             raise ConfigError(f"the state was saved for format {state.get('format')!r}")
+        # A loader may read topics its state does not name (one added to the
+        # job), not the other way round: their positions would go unread.
+        saved = state.get("topics")
+        if not isinstance(saved, list) or not set(saved) <= set(self.topics):
+            raise ConfigError(f"the state was saved by a loader of topics {saved}; this one "
+                              f"reads {list(self.topics)}, without "
+                              f"{sorted(set(saved or []) - set(self.topics))}")
         if (state.get("epochs") is None) != (self._base.epochs is None):
             raise ConfigError("the state was saved by a loader " + (
                 "with epochs=" if self._base.epochs is None else "without epochs="))
