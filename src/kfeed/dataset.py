@@ -102,8 +102,8 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
                                     world_size=config.world_size * worker.num_workers)
         elif worker is not None and worker.num_workers > 1:
             self._check_group_workers(worker.num_workers)
-        with Loader.from_config(self.kafka_config, config, source=self.source) as loader:
-            loader._until_names_all = config.epochs is not None
+        with Loader.from_config(self.kafka_config, config, source=self.source,
+                                one_epoch=True) as loader:
             if self.epoch:
                 loader.set_epoch(self.epoch)
             yield from loader

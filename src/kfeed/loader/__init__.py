@@ -271,16 +271,22 @@ class Loader:
 
     @classmethod
     def from_config(cls, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
-                    source: Source | None = None) -> Loader:
-        """A loader of ``config`` (a ``LoaderConfig``, checked when it was made)."""
+                    source: Source | None = None, *, one_epoch: bool = False) -> Loader:
+        """A loader of ``config`` (a ``LoaderConfig``, checked when it was made).
+
+        ``one_epoch``: the loader reads one epoch of ``epochs=``, and each
+        epoch gets a loader of its own (``KafkaIterableDataset``), so a map
+        ``until=`` must name every partition: one it leaves out would end
+        where its end is at each epoch's start.
+        """
         if not isinstance(config, LoaderConfig):
             raise ConfigError("config must be a kfeed.LoaderConfig")
         self = cls.__new__(cls)
-        self._begin(kafka_config, config, source)
+        self._begin(kafka_config, config, source, one_epoch)
         return self
 
     def _begin(self, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
-               source: Source | None) -> None:
+               source: Source | None, one_epoch: bool = False) -> None:
         # NOTE [ Epochs ]: with epochs=N each epoch is a pipeline of its own
         # (_setup), over the window resolved at the first one's start.
         self._base = config
@@ -292,11 +298,9 @@ class Loader:
         # at a start the group committed part-way into a message.
         self._window: tuple[dict[TP, int], dict[TP, int], dict[TP, int]] | None = None
         # start= and until= maps are checked against the partitions once, at
-        # the first start; ``_until_names_all`` is set by a KafkaIterableDataset
-        # with epochs=, whose every epoch is a new loader: a partition until=
-        # does not name would end where its end is at each epoch's start.
+        # the first start (with ``one_epoch``, until= must name them all).
         self._maps_checked = False
-        self._until_names_all = False
+        self._until_names_all = one_epoch and config.epochs is not None
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -1199,17 +1203,19 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     # one that only holds it as loaded, not assigned yet (``inherited``: a
     # rank saved before its first assignment), gives it where none read it.
     owner: dict[tuple[str, int], int] = {}
-    for inherited in (False, True):
-        for i, (st, order) in enumerate(zip(states, orders, strict=True)):
-            copies = {tuple(tp) for tp in st.get("inherited", [])}
-            for entry in order["partitions"]:
-                tp = tuple(entry[0])
-                if (tp in copies) != inherited or (inherited and tp in owner):
-                    continue
-                if tp in owner:
-                    raise ConfigError(f"partition {tp} is in two of the states: merge the "
-                                      f"states of one step of one job, one per rank")
+    copies: dict[tuple[str, int], int] = {}
+    for i, (st, order) in enumerate(zip(states, orders, strict=True)):
+        inherited = {tuple(tp) for tp in st.get("inherited", [])}
+        for entry in order["partitions"]:
+            tp = tuple(entry[0])
+            if tp in inherited:
+                copies.setdefault(tp, i)
+            elif tp in owner:
+                raise ConfigError(f"partition {tp} is in two of the states: merge the "
+                                  f"states of one step of one job, one per rank")
+            else:
                 owner[tp] = i
+    owner = {**copies, **owner}
     seen = set(owner)
     entries, outbox, partial, allow = [], [], [], []
     for i, (st, order) in enumerate(zip(states, orders, strict=True)):

@@ -399,11 +399,6 @@ def _order_kinds(state: Mapping[str, Any]) -> str:
     return " and ".join(kinds) or "a variable-length field"
 
 
-def _as_tp(p: Any) -> TP:
-    """A partition from a state (JSON turns its tuple into a list)."""
-    return (str(p[0]), int(p[1]))
-
-
 def _key(k: Any) -> Key:
     """A record's key from a state (JSON turns its partition tuple into a list)."""
     p, o, sub = k
@@ -724,7 +719,7 @@ class OrderLedger(Ledger):
             # yet: the loaded state's, not its own reading (a merge takes
             # them from the rank that read them, _merge_orders).
             "inherited": [list(tp) for tp in sorted(
-                {_as_tp(e[0]) for e in order["partitions"]} - self.seen)],
+                {tuple(e[0]) for e in order["partitions"]} - self.seen)],
             "pack": self._pack_spec(),
             # The head's tokens out: the packer's count, after what was cut.
             "pack_offset": self.pack_offset + (self.partial.get(head, 0) if head else 0),
