@@ -64,12 +64,19 @@ figures.
     python bench/gpu_check.py [--device cuda|cpu] [--samples N] [--steps S]
                               [--workers 4,8] [--json PATH]
 
-Exit status: 0; 2 on a usage error or when CUDA is missing.
+e. Integrity: a bounded read of the recording with no synchronisation, the
+   loop moving between two streams every 7 batches; every id must arrive once
+   and in order (``integrity``).
+
+Exit status: 0; 1 when the integrity check fails; 2 on a usage error or when
+CUDA is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -257,7 +264,7 @@ def bandwidth(args: argparse.Namespace, device: Any, schema: Any, values: list[b
     def kfeed_copy(i: int) -> None:
         slot = slots[i % len(slots)]
         if cuda:
-            _tensors, slot.event = copier.copy(slot)
+            _tensors, slot.event, _recorded = copier.copy(slot)
         else:  # no device stage on the CPU: the slot's own tensors are lent (BufferPool.lend)
             _tensors = slot.view()
 
@@ -593,6 +600,44 @@ def scrape_gpu_metrics(device: Any, schema: Any, values: list[bytes], batch: int
             "samples": samples}
 
 
+def integrity(device: Any, schema: Any, values: list[bytes], decoded: dict[str, Any],
+              step: Step) -> dict[str, Any]:
+    """Every id once and in order while the host runs ahead, on two streams in turn.
+
+    No step synchronises: the host queues steps ahead of the GPU, and each
+    batch is dropped once its step is queued, so a batch's memory reused
+    before its stream used it (a missing ``record_stream``, a wait on the
+    wrong stream) shows as a wrong id. Every 7 batches the loop moves to
+    another stream, around ``next()`` as well, so ``adopt`` must order that
+    stream and record the tensors for it.
+    """
+    import numpy as np
+    import torch
+
+    from kfeed.loader import memory_loader
+
+    n = len(decoded["id"])
+    streams = [torch.cuda.current_stream(device), torch.cuda.Stream(device)] \
+        if device.type == "cuda" else [None, None]
+    kept = []
+    with memory_loader(values, schema, 256, device=device, until="end") as loader:
+        it = iter(loader)
+        for i in itertools.count():
+            s = streams[(i // 7) % 2]
+            with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+                batch = next(it, None)
+                if batch is None:
+                    break
+                step(batch["features"])
+                kept.append(batch["id"].clone())
+            del batch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ids = torch.cat(kept).cpu().numpy()
+    return {"ids": int(len(ids)), "samples": n, "batches": len(kept),
+            "ok": bool(np.array_equal(ids, np.arange(n)))}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -674,6 +719,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu_metrics = scrape_gpu_metrics(device, schema, values, b)
     for line in gpu_metrics["lines"]:
         print(f"  {line}")
+    print()
+    print("e. Integrity: every id once and in order, the host running ahead on two streams")
+    check = integrity(device, schema, values, decoded, step)
+    print(f"  {check['ids']:,} ids of {check['samples']:,} in {check['batches']} batches: "
+          + ("in order, each once" if check["ok"] else "WRONG"))
     total = time.perf_counter() - t_start
     print(f"\nTotal {total:.1f} s (bandwidth {t_bw:.1f} s, data stall {t_stall:.1f} s, "
           f"run ahead {t_ahead:.1f} s)."
@@ -686,13 +736,13 @@ def main(argv: list[str] | None = None) -> int:
                           "step_ms_target": args.step_ms, "workers": args.workers,
                           "prefetch": args.prefetch, "block_records": BLOCK_RECORDS},
                "bandwidth": bw, "model": model, "stall": stall, "run_ahead": ahead,
-               "gpu_metrics": gpu_metrics, "seconds": total}
+               "gpu_metrics": gpu_metrics, "integrity": check, "seconds": total}
         if not gpu:
             out["warning"] = "CPU run (--device cpu): not GPU figures"
         with open(args.json_path, "w") as f:
             json.dump(out, f, indent=2)
         print(f"wrote {args.json_path}")
-    return 0
+    return 0 if check["ok"] else 1
 
 
 if __name__ == "__main__":

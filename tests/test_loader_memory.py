@@ -212,6 +212,33 @@ def test_stats_and_stall() -> None:
     assert 0.0 <= st["stall_fraction"] <= 1.0
 
 
+def test_the_thread_is_woken_for_room_only_once_the_batch_is_handed_out(monkeypatch) -> None:
+    # NOTE [ Room is made last ]: a thread woken when next() takes a batch
+    # competes for the GIL with the rest of next() (on CUDA, the stream wait).
+    # Its timed wait for room is made long, so only being woken refills the queue.
+    monkeypatch.setattr("kfeed.loader.feeder.POLL_S", 5.0)
+    loader = memory_loader(blocks(0, 1024), SCHEMA, 32, loop=True, prefetch=1, device="cpu")
+    ready_while_handing_out = []
+
+    def convert(batch):
+        time.sleep(0.3)  # GIL free: a thread told of room refills the queue now
+        ready_while_handing_out.append(loader._feeder.ready._items.qsize())
+        return batch
+
+    ids = []
+    try:
+        next(loader)
+        loader._convert = convert
+        for _ in range(3):
+            time.sleep(0.3)  # the queue is full again, and the thread waits for room
+            ids.append(int(next(loader)["id"][0]))
+    finally:
+        loader._convert = None
+        loader.close()
+    assert ids == [32, 64, 96]
+    assert ready_while_handing_out == [0, 0, 0]
+
+
 def test_bad_configuration_is_a_config_error() -> None:
     for kwargs in ({"batch_size": 0}, {"until": "forever"}, {"start": "yesterday"},
                    {"on_bad_record": "ignore"}, {"format": "csv"}, {"prefetch": 0}):

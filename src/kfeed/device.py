@@ -7,7 +7,9 @@ tensors to the device on a side stream with ``non_blocking=True`` and
 records an event; the pool refills the slot only once that event completes.
 ``adopt``, on the caller's thread, makes the caller's current stream wait on
 the event, so the training step is ordered after the copy without the CPU
-ever blocking.
+ever blocking. ``copy`` also records the tensors (``record_stream``) for the
+stream the caller's last ``adopt`` ordered, so that while the caller keeps to
+one stream ``next()`` makes two CUDA calls a batch, not five.
 
 On the CPU there is no device stage: the loader's thread lends the slot's
 tensors to the caller as they are (``BufferPool.lend``, NOTE [ Lent
@@ -18,7 +20,11 @@ batch; made by the loader's thread, it halved the CPU throughput (1.36M to
 
 Issuing the CUDA copy from ``next()`` instead cost the caller 150 us a batch
 on an H200 (three copies, a stream switch, an event, and the GIL lost to the
-loader's thread in between), about 7 % of a 2 ms step.
+loader's thread in between), about 7 % of a 2 ms step. The data stall of a
+loop that synchronises every 2 ms step fell from 2.5-6.0 % to 1.2-1.4 % once
+the thread was woken only after ``adopt`` (NOTE [ Room is made last ] in
+``kfeed/loader/feeder.py``) and the copy recorded the tensors itself
+(bench/RESULTS.md, "GPU check").
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ class DeviceCopier:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.cuda else None)
         self._bound: int | None = None  # the thread whose current stream is the side stream
+        self._caller: Any = None  # the stream the caller's last adopt ordered
 
     def bind_thread(self) -> None:
         """Make the side stream the calling thread's current stream (the loader's thread).
@@ -57,29 +66,41 @@ class DeviceCopier:
             torch.cuda.set_stream(self._stream)
             self._bound = threading.get_ident()
 
-    def copy(self, slot: Slot) -> tuple[dict[str, torch.Tensor], Any]:
-        """The slot's filled rows on the device (CUDA), and the event that ends the copy.
+    def copy(self, slot: Slot) -> tuple[dict[str, torch.Tensor], Any, Any]:
+        """The slot's filled rows on the device (CUDA), the event that ends the copy,
+        and the stream the tensors are already recorded for (or None).
 
         Any thread may call it. The copy is only issued: the slot must not be
         refilled before the event completes, and the tensors must go through
         ``adopt`` before a stream other than the side stream uses them.
+        The tensors are recorded (``record_stream``) for the stream that the
+        caller's last ``adopt`` ordered: the caller then records nothing
+        while that stays its stream, three CUDA calls fewer in ``next()``.
         """
         src = slot.view()
         on_side = threading.get_ident() == self._bound
+        caller = self._caller
         with contextlib.nullcontext() if on_side else torch.cuda.stream(self._stream):
             out = {name: t.to(self.device, non_blocking=True) for name, t in src.items()}
             event = torch.cuda.Event()
             event.record(self._stream)
-        return out, event
+            if caller is not None:
+                for t in out.values():
+                    t.record_stream(caller)
+        return out, event, caller
 
-    def adopt(self, tensors: dict[str, torch.Tensor], event: Any) -> None:
-        """Order the calling thread's current stream after the copy of ``tensors``."""
+    def adopt(self, tensors: dict[str, torch.Tensor], event: Any, recorded: Any) -> None:
+        """Order the calling thread's current stream after the copy of ``tensors``.
+
+        ``recorded`` is the stream ``copy`` recorded them for.
+        """
         if event is None:
             return
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        for t in tensors.values():
+        current = torch.cuda.current_stream(self._index)
+        event.wait(current)
+        if recorded is None or recorded.cuda_stream != current.cuda_stream:
             # The tensors were allocated on the side stream; tell the caching
             # allocator they are used on the caller's stream too.
-            t.record_stream(current)
-
+            for t in tensors.values():
+                t.record_stream(current)
+            self._caller = current

@@ -597,6 +597,8 @@ class Loader:
             if self._waiting_since is not None:
                 self._waited(time.monotonic() - t)
             raise
+        finally:
+            f.ready.made_room()  # NOTE [ Room is made last ]
 
     def _next_batch(self, f: Any, t: float) -> Batch:
         ready = not f.ready.empty()  # a batch was there: waiting for it was no data stall
@@ -700,10 +702,12 @@ class Loader:
                     # before was handed out, and used (next() marked the last
                     # one), so they are handed out and used as they are taken.
                     self._pass_over(item)
+                    f.ready.made_room()
                     continue
                 if item.gen == self._ledger.gen:
                     return item
             item.release(self._pool)  # from before a rebalance
+            f.ready.made_room()
 
     def _take_rejected(self) -> None:
         """At close: positions of rejected messages queued next, as ``_take`` takes them.
@@ -714,6 +718,7 @@ class Loader:
         f = self._feeder
         while not f.ready.empty():
             item = f.ready.get(timeout=0)
+            f.ready.made_room()
             if not isinstance(item, Handoff) or item.rows:
                 return
             with self._ledger.lock:
@@ -736,7 +741,7 @@ class Loader:
         # hands it out again. With ranks, whose steps go in lockstep, the
         # read ends there instead.
         try:
-            self._copier.adopt(out.tensors, out.event)
+            self._copier.adopt(out.tensors, out.event, out.recorded)
             handed = batch if self._convert is None else self._convert(batch)
         except BaseException as e:
             if self._agreement is None:

@@ -42,6 +42,17 @@ class Ready:
     batch handed over with two batches ready; this is a C ``SimpleQueue`` and
     one C lock the caller releases to say there is room again, 7 us. Both
     ends wait at most the timeout they give and re-check.
+
+    NOTE [ Room is made last ]
+    ==========================
+    Taking a batch does not wake the thread: ``next()`` says there is room
+    only once the batch is handed out. Woken at the take, the thread took
+    the GIL each time the caller's CUDA calls (the stream wait and
+    ``record_stream`` of ``DeviceCopier.adopt``) let it go, and held it
+    through its own Python: 60-80 us of a 2 ms step inside ``next()`` on an
+    H200, where the GPU waits for every microsecond of it. Woken last, the
+    thread fills the next slot while the caller launches its step, whose
+    kernels queue ahead of the GPU (bench/RESULTS.md, "GPU check").
     """
 
     def __init__(self, size: int) -> None:
@@ -69,12 +80,18 @@ class Ready:
         return True
 
     def get(self, timeout: float) -> Any:
-        """The oldest item; raises ``queue.Empty`` if none comes within ``timeout``."""
-        item = self._items.get(timeout=timeout)
+        """The oldest item; raises ``queue.Empty`` if none comes within ``timeout``.
+
+        The room it leaves is said by ``made_room``, which the caller's
+        ``next()`` calls last (NOTE [ Room is made last ]).
+        """
+        return self._items.get(timeout=timeout)
+
+    def made_room(self) -> None:
+        """Wake the thread if it waits for room."""
         if self._room.locked():
             with contextlib.suppress(RuntimeError):  # released already: room was said
                 self._room.release()
-        return item
 
     def empty(self) -> bool:
         return self._items.empty()
@@ -172,7 +189,7 @@ class Feeder:
             if self.copier.cuda:
                 # Issued here, the copy overlaps the caller's current step.
                 t = time.monotonic()
-                out.tensors, out.event = self.copier.copy(slot)
+                out.tensors, out.event, out.recorded = self.copier.copy(slot)
                 self.copy_s += time.monotonic() - t
                 out.release(pool, out.event)
             else:  # the slot's own tensors go to the caller
