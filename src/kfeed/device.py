@@ -4,12 +4,13 @@ On CUDA the loader's thread calls ``copy`` as soon as a slot is filled, so a
 batch is already on its way to the device while the previous step runs, and
 ``next()`` itself only calls ``adopt``. ``copy`` issues the slot's pinned
 tensors to the device on a side stream with ``non_blocking=True`` and
-records an event; the pool refills the slot only once that event completes.
-``adopt``, on the caller's thread, makes the caller's current stream wait on
-the event, so the training step is ordered after the copy without the CPU
-ever blocking. ``copy`` also records the tensors (``record_stream``) for the
-stream the caller's last ``adopt`` ordered, so that while the caller keeps to
-one stream ``next()`` makes two CUDA calls a batch, not five.
+records an event. The loader's thread waits for that event, without the GIL,
+before it queues the batch and gives the slot back, so the caller's thread
+never waits on the copy: ``adopt`` only records the tensors
+(``record_stream``) for the caller's current stream, for the caching
+allocator, and ``copy`` has done that already for the stream the caller's
+last ``adopt`` saw. While the caller keeps to one stream, ``next()`` makes
+one CUDA call a batch, the look at the current stream, where it made five.
 
 On the CPU there is no device stage: the loader's thread lends the slot's
 tensors to the caller as they are (``BufferPool.lend``, NOTE [ Lent
@@ -23,8 +24,9 @@ on an H200 (three copies, a stream switch, an event, and the GIL lost to the
 loader's thread in between), about 7 % of a 2 ms step. The data stall of a
 loop that synchronises every 2 ms step fell from 2.5-6.0 % to 1.2-1.4 % once
 the thread was woken only after ``adopt`` (NOTE [ Room is made last ] in
-``kfeed/loader/feeder.py``) and the copy recorded the tensors itself
-(bench/RESULTS.md, "GPU check").
+``kfeed/loader/feeder.py``) and the copy recorded the tensors itself, and
+to 0.7-1.0 % once the thread waited for the copy (bench/RESULTS.md, "GPU
+check").
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ class DeviceCopier:
         and the stream the tensors are already recorded for (or None).
 
         Any thread may call it. The copy is only issued: the slot must not be
-        refilled before the event completes, and the tensors must go through
-        ``adopt`` before a stream other than the side stream uses them.
+        refilled, nor the tensors go through ``adopt`` to another stream,
+        before the event completes.
         The tensors are recorded (``record_stream``) for the stream that the
         caller's last ``adopt`` ordered: the caller then records nothing
         while that stays its stream, three CUDA calls fewer in ``next()``.
@@ -89,15 +91,14 @@ class DeviceCopier:
                     t.record_stream(caller)
         return out, event, caller
 
-    def adopt(self, tensors: dict[str, torch.Tensor], event: Any, recorded: Any) -> None:
-        """Order the calling thread's current stream after the copy of ``tensors``.
+    def adopt(self, tensors: dict[str, torch.Tensor], recorded: Any) -> None:
+        """Let the calling thread's current stream use ``tensors``, whose copy is over.
 
         ``recorded`` is the stream ``copy`` recorded them for.
         """
-        if event is None:
+        if not self.cuda:
             return
         current = torch.cuda.current_stream(self._index)
-        event.wait(current)
         if recorded is None or recorded.cuda_stream != current.cuda_stream:
             # The tensors were allocated on the side stream; tell the caching
             # allocator they are used on the caller's stream too.

@@ -734,14 +734,14 @@ class Loader:
         ledger = self._ledger
         offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
         batch = Batch(out.tensors, out.rows, offsets, out.info)
-        # The caller's stream waits for the copy first: JAX's DLPack import
-        # orders its own stream after the caller's. And the batch is
+        # The tensors are recorded for the caller's stream first: JAX's DLPack
+        # import orders its own stream after the caller's. And the batch is
         # converted before it counts as handed out: a conversion that fails
         # leaves its records unread, never committed, and the next next()
         # hands it out again. With ranks, whose steps go in lockstep, the
         # read ends there instead.
         try:
-            self._copier.adopt(out.tensors, out.event, out.recorded)
+            self._copier.adopt(out.tensors, out.recorded)
             handed = batch if self._convert is None else self._convert(batch)
         except BaseException as e:
             if self._agreement is None:

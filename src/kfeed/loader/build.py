@@ -93,17 +93,16 @@ _MIX_QUEUE_BATCHES = 2
 class Handoff:
     """A batch on its way to the caller: its slot or copy, and what the ledger must know."""
 
-    __slots__ = ("gen", "rows", "slot", "tensors", "event", "recorded", "first", "end", "acks",
+    __slots__ = ("gen", "rows", "slot", "tensors", "recorded", "first", "end", "acks",
                  "pack_offset", "info", "newest_ms")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
         self.rows = 0
-        # The filled slot until its copy exists; then the copy's tensors (and
-        # on CUDA the event that ends it; DeviceCopier.copy).
+        # The filled slot until its copy exists; then the copy's tensors (on
+        # CUDA, copied already: DeviceCopier.copy).
         self.slot: Slot | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self.event: Any = None
         self.recorded: Any = None  # the stream the copy's tensors are recorded for
         # In offset order: per partition where the batch's records start and
         # where the next batch continues.

@@ -52,7 +52,10 @@ class Ready:
     through its own Python: 60-80 us of a 2 ms step inside ``next()`` on an
     H200, where the GPU waits for every microsecond of it. Woken last, the
     thread fills the next slot while the caller launches its step, whose
-    kernels queue ahead of the GPU (bench/RESULTS.md, "GPU check").
+    kernels queue ahead of the GPU (bench/RESULTS.md, "GPU check"). For the
+    same reason the thread waits for its copy to the device before it
+    queues the batch: ``next()`` then has no stream wait to make, only the
+    look at the caller's current stream.
     """
 
     def __init__(self, size: int) -> None:
@@ -187,11 +190,14 @@ class Feeder:
                 continue
             out.rows = slot.rows
             if self.copier.cuda:
-                # Issued here, the copy overlaps the caller's current step.
+                # Issued here, the copy overlaps the caller's current step. The
+                # thread waits for it (without the GIL), so that next() has no
+                # stream wait to make (NOTE [ Room is made last ]).
                 t = time.monotonic()
-                out.tensors, out.event, out.recorded = self.copier.copy(slot)
+                out.tensors, event, out.recorded = self.copier.copy(slot)
+                event.synchronize()
                 self.copy_s += time.monotonic() - t
-                out.release(pool, out.event)
+                out.release(pool)
             else:  # the slot's own tensors go to the caller
                 out.tensors = pool.lend(slot)
                 out.slot = None
