@@ -582,3 +582,30 @@ def test_all_brokers_down_for_30s_then_back_resumes_cleanly(bootstrap, make_topi
     report("all_brokers_down_30s", samples=n, faults=3, lost=lost, duplicated=dup,
            longest_wait_s=round(stall, 1))
     assert (lost, dup) == (0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_close_with_every_broker_down_is_bounded_and_names_where_it_is_stuck(
+        bootstrap, make_topic, live_cluster) -> None:
+    # librdkafka's synchronous commit waits out the group session with no broker
+    # up, and its close then looks for the coordinator for ever: close() used to
+    # hang there (NOTE [ Loader Shutdown Logic ]).
+    topic = make_topic(partitions=2, replication=3)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+        p.send(columns(np.arange(2000)))
+    ld = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      SCHEMA, 100, device="cpu", connect_timeout_s=5)
+    for _ in range(3):
+        next(ld)
+    try:
+        for node_id in (1, 2, 3):
+            cluster.kill_node(live_cluster, node_id)
+        t = time.monotonic()
+        with pytest.raises(kfeed.LoaderError, match=r"did not close within 10s: it is stuck "
+                           r"(making the final commit|closing the consumer)"):
+            ld.close()
+        took = time.monotonic() - t
+    finally:
+        cluster.up(dir=live_cluster, timeout=180)
+    report("close_with_every_broker_down", close_s=round(took, 1))
+    assert took < 25  # the thread's 10 s at most, then the consumer's 10 s

@@ -29,8 +29,8 @@ Two threads, one queue, one stop event::
     next(): ready.get(timeout) <--------- ready.put(batch | _END | _Failure)
     close(): stop.set(); pool.close() --> sees stop within one poll interval,
              join(feeder, timeout)         puts nothing more, returns
-             commit used positions
-             source.close()
+             thread "kfeed-close": commit used positions, source.close();
+             join(it, timeout)
 
 - The feeder never blocks without a timeout: ``consume``, ``pool.acquire`` and
   ``ready.put`` all wait at most ``_POLL_S`` and re-check ``stop``. Only a
@@ -38,6 +38,15 @@ Two threads, one queue, one stop event::
   ``connect_timeout_s``; ``close()`` waits that plus 5 s, then raises
   ``LoaderError`` naming the stage the thread is stuck in (``Status.doing``)
   and leaves the consumer open rather than close it under the thread.
+- The final commit and the consumer's close run on a thread of their own,
+  "kfeed-close", given as long again. With every broker down, librdkafka's
+  synchronous commit waits out the group session (45 s by default), and so
+  does the revoke's commit when the consumer leaves its group; its close
+  then looks for the group's coordinator for ever (librdkafka#3740). Past the
+  limit ``close()`` raises ``LoaderError`` naming the stage, and that thread
+  goes on in the background; what was used since the last commit that went
+  through is read again by the group's next reader (a ``state_dict()`` the
+  caller saved is exact all the same).
 - The thread holds no reference to the ``Loader`` (only to ``Feeder``), so a
   dropped loader is garbage-collected and ``__del__`` runs ``close()``.
 - An exception in the feeder travels to the caller as ``_Failure`` and is
@@ -1066,8 +1075,10 @@ class Loader:
 
         The thread stops within one poll interval, unless a call into Kafka
         holds it (a commit or a dead-letter flush waits up to
-        ``connect_timeout_s``): after ``timeout_s`` (default: that plus 5 s)
-        ``LoaderError`` names where it is stuck.
+        ``connect_timeout_s``); the final commit and the consumer's close
+        then run on a thread of their own. Each of the two is given
+        ``timeout_s`` (default: ``connect_timeout_s`` plus 5 s); past it,
+        ``LoaderError`` names where it is stuck (NOTE [ Loader Shutdown Logic ]).
         """
         if self._closed:
             return
@@ -1077,8 +1088,8 @@ class Loader:
         f = self._feeder
         f.stop.set()
         self._pool.close()
+        limit = self.config.connect_timeout_s + 5.0 if timeout_s is None else timeout_s
         if f.thread is not None:
-            limit = self.config.connect_timeout_s + 5.0 if timeout_s is None else timeout_s
             f.thread.join(limit)
             if f.thread.is_alive():
                 # Closing the consumer under a thread still inside it is not
@@ -1086,19 +1097,46 @@ class Loader:
                 # process.
                 raise LoaderError(f"the loader thread did not stop within {limit:g}s: it is "
                                   f"stuck {self._status.doing}; the consumer was left open")
+        if commit_current:
+            self._mark_used()
+            self._take_rejected()
+        failed: list[BaseException] = []
+        closer = threading.Thread(target=self._shut_down, args=(failed,), name="kfeed-close",
+                                  daemon=True)
         try:
-            if commit_current:
-                self._mark_used()
-                self._take_rejected()
+            closer.start()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            self._shut_down(failed)
+        else:
+            closer.join(limit)
+        if closer.is_alive():
+            raise LoaderError(
+                f"the consumer did not close within {limit:g}s: it is stuck "
+                f"{self._status.doing}, most likely because no broker answers; it goes on "
+                f"closing in the background, and records used since the last commit that "
+                f"went through will be read again by the next reader of the group")
+        if failed:
+            raise failed[0]
+
+    def _shut_down(self, failed: list[BaseException]) -> None:
+        """The final commit and the consumer's close (on the thread ``kfeed-close``)."""
+        try:
             if not (self._ledger.failed and not self._ledger.handed_any):
                 # (A read that failed before its first batch moved nothing:
                 # committing its start positions would only make them look
                 # read, to a later start="latest" say.)
+                self._status.doing = "making the final commit (Source.commit)"
                 self._commit(asynchronous=False)
         except KfeedError as e:
             log.warning("final commit failed: %s", e)
-        finally:
+        except BaseException as e:  # noqa: BLE001 - raised by close(), on the caller's thread
+            failed.append(e)
+        try:
+            self._status.doing = "closing the consumer (Source.close)"
             self._source.close()
+        except BaseException as e:  # noqa: BLE001 - as above
+            failed.append(e)
+        finally:
             # The stages call each other back (the revoke hook into the
             # feeder, the order's reset into the build stage, the source's
             # rebalance callbacks into the fetch stage): reference cycles.
