@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -1103,11 +1104,12 @@ class Loader:
         failed: list[BaseException] = []
         closer = threading.Thread(target=self._shut_down, args=(failed,), name="kfeed-close",
                                   daemon=True)
-        try:
-            closer.start()
-        except RuntimeError:  # the interpreter is shutting down: no new threads
+        if sys.is_finalizing():
+            # (A loader collected at exit: a thread started now never runs,
+            # and start() would wait for it for ever.)
             self._shut_down(failed)
         else:
+            closer.start()
             closer.join(limit)
         if closer.is_alive():
             raise LoaderError(
