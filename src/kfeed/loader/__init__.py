@@ -1102,16 +1102,17 @@ class Loader:
             self._mark_used()
             self._take_rejected()
         failed: list[BaseException] = []
-        closer = threading.Thread(target=self._shut_down, args=(failed,), name="kfeed-close",
-                                  daemon=True)
         if sys.is_finalizing():
             # (A loader collected at exit: a thread started now never runs,
             # and start() would wait for it for ever.)
             self._shut_down(failed)
+            closer = None
         else:
+            closer = threading.Thread(target=self._shut_down, args=(failed,),
+                                      name="kfeed-close", daemon=True)
             closer.start()
             closer.join(limit)
-        if closer.is_alive():
+        if closer is not None and closer.is_alive():
             raise LoaderError(
                 f"the consumer did not close within {limit:g}s: it is stuck "
                 f"{self._status.doing}, most likely because no broker answers; it goes on "
