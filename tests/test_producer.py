@@ -387,6 +387,55 @@ def test_an_aborted_transactions_failures_do_not_fail_the_next(bootstrap: str, m
     assert len(schema.decode_documents(values).lengths) == committed
 
 
+@pytest.mark.integration
+def test_an_abort_that_fails_fatally_leaves_the_callers_error_raised(bootstrap: str,
+                                                                      make_topic: Any,
+                                                                      caplog) -> None:
+    # A broker answered an abort with INVALID_TXN_STATE (a fatal error, which
+    # confluent-kafka then raises from poll too): the raw KafkaException replaced
+    # the error that had ended the transaction (`kfeed produce` printed
+    # "unexpected KafkaException" in place of the file that could not be read).
+    from confluent_kafka import KafkaError, KafkaException
+
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"x": ("int64", ())})
+    p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema,
+                       transactional_id=uuid.uuid4().hex)
+    real = p._producer
+    fatal = KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction: Broker: "
+                       "Producer attempted a transactional operation in an invalid state",
+                       fatal=True)
+
+    class Refusing:  # the real producer, but its abort fails as the broker's did
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def __len__(self) -> int:
+            return len(real)
+
+        aborted = False
+
+        def abort_transaction(self, *args: Any) -> None:
+            self.aborted = True
+            raise KafkaException(fatal)
+
+        def poll(self, *args: Any) -> int:
+            if self.aborted:
+                raise KafkaException(fatal)
+            return real.poll(*args)
+
+    p._producer = Refusing()
+    with pytest.raises(ValueError, match="^the file that cannot be read$"), p.transaction():
+        p.send({"x": np.arange(10)})
+        raise ValueError("the file that cannot be read")
+    assert "abort_transaction failed: Failed to end transaction" in caplog.text
+    # The fatal error is kept: the next transaction refuses at once, as a ProduceError.
+    with pytest.raises(kfeed.ProduceError, match="^the producer cannot go on: Failed to end"):
+        with p.transaction():
+            pass
+    real.abort_transaction(10)
+
+
 def test_bfloat16_fields_take_ml_dtypes_arrays_as_torch_tensors() -> None:
     # JAX's and ml_dtypes' bfloat16 arrays were refused: "expected dtype uint16, got bfloat16".
     import ml_dtypes

@@ -597,13 +597,16 @@ class Producer:
             self._written.clear()
             self._in_transaction = False
             if self._fatal is None:
+                # The exception that ends the transaction is the one raised:
+                # an abort that fails (even fatally: the brokers then abort it
+                # when it times out) is kept and logged, never raised over it.
                 try:
                     self._producer.abort_transaction(self._timeout)
+                    # The aborted messages' reports are in now: their failures
+                    # are this transaction's, not the next one's.
+                    self._producer.poll(0)
                 except (KafkaException, SystemError) as e:
-                    log.error("abort_transaction failed: %s", e)
-                # The aborted messages' reports are in now: their failures are
-                # this transaction's, not the next one's.
-                self._producer.poll(0)
+                    log.error("%s", self._error("abort_transaction failed", e))
                 self._settle_failures("in the aborted transaction")
             raise
 
