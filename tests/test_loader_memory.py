@@ -91,6 +91,31 @@ def test_commits_trail_the_step() -> None:
     assert source.committed_positions[("memory", 0)] == second.offsets[("memory", 0)][1]
 
 
+def test_a_caught_up_stream_commits_what_was_used_while_next_waits() -> None:
+    # Every record used, the caller waits in next() for more: the commit of the
+    # last batch waited for the next one to come (a caught-up trainer showed a
+    # lag in `kfeed lag` for as long as the topic stayed quiet).
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    loader = Loader(None, "memory", SCHEMA, 64, source=source, device="cpu",
+                    commit_interval_ms=50)
+    for _ in range(10):
+        last = next(loader)
+    end = last.offsets[("memory", 0)][1]
+    def wait() -> None:
+        with pytest.raises(kfeed.LoaderError, match="closed, by another thread"):
+            next(loader)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while source.committed_positions.get(("memory", 0)) != end and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert source.committed_positions.get(("memory", 0)) == end
+    assert waiting.is_alive()  # still waiting for a record: the commit came from the wait
+    loader.close()
+    waiting.join(10)
+
+
 def test_close_after_an_exception_does_not_commit_the_current_batch() -> None:
     source = kfeed.MemorySource(blocks(0, 640, 64))
     with pytest.raises(RuntimeError):

@@ -687,6 +687,9 @@ class Loader:
                 item = f.ready.get(timeout=POLL_S)
             except queue.Empty:
                 self._run_revoke_hook()  # the thread may be waiting for it
+                # A caught-up stream: the batch before this wait was used, and
+                # is committed while the caller waits for more, not after.
+                self._commit_if_due()
                 if f.thread is not None and not f.thread.is_alive() and f.ready.empty():
                     if self._closed:
                         raise LoaderError("the loader was closed, by another thread, while "
