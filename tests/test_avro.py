@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import logging
 import pickle
 import re
 import subprocess
@@ -387,14 +388,22 @@ def test_configuration_mistakes_get_one_clear_line(registry):
             {"x": ("float32", ())}), "t")
 
 
-def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkeypatch, registry):
+def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkeypatch, registry,
+                                                                          caplog):
     values, _ = serialized(registry, 4)
     monkeypatch.setattr(formats, "REGISTRY_RETRY_S", 1.0)
-    # Nothing listens on this loopback port: every request is refused.
-    decoder = kfeed.Avro(registry={"url": "http://127.0.0.1:9"}).decoder(SCHEMA)
+    # Nothing listens on this loopback port: every request is refused. The
+    # url's password shows in no warning and no error.
+    url = "http://sr-user:s3cret@127.0.0.1:9,https://sr-user:s3cret@127.0.0.1:10"
+    decoder = kfeed.Avro(registry={"url": url}).decoder(SCHEMA)
     out = {f.name: np.zeros((4, *f.shape), f.storage) for f in SCHEMA.fields}
-    with pytest.raises(kfeed.ConsumeError, match="did not give schema id 1"):
-        decoder.decode_into(values, SCHEMA.bind(out), 0)
+    with caplog.at_level(logging.WARNING, logger="kfeed"):
+        with pytest.raises(kfeed.ConsumeError, match="did not give schema id 1") as info:
+            decoder.decode_into(values, SCHEMA.bind(out), 0)
+    assert "s3cret" not in caplog.text + str(info.value)
+    assert "the registry at http://sr-user:***@127.0.0.1:9,https://sr-user:***@127.0.0.1:10" \
+        in str(info.value)
+    assert caplog.records  # it asked again, and said so
 
 
 def test_a_registry_refusal_no_wait_mends_is_said_at_once(monkeypatch) -> None:

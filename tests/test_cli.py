@@ -628,10 +628,19 @@ def test_a_registry_that_cannot_be_reached_stops_produce_before_a_topic_is_made(
                                                                                fmt) -> None:
     # The topic was made first, then the schema's registration failed. Here
     # the brokers cannot be reached either: the registry is asked first.
+    # A password in the url is not shown (it was, in this line and in every
+    # warning of a reader asking the registry again).
     code, err, out = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt,
-                              "--registry", "http://127.0.0.1:9", "--connect-timeout", "2")
+                              "--registry", "http://sr-user:s3cret@127.0.0.1:9",
+                              "--connect-timeout", "2")
     assert code == 1 and len(err) == 1 and out == "", err
-    assert err[0].startswith("kfeed: cannot reach the registry at http://127.0.0.1:9: "), err
+    assert err[0].startswith("kfeed: cannot reach the registry at "
+                             "http://sr-user:***@127.0.0.1:9: "), err
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt,
+                            "--registry", "ftp://sr-user:s3cret@127.0.0.1:9")
+    assert code == 2 and err == ["kfeed: --registry ftp://sr-user:***@127.0.0.1:9 is not an "
+                                 "http:// or https:// address: give e.g. --registry "
+                                 "http://registry:8081"], err
 
 
 def test_kfeeds_warnings_show_without_v_one_line_each_and_nothing_else(capsys,

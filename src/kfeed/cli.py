@@ -508,13 +508,15 @@ def _reach_registry(args: argparse.Namespace) -> None:
     cannot reach stops the run before a topic is made."""
     if not getattr(args, "registry", None) or args.format not in ("avro", "protobuf"):
         return
+    from kfeed import ingest
     from kfeed.formats import registry_client
 
     client = registry_client({"url": args.registry}, f"--format {args.format}")
     try:
         client.get_subjects()
     except Exception as e:  # noqa: BLE001 - the registry client raises errors of many kinds
-        raise ProduceError(f"cannot reach the registry at {args.registry}: {e}") from e
+        raise ProduceError(f"cannot reach the registry at {ingest.no_password(args.registry)}: "
+                           f"{e}") from e
 
 
 def _check_blocks(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> None:
@@ -1305,11 +1307,13 @@ def _wire_format(args: argparse.Namespace) -> Any:
     import importlib
 
     import kfeed
+    from kfeed import ingest
     from kfeed.formats import registry_url_ok
 
     registry = {"url": args.registry} if args.registry else None
     if args.registry and not registry_url_ok(args.registry):
-        raise ConfigError(f"--registry {args.registry} is not an http:// or https:// address: "
+        raise ConfigError(f"--registry {ingest.no_password(args.registry)} is not an http:// "
+                          f"or https:// address: "
                           f"give e.g. --registry http://registry:8081")
     avro_schema = getattr(args, "avro_schema", None)
     proto = getattr(args, "proto", None)

@@ -264,7 +264,10 @@ def checked_registry(registry: Any) -> Any:
     if isinstance(registry, Mapping):
         url = registry.get("url")
         if not registry_url_ok(url):
-            raise ConfigError(f"registry url {url!r} is not an http:// or https:// address: "
+            from kfeed.ingest import no_password
+
+            shown = no_password(url) if isinstance(url, str) else url
+            raise ConfigError(f"registry url {shown!r} is not an http:// or https:// address: "
                               f"give e.g. {{'url': 'http://registry:8081'}}")
         try:  # the client checks its settings when made (no request yet)
             registry_client(registry, "the format")
@@ -280,7 +283,9 @@ def checked_registry(registry: Any) -> Any:
 def registry_where(registry: Any) -> str:
     """The registry in a message: its url, or the client given."""
     if isinstance(registry, Mapping):
-        return f"the registry at {registry.get('url')}"
+        from kfeed.ingest import no_password
+
+        return f"the registry at {no_password(str(registry.get('url')))}"
     return f"the registry client {type(registry).__name__}"
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import socket
 import urllib.parse
 import zipfile
@@ -954,7 +955,11 @@ def _secret(param: str) -> bool:
 
 
 def no_password(uri: str) -> str:
-    """A database URI with its password left out, for messages."""
+    """A URI (a database's, a registry's; several joined by commas) with each
+    password left out, for messages."""
+    parts = re.split(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)", uri)
+    if len(parts) > 1:
+        return ",".join(no_password(part) for part in parts)
     head, at, rest = uri.rpartition("@")
     if not at:
         return uri
