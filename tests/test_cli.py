@@ -10,6 +10,7 @@ end, --start, and checkpoints on a clean end and on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import pytest
 
 from kfeed import cli, ingest
 from kfeed.errors import ConfigError
+from records import kfeed_cli
 
 CLOSED = "127.0.0.1:1"  # nothing listens there: a test that connected would fail or hang
 
@@ -734,13 +736,28 @@ def test_train_says_why_nothing_was_read(capsys, monkeypatch) -> None:
 # -- progress: the bar and the final line on one clock --------------------------------
 
 
-def test_only_acknowledged_messages_count_as_done() -> None:
-    def producer(queued: int, messages: int) -> SimpleNamespace:
-        return SimpleNamespace(stats=lambda: {"queued": queued}, messages=messages)
+def test_only_acknowledged_bytes_count_as_done() -> None:
+    def producer(acked: int, sent: int) -> SimpleNamespace:
+        return SimpleNamespace(acked_bytes=acked, bytes=sent)
 
-    assert cli._acknowledged(producer(30, 40)) == 0.25  # 30 still queued
-    assert cli._acknowledged(producer(0, 40)) == 1.0
+    assert cli._acknowledged(producer(10, 40)) == 0.25  # 30 bytes still queued
+    assert cli._acknowledged(producer(40, 40)) == 1.0
     assert cli._acknowledged(producer(0, 0)) == 0.0
+
+
+@pytest.mark.integration
+def test_produces_progress_counts_only_go_up_and_stay_in_range(bootstrap, make_topic) -> None:
+    # The count was librdkafka's queue length (more than the messages, at
+    # times) against samples counted a chunk at a time: it went negative
+    # ("-2,688/200,000 samples (-1%)") and fell from line to line.
+    topic = make_topic(partitions=1)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--synthetic", "200000",
+                     "--progress-every", "0.05")
+    assert done.returncode == 0, done.stderr
+    counts = [float(m.group(1).replace(",", "")) for m in re.finditer(
+        r"^kfeed produce: (-?[\d,]+)/200,000 samples", done.stderr, re.M)]
+    assert len(counts) >= 3, done.stderr
+    assert all(0 <= a <= b <= 200_000 for a, b in zip(counts, counts[1:])), counts
 
 
 def test_progress_off_a_terminal_is_plain_lines_with_the_eta(capsys) -> None:

@@ -249,14 +249,13 @@ def _rates(count: float, nbytes: float, elapsed: float, unit: str) -> str:
 
 
 def _acknowledged(producer: Any) -> float:
-    """The share of what ``producer`` was given that the brokers acknowledged, 0..1.
+    """The share of the bytes ``producer`` was given that the brokers acknowledged, 0..1.
 
     Messages handed to librdkafka wait in its queue until acknowledged; a bar
     that counted them as done ran far ahead of the brokers (and of the final
     line, which includes the flush).
     """
-    waiting = producer.stats()["queued"]
-    return 1.0 - waiting / producer.messages if producer.messages else 0.0
+    return min(1.0, producer.acked_bytes / producer.bytes) if producer.bytes else 0.0
 
 
 def _tqdm(**kwargs: Any) -> Any:
@@ -578,9 +577,9 @@ def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any,
         t0 = time.monotonic()
 
         def status() -> tuple[float, float, str]:
-            share = _acknowledged(producer)
-            mb_s = producer.bytes * share / max(time.monotonic() - t0, 1e-9) / 1e6
-            return producer.samples * share, total, f"{mb_s:,.1f} MB/s"
+            done, acked = producer.acknowledged()
+            mb_s = acked / max(time.monotonic() - t0, 1e-9) / 1e6
+            return done, total, f"{mb_s:,.1f} MB/s"
 
         progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
         try:

@@ -223,6 +223,8 @@ class Producer:
         self.messages = 0
         self.bytes = 0
         self.copies = 0  # consumed messages sent on to other topics (``copy``)
+        self.acked_bytes = 0  # of the topic's messages, acknowledged by the brokers
+        self._mark = (0, 0)  # (samples, bytes) sent, at the end of the last chunk
         self.delivery_failures = 0
         self.purged = 0  # messages an aborted transaction threw away before delivery
         self._transactional = transactional_id is not None
@@ -382,7 +384,20 @@ class Producer:
             self._send_rows(cols, None if parts is None else parts[a:b],
                             None if key_bytes is None else key_bytes[a:b], partition)
             self.samples += b - a
+            self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
+
+    def acknowledged(self) -> tuple[float, int]:
+        """Samples and bytes the brokers acknowledged so far (for progress lines).
+
+        Samples are counted a chunk at a time and bytes a message at a time:
+        the samples are the acknowledged share of the bytes up to the last
+        whole chunk sent, so the count never runs ahead of the brokers, and
+        never goes back.
+        """
+        samples, nbytes = self._mark
+        acked = self.acked_bytes
+        return (min(samples, samples * acked / nbytes) if nbytes else 0.0), acked
 
     def _send_rows(self, columns: Mapping[str, Any], parts: np.ndarray | None,
                    keys: list[bytes] | None, partition: int | None) -> None:
@@ -502,8 +517,11 @@ class Producer:
         elif err is not None:
             self._failures.append(err)
             self.delivery_failures += 1
-        elif self._transactional:
-            self._written[(msg.topic(), msg.partition())] = msg.offset() + 1
+        else:
+            if msg.topic() == self.topic:
+                self.acked_bytes += len(msg)
+            if self._transactional:
+                self._written[(msg.topic(), msg.partition())] = msg.offset() + 1
 
     def stats(self) -> dict[str, int]:
         """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
