@@ -449,6 +449,27 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
     assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
 
 
+def test_fields_are_in_the_order_kfeed_train_reads_whatever_the_flags_order(tmp_path) -> None:
+    # --field id=i --field label=y --field features=x wrote records id, label,
+    # features: kfeed train (features, label, id) refused every one of them.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kfeed.ingest import DatasetRows
+
+    x, y, i = np.zeros((4, 3), np.float32), np.arange(4), np.arange(4) + 10
+    np.savez(tmp_path / "w.npz", x=x, y=y, i=i)
+    flags = {"id": "i", "extra": "y", "label": "y", "features": "x"}
+    got = ingest.read_columns(tmp_path / "w.npz", flags)
+    assert list(got) == ["features", "label", "id", "extra"]
+    assert list(ingest.schema_for(got).names) == ["features", "label", "id", "extra"]
+    pq.write_table(pa.table({"i": i, "y": y, "x": pa.FixedSizeListArray.from_arrays(
+        pa.array(x.ravel()), 3)}), tmp_path / "w.parquet")
+    rows = DatasetRows(str(tmp_path / "w.parquet"))
+    assert list(ingest.stream_fields(rows, flags, {}, {})) == ["features", "label", "id",
+                                                               "extra"]
+
+
 def test_numpy_files_not_what_their_names_say_get_one_clear_line(capsys, tmp_path) -> None:
     import os
 

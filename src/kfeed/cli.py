@@ -1180,10 +1180,12 @@ Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
   them, sending nothing twice and skipping nothing (a query needs an ORDER BY on
   a unique key for that); without --resume it is refused, and --resend sends
   every row again.
-  Without --field, the columns/arrays named features, label and id are read;
-  --field FIELD=COLUMN maps a field to another column (a .npy holds one array,
-  named after the file: --field features=STEM). Columns become fields by these
-  rules:
+  Without --field, the columns/arrays named features, label and id are read.
+  With --field FIELD=COLUMN (repeatable), the fields named are read, each from
+  its column (a .npy holds one array, named after the file: --field
+  features=STEM), and only those; features, label and id come first in each
+  record, in that order (as kfeed train reads them), the others in the order
+  given. Columns become fields by these rules:
     int8..int64, uint8..uint64, float16/32/64, bool  -> the same dtype, one a sample
     fixed-length list<T> (every row W long)          -> T[W] (list<float> -> float32[W])
     strings, timestamps, decimals, structs, nested or ragged lists: refused, naming

@@ -110,7 +110,7 @@ def read_columns(
     its nulls (Parquet only).
     """
     path = Path(path)
-    fields = dict(fields or DEFAULT_FIELDS)
+    fields = field_order(fields or DEFAULT_FIELDS)
     dtypes = dict(dtypes or {})
     fills = dict(fills or {})
     suffix = path.suffix.lower()
@@ -136,6 +136,15 @@ def read_columns(
         raise ConfigError(f"{path.name}: the fields have different row counts ({listed}): "
                           f"every column needs one value per sample")
     return out
+
+
+def field_order(fields: Mapping[str, str]) -> dict[str, str]:
+    """``fields`` ({field: column}) in the order records hold them: those ``kfeed
+    train`` reads first, as it reads them (features, label, id), then the
+    others as given. The order of the --field flags is not the records'
+    (the schema's fingerprint depends on it): given id first, every record
+    was refused by kfeed train."""
+    return {**{name: fields[name] for name in TRAIN_FIELDS if name in fields}, **fields}
 
 
 def schema_for(columns: Mapping[str, np.ndarray]) -> Any:
@@ -843,7 +852,7 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
     """``fields`` (default ``DEFAULT_FIELDS``) checked against the rows' columns and flags."""
     import pyarrow as pa
 
-    fields = dict(fields or DEFAULT_FIELDS)
+    fields = field_order(fields or DEFAULT_FIELDS)
     names = rows.names()
     for name, src in fields.items():
         if src not in names:
