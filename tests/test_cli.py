@@ -185,6 +185,9 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "kfeed: no brokers given: pass --bootstrap-servers HOST:PORT or set KFEED_BOOTSTRAP"),
     (TRAIN + ("-X", "group.id=other"),
      "kfeed: -X group.id is set by --group-id: leave it out of -X"),
+    (PRODUCE + ("--synthetic", "5", "-X", "group.id=other"),  # (produce has no --group-id)
+     "kfeed: -X group.id is set by kfeed produce (a producer is in no consumer group; a "
+     "resumable job's progress has a group of its own): leave it out of -X"),
     (PRODUCE + ("--synthetic", "5", "-X", "bootstrap.servers=h:1"),
      "kfeed: -X bootstrap.servers is set by --bootstrap-servers: leave it out of -X"),
     (PRODUCE + ("--synthetic", "5", "-X", "fetch.min.bytes=5", "-X", "linger.ms=5"),
@@ -194,8 +197,9 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      ("kfeed: kfeed lag uses only the brokers' address and login settings (bootstrap., "
       "security., sasl., ssl., client., socket. ...): -X fetch.min.bytes would have no effect")),
     (("lag", "--bootstrap-servers", CLOSED, "--group-id", "g", "-X", "security.protocol=x"),
-     "kfeed: bad kafka_config: Invalid value \"x\" for configuration property "
-     "\"security.protocol\""),
+     "kfeed: bad Kafka setting: Invalid value \"x\" for configuration property "
+     "\"security.protocol\": check its name and value (librdkafka's CONFIGURATION.md lists "
+     "them)"),
     (("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", " "),
      "kfeed: --group-id ' ' is empty: give a name"),
 ])
@@ -229,6 +233,18 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
     missing = tmp_path / "none.npz"
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing))
     assert (code, err) == (2, [f"kfeed: --from {missing}: no such file: check the path"])
+    # A missing file of an unknown suffix is missing (it was told its suffix),
+    # and one that is there is told every kind of --from.
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "d.txt2"))
+    assert (code, err) == (2, [f"kfeed: --from {tmp_path / 'd.txt2'}: no such file: check "
+                               f"the path"])
+    (tmp_path / "d").write_text("x")
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "d"))
+    assert (code, err) == (2, [f"kfeed: --from {tmp_path / 'd'}: samples come from .npz, .npy, "
+                               f".parquet, .arrow, .feather, .ipc, .csv, .jsonl, .ndjson files "
+                               f"(.jsonl with --field), a folder or a glob of them, not a file "
+                               f"with no suffix: convert it, or give a .txt or .jsonl corpus for "
+                               f"token documents"])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(missing), "--field", "features")
     assert (code, err) == (2, [("kfeed: --field 'features' is not FIELD=COLUMN: write it as "
                                "e.g. --field features=COLUMN")])

@@ -356,6 +356,13 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
         (["--format", "avro"], "--format avro needs --registry URL"),
         (["--format", "protobuf"], "or --registry URL to read the schemas from"),
         (["--format", "protobuf", "--proto", "no_such_module:X"], "put the generated module"),
+        # A module that is there: not told to put it on PYTHONPATH.
+        (["--format", "protobuf", "--proto", "json:Nope"],
+         "--proto json:Nope: module json has no 'Nope' (its message classes: none): name one "
+         "of them"),
+        (["--format", "protobuf", "--proto", "clicks_pb2"],
+         "is not MODULE:MESSAGE: name the generated module and its message class (e.g. "
+         "--proto clicks_pb2:Click)"),
         (["--format", "json", "--field", "id:int64"], "is not NAME=DTYPE[SHAPE][@SOURCE]"),
         (["--format", "json", "--field", "id=int64", "--field", "id=int32"], "given twice"),
         (["--format", "raw", "--registry", "http://127.0.0.1:1"], "not raw"),

@@ -248,8 +248,9 @@ def test_a_setting_a_transaction_refuses_leaves_no_topic_behind(bootstrap, tmp_p
                      "-X", "acks=1")
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.strip().splitlines() == [
-        "kfeed: bad kafka_config: Failed to create producer: `acks` must be set to `all` "
-        "when `enable.idempotence` is true"], done.stderr
+        "kfeed: bad Kafka setting: Failed to create producer: `acks` must be set to `all` "
+        "when `enable.idempotence` is true: check its name and value (librdkafka's "
+        "CONFIGURATION.md lists them)"], done.stderr
     topics = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
     assert topic not in topics
 

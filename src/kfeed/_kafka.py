@@ -35,7 +35,7 @@ from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
 __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
-           "topic_partitions", "admin_partitions", "chain", "kafka_error", "weakly"]
+           "topic_partitions", "admin_partitions", "bad_setting", "chain", "kafka_error", "weakly"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,14 @@ def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
     return {**client_config(kafka_config), "logger": ConnectionLog()}
 
 
+def bad_setting(exc: BaseException) -> ConfigError:
+    """librdkafka's refusal of a setting (of ``kafka_config``, or ``-X``), as one line."""
+    err = kafka_error(exc)
+    why = err.str() if err is not None else str(exc)
+    return ConfigError(f"bad Kafka setting: {why}: check its name and value (librdkafka's "
+                       f"CONFIGURATION.md lists them)")
+
+
 def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     """An ``AdminClient`` of ``kafka_config``'s brokers, with its connection settings alone.
 
@@ -66,7 +74,7 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     try:
         return AdminClient(logged_config(kafka_config))
     except KafkaException as e:
-        raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
+        raise bad_setting(e) from None
 
 
 def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = False,
@@ -88,7 +96,7 @@ def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = Fal
     try:
         producer = Producer(config)
     except KafkaException as e:
-        raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from None
+        raise bad_setting(e) from None
     producer.poll(0)  # serves the warnings librdkafka queued while it read the settings
     ignored = [m.group(1) for m in map(_CONSUMER_ONLY.search, lines.texts) if m]
     if producer_only and ignored:

@@ -226,7 +226,10 @@ def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
                           "KFEED_BOOTSTRAP")
     _check_bootstrap(args.bootstrap_servers)
     config: dict[str, Any] = {"bootstrap.servers": args.bootstrap_servers, **extra}
-    flags = {"bootstrap.servers": "--bootstrap-servers", "group.id": "--group-id",
+    flags = {"bootstrap.servers": "--bootstrap-servers",
+             "group.id": "--group-id" if hasattr(args, "group_id") else
+             "kfeed produce (a producer is in no consumer group; a resumable job's progress "
+             "has a group of its own)",
              "transactional.id": "kfeed produce (a job's own id, for --resume)"}
     for item in args.kafka:
         key, sep, value = item.partition("=")
@@ -1339,12 +1342,19 @@ def _wire_format(args: argparse.Namespace) -> Any:
                               "URL to read the schemas from")
         module, sep, name = proto.partition(":")
         if not sep or not module or not name:
-            raise ConfigError(f"--proto {proto!r} is not MODULE:MESSAGE")
+            raise ConfigError(f"--proto {proto!r} is not MODULE:MESSAGE: name the generated "
+                              f"module and its message class (e.g. --proto clicks_pb2:Click)")
         try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
+            found = importlib.import_module(module)
+        except ImportError as e:
             raise ConfigError(f"--proto {proto}: {e}: put the generated module on "
                               f"PYTHONPATH") from None
+        cls = getattr(found, name, None)
+        if cls is None:
+            messages = sorted(k for k, v in vars(found).items()
+                              if isinstance(v, type) and hasattr(v, "DESCRIPTOR"))
+            raise ConfigError(f"--proto {proto}: module {module} has no {name!r} (its message "
+                              f"classes: {', '.join(messages) or 'none'}): name one of them")
         return kfeed.Protobuf(message=cls, registry=registry)
     if proto:
         raise ConfigError(f"--proto applies to --format protobuf, not {args.format}")

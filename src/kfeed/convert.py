@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, check_settings,
-                          client_config, create_topic, kafka_error, weakly)
+from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, bad_setting,
+                          check_settings, client_config, create_topic, kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
@@ -204,7 +204,7 @@ class _Convert:
         try:
             self.consumer = Consumer(config)
         except KafkaException as e:
-            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
+            raise bad_setting(e) from e
         self.producer: Producer | None = None
         try:  # what fails from here on closes the clients made
             base = client_config(kafka_config)

@@ -114,12 +114,16 @@ def read_columns(
     dtypes = dict(dtypes or {})
     fills = dict(fills or {})
     suffix = path.suffix.lower()
+    if not path.exists():
+        raise ConfigError(f"--from {path}: no such file: check the path")
     if suffix not in SUFFIXES:
-        raise ConfigError(f"--from {path}: samples come from {', '.join(SUFFIXES)}, not "
+        known = ", ".join(dict.fromkeys([*SUFFIXES, *DATASET_FORMATS]))
+        raise ConfigError(f"--from {path}: samples come from {known} files (.jsonl with "
+                          f"--field), a folder or a glob of them, not "
                           f"{path.suffix or 'a file with no suffix'}: convert it, or give a "
                           f".txt or .jsonl corpus for token documents")
     if not path.is_file():
-        raise ConfigError(f"--from {path}: no such file: check the path")
+        raise ConfigError(f"--from {path}: not a file: check the path")
     _check_flags(fields, dtypes, fills)
     if fills and suffix != ".parquet":
         raise ConfigError(f"--fill replaces the nulls of Parquet columns; {path.name} has "

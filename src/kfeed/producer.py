@@ -31,6 +31,7 @@ from kfeed._kafka import (
     ConnectionLog,
     TopicUnavailable,
     admin_client,
+    bad_setting,
     chain,
     check_topic_name,
     client_config,
@@ -204,7 +205,7 @@ class Producer:
         try:
             self._producer = _Producer(config)
         except KafkaException as e:
-            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
+            raise bad_setting(e) from e
         self._timeout = connect_timeout_s
         self.num_partitions = self._partition_count()
         # Partitions added to the topic later are found as librdkafka finds

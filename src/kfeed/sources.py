@@ -31,6 +31,7 @@ from kfeed._kafka import (
     ConnectionLog,
     TopicUnavailable,
     admin_client,
+    bad_setting,
     chain,
     client_config,
     topic_partitions,
@@ -353,7 +354,7 @@ class KafkaSource(Source):
         try:
             self._consumer = Consumer(config)
         except KafkaException as e:
-            raise ConfigError(f"bad kafka_config: {e.args[0].str()}") from e
+            raise bad_setting(e) from e
         self._paused: set[TP] = set()
         self._assigned_once = False
         self._callback_error: BaseException | None = None
