@@ -465,6 +465,17 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
     assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
 
 
+def test_a_checkpoint_that_is_not_one_is_a_mistake_in_the_command(capsys, tmp_path) -> None:
+    # It was a failure while running (exit 1), though nothing had run.
+    bad = tmp_path / "ck.pt"
+    bad.write_text("garbage\n")
+    code, err, out = run_main(capsys, *TRAIN, "--checkpoint", str(bad), "--resume",
+                              "--device", "cpu")
+    assert code == 2 and len(err) == 1 and out == "", err
+    assert err[0].startswith(f"kfeed: {bad} is not a kfeed train checkpoint (") and \
+        err[0].endswith("): give another --checkpoint path"), err
+
+
 def test_fields_are_in_the_order_kfeed_train_reads_whatever_the_flags_order(tmp_path) -> None:
     # --field id=i --field label=y --field features=x wrote records id, label,
     # features: kfeed train (features, label, id) refused every one of them.

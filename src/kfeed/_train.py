@@ -46,16 +46,18 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint ``save_checkpoint`` wrote; ``KfeedError`` naming the file if it is not one."""
+    """A checkpoint ``save_checkpoint`` wrote; a ``ConfigError`` (a mistake in the command,
+    exit status 2) naming the file if it is not one."""
     import torch
 
     try:
         state = torch.load(path, weights_only=False)
     except Exception as e:  # torch raises many kinds for a file it did not write
-        raise KfeedError(f"{path} is not a kfeed train checkpoint ({type(e).__name__}: {e}): "
+        raise ConfigError(f"{path} is not a kfeed train checkpoint ({type(e).__name__}: {e}): "
                          f"give another --checkpoint path") from e
     if not isinstance(state, dict) or not {"model", "optimizer", "loader", "step"} <= set(state):
-        raise KfeedError(f"{path} is not a kfeed train checkpoint: give another --checkpoint path")
+        raise ConfigError(f"{path} is not a kfeed train checkpoint: give another --checkpoint "
+                          f"path")
     return state
 
 
