@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, Interrupted, KfeedError
+from kfeed.errors import ConfigError, Interrupted
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
