@@ -417,7 +417,11 @@ class Loader:
                        if c.prefetch == "auto" else None)
         self._on_revoke = c.on_revoke
         self._in_hook = False
-        self._current: Batch | None = None
+        # Batches handed out whose steps may still run: the next next() marks them
+        # used. One, unless threads share the loader: then a next() from any of
+        # them marks every batch handed out before it (commits may run a batch
+        # a thread ahead of the steps; they never fall short of them).
+        self._current: list[Batch] = []
         self._convert = converter(c.output, c.schema)  # None: torch, as it is
         self._agreement: EpochAgreement | None = None
         self._ahead: Any = None  # with ranks: the next step's item, taken a step early
@@ -425,6 +429,7 @@ class Loader:
         # next() hands it out in its place, so that none is skipped.
         self._again: Handoff | None = None
         self._broken: BaseException | None = None  # with ranks: such a failure ends the read
+        self._failed: BaseException | None = None  # the loader's thread stopped at this error
         self._exhausted = False
         self._closed = False
         if not hasattr(self, "_batches"):  # the first pipeline: counters for the loader's life
@@ -589,6 +594,12 @@ class Loader:
         if self._broken is not None:
             raise LoaderError(f"the loader stopped at a batch it could not hand out: "
                               f"{self._broken!r}") from self._broken
+        if self._failed is not None:
+            # Never a StopIteration: a read that failed must not look like one that ended.
+            first = (str(self._failed).strip().splitlines() or [type(self._failed).__name__])[0]
+            raise LoaderError(f"the loader stopped at an error an earlier next() raised "
+                              f"({first}): open a new loader to read on, from the last "
+                              f"state_dict() or the group's commits") from self._failed
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
@@ -700,7 +711,7 @@ class Loader:
                 continue
             if isinstance(item, Failure):
                 self._exhausted = True
-                exc = item.exc
+                exc = self._failed = item.exc
                 if isinstance(exc, KfeedError):
                     raise exc
                 tb = "".join(traceback.format_exception(exc))
@@ -768,19 +779,19 @@ class Loader:
                 # the next batch instead.
                 return None
             ledger.accept(out.end, out.acks, out.pack_offset)
+            self._current.append(batch)
         if out.newest_ms > 0:
             self._latency_hist.observe(max(0.0, time.time() - out.newest_ms / 1000.0))
-        self._current = batch
         self._batches += 1
         self._samples_out += out.rows
         return handed
 
     def _mark_used(self) -> None:
-        if self._current is None:
-            return
+        # Under the lock: another thread's next() may hand out or mark at once.
         with self._ledger.lock:
-            self._ledger.mark_used(self._current.offsets)
-        self._current = None
+            current, self._current = self._current, []
+            for batch in current:
+                self._ledger.mark_used(batch.offsets)
 
     def _commit_if_due(self) -> None:
         now = time.monotonic()
