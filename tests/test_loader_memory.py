@@ -458,6 +458,21 @@ def test_a_window_naming_a_partition_the_topic_lacks_is_refused(window) -> None:
         next(iter(loader))
 
 
+def test_an_until_offset_past_the_end_stops_at_the_end_and_says_so(caplog) -> None:
+    # The read waited there for ever, holding its last records back; against a
+    # broker it then read records written after it began.
+    import logging
+
+    loader = memory_loader({0: blocks(0, 200, 64), 1: blocks(200, 200, 64)}, SCHEMA, 64,
+                           until={("memory", 0): 1000, ("memory", 1): 2}, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"), loader:
+        ids = collect(loader)
+    assert sorted(ids.tolist()) == list(range(200)) + list(range(200, 328))
+    assert [r.getMessage() for r in caplog.records if "until=" in r.getMessage()] == [
+        "until= names offset 1000 of memory[0], which ends at 4 now: the read stops there "
+        "(records written later are not read)"]
+
+
 def test_two_threads_reading_one_loader_both_end_with_stop_iteration() -> None:
     # The thread that did not take the end found the loader's thread gone and
     # the queue empty: "the loader thread stopped without a reason" (a race:

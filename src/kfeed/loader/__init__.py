@@ -222,8 +222,9 @@ class Loader:
     ``"end"`` stops at each partition's end as it was at the start; a
     ``datetime`` before the first record at or after it; a
     ``{(topic, partition): offset}`` before that offset (partitions it does
-    not name: their end at the start). Each end is resolved once, when the
-    partition is first assigned, so records written later are not read.
+    not name: their end at the start; an offset past the end stops at the
+    end, with a warning). Each end is resolved once, when the partition is
+    first assigned, so records written later are not read.
 
     ``pack=kfeed.Pack(...)`` (a schema with a variable-length token field)
     makes each batch ``batch_size`` packed rows of documents; without it, a

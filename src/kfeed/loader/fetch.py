@@ -200,10 +200,16 @@ class Fetcher:
             return self.source.offsets_for_time(tps, until)
         out = {}
         for tp in tps:
+            end = self.source.watermarks(tp)[1]  # "end", or a partition the map does not name
             if isinstance(until, Mapping) and tp in until:
-                out[tp] = until[tp]
-            else:  # "end", or a partition the map does not name: its end now
-                out[tp] = self.source.watermarks(tp)[1]
+                if until[tp] > end:
+                    # Past the end: the read would wait there for records
+                    # written later, which a window does not read.
+                    log.warning("until= names offset %d of %s[%d], which ends at %d now: "
+                                "the read stops there (records written later are not read)",
+                                until[tp], tp[0], tp[1], end)
+                end = min(end, until[tp])
+            out[tp] = end
         return out
 
     def _restart(self, kept: set[TP]) -> None:
