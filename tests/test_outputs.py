@@ -185,6 +185,10 @@ def test_what_an_output_cannot_hold_is_one_clear_error(jax_x32: None) -> None:
         make(output="tensorflow")
     with pytest.raises(kfeed.ConfigError, match="host memory: leave device unset"):
         make(output="numpy", device="cuda")
+    # A device torch does not know: torch's own RuntimeError came out of numpy, arrow, jax.
+    for output in ("torch", "numpy", "arrow", "jax"):
+        with pytest.raises(kfeed.ConfigError, match="^device 'gpu' is not a torch device: "):
+            make(output=output, device="gpu")
     with pytest.raises(kfeed.ConfigError, match="bfloat16, which arrow has no type for"):
         make(kfeed.Schema({"h": ("bfloat16", (4,))}), output="arrow")
     with pytest.raises(kfeed.ConfigError, match="pack= gives token rows"):

@@ -52,6 +52,15 @@ OUTPUTS = ("torch", "numpy", "jax", "arrow")
 _HOST = ("numpy", "arrow")
 
 
+def _device_type(device: Any) -> str | None:
+    """``device``'s type; None for what is not a torch device (the loader's
+    device check refuses it next, in the words it has for every output)."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None
+
+
 def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
     """Refuse what ``output`` cannot hold; the device it implies when none is given."""
     if output not in OUTPUTS:
@@ -60,7 +69,7 @@ def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
     if output == "torch":
         return device
     if output in _HOST:
-        if device is not None and torch.device(device).type != "cpu":
+        if device is not None and _device_type(device) not in ("cpu", None):
             raise ConfigError(f"output={output!r} gives batches in host memory: leave device "
                               f"unset or pass device='cpu', not {str(device)!r}")
         bf16 = [f.name for f in schema.fields if f.dtype == "bfloat16"]
@@ -90,7 +99,7 @@ def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
     jax_gpu = _has_gpu_backend(jax)
     if device is None:
         return "cuda" if torch.cuda.is_available() and jax_gpu else "cpu"
-    if torch.device(device).type == "cuda" and not jax_gpu:
+    if _device_type(device) == "cuda" and not jax_gpu:
         raise ConfigError(f"device={str(device)!r}, but this JAX has no GPU backend: install "
                           f"JAX's CUDA build, or pass device='cpu'")
     return device
