@@ -526,3 +526,16 @@ def test_records_are_the_rows_a_fetch_pushes() -> None:
         _pack.records(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([-1]), 0)
     with pytest.raises(ValueError, match="one pid"):
         _pack.records(np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)
+
+
+def test_a_buffer_that_cannot_fit_in_memory_is_one_clear_error() -> None:
+    # numpy's MemoryError ("Unable to allocate 29.1 TiB") came out of Loader().
+    import kfeed
+    from kfeed.loader import memory_loader
+
+    schema = Schema({"id": ("int64", ())})
+    with pytest.raises(ConfigError, match=r"^Shuffle\(buffer=1,000,000,000,000\) does not fit "
+                                          r"in memory here \(its index alone takes "
+                                          r"29,802.3 GiB, before the records it holds\): a "
+                                          r"smaller buffer$"):
+        memory_loader([], schema, 8, device="cpu", shuffle=kfeed.Shuffle(10**12))

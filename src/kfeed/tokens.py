@@ -523,7 +523,12 @@ class ShuffleBuffer:
         self._parts: list[Hashable] = []
         self._pos = np.zeros((4, 4), np.int64)
         self._known = np.zeros((4, 2), np.uint8)
-        self._held = _rows(max(size, 1))  # slot -> the record held there
+        try:
+            self._held = _rows(max(size, 1))  # slot -> the record held there
+        except MemoryError:
+            raise ConfigError(f"Shuffle(buffer={size:,}) does not fit in memory here (its "
+                              f"index alone takes {32 * size / 2**30:,.1f} GiB, before the "
+                              f"records it holds): a smaller buffer") from None
         self._n = 0
         self._outbox = _Fifo()  # emitted (ack=True): acknowledged up to _acked
         self._acked = 0
