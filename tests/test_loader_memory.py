@@ -525,6 +525,26 @@ def test_after_an_error_of_the_loaders_thread_next_raises_never_ends(until) -> N
     loader.close()
 
 
+@pytest.mark.parametrize("edit, says", [
+    ({"memory": {0: "12"}}, "position '12' of 'memory' partition 0 is not"),  # read as (1, 2)
+    ({"memory": {0: 12}}, "position 12 of 'memory' partition 0 is not"),  # TypeError
+    ({"memory": {"zero": [1, 27]}}, "position [1, 27] of 'memory' partition 'zero' is not"),
+    ({"memory": {0: [1, -1]}}, "position [1, -1] of 'memory' partition 0 is not"),
+    ([["memory", 0, 1, 27]], "its positions are list, not {topic: {partition: "),
+])
+def test_a_damaged_state_is_refused_never_read_from_another_place(edit, says) -> None:
+    loader = memory_loader(blocks(0, 300, 37), SCHEMA, 64, until="end", device="cpu")
+    next(loader)
+    state = {**loader.state_dict(), "positions": edit}
+    loader.close()
+    again = memory_loader(blocks(0, 300, 37), SCHEMA, 64, until="end", device="cpu")
+    with pytest.raises(kfeed.ConfigError, match="^not a kfeed loader state: " + re.escape(says)):
+        again.load_state_dict(state)
+    with pytest.raises(kfeed.ConfigError, match="^not a kfeed loader state: " + re.escape(says)):
+        Loader.merge_states([state])
+    again.close()
+
+
 def test_a_state_of_other_topics_is_refused() -> None:
     # It was taken in silence: the loader read from the start, as if no state.
     def loader(topic: str, topics: list[str] | None = None) -> Loader:

@@ -95,7 +95,7 @@ from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status, no_revoke_hook
-from kfeed.loader.ledger import Ledger, OrderLedger, _key, no_reset_hook
+from kfeed.loader.ledger import Ledger, OrderLedger, _key, no_reset_hook, state_positions
 from kfeed.loader.tuning import (
     AUTO_START,
     HELD_BESIDES_QUEUE,
@@ -963,12 +963,10 @@ class Loader:
         lineages: list[str] = []
         superseded: set[str] = set()
         for st in states:
-            for topic, parts in st.get("positions", {}).items():
+            for (topic, part), pos in state_positions(st).items():
                 merged = positions.setdefault(topic, {})
-                for part, pos in parts.items():
-                    part = int(part)
-                    if part not in merged or tuple(pos) > tuple(merged[part]):
-                        merged[part] = [int(pos[0]), int(pos[1])]
+                if part not in merged or pos > tuple(merged[part]):
+                    merged[part] = list(pos)
             lineages += [x for x in st.get("lineages", []) if x not in lineages]
             superseded.update(st.get("superseded", []))
         out = {**first, "positions": positions, "lineages": lineages,

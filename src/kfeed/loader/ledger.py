@@ -364,13 +364,39 @@ class Ledger:
         if "order" in state:
             raise ConfigError(f"the state was saved by a loader with {_order_kinds(state)}; "
                               f"this one reads in offset order: pass the same")
-        handed: dict[TP, Position] = {}
-        for topic, parts in state.get("positions", {}).items():
-            for part, (off, skip) in parts.items():
-                handed[(topic, int(part))] = (int(off), int(skip))
+        handed = state_positions(state)
         self.handed.update(handed)
         self.used.update(handed)
         self.carried = dict(handed)
+
+
+def state_positions(state: Mapping[str, Any]) -> dict[TP, Position]:
+    """A state's ``positions`` ({topic: {partition: [offset, skip]}}; a JSON round
+    trip makes the partitions strings), each checked: a state edited by hand
+    or damaged is a ``ConfigError``, never a resume from another place."""
+    out: dict[TP, Position] = {}
+    positions = state.get("positions", {})
+    if not isinstance(positions, Mapping):
+        raise ConfigError(f"not a kfeed loader state: its positions are "
+                          f"{type(positions).__name__}, not {{topic: {{partition: "
+                          f"[offset, skip]}}}}")
+    for topic, parts in positions.items():
+        if not isinstance(parts, Mapping):
+            raise ConfigError(f"not a kfeed loader state: the positions of {topic!r} are "
+                              f"{parts!r}, not {{partition: [offset, skip]}}")
+        for part, pos in parts.items():
+            whole = isinstance(pos, (list, tuple)) and len(pos) == 2 and all(
+                _is_int(x) and x >= 0 for x in pos)
+            if not (_is_int(part) or (isinstance(part, str) and part.isdigit())) or not whole:
+                raise ConfigError(f"not a kfeed loader state: position {pos!r} of {topic!r} "
+                                  f"partition {part!r} is not [offset, skip] of a partition "
+                                  f"number")
+            out[(str(topic), int(part))] = (int(pos[0]), int(pos[1]))
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 # NOTE [ Rounds ]: a partition a mixture reads again (Mix(exhausted="repeat"))
