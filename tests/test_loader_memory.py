@@ -399,6 +399,14 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=None))
     ids = torch.cat([b["id"] for b in batches]).numpy()
     assert np.array_equal(np.sort(ids), np.arange(640))
+    # Another output: the DataLoader made numpy batches tensors again, and its
+    # collate met JAX arrays and Arrow batches with a TypeError of its own.
+    for output in ("numpy", "jax", "arrow"):
+        with pytest.raises(kfeed.ConfigError, match=f"^KafkaIterableDataset yields torch "
+                           f"batches, .* iterate kfeed.Loader\\(..., output='{output}'\\) "
+                           f"directly$"):
+            kfeed.KafkaIterableDataset({}, "memory", kfeed.Schema({"x": ("float32", (2,))}),
+                                       128, source=source, output=output)
 
 
 def test_a_given_source_in_dataloader_workers_of_a_group_is_refused() -> None:

@@ -59,6 +59,13 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
         self.config = LoaderConfig(topics, schema, batch_size, **loader_kwargs)
+        if self.config.output != "torch":
+            # The DataLoader converts what a dataset yields (numpy arrays into
+            # tensors) and cannot collate JAX arrays or Arrow batches.
+            raise ConfigError(f"KafkaIterableDataset yields torch batches, which a DataLoader "
+                              f"takes as they are; output={self.config.output!r} needs no "
+                              f"DataLoader: iterate kfeed.Loader(..., "
+                              f"output={self.config.output!r}) directly")
         if self.config.epochs is not None and (self.config.until == "end" or
                                                self.config.start in ("committed", "latest")):
             raise ConfigError("with epochs=, each epoch of a KafkaIterableDataset opens a new "
