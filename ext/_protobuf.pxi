@@ -254,8 +254,8 @@ cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept 
             return A_TRUNCATED
         b = c.p[0]
         c.p += 1
-        if shift == 63 and (b & 0x7E):
-            return A_VARINT
+        # (a 10th byte's bits past bit 63 are ignored, as protobuf's parser
+        # ignores them)
         v |= (b & 0x7F) << shift
         if not (b & 0x80):
             break

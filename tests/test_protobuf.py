@@ -872,3 +872,23 @@ def test_kfeed_produce_format_protobuf_writes_the_message_class(bootstrap, make_
     for s in got:
         np.testing.assert_array_equal(np.float32(s.features), want["features"][s.id])
         assert s.label == want["label"][s.id]
+
+
+
+def test_a_ten_byte_varint_reads_as_protobuf_reads_it():
+    # The 10th byte's bits past bit 63 made the record bad ("malformed
+    # varint"); protobuf ignores them.
+    from records import message_class
+
+    cls = message_class("v10", "M", [("a", "int64", False), ("b", "sint64", False)])
+    values = [bytes([0x08]) + b"\xff" * 9 + b"\x7f",
+              bytes([0x10]) + b"\xca\x92\x88\x80\xd5\xb7\xa5\x88\xc4\x44",
+              bytes([0x08]) + b"\xff" * 10 + b"\x01"]  # 11 bytes: malformed for both
+    with pytest.raises(Exception):
+        cls.FromString(values[2])
+    want = [cls.FromString(v) for v in values[:2]]
+    schema = kfeed.Schema({"a": ("int64", ()), "b": ("int64", ())})
+    cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, values)
+    assert bad == [(2, "malformed varint at a")], bad
+    assert cols["a"].tolist() == [w.a for w in want] and cols["a"][0] == -1
+    assert cols["b"].tolist() == [w.b for w in want]
