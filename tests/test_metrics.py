@@ -85,6 +85,18 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert 0 < sample(got, "kfeed_loader_latency_seconds_sum", **labels) < 10 * 60
 
 
+@pytest.mark.parametrize("batch_size", [8, 64, 100])
+def test_every_batch_is_one_latency_observation(batch_size) -> None:
+    # A batch that ended inside a block (batch_size under the records a
+    # message holds) was no observation: 33 of 80 batches at batch_size=8.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    source = kfeed.MemorySource(schema.encode_blocks({"id": np.arange(640)}, 64))
+    with kfeed.Loader(None, "memory", schema, batch_size, source=source, until="end",
+                      device="cpu") as loader:
+        batches = sum(1 for _ in loader)
+        assert loader.stats()["latency_histogram"].cumulative()[-1][1] == batches
+
+
 def test_a_loader_closed_or_let_go_is_no_longer_published(server):
     import gc
 

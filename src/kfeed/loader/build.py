@@ -260,6 +260,8 @@ class SlotBuilder:
             if tp not in out.first:
                 out.first[tp] = (m.offset(), start if res.consumed == 0 else 0)
             out.end[tp] = (m.offset(), res.partial)
+            # (a batch inside one message has its records' time: it was not observed)
+            out.newest_ms = max(out.newest_ms, m.timestamp()[1])
         if res.rows:
             self.bad.good()
         for k, reason in res.bad:
