@@ -436,6 +436,45 @@ def test_an_abort_that_fails_fatally_leaves_the_callers_error_raised(bootstrap: 
     real.abort_transaction(10)
 
 
+@pytest.mark.integration
+def test_a_closed_producer_refuses_to_send_and_a_process_says_what_it_lost(
+        bootstrap: str, make_topic: Any) -> None:
+    # send() after close() returned as if sent, and the samples were lost at
+    # exit; a process that ended with messages queued lost them without a word.
+    topic = make_topic(partitions=1)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    config = {"bootstrap.servers": bootstrap}
+    p = kfeed.Producer(config, topic, schema)
+    p.send({"id": np.arange(10)})
+    p.close()
+    p.close()  # (twice is fine)
+    with pytest.raises(kfeed.ProduceError, match="^the producer is closed: what is sent now "
+                                                 "would never be delivered"):
+        p.send({"id": np.arange(10, 20)})
+    # A process that ends with messages queued, never flushed (the linger keeps
+    # them in librdkafka's queue): they are lost, and it says so.
+    script = (f"import numpy as np, kfeed\n"
+              f"p = kfeed.Producer({{'bootstrap.servers': {bootstrap!r}, 'linger.ms': 60000}}, "
+              f"{topic!r}, kfeed.Schema({{'id': ('int64', ())}}))\n"
+              f"p.send({{'id': np.arange(20, 30)}})\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"the process exits with 1 message(s) to {topic} not delivered, now lost: close() " \
+           f"the Producer (or use `with`) before it ends" in done.stderr, done.stderr
+
+
+def test_a_ragged_nested_list_names_its_field() -> None:
+    # numpy's "setting an array element with a sequence" named no field.
+    schema = kfeed.Schema({"x": ("float32", (3,)), "id": ("int64", ())})
+    with pytest.raises(kfeed.ConfigError, match=r"^field 'x': not an array of rows of shape "
+                                                r"\(3,\) \(setting an array element"):
+        schema.encode_blocks({"x": [[1, 2, 3], [1, 2]], "id": [1, 2]}, 8)
+
+
 def test_bfloat16_fields_take_ml_dtypes_arrays_as_torch_tensors() -> None:
     # JAX's and ml_dtypes' bfloat16 arrays were refused: "expected dtype uint16, got bfloat16".
     import ml_dtypes

@@ -16,9 +16,11 @@ way, keyed one partition per document.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -50,6 +52,22 @@ from kfeed.schema import Format, Schema
 __all__ = ["Producer", "PRODUCER_DEFAULTS"]
 
 log = logging.getLogger(__name__)
+
+# Producers not closed. A message waiting for delivery keeps its producer
+# alive (its delivery callback holds it): one never closed is found at exit,
+# where librdkafka drops what it still queues.
+_OPEN: weakref.WeakSet[Producer] = weakref.WeakSet()
+
+
+@atexit.register
+def _lost_at_exit() -> None:
+    for producer in list(_OPEN):
+        with contextlib.suppress(Exception):  # (at exit, anything may be half gone)
+            left = 0 if producer._closed else len(producer._producer)
+            if left:
+                log.warning("the process exits with %d message(s) to %s not delivered, now "
+                            "lost: close() the Producer (or use `with`) before it ends",
+                            left, producer.topic)
 
 # Durable by default; batching tuned for block messages of ~200 KB. The user's
 # dict overrides any key.
@@ -190,6 +208,7 @@ class Producer:
             block_records = self.block_records = fit
         self._warn = ConnectionLog(log)
         self._fatal: Any = None
+        self._closed = False
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
         self._failures: deque[Any] = deque()
@@ -236,6 +255,7 @@ class Producer:
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot start transactions", e) from e
         metrics.register(self)
+        _OPEN.add(self)
 
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException
@@ -292,6 +312,14 @@ class Producer:
                      self.num_partitions)
             self.num_partitions = len(found.partitions)
 
+    def _check_open(self) -> None:
+        """Refuse to send once closed (or after a fatal error)."""
+        if self._closed:
+            raise ProduceError("the producer is closed: what is sent now would never be "
+                               "delivered; send before close(), or make a new producer",
+                               topic=self.topic)
+        self._raise_fatal()
+
     def _raise_fatal(self) -> None:
         err = self._fatal
         if err is not None:
@@ -347,7 +375,7 @@ class Producer:
         partition that Kafka's default partitioner picks for its key's bytes
         (murmur2, as the Java producer), or the ``partitioner``'s.
         """
-        self._raise_fatal()
+        self._check_open()
         self._recount_partitions()
         if _is_arrow(columns):
             from kfeed.arrowformat import table_columns
@@ -468,7 +496,7 @@ class Producer:
 
         Inside ``transaction()`` the copy is committed with everything else.
         """
-        self._raise_fatal()
+        self._check_open()
         self._produce(msg.value(), msg.key(), partition, topic=topic, headers=headers)
 
     def _produce(self, value: bytes, key: bytes | None, partition: int | None, *,
@@ -596,7 +624,7 @@ class Producer:
 
         if not self._transactional:
             raise ConfigError("transaction() needs a transactional_id")
-        self._raise_fatal()
+        self._check_open()
         try:
             self._producer.begin_transaction()
         except (KafkaException, SystemError) as e:
@@ -653,7 +681,9 @@ class Producer:
         read_committed consumers can read what it committed."""
         self.flush()
         self._await_readable()
+        self._closed = True
         metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
+
 
     def __enter__(self) -> Producer:
         return self
@@ -663,7 +693,9 @@ class Producer:
 
         if exc_type is None:
             self.close()
-        elif self._fatal is None:
+            return
+        self._closed = True  # (what was not delivered is said here, not again when let go)
+        if self._fatal is None:
             # Still deliver what was sent; the original exception wins, and
             # what was not delivered is said, never dropped in silence.
             try:

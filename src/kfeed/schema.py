@@ -728,7 +728,11 @@ def _as_numpy(f: Field, col: Any) -> np.ndarray:
             col = col.view(torch.int16)
         arr = col.detach().numpy()
         return arr.view(f.storage)
-    arr = np.asarray(col)
+    try:
+        arr = np.asarray(col)
+    except ValueError as e:  # a ragged nested list, say
+        raise ConfigError(f"field {f.name!r}: not an array of rows of shape {f.shape} "
+                          f"({e})") from None
     if f.dtype == "bfloat16" and arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:
         return arr.view(f.storage)  # ml_dtypes' (JAX's) bfloat16: its bits are the storage
     if arr.dtype != f.storage:
