@@ -526,8 +526,16 @@ def test_a_transactional_send_outside_a_transaction_and_a_flush_timeout_say_so(
         with pytest.raises(kfeed.ConfigError, match="^a transactional producer sends only "
                                                     "inside `with producer.transaction"):
             p.send(cols)  # was: "cannot send: ... Local: Erroneous state"
+        with pytest.raises(kfeed.ConfigError, match=r"^send_offsets\(\) commits offsets with "
+                                                    r"a transaction: call it inside"):
+            p.send_offsets(None, [])  # was: "... Operation not valid in state Ready"
         with p.transaction():
             p.send(cols)
+        with pytest.raises(kfeed.ConfigError, match="^transactions do not nest"):
+            with p.transaction():
+                p.send(cols)
+                with p.transaction():  # was: "... Operation not valid in state InTransaction"
+                    pass
     with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
         for _ in range(20):
             p.send(cols)

@@ -624,6 +624,9 @@ class Producer:
 
         if not self._transactional:
             raise ConfigError("transaction() needs a transactional_id")
+        if self._in_transaction:
+            raise ConfigError("transactions do not nest: send inside the open "
+                              "`with producer.transaction():`")
         self._check_open()
         try:
             self._producer.begin_transaction()
@@ -668,6 +671,9 @@ class Producer:
 
         if not self._transactional:
             raise ConfigError("send_offsets() needs a transactional_id")
+        if not self._in_transaction:
+            raise ConfigError("send_offsets() commits offsets with a transaction: call it "
+                              "inside `with producer.transaction():`")
         try:
             self._producer.send_offsets_to_transaction(
                 list(offsets), consumer.consumer_group_metadata(), self._timeout)
