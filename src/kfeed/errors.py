@@ -4,7 +4,8 @@ Every layer of the data flow raises from here: configuration and schema checks
 (``ConfigError``), the codec (``DecodeError``), the producer (``ProduceError``),
 the consumer side (``ConsumeError``) and the local cluster tool
 (``ClusterError``). Errors carry topic, partition and offset where they have
-them, and the original exception as ``__cause__``.
+them, and the original exception as ``__cause__``. ``first_line`` quotes
+another library's error inside one of them.
 """
 
 from __future__ import annotations
@@ -89,3 +90,9 @@ class Interrupted(KeyboardInterrupt):
     def handler(signum: int, _frame: object) -> None:
         """A signal handler that raises it."""
         raise Interrupted(signum)
+
+
+def first_line(exc: BaseException) -> str:
+    """``exc``'s message, its first line alone (its type's name if it has none):
+    another library's error, quoted in one of kfeed's one-line errors."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

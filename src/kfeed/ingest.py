@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.errors import ConfigError, KfeedError, first_line
 
 __all__ = [
     "DATASET_FORMATS",
@@ -175,7 +175,7 @@ def _read_numpy(path: Path, fields: Mapping[str, str]) -> Iterator[tuple[str, np
         try:
             arr = np.load(path, allow_pickle=False)
         except _NUMPY_ERRORS as e:
-            raise ConfigError(f"{path.name}: not a numpy array file ({_first_line(e)}): check "
+            raise ConfigError(f"{path.name}: not a numpy array file ({first_line(e)}): check "
                               f"the file") from None
         if not isinstance(arr, np.ndarray):
             arr.close()
@@ -186,7 +186,7 @@ def _read_numpy(path: Path, fields: Mapping[str, str]) -> Iterator[tuple[str, np
     try:
         data = np.load(path, allow_pickle=False)
     except _NUMPY_ERRORS as e:
-        raise ConfigError(f"{path.name}: not a numpy .npz file ({_first_line(e)}): check the "
+        raise ConfigError(f"{path.name}: not a numpy .npz file ({first_line(e)}): check the "
                           f"file") from None
     if isinstance(data, np.ndarray):
         raise ConfigError(f"{path.name}: one .npy array, not an .npz archive: name it "
@@ -205,7 +205,7 @@ def _read_numpy(path: Path, fields: Mapping[str, str]) -> Iterator[tuple[str, np
                                   f"objects ({e}): save it as a numeric array") from None
             except _NUMPY_ERRORS as e:  # the archive cut short
                 raise ConfigError(f"{path.name}: array {src!r} cannot be read "
-                                  f"({_first_line(e)}): check the file") from None
+                                  f"({first_line(e)}): check the file") from None
             yield name, arr
 
 
@@ -502,7 +502,7 @@ def _hdfs(base: str, query: str) -> tuple[Any, str]:
     try:
         return pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
     except OSError as e:  # no JVM or no libhdfs here
-        why = _first_line(e)
+        why = first_line(e)
     try:
         from hdfs_native.fsspec import HdfsFileSystem
     except ImportError:
@@ -594,7 +594,7 @@ class DatasetRows(Rows):
         except ConfigError:
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
-            raise ConfigError(f"--from {said}: cannot open it ({_first_line(e)}): check the "
+            raise ConfigError(f"--from {said}: cannot open it ({first_line(e)}): check the "
                               f"address, and for object stores the endpoint, region and "
                               f"credentials (as pyarrow takes them)") from None
         if pattern is not None:
@@ -618,7 +618,7 @@ class DatasetRows(Rows):
             self.dataset = ds.dataset(files, filesystem=fs, format=self.format)
             schema = self.dataset.schema
         except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{self.name}: not a {self.format} file ({_first_line(e)}): "
+            raise ConfigError(f"{self.name}: not a {self.format} file ({first_line(e)}): "
                               f"check the file") from None
         self.schema = schema
         if self.format in ("parquet", "ipc"):
@@ -633,7 +633,7 @@ class DatasetRows(Rows):
             return int(fragment.count_rows())
         except (pa.ArrowException, OSError) as e:
             raise ConfigError(f"{Path(fragment.path).name}: not a {self.format} file "
-                              f"({_first_line(e)}): check the file") from None
+                              f"({first_line(e)}): check the file") from None
 
     def names(self) -> list[str]:
         return list(self.schema.names)
@@ -670,7 +670,7 @@ class DatasetRows(Rows):
             try:
                 missing = [c for c in columns if c not in fragment.physical_schema.names]
             except (pa.ArrowException, OSError) as e:
-                raise KfeedError(f"{self.where}: {_first_line(e)}") from None
+                raise KfeedError(f"{self.where}: {first_line(e)}") from None
             if missing:
                 raise ConfigError(f"{self.where} has no column {missing[0]!r}, which the files "
                                   f"before it have: give every file the same columns")
@@ -681,7 +681,7 @@ class DatasetRows(Rows):
                                                fragment_readahead=1,
                                                fragment_scan_options=options, use_threads=False)
             except (pa.ArrowException, OSError) as e:
-                raise KfeedError(f"{Path(fragment.path).name}: {_first_line(e)}") from None
+                raise KfeedError(f"{Path(fragment.path).name}: {first_line(e)}") from None
 
 
 class QueryRows(Rows):
@@ -702,7 +702,7 @@ class QueryRows(Rows):
             self._conn = pg.connect(source)
         except Exception as e:  # noqa: BLE001 - the driver's errors are its own classes
             raise ConfigError(f"--from {shown(source)}: cannot connect "
-                              f"({_first_line(e)})") from None
+                              f"({first_line(e)})") from None
         self._cursor: Any = None
         try:
             self.schema = self._run().schema
@@ -721,7 +721,7 @@ class QueryRows(Rows):
             self._cursor.execute(self.query)
             return self._cursor.fetch_record_batch()
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"--query: {_first_line(e)}") from None
+            raise ConfigError(f"--query: {first_line(e)}") from None
 
     def names(self) -> list[str]:
         return list(self.schema.names)
@@ -924,10 +924,6 @@ def _glob_match(path: str, pattern: str) -> bool:
     parts, want = path.strip("/").split("/"), pattern.strip("/").split("/")
     return len(parts) == len(want) and all(fnmatch.fnmatchcase(a, b)
                                            for a, b in zip(parts, want, strict=True))
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # Query parameters of a URI that hold secrets: left out of its key and of messages.

@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import logging
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -53,15 +52,12 @@ __all__ = ["Producer", "PRODUCER_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
-# Producers not closed. A message waiting for delivery keeps its producer
-# alive (its delivery callback holds it): one never closed is found at exit,
-# where librdkafka drops what it still queues.
-_OPEN: weakref.WeakSet[Producer] = weakref.WeakSet()
-
-
 @atexit.register
 def _lost_at_exit() -> None:
-    for producer in list(_OPEN):
+    # A message waiting for delivery keeps its producer alive (its delivery
+    # callback holds it): one never closed is still published at exit
+    # (metrics.LIVE), where librdkafka drops what it still queues.
+    for producer in [o for o in list(metrics.LIVE) if isinstance(o, Producer)]:
         with contextlib.suppress(Exception):  # (at exit, anything may be half gone)
             left = 0 if producer._closed else len(producer._producer)
             if left:
@@ -255,7 +251,6 @@ class Producer:
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot start transactions", e) from e
         metrics.register(self)
-        _OPEN.add(self)
 
     def _partition_count(self) -> int:
         from confluent_kafka import KafkaException
@@ -690,7 +685,6 @@ class Producer:
         self._closed = True
         metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
 
-
     def __enter__(self) -> Producer:
         return self
 
@@ -700,7 +694,7 @@ class Producer:
         if exc_type is None:
             self.close()
             return
-        self._closed = True  # (what was not delivered is said here, not again when let go)
+        self._closed = True  # (what was not delivered is said here, not again at exit)
         if self._fatal is None:
             # Still deliver what was sent; the original exception wins, and
             # what was not delivered is said, never dropped in silence.

@@ -88,7 +88,7 @@ from kfeed import metrics
 from kfeed._kafka import client_config
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
-from kfeed.errors import ConfigError, KfeedError, LoaderError
+from kfeed.errors import ConfigError, KfeedError, LoaderError, first_line
 from kfeed.formats import RecordFormat
 from kfeed.loader.agreement import EpochAgreement, from_rank0, shared_run
 from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
@@ -597,9 +597,8 @@ class Loader:
                               f"{self._broken!r}") from self._broken
         if self._failed is not None:
             # Never a StopIteration: a read that failed must not look like one that ended.
-            first = (str(self._failed).strip().splitlines() or [type(self._failed).__name__])[0]
             raise LoaderError(f"the loader stopped at an error an earlier next() raised "
-                              f"({first}): open a new loader to read on, from the last "
+                              f"({first_line(self._failed)}): open a new loader to read on, from the last "
                               f"state_dict() or the group's commits") from self._failed
         if self._exhausted:
             raise StopIteration

@@ -104,7 +104,7 @@ from typing import Any
 import numpy as np
 
 from kfeed.errors import ConfigError
-from kfeed.mix import Mixer
+from kfeed.mix import Mixer, as_int
 from kfeed.sources import TP, Committed, Position, Source
 from kfeed.tokens import Key, Packer, Shuffle, ShuffleBuffer
 
@@ -386,17 +386,14 @@ def state_positions(state: Mapping[str, Any]) -> dict[TP, Position]:
                               f"{parts!r}, not {{partition: [offset, skip]}}")
         for part, pos in parts.items():
             whole = isinstance(pos, (list, tuple)) and len(pos) == 2 and all(
-                _is_int(x) and x >= 0 for x in pos)
-            if not (_is_int(part) or (isinstance(part, str) and part.isdigit())) or not whole:
+                as_int(x) is not None and x >= 0 for x in pos)
+            if not (as_int(part) is not None or (isinstance(part, str) and part.isdigit())) \
+                    or not whole:
                 raise ConfigError(f"not a kfeed loader state: position {pos!r} of {topic!r} "
                                   f"partition {part!r} is not [offset, skip] of a partition "
                                   f"number")
             out[(str(topic), int(part))] = (int(pos[0]), int(pos[1]))
     return out
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 # NOTE [ Rounds ]: a partition a mixture reads again (Mix(exhausted="repeat"))
