@@ -255,6 +255,10 @@ cdef class Chunk:
     (optional, uint8 per document): a document of no tokens whose EOS is
     still to come (the rest of one whose tokens are all out already, NOTE
     [ Elastic resume ]); any other document of no tokens gives nothing.
+
+    ``gather_documents`` makes the other kind: documents that stay where they
+    lie, in several arrays, each read through its own address (``ptrs``);
+    ``offs`` then only counts their lengths.
     """
 
     cdef Py_buffer view
@@ -265,8 +269,15 @@ cdef class Chunk:
     cdef const int64_t[::1] offs
     cdef const uint8_t[::1] owed_view
     cdef const uint8_t* owed
+    cdef const uint8_t** ptrs            # gathered: document d starts at ptrs[d]
+    cdef list keep                       # gathered: the arrays ptrs point into
 
-    def __cinit__(self, tokens, const int64_t[::1] offsets, const uint8_t[::1] owed=None):
+    def __cinit__(self, tokens=None, const int64_t[::1] offsets=None,
+                  const uint8_t[::1] owed=None):
+        self.ptrs = NULL
+        self.owed = NULL
+        if tokens is None:  # gathered: gather_documents fills it in
+            return
         try:
             PyObject_GetBuffer(tokens, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
         except (TypeError, BufferError, ValueError) as e:
@@ -290,7 +301,6 @@ cdef class Chunk:
         self.ids = <const uint8_t*>self.view.buf
         self.ndocs = n
         self.offs = offsets
-        self.owed = NULL
         if owed is not None:
             if owed.shape[0] != n:
                 raise ValueError(f"owed has {owed.shape[0]} entries for {n} documents")
@@ -301,6 +311,7 @@ cdef class Chunk:
     def __dealloc__(self):
         if self.held:
             PyBuffer_Release(&self.view)
+        free(self.ptrs)
 
 
 cdef class Outputs:
@@ -461,8 +472,8 @@ cdef class Core:
                     unit += self.has_eos
                 if off < 0 or off >= unit or not self.split_long:
                     raise ValueError(f"off {off} is outside document {doc} ({unit} tokens)")
-            complete, doc, off = self._run(out, c.ids, c.code, &c.offs[0], c.owed, ndocs, doc,
-                                           off, finished and used == last)
+            complete, doc, off = self._run(out, c.ids, c.ptrs, c.code, &c.offs[0], c.owed,
+                                           ndocs, doc, off, finished and used == last)
             if complete:
                 break
             doc = off = 0
@@ -475,11 +486,15 @@ cdef class Core:
         return (used, doc, off, self.rows, self.segments, self.max_seqlen, self.tokens,
                 self.truncated, self.documents)
 
-    cdef (bint, Py_ssize_t, int64_t) _run(self, Outputs out, const uint8_t* s, int src_code,
+    cdef (bint, Py_ssize_t, int64_t) _run(self, Outputs out, const uint8_t* s,
+                                          const uint8_t** ptrs, int src_code,
                                           const int64_t* offsets, const uint8_t* owed,
                                           Py_ssize_t ndocs, Py_ssize_t doc, int64_t off,
                                           bint final):
         """Pack from document ``doc`` (``off`` tokens of it already out) of one chunk.
+
+        Document ``d`` starts at ``s + offsets[d]`` elements, or at ``ptrs[d]``
+        when the chunk is gathered.
 
         Returns ``(complete, doc, off)``. Not complete: the chunk ran out
         before the batch was full and ``final`` is false; the next chunk goes
@@ -503,6 +518,7 @@ cdef class Core:
         cdef uint8_t* docs = out.docs
         cdef int pos_code = out.pos_code, doc_code = out.doc_code
         cdef bint complete = True
+        cdef const uint8_t* src
         with nogil:
             while r < rows:
                 while col < L:
@@ -526,8 +542,8 @@ cdef class Core:
                     a = off
                     b = off + take if off + take < n else n
                     if b > a:
-                        copy_ids(s + (offsets[doc] + a) * isz, src_code,
-                                 tokens + at * tsz, tok, b - a)
+                        src = ptrs[doc] if ptrs != NULL else s + offsets[doc] * isz
+                        copy_ids(src + a * isz, src_code, tokens + at * tsz, tok, b - a)
                     if off + take > n:
                         fill(tokens + (at + b - a) * tsz, tok, eos, 1)
                     segment(pos, positions, pos_code, docs, doc_code, at, take, doc_id)
@@ -881,45 +897,57 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
     return n, why, src
 
 
-def take_documents(list tokens, list starts, const int64_t[::1] fetch_of,
-                   const int64_t[::1] local, const int64_t[::1] cut, Py_ssize_t itemsize):
-    """Documents out of several fetches, one after another: ``(bytes, lengths)``.
+def gather_documents(list tokens, list starts, const int64_t[::1] fetch_of,
+                     const int64_t[::1] local, const int64_t[::1] cut, str dtype):
+    """Documents out of several fetches, one after another, as a gathered ``Chunk``.
 
     Document ``i`` is document ``local[i]`` of fetch ``fetch_of[i]``: the
-    tokens of ``tokens[f]`` (an array seen as bytes, ``itemsize`` bytes a
-    token) from ``starts[f][local[i]]`` to ``starts[f][local[i] + 1]``, less
-    its first ``cut[i]`` tokens (``cut`` empty: none). Gives the tokens as
-    one uint8 array and each document's length in tokens. Every index is
-    checked before any byte moves; the copies, one ``memcpy`` a document,
-    run without the GIL.
+    tokens of ``tokens[f]`` (an array of ``dtype`` seen as bytes) from
+    ``starts[f][local[i]]`` to ``starts[f][local[i] + 1]``, less its first
+    ``cut[i]`` tokens (``cut`` empty: none). No token moves: the chunk holds
+    the arrays and each document's address, and the packer copies each once,
+    straight into the batch. A document cut to no tokens is owed its EOS (the
+    rest of one whose tokens all came out before a resume, NOTE [ Elastic
+    resume ]). Gives ``(chunk, lengths)``, each document's length in tokens;
+    every index is checked here.
     """
+    cdef int code = CODES.get(dtype, 0)
     cdef Py_ssize_t n = fetch_of.shape[0], nf = len(tokens), i, f, d
-    cdef int64_t a, b, c, total = 0
-    if itemsize <= 0 or len(starts) != nf or local.shape[0] != n \
+    cdef Py_ssize_t itemsize = in_size(code)
+    cdef int64_t a, b, c
+    if code == 0 or len(starts) != nf or local.shape[0] != n \
             or (cut.shape[0] != 0 and cut.shape[0] != n):
-        raise ValueError("a fetch and a document per id, starts per fetch, itemsize > 0")
+        raise ValueError("a fetch and a document per id, starts per fetch, an integer dtype")
     cdef const uint8_t[::1] tv
     cdef const int64_t[::1] sv
-    keep = []  # the views, so the addresses below stay valid
+    cdef int64_t[::1] lv, ov
+    cdef Chunk chunk = Chunk()
+    chunk.keep = []  # the views, so the addresses below stay valid
+    chunk.code = code
+    chunk.ndocs = n
+    chunk.ptrs = <const uint8_t**>malloc(max(n, 1) * sizeof(uint8_t*))
     cdef const uint8_t** src = <const uint8_t**>malloc(max(nf, 1) * sizeof(uint8_t*))
     cdef const int64_t** bounds = <const int64_t**>malloc(max(nf, 1) * sizeof(int64_t*))
     cdef int64_t* have = <int64_t*>malloc(max(nf, 1) * sizeof(int64_t))
     cdef int64_t* docs = <int64_t*>malloc(max(nf, 1) * sizeof(int64_t))
-    if src == NULL or bounds == NULL or have == NULL or docs == NULL:
+    if chunk.ptrs == NULL or src == NULL or bounds == NULL or have == NULL or docs == NULL:
         free(src); free(bounds); free(have); free(docs)
         raise MemoryError()
     try:
         for f in range(nf):
             tv = tokens[f]
             sv = starts[f]
-            keep.append((tv, sv))
+            chunk.keep.append((tv, sv))
             src[f] = &tv[0] if tv.shape[0] else NULL
             bounds[f] = &sv[0] if sv.shape[0] else NULL
             have[f] = tv.shape[0] // itemsize
             docs[f] = sv.shape[0] - 1
         lengths = np.empty(n, np.int64)
-        at = np.empty(n, np.int64)
-        first = np.empty(n, np.int64)
+        offs = np.empty(n + 1, np.int64)
+        lv = lengths
+        ov = offs
+        owed = None
+        ov[0] = 0
         for i in range(n):
             f = fetch_of[i]
             d = local[i]
@@ -930,25 +958,18 @@ def take_documents(list tokens, list starts, const int64_t[::1] fetch_of,
             c = cut[i] if cut.shape[0] else 0
             if a < 0 or b < a or b > have[f] or c < 0:
                 raise ValueError(f"document {i}: tokens {a} to {b} (less {c}) of {have[f]}")
+            if c and a + c >= b:
+                if owed is None:
+                    owed = np.zeros(n, np.uint8)
+                owed[i] = 1
             a = min(a + c, b)
-            first[i] = a
-            lengths[i] = b - a
-            at[i] = total
-            total += b - a
-        out = np.empty(total * itemsize, np.uint8)
-        _copy_documents(src, fetch_of, first, lengths, at, itemsize, out)
-        return out, lengths
+            chunk.ptrs[i] = src[f] + a * itemsize if b > a else NULL
+            lv[i] = b - a
+            ov[i + 1] = ov[i] + (b - a)
+        chunk.offs = offs
+        if owed is not None:
+            chunk.owed_view = owed
+            chunk.owed = &chunk.owed_view[0]
+        return chunk, lengths
     finally:
         free(src); free(bounds); free(have); free(docs)
-
-
-cdef void _copy_documents(const uint8_t** src, const int64_t[::1] fetch_of,
-                          const int64_t[::1] first, const int64_t[::1] lengths,
-                          const int64_t[::1] at, Py_ssize_t itemsize,
-                          uint8_t[::1] out) noexcept:
-    cdef Py_ssize_t i, n = fetch_of.shape[0]
-    with nogil:
-        for i in range(n):
-            if lengths[i]:
-                memcpy(&out[at[i] * itemsize], src[fetch_of[i]] + first[i] * itemsize,
-                       lengths[i] * itemsize)

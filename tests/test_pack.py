@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kfeed import ConfigError, Schema
+from kfeed import ConfigError, KfeedError, Schema
 from kfeed.tokens import Pack, Packer, PackInfo
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -722,31 +722,57 @@ def test_the_reservoir_loop_skips_repeats_and_keeps_the_positions():
     assert marks[0].tolist() == [3, 0]
 
 
-def test_documents_are_taken_from_several_fetches_in_the_order_asked_and_checked_first():
+def test_documents_are_packed_from_several_fetches_in_the_order_asked_and_checked_first():
     a = np.arange(10, dtype=np.int32)            # fetch 0: documents [0:3], [3:10]
     b = np.arange(100, 106, dtype=np.int32)      # fetch 1: documents [0:2], [2:2], [2:6]
     starts = [np.array([0, 3, 10]), np.array([0, 2, 2, 6])]
-    views = [a.view(np.uint8), b.view(np.uint8)]
     fetch_of = np.array([1, 0, 1, 0, 1], np.int64)
     local = np.array([2, 1, 0, 0, 1], np.int64)
-    out, lengths = _pack.take_documents(views, starts, fetch_of, local, np.empty(0, np.int64), 4)
-    assert lengths.tolist() == [4, 7, 2, 3, 0]
-    assert out.view(np.int32).tolist() == [102, 103, 104, 105, *range(3, 10), 100, 101, 0, 1, 2]
-    # Less the tokens already out (a cut past the end takes nothing).
+    pack = Pack(seq_len=32, eos_id=999, pad_id=0)
+
+    def packed(cut, docs, owed=None):
+        """The batch of the gathered feed, checked against ``feed`` of ``docs`` copied out."""
+        out = []
+        for gathered in (True, False):
+            packer = Packer(pack, 1)
+            if gathered:
+                packer._feed_gathered([a, b], starts, fetch_of, local, cut)
+            else:
+                packer.feed(np.concatenate(docs), [len(d) for d in docs], owed=owed)
+            packer.finish()
+            buf = packer.empty()
+            assert packer.next_batch(buf) is not None
+            out.append(buf)
+        for k in out[0]:
+            np.testing.assert_array_equal(out[0][k], out[1][k], err_msg=k)
+        return out[0]["tokens"][0].tolist()
+
+    got = packed(None, [b[2:6], a[3:10], b[0:2], a[0:3], b[2:2]])
+    assert got == [102, 103, 104, 105, 999, *range(3, 10), 999, 100, 101, 999, 0, 1, 2, 999,
+                   *[0] * 12]
+    # Less the tokens already out; one cut to nothing still gives its EOS.
     cut = np.array([1, 0, 5, 0, 0], np.int64)
-    out, lengths = _pack.take_documents(views, starts, fetch_of, local, cut, 4)
-    assert lengths.tolist() == [3, 7, 0, 3, 0]
-    assert out.view(np.int32).tolist() == [103, 104, 105, *range(3, 10), 0, 1, 2]
+    got = packed(cut, [b[3:6], a[3:10], b[2:2], a[0:3], b[2:2]],
+                 owed=np.array([0, 0, 1, 0, 0], np.uint8))
+    assert got == [103, 104, 105, 999, *range(3, 10), 999, 999, 0, 1, 2, 999, *[0] * 15]
+    views = [a.view(np.uint8), b.view(np.uint8)]
+    none = np.empty(0, np.int64)
     for bad_fetch, bad_local, match in ((2, 0, "document 0: 0 of fetch 2"),
                                         (0, 2, "document 0: 2 of fetch 0"),
                                         (-1, 0, "document 0: 0 of fetch -1")):
         with pytest.raises(ValueError, match=match):
-            _pack.take_documents(views, starts, np.array([bad_fetch]), np.array([bad_local]),
-                                 np.empty(0, np.int64), 4)
+            _pack.gather_documents(views, starts, np.array([bad_fetch]), np.array([bad_local]),
+                                   none, "int32")
     with pytest.raises(ValueError, match=r"tokens 0 to 11 \(less 0\) of 10"):
-        _pack.take_documents(views, [np.array([0, 11]), starts[1]], np.array([0]),
-                             np.array([0]), np.empty(0, np.int64), 4)
+        _pack.gather_documents(views, [np.array([0, 11]), starts[1]], np.array([0]),
+                               np.array([0]), none, "int32")
     with pytest.raises(ValueError, match="less -1"):
-        _pack.take_documents(views, starts, np.array([0]), np.array([0]), np.array([-1]), 4)
+        _pack.gather_documents(views, starts, np.array([0]), np.array([0]), np.array([-1]),
+                               "int32")
     with pytest.raises(ValueError, match="a fetch and a document per id"):
-        _pack.take_documents(views, starts[:1], fetch_of, local, np.empty(0, np.int64), 4)
+        _pack.gather_documents(views, starts[:1], fetch_of, local, none, "int32")
+    with pytest.raises(ValueError, match="an integer dtype"):
+        _pack.gather_documents(views, starts, fetch_of, local, none, "float32")
+    # The packer's front says it as kfeed's own bug, which it would be.
+    with pytest.raises(KfeedError, match="a bug in kfeed"):
+        Packer(pack, 1)._feed_gathered([a], starts[:1], np.array([0]), np.array([5]), None)

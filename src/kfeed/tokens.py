@@ -50,6 +50,8 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SRC_CODES = {np.dtype(name): code for name, code in _pack.CODES.items()}
 _OUT_KEYS = ("tokens", "position_ids", "doc_ids", "cu_seqlens")
 
+_NO_CUT = np.empty(0, np.int64)
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -224,6 +226,48 @@ class Packer:
         if not lens.size:
             return
         flat = np.array(flat, copy=True) if copy else np.ascontiguousarray(flat)
+        flags = None
+        if owed is not None and self.pack.eos_id is not None:
+            flags = np.ascontiguousarray(owed, np.uint8)
+            if flags.shape != lens.shape:
+                raise ConfigError(f"owed has {flags.size} entries for {lens.size} documents")
+            nonempty += int((flags.astype(bool) & (lens == 0)).sum())
+        self._append(_pack.Chunk(flat, offsets, flags), lens, total, nonempty)
+
+    def _feed_gathered(self, tokens: list[np.ndarray], starts: list[np.ndarray],
+                       fetch_of: np.ndarray, local: np.ndarray,
+                       cut: np.ndarray | None) -> None:
+        """The loader's ``feed`` of documents left where they lie: no copy before the packing.
+
+        Document ``i`` is document ``local[i]`` of ``tokens[fetch_of[i]]``,
+        whose documents start at ``starts[f]`` (one more entry than it holds
+        documents), less its first ``cut[i]`` tokens; one cut to no tokens
+        still gives its EOS. The packer holds the arrays until it packed them;
+        the caller must not change them meanwhile.
+        """
+        if self._finished:
+            raise ConfigError("feed after finish(): the stream is over")
+        dtype = tokens[0].dtype if tokens else np.dtype(np.int32)
+        if self._dtype is None:
+            self._dtype = dtype
+        elif dtype != self._dtype:
+            raise ConfigError(f"tokens must stay {self._dtype}, got {dtype}")
+        self._fed = True
+        if not len(fetch_of):
+            return
+        try:
+            chunk, lens = _pack.gather_documents(
+                [t.view(np.uint8) for t in tokens], starts, fetch_of, local,
+                _NO_CUT if cut is None else cut, dtype.name)
+        except ValueError as e:
+            raise KfeedError(f"a document to pack is not held: a bug in kfeed ({e})") from None
+        nonempty = int(np.count_nonzero(lens))
+        if cut is not None and self.pack.eos_id is not None:
+            nonempty += int(((cut > 0) & (lens == 0)).sum())
+        self._append(chunk, lens, int(lens.sum()), nonempty)
+
+    def _append(self, chunk: Any, lens: np.ndarray, total: int, nonempty: int) -> None:
+        """Queue a chunk of ``lens`` documents (``total`` tokens, ``nonempty`` giving any)."""
         if self._off and not self._chunks:
             n = int(lens[0])
             unit = n + (self.pack.eos_id is not None) if n else 0
@@ -232,13 +276,7 @@ class Packer:
                     f"the document resumed at holds {unit} tokens (EOS counted), not more "
                     f"than the {self._off} already out: fed from the wrong document"
                 )
-        flags = None
-        if owed is not None and self.pack.eos_id is not None:
-            flags = np.ascontiguousarray(owed, np.uint8)
-            if flags.shape != lens.shape:
-                raise ConfigError(f"owed has {flags.size} entries for {lens.size} documents")
-            nonempty += int((flags.astype(bool) & (lens == 0)).sum())
-        self._chunks.append(_pack.Chunk(flat, offsets, flags))
+        self._chunks.append(chunk)
         if self.pack.split_long:
             self._pending += total + (nonempty if self.pack.eos_id is not None else 0)
         else:

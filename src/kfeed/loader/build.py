@@ -806,8 +806,7 @@ class RecordBuilder(SlotBuilder):
         cut = self._cuts(emitted)
         if self.fetches is not None:
             assert self.packer is not None
-            tokens, lengths = self.fetches.take(ids, cut)
-            self.packer.feed(tokens, lengths, copy=False, owed=_owed(cut, lengths))
+            self.fetches.feed(self.packer, ids, cut)
             return
         order = ids.tolist()
         docs = [self.docs.pop(i) for i in order]
@@ -894,9 +893,10 @@ class _Fetches:
     """Decoded documents kept in the fetches they came in, by number, until they go out.
 
     A fetch's documents are numbered ``first, first + 1, ...`` (the items the
-    order sees); ``take(ids)`` gathers any of them, from any fetches, in the
-    order given, with a few numpy calls and one C call whatever the number of
-    documents and fetches. A fetch goes once every document of it went out or
+    order sees); ``feed(packer, ids)`` hands any of them, from any fetches, in
+    the order given, to the packer, with a few numpy calls and one C call
+    whatever the number of documents and fetches; no token moves until the
+    packer copies it into the batch. A fetch goes once every document of it went out or
     was skipped. The fetches' firsts stay in an array, in the order they came
     (ascending), gone ones too until they outnumber those held.
     """
@@ -923,9 +923,12 @@ class _Fetches:
         self._firsts[self._n] = first
         self._n += 1
 
-    def take(self, ids: np.ndarray, cut: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens of documents ``ids`` (less the first ``cut[i]``), one after another."""
+    def feed(self, packer: Packer, ids: np.ndarray, cut: np.ndarray | None) -> None:
+        """Documents ``ids`` (less the first ``cut[i]`` tokens) to ``packer``, in that order.
+
+        They stay in their fetches: the packer copies each once, straight
+        into the batch (``Packer._feed_gathered``).
+        """
         firsts = self._firsts[:self._n]
         at_fetch = np.searchsorted(firsts, ids, side="right") - 1
         if len(ids) and at_fetch.min() < 0:
@@ -940,19 +943,16 @@ class _Fetches:
             entries = [self.held[k] for k in keys]
         except KeyError:
             raise KfeedError("a document the order emitted is not held: a bug in kfeed") from None
-        # (take_documents checks each document lies inside its fetch.)
-        out, lengths = _pack.take_documents(
-            [e[0].view(np.uint8) for e in entries], [e[1] for e in entries], number[at_fetch],
-            ids - firsts[at_fetch], _NO_CUT if cut is None else cut.astype(np.int64, copy=False),
-            entries[0][0].itemsize if entries else 4)
+        # (the packer checks each document lies inside its fetch.)
+        packer._feed_gathered([e[0] for e in entries], [e[1] for e in entries],
+                              number[at_fetch], ids - firsts[at_fetch],
+                              None if cut is None else cut.astype(np.int64, copy=False))
         for k, entry, n in zip(keys, entries, count[used].tolist(), strict=True):
             entry[2] -= n
             if entry[2] <= 0:
                 del self.held[k]
-        return out.view(entries[0][0].dtype if entries else np.int32), lengths
 
 
-_NO_CUT = np.empty(0, np.int64)
 
 
 def _owed(cut: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:
