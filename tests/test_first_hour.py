@@ -285,7 +285,21 @@ def test_batches_that_cannot_be_allocated_are_a_config_error() -> None:
         kfeed.Loader(None, "memory", schema, 2**20, device="cpu", source=MemorySource([]))
     assert str(e.value).startswith(
         "the loader's 4 batches of 1048576 records of 2147483647 bytes do not fit in memory "
-        "here: a smaller batch_size or smaller fields ("), str(e.value)
+        "here: a smaller prefetch or batch_size, or smaller fields ("), str(e.value)
+
+
+def test_a_prefetch_whose_batches_outgrow_the_memory_is_a_config_error_at_once() -> None:
+    # Each batch is small, but a million of them made the loader spend minutes
+    # and gigabytes making slots, and the queue would have filled the memory.
+    schema = kfeed.Schema({"x": ("float32", (768,))})
+    t = time.monotonic()
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(None, "memory", schema, 256, device="cpu", prefetch=10**6,
+                     source=MemorySource([]))
+    assert time.monotonic() - t < 10.0
+    assert str(e.value).startswith(
+        "the loader's 1000002 batches of 256 records of 3072 bytes do not fit in memory here: "
+        "a smaller prefetch or batch_size, or smaller fields (786433572864 bytes, more than the "), str(e.value)
 
 
 # -- against the cluster ------------------------------------------------------

@@ -34,6 +34,7 @@ storage references, every slot lent is forgotten.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from enum import Enum
@@ -61,6 +62,14 @@ class SlotState(str, Enum):
 # The references to a tensor's storage (tensors, views, numpy arrays over
 # it), counted by torch; None where this torch has no such count.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _physical_memory() -> int | None:
+    """This machine's memory in bytes; None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _storage_marks(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Any, int, int, int], ...]:
@@ -166,12 +175,20 @@ class BufferPool:
         self._packer = packer
         self._made = 0
         try:
-            self._slots = [self._make() for _ in range(slots)]
+            first = self._make()
+            # Checked before the rest are made: a million slots take minutes
+            # to make, and all of this machine's memory once filled.
+            need = slots * sum(t.nbytes for t in first.tensors.values())
+            memory = _physical_memory()
+            if memory is not None and need > memory:
+                raise MemoryError(f"{need} bytes, more than the {memory} bytes of memory here")
+            self._slots = [first, *(self._make() for _ in range(slots - 1))]
         except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError
             what = (f"[{packer.batch_size}, {packer.pack.seq_len}] packed rows" if packer
                     else f"{batch_size} records of {schema.record_size} bytes")
             raise ConfigError(f"the loader's {slots} batches of {what} do not fit in memory "
-                              f"here: a smaller batch_size or smaller fields ({e})") from None
+                              f"here: a smaller prefetch or batch_size, or smaller fields "
+                              f"({e})") from None
         self._free: deque[Slot] = deque(self._slots)
         self._lent: deque[Slot] = deque()
         self.most_lent = most_lent
