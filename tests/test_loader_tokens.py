@@ -416,3 +416,40 @@ def test_a_state_from_another_setting_is_refused() -> None:
     _, shuffled = run(plain_values, SAMPLES, 10, stop=1, shuffle=Shuffle(buffer=8))
     with pytest.raises(ConfigError, match="with shuffle"):
         memory_loader(plain_values, SAMPLES, 10).load_state_dict(shuffled)
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(4, seed=0)], ids=["in-order", "shuffled"])
+def test_drop_last_drops_the_short_last_packed_batch(shuffle) -> None:
+    # The packer said its batch was the last only at the call after it, once
+    # drop_last had looked: the short batch [1, 16] was handed out.
+    values = TOKENS.encode_blocks({"tokens": [np.arange(1, 20, dtype=np.int32)] * 10}, 3)
+    shapes = {}
+    for drop in (False, True):
+        with memory_loader(values, TOKENS, 4, pack=Pack(seq_len=16, eos_id=0), until="end",
+                           drop_last=drop, shuffle=shuffle, device="cpu") as loader:
+            shapes[drop] = [tuple(b["tokens"].shape) for b in loader]
+    assert shapes[False] == [(4, 16)] * 3 + [(1, 16)]  # 200 tokens, 12.5 rows
+    assert shapes[True] == [(4, 16)] * 3
+
+
+def test_numpy_integers_in_pack_and_shuffle_become_ints_that_a_state_keeps() -> None:
+    # Hyperparameters from a numpy array: the seed overflowed in the shuffle
+    # buffer, and numpy scalars in state_dict() failed json.dumps and
+    # torch.load's default (weights_only).
+    import io
+
+    hp = np.array([16, 0, 4, 7])
+    shuffle = Shuffle(buffer=hp[2], seed=np.uint64(hp[3]))
+    pack = Pack(seq_len=hp[0], eos_id=hp[1], pad_id=np.int32(0))
+    assert [type(v) for v in (shuffle.buffer, shuffle.seed, pack.seq_len, pack.eos_id,
+                              pack.pad_id)] == [int] * 5
+    values = TOKENS.encode_blocks({"tokens": [np.arange(1, 30, dtype=np.int32)] * 10}, 2)
+    with memory_loader(values, TOKENS, 2, pack=pack, shuffle=Shuffle(buffer=hp[2], seed=hp[3]),
+                       until="end", device="cpu") as loader:
+        next(loader)
+        state = loader.state_dict()
+    assert json.loads(json.dumps(state)) is not None
+    buf = io.BytesIO()
+    torch.save({"loader": state}, buf)
+    buf.seek(0)
+    assert torch.load(buf)["loader"]["pack"] == state["pack"]

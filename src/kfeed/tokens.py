@@ -57,6 +57,14 @@ def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _plain_ints(spec: object, *names: str) -> None:
+    """A frozen spec's numpy integers as Python ints: its states go to JSON and ``torch.load``."""
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, np.integer):
+            object.__setattr__(spec, name, int(value))
+
+
 @dataclass(frozen=True)
 class Pack:
     """How documents become rows: ``seq_len`` tokens each (see the module docstring)."""
@@ -77,6 +85,7 @@ class Pack:
             raise ConfigError(f"pad_id must be an int32 token id, got {self.pad_id!r}")
         if not isinstance(self.split_long, bool):
             raise ConfigError(f"split_long must be a bool, got {self.split_long!r}")
+        _plain_ints(self, "seq_len", "eos_id", "pad_id")
 
 
 class PackInfo(NamedTuple):
@@ -446,6 +455,7 @@ class Shuffle:
             raise ConfigError(f"buffer must be a positive int, got {self.buffer!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an int in 0..2**64-1, got {self.seed!r}")
+        _plain_ints(self, "buffer", "seed")
 
 
 _MASK64 = 2**64 - 1

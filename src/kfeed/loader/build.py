@@ -439,6 +439,11 @@ class RecordBuilder(SlotBuilder):
                 self.finished = self.drained
                 return False
             self._packed(slot, out, info)
+            # The read's last batch is known as such now, not at the next call:
+            # drop_last looks at all_done() before that (a short last batch
+            # holds every document left, empty ones included).
+            if self.drained and (info.rows < self.batch_size or not packer.pending_documents):
+                self.finished = True
             return True
         n = min(self.batch_size - slot.rows, len(self.pending) - self.taken)
         if n:
