@@ -1089,6 +1089,48 @@ def test_every_record_bad_fails_in_one_line(bootstrap, make_topic, group_id) -> 
     assert done.stderr.startswith("kfeed: all ") and "int32" in done.stderr, done.stderr
 
 
+@pytest.mark.integration
+def test_lm_ids_past_the_vocabulary_and_a_checkpoint_of_other_flags_fail_in_one_line(
+        bootstrap, make_topic, group_id, tmp_path) -> None:
+    import torch
+
+    import kfeed as kf
+    from kfeed.text import token_schema
+
+    topic = make_topic(partitions=1)
+    assert kfeed("produce", "--topic", topic, "--synthetic-text", "40",
+                 bootstrap=bootstrap).returncode == 0
+    ckpt = tmp_path / "lm.pt"
+    args = ("train", "--task", "lm", "--topic", topic, "--device", "cpu", "--until-end",
+            "--batch-size", "2", "--checkpoint", str(ckpt), "--resume")
+    done = kfeed(*args, "--group-id", group_id, "--steps", "2", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    # Other --seq-len: the loader's state says so (the model's shapes raised
+    # torch's "Error(s) in loading state_dict" first).
+    other = kfeed(*args, "--group-id", group_id, "--seq-len", "128", bootstrap=bootstrap)
+    assert other.returncode == 2 and len(other.stderr.splitlines()) == 1, other.stderr
+    # A model of other shapes with the same loader state: torch's line that says which.
+    state = torch.load(ckpt, weights_only=False)
+    state["model"]["embed.weight"] = torch.zeros(300, state["model"]["embed.weight"].shape[1])
+    torch.save(state, ckpt)
+    other = kfeed(*args, "--group-id", group_id, bootstrap=bootstrap)
+    assert other.returncode == 2, other.stderr
+    assert other.stderr.startswith(f"kfeed: --resume {ckpt}: its model does not fit these "
+                                   f"flags (size mismatch for embed.weight"), other.stderr
+    # Ids of another tokenizer (999; the bytes vocabulary has 257):
+    # torch's IndexError, or a device-side assert on CUDA.
+    wide = make_topic(partitions=1)
+    schema = token_schema("uint16")
+    with kf.Producer({"bootstrap.servers": bootstrap}, wide, schema) as p:
+        p.send({"tokens": [np.full(k + 1, 999, np.uint16) for k in range(40)]})
+    done = kfeed("train", "--task", "lm", "--topic", wide, "--group-id", group_id,
+                 "--until-end", "--device", "cpu", "--batch-size", "2", bootstrap=bootstrap)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "kfeed: token id 999 is past the model's vocabulary of 257 ids (--tokenizer bytes): "
+        "train with the --tokenizer (and --eos-id) the topic was produced with"], done.stderr
+
+
 def summary(stdout: str) -> str:
     return stdout.strip().splitlines()[-1]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, Interrupted
+from kfeed.errors import ConfigError, Interrupted, first_line
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
@@ -177,6 +177,7 @@ class _LMTask:
             raise ConfigError(f"--eos-id {eos}: the demo model's vocabulary would have "
                               f"{self.vocab_size} ids, more than its {_MAX_VOCAB}")
         self.eos_id = eos
+        self.tokenizer = opts.tokenizer
         self.seq_len = opts.seq_len
         self.shuffle = opts.shuffle
         self.seed = opts.seed
@@ -201,6 +202,13 @@ class _LMTask:
 
     def loss(self, batch: Any) -> Any:
         doc_ids = batch["doc_ids"]
+        # An id past the embedding is an IndexError on the CPU and a device-side
+        # assert on CUDA: a topic produced with another tokenizer.
+        top = int(batch["tokens"].max())
+        if top >= self.vocab_size:
+            raise ConfigError(f"token id {top} is past the model's vocabulary of "
+                              f"{self.vocab_size} ids (--tokenizer {self.tokenizer}): train "
+                              f"with the --tokenizer (and --eos-id) the topic was produced with")
         info = getattr(batch, "pack", None)  # the loader's PackInfo: counted on the host
         if info is not None:
             self._real += info.tokens
@@ -374,9 +382,18 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                           f"settings: they need at least {e.least >> 20} (or a smaller "
                           f"--batch-size, --prefetch or --shuffle)") from None
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # The loader's state first: it names the settings that differ from the
+        # checkpoint's (--seq-len, --eos-id), which the model's shapes follow.
         loader.load_state_dict(state["loader"])
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:  # torch's first line only says there were errors
+            why = next((line.strip().rstrip(".") for line in str(e).splitlines()[1:]
+                        if line.strip()), first_line(e))
+            raise ConfigError(f"--resume {ckpt}: its model does not fit these flags ({why}): "
+                              f"resume with the flags it was saved with (--tokenizer, "
+                              f"--seq-len, --eos-id)") from None
+        optimizer.load_state_dict(state["optimizer"])
         out.step = out.first_step = int(state["step"])
         out.resumed_from = ckpt
         say(f"resumed from {ckpt} at step {out.step}")
