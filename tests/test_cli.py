@@ -55,6 +55,10 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (PRODUCE + ("--synthetic", "-3"), "kfeed: --synthetic -3 is out of range: give an integer >= 1"),
     (PRODUCE + ("--synthetic-text", "0"),
      "kfeed: --synthetic-text 0 is out of range: give an integer >= 1"),
+    (PRODUCE + ("--synthetic-text", "5", "--seed", "-1"),
+     "kfeed: --seed -1 is out of range: give an integer in 0..18446744073709551615"),
+    (TRAIN + ("--task", "lm", "--seed", "-1"),
+     "kfeed: --seed -1 is out of range: give an integer in 0..18446744073709551615"),
     (TRAIN + ("--checkpoint", "c.pt", "--checkpoint-every", "0"),
      "kfeed: --checkpoint-every 0 is out of range: give an integer >= 1"),
     (TRAIN + ("--log-every", "0"), "kfeed: --log-every 0 is out of range: give an integer >= 1"),
@@ -377,6 +381,31 @@ def test_a_signal_while_a_corpus_is_sent_says_the_skip_docs_that_goes_on(
     # The chunk being sent went out whole, and nothing after it.
     assert [len(docs) for docs, _ in made[0].sent] == [1014, 1024]
     assert made[0].sent[1][0][-1] == b"doc 2047" and made[0].flushes
+
+
+def test_a_bad_token_id_is_named_at_its_document_in_the_corpus(capsys, tmp_path,
+                                                               fake_producer) -> None:
+    # The document was counted from its chunk's start less --skip-docs ("document
+    # 20" for 1050), and a negative id was told to take a wider --token-dtype.
+    docs = np.empty(1100, dtype=object)
+    for i in range(1100):
+        docs[i] = np.full(5, 7, np.int64)
+    docs[1050] = np.array([7, -1, 7])
+    docs[1070] = np.array([7, 300])
+    path = tmp_path / "ids.npy"
+    np.save(path, docs, allow_pickle=True)
+    fake_producer()
+    got = run_main(capsys, *PRODUCE, "--from", str(path), "--tokenizer", "bytes",
+                   "--skip-docs", "1030")
+    assert got[:2] == (2, [f"kfeed: {path}: document 1050: token id -1 is negative; token ids "
+                           f"are >= 0"]), got
+    docs[1050] = np.array([7, 7])
+    np.save(path, docs, allow_pickle=True)
+    got = run_main(capsys, *PRODUCE, "--from", str(path), "--tokenizer", "bytes",
+                   "--skip-docs", "1030")
+    assert got[:2] == (2, [f"kfeed: {path}: document 1070: token id 300 is outside the vocabulary "
+                           f"of bytes (257 ids): give the --tokenizer the ids were made "
+                           f"with"]), got
 
 
 def test_empty_documents_are_left_out_and_counted_apart(capsys, tmp_path,

@@ -122,8 +122,12 @@ def test_token_ids_must_fit_the_dtype() -> None:
     assert as_token_arrays([[1, 2], []], "uint16")[0].dtype == np.uint16
     with pytest.raises(KfeedError, match="70000 do not fit uint16"):
         as_token_arrays([[1], [5, 70000]], "uint16", where="f: ")
-    with pytest.raises(KfeedError, match="do not fit"):
+    # No dtype takes a negative id: widening it (the advice before) cannot help.
+    with pytest.raises(KfeedError, match=r"^document 0: token id -1 is negative; token ids "
+                                         r"are >= 0$"):
         as_token_arrays([[-1]], "int32")
+    with pytest.raises(KfeedError, match=r"^f.txt:9: token id -2 is negative"):
+        as_token_arrays([[1], [3, -2]], "int32", place=lambda i: f"f.txt:{8 + i}")
     with pytest.raises(KfeedError, match="1-D int"):
         as_token_arrays([np.ones((2, 2), int)], "int32")
     with pytest.raises(KfeedError, match="token dtype"):
@@ -255,6 +259,14 @@ def test_npy_object_and_flat_with_lengths(tmp_path) -> None:
     np.save(tmp_path / "f.npy", np.ones(4, np.float32))
     with pytest.raises(CorpusError, match="1-D int array"):
         docs_of(read_corpus(tmp_path / "f.npy", lengths=tmp_path / "len.npy"))
+    # A lengths file missing, of objects, or no .npy at all (were numpy's and the OS's errors).
+    with pytest.raises(CorpusError, match=r"nosuch.npy: no such file of lengths$"):
+        docs_of(read_corpus(tmp_path / "flat.npy", lengths=tmp_path / "nosuch.npy"))
+    np.save(tmp_path / "obj_len.npy", obj, allow_pickle=True)
+    (tmp_path / "len.txt").write_text("3 0 5\n")
+    for name in ("obj_len.npy", "len.txt"):
+        with pytest.raises(CorpusError, match=f"{name}: not a .npy file of lengths"):
+            docs_of(read_corpus(tmp_path / "flat.npy", lengths=tmp_path / name))
 
 
 def test_corpus_file_errors(tmp_path) -> None:
@@ -290,6 +302,8 @@ def test_synthetic_documents_are_seeded_and_chunk_free() -> None:
     sizes = np.array([len(d.encode()) for d in docs])
     assert 400 < np.median(sizes) < 600 and sizes.min() >= 16
     assert (sizes > 1000).mean() > 0.1  # a real tail, not one length
+    with pytest.raises(ConfigError, match=r"^seed must be an int >= 0, got -1$"):
+        synthetic_documents(0, 1, seed=-1)  # (was numpy's ValueError)
 
 
 # -- the tiny LM -------------------------------------------------------------------

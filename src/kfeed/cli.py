@@ -803,20 +803,23 @@ def _same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
 # -- produce: token documents -------------------------------------------------------
 
 
-def _token_arrays(chunk: Any, tokenizer: Any, token_dtype: str, where: str) -> list[Any]:
-    """One chunk's documents as token id arrays of ``token_dtype``, checked."""
+def _token_arrays(chunk: Any, tokenizer: Any, token_dtype: str,
+                  place: Callable[[int], str]) -> list[Any]:
+    """One chunk's documents as token id arrays of ``token_dtype``, checked; ``place(i)``
+    names its document ``i``."""
     from kfeed import text
 
     if chunk.texts is not None:
-        ids = tokenizer.encode_batch(chunk.texts)
-    else:
-        ids = chunk.ids or []
-        top = max((int(d.max()) for d in ids if len(d)), default=-1)
-        if top >= tokenizer.vocab_size:
-            raise KfeedError(f"{where}token id {top} is outside the vocabulary of "
-                             f"{tokenizer.name} ({tokenizer.vocab_size} ids): give the "
-                             f"--tokenizer the ids were made with")
-    return text.as_token_arrays(ids, token_dtype, where=where)
+        return text.as_token_arrays(tokenizer.encode_batch(chunk.texts), token_dtype,
+                                    place=place)
+    ids = text.as_token_arrays(chunk.ids or [], token_dtype, place=place)
+    past = next((i for i, d in enumerate(ids)
+                 if len(d) and int(d.max()) >= tokenizer.vocab_size), None)
+    if past is not None:
+        raise KfeedError(f"{place(past)}: token id {int(ids[past].max())} is outside the "
+                         f"vocabulary of {tokenizer.name} ({tokenizer.vocab_size} ids): "
+                         f"give the --tokenizer the ids were made with")
+    return ids
 
 
 def _corpus_file(source: str) -> None:
@@ -882,7 +885,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     def prepare(chunk: text.Chunk, at: int) -> tuple[list[Any], list[Any] | None]:
         """The documents of ``chunk`` (the first is document ``at`` of the corpus) to send,
         and their keys: tokenized, checked, the empty ones left out."""
-        arrays = _token_arrays(chunk, tokenizer, token_dtype, where)
+        arrays = _token_arrays(chunk, tokenizer, token_dtype, lambda i: place(at + i))
         if arrays and schema.block_nbytes(1, max(map(len, arrays))) > block_max:
             i, big = next((i, a) for i, a in enumerate(arrays)
                           if schema.block_nbytes(1, len(a)) > block_max)
@@ -1534,7 +1537,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-dtype", choices=["uint16", "int32", "uint32"],
                    help="the token field's dtype on the wire (default uint16; train with the "
                         "same)")
-    p.add_argument("--seed", type=int, help="seed of --synthetic-text (default 0)")
+    p.add_argument("--seed", type=_count(0, 2**64 - 1),
+                   help="seed of --synthetic-text (default 0)")
     p.add_argument("--skip-docs", type=_count(0), metavar="N",
                    help="token documents: leave out the first N documents (to go on after "
                         "an error that names N)")
@@ -1585,7 +1589,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lm: the token field's dtype, as produced (default uint16)")
     t.add_argument("--shuffle", type=_count(0), metavar="N",
                    help="lm: shuffle documents through a seeded buffer of N (default 0: off)")
-    t.add_argument("--seed", type=int, help="lm: the shuffle's seed (default 0)")
+    t.add_argument("--seed", type=_count(0, 2**64 - 1),
+                   help="lm: the shuffle's seed (default 0)")
     t.add_argument("--format", choices=["block", "raw", "json", "arrow", "avro", "protobuf"],
                    default="block")
     t.add_argument("--registry", metavar="URL", help="avro, protobuf: the Schema Registry")

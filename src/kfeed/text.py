@@ -38,13 +38,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from kfeed.errors import ConfigError, KfeedError
+from kfeed.errors import ConfigError, KfeedError, first_line
 
 __all__ = [
     "BYTE_EOS_ID",
@@ -173,18 +173,27 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(spec)
 
 
-def as_token_arrays(docs: Sequence[Any], dtype: str, *, where: str = "") -> list[np.ndarray]:
-    """Documents of ids as 1-D arrays of ``dtype``, every id checked to fit."""
+def as_token_arrays(docs: Sequence[Any], dtype: str, *, where: str = "",
+                    place: Callable[[int], str] | None = None) -> list[np.ndarray]:
+    """Documents of ids as 1-D arrays of ``dtype``, every id checked to fit.
+
+    ``place(i)`` names document ``i`` in an error (default: ``where`` and its
+    number in ``docs``), e.g. its line in the corpus.
+    """
     info = np.iinfo(dtype)
+    name = place or (lambda i: f"{where}document {i}")
     out = []
     for i, d in enumerate(docs):
         arr = np.asarray(d)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise KfeedError(f"{where}document {i}: token ids must be a 1-D int array, "
+            raise KfeedError(f"{name(i)}: token ids must be a 1-D int array, "
                              f"got {arr.dtype} {arr.shape}")
-        if arr.size and (int(arr.min()) < max(info.min, 0) or int(arr.max()) > info.max):
+        if arr.size and int(arr.min()) < 0:
+            raise KfeedError(f"{name(i)}: token id {int(arr.min())} is negative; token ids "
+                             f"are >= 0")
+        if arr.size and int(arr.max()) > info.max:
             raise KfeedError(
-                f"{where}document {i}: token ids {int(arr.min())}..{int(arr.max())} do not fit "
+                f"{name(i)}: token ids {int(arr.min())}..{int(arr.max())} do not fit "
                 f"{dtype}; pick a wider --token-dtype (and the same one for training)"
             )
         out.append(arr.astype(dtype, copy=False))
@@ -456,7 +465,13 @@ def _read_npy(path: Path, lengths_path: str | Path | None, chunk_docs: int) -> I
     if lengths_path is None:
         raise CorpusError(f"{path}: a flat array of token ids needs --lengths FILE.npy "
                           "(one length per document)")
-    lengths = np.load(lengths_path)
+    if not Path(lengths_path).is_file():
+        raise CorpusError(f"{lengths_path}: no such file of lengths")
+    try:
+        lengths = np.load(lengths_path)  # pickles refused: a lengths file is ints
+    except (OSError, ValueError) as e:
+        raise CorpusError(f"{lengths_path}: not a .npy file of lengths "
+                          f"({first_line(e)})") from None
     if lengths.ndim != 1 or (lengths.size and lengths.dtype.kind not in "iu") or \
             (lengths.size and lengths.min() < 0):
         raise CorpusError(f"{lengths_path}: lengths must be a 1-D array of ints >= 0")
@@ -500,6 +515,8 @@ def synthetic_documents(start: int, count: int, *, seed: int = 0) -> list[str]:
     the same corpus. Lengths are log-normal in bytes, median about 500;
     sentences of 4..18 words from a small built-in word list.
     """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
     words = np.array(_WORDS)
     out = []
     for i in range(start, start + count):
