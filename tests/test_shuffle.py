@@ -441,6 +441,18 @@ def test_in_order_push_many_emits_every_record_as_pushed():
     assert buf.watermarks() == {"a": (5, 3)}
 
 
+def test_push_many_refuses_partition_ids_pid_never_gave():
+    # Accepted and emitted, after which state() and watermarks() raised numpy's
+    # ValueError ("key 1 names partition id 2, not one of the 1 known").
+    buf = ShuffleBuffer(Shuffle(buffer=2, seed=0))
+    buf.pid("topic-0")
+    for bad in (2, -1):
+        with pytest.raises(ConfigError, match=r"the ids pid\(\) gave are 0..0$"):
+            buf.push_many(np.array([[0, 0, 0, 10], [bad, 0, 0, 11]], np.int64))
+    assert buf.push_many(np.array([[0, 0, 0, 10]], np.int64))[0].tolist() == []
+    assert buf.watermarks() == {"topic-0": (0, 0)}  # held in the buffer: nothing read past
+
+
 # The state and the emitted order of a run of the buffer as it was before
 # push_many (one record per call, in Python): the format and the order are
 # part of every saved checkpoint.

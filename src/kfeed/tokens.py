@@ -662,6 +662,11 @@ class ShuffleBuffer:
         recs = np.ascontiguousarray(records, np.int64)
         if recs.ndim != 2 or recs.shape[1] != 4:
             raise ConfigError(f"records must be rows of 4 ints, got shape {recs.shape}")
+        if len(recs) and not 0 <= int(recs[:, 0].min()) <= int(recs[:, 0].max()) < len(
+                self._parts):
+            raise ConfigError(f"records name partition ids {int(recs[:, 0].min())}.."
+                              f"{int(recs[:, 0].max())}; the ids pid() gave are "
+                              f"0..{len(self._parts) - 1}")
         emitted: list[np.ndarray] = []
         skipped: list[np.ndarray] = []
         if self._allow:
