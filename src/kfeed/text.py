@@ -9,7 +9,9 @@ In the data flow this sits before the producer::
 
 The loader then packs those documents into ``[batch, seq_len]`` rows
 (``kfeed.Pack``). Files are read in chunks of documents, so memory stays
-bounded by a chunk, not by the corpus.
+bounded by a chunk, not by the corpus; but for an object ``.npy``, which
+numpy loads whole (a flat ``.npy`` with ``lengths`` is memory-mapped: the
+form for large corpora).
 
 Corpus forms:
 
