@@ -24,6 +24,7 @@ from kfeed import (
     MemorySource,
     Mix,
     Pack,
+    Packer,
     Schema,
     Shuffle,
 )
@@ -840,3 +841,24 @@ def test_a_schedule_starts_again_at_step_0_each_epoch():
             steps.clear()
             assert sum(b.size for b in loader) == 128
             assert min(steps) == 0 and max(steps) == 8
+
+
+def test_fetches_of_a_packed_mixture_count_the_repeats_of_earlier_fetches_against_them() -> None:
+    # A fetch's repeats were counted against the fetch being added, whatever
+    # fetch they were of: that one could go while documents of it were still
+    # to go out ("a document the order emitted is not held"), and the earlier
+    # one was held for ever.
+    fetches = build._Fetches()
+    tokens = np.arange(12, dtype=np.int32)
+    fetches.add(0, tokens[:6], np.array([2, 2, 2]))      # documents 0, 1, 2
+    fetches.add(3, tokens[6:], np.array([3, 3]))         # documents 3, 4
+    fetches.drop(np.array([1, 4]))  # a repeat of each, found while the second came in
+    assert {k: e[2] for k, e in fetches.held.items()} == {0: 2, 3: 1}
+    packer = Packer(Pack(seq_len=16, eos_id=99), 1)
+    fetches.feed(packer, np.array([0, 3, 2]), None)
+    assert fetches.held == {}  # each went once its last document went out
+    packer.finish()
+    out = packer.empty()
+    packer.next_batch(out)
+    assert out["tokens"][0, :10].tolist() == [0, 1, 99, 6, 7, 8, 99, 4, 5, 99]
+    fetches.drop(np.array([7, -1]))  # of no fetch held: passed over

@@ -535,8 +535,10 @@ class RecordBuilder(SlotBuilder):
                 self._queue_jagged(columns, tokens, lengths)
             return
         if self.fetches is not None:
-            # (Skipped documents, repeats, will never be asked for.)
-            self.fetches.add(first, docs.tokens, docs.lengths, n - len(skipped))
+            self.fetches.add(first, docs.tokens, docs.lengths)
+            # Skipped documents, repeats, will never be asked for; some are of
+            # earlier fetches (queued in the mixer before they were found so).
+            self.fetches.drop(skipped)
             self._deliver(emitted)
             return
         # The order holds documents back (a shuffle, a loaded state coming
@@ -911,12 +913,12 @@ class _Fetches:
         self._firsts = np.empty(64, np.int64)  # of the fetches, [:_n]; some may be gone
         self._n = 0
 
-    def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray, live: int) -> None:
-        if live <= 0:
+    def add(self, first: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        if not len(lengths):
             return
         starts = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=starts[1:])
-        self.held[first] = [tokens, starts, live]
+        self.held[first] = [tokens, starts, len(lengths)]
         if self._n == len(self._firsts):
             gone = self._n - len(self.held) + 1
             if gone > self._n // 2:  # mostly gone ones: keep those held
@@ -927,6 +929,23 @@ class _Fetches:
                 self._firsts = np.concatenate([self._firsts, np.empty(self._n, np.int64)])
         self._firsts[self._n] = first
         self._n += 1
+
+    def drop(self, ids: np.ndarray) -> None:
+        """Documents ``ids``, of any fetches held, will never go out: their fetches go sooner.
+
+        (One of a fetch gone already is passed over: nothing of it is held.)
+        """
+        if not len(ids):
+            return
+        firsts = self._firsts[:self._n]
+        at = np.searchsorted(firsts, ids, side="right") - 1
+        for k in firsts[np.unique(at[at >= 0])].tolist():
+            entry = self.held.get(k)
+            if entry is None:
+                continue
+            entry[2] -= int(np.count_nonzero((ids >= k) & (ids < k + len(entry[1]) - 1)))
+            if entry[2] <= 0:
+                del self.held[k]
 
     def feed(self, packer: Packer, ids: np.ndarray, cut: np.ndarray | None) -> None:
         """Documents ``ids`` (less the first ``cut[i]`` tokens) to ``packer``, in that order.
