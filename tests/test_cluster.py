@@ -31,7 +31,7 @@ import pytest
 
 from kfeed import cluster
 from kfeed.cluster import _jars, _registry, _tool
-from kfeed.cluster._layout import LOCK_FILE, STATE_FILE, Layout, new_cluster_id
+from kfeed.cluster._layout import LOCK_FILE, STATE_FILE, Layout, new_cluster_id, write_properties
 from kfeed.errors import ClusterError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -557,6 +557,118 @@ def test_an_unreadable_cluster_json_names_the_way_out_and_wipe_takes_it(tmp_path
     assert not state.exists()
 
 
+def test_up_refuses_a_folder_whose_files_are_named_like_the_tools_without_a_cluster_json(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    # Without cluster.json they are the user's: a start would overwrite them and a wipe delete them.
+    user = tmp_path / "project"
+    (user / "secure").mkdir(parents=True)
+    (user / "secure" / "notes.txt").write_text("mine")
+    (user / "log4j2.properties").write_text("# mine")
+    (user / LOCK_FILE).write_text("")
+    # No java on PATH: an up that accepted the folder would fail later, with exit 1.
+    result = kfeed("up", "--dir", str(user), "--port", "41000", env=env_with_path(bin_dir))
+    assert result.returncode == 2
+    assert only_error(result) == (
+        f"kfeed cluster: {user} holds files (log4j2.properties, ...) and no cluster.json: not a kfeed cluster's"
+        " folder; pass --dir a new or empty folder"
+    )
+    assert (user / "secure" / "notes.txt").read_text() == "mine"
+    assert (user / "log4j2.properties").read_text() == "# mine"
+
+
+def test_up_refuses_a_path_with_a_comma(tmp_path: Path, bin_dir: Path) -> None:
+    # log.dirs is a comma-separated list: Kafka would write into the folders on either side.
+    state = tmp_path / "x,y"
+    result = kfeed("up", "--dir", str(state), "--port", "41000", env=env_with_path(bin_dir))
+    assert result.returncode == 2
+    assert only_error(result) == (
+        f"kfeed cluster: the path of {state} holds a comma, which Kafka reads as a list separator:"
+        " pass --dir a folder whose path has none"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "bin"]
+
+
+@pytest.mark.parametrize("command", [["up"], ["status"], ["down"], ["down", "--wipe"]], ids=" ".join)
+def test_a_dir_below_a_file_is_named_in_one_line(tmp_path: Path, bin_dir: Path, command: list[str]) -> None:
+    below = tmp_path / "afile" / "sub"
+    (tmp_path / "afile").write_text("mine")
+    result = kfeed(*command, "--dir", str(below), env=env_with_path(bin_dir))
+    assert result.returncode == 2
+    if command == ["up"]:
+        expected = f"cannot write in {below} (Not a directory: {below}): pass --dir a folder you can write"
+    else:
+        expected = (
+            f"no cluster in {below} (start one with: kfeed cluster up --dir {below};"
+            " kfeed cluster list shows the others)"
+        )
+    assert only_error(result) == f"kfeed cluster: {expected}"
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("overrides", [None, ["num.partitions=4"]], ids=["null", "list"])
+def test_overrides_that_are_not_an_object_are_an_unreadable_state_that_wipe_takes(
+    standins: StandIns, overrides: object
+) -> None:
+    state = standins.start("a", 41000)
+    proc = standins.procs[state][0]
+    saved = json.loads((state / STATE_FILE).read_text())
+    (state / STATE_FILE).write_text(json.dumps({**saved, "overrides": overrides}))
+    status = kfeed("status", "--dir", str(state))
+    assert status.returncode == 1
+    assert only_error(status).startswith(
+        f"kfeed cluster: unreadable cluster state {state / STATE_FILE}: overrides is {json.dumps(overrides)},"
+        " not an object: restore the file"
+    )
+    listed = kfeed("list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout == f"{state}  1 node  127.0.0.1:41000  running\n"
+    wiped = kfeed("down", "--dir", str(state), "--wipe")
+    assert wiped.returncode == 0, wiped.stderr
+    assert wiped.stdout.splitlines() == [f"stopped node 1 in {state}", f"wiped {state}"]
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert not state.exists()
+
+
+def test_down_says_it_waits_for_another_commands_hold_on_the_folder(tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
+    stderr = tmp_path / "stderr"
+    with open(state / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = dict(os.environ, PYTHONPATH=str(SRC))
+        with open(stderr, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kfeed", "cluster", "down", "--dir", str(state)],
+                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 10
+            while "waiting for another" not in stderr.read_text():
+                assert proc.poll() is None, stderr.read_text()
+                assert time.monotonic() < deadline, "down waited without a word"
+                time.sleep(0.05)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert stderr.read_text() == f"waiting for another kfeed cluster command on {state}\n"
+    assert out == f"nothing running in {state}\n"
+
+
+def test_a_wipe_of_the_current_directory_says_nothing_was_kept_when_nothing_was(tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
+    result = kfeed("down", "--dir", ".", "--wipe", cwd=state)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["nothing running in .", "wiped ."]
+    assert list(state.iterdir()) == []  # the current directory itself stays
+
+
 # -- broker settings (--set, --unset) ------------------------------------------
 
 
@@ -663,6 +775,39 @@ def test_a_node_that_exits_is_reported_with_the_exception_under_its_error_line(t
     assert str(e.value).splitlines()[1] == f"last lines of {paths.server_log}:"
 
 
+@pytest.mark.parametrize("exec_after_s", [0.5, 600], ids=["late", "never"])
+def test_a_java_slow_to_exec_the_jvm_is_waited_for_and_never_left_running(
+    tmp_path: Path, port: int, monkeypatch: pytest.MonkeyPatch, exec_after_s: float
+) -> None:
+    # A wrapper named java (a version manager's shim) that execs a stand-in JVM
+    # late or never: up must not call it exited while it still runs, nor leave
+    # it behind when the start fails (the stand-in never answers).
+    standin = tmp_path / "standin-bin" / "java"
+    standin.parent.mkdir()
+    standin.symlink_to(sys.executable)
+    wrapper = tmp_path / "wrapper-bin" / "java"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, sys, time\ntime.sleep({exec_after_s})\n"
+        f"os.execv({str(standin)!r}, [{str(standin)!r}, '-c', 'import time; time.sleep(600)', *sys.argv[1:]])\n"
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(_jars, "java", lambda: str(wrapper))
+    monkeypatch.setattr(_jars, "jars", lambda progress=None: tmp_path)
+    monkeypatch.setattr(_tool, "_format", lambda *args: None)
+    monkeypatch.setattr(_tool, "_EXEC_WAIT_S", 0.1)
+    state = tmp_path / "c"
+    try:
+        with pytest.raises(ClusterError) as e:
+            cluster.up(dir=state, port=port, timeout=2)
+        assert str(e.value).startswith("nodes [1] not ready after 2 s")
+        # Neither the stand-in nor a wrapper yet to exec it (its command line names the state folder too).
+        assert jvms_in(state) == []
+    finally:
+        for pid in jvms_in(state):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_java_home_without_java_says_to_fix_or_unset_it(tmp_path: Path, bin_dir: Path) -> None:
     link_java(bin_dir)
     env = env_with_path(bin_dir, JAVA_HOME=str(tmp_path / "nonexistent"))
@@ -700,6 +845,8 @@ def test_a_bad_setting_names_the_brokers_reason_and_is_not_kept(state_dir: Path,
 def test_node_dying_during_start_shows_its_log_and_stops_the_others(state_dir: Path, port: int) -> None:
     # Node 2 finds data of another node id and exits at once; nodes 1 and 3
     # are healthy and must be stopped again.
+    state_dir.mkdir()
+    Layout(nodes=3, port=port, cluster_id=new_cluster_id()).save(state_dir)
     data = state_dir / "node-2" / "data"
     data.mkdir(parents=True)
     (data / "meta.properties").write_text(
@@ -1149,6 +1296,72 @@ def test_status_and_down_find_the_cluster_from_another_directory(
     assert kfeed("list", cwd=elsewhere).stdout == ""
 
 
+# -- the Schema Registry beside a cluster ----------------------------------------
+
+
+def standin_schema_registry(standins: StandIns, state_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    """A sleeping stand-in that the tool takes for the Schema Registry of ``state_dir`` on ``port``."""
+    folder = state_dir / "schema-registry"
+    folder.mkdir(parents=True)
+    runner = "/opt/apicurio-registry-app-3.0.9-runner.jar"
+    proc = standins.spawn(str(standins.java), f"-Dquarkus.http.port={port}", "-jar", runner)
+    standins.procs.setdefault(state_dir.resolve(), []).append(proc)
+    (folder / "pid").write_text(str(proc.pid))
+    (folder / "port").write_text(str(port))
+    return proc
+
+
+def test_up_checks_the_schema_registry_port_before_it_starts_anything(
+    tmp_path: Path, bin_dir: Path, port: int
+) -> None:
+    taken = cluster.free_port_base(1, port + 10)
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        # No java on PATH: an up that went ahead would fail there instead.
+        result = kfeed(
+            "up", "--dir", str(tmp_path / "c"), "--port", str(port), "--schema-registry",
+            "--schema-registry-port", str(taken), env=env_with_path(bin_dir),
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert only_error(result) == (
+        f"kfeed cluster: port {taken} (the Schema Registry's) is already in use on 127.0.0.1:"
+        " free it or choose another port (--schema-registry-port)"
+    )
+    assert not (tmp_path / "c").exists()
+
+
+def test_up_refuses_a_schema_registry_port_other_than_the_running_ones(
+    standins: StandIns, tmp_path: Path, bin_dir: Path
+) -> None:
+    state = tmp_path / "c"
+    proc = standin_schema_registry(standins, state, 41600)
+    result = kfeed(
+        "up", "--dir", str(state), "--schema-registry", "--schema-registry-port", "41610", env=env_with_path(bin_dir)
+    )
+    assert result.returncode == 2
+    assert only_error(result) == (
+        f"kfeed cluster: the Schema Registry of {state} already runs on port 41600: drop --schema-registry-port"
+        f" 41610, or stop it first with: kfeed cluster down --dir {state}"
+    )
+    assert proc.poll() is None
+    assert _tool.schema_registry_port(state) == _tool.schema_registry_port(state, 41600) == 41600
+
+
+def test_down_says_it_stopped_the_schema_registry(standins: StandIns, tmp_path: Path) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)  # its node is down
+    proc = standin_schema_registry(standins, state, 41600)
+    result = kfeed("down", "--dir", str(state))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"stopped the schema registry in {state}\n"
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    again = kfeed("down", "--dir", str(state))
+    assert again.stdout == f"nothing running in {state}\n"
+
+
 # -- pure helpers --------------------------------------------------------------
 
 
@@ -1181,3 +1394,49 @@ def test_layouts_scale_replication_with_node_count() -> None:
     assert three["listeners"] == "PLAINTEXT://127.0.0.1:40002,CONTROLLER://127.0.0.1:40102"
     assert three["transaction.state.log.min.isr"] == "2"
     assert three["log.dirs"] == "/tmp/x/node-3/data"
+
+
+# Reads a properties file as Kafka does (java.util.Properties.load of a stream:
+# ISO-8859-1, then the escapes) and prints each key and value as code points.
+READ_PROPERTIES_JAVA = """
+import java.io.FileInputStream;
+import java.util.Properties;
+
+public class ReadProperties {
+    static String codes(Object text) {
+        StringBuilder out = new StringBuilder();
+        ((String) text).codePoints().forEach(c -> out.append(c).append(' '));
+        return out.toString().trim();
+    }
+
+    public static void main(String[] args) throws Exception {
+        Properties props = new Properties();
+        try (FileInputStream in = new FileInputStream(args[0])) {
+            props.load(in);
+        }
+        props.forEach((key, value) -> System.out.println(codes(key) + "=" + codes(value)));
+    }
+}
+"""
+
+
+def test_java_reads_the_properties_written_for_a_non_ascii_folder_as_they_were_given(tmp_path: Path) -> None:
+    java = shutil.which("java")
+    if java is None:
+        pytest.skip("needs java on PATH")
+    source = tmp_path / "ReadProperties.java"
+    source.write_text(READ_PROPERTIES_JAVA)
+    props = {**cluster.node_properties(1, 1, dir=tmp_path / "données 😀"), "a\\b": "c\\d é"}
+    path = tmp_path / "server.properties"
+    write_properties(path, props)
+    out = subprocess.run([java, str(source), str(path)], capture_output=True, text=True, check=True).stdout
+
+    def text(codes: str) -> str:
+        return "".join(chr(int(code)) for code in codes.split())
+
+    read = {}
+    for line in out.splitlines():
+        key, value = line.split("=")
+        read[text(key)] = text(value)
+    assert read == props
+    assert path.read_bytes().isascii()

@@ -189,6 +189,8 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError("--schema-registry-port needs --schema-registry (add it, or drop the port)")
     overrides = dict(_setting(text) for text in args.overrides)
     unset = [_key(text) for text in args.unset]
+    # Before anything starts: a taken or contradicting port must not leave a cluster half up.
+    registry_port = _tool.schema_registry_port(args.dir, args.schema_registry_port) if args.schema_registry else None
     here = _absolute(args.dir)
     others = [record for record in _registry.running() if record.dir != here]
     if others:
@@ -212,9 +214,8 @@ def _up(args: argparse.Namespace) -> int:
         )
     else:
         print(f"already up in {args.dir}")
-    if args.schema_registry:
-        port = args.schema_registry_port or _schema_registry.DEFAULT_PORT
-        _tool.start_schema_registry(args.dir, port, args.timeout, progress=_note)
+    if registry_port is not None:
+        _tool.start_schema_registry(args.dir, registry_port, args.timeout, progress=_note)
     _show_status(args.dir)
     return 0
 
@@ -271,13 +272,16 @@ def _down(args: argparse.Namespace) -> int:
         else:
             print(f"nothing running in {dir}")
             return 0
-    stopped = _tool.down(dir, wipe=args.wipe)
+    stopped, registry = _tool.ensure_down(dir, wipe=args.wipe, progress=_note)
     if stopped:
         print(f"stopped node{'s' if len(stopped) > 1 else ''} {_ids(stopped)} in {dir}")
-    else:
+    if registry is not None:
+        print(f"stopped the schema registry in {dir}")
+    if not stopped and registry is None:
         print(f"nothing running in {dir}")
     if args.wipe:
-        kept = "" if not dir.exists() else " (the other files there are kept)"
+        # The current directory stays even when nothing is left in it.
+        kept = " (the other files there are kept)" if dir.exists() and any(dir.iterdir()) else ""
         print(f"wiped {dir}{kept}")
     return 0
 

@@ -246,14 +246,17 @@ class Layout:
         path = state_dir / STATE_FILE
         try:
             state = json.loads(path.read_text())
+            overrides = state.get("overrides", {})
+            if not isinstance(overrides, dict):
+                raise TypeError(f"overrides is {json.dumps(overrides)}, not an object")
             return cls(
                 nodes=int(state["nodes"]),
                 port=int(state["port"]),
                 cluster_id=str(state["cluster_id"]),
-                overrides={str(k): str(v) for k, v in state.get("overrides", {}).items()},
+                overrides={str(k): str(v) for k, v in overrides.items()},
                 secure=bool(state.get("secure", False)),
             )
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a folder below a file holds nothing
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ClusterError(f"unreadable cluster state {path}: {exc}") from exc
@@ -266,12 +269,24 @@ class Layout:
 
 def write_properties(path: Path, props: dict[str, str], private: bool = False) -> None:
     """Write a Java properties file; ``private`` (it holds a password) makes it owner-only."""
-    # Java properties treat a backslash as an escape, even in values.
-    lines = [f"{key}={value.replace(chr(92), chr(92) * 2)}\n" for key, value in props.items()]
+    lines = [f"{_escape(key)}={_escape(value)}\n" for key, value in props.items()]
     if private:
         write_private(path, "".join(lines))
     else:
         _write_atomic(path, "".join(lines))
+
+
+def _escape(text: str) -> str:
+    """``text`` as a properties file holds it: Java reads the file as ISO-8859-1, then its escapes."""
+    out = []
+    # A backslash starts an escape, even in values.
+    for char in text.replace("\\", "\\\\"):
+        if char.isascii():
+            out.append(char)
+        else:  # \uXXXX, in the UTF-16 code units of Java's strings
+            units = char.encode("utf-16-be")
+            out += (f"\\u{units[i : i + 2].hex()}" for i in range(0, len(units), 2))
+    return "".join(out)
 
 
 def write_private(path: Path, text: str) -> None:

@@ -17,17 +17,31 @@ from kfeed.cluster._layout import NodePaths
 
 def is_node_jvm(pid: int, properties: Path) -> bool:
     """Whether ``pid`` is a live JVM running ``kafka.Kafka`` with ``properties``."""
+    args = _node_args(pid, properties)
+    return args is not None and os.path.basename(args[0]).startswith(b"java")
+
+
+def is_launching(pid: int, properties: Path) -> bool:
+    """Whether ``pid``, just launched as the node, still runs: as its JVM, or on the way to exec it.
+
+    Before the exec the process is the launching shell or a wrapper named
+    ``java`` (a version manager's shim), whose command line holds the JVM's
+    arguments. Only for a pid this process launched: from a pid file, such a
+    process proves nothing.
+    """
+    return _node_args(pid, properties) is not None
+
+
+def _node_args(pid: int, properties: Path) -> list[bytes] | None:
     if pid <= 0:
-        return False
+        return None
     try:
         # A zombie's cmdline is empty, so an exited node reads as not running
         # even before its parent collects it.
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return False
-    if not args or not os.path.basename(args[0]).startswith(b"java"):
-        return False
-    return b"kafka.Kafka" in args and os.fsencode(properties) in args
+        return None
+    return args if b"kafka.Kafka" in args and os.fsencode(properties) in args else None
 
 
 def pid_file_pid(paths: NodePaths) -> int | None:

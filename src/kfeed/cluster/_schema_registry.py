@@ -99,10 +99,13 @@ def _folder(state_dir: Path) -> Path:
 
 def url(state_dir: Path) -> str | None:
     """The Confluent-compatible URL of the registry started in ``state_dir``, if it runs."""
-    port = _port(state_dir)
-    if port is None or running_pid(state_dir) is None:
-        return None
-    return f"http://127.0.0.1:{port}{API}"
+    port = running_port(state_dir)
+    return None if port is None else f"http://127.0.0.1:{port}{API}"
+
+
+def running_port(state_dir: Path) -> int | None:
+    """The port of the registry started in ``state_dir``, if it runs."""
+    return _port(state_dir) if running_pid(state_dir) is not None else None
 
 
 def _port(state_dir: Path) -> int | None:

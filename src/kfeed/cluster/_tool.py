@@ -4,8 +4,9 @@ Each node is a detached JVM (``kafka.Kafka``) whose pid file lives in the
 state folder, so any later process (the CLI, a test, a fault injector) can
 find it again. A pid is only ever signalled after ``/proc/<pid>/cmdline``
 shows that it is a ``java`` running ``kafka.Kafka`` with that node's
-properties file (``_procs``). Each start and stop also updates the user's
-record of the cluster (``_registry``).
+properties file (``_procs``), except by a start that fails: it also kills
+what it launched itself and has not yet become the JVM. Each start and stop
+also updates the user's record of the cluster (``_registry``).
 
 ``up``, ``down`` and ``start_node`` hold an exclusive lock on the state
 folder's ``cluster.lock`` while they work, so two of them never race over
@@ -48,7 +49,7 @@ from kfeed.cluster._layout import (
     new_cluster_id,
     write_properties,
 )
-from kfeed.cluster._procs import is_node_jvm, running_pid
+from kfeed.cluster._procs import is_launching, is_node_jvm, running_pid
 from kfeed.errors import ClusterError, ConfigError
 
 logger = logging.getLogger("kfeed.cluster")
@@ -165,12 +166,22 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
     but not ``down(wipe=True)``, which then stops whichever node JVMs of the
     folder still run.
     """
+    return ensure_down(dir, wipe)[0]
+
+
+def ensure_down(
+    dir: Path | str, wipe: bool = False, progress: Callable[[str], None] | None = None
+) -> tuple[list[int], int | None]:
+    """:func:`down`, also returning the pid of the Schema Registry it stopped (None: none ran).
+
+    ``progress`` receives a note before a wait for another command's hold on the folder.
+    """
     state_dir = _state_dir(dir)
     _check_not_a_file(state_dir, dir)
     if not (state_dir / STATE_FILE).is_file():
         _registry.forget(state_dir)
         raise _no_cluster(dir)
-    with _locked(state_dir, dir, LOCK_WAIT_S):
+    with _locked(state_dir, dir, LOCK_WAIT_S, progress):
         try:
             layout = _load(state_dir, dir)
         except ClusterError:
@@ -184,7 +195,7 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
                 raise _no_cluster(dir)
             nodes = layout
         try:
-            _schema_registry.stop(state_dir)
+            registry = _schema_registry.stop(state_dir)
             stopped = _stop(nodes, state_dir, nodes.node_ids)
         finally:
             if layout is not None:
@@ -193,7 +204,7 @@ def down(dir: Path | str = DEFAULT_DIR, wipe: bool = False) -> list[int]:
             _wipe(state_dir, nodes.node_ids)
             _registry.forget(state_dir)
             logger.info("wiped %s", dir)
-    return stopped
+    return stopped, registry
 
 
 def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any]:
@@ -243,19 +254,43 @@ def status(dir: Path | str = DEFAULT_DIR, timeout: float = 5.0) -> dict[str, Any
 
 def start_schema_registry(
     dir: Path | str = DEFAULT_DIR,
-    port: int = _schema_registry.DEFAULT_PORT,
+    port: int | None = None,
     timeout: float = _schema_registry.START_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
 ) -> str:
     """Run a Schema Registry (Apicurio) for the folder ``dir`` on ``port``; its URL once it answers.
 
+    ``port`` defaults to the one it runs on already, else 38081; another port
+    than the running one's is refused.
+
     The URL is the Confluent-compatible API (``http://127.0.0.1:PORT/apis/ccompat/v7``),
     what ``kfeed.Avro(registry={"url": ...})`` and confluent-kafka's serializers take.
     ``down`` stops it with the nodes. ``dir`` need not hold a cluster.
     """
-    if _in_use(port) and _schema_registry.url(_state_dir(dir)) is None:
-        raise ClusterError(f"port {port} is in use: pass another port")
-    return _schema_registry.start(_state_dir(dir), port, timeout, progress)
+    return _schema_registry.start(_state_dir(dir), schema_registry_port(dir, port), timeout, progress)
+
+
+def schema_registry_port(dir: Path | str, port: int | None = None) -> int:
+    """The port the Schema Registry of ``dir`` serves on, or would: its running one's, else ``port`` or 38081.
+
+    Raises when ``port`` is not the running one's, or is taken.
+    """
+    state_dir = _state_dir(dir)
+    running = _schema_registry.running_port(state_dir)
+    if running is None:
+        port = port or _schema_registry.DEFAULT_PORT
+        if _in_use(port):
+            raise ClusterError(
+                f"port {port} (the Schema Registry's) is already in use on {HOST}: "
+                "free it or choose another port (--schema-registry-port)"
+            )
+        return port
+    if port not in (None, running):
+        raise UsageError(
+            f"the Schema Registry of {dir} already runs on port {running}: drop --schema-registry-port {port},"
+            f" or stop it first with: kfeed cluster down --dir {dir}"
+        )
+    return running
 
 
 def stop_schema_registry(dir: Path | str = DEFAULT_DIR) -> int | None:
@@ -429,13 +464,22 @@ def _own_names(node_ids: Iterable[int]) -> list[str]:
 def _check_folder(state_dir: Path, shown: Path | str) -> None:
     """Refuse to make a cluster in a folder that holds other files and no ``cluster.json``.
 
-    A wipe deletes only the tool's own files, but the user's files still do not
-    belong beside a cluster's data.
+    Without ``cluster.json`` the folder is no cluster's yet, so a ``secure/`` or
+    ``log4j2.properties`` there is the user's: a start would overwrite it and a
+    wipe delete it. Only the lock, a cut-short write's temporary files and a
+    Schema Registry's folder are the tool's.
     """
     _check_not_a_file(state_dir, shown)
+    if "," in str(state_dir):
+        # log.dirs and -Dlog4j2.configurationFile are comma-separated lists.
+        raise UsageError(
+            f"the path of {state_dir} holds a comma, which Kafka reads as a list separator: "
+            "pass --dir a folder whose path has none"
+        )
     if not state_dir.is_dir() or (state_dir / STATE_FILE).exists():
         return
-    own = set(_own_names(range(1, max(NODE_COUNTS) + 1)))
+    # (and a Schema Registry's, which start_schema_registry runs without a cluster)
+    own = {LOCK_FILE, f".{STATE_FILE}.tmp", f".{LOG4J_FILE}.tmp", _schema_registry.FOLDER}
     others = sorted(entry.name for entry in state_dir.iterdir() if entry.name not in own)
     if others:
         raise UsageError(
@@ -471,8 +515,13 @@ def _locked(
     deadline = time.monotonic() + wait_s
     waiting = False
     while True:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot write in {shown} ({exc.strerror}: {exc.filename}): pass --dir a folder you can write"
+            ) from exc
         try:
             while True:
                 try:
@@ -617,10 +666,28 @@ def _start(
         if awaited:
             _wait_ready(layout, state_dir, started, awaited, timeout, since=since)
     except BaseException:
+        _kill_unexeced(layout, state_dir, started)
         _stop(layout, state_dir, started)
         raise
     _registry.update(layout, state_dir)
     return started
+
+
+def _kill_unexeced(layout: Layout, state_dir: Path, started: dict[int, int]) -> None:
+    """SIGKILL the launched nodes still on their way to exec java (a slow wrapper); wait until they are gone.
+
+    ``_stop`` knows only JVMs, and each of these would become one, unknown to any later command.
+    """
+    killed: dict[int, Path] = {}
+    for node_id, pid in started.items():
+        properties = layout.node_paths(state_dir, node_id).properties
+        if is_launching(pid, properties) and not is_node_jvm(pid, properties):
+            logger.info("killing node %d (pid %d) before it became java", node_id, pid)
+            _signal(pid, signal.SIGKILL)
+            killed[pid] = properties
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(is_launching(pid, path) for pid, path in killed.items()):
+        time.sleep(0.01)
 
 
 def _prepare(layout: Layout, state_dir: Path, recorded: Layout) -> None:
@@ -699,8 +766,8 @@ def _await_exec(pid: int, paths: NodePaths) -> None:
     """Wait until ``pid`` shows the JVM's command line, or gives up being able to.
 
     The shell prints the pid as soon as it forks, before the child has become
-    java; until then ``/proc`` shows a shell (or nothing), which every later
-    check would take for a dead node.
+    java; until then ``/proc`` shows a shell (or nothing), which ``status``
+    would take for a dead node. ``_wait_ready`` asks ``is_launching`` instead.
     """
     deadline = time.monotonic() + _EXEC_WAIT_S
     while not is_node_jvm(pid, paths.properties) and time.monotonic() < deadline:
@@ -789,9 +856,10 @@ def _wait_ready(
     deadline = time.monotonic() + timeout
     admin = None
     while True:
-        for node_id in started:
+        for node_id, pid in started.items():
             paths = layout.node_paths(state_dir, node_id)
-            if running_pid(paths) is None:
+            # Not running_pid: a slow wrapper may take any time to exec java.
+            if not is_launching(pid, paths.properties):
                 reason = _log_reason(paths, since.get(node_id))
                 if reason is None:
                     raise ClusterError(f"node {node_id} exited while starting; {_log_tail(paths, since.get(node_id))}")
