@@ -472,28 +472,37 @@ def test_up_waits_for_another_commands_hold_on_the_folder_and_then_gives_up_in_o
     )
 
 
-def test_up_goes_on_once_the_other_command_lets_go_of_the_folder(tmp_path: Path, bin_dir: Path) -> None:
-    state = tmp_path / "c"
-    state.mkdir()
-    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
-    stderr = tmp_path / "stderr"
+def waiting_for_the_lock(state: Path, stderr: Path, args: list[str], env: dict[str, str]
+                         ) -> subprocess.Popen[str]:
+    """``kfeed cluster ARGS``, started while this test holds ``state``'s lock, once it says it
+    waits for it; the lock is let go on return."""
     with open(state / LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        env = env_with_path(bin_dir, PYTHONPATH=str(SRC))
         with open(stderr, "w") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kfeed", "cluster", "up", "--dir", str(state), "--timeout", "60"],
-                stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                [sys.executable, "-m", "kfeed", "cluster", *args], stdout=subprocess.PIPE,
+                stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
             )  # fmt: skip
         try:
             deadline = time.monotonic() + 30
             while "waiting for another" not in stderr.read_text():
                 assert proc.poll() is None, stderr.read_text()
-                assert time.monotonic() < deadline, "up never waited for the lock"
+                assert time.monotonic() < deadline, f"{args[0]} waited without a word"
                 time.sleep(0.05)
         except BaseException:
             proc.kill()
+            proc.wait()
             raise
+    return proc
+
+
+def test_up_goes_on_once_the_other_command_lets_go_of_the_folder(tmp_path: Path, bin_dir: Path) -> None:
+    state = tmp_path / "c"
+    state.mkdir()
+    Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
+    stderr = tmp_path / "stderr"
+    proc = waiting_for_the_lock(state, stderr, ["up", "--dir", str(state), "--timeout", "60"],
+                                env_with_path(bin_dir, PYTHONPATH=str(SRC)))
     # Let go: up goes on to its next step, finding java, which this PATH lacks.
     assert proc.wait(timeout=30) == 1
     assert stderr.read_text().splitlines()[-1].startswith("kfeed cluster: java not found on PATH")
@@ -635,24 +644,8 @@ def test_down_says_it_waits_for_another_commands_hold_on_the_folder(tmp_path: Pa
     state.mkdir()
     Layout(nodes=1, port=41000, cluster_id=new_cluster_id()).save(state)
     stderr = tmp_path / "stderr"
-    with open(state / LOCK_FILE, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        env = dict(os.environ, PYTHONPATH=str(SRC))
-        with open(stderr, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kfeed", "cluster", "down", "--dir", str(state)],
-                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
-            )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 10
-            while "waiting for another" not in stderr.read_text():
-                assert proc.poll() is None, stderr.read_text()
-                assert time.monotonic() < deadline, "down waited without a word"
-                time.sleep(0.05)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+    proc = waiting_for_the_lock(state, stderr, ["down", "--dir", str(state)],
+                                dict(os.environ, PYTHONPATH=str(SRC)))
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert stderr.read_text() == f"waiting for another kfeed cluster command on {state}\n"
