@@ -311,3 +311,39 @@ def test_states_of_different_epochs_do_not_merge():
     _, plain = run_job(values, 2, [1, 1], None, "id", batch_size=8)
     with pytest.raises(ConfigError, match="different kinds"):
         Loader.merge_states([plain[0], states[1]])
+
+
+def test_a_merged_state_of_more_than_64_ranks_keeps_every_lineage():
+    # The loader kept the first 64 lineages: the commits rank 64 made after the
+    # checkpoint, before the job died, then counted as another reader's and won
+    # over the state, and 50 of its records were never read again.
+    rows = Schema({"id": ("int64", ())})
+    world = 65
+    values = {p: rows.encode_blocks({"id": np.arange(p * 1000, p * 1000 + 100 * (p == 64))}, 5)
+              for p in range(world)}
+    shared: tuple[dict, dict, dict] = ({}, {}, {})  # the group's commits, as Kafka keeps them
+
+    def loader(rank: int, size: int) -> Loader:
+        source = MemorySource(values)
+        source.committed_positions, source.committed_by, source.committed_notes = shared
+        return Loader(None, "memory", rows, 10, source=source, device="cpu", until="end",
+                      rank=rank, world_size=size, assignment="static")
+
+    trained, states = [], []
+    for rank in range(world):
+        with loader(rank, world) as ld:
+            it = iter(ld)
+            if rank == 64:
+                trained += [i for _ in range(2) for i in next(it)["id"].tolist()]
+            states.append(ld.state_dict())  # the checkpoint: every rank at one step
+            if rank == 64:
+                for _ in range(5):  # read (and committed) after it; then the job dies
+                    next(it)
+    merged = Loader.merge_states(states)
+    assert len(merged["lineages"]) == world
+    resumed = loader(0, 1)
+    resumed.load_state_dict(merged)
+    with resumed:
+        trained += [i for b in resumed for i in b["id"].tolist()]
+        assert len(resumed.state_dict()["lineages"]) == world
+    assert Counter(trained) == Counter(range(64000, 64100))

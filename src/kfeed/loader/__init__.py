@@ -125,7 +125,6 @@ log = logging.getLogger("kfeed.loader")
 _CARRIED = ("samples_decoded", "bytes", "bad_records", "commits", "commit_failures",
             "dead_lettered", "rebalances", "fetch_s", "decode_s", "copy_s")
 
-_MAX_LINEAGES = 64  # a state remembers this many loaders it descends from
 _MAX_SUPERSEDED = 256  # and this many runs whose commits it accounts for
 _STATE_VERSION = 1
 
@@ -902,9 +901,13 @@ class Loader:
                 self._ledger.load_state(state)
         # A resumed loader carries on its state's lineage: the commits of a
         # run killed before its first checkpoint are then its own too.
+        # Every one: a merged state holds one per rank, and a commit of a lineage
+        # left out would count as another reader's and win over the state.
+        # (Merges dedupe them; a resume adds none: their number stays the job's
+        # largest world size.)
         resumed = [x for x in state.get("lineages", []) if isinstance(x, str)]
         if resumed:
-            self._lineages = resumed[:_MAX_LINEAGES]
+            self._lineages = resumed
             self._source.lineage = resumed[0]
             self._ledger.lineages = set(self._lineages)
         self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
