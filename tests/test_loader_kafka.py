@@ -644,6 +644,25 @@ def test_more_dataloader_workers_than_partitions_in_a_group_is_one_clear_error(
         list(dl)
 
 
+def test_the_workers_of_every_rank_count_against_the_partitions_of_a_group(
+        bootstrap, make_topic, group_id) -> None:
+    # Each rank checked its own 2 workers against the 2 partitions, while the
+    # group had 4 members: workers without one, and a DataLoader waiting on them.
+    import torch
+
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, 0, 300)
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
+                                    topic, SCHEMA, 100, until="end", rank=0, world_size=2)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, timeout=120,
+                                     multiprocessing_context="forkserver")
+    with pytest.raises(kfeed.ConfigError, match=(
+            f"2 DataLoader workers on each of 2 ranks \\(4 members\\) share the partitions "
+            f"in a consumer group, and {topic} has 2: a worker without one would hold the "
+            f"DataLoader up for ever; use at least 4 partitions")):
+        list(dl)
+
+
 def test_the_dataset_and_its_schema_travel_to_spawned_workers() -> None:
     import pickle
 

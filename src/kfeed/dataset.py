@@ -132,9 +132,16 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
                   for t in self.config.topics}
         # A mixture's member reads every topic; otherwise the topics' partitions add up.
         have = min(counts.values()) if self.config.mix is not None else sum(counts.values())
-        if have < workers:
-            raise ConfigError(f"{workers} DataLoader workers share the partitions in a "
-                              f"consumer group, and {', '.join(counts)} "
-                              f"{'have' if len(counts) > 1 else 'has'} {have}: a worker "
-                              f"without one would hold the DataLoader up for ever; use at "
-                              f"most {have} workers, or more partitions")
+        # Every rank's workers are members of the one group.
+        ranks = self.config.world_size or 1
+        members = workers * ranks
+        if have < members:
+            who = (f"{workers} DataLoader workers" if ranks == 1 else
+                   f"{workers} DataLoader workers on each of {ranks} ranks ({members} members)")
+            most = have // ranks
+            fix = (f"use at most {most} workers{' a rank' if ranks > 1 else ''}, or more "
+                   f"partitions" if most > 1 else f"use at least {members} partitions")
+            raise ConfigError(f"{who} share the partitions in a consumer group, and "
+                              f"{', '.join(counts)} {'have' if len(counts) > 1 else 'has'} "
+                              f"{have}: a worker without one would hold the DataLoader up for "
+                              f"ever; {fix}")
