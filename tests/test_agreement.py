@@ -188,3 +188,33 @@ def test_a_rank_that_runs_out_after_saying_it_had_a_batch_leaves_nobody_waiting(
     results = run_two_ranks(script)
     assert results[0] == (0, 0)
     assert results[1][1] == 0 and 1 <= results[1][0] <= 2  # the others stop within two steps
+
+
+MADE_BEFORE = textwrap.dedent("""
+    import torch.distributed as dist
+    import numpy as np
+    import kfeed
+    from kfeed.loader import memory_loader
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = {p: schema.encode_blocks({"id": np.arange(p * 50, p * 50 + 50)}, 5) for p in range(4)}
+    ld = memory_loader(values, schema, 10, device="cpu", until="end", assignment="static")
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        next(ld)
+        print("RESULT", dist.get_rank(), 0, flush=True)
+    except kfeed.ConfigError as e:
+        print("RESULT", dist.get_rank(), int(str(e).startswith(
+            "the loader was made before torch.distributed.init_process_group, as rank 0 of 1, "
+            "and the job has 2 ranks: make it after init_process_group, or pass rank= and "
+            "world_size=")), flush=True)
+    ld.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_a_loader_made_before_the_process_group_refuses_to_read_as_the_one_reader(
+        tmp_path) -> None:
+    # It kept rank 0 of 1: each rank read every record (each once per rank).
+    script = tmp_path / "made_before.py"
+    script.write_text(MADE_BEFORE)
+    assert run_two_ranks(script) == {0: (1,), 1: (1,)}

@@ -300,6 +300,7 @@ class Loader:
         # NOTE [ Epochs ]: with epochs=N each epoch is a pipeline of its own
         # (_setup), over the window resolved at the first one's start.
         self._base = config
+        self._made_alone = not dist_ready()  # its rank and world size were not the job's then
         self._kafka_config = kafka_config
         self._given_source = source
         self._epoch = 0
@@ -533,6 +534,14 @@ class Loader:
 
     def _start(self) -> None:
         f = self._feeder
+        if self._made_alone and dist_ready() and get_worker_info() is None \
+                and torch.distributed.get_world_size() != self.world_size:
+            # Every rank would read as the one reader: each record once per rank.
+            raise ConfigError(
+                f"the loader was made before torch.distributed.init_process_group, as rank "
+                f"{self.rank} of {self.world_size}, and the job has "
+                f"{torch.distributed.get_world_size()} ranks: make it after "
+                f"init_process_group, or pass rank= and world_size=")
         if not self._maps_checked:
             self._check_maps()
         if self._base.epochs is not None:
