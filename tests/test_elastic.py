@@ -10,6 +10,7 @@ batches waiting in its queue) included. NOTE [ Elastic resume ].
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -347,3 +348,49 @@ def test_a_merged_state_of_more_than_64_ranks_keeps_every_lineage():
         trained += [i for b in resumed for i in b["id"].tolist()]
         assert len(resumed.state_dict()["lineages"]) == world
     assert Counter(trained) == Counter(range(64000, 64100))
+
+
+def test_one_static_ranks_state_is_refused_where_it_does_not_cover_the_ranks_partitions():
+    # One rank's state, loaded by a job of another size: the partitions it did
+    # not hold started at the commits the other rank made after the checkpoint
+    # before the job died (24 of 160 records lost). A merged state covers them.
+    rows = Schema({"id": ("int64", ())})
+    values = {p: rows.encode_blocks({"id": np.arange(p * 40, p * 40 + 40)}, 4) for p in range(4)}
+    shared: tuple[dict, dict, dict] = ({}, {}, {})  # the group's commits, as Kafka keeps them
+
+    def loader(rank: int, size: int) -> Loader:
+        source = MemorySource(values)
+        source.committed_positions, source.committed_by, source.committed_notes = shared
+        return Loader(None, "memory", rows, 8, source=source, device="cpu", until="end",
+                      rank=rank, world_size=size, assignment="static")
+
+    trained, states = [], []
+    for rank in range(2):
+        with loader(rank, 2) as ld:
+            it = iter(ld)
+            trained += [i for _ in range(2) for i in next(it)["id"].tolist()]
+            states.append(ld.state_dict())  # the checkpoint, at step 2
+            for _ in range(3):  # read and committed after it; then the job dies
+                next(it)
+    assert states[0]["static"] == {"covers": [["memory", 0], ["memory", 2]],
+                                   "of": [["memory", p] for p in range(4)]}
+    alone = loader(0, 1)
+    alone.load_state_dict(json.loads(json.dumps(states[0])))
+    with pytest.raises(ConfigError, match=(
+            r"^rank 0 of 1 is dealt \[\('memory', 1\), \('memory', 3\)\], whose positions the "
+            r"state it loaded does not hold: .* load Loader.merge_states\(every rank's state\) "
+            r"on every rank instead$")):
+        next(alone)
+    alone.close()
+    # The same rank of the same job takes its own state; a merged one goes anywhere.
+    again = loader(1, 2)
+    again.load_state_dict(states[1])
+    assert set(next(again)["id"].tolist()) <= {*range(40, 80), *range(120, 160)}  # its own
+    again.close()
+    merged = Loader.merge_states(states)
+    assert merged["static"]["covers"] == [["memory", p] for p in range(4)]
+    resumed = loader(0, 1)
+    resumed.load_state_dict(merged)
+    with resumed:
+        trained += [i for b in resumed for i in b["id"].tolist()]
+    assert Counter(trained) == Counter(range(160))

@@ -312,6 +312,12 @@ class Loader:
         # the first start (with ``one_epoch``, until= must name them all).
         self._maps_checked = False
         self._until_names_all = one_epoch and config.epochs is not None
+        # assignment="static": the partitions this rank was dealt and every
+        # partition there was, as a state records them; those of a loaded
+        # state, checked against the first deal (NOTE [ A static state covers
+        # its rank's partitions ]).
+        self._static: dict[str, list[list[Any]]] | None = None
+        self._loaded_static: dict[str, list[list[Any]]] | None = None
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -578,6 +584,7 @@ class Loader:
                 f.assignment = [tp for t in mix.topics
                                 for i, tp in enumerate(sorted(p for p in parts if p[0] == t))
                                 if i % self.world_size == self.rank]
+            self._check_static_cover(f.assignment, parts)
         elif self.world_size > 1 and dist_ready() and get_worker_info() is None:
             # Partitions move between the ranks: each must believe the
             # others' commits, and not a crashed run's (NOTE [ Whose commits
@@ -665,6 +672,35 @@ class Loader:
         self._wait_s += waited
         self._longest_wait_s = max(self._longest_wait_s, waited)
         self._wait_hist.observe(waited)
+
+    def _check_static_cover(self, assignment: list[TP], parts: list[TP]) -> None:
+        """NOTE [ A static state covers its rank's partitions ]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A static rank's state holds the positions of the partitions it was
+        dealt alone. Loaded by a rank dealt others (a partition or a topic
+        added, another number of ranks, one rank's state loaded by all), a
+        partition it does not name starts at the group's commit, which the
+        rank that read it made past its checkpoint before the job died (its
+        lineage is not this state's, so its commit wins): those records are
+        lost. So a state names what it covers and the partitions there were,
+        and a rank dealt one it does not cover, of those there were, stops
+        here; a merged state covers every rank's partitions.
+        """
+        self._static = {"covers": sorted(map(list, assignment)),
+                        "of": sorted(map(list, parts))}
+        loaded, self._loaded_static = self._loaded_static, None
+        if loaded is None:
+            return
+        covered = {tuple(tp) for tp in loaded["covers"]}
+        known = {tuple(tp) for tp in loaded["of"]}
+        missing = [tp for tp in assignment if tp in known and tp not in covered]
+        if missing:
+            raise ConfigError(
+                f"rank {self.rank} of {self.world_size} is dealt {sorted(missing)[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}, whose positions the state it loaded "
+                f"does not hold: it is one rank's state, and the ranks' partitions changed "
+                f"(a partition or topic added, another number of ranks); load "
+                f"Loader.merge_states(every rank's state) on every rank instead")
 
     def _agreed(self) -> Any:
         """The next item, or ``END`` once any rank has run out (see ``EpochAgreement``)."""
@@ -872,6 +908,9 @@ class Loader:
             "superseded": superseded[-_MAX_SUPERSEDED:],
             **state,
         }
+        static = self._static or self._loaded_static
+        if self.assignment_mode == "static" and static is not None:
+            out["static"] = static
         if self._base.epochs is not None:
             window = None if self._window is None else {
                 name: [[t, p, o] for (t, p), o in sorted(ends.items())]
@@ -920,6 +959,7 @@ class Loader:
             self._source.lineage = resumed[0]
             self._ledger.lineages = set(self._lineages)
         self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
+        self._loaded_static = _static_cover(state)
 
     def _load_epoch(self, saved: Mapping[str, Any]) -> bool:
         """The epoch and window of a state; whether its positions are to load (mid-epoch)."""
@@ -982,6 +1022,11 @@ class Loader:
             superseded.update(st.get("superseded", []))
         out = {**first, "positions": positions, "lineages": lineages,
                "superseded": sorted(superseded)}
+        covers = [_static_cover(st) for st in states]
+        out.pop("static", None)
+        if all(c is not None for c in covers):  # every rank's partitions
+            out["static"] = {key: [list(tp) for tp in sorted(
+                {tuple(tp) for c in covers for tp in c[key]})] for key in ("covers", "of")}
         if first.get("epochs") is not None:
             out["epochs"] = _merge_epochs(states)
         if "order" in first:
@@ -1242,6 +1287,20 @@ def _epoch_seed(seed: int, epoch: int) -> int:
         return seed
     # The (epoch)th SplitMix64 output from the seed: the mixer's own generator.
     return _splitmix((seed + (epoch - 1) * 0x9E3779B97F4A7C15) & (2**64 - 1))[1]
+
+
+def _static_cover(state: Mapping[str, Any]) -> dict[str, list[list[Any]]] | None:
+    """A static rank's state's ``static``: the partitions it covers and those there were
+    (NOTE [ A static state covers its rank's partitions ]); None for a state without."""
+    static = state.get("static")
+    if static is None:
+        return None
+    try:
+        out = {key: [[str(t), int(p)] for t, p in static[key]] for key in ("covers", "of")}
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"not a kfeed loader state: its static is {static!r}, not "
+                          f"{{'covers': [[topic, partition], ...], 'of': [...]}}") from None
+    return out
 
 
 def _merge_epochs(states: list[Mapping[str, Any]]) -> dict[str, Any]:
