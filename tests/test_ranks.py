@@ -112,3 +112,42 @@ def test_ranks_in_a_group_read_one_window_every_epoch(bootstrap, make_topic, tmp
     # Both epochs read the one window: records written after it was resolved are in neither.
     last = max(epochs[0] | epochs[1])
     assert last < 12000 - 100 * 3  # the writer went on for a second after rank 0 resolved it
+
+
+GROUP_WORKER = textwrap.dedent("""
+    import sys, torch.distributed as dist, kfeed
+    from kfeed.synthetic import synthetic_schema
+    dist.init_process_group("gloo", init_method="env://")
+    bootstrap, topics, strategy = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    config = {"bootstrap.servers": bootstrap, "group.id": "group-ranks-" + topics[0]}
+    if strategy != "default":
+        config["partition.assignment.strategy"] = strategy
+    loader = kfeed.Loader(config, topics, synthetic_schema(), 100, device="cpu", until="end")
+    try:
+        ids = [i for batch in loader for i in batch["id"].tolist()]
+        print("RESULT", dist.get_rank(), len(ids), flush=True)
+    except kfeed.ConfigError as e:
+        print(e, file=sys.stderr)
+        print("RESULT", dist.get_rank(), -1, flush=True)
+    loader.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_ranks_of_a_group_that_one_would_be_left_without_a_partition_refuse_together(
+        bootstrap, make_topic, tmp_path) -> None:
+    # The rank left without a partition never asked the bounded epoch's question,
+    # and the other waited on it until gloo's timeout (30 minutes).
+    one, other = make_topic(partitions=1), make_topic(partitions=1)
+    for topic, first in ((one, 0), (other, 1000)):
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, synthetic_schema()) as p:
+            p.send(synthetic_columns(np.arange(first, first + 300)))
+    script = tmp_path / "group_worker.py"
+    script.write_text(GROUP_WORKER)
+    # One partition for two ranks; two topics of one, which the range assignor
+    # (the default) deals apart, both to one rank.
+    assert run_two_ranks(script, bootstrap, one, "default") == {0: (-1,), 1: (-1,)}
+    assert run_two_ranks(script, bootstrap, f"{one},{other}", "default") == {0: (-1,), 1: (-1,)}
+    # Spread by roundrobin, each rank reads one topic to its end.
+    assert run_two_ranks(script, bootstrap, f"{other},{one}", "roundrobin") == {0: (300,),
+                                                                               1: (300,)}

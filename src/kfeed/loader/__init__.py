@@ -113,6 +113,7 @@ from kfeed.sources import (
     MemorySource,
     Position,
     Source,
+    group_protocol,
 )
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
@@ -586,6 +587,8 @@ class Loader:
                                 if i % self.world_size == self.rank]
             self._check_static_cover(f.assignment, parts)
         elif self.world_size > 1 and dist_ready() and get_worker_info() is None:
+            if self.config.bounded:
+                self._check_group_ranks(self._source.partitions())
             # Partitions move between the ranks: each must believe the
             # others' commits, and not a crashed run's (NOTE [ Whose commits
             # win ]). Once, before the first assignment.
@@ -672,6 +675,38 @@ class Loader:
         self._wait_s += waited
         self._longest_wait_s = max(self._longest_wait_s, waited)
         self._wait_hist.observe(waited)
+
+    def _check_group_ranks(self, parts: list[TP]) -> None:
+        """Ranks in a group that some would be left without a partition: every rank refuses.
+
+        A bounded epoch's ranks agree on its end each step (``EpochAgreement``),
+        and a rank that never gets a batch never asks: the others wait on it
+        until the collective times out. The range assignor (librdkafka's
+        default) deals each topic's partitions apart, so ranks beyond the
+        largest topic's count get none; the others spread them all; a
+        mixture's ranks need a partition of every topic.
+        """
+        counts = {t: sum(1 for tp in parts if tp[0] == t) for t in self.topics}
+        strategy = str((self._kafka_config or {}).get("partition.assignment.strategy", "range"))
+        dealt_apart = strategy.strip().lower().startswith("range") and \
+            group_protocol(self._kafka_config or {}) == "eager"
+        if self.config.mix is not None:
+            have, how = min(counts.values()), "a mixture's ranks each read every topic"
+        elif dealt_apart:
+            have, how = max(counts.values()), ("the range assignor deals each topic's "
+                                               "partitions apart")
+        else:
+            have, how = sum(counts.values()), "the group spreads the partitions"
+        if have >= self.world_size:
+            return
+        given = ", ".join(f"{t} has {n}" for t, n in counts.items())
+        raise ConfigError(
+            f"{self.world_size} ranks share the partitions in a consumer group ({given}; "
+            f"{how}): a rank without one would leave the others waiting at the bounded "
+            f"epoch's end for ever; use at most {have} rank{'s' if have != 1 else ''}, more "
+            f"partitions"
+            f"{', partition.assignment.strategy=roundrobin' if dealt_apart else ''} or "
+            f"assignment='static'")
 
     def _check_static_cover(self, assignment: list[TP], parts: list[TP]) -> None:
         """NOTE [ A static state covers its rank's partitions ]
