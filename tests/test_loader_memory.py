@@ -481,6 +481,27 @@ def test_an_until_offset_past_the_end_stops_at_the_end_and_says_so(caplog) -> No
         "(records written later are not read)"]
 
 
+def test_a_start_offset_past_the_end_or_after_until_is_refused() -> None:
+    # Past the end, librdkafka's reset started at offset 0, before the window, in
+    # silence (a stream read ids 0..99 for start 500); with until= it read nothing.
+    values = {0: blocks(0, 200, 64), 1: blocks(200, 200, 64)}  # 4 messages each
+    for window, line in (
+            ({"start": {("memory", 0): 9}},
+             "start= names offset 9 of memory[0], past its end (4; it holds 0..3): give an "
+             "offset up to 4"),
+            ({"start": {("memory", 1): 3}, "until": {("memory", 1): 2}},
+             "until= names offset 2 of memory[1], before its start= offset 3: the window "
+             "would hold nothing")):
+        loader = memory_loader(values, SCHEMA, 8, device="cpu", **window)
+        with loader, pytest.raises(kfeed.ConfigError, match=f"^{re.escape(line)}$"):
+            next(iter(loader))
+    # Numpy's integers name partitions and offsets as ints do; the end itself is a start.
+    loader = memory_loader(values, SCHEMA, 64, device="cpu", until="end",
+                           start={("memory", np.int64(0)): np.int64(2), ("memory", 1): 4})
+    with loader:
+        assert sorted(collect(loader).tolist()) == list(range(128, 200))
+
+
 def test_two_threads_reading_one_loader_both_end_with_stop_iteration() -> None:
     # The thread that did not take the end found the loader's thread gone and
     # the queue empty: "the loader thread stopped without a reason" (a race:

@@ -515,7 +515,8 @@ class Loader:
                 {tp: skip for tp, (_off, skip) in starts.items() if skip})
 
     def _check_maps(self) -> None:
-        """start= and until= maps name partitions of the topics (ConfigError if not)."""
+        """start= and until= maps name partitions of the topics, start= offsets within
+        them and before until='s (ConfigError if not)."""
         self._maps_checked = True
         maps = [(name, m) for name, m in (("start", self._base.start),
                                           ("until", self._base.until)) if isinstance(m, Mapping)]
@@ -530,6 +531,22 @@ class Loader:
                 n = sum(1 for topic, _p in parts if topic == t)
                 raise ConfigError(f"{name}: {unknown[0]!r} is not a partition of {t}, which has "
                                   + (f"{n} (0..{n - 1})" if n else "none"))
+        start, until = self._base.start, self._base.until
+        for tp, offset in (start.items() if isinstance(start, Mapping) else ()):
+            # Past the end, librdkafka's reset would start at the partition's
+            # first record, before the window, in silence.
+            low, high = self._source.watermarks(tp)
+            where = f"{tp[0]}[{tp[1]}]"
+            if offset > high:
+                raise ConfigError(f"start= names offset {offset} of {where}, past its end "
+                                  f"({high}; it holds {low}..{high - 1}): give an offset up to "
+                                  f"{high}")
+            if isinstance(until, Mapping) and tp in until and until[tp] < offset:
+                raise ConfigError(f"until= names offset {until[tp]} of {where}, before its "
+                                  f"start= offset {offset}: the window would hold nothing")
+            if offset < low:
+                log.warning("start= names offset %d of %s, deleted by retention: the read "
+                            "starts at its first record, %d", offset, where, low)
         if self._until_names_all and isinstance(self._base.until, Mapping):
             missing = sorted(parts - set(self._base.until))
             if missing:

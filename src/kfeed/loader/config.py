@@ -200,14 +200,17 @@ def _offsets(name: str, offsets: Mapping[Any, Any], topics: tuple[str, ...]
     """A ``{(topic, partition): offset}`` window end, checked."""
     out: dict[tuple[str, int], int] = {}
     for key, offset in offsets.items():
-        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
-                and isinstance(key[1], int) and not isinstance(key[1], bool) and key[1] >= 0):
+        # (numpy's integers too, kept as Python ints: the window goes in states)
+        part = as_int(key[1]) if isinstance(key, tuple) and len(key) == 2 else None
+        if not (part is not None and part >= 0 and isinstance(key[0], str)):
             raise ConfigError(f"{name}: keys must be (topic, partition) tuples, got {key!r}")
+        key = (key[0], part)
         if key[0] not in topics:
             raise ConfigError(f"{name}: {key!r} is not a partition of the topics {list(topics)}")
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        value = as_int(offset)
+        if value is None or value < 0:
             raise ConfigError(f"{name}: the offset of {key!r} must be an int >= 0, got {offset!r}")
-        out[key] = offset
+        out[key] = value
     return out
 
 
