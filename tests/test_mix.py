@@ -376,8 +376,14 @@ def test_a_source_a_schedule_weights_0_at_first_is_waited_for_not_taken_as_read(
     def warmup(step: int) -> dict[str, float]:
         return {"a": 1.0, "b": 0.0} if step < 3 else {"a": 1.0, "b": 1.0}
 
-    got, stats = read(row_values(sources=sources), Mix(warmup, exhausted="repeat"),
-                      batch_size=8)
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, stats = read(row_values(sources=sources), Mix(warmup, exhausted="repeat"),
+                          batch_size=8)
+    # (A schedule that kept b at 0 would read a again for ever: said once.)
+    assert caplog.text.count("exhausted='repeat': b has not run out, and the schedule weights "
+                             "it 0 at step 1: the other sources are read again until it "
+                             "weights b above 0") == 1, caplog.text
+    caplog.clear()
     ids = np.concatenate(got)
     b = ids[ids >= 10**6]
     assert sorted(b.tolist()) == list(range(10**6, 10**6 + 40))
@@ -388,6 +394,27 @@ def test_a_source_a_schedule_weights_0_at_first_is_waited_for_not_taken_as_read(
     assert len(np.concatenate(got)) == 12
     assert ("the mixture ends at step 1 with records of b left unread: the schedule weights "
             "it 0 now, and no other source has records left") in caplog.text
+
+
+def test_a_topic_weighted_0_throughout_is_not_said_to_be_left_unread(caplog):
+    # "...left unread: the schedule weights it 0 now" came at every epoch's end,
+    # of a mixture with no schedule.
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, _ = read(row_values(sources={"a": (0, 1, 12), "b": (1, 1, 40)}),
+                      Mix({"a": 1.0, "b": 0.0}, exhausted="renormalize"), batch_size=8)
+    assert len(np.concatenate(got)) == 12 and "left unread" not in caplog.text
+
+
+def test_a_state_of_a_mixture_loaded_without_one_says_so():
+    # It named the placeholder mixture of an epoch's order: "this loader mixes
+    # {'topics': ['*'], ...}".
+    shuffle = Shuffle(16, seed=0)
+    _, state = read(row_values(), Mix(WEIGHTS, seed=1), stop=2, epochs=2, shuffle=shuffle)
+    loader = Loader(None, list(WEIGHTS), ROWS, 8, source=MemorySource(row_values()),
+                    device="cpu", until="end", epochs=2, shuffle=shuffle)
+    with pytest.raises(ConfigError, match=r"this loader has no kfeed\.Mix$"):
+        loader.load_state_dict(state)
+    loader.close()
 
 
 def test_a_state_must_come_from_the_same_mixture():

@@ -241,6 +241,7 @@ class Mixer:
         self._parts: dict[int, Hashable] = {}  # id -> partition, of the assignment
         self._known: set[Hashable] = set()  # the partitions of the last assignment
         self._one_source = False  # see in_turn
+        self._held_said: list[int] | None = None  # see _say_held_by_schedule
         self._idle_said: tuple[Any, ...] | None = None  # (topics, weights) last warned of
         self.reset()
 
@@ -488,6 +489,7 @@ class Mixer:
                 never = (self.weights == 0) if not self.mix.scheduled else False
                 if not (self.ran_out | ~self.live.astype(bool) | ~self.present.astype(bool)
                         | never).all():
+                    self._say_held_by_schedule()
                     self.to_repeat = src  # the caller starts its partitions again
                     self.since[src] = 0
                     break
@@ -503,6 +505,22 @@ class Mixer:
             return np.empty((0, 4), np.int64)
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
+    def _say_held_by_schedule(self) -> None:
+        """Once per set of sources: the ones yet to run out all weigh 0 now, so the read
+        goes on, the others read again, until the schedule weights one of them again."""
+        waiting = [k for k in range(len(self.sources))
+                   if not self.ran_out[k] and self.live[k] and self.present[k]]
+        if not waiting or any(self.weights[k] for k in waiting) or waiting == self._held_said:
+            return
+        self._held_said = waiting
+        names = ", ".join(self.sources[k] for k in waiting)
+        log.warning("exhausted='repeat': %s %s not run out, and the schedule weights %s 0 "
+                    "at step %d: the other sources are read again until it weights %s above "
+                    "0; a bounded read ends only once every source ran out",
+                    names, "has" if len(waiting) == 1 else "have",
+                    "it" if len(waiting) == 1 else "them", self.mixed // self.batch_size,
+                    names if len(waiting) == 1 else f"one of {names}")
+
     def _say_idle(self) -> None:
         """Once per assignment and weights: why a member of a group hands out nothing."""
         held = sorted({str(tp[0]) for tp in self._parts.values()})  # type: ignore[index]
@@ -516,6 +534,8 @@ class Mixer:
 
     def _say_unread(self) -> None:
         """A bounded read that ends with sources left only because they weigh 0 now."""
+        if not self.mix.scheduled:  # weighted 0 throughout: never drawn, as documented
+            return
         pids = np.array(sorted(self._parts), np.int64)
         unread = (self._head[pids] < self._end[pids]) | (self._done[pids] == 0)
         has = np.bincount(self._src_of[pids[unread]], minlength=len(self.sources))
@@ -557,8 +577,10 @@ class Mixer:
         not new to this mixer, so a source they belong to that ran out stays out."""
         want = self.mix.describe()
         if not _same_mix(state.get("mix"), want):
+            # (An epoch's order without a Mix is a mixer of one source, in turn.)
+            mine = "has no kfeed.Mix" if self._one_source else f"mixes {want}"
             raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
-                              f"this loader mixes {want}")
+                              f"this loader {mine}")
         try:
             n = len(self.sources)
             credits = [int(c) for c in state["credits"]]
