@@ -502,6 +502,29 @@ def test_a_start_offset_past_the_end_or_after_until_is_refused() -> None:
         assert sorted(collect(loader).tolist()) == list(range(128, 200))
 
 
+def test_a_dataset_of_epochs_refuses_a_window_each_epoch_would_end_anew() -> None:
+    # Each epoch's loader stopped at the end it found: records written between
+    # epochs were in the later ones only ([100, 150] records a partition).
+    from datetime import datetime, timedelta, timezone
+
+    values = {0: blocks(0, 200, 64), 1: blocks(200, 200, 64)}  # 4 messages each
+    ends = {("memory", 0): 4, ("memory", 1): 4}
+    for until, line in (
+            ({**ends, ("memory", 1): 9},
+             "until= names offset 9 of memory[1], past its end (4): with epochs=, each epoch "
+             "of a KafkaIterableDataset opens a new loader, which would stop at the end it "
+             "finds; give offsets up to the ends"),
+            (datetime.now(timezone.utc) + timedelta(hours=1), "is in the future: with epochs=")):
+        dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 64, start="earliest",
+                                             until=until, epochs=2,
+                                             source=kfeed.MemorySource(values))
+        with pytest.raises(kfeed.ConfigError, match=re.escape(line)):
+            list(dataset)
+    dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 64, start="earliest",
+                                         until=ends, epochs=2, source=kfeed.MemorySource(values))
+    assert sum(len(b["id"]) for b in dataset) == 400
+
+
 def test_two_threads_reading_one_loader_both_end_with_stop_iteration() -> None:
     # The thread that did not take the end found the loader's thread gone and
     # the queue empty: "the loader thread stopped without a reason" (a race:

@@ -518,6 +518,13 @@ class Loader:
         """start= and until= maps name partitions of the topics, start= offsets within
         them and before until='s (ConfigError if not)."""
         self._maps_checked = True
+        if self._until_names_all and isinstance(self._base.until, datetime) \
+                and self._base.until.timestamp() > time.time():
+            # Each epoch's loader would end at the newest record it finds.
+            raise ConfigError(
+                f"until={self._base.until.isoformat()} is in the future: with epochs=, each "
+                f"epoch of a KafkaIterableDataset opens a new loader, which would end at the "
+                f"newest record it finds, so epochs would differ; give a time past")
         maps = [(name, m) for name, m in (("start", self._base.start),
                                           ("until", self._base.until)) if isinstance(m, Mapping)]
         if not maps:
@@ -547,6 +554,17 @@ class Loader:
             if offset < low:
                 log.warning("start= names offset %d of %s, deleted by retention: the read "
                             "starts at its first record, %d", offset, where, low)
+        if self._until_names_all and isinstance(until, Mapping):
+            # Each epoch's loader would stop at the end it finds: records
+            # written between epochs would be in the later ones only.
+            for tp, offset in until.items():
+                high = self._source.watermarks(tp)[1]
+                if offset > high:
+                    raise ConfigError(
+                        f"until= names offset {offset} of {tp[0]}[{tp[1]}], past its end "
+                        f"({high}): with epochs=, each epoch of a KafkaIterableDataset opens a "
+                        f"new loader, which would stop at the end it finds; give offsets up "
+                        f"to the ends")
         if self._until_names_all and isinstance(self._base.until, Mapping):
             missing = sorted(parts - set(self._base.until))
             if missing:
