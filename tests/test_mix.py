@@ -405,6 +405,20 @@ def test_a_topic_weighted_0_throughout_is_not_said_to_be_left_unread(caplog):
     assert len(np.concatenate(got)) == 12 and "left unread" not in caplog.text
 
 
+def test_a_stop_mixture_with_a_topic_empty_in_the_window_says_why_it_reads_nothing(caplog):
+    # Every epoch was empty, without a word.
+    values = {**row_values(sources={"a": (0, 1, 40)}), ("b", 0): []}
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, _ = read(values, Mix({"a": 1.0, "b": 1.0}), batch_size=8)
+    assert got == []
+    assert ("exhausted='stop': b has no records in the window, so the mixture ends at once, "
+            "after 0 records; exhausted='renormalize' reads the others without it") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kfeed"):
+        read(row_values(), Mix(WEIGHTS, seed=3))  # one that ran out after its records: no word
+    assert "no records in the window" not in caplog.text
+
+
 def test_a_state_of_a_mixture_loaded_without_one_says_so():
     # It named the placeholder mixture of an epoch's order: "this loader mixes
     # {'topics': ['*'], ...}".

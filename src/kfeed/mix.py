@@ -498,6 +498,13 @@ class Mixer:
                 break
             if why == _pack.MIX_NONE:
                 self._say_unread()
+            if why == _pack.MIX_EXHAUSTED and self.mix.exhausted == "stop":
+                self._count(out_parts)
+                if self.since[src] == 0:
+                    log.warning("exhausted='stop': %s has no records in the window, so the "
+                                "mixture ends at once, after %d records; "
+                                "exhausted='renormalize' reads the others without it",
+                                self.sources[src], self.mixed)
             self.ended = True  # a source ran out ("stop"), or all did
         self._count(out_parts)
         taken, self._taken = self._taken, []
