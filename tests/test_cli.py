@@ -55,6 +55,10 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (PRODUCE + ("--synthetic", "-3"), "kfeed: --synthetic -3 is out of range: give an integer >= 1"),
     (PRODUCE + ("--synthetic-text", "0"),
      "kfeed: --synthetic-text 0 is out of range: give an integer >= 1"),
+    # (Never the value: a colon typed for "=" left a password in the line.)
+    (PRODUCE + ("--synthetic", "5", "-X", "sasl.password:MY-SECRET"),
+     "kfeed: -X 'sasl.password:...' is not KEY=VALUE: write it as e.g. "
+     "-X fetch.min.bytes=1048576"),
     (PRODUCE + ("--synthetic-text", "5", "--seed", "-1"),
      "kfeed: --seed -1 is out of range: give an integer in 0..18446744073709551615"),
     (TRAIN + ("--task", "lm", "--seed", "-1"),

@@ -231,6 +231,27 @@ def test_connection_trouble_is_logged_once_per_broker_every_few_seconds(caplog) 
     assert lines[2] == "something else"
 
 
+def test_all_brokers_down_as_librdkafka_says_it_is_folded_too(caplog) -> None:
+    # "_ALL_BROKERS_DOWN ... 2/2 brokers are down" escaped the fold: 157 lines in 8 s.
+    target = logging.getLogger("kfeed.test.down")
+    folded = ConnectionLog(target, every_s=5.0)
+    with caplog.at_level(logging.DEBUG, logger="kfeed.test.down"):
+        for _ in range(50):
+            folded.log(logging.WARNING, "kafka: %s", 'KafkaError{code=_ALL_BROKERS_DOWN,val=-187,'
+                       'str="sasl_ssl://127.0.0.1:39700/bootstrap: 2/2 brokers are down"}')
+    assert len(caplog.records) == 1
+
+
+def test_connection_settings_include_the_ssl_and_sasl_switches() -> None:
+    # enable.ssl.certificate.verification=false was dropped from the admin and
+    # helper clients, which then failed after the timeout ("cannot reach").
+    from kfeed._kafka import client_config
+
+    config = {"bootstrap.servers": "b:1", "enable.ssl.certificate.verification": "false",
+              "enable.sasl.oauthbearer.unsecure.jwt": "true", "fetch.min.bytes": 1}
+    assert client_config(config) == {k: v for k, v in config.items() if k != "fetch.min.bytes"}
+
+
 def test_a_few_bad_messages_and_then_nothing_say_so_while_the_read_waits(monkeypatch,
                                                                          caplog) -> None:
     # Fewer bad messages than fail_fast, then nothing: a stream (not bounded)

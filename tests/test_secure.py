@@ -336,6 +336,19 @@ def test_loader_refusal_is_a_consume_error_with_its_code(secure: Secure, topic: 
 
 
 @pytest.mark.integration
+def test_a_group_the_user_may_not_use_is_a_consume_error_at_once(secure: Secure, topic: str) -> None:
+    # librdkafka says GROUP_AUTHORIZATION_FAILED once, as an event of the first
+    # poll, which the loader threw away: it then waited for ever.
+    from confluent_kafka import KafkaError
+
+    config = secure.config("alice", **{"group.id": f"not-granted-{uuid.uuid4().hex}"})
+    exc, elapsed = timed(lambda: read_ids(config, topic, connect_timeout_s=CONNECT_TIMEOUT_S))
+    assert isinstance(exc, kfeed.ConsumeError), repr(exc)
+    assert exc.code == KafkaError.GROUP_AUTHORIZATION_FAILED, repr(exc)
+    assert elapsed < 15
+
+
+@pytest.mark.integration
 def test_writer_without_write_is_refused_by_the_broker(secure: Secure, topic: str) -> None:
     from confluent_kafka import KafkaError, Producer
 

@@ -40,7 +40,7 @@ __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "un
 log = logging.getLogger(__name__)
 
 _CONNECTION_KEYS = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.",
-                    "broker.address.", "reconnect.")
+                    "broker.address.", "reconnect.", "enable.ssl.", "enable.sasl.")
 
 
 def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -403,7 +403,7 @@ def kafka_error(exc: BaseException) -> Any | None:
 # broker state change), about 1,000 lines a client in 30 s while brokers are
 # down. These are the messages that say so.
 _CONNECT_TROUBLE = re.compile(
-    r"(Connect to .* failed|Connection refused|Disconnected|all brokers down|"
+    r"(Connect to .* failed|Connection refused|Disconnected|all.brokers.down|brokers are down|"
     r"Failed to resolve|timed out|Receive failed|Send failed)", re.IGNORECASE)
 _BROKER = re.compile(r"(?:ssl|sasl_ssl|sasl_plaintext|plaintext)?:?/{0,2}"
                      r"([A-Za-z0-9_.\-]+:\d+)(?:/\S*)?")

@@ -234,7 +234,10 @@ def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     for item in args.kafka:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"-X {item!r} is not KEY=VALUE: write it as e.g. "
+            # Only what comes before a separator: the rest may be a password.
+            head = re.split(r"[=:\s]", item, maxsplit=1)[0]
+            shown = item if head == item else f"{head}{item[len(head)]}..."
+            raise ConfigError(f"-X {shown!r} is not KEY=VALUE: write it as e.g. "
                               f"-X fetch.min.bytes=1048576")
         if key in flags:
             raise ConfigError(f"-X {key} is set by {flags[key]}: leave it out of -X")

@@ -466,7 +466,12 @@ class KafkaSource(Source):
             since = time.monotonic()
             deadline = since + self.connect_timeout
             while True:
-                self._consumer.poll(0)  # serves error_cb (not yet subscribed: reads nothing)
+                # Serves error_cb (not yet subscribed: reads nothing). A group
+                # the user may not use is said once, as an error event here,
+                # not through error_cb: nothing would say it again.
+                event = self._consumer.poll(0)
+                if event is not None and event.error() is not None:
+                    self._on_error(event.error())
                 self._raise_fatal()
                 if self.stopping is not None and self.stopping.is_set():
                     raise ConsumeError("closed while waiting for the brokers", topic=topic)
