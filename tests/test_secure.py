@@ -349,6 +349,15 @@ def test_a_group_the_user_may_not_use_is_a_consume_error_at_once(secure: Secure,
 
 
 @pytest.mark.integration
+def test_a_writer_who_may_not_create_topics_finds_an_existing_one(secure: Secure, topic: str) -> None:
+    # create_topic (and so kfeed produce) asked to create it, and the broker
+    # refused one who may not create topics: "cannot create topic: Authorization failed".
+    assert kfeed.create_topic(secure.config("alice"), topic, timeout_s=CONNECT_TIMEOUT_S * 5) is False
+    with pytest.raises(kfeed.KfeedError, match="cannot create topic .*Authorization failed"):
+        kfeed.create_topic(secure.config("alice"), f"{PREFIX}{uuid.uuid4().hex}", timeout_s=15)
+
+
+@pytest.mark.integration
 def test_writer_without_write_is_refused_by_the_broker(secure: Secure, topic: str) -> None:
     from confluent_kafka import KafkaError, Producer
 

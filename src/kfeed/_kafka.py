@@ -203,13 +203,19 @@ def create_topic(
     deadline = time.monotonic() + timeout_s
     while True:  # in short slices: a Ctrl-C is taken between them, not after the timeout
         try:
-            admin.list_topics(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            known = admin.list_topics(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             break
         except KafkaException as e:
             if time.monotonic() >= deadline:
                 raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
                                  topic=name) from e
             time.sleep(0.05)
+    there = known.topics.get(name)
+    if exist_ok and there is not None and there.error is None:
+        # Not asked to make it: a user who may write to it but not create
+        # topics would be refused (TOPIC_AUTHORIZATION_FAILED), though it exists.
+        _wait_for_leaders(admin, name, deadline)
+        return False
     topic = NewTopic(name, num_partitions=partitions,
                      replication_factor=-1 if replication is None else replication,
                      config={k: str(v) for k, v in (config or {}).items()})
