@@ -314,22 +314,28 @@ def test_states_of_different_epochs_do_not_merge():
         Loader.merge_states([plain[0], states[1]])
 
 
-def test_a_merged_state_of_more_than_64_ranks_keeps_every_lineage():
-    # The loader kept the first 64 lineages: the commits rank 64 made after the
-    # checkpoint, before the job died, then counted as another reader's and won
-    # over the state, and 50 of its records were never read again.
+def static_ranks(ids: dict[int, np.ndarray], per_block: int, batch_size: int):
+    """``loader(rank, world_size)``: static ranks over partitions of ``ids``, whose
+    commits go where every loader made by it reads them, as a Kafka group's do."""
     rows = Schema({"id": ("int64", ())})
-    world = 65
-    values = {p: rows.encode_blocks({"id": np.arange(p * 1000, p * 1000 + 100 * (p == 64))}, 5)
-              for p in range(world)}
-    shared: tuple[dict, dict, dict] = ({}, {}, {})  # the group's commits, as Kafka keeps them
+    values = {p: rows.encode_blocks({"id": v}, per_block) for p, v in ids.items()}
+    shared: tuple[dict, dict, dict] = ({}, {}, {})
 
     def loader(rank: int, size: int) -> Loader:
         source = MemorySource(values)
         source.committed_positions, source.committed_by, source.committed_notes = shared
-        return Loader(None, "memory", rows, 10, source=source, device="cpu", until="end",
-                      rank=rank, world_size=size, assignment="static")
+        return Loader(None, "memory", rows, batch_size, source=source, device="cpu",
+                      until="end", rank=rank, world_size=size, assignment="static")
+    return loader
 
+
+def test_a_merged_state_of_more_than_64_ranks_keeps_every_lineage():
+    # The loader kept the first 64 lineages: the commits rank 64 made after the
+    # checkpoint, before the job died, then counted as another reader's and won
+    # over the state, and 50 of its records were never read again.
+    world = 65
+    loader = static_ranks({p: np.arange(p * 1000, p * 1000 + 100 * (p == 64))
+                           for p in range(world)}, 5, 10)
     trained, states = [], []
     for rank in range(world):
         with loader(rank, world) as ld:
@@ -354,16 +360,7 @@ def test_one_static_ranks_state_is_refused_where_it_does_not_cover_the_ranks_par
     # One rank's state, loaded by a job of another size: the partitions it did
     # not hold started at the commits the other rank made after the checkpoint
     # before the job died (24 of 160 records lost). A merged state covers them.
-    rows = Schema({"id": ("int64", ())})
-    values = {p: rows.encode_blocks({"id": np.arange(p * 40, p * 40 + 40)}, 4) for p in range(4)}
-    shared: tuple[dict, dict, dict] = ({}, {}, {})  # the group's commits, as Kafka keeps them
-
-    def loader(rank: int, size: int) -> Loader:
-        source = MemorySource(values)
-        source.committed_positions, source.committed_by, source.committed_notes = shared
-        return Loader(None, "memory", rows, 8, source=source, device="cpu", until="end",
-                      rank=rank, world_size=size, assignment="static")
-
+    loader = static_ranks({p: np.arange(p * 40, p * 40 + 40) for p in range(4)}, 4, 8)
     trained, states = [], []
     for rank in range(2):
         with loader(rank, 2) as ld:
