@@ -908,7 +908,8 @@ def gather_documents(list tokens, list starts, const int64_t[::1] fetch_of,
     the arrays and each document's address, and the packer copies each once,
     straight into the batch. A document cut to no tokens is owed its EOS (the
     rest of one whose tokens all came out before a resume, NOTE [ Elastic
-    resume ]). Gives ``(chunk, lengths)``, each document's length in tokens;
+    resume ]). Gives ``(chunk, lengths, owed)``: each document's length in
+    tokens, and those owed their EOS (uint8 per document; None if none is);
     every index is checked here.
     """
     cdef int code = CODES.get(dtype, 0)
@@ -970,6 +971,6 @@ def gather_documents(list tokens, list starts, const int64_t[::1] fetch_of,
         if owed is not None:
             chunk.owed_view = owed
             chunk.owed = &chunk.owed_view[0]
-        return chunk, lengths
+        return chunk, lengths, owed
     finally:
         free(src); free(bounds); free(have); free(docs)

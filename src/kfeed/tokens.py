@@ -265,14 +265,14 @@ class Packer:
         if not len(fetch_of):
             return
         try:
-            chunk, lens = _pack.gather_documents(
+            chunk, lens, owed = _pack.gather_documents(
                 [t.view(np.uint8) for t in tokens], starts, fetch_of, local,
                 _NO_CUT if cut is None else cut, dtype.name)
         except ValueError as e:
             raise KfeedError(f"a document to pack is not held: a bug in kfeed ({e})") from None
         nonempty = int(np.count_nonzero(lens))
-        if cut is not None and self.pack.eos_id is not None:
-            nonempty += int(((cut > 0) & (lens == 0)).sum())
+        if owed is not None and self.pack.eos_id is not None:
+            nonempty += int(owed.sum())
         self._append(chunk, lens, int(lens.sum()), nonempty)
 
     def _append(self, chunk: Any, lens: np.ndarray, total: int, nonempty: int) -> None:

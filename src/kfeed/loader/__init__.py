@@ -539,10 +539,14 @@ class Loader:
                 raise ConfigError(f"{name}: {unknown[0]!r} is not a partition of {t}, which has "
                                   + (f"{n} (0..{n - 1})" if n else "none"))
         start, until = self._base.start, self._base.until
+        # (Each partition's watermarks asked once, for both maps.)
+        marks = {tp: self._source.watermarks(tp) for tp in {
+            *(start if isinstance(start, Mapping) else ()),
+            *(until if self._until_names_all and isinstance(until, Mapping) else ())}}
         for tp, offset in (start.items() if isinstance(start, Mapping) else ()):
             # Past the end, librdkafka's reset would start at the partition's
             # first record, before the window, in silence.
-            low, high = self._source.watermarks(tp)
+            low, high = marks[tp]
             where = f"{tp[0]}[{tp[1]}]"
             if offset > high:
                 raise ConfigError(f"start= names offset {offset} of {where}, past its end "
@@ -558,15 +562,14 @@ class Loader:
             # Each epoch's loader would stop at the end it finds: records
             # written between epochs would be in the later ones only.
             for tp, offset in until.items():
-                high = self._source.watermarks(tp)[1]
+                high = marks[tp][1]
                 if offset > high:
                     raise ConfigError(
                         f"until= names offset {offset} of {tp[0]}[{tp[1]}], past its end "
                         f"({high}): with epochs=, each epoch of a KafkaIterableDataset opens a "
                         f"new loader, which would stop at the end it finds; give offsets up "
                         f"to the ends")
-        if self._until_names_all and isinstance(self._base.until, Mapping):
-            missing = sorted(parts - set(self._base.until))
+            missing = sorted(parts - set(until))
             if missing:
                 raise ConfigError(
                     f"until: with epochs=, each epoch of a KafkaIterableDataset opens a new "
@@ -651,8 +654,9 @@ class Loader:
         if self._failed is not None:
             # Never a StopIteration: a read that failed must not look like one that ended.
             raise LoaderError(f"the loader stopped at an error an earlier next() raised "
-                              f"({first_line(self._failed)}): open a new loader to read on, from the last "
-                              f"state_dict() or the group's commits") from self._failed
+                              f"({first_line(self._failed)}): open a new loader to read on, "
+                              f"from the last state_dict() or the group's commits"
+                              ) from self._failed
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
@@ -722,9 +726,10 @@ class Loader:
         mixture's ranks need a partition of every topic.
         """
         counts = {t: sum(1 for tp in parts if tp[0] == t) for t in self.topics}
-        strategy = str((self._kafka_config or {}).get("partition.assignment.strategy", "range"))
+        config = self._kafka_config or {}
+        strategy = str(config.get("partition.assignment.strategy", "range"))
         dealt_apart = strategy.strip().lower().startswith("range") and \
-            group_protocol(self._kafka_config or {}) == "eager"
+            group_protocol(config) == "eager"
         if self.config.mix is not None:
             have, how = min(counts.values()), "a mixture's ranks each read every topic"
         elif dealt_apart:

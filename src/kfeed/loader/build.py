@@ -903,8 +903,8 @@ class _Fetches:
     order sees); ``feed(packer, ids)`` hands any of them, from any fetches, in
     the order given, to the packer, with a few numpy calls and one C call
     whatever the number of documents and fetches; no token moves until the
-    packer copies it into the batch. A fetch goes once every document of it went out or
-    was skipped. The fetches' firsts stay in an array, in the order they came
+    packer copies it into the batch. A fetch goes once every document of it
+    went out or was skipped. The fetches' firsts stay in an array, in the order they came
     (ascending), gone ones too until they outnumber those held.
     """
 
@@ -939,11 +939,17 @@ class _Fetches:
             return
         firsts = self._firsts[:self._n]
         at = np.searchsorted(firsts, ids, side="right") - 1
-        for k in firsts[np.unique(at[at >= 0])].tolist():
-            entry = self.held.get(k)
-            if entry is None:
-                continue
-            entry[2] -= int(np.count_nonzero((ids >= k) & (ids < k + len(entry[1]) - 1)))
+        keys = [k for k in firsts[np.unique(at[at >= 0])].tolist() if k in self.held]
+        ends = [k + len(self.held[k][1]) - 1 for k in keys]  # past each one's documents
+        self._gone(keys, [int(np.count_nonzero((ids >= k) & (ids < end)))
+                          for k, end in zip(keys, ends, strict=True)])
+
+    def _gone(self, keys: list[int], counts: list[int]) -> None:
+        """``counts[i]`` documents of fetch ``keys[i]`` went out or will never: a fetch
+        with none left goes."""
+        for k, n in zip(keys, counts, strict=True):
+            entry = self.held[k]
+            entry[2] -= n
             if entry[2] <= 0:
                 del self.held[k]
 
@@ -971,12 +977,7 @@ class _Fetches:
         packer._feed_gathered([e[0] for e in entries], [e[1] for e in entries],
                               number[at_fetch], ids - firsts[at_fetch],
                               None if cut is None else cut.astype(np.int64, copy=False))
-        for k, entry, n in zip(keys, entries, count[used].tolist(), strict=True):
-            entry[2] -= n
-            if entry[2] <= 0:
-                del self.held[k]
-
-
+        self._gone(keys, count[used].tolist())
 
 
 def _owed(cut: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:
