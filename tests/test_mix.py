@@ -10,6 +10,8 @@ JSON, Avro and Protobuf events mixed into the very stream their blocks give.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -729,7 +731,7 @@ def test_repeat_ends_though_a_source_of_weight_0_never_runs_out():
     assert sum(len(g) for g in got) == stats["mix"]["a"] + 200
 
 
-def test_a_merged_state_reads_again_a_source_that_was_about_to_be():
+def test_a_merged_state_reads_again_a_source_that_was_about_to_be(monkeypatch):
     # A rank saved its state as source a ran out and was to be read again (its
     # count since its start at 0): the merged state read as "a's window is
     # empty" and dropped a for good.
@@ -738,22 +740,43 @@ def test_a_merged_state_reads_again_a_source_that_was_about_to_be():
     values[("a", 0)] = ROWS.encode_blocks({"id": np.arange(15), "x": np.zeros((15, 2),
                                                                                 np.float32)}, 5)
 
-    def job(state: dict | None, stops: list[int] | None) -> tuple[list, list]:
-        got, states = [], []
+    def job(state: dict | None) -> list:
+        got = []
         for rank in range(2):
-            ids, st = read(values, mix, batch_size=16, state=state, rank=rank, world_size=2,
-                           assignment="static", stop=stops[rank] if stops else None)
-            got += ids
-            states.append(st)
-        return got, states
+            got += read(values, mix, batch_size=16, state=state, rank=rank, world_size=2,
+                        assignment="static")[0]
+        return got
 
-    whole, _ = job(None, None)
-    first, states = job(None, [3, 3])
-    assert any(st["mix"]["to_repeat"] is not None for st in states)
+    # The state is taken while the feeder holds a, run out, before it reads it
+    # again (which it would do at once, before a state_dict came, but for this).
+    held = threading.Event()
+    read_again = build.RecordBuilder._read_again
+
+    def hold(self):
+        if self.mixer is not None and self.mixer.to_repeat is not None:
+            held.set()
+            return False
+        return read_again(self)
+
+    states = []
+    with monkeypatch.context() as m:
+        m.setattr(build.RecordBuilder, "_read_again", hold)
+        # Rank 0's a (15 records) runs out in its 2nd batch, rank 1's (25) in its 4th.
+        for rank, stop in enumerate([1, 3]):
+            held.clear()
+            loader = Loader(None, mix, ROWS, 16, source=MemorySource(values), device="cpu",
+                            until="end", rank=rank, world_size=2, assignment="static")
+            with loader:
+                for i, _batch in enumerate(loader):
+                    if i + 1 == stop:
+                        break
+                assert held.wait(30)
+                states.append(loader.state_dict())
+    assert all(st["mix"]["to_repeat"] == 0 for st in states)
     unmerged = [np.concatenate(read(values, mix, batch_size=16, state=st, rank=rank,
                                     world_size=2, assignment="static")[0])
                 for rank, st in enumerate(states)]
-    rest, _ = job(Loader.merge_states(states), None)
+    rest = job(Loader.merge_states(states))
     a_rest = sum(int((r < 10**6).sum()) for r in rest)
     assert a_rest == sum(int((u < 10**6).sum()) for u in unmerged)
     assert sum(int((r >= 10**6).sum()) for r in rest) == \
