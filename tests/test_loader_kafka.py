@@ -639,9 +639,38 @@ def test_more_dataloader_workers_than_partitions_in_a_group_is_one_clear_error(
                                     topic, SCHEMA, 100, until="end")
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, timeout=120,
                                      multiprocessing_context="forkserver")
-    with pytest.raises(kfeed.ConfigError, match=f"2 DataLoader workers share the partitions in "
-                                                f"a consumer group, and {topic} has 1: "):
+    with pytest.raises(kfeed.ConfigError, match=(
+            f"2 DataLoader workers share the partitions in a consumer group \\({topic} has 1; "
+            f"the range assignor deals each topic's partitions apart\\): a worker without one "
+            f"would hold the DataLoader up for ever; use at most 1 worker, more partitions")):
         list(dl)
+
+
+@pytest.mark.parametrize("strategy", ["range", "roundrobin"])
+def test_workers_on_two_topics_of_one_partition_count_them_as_the_assignor_deals(
+        bootstrap, make_topic, group_id, strategy) -> None:
+    # Two topics of one partition each: the range assignor gives both to one
+    # worker and none to the other, which held the DataLoader up for ever; the
+    # check counted 2 partitions for 2 workers. Round robin spreads them.
+    import torch
+
+    topics = [make_topic(partitions=1) for _ in range(2)]
+    for i, topic in enumerate(topics):
+        produce(bootstrap, topic, i * 300, 300)
+    config = {"bootstrap.servers": bootstrap, "group.id": group_id,
+              "partition.assignment.strategy": strategy}
+    ds = kfeed.KafkaIterableDataset(config, topics, SCHEMA, 100, until="end")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, timeout=120,
+                                     multiprocessing_context="forkserver")
+    if strategy == "range":
+        with pytest.raises(kfeed.ConfigError, match=(
+                f"{topics[0]} has 1, {topics[1]} has 1; the range assignor deals each topic's "
+                f"partitions apart.* use at most 1 worker, more partitions, "
+                f"partition.assignment.strategy=roundrobin or assignment='static'")):
+            list(dl)
+        return
+    ids = np.concatenate([b["id"].numpy() for b in dl])
+    assert np.array_equal(np.sort(ids), np.arange(600))
 
 
 def test_the_workers_of_every_rank_count_against_the_partitions_of_a_group(
@@ -658,8 +687,9 @@ def test_the_workers_of_every_rank_count_against_the_partitions_of_a_group(
                                      multiprocessing_context="forkserver")
     with pytest.raises(kfeed.ConfigError, match=(
             f"2 DataLoader workers on each of 2 ranks \\(4 members\\) share the partitions "
-            f"in a consumer group, and {topic} has 2: a worker without one would hold the "
-            f"DataLoader up for ever; use at least 4 partitions")):
+            f"in a consumer group \\({topic} has 2; the range assignor deals each topic's "
+            f"partitions apart\\): a worker without one would hold the DataLoader up for "
+            f"ever; use at most 1 worker a rank, more partitions")):
         list(dl)
 
 

@@ -27,6 +27,7 @@ import torch
 from kfeed.errors import ConfigError
 from kfeed.loader import Batch, Loader, LoaderConfig
 from kfeed.schema import Schema
+from kfeed.sources import group_share
 
 __all__ = ["KafkaIterableDataset"]
 
@@ -130,18 +131,19 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         servers = str(self.kafka_config.get("bootstrap.servers"))
         counts = {t: len(admin_partitions(admin, t, servers, self.config.connect_timeout_s))
                   for t in self.config.topics}
-        # A mixture's member reads every topic; otherwise the topics' partitions add up.
-        have = min(counts.values()) if self.config.mix is not None else sum(counts.values())
+        have, how, dealt_apart = group_share(counts, self.config.mix is not None,
+                                             self.kafka_config)
         # Every rank's workers are members of the one group.
         ranks = self.config.world_size or 1
         members = workers * ranks
         if have < members:
             who = (f"{workers} DataLoader workers" if ranks == 1 else
                    f"{workers} DataLoader workers on each of {ranks} ranks ({members} members)")
+            given = ", ".join(f"{t} has {n}" for t, n in counts.items())
             most = have // ranks
-            fix = (f"use at most {most} workers{' a rank' if ranks > 1 else ''}, or more "
-                   f"partitions" if most > 1 else f"use at least {members} partitions")
-            raise ConfigError(f"{who} share the partitions in a consumer group, and "
-                              f"{', '.join(counts)} {'have' if len(counts) > 1 else 'has'} "
-                              f"{have}: a worker without one would hold the DataLoader up for "
-                              f"ever; {fix}")
+            fewer = (f"use at most {most} worker{'s' if most > 1 else ''}"
+                     f"{' a rank' if ranks > 1 else ''}, " if most else "use ")
+            other = ", partition.assignment.strategy=roundrobin" if dealt_apart else ""
+            raise ConfigError(f"{who} share the partitions in a consumer group ({given}; {how}): "
+                              f"a worker without one would hold the DataLoader up for ever; "
+                              f"{fewer}more partitions{other} or assignment='static'")

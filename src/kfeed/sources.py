@@ -92,6 +92,26 @@ def group_protocol(config: Mapping[str, Any]) -> str:
     strategy = str(config.get("partition.assignment.strategy", "range"))
     return "cooperative" if "cooperative" in strategy else "eager"
 
+
+def group_share(counts: Mapping[str, int], mixture: bool,
+                config: Mapping[str, Any]) -> tuple[int, str, bool]:
+    """How many members of a consumer group over topics of ``counts`` partitions each
+    get one: ``(members, why, dealt_apart)``.
+
+    A mixture's members read every topic, so the smallest count. The range
+    assignor (librdkafka's default) under an eager protocol deals each
+    topic's partitions apart, so members beyond the largest topic's count get
+    none (``dealt_apart``); otherwise the group spreads all the partitions.
+    """
+    strategy = str(config.get("partition.assignment.strategy", "range"))
+    dealt_apart = strategy.strip().lower().startswith("range") and \
+        group_protocol(config) == "eager"
+    if mixture:
+        return min(counts.values()), "a mixture's members each read every topic", False
+    if dealt_apart:
+        return max(counts.values()), "the range assignor deals each topic's partitions apart", True
+    return sum(counts.values()), "the group spreads the partitions", False
+
 # The headers of a dead-lettered message that name where it came from.
 DLQ_TOPIC_HEADER = "kfeed.source.topic"
 DLQ_PARTITION_HEADER = "kfeed.source.partition"

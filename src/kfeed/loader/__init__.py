@@ -113,7 +113,7 @@ from kfeed.sources import (
     MemorySource,
     Position,
     Source,
-    group_protocol,
+    group_share,
 )
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
 
@@ -721,22 +721,11 @@ class Loader:
         A bounded epoch's ranks agree on its end each step (``EpochAgreement``),
         and a rank that never gets a batch never asks: the others wait on it
         until the collective times out. The range assignor (librdkafka's
-        default) deals each topic's partitions apart, so ranks beyond the
-        largest topic's count get none; the others spread them all; a
-        mixture's ranks need a partition of every topic.
+        default) deals each topic's partitions apart (``group_share``).
         """
         counts = {t: sum(1 for tp in parts if tp[0] == t) for t in self.topics}
-        config = self._kafka_config or {}
-        strategy = str(config.get("partition.assignment.strategy", "range"))
-        dealt_apart = strategy.strip().lower().startswith("range") and \
-            group_protocol(config) == "eager"
-        if self.config.mix is not None:
-            have, how = min(counts.values()), "a mixture's ranks each read every topic"
-        elif dealt_apart:
-            have, how = max(counts.values()), ("the range assignor deals each topic's "
-                                               "partitions apart")
-        else:
-            have, how = sum(counts.values()), "the group spreads the partitions"
+        have, how, dealt_apart = group_share(counts, self.config.mix is not None,
+                                             self._kafka_config or {})
         if have >= self.world_size:
             return
         given = ", ".join(f"{t} has {n}" for t, n in counts.items())
