@@ -294,6 +294,41 @@ def test_wrong_password_is_reported_as_an_authentication_error_at_once(
     assert elapsed < timeout - 2
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("call", ["create_topic", "group_lag", "dataset"])
+@pytest.mark.parametrize("wrong", ["password", "ca"])
+def test_an_admin_call_the_brokers_refuse_says_so_at_once(
+    secure: Secure, topic: str, tmp_path: Path, call: str, wrong: str
+) -> None:
+    # The admin calls waited their whole timeout and said "cannot reach the
+    # brokers ... Broker transport failure" of brokers that had refused the
+    # password or the certificate within a second.
+    from kfeed.cluster import _secure
+
+    timeout = 8.0
+    if wrong == "password":
+        config = secure.config("alice", **{"sasl.password": "wrong"})
+        why = "SASL authentication error"
+    else:
+        other_ca, _ = _secure.make_certificates("some other CA")
+        (tmp_path / "ca.pem").write_bytes(other_ca)
+        config = secure.config("alice", **{"ssl.ca.location": str(tmp_path / "ca.pem")})
+        why = "certificate verify failed"
+    calls: dict[str, Callable[[], Any]] = {
+        "create_topic": lambda: kfeed.create_topic(config, f"{PREFIX}new", timeout_s=timeout),
+        "group_lag": lambda: kfeed.group_lag(config, group(), [topic], timeout_s=timeout),
+        # Its workers' check asks for the partitions first (in the parent here).
+        "dataset": lambda: kfeed.KafkaIterableDataset(
+            {**config, "group.id": group()}, topic, SCHEMA, 64, until="end",
+            connect_timeout_s=timeout)._check_group_workers(2),
+    }
+    exc, elapsed = timed(calls[call])
+    assert isinstance(exc, kfeed.KfeedError), repr(exc)
+    assert f"the brokers at {secure.bootstrap} refused the connection: " in str(exc), str(exc)
+    assert why in str(exc) and "check the security.protocol, sasl.* and ssl.*" in str(exc)
+    assert elapsed < timeout - 3, elapsed
+
+
 def open_client(client: str, config: dict[str, Any], topic: str, connect_timeout_s: float) -> None:
     if client == "producer":
         with kfeed.Producer(config, topic, SCHEMA, connect_timeout_s=connect_timeout_s) as producer:

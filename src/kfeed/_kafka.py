@@ -7,7 +7,8 @@ do alike, so that a user sees one behaviour whichever side they start from:
 - ``client_config``: the connection and security subset of a librdkafka dict,
   for an admin client or a helper producer; ``logged_config``: the same,
   logging through ``ConnectionLog``; ``admin_client``: an admin client made
-  from it;
+  from it, whose requests ``answer`` waits for and which says at once when the
+  brokers refused it (``refusal``, ``refused_message``);
 - ``create_topic``: the public way to create a topic (``kfeed.create_topic``);
 - ``unavailable_message`` / ``unreachable_message``: the one-line errors for a
   topic that does not exist and for brokers that do not answer, worded the
@@ -33,7 +34,8 @@ from typing import Any, NamedTuple
 
 from kfeed.errors import ConfigError, ConsumeError, KfeedError
 
-__all__ = ["create_topic", "client_config", "logged_config", "admin_client", "unavailable_message", "unreachable_message",
+__all__ = ["create_topic", "client_config", "logged_config", "admin_client", "refusal", "answer",
+           "refused_message", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
            "topic_partitions", "admin_partitions", "bad_setting", "chain", "kafka_error", "weakly"]
 
@@ -66,15 +68,66 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     """An ``AdminClient`` of ``kafka_config``'s brokers, with its connection settings alone.
 
     librdkafka's lines go to the ``kfeed.librdkafka`` logger, connection
-    trouble folded (``ConnectionLog``), not to stderr.
+    trouble folded (``ConnectionLog``), not to stderr. The brokers' refusal
+    of its credentials or TLS is kept for ``refusal`` and ``answer``.
     """
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
+    refused = _Refusal()
     try:
-        return AdminClient(logged_config(kafka_config))
+        admin = AdminClient({**logged_config(kafka_config), "error_cb": refused.seen})
     except KafkaException as e:
         raise bad_setting(e) from None
+    admin.kfeed_refusal = refused
+    return admin
+
+
+class _Refusal:
+    """An admin client's ``error_cb``: the first error no retry mends.
+
+    Without it, an admin call to brokers that refuse the client's password
+    or certificate waits its whole timeout and ends in a transport error
+    that reads as brokers that cannot be reached.
+    """
+
+    def __init__(self) -> None:
+        self.error: Any = None
+
+    def seen(self, err: Any) -> None:
+        # (An untrusted certificate comes as _SSL, or as _TRANSPORT "certificate
+        # verify failed", depending on where the handshake stops.)
+        if self.error is None and (err.fatal() or err.code() in REFUSED
+                                   or "certificate verify failed" in err.str()):
+            self.error = err
+
+
+def refusal(admin: Any) -> Any | None:
+    """The KafkaError by which the brokers refused ``admin`` (``admin_client``), if they did."""
+    admin.poll(0)  # serves error_cb
+    return admin.kfeed_refusal.error
+
+
+def refused_message(servers: str, err: Any) -> str:
+    """Brokers that refused the client: why, and what to check."""
+    return (f"the brokers at {servers} refused the connection: {err.str()}: check the "
+            f"security.protocol, sasl.* and ssl.* settings")
+
+
+def answer(admin: Any, future: Any) -> Any:
+    """``future.result()`` of an ``admin`` request, looked at in short slices: brokers that
+    refused ``admin`` raise that refusal (a KafkaException) at once, not after the
+    request's timeout."""
+    import concurrent.futures
+
+    from confluent_kafka import KafkaException
+
+    while not concurrent.futures.wait([future], timeout=0.1).done:
+        err = refusal(admin)
+        if err is not None:
+            future.cancel()
+            raise KafkaException(err)
+    return future.result()
 
 
 def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = False,
@@ -206,6 +259,9 @@ def create_topic(
             known = admin.list_topics(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             break
         except KafkaException as e:
+            if (err := refusal(admin)) is not None:
+                raise KfeedError(refused_message(servers, err), topic=name,
+                                 code=err.code()) from e
             if time.monotonic() >= deadline:
                 raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
                                  topic=name) from e
@@ -221,7 +277,8 @@ def create_topic(
                      config={k: str(v) for k, v in (config or {}).items()})
     created = True
     try:
-        admin.create_topics([topic], operation_timeout=timeout_s)[name].result(timeout_s)
+        answer(admin, admin.create_topics([topic], operation_timeout=timeout_s,
+                                          request_timeout=timeout_s)[name])
     except KafkaException as e:
         err = e.args[0]
         if err.name() != "TOPIC_ALREADY_EXISTS":
@@ -335,6 +392,9 @@ def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> 
         try:
             md = admin.list_topics(topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
         except KafkaException as e:
+            if (err := refusal(admin)) is not None:
+                raise ConsumeError(refused_message(servers, err), topic=topic,
+                                   code=err.code()) from e
             if time.monotonic() < deadline:
                 continue
             raise ConsumeError(unreachable_message(servers, timeout_s, e.args[0].str()),

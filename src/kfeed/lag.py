@@ -16,7 +16,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kfeed._kafka import admin_client, admin_partitions, logged_config, unreachable_message
+from kfeed._kafka import (
+    admin_client,
+    admin_partitions,
+    answer,
+    logged_config,
+    refusal,
+    refused_message,
+    unreachable_message,
+)
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["PartitionLag", "group_exists", "group_lag"]
@@ -89,15 +97,18 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
-        end = {(tp.topic, tp.partition): f.result().offset for tp, f in ends.items()}
+        end = {(tp.topic, tp.partition): answer(admin, f).offset for tp, f in ends.items()}
         # Where the group reads next: its commit, or the log's start where it has none
         # or where retention (or deleted records) moved the start past it.
         firsts = admin.list_offsets({TopicPartition(t, p): OffsetSpec.earliest()
                                      for t, p in parts}, request_timeout=timeout_s) if parts else {}
-        first = {(tp.topic, tp.partition): f.result().offset for tp, f in firsts.items()}
+        first = {(tp.topic, tp.partition): answer(admin, f).offset
+                 for tp, f in firsts.items()}
         start = {tp: max(committed.get(tp, first[tp]), first[tp]) for tp in parts}
         owners = _owners(admin, group_id, timeout_s)
     except KafkaException as e:
+        if (refused := refusal(admin)) is not None:
+            raise ConsumeError(refused_message(servers, refused), code=refused.code()) from e
         err = e.args[0]
         if err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
                           KafkaError._ALL_BROKERS_DOWN):
@@ -125,8 +136,10 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
     servers = str(kafka_config["bootstrap.servers"])
     try:
         desc = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)[group_id]
-        return desc.result().state != ConsumerGroupState.DEAD
+        return answer(admin, desc).state != ConsumerGroupState.DEAD
     except KafkaException as e:
+        if (refused := refusal(admin)) is not None:
+            raise ConsumeError(refused_message(servers, refused), code=refused.code()) from e
         err = e.args[0]
         if err.code() == KafkaError.GROUP_ID_NOT_FOUND:  # the consumer protocol's answer
             return False
@@ -139,14 +152,14 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
 
 def _committed(admin: Any, request: Any, timeout_s: float) -> dict[tuple[str, int], int]:
     futures = admin.list_consumer_group_offsets([request], request_timeout=timeout_s)
-    result = next(iter(futures.values())).result()
+    result = answer(admin, next(iter(futures.values())))
     return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
             if tp.offset >= 0}
 
 
 def _owners(admin: Any, group_id: str, timeout_s: float) -> dict[tuple[str, int], str]:
     futures = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)
-    desc = futures[group_id].result()
+    desc = answer(admin, futures[group_id])
     owners = {}
     for m in desc.members:
         who = f"{m.client_id}@{m.host} ({m.member_id})"

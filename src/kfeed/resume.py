@@ -99,20 +99,20 @@ def other_sources(kafka_config: Mapping[str, Any], topic: str, job: str,
     """
     from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 
-    from kfeed._kafka import admin_client
+    from kfeed._kafka import admin_client, answer, refusal, refused_message
 
     admin = admin_client(kafka_config)
     prefix = f"kfeed-produce.{topic}."
     try:
-        groups = [g.group_id for g in admin.list_consumer_groups(
-            request_timeout=timeout_s).result().valid
+        groups = [g.group_id for g in answer(admin, admin.list_consumer_groups(
+            request_timeout=timeout_s)).valid
             if g.group_id.startswith(prefix) and g.group_id != job]
         found = []
         for group in groups:  # (one group a request: the admin API asks so)
             future = admin.list_consumer_group_offsets(
                 [ConsumerGroupTopicPartitions(group, [TopicPartition(topic, 0)])],
                 request_timeout=timeout_s)[group]
-            for tp in future.result().topic_partitions:
+            for tp in answer(admin, future).topic_partitions:
                 if tp.error is None and tp.offset > 0:
                     try:
                         source = json.loads(tp.metadata or "{}").get("source", group)
@@ -120,6 +120,9 @@ def other_sources(kafka_config: Mapping[str, Any], topic: str, job: str,
                         source = group
                     found.append((str(source), int(tp.offset)))
     except KafkaException as e:
+        if (refused := refusal(admin)) is not None:
+            raise ProduceError(refused_message(str(kafka_config.get("bootstrap.servers")),
+                                               refused), code=refused.code()) from e
         raise ProduceError(f"cannot read the progress recorded in {topic}: "
                            f"{e.args[0].str()}") from e
     return sorted(found)
