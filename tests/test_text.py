@@ -544,3 +544,32 @@ def test_train_lm_until_end_and_resume(bootstrap, make_topic, tmp_path) -> None:
     assert 90.0 < eff2 <= 100.0
     mlp = kfeed_cmd(*args, "--task", "mlp", bootstrap=bootstrap)
     assert mlp.returncode == 1 and "checkpoint of --task lm" in mlp.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_demo_lm_checks_token_ids_without_a_step_waiting_on_the_device(device) -> None:
+    # On CUDA the largest id was read (int(tokens.max())) every step: the host
+    # waited for the device each step. There it is read where a line is
+    # printed or a checkpoint made; on the CPU, where reading it costs
+    # nothing, each step. ("cuda" runs the same code on a CPU model here.)
+    from types import SimpleNamespace
+
+    from kfeed._train import _LMTask
+
+    opts = SimpleNamespace(tokenizer="bytes", eos_id=None, token_dtype="uint16", seq_len=8,
+                           shuffle=0, seed=0, batch_size=2)
+    task = _LMTask(opts, "cpu")
+    task._eager = device == "cpu"
+    docs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15]]
+    task.loss(packed_batch(docs, 2, 8))  # the first batch: checked at once
+    task.check()
+    past = packed_batch([docs[0] + [task.vocab_size + 7], *docs[1:]], 2, 8)
+    if device == "cpu":
+        with pytest.raises(kfeed.ConfigError, match=f"token id {task.vocab_size + 7} is past"):
+            task.loss(past)
+        return
+    loss = task.loss(past)  # trained on the last id, for now
+    assert torch.isfinite(loss)
+    with pytest.raises(kfeed.ConfigError, match=f"token id {task.vocab_size + 7} is past the "
+                                                f"model's vocabulary of {task.vocab_size} ids"):
+        task.check()

@@ -84,6 +84,9 @@ class _MLPTask:
 
         return torch.nn.functional.cross_entropy(self.model(batch["features"]), batch["label"])
 
+    def check(self) -> None:
+        """Nothing to check: the features go in as they are."""
+
     def rate(self, st: dict[str, Any], span: float) -> str:
         rate = (st["samples"] - self._last) / span
         self._last = st["samples"]
@@ -190,6 +193,9 @@ class _LMTask:
         self._real: Any = 0
         self._slots = 0
         self._last_real = self._last_slots = 0
+        self._top: Any = None  # the largest token id seen, on the device
+        self._eager = device == "cpu"
+        self._checked_first = False
 
     def loader_kwargs(self) -> dict[str, Any]:
         from kfeed.tokens import Pack, Shuffle
@@ -201,14 +207,18 @@ class _LMTask:
         return kwargs
 
     def loss(self, batch: Any) -> Any:
-        doc_ids = batch["doc_ids"]
+        tokens, doc_ids = batch["tokens"], batch["doc_ids"]
         # An id past the embedding is an IndexError on the CPU and a device-side
-        # assert on CUDA: a topic produced with another tokenizer.
-        top = int(batch["tokens"].max())
-        if top >= self.vocab_size:
-            raise ConfigError(f"token id {top} is past the model's vocabulary of "
-                              f"{self.vocab_size} ids (--tokenizer {self.tokenizer}): train "
-                              f"with the --tokenizer (and --eos-id) the topic was produced with")
+        # assert on CUDA: a topic produced with another tokenizer. Reading the
+        # largest id each step would make the host wait for the device: it is
+        # kept there and read by check() (each step on the CPU, where that
+        # costs nothing; else at each line printed and before each checkpoint),
+        # and ids past the vocabulary are trained as its last id till then.
+        top = tokens.max()
+        self._top = top if self._top is None else self._top.maximum(top)
+        if self._eager or not self._checked_first:  # the first batch says it at once
+            self._checked_first = True
+            self.check()
         info = getattr(batch, "pack", None)  # the loader's PackInfo: counted on the host
         if info is not None:
             self._real += info.tokens
@@ -216,7 +226,16 @@ class _LMTask:
         else:
             self._real += (doc_ids >= 0).sum()
             self._slots += doc_ids.numel()
-        return lm_loss(lm_logits(self.model, batch), batch["tokens"], doc_ids)
+        tokens = tokens.long().clamp(max=self.vocab_size - 1)
+        return lm_loss(lm_logits(self.model, {**batch, "tokens": tokens}), tokens, doc_ids)
+
+    def check(self) -> None:
+        """Refuse token ids past the model's vocabulary seen so far."""
+        top = int(self._top) if self._top is not None else -1
+        if top >= self.vocab_size:
+            raise ConfigError(f"token id {top} is past the model's vocabulary of "
+                              f"{self.vocab_size} ids (--tokenizer {self.tokenizer}): train "
+                              f"with the --tokenizer (and --eos-id) the topic was produced with")
 
     def rate(self, st: dict[str, Any], span: float) -> str:
         real = int(self._real)
@@ -406,6 +425,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     def checkpoint() -> None:
         if ckpt is None or out.step in (out.saved_step, out.first_step):
             return
+        task.check()  # (no checkpoint of steps trained on ids the model lacks)
         if seen_log is not None:
             seen_log.write(f"# checkpoint {out.step}\n")
             seen_log.flush()
@@ -444,6 +464,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                 if ckpt is not None and out.step % opts.checkpoint_every == 0:
                     checkpoint()
                 if out.step % opts.log_every == 0:
+                    task.check()
                     st = loader.stats()
                     span = max(st["elapsed_s"] - e_last, 1e-9)
                     rate = task.rate(st, span)
@@ -456,6 +477,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                     break
             # The last steps since a periodic checkpoint, on a clean end and
             # on a signal alike: a resume then repeats nothing.
+            task.check()
             checkpoint()
             out.stats = loader.stats()
             if guard.started or guard.signum is None:  # (else the loader may not be up)
