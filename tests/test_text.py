@@ -121,7 +121,10 @@ def test_missing_tokenizer_file(tmp_path) -> None:
 def test_token_ids_must_fit_the_dtype() -> None:
     assert as_token_arrays([[1, 2], []], "uint16")[0].dtype == np.uint16
     with pytest.raises(KfeedError, match="70000 do not fit uint16"):
-        as_token_arrays([[1], [5, 70000]], "uint16", where="f: ")
+        as_token_arrays([[1], [5, 70000]], "uint16")
+    with pytest.raises(KfeedError, match=r"^document 1: token id 300 is outside the "
+                                         r"vocabulary of bytes \(257 ids\)"):
+        as_token_arrays([[1], [5, 300]], "uint16", vocab=ByteTokenizer())
     # No dtype takes a negative id: widening it (the advice before) cannot help.
     with pytest.raises(KfeedError, match=r"^document 0: token id -1 is negative; token ids "
                                          r"are >= 0$"):

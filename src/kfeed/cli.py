@@ -815,14 +815,7 @@ def _token_arrays(chunk: Any, tokenizer: Any, token_dtype: str,
     if chunk.texts is not None:
         return text.as_token_arrays(tokenizer.encode_batch(chunk.texts), token_dtype,
                                     place=place)
-    ids = text.as_token_arrays(chunk.ids or [], token_dtype, place=place)
-    past = next((i for i, d in enumerate(ids)
-                 if len(d) and int(d.max()) >= tokenizer.vocab_size), None)
-    if past is not None:
-        raise KfeedError(f"{place(past)}: token id {int(ids[past].max())} is outside the "
-                         f"vocabulary of {tokenizer.name} ({tokenizer.vocab_size} ids): "
-                         f"give the --tokenizer the ids were made with")
-    return ids
+    return text.as_token_arrays(chunk.ids or [], token_dtype, vocab=tokenizer, place=place)
 
 
 def _corpus_file(source: str) -> None:

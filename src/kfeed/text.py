@@ -175,29 +175,32 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(spec)
 
 
-def as_token_arrays(docs: Sequence[Any], dtype: str, *, where: str = "",
+def as_token_arrays(docs: Sequence[Any], dtype: str, *, vocab: Any = None,
                     place: Callable[[int], str] | None = None) -> list[np.ndarray]:
-    """Documents of ids as 1-D arrays of ``dtype``, every id checked to fit.
+    """Documents of ids as 1-D arrays of ``dtype``, every id checked to fit, and to be
+    in ``vocab`` (a tokenizer: ids made by it) when given.
 
-    ``place(i)`` names document ``i`` in an error (default: ``where`` and its
-    number in ``docs``), e.g. its line in the corpus.
+    ``place(i)`` names document ``i`` in an error (default: its number in
+    ``docs``), e.g. its line in the corpus.
     """
     info = np.iinfo(dtype)
-    name = place or (lambda i: f"{where}document {i}")
+    name = place or (lambda i: f"document {i}")
     out = []
     for i, d in enumerate(docs):
         arr = np.asarray(d)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise KfeedError(f"{name(i)}: token ids must be a 1-D int array, "
                              f"got {arr.dtype} {arr.shape}")
-        if arr.size and int(arr.min()) < 0:
-            raise KfeedError(f"{name(i)}: token id {int(arr.min())} is negative; token ids "
-                             f"are >= 0")
-        if arr.size and int(arr.max()) > info.max:
-            raise KfeedError(
-                f"{name(i)}: token ids {int(arr.min())}..{int(arr.max())} do not fit "
-                f"{dtype}; pick a wider --token-dtype (and the same one for training)"
-            )
+        low, top = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
+        if low < 0:
+            raise KfeedError(f"{name(i)}: token id {low} is negative; token ids are >= 0")
+        if top > info.max:
+            raise KfeedError(f"{name(i)}: token ids {low}..{top} do not fit {dtype}; pick a "
+                             f"wider --token-dtype (and the same one for training)")
+        if vocab is not None and top >= vocab.vocab_size:
+            raise KfeedError(f"{name(i)}: token id {top} is outside the vocabulary of "
+                             f"{vocab.name} ({vocab.vocab_size} ids): give the --tokenizer "
+                             f"the ids were made with")
         out.append(arr.astype(dtype, copy=False))
     return out
 
