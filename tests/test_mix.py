@@ -369,6 +369,35 @@ def test_a_weight_schedule_changes_the_proportions_at_its_steps():
     assert np.all(src[:320] == 0) and np.all(src[320:] == 1)
 
 
+def test_a_state_resumes_only_with_a_schedule_that_weighted_the_steps_mixed_alike():
+    # Any schedule was taken with a state: one edited since gave another
+    # stream than the run it resumed, and nothing said so.
+    def schedule(switch: int):
+        return lambda step: ({"web": 1.0, "code": 0.0, "math": 0.0} if step < switch else
+                             {"web": 0.0, "code": 1.0, "math": 0.0})
+
+    whole, _ = read(row_values(), Mix(schedule(10)), batch_size=32, stop=15)
+    first, state = read(row_values(), Mix(schedule(10)), batch_size=32, stop=7)
+    assert state["mix"]["schedule"][0] == [0, [1 << 32, 0, 0]]
+    # The same schedule: the same stream.
+    rest, _ = read(row_values(), Mix(schedule(10)), batch_size=32, state=state, stop=8)
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(whole))
+    # One that differs only at steps not mixed yet resumes (the rest follows it).
+    now = state["mix"]["schedule"][-1][0]  # (the mixer may be ahead of the batches out)
+    assert now >= 7
+
+    def edited(step: int) -> dict[str, float]:
+        return schedule(10)(step) if step <= now else {"web": 0.0, "code": 0.0, "math": 1.0}
+
+    read(row_values(), Mix(edited), batch_size=32, state=state, stop=1)
+    # One that weighted a step already mixed otherwise does not.
+    with pytest.raises(ConfigError, match=r"the state was saved by a mixture whose schedule "
+                                          r"weighted \{web: 1, code: 0, math: 0\} at step 4, "
+                                          r"and this loader's schedule weights \{web: 0, "
+                                          r"code: 1, math: 0\} there: resume with the schedule"):
+        read(row_values(), Mix(schedule(3)), batch_size=32, state=state)
+
+
 def test_a_source_a_schedule_weights_0_at_first_is_waited_for_not_taken_as_read(caplog):
     # A warm-up on a (12 records, which run out during it), then a and b 1:1.
     # "repeat" reads a again until b's turn comes (it ended at once, b unread);

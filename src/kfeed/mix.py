@@ -577,7 +577,36 @@ class Mixer:
             "to_repeat": self.to_repeat,
             "ran_out": [bool(x) for x in self.ran_out],
             "since": [int(x) for x in self.since],
+            "schedule": self._schedule_marks() if self.mix.scheduled else None,
         }
+
+    def _schedule_marks(self) -> list[list[Any]]:
+        """A schedule's scaled weights at steps 0, 1, 2, 4, ... up to the step now: a state
+        resumed with another schedule that differs there is refused (``load_state``)."""
+        now = self.mixed // self.batch_size
+        steps = sorted({0, now, *(1 << k for k in range(max(now, 1).bit_length()))})
+        return [[step, self._scaled_at(step)] for step in steps if step <= now]
+
+    def _check_schedule(self, marks: list[Any]) -> None:
+        """Refuse a state whose schedule weighted a step already mixed otherwise."""
+        def shares(w: list[int]) -> str:
+            return "{" + ", ".join(f"{t}: {x / sum(w):.4g}" for t, x in
+                                   zip(self.sources, w, strict=True)) + "}"
+        for mark in marks:
+            try:
+                step, saved = int(mark[0]), [int(x) for x in mark[1]]
+            except (TypeError, ValueError, IndexError):
+                raise ConfigError(f"not a mixture state: schedule mark {mark!r}") from None
+            ours = self._scaled_at(step)
+            if ours != saved:
+                raise ConfigError(
+                    f"the state was saved by a mixture whose schedule weighted "
+                    f"{shares(saved)} at step {step}, and this loader's schedule weights "
+                    f"{shares(ours)} there: resume with the schedule the state was saved with")
+
+    def _scaled_at(self, step: int) -> list[int]:
+        w = _scaled(self.mix.weights_at(step, self.sources))
+        return [w[t] for t in self.sources]
 
     def load_state(self, state: Mapping[str, Any], held: Iterable[Hashable] = ()) -> None:
         """``state`` (``state()``) saved with ``held`` assigned: those partitions are
@@ -598,6 +627,8 @@ class Mixer:
                 raise ValueError(f"{n} sources")
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a mixture state: {e!r}") from None
+        if self.mix.scheduled:
+            self._check_schedule(state.get("schedule") or [])
         self.credits = np.array(credits, np.int64)
         self.live = np.array(live, np.uint8)
         self.ran_out = np.array(state.get("ran_out", [False] * n), np.uint8)
