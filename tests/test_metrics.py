@@ -7,8 +7,11 @@ under kafka_exporter's name.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 import uuid
 from types import SimpleNamespace
@@ -83,6 +86,35 @@ def test_a_scrape_reads_what_the_loader_counts(server):
     assert sample(got, "kfeed_loader_latency_seconds_count", **labels) == 10
     assert sample(got, "kfeed_loader_latency_seconds_bucket", le="60.0", **labels) == 10
     assert 0 < sample(got, "kfeed_loader_latency_seconds_sum", **labels) < 10 * 60
+
+
+def test_a_wait_under_way_shows_as_stall_at_once(server):
+    # The wait histogram takes a wait when it ends: a trainer starved for
+    # minutes read as never stalled, then more than 100% in one window.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    source = kfeed.MemorySource(schema.encode_blocks({"id": np.arange(20)}, 10))
+    loader = kfeed.Loader(None, "memory", schema, 10, source=source, device="cpu")
+    try:
+        next(loader), next(loader)
+        def starve() -> None:
+            with contextlib.suppress(kfeed.KfeedError):
+                next(loader, None)
+
+        starved = threading.Thread(target=starve, daemon=True)
+        starved.start()  # no record will come: it waits till close()
+        labels = {"consumergroup": "", "topics": "memory"}
+        seen = []
+        for _ in range(2):
+            deadline = time.monotonic() + 10
+            while loader.stats()["longest_wait_s"] < 0.3 * (len(seen) + 1):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            seen.append(sample(scrape(server), "kfeed_loader_stall_seconds_total", **labels))
+        assert seen[0] >= 0.3 and seen[1] >= seen[0] + 0.2, seen
+        assert sample(scrape(server), "kfeed_loader_wait_seconds_count", **labels) == 1
+    finally:
+        loader.close()
+    starved.join(10)
 
 
 @pytest.mark.parametrize("batch_size", [8, 64, 100])
@@ -223,7 +255,6 @@ def test_the_producer_and_a_kafka_loader_under_their_real_names(server, bootstra
 
 @pytest.mark.integration
 def test_the_lag_in_seconds_is_the_age_of_the_groups_next_unread_record(bootstrap, make_topic):
-    import time
 
     from confluent_kafka import Producer as KafkaProducer
 
@@ -316,7 +347,6 @@ def free_port() -> int:
 def prometheus(tmp_path, server):
     """A Prometheus server scraping ``server`` every second; its query function."""
     import json
-    import time
     import urllib.parse
 
     binary = prometheus_binary(tmp_path)
@@ -360,7 +390,6 @@ def prometheus(tmp_path, server):
 
 @pytest.mark.integration
 def test_a_real_prometheus_scrapes_the_lag_and_the_rates(prometheus, bootstrap, make_topic):
-    import time
 
     topic = make_topic(partitions=2)
     schema = kfeed.Schema({"id": ("int64", ())})

@@ -329,6 +329,12 @@ class _Collector:
                                   labels=loader_labels)
         bad = CounterMetricFamily("kfeed_loader_bad_records", "messages rejected, by reason",
                                   labels=[*loader_labels, "reason"])
+        # The histogram takes a wait when it ends; the counter holds the one under
+        # way too, so a trainer starved now shows as stalled now.
+        stall = CounterMetricFamily("kfeed_loader_stall_seconds",
+                                    "the caller's time waiting in next() for a batch, the "
+                                    "wait under way included (the data stall)",
+                                    labels=loader_labels)
         wait = HistogramMetricFamily("kfeed_loader_wait_seconds",
                                      "the caller's wait in next() for a batch (the data stall)",
                                      labels=loader_labels)
@@ -376,6 +382,7 @@ class _Collector:
                 family.add_metric(labels, stats[name])
             for reason, n in stats["bad_by_reason"].items():
                 bad.add_metric([*labels, reason], n)
+            stall.add_metric(labels, stats["wait_s"])
             wait.add_metric(labels, stats["wait_histogram"].cumulative(),
                             stats["wait_histogram"].sum)
             latency.add_metric(labels, stats["latency_histogram"].cumulative(),
@@ -401,7 +408,7 @@ class _Collector:
             if group in groups:  # (the reader's round may be older than a close)
                 lag_s.add_metric([group, topic, partition], age)
         yield from c.values()
-        yield from (bad, wait, latency, startup, pool, held, slots, depth, stage, lag, lag_s)
+        yield from (bad, stall, wait, latency, startup, pool, held, slots, depth, stage, lag, lag_s)
         yield from p.values()
         yield queued
         if self.gpus is not None and devices:
