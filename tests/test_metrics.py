@@ -117,6 +117,25 @@ def test_a_wait_under_way_shows_as_stall_at_once(server):
     starved.join(10)
 
 
+def test_brokers_away_say_so_once_not_at_every_lag_round(caplog):
+    # Each round of the lag reader made clients with a logger of their own,
+    # so librdkafka's "Connect ... failed" came again every round, to stderr.
+    import logging
+
+    schema = kfeed.Schema({"id": ("int64", ())})
+    loader = kfeed.Loader({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"}, "t", schema,
+                          10, device="cpu")
+    caplog.set_level(logging.INFO, logger="kfeed.librdkafka")
+    server = metrics.serve(0, lag_interval_s=0.2)
+    try:
+        time.sleep(5)  # rounds of 1 s each (the brokers' timeout), 0.2 s apart
+    finally:
+        server.shutdown()
+        loader.close()
+    lines = [r for r in caplog.records if r.name == "kfeed.librdkafka"]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+
+
 @pytest.mark.parametrize("batch_size", [8, 64, 100])
 def test_every_batch_is_one_latency_observation(batch_size) -> None:
     # A batch that ended inside a block (batch_size under the records a

@@ -52,8 +52,11 @@ def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
-    """``client_config``, with librdkafka's lines going to logging through ``ConnectionLog``."""
-    return {**client_config(kafka_config), "logger": ConnectionLog()}
+    """``client_config``, with librdkafka's lines going to logging through ``ConnectionLog``:
+    ``kafka_config``'s own ``logger`` if it is one (its folding goes on across clients)."""
+    given = kafka_config.get("logger")
+    return {**client_config(kafka_config),
+            "logger": given if isinstance(given, ConnectionLog) else ConnectionLog()}
 
 
 def bad_setting(exc: BaseException) -> ConfigError:

@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kfeed._kafka import ConnectionLog
 from kfeed.errors import ConfigError
 
 log = logging.getLogger("kfeed.metrics")
@@ -161,6 +162,9 @@ class _LagSeconds(threading.Thread):
         self.ages: dict[tuple[str, str, str], float] = {}
         self.stopped = threading.Event()
         self._failing: set[str] = set()
+        # One for every round's clients, so that brokers away say so in one
+        # line every 10 minutes, not each round's new client's line.
+        self._log = ConnectionLog(every_s=600.0)
 
     def close(self) -> None:
         """Stop, once the round under way ends (within its brokers' timeout)."""
@@ -177,7 +181,7 @@ class _LagSeconds(threading.Thread):
                 if self.stopped.is_set():
                     return
                 try:
-                    parts = group_lag(config, group, topics,
+                    parts = group_lag({**config, "logger": self._log}, group, topics,
                                       timeout_s=min(10.0, max(1.0, self.interval_s)))
                 except Exception as e:  # noqa: BLE001 - brokers away, or librdkafka's own errors
                     if group not in self._failing:
