@@ -7,6 +7,7 @@ clear line that says what is wrong and how to fix it.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -17,7 +18,7 @@ from confluent_kafka import Consumer, Producer as KafkaProducer
 
 import kfeed
 from kfeed._kafka import ConnectionLog
-from kfeed.badrecords import BadRecordPolicy, BadRecords, describe_schema
+from kfeed.badrecords import BadRecordPolicy, BadRecords, describe_schema, reason_kind
 from kfeed.schema import Format
 from kfeed.sources import MemorySource
 from kfeed.synthetic import synthetic_columns, synthetic_schema
@@ -105,6 +106,28 @@ def test_bad_record_warnings_come_once_per_reason_every_few_seconds(caplog) -> N
                      "bad record at t[0]@200, sent to t.dlq: empty value (tombstone)"]
     assert bad.count == 250 and len(src.dead_letters) == 250
     assert bad.summary() == "250 bad record(s): 200x bad magic; 50x empty value (tombstone)"
+    # At the read's end (or close) the rest of a burst is counted: it was never said.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        bad.flush()
+        bad.flush()
+    assert [r.getMessage() for r in caplog.records] == [
+        "199 more bad record(s) in the last 0s, sent to t.dlq: bad magic",
+        "49 more bad record(s) in the last 0s, sent to t.dlq: empty value (tombstone)"]
+
+
+def test_a_burst_of_bad_records_is_counted_whole_by_the_end_of_the_read(caplog) -> None:
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(100)), 10)
+    source = MemorySource(good[:5] + [b"x"] * 50 + good[5:])
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        with kfeed.Loader(None, "memory", SCHEMA, 10, device="cpu", until="end",
+                          on_bad_record="skip", source=source) as loader:
+            assert sum(b.size for b in loader) == 100
+    lines = [r.getMessage() for r in caplog.records if "bad record" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("bad record at memory[0]@5, skipped: ")
+    why = reason_kind(lines[0].split(", skipped: ", 1)[1])
+    assert re.fullmatch(r"49 more bad record\(s\) in the last \d+s, skipped: " + re.escape(why),
+                        lines[1]), lines
 
 
 def test_reasons_that_differ_only_in_their_numbers_count_and_warn_as_one_kind(caplog) -> None:

@@ -145,6 +145,7 @@ class BadRecords:
         self._held_since: float | None = None  # when the first was held back
         self._held_said: float | None = None  # when waiting() last said so
         self._warned: dict[str, tuple[float, int]] = {}  # reason -> (last line, since then)
+        self._dests: dict[str, str] = {}  # reason -> where its last record went
 
     def explain(self, msg: Any, reason: str) -> str:
         if reason in (_FINGERPRINT_REASON, _FLAGS_REASON):
@@ -249,6 +250,7 @@ class BadRecords:
         now = time.monotonic()
         kind = reason_kind(why)
         last, since = self._warned.get(kind, (None, 0))
+        self._dests[kind] = dest
         if last is not None and now - last < WARN_EVERY_S:
             self._warned[kind] = (last, since + 1)
             return
@@ -256,6 +258,16 @@ class BadRecords:
         where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
         more = f" (and {since} more in the last {now - last:.0f}s)" if since else ""
         log.warning("bad record at %s, %s: %s%s", where, dest, why, more)
+
+    def flush(self) -> None:
+        """Say how many rejects each kind's warning window still holds back unsaid:
+        at the end of a read and at close, so a burst is counted whole."""
+        now = time.monotonic()
+        for kind, (last, since) in self._warned.items():
+            if since:
+                log.warning("%d more bad record(s) in the last %.0fs, %s: %s", since,
+                            now - last, self._dests[kind], kind)
+                self._warned[kind] = (last, 0)
 
     def summary(self) -> str | None:
         """One line on everything rejected so far, or None."""

@@ -1234,6 +1234,7 @@ class Loader:
         if commit_current:
             self._mark_used()
             self._take_rejected()
+        self._bad.flush()
         failed: list[BaseException] = []
         if sys.is_finalizing():
             # (A loader collected at exit: a thread started now never runs,

@@ -159,6 +159,7 @@ class Feeder:
             self._loop()
             if self.bounded and not self.stop.is_set():
                 self.bad.end_of_read()
+                self.bad.flush()
             self.epoch_over = True
             self._put(END)
         except BaseException as e:  # noqa: BLE001 - everything goes to the caller
