@@ -36,6 +36,11 @@ def test_lag_in_messages_and_seconds_and_the_owning_member(bootstrap, make_topic
     c.close()
     config = {"bootstrap.servers": bootstrap}
     p0, p1 = kfeed.group_lag(config, group, [topic])
+    # One topic as a str, as the Loader takes it (it was read as letters), and a
+    # topic named twice (its partitions came twice).
+    for topics in (topic, [topic, topic]):
+        assert [(p.partition, p.lag) for p in kfeed.group_lag(config, group, topics)] == \
+            [(0, 40), (1, 40)]
     assert (p0.partition, p0.committed, p0.end, p0.lag, p0.member) == (0, 20, 60, 40, None)
     assert 79 <= p0.lag_s <= 79 + 60  # the record at offset 20 was written 80 s ago
     assert (p1.committed, p1.end, p1.lag) == (None, 40, 40)  # never committed: from the start

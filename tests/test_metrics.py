@@ -201,6 +201,11 @@ def test_the_lag_in_seconds_asks_for_every_topic_of_a_groups_loaders():
 def test_serve_refuses_what_it_cannot_do():
     with pytest.raises(kfeed.ConfigError, match="port must be an int"):
         metrics.serve(70000)
+    # (An infinite interval was taken, and the lag reader's thread died of it.)
+    for bad in (float("inf"), float("nan"), 0, -1, True, "15"):
+        with pytest.raises(kfeed.ConfigError, match=r"lag_interval_s must be seconds in "
+                                                    r"\(0, 86400\]"):
+            metrics.serve(0, lag_interval_s=bad)
     s = metrics.serve(0)
     try:
         with pytest.raises(kfeed.ConfigError, match="cannot serve metrics on 127.0.0.1:"):

@@ -79,6 +79,12 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                           "with 'bootstrap.servers'")
     if not isinstance(group_id, str) or not group_id:
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
+    if isinstance(topics, str):  # one topic, as the Loader takes it
+        topics = [topics]
+    if topics is not None:
+        if not all(isinstance(t, str) and t for t in topics):
+            raise ConfigError(f"topics must be topic names, got {topics!r}")
+        topics = list(dict.fromkeys(topics))  # a topic named twice counts once
     admin = admin_client(kafka_config)
     servers = str(kafka_config["bootstrap.servers"])
     # The reader of the records' ages logs as the admin client does (not to stderr).

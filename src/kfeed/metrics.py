@@ -113,8 +113,9 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"port must be an int in 0..65535, got {port!r}")
     if isinstance(lag_interval_s, bool) or not isinstance(lag_interval_s, (int, float)) \
-            or not lag_interval_s > 0:
-        raise ConfigError(f"lag_interval_s must be > 0, got {lag_interval_s!r}")
+            or not 0 < lag_interval_s <= 86400:
+        raise ConfigError(f"lag_interval_s must be seconds in (0, 86400], got "
+                          f"{lag_interval_s!r}")
     ages = _LagSeconds(float(lag_interval_s))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(ages, GpuReader.open()))
