@@ -237,6 +237,26 @@ def test_stats_and_stall() -> None:
     assert 0.0 <= st["stall_fraction"] <= 1.0
 
 
+def test_the_rates_stop_at_the_end_of_the_read_and_leave_out_the_time_between_epochs() -> None:
+    # The clock ran on after the read: samples_per_s fell by 170x a second
+    # after it (kfeed train's summary line read it after the final checkpoint).
+    keys = ("elapsed_s", "samples_per_s", "mb_per_s", "stall_fraction")
+    loader = Loader(None, "memory", SCHEMA, 128, source=kfeed.MemorySource(blocks(0, 1024)),
+                    until="end", epochs=2, device="cpu")
+    collect(loader)
+    ended = {k: loader.stats()[k] for k in keys}
+    time.sleep(0.5)
+    assert {k: loader.stats()[k] for k in keys} == ended
+    t = time.monotonic()
+    collect(loader)  # the next epoch, half a second later
+    second = time.monotonic() - t
+    both = loader.stats()["elapsed_s"]
+    loader.close()
+    time.sleep(0.2)
+    assert loader.stats()["elapsed_s"] == both <= ended["elapsed_s"] + second, (both, ended)
+    assert loader.stats()["samples_per_s"] == 2048 / both
+
+
 def test_the_thread_is_woken_for_room_only_once_the_batch_is_handed_out(monkeypatch) -> None:
     # NOTE [ Room is made last ]: a thread woken when next() takes a batch
     # competes for the GIL with the rest of next() (on CUDA, the stream wait).

@@ -448,6 +448,10 @@ class Loader:
             self._samples_out = 0
             self._t0: float | None = None       # first next()
             self._t_first: float | None = None  # first batch handed out
+            # The rates' clock stops at a read's end and at close (then ``_t_end``),
+            # and the time to the next epoch's first next() is left out.
+            self._t_end: float | None = None
+            self._paused_s = 0.0
             self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
             self._waiting_since: float | None = None  # next() waits since then
             self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
@@ -660,6 +664,9 @@ class Loader:
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
+        if self._t_end is not None:  # the next epoch's first next()
+            self._paused_s += t - self._t_end
+            self._t_end = None
         if self._agreement is None and self.config.bounded and self.world_size > 1 \
                 and dist_ready() and get_worker_info() is None:  # (no collectives in workers)
             self._agreement = EpochAgreement()
@@ -694,6 +701,7 @@ class Loader:
                     self._feeder.join(self.config.connect_timeout_s + 5.0)
                 self._commit(asynchronous=False)
                 self._epoch_finished = True
+                self._stop_clock()
                 raise StopIteration
             batch = self._hand_out(item)
             if batch is None:  # dropped by a rebalance that came after _take
@@ -708,6 +716,10 @@ class Loader:
             if self._tuner is not None:
                 self._tuner.observe(0.0 if ready else waited, now)
         return batch
+
+    def _stop_clock(self) -> None:
+        if self._t_end is None and self._t_first is not None:
+            self._t_end = time.monotonic()
 
     def _waited(self, waited: float) -> None:
         self._waiting_since = None
@@ -1119,10 +1131,11 @@ class Loader:
         ``max_memory_bytes`` does not cover).
         """
         ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
-        # Rates and stall are over the steady state, from the first batch on;
+        # Rates and stall are over the steady state, from the first batch on
+        # to the read's end or close (the time between epochs left out);
         # joining the group and the first fetch show as startup_s.
-        now = time.monotonic()
-        elapsed = now - self._t_first if self._t_first is not None else 0.0
+        now = time.monotonic() if self._t_end is None else self._t_end
+        elapsed = now - self._t_first - self._paused_s if self._t_first is not None else 0.0
         since = self._waiting_since  # a wait under way, in next() on another thread
         waiting = now - since if since is not None else 0.0
         with ledger.lock:  # (after a message's last record: the next offset, lag 0)
@@ -1219,6 +1232,7 @@ class Loader:
         self._closed = True
         # Closed, it is no longer published, even while a traceback keeps it alive.
         metrics.LIVE.discard(self)
+        self._stop_clock()
         f = self._feeder
         f.stop.set()
         self._pool.close()
