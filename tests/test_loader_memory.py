@@ -237,6 +237,22 @@ def test_stats_and_stall() -> None:
     assert 0.0 <= st["stall_fraction"] <= 1.0
 
 
+def test_a_given_sources_counts_are_not_added_again_each_epoch() -> None:
+    # The source given goes on into each epoch, its counts too; they were
+    # added to the earlier epochs' again: commits 2/6/12/20 for 2/4/6/8.
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(100)), 10)
+    source = kfeed.MemorySource(good[:5] + [b"bad"] + good[5:])
+    loader = Loader(None, "memory", SCHEMA, 10, source=source, until="end", epochs=4,
+                    device="cpu", fail_fast=None)
+    for epoch in range(4):
+        collect(loader)
+        st = loader.stats()
+        assert (st["commits"], st["dead_lettered"]) == (source.commits_sent,
+                                                        len(source.dead_letters))
+        assert st["dead_lettered"] == epoch + 1 and st["bad_records"] == epoch + 1
+    loader.close()
+
+
 def test_the_rates_stop_at_the_end_of_the_read_and_leave_out_the_time_between_epochs() -> None:
     # The clock ran on after the read: samples_per_s fell by 170x a second
     # after it (kfeed train's summary line read it after the final checkpoint).

@@ -125,6 +125,7 @@ log = logging.getLogger("kfeed.loader")
 # adds the earlier ones' (``Loader._carried``), so that counters only grow.
 _CARRIED = ("samples_decoded", "bytes", "bad_records", "commits", "commit_failures",
             "dead_lettered", "rebalances", "fetch_s", "decode_s", "copy_s")
+_SOURCE_COUNTS = ("commits", "commit_failures", "dead_lettered")  # the source's own
 
 _MAX_SUPERSEDED = 256  # and this many runs whose commits it accounts for
 _STATE_VERSION = 1
@@ -500,7 +501,9 @@ class Loader:
             superseded = self._ledger.superseded.union(self._ledger.seen_runs)
         self.close()
         stats = self.stats()  # the counts so far, which the new stages start again from
-        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason")}
+        # (A source given to the loader goes on into the next epoch, counting on.)
+        kept = _SOURCE_COUNTS if self._given_source is not None else ()
+        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason") if k not in kept}
         self._epoch_finished = False
         self._setup(self._kafka_config, self._epoch_config(), self._given_source)
         self._lineages = lineages
