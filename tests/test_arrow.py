@@ -140,6 +140,28 @@ def test_kfeed_messages_read_back_with_pyarrow_alone() -> None:
     assert table["flag"].to_pylist() == want["flag"].tolist()
 
 
+@pytest.mark.parametrize("wide", [True, False])
+def test_messages_stay_within_the_bytes_the_producer_may_send(wide) -> None:
+    # Only the values were counted, not Arrow's own bytes (the schema, each
+    # column's buffers and padding, the documents' offsets): 1,028,192-byte
+    # messages for 998,976 allowed, which the brokers refused.
+    limit = 1_000_000 - 1024
+    if wide:
+        schema = kfeed.Schema({f"f{i:03d}": ("float32", (20,)) for i in range(200)})
+        cols = {n: np.full((200, 20), i, np.float32) for i, n in enumerate(schema.names)}
+    else:
+        schema = kfeed.Schema({"doc": ("int8", (None,))})
+        cols = {"doc": (np.arange(200_000, dtype=np.int8), np.ones(200_000, np.int64))}
+    out = kfeed.Arrow().encoder(schema, "t").encode_blocks(cols, 200_000, limit)
+    assert all(len(m) <= limit for m in out), [len(m) for m in out]
+    assert len(out) <= 4
+    table = pa.concat_tables([pa.ipc.open_stream(m).read_all() for m in out])
+    assert table.num_rows == 200 if wide else 200_000
+    if not wide:
+        assert table["doc"].combine_chunks().flatten().to_numpy().tolist() == \
+            cols["doc"][0].tolist()
+
+
 def test_bad_messages_are_rejected_whole_with_a_reason() -> None:
     ids = np.arange(4, dtype=np.int64)
     good = {"id": pa.array(ids), "x": pa.FixedSizeListArray.from_arrays(

@@ -765,17 +765,16 @@ class ArrowEncoder(Encoder):
         self.schema = schema
 
     def encode_blocks(self, columns: Mapping[str, Any], rows: int, max_bytes: int) -> list[bytes]:
-        """N records as messages of at most ``rows`` records and about ``max_bytes`` each."""
-        pa = _pa()
+        """N records as messages of at most ``rows`` records and ``max_bytes`` each (a
+        record that alone is larger goes in a message of its own)."""
         views, n, _owners = self.schema._columns(columns)
-        var = self.schema.varlen
         cols: dict[str, Any] = {}
         sizes = np.full(n, self.schema.record_size, np.int64)
         for f in self.schema.fields:
             if f.variable:
                 flat, offsets = _documents(columns[f.name], f)
                 cols[f.name] = (flat, offsets)
-                sizes += np.diff(offsets) * f.storage.itemsize
+                sizes += np.diff(offsets) * f.storage.itemsize + 8  # and its offset
             else:
                 cols[f.name] = np.asarray(columns[f.name], f.storage).reshape(n, *f.shape)
         del views
@@ -786,21 +785,33 @@ class ArrowEncoder(Encoder):
             base = ends[start - 1] if start else 0
             fit = int(np.searchsorted(ends, base + max_bytes, "right")) - start
             stop = start + max(1, min(rows, fit))
-            part = {}
-            for f in self.schema.fields:
-                if f is var:
-                    flat, offsets = cols[f.name]
-                    o = offsets[start:stop + 1]
-                    part[f.name] = (flat[o[0]:o[-1]], o - o[0])
-                else:
-                    part[f.name] = cols[f.name][start:stop]
-            batch = record_batch(self.schema, part)
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_batch(batch)
-            out.append(sink.getvalue().to_pybytes())
+            while True:
+                message = self._message(cols, start, stop)
+                if len(message) <= max_bytes or stop - start == 1:
+                    break
+                # Arrow's own bytes on top of the values (the schema, the offsets,
+                # each buffer's padding): fewer rows, in proportion.
+                stop = start + max(1, int((stop - start) * max_bytes / len(message) * 0.98))
+            out.append(message)
             start = stop
         return out
+
+    def _message(self, cols: dict[str, Any], start: int, stop: int) -> bytes:
+        """Records ``start:stop`` of ``cols`` as one Arrow IPC stream."""
+        pa = _pa()
+        part = {}
+        for f in self.schema.fields:
+            if f.variable:
+                flat, offsets = cols[f.name]
+                o = offsets[start:stop + 1]
+                part[f.name] = (flat[o[0]:o[-1]], o - o[0])
+            else:
+                part[f.name] = cols[f.name][start:stop]
+        batch = record_batch(self.schema, part)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        return sink.getvalue().to_pybytes()
 
     def encode(self, columns: Any) -> list[bytes]:
         return self.encode_blocks(columns, 1, 1 << 62)
