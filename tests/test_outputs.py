@@ -89,6 +89,23 @@ def test_every_output_holds_every_record_once_and_kept_batches_stay_valid(output
             assert np.array_equal(g[name], want[name]), name
 
 
+def test_a_jax_batch_goes_into_jit_and_tree_map_as_a_dict_does(jax_x64) -> None:
+    # A dict subclass JAX did not know was one opaque leaf: jit refused the
+    # batch ("Error interpreting argument ... of type Batch").
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda b: jnp.sum(b["x"]) + jnp.sum(b["id"]))
+    with memory_loader(blocks(0, 200), SCHEMA, 50, until="end", device="cpu",
+                       output="jax") as loader:
+        batch = next(loader)
+        assert float(step(batch)) == float(step(dict(batch)))
+        doubled = jax.tree_util.tree_map(lambda a: a * 2, batch)
+        assert list(doubled) == list(batch)
+        assert np.array_equal(np.asarray(doubled["id"]), 2 * np.asarray(batch["id"]))
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(batch)]
+        assert paths == [f"['{k}']" for k in batch]
+
+
 @pytest.mark.parametrize("output", ["numpy", "jax", "arrow"])
 def test_batches_let_go_of_are_refilled_so_the_pool_stays_bounded(output: str) -> None:
     with memory_loader(blocks(0, 1000), SCHEMA, 100, loop=True, device="cpu",

@@ -112,6 +112,7 @@ def converter(output: str, schema: Schema) -> Callable[[Any], Any] | None:
     if output == "jax":
         import jax
 
+        _register_pytree(jax)
         narrow = not jax.config.jax_enable_x64
         return lambda batch: _as_jax(batch, narrow)
     if output == "arrow":
@@ -137,6 +138,27 @@ def _as_numpy(batch: Any) -> Any:
     from kfeed.loader import Batch
 
     return Batch({k: t.numpy() for k, t in batch.items()}, batch.size, batch.offsets, batch.pack)
+
+
+_registered = False
+
+
+def _register_pytree(jax: Any) -> None:
+    """Make ``Batch`` a JAX pytree of its arrays, by field name, so that a batch goes
+    into ``jax.jit`` and ``jax.tree_util`` as a dict does (an unregistered dict
+    subclass is one opaque leaf, which ``jit`` refuses). Taken apart and put back
+    together by JAX, it is a plain dict: its offsets and pack info stay outside."""
+    global _registered
+    if _registered:
+        return
+    from kfeed.loader import Batch
+
+    tree = jax.tree_util
+    tree.register_pytree_with_keys(
+        Batch, lambda b: ([(tree.DictKey(k), v) for k, v in b.items()], tuple(b)),
+        lambda keys, values: dict(zip(keys, values, strict=True)),
+        flatten_func=lambda b: (list(b.values()), tuple(b)))
+    _registered = True
 
 
 def _as_jax(batch: Any, narrow: bool) -> Any:
