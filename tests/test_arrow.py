@@ -162,6 +162,26 @@ def test_messages_stay_within_the_bytes_the_producer_may_send(wide) -> None:
             cols["doc"][0].tolist()
 
 
+def test_a_dotted_field_name_reads_back_from_kfeeds_own_arrow_messages() -> None:
+    # kfeed writes "page.rank" as one column; the reader looked for a struct
+    # "page" with a child "rank", and read the default (or rejected every message).
+    from kfeed.arrowformat import table_columns
+
+    schema = kfeed.Schema({"score": ("float32", ()),
+                           "page.rank": ("float32", (), {"default": -1.0})})
+    cols = {"score": np.ones(4, np.float32), "page.rank": np.full(4, 7.0, np.float32)}
+    messages = kfeed.Arrow().encoder(schema, "t").encode_blocks(cols, 4, 1 << 20)
+    with memory_loader(messages, schema, 4, until="end", device="cpu", format="arrow",
+                       output="numpy") as loader:
+        assert next(loader)["page.rank"].tolist() == [7.0] * 4
+    assert table_columns(schema, pa.table(cols))["page.rank"].tolist() == [7.0] * 4
+    # A struct path still reads as one.
+    nested = pa.table({"score": cols["score"],
+                       "page": pa.StructArray.from_arrays([pa.array(cols["page.rank"])],
+                                                          ["rank"])})
+    assert table_columns(schema, nested)["page.rank"].tolist() == [7.0] * 4
+
+
 def test_bad_messages_are_rejected_whole_with_a_reason() -> None:
     ids = np.arange(4, dtype=np.int64)
     good = {"id": pa.array(ids), "x": pa.FixedSizeListArray.from_arrays(

@@ -195,7 +195,10 @@ class _Plan:
     def _match(self, schema: Schema, arrow: Any) -> None:
         """Each field's column and kind into ``steps``, or why none into ``reason``."""
         for f in schema.fields:
-            where = _locate(arrow, f.path)
+            # A dotted name is a struct path, or one column of that name, as kfeed's
+            # own Arrow messages (and record batches) write it.
+            where = _locate(arrow, (f.name,)) if f.source is None and len(f.path) > 1 else None
+            where = where or _locate(arrow, f.path)
             if where is None:
                 if f.default is None:
                     self.reason = (f"no column {'.'.join(f.path)!r} for field {f.name!r} "
