@@ -182,6 +182,24 @@ def test_a_dotted_field_name_reads_back_from_kfeeds_own_arrow_messages() -> None
     assert table_columns(schema, nested)["page.rank"].tolist() == [7.0] * 4
 
 
+def test_a_bool_field_of_two_dimensions_is_nested_lists_pyarrow_converts() -> None:
+    # It was fixed_shape_tensor<bool>, which pyarrow itself cannot convert
+    # ("bool is not valid data type for a tensor").
+    schema = kfeed.Schema({"mask": ("bool", (2, 3)), "id": ("int64", ())})
+    mask = (np.arange(24).reshape(4, 2, 3) % 3 == 0)
+    values = schema.encode_blocks({"mask": mask, "id": np.arange(4)}, 4)
+    with memory_loader(values, schema, 4, until="end", device="cpu", output="arrow") as loader:
+        batch = next(loader)
+    assert batch.schema.field("mask").type == pa.list_(pa.list_(pa.bool_(), 3), 2)
+    assert batch["mask"].to_pylist() == mask.tolist()
+    # And kfeed's own Arrow messages of it read back.
+    messages = kfeed.Arrow().encoder(schema, "t").encode_blocks({"mask": mask,
+                                                                "id": np.arange(4)}, 4, 1 << 20)
+    with memory_loader(messages, schema, 4, until="end", device="cpu", format="arrow",
+                       output="numpy") as loader:
+        assert np.array_equal(next(loader)["mask"], mask)
+
+
 def test_bad_messages_are_rejected_whole_with_a_reason() -> None:
     ids = np.arange(4, dtype=np.int64)
     good = {"id": pa.array(ids), "x": pa.FixedSizeListArray.from_arrays(

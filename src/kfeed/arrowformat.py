@@ -22,8 +22,8 @@ shuffle or a mixture of fixed-shape records, each message becomes one kfeed
 block (``blocks``), which the order holds as it holds kfeed's own. No
 Python object is made per record.
 
-A field reads the column of its name (or its dotted ``source``, through
-struct columns) whose type is exactly the field's:
+A field reads the column of its name (or its dotted ``source``, or its dotted
+name, through struct columns) whose type is exactly the field's:
 
 ==============================  ===============================================
 kfeed field                     Arrow column
@@ -42,7 +42,10 @@ bad, with a reason that names the column, unless the field has a
 that is not null (an item, or an inner list of nested fixed-size lists)
 makes it bad whatever the default. A message is
 good or bad whole: never part of it in a batch. bool columns unpack from
-bits (a copy); bfloat16 fields have no Arrow type and are refused.
+bits (a copy); bfloat16 fields have no Arrow type and are refused. kfeed
+writes the first type of each row (``arrow_type``), but nested
+``fixed_size_list``s for a bool field of two or more dimensions, which
+Arrow's tensors do not take.
 
 Writing (``ArrowEncoder``, ``record_batch``): columns as the kfeed schema
 maps them above, ``block_records`` rows a message, readable by pyarrow
@@ -106,8 +109,10 @@ def arrow_type(field: Field) -> Any:
         return pa.large_list(value)
     if not field.shape:
         return value
-    if len(field.shape) == 1:
-        return pa.list_(value, field.shape[0])
+    if len(field.shape) == 1 or field.dtype == "bool":  # (Arrow's tensors take no bool)
+        for d in reversed(field.shape):
+            value = pa.list_(value, d)
+        return value
     return pa.fixed_shape_tensor(value, list(field.shape))
 
 
@@ -123,8 +128,10 @@ def arrow_column(field: Field, values: np.ndarray, offsets: np.ndarray | None = 
     flat = pa.array(values.reshape(-1))
     if not field.shape:
         return flat
-    if len(field.shape) == 1:
-        return pa.FixedSizeListArray.from_arrays(flat, field.shape[0])
+    if len(field.shape) == 1 or field.dtype == "bool":
+        for d in reversed(field.shape):
+            flat = pa.FixedSizeListArray.from_arrays(flat, d)
+        return flat
     storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(field.shape))
     return pa.ExtensionArray.from_storage(arrow_type(field), storage)
 
