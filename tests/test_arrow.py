@@ -200,6 +200,24 @@ def test_a_bool_field_of_two_dimensions_is_nested_lists_pyarrow_converts() -> No
         assert np.array_equal(next(loader)["mask"], mask)
 
 
+def test_the_arrow_schema_of_the_batches_is_known_before_any_batch() -> None:
+    # pa.Table.from_batches(loader) of a read with no records had no schema to
+    # take: "Must pass schema, or at least one RecordBatch".
+    schema = kfeed.Schema({"x": ("float32", (3,)), "m": ("bool", (2, 2)),
+                           "t": ("float32", (2, 2)), "d": ("int32", (None,)),
+                           "id": ("int64", ())})
+    cols = {"x": np.ones((4, 3), np.float32), "m": np.zeros((4, 2, 2), bool),
+            "t": np.ones((4, 2, 2), np.float32),
+            "d": [np.arange(i, dtype=np.int32) for i in range(4)], "id": np.arange(4)}
+    want = kfeed.Arrow.arrow_schema(schema)
+    with memory_loader(schema.encode_blocks(cols, 4), schema, 2, until="end",
+                       output="arrow") as loader:
+        assert pa.Table.from_batches(loader, schema=want).num_rows == 4
+    with memory_loader([], schema, 2, until="end", output="arrow") as loader:
+        empty = pa.Table.from_batches(loader, schema=want)
+    assert empty.num_rows == 0 and empty.schema == want
+
+
 def test_bad_messages_are_rejected_whole_with_a_reason() -> None:
     ids = np.arange(4, dtype=np.int64)
     good = {"id": pa.array(ids), "x": pa.FixedSizeListArray.from_arrays(

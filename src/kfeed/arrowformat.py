@@ -90,6 +90,15 @@ class Arrow(RecordFormat):
     def encoder(self, schema: Schema, topic: str) -> Encoder:
         return ArrowEncoder(schema)
 
+    @staticmethod
+    def arrow_schema(schema: Schema) -> Any:
+        """The ``pyarrow.Schema`` of the record batches kfeed writes and hands out
+        (``output="arrow"``) for ``schema``: e.g. for a table of a read that may
+        be empty, ``pa.Table.from_batches(loader, schema=kfeed.Arrow.arrow_schema(s))``."""
+        pa = _pa()
+        _check(schema)
+        return pa.schema([(f.name, arrow_type(f)) for f in schema.fields])
+
     def __repr__(self) -> str:
         return "kfeed.Arrow()"
 
