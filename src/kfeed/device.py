@@ -53,7 +53,9 @@ class DeviceCopier:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._index = self.device.index if self.device.index is not None else (
+        # The CUDA device copied to (None off CUDA): "cuda" is the current one of
+        # the thread that made the loader.
+        self.index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.cuda else None)
         self._bound: int | None = None  # the thread whose current stream is the side stream
         self._caller: Any = None  # the stream the caller's last adopt ordered
@@ -98,7 +100,7 @@ class DeviceCopier:
         """
         if not self.cuda:
             return
-        current = torch.cuda.current_stream(self._index)
+        current = torch.cuda.current_stream(self.index)
         if recorded is None or recorded.cuda_stream != current.cuda_stream:
             # The tensors were allocated on the side stream; tell the caching
             # allocator they are used on the caller's stream too.

@@ -286,19 +286,6 @@ def _torch_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _cuda_index(device: Any) -> int | None:
-    """The CUDA device index a loader's ``device`` names, or None for another device."""
-    import torch
-
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        return None
-    if d.type != "cuda":
-        return None
-    return d.index if d.index is not None else torch.cuda.current_device()
-
-
 class _Collector:
     """Reads every live loader's and producer's counters at a scrape."""
 
@@ -380,7 +367,9 @@ class _Collector:
             group = stats["group"]
             groups.add(group)
             labels = [group, ",".join(obj.topics), _IDS.get(obj, "")]
-            index = _cuda_index(getattr(obj, "device", None))
+            # (Resolved when the loader was made: a scrape's thread has its own
+            # current device.)
+            index = getattr(obj, "cuda_index", None)
             if index is not None:
                 devices.add(index)
             for name, family in c.items():

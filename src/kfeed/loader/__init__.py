@@ -460,6 +460,12 @@ class Loader:
             self._carried: dict[str, Any] = {}
         metrics.register(self)
 
+    @property
+    def cuda_index(self) -> int | None:
+        """The CUDA device the batches go to (``device="cuda"``: the current one when
+        the loader was made); None off CUDA."""
+        return self._copier.index
+
     # -- iteration ------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
