@@ -1158,8 +1158,10 @@ class Loader:
                     positions[tp] = max(positions[tp], end)
         # The partitions held now: one given up in a rebalance is its new owner's to report.
         assigned = fetcher.assigned
+        # (Copies, taken whole under the GIL: the loader's thread adds to these dicts,
+        # and a scrape iterating them as it did would fail.)
         lag = {f"{t}[{p}]": n
-               for (t, p), n in sorted(self._source.lag(positions, fetcher.ends).items())
+               for (t, p), n in sorted(self._source.lag(positions, dict(fetcher.ends)).items())
                if (t, p) in assigned}
         # A stream's partition not fetched from yet, before librdkafka's
         # first statistics: its end is not known (nothing asks the brokers
@@ -1168,7 +1170,7 @@ class Loader:
                              if name not in lag)
         carried = self._carried
         reasons = dict(carried.get("bad_by_reason", {}))
-        for why, n in self._bad.by_reason.items():
+        for why, n in dict(self._bad.by_reason).items():
             reasons[why] = reasons.get(why, 0) + n
         stats = {
             "samples": self._samples_out,
