@@ -841,6 +841,35 @@ def test_produces_progress_counts_only_go_up_and_stay_in_range(bootstrap, make_t
     assert all(0 <= a <= b <= 200_000 for a, b in zip(counts, counts[1:])), counts
 
 
+@pytest.mark.integration
+def test_a_ctrl_c_while_produce_waits_for_its_messages_is_an_interrupt(bootstrap,
+                                                                       make_topic) -> None:
+    # Python's KeyboardInterrupt inside confluent-kafka's flush came out as a
+    # bare SystemError: "kfeed: 2824 message(s) not delivered" and exit 1, of
+    # messages the topic held, so a run again would write them twice.
+    topic = make_topic(partitions=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kfeed", "produce", "--topic", topic, "--synthetic", "40000",
+         "--block-records", "1", "--progress-every", "0.02", "-X", "max.in.flight=1",
+         "-X", "linger.ms=0", "-X", "batch.num.messages=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KFEED_BOOTSTRAP": bootstrap},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # acknowledged so far: all 40,000 were queued in a moment
+        lines.append(line)
+        m = re.match(r"kfeed produce: ([\d,]+)/40,000 samples", line)
+        if m and int(m.group(1).replace(",", "")) >= 4000:
+            break
+    assert proc.poll() is None, lines
+    proc.send_signal(signal.SIGINT)  # it waits for the acknowledgements
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == ("kfeed: interrupted: what was sent before stands (a run "
+                                    "--from a dataset goes on with --resume)"), err
+
+
 def test_progress_off_a_terminal_is_plain_lines_with_the_eta(capsys) -> None:
     import time
 

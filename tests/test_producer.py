@@ -111,6 +111,43 @@ def read_partitions(bootstrap: str, topic: str) -> dict[int, list[Any]]:
         consumer.close()
 
 
+_INTERRUPTED_FLUSH = """
+import os, signal, sys, threading, time
+import numpy as np, kfeed
+schema = kfeed.Schema({"id": ("int64", ())})
+p = kfeed.Producer({"bootstrap.servers": sys.argv[1], "max.in.flight": 1, "linger.ms": 0,
+                    "batch.num.messages": 1}, sys.argv[2], schema, block_records=1)
+p.send({"id": np.arange(40000)})
+def interrupt():
+    while p.stats()["queued"] > 36000:
+        time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    p.flush()
+    print("flushed")
+except KeyboardInterrupt:
+    print("interrupted")
+p.flush()
+print(p.stats()["delivery_failures"], p.stats()["messages"])
+"""
+
+
+@pytest.mark.integration
+def test_a_ctrl_c_in_flush_is_a_keyboard_interrupt_not_messages_lost(bootstrap: str,
+                                                                      make_topic: Any) -> None:
+    # Python's KeyboardInterrupt inside confluent-kafka's flush comes out as a
+    # bare SystemError, which flush() read as "N message(s) not delivered".
+    import subprocess
+    import sys
+
+    topic = make_topic(partitions=1)
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_FLUSH, bootstrap, topic],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["interrupted", "0", "40000"], done.stdout + done.stderr
+
+
 def test_client_callbacks_never_raise_and_never_keep_their_owner_alive(caplog) -> None:
     # librdkafka's dispatch must not see an exception (NOTE [ Callbacks never
     # raise ]), neither kfeed's nor a user's, and a client's callbacks must

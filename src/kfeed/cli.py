@@ -1700,8 +1700,11 @@ def main(argv: list[str] | None = None) -> int:
         kfeed_log.propagate = False
     # SIGTERM as SIGINT: one line and 143, not a silent end (train and convert
     # set their own, which stop at a step or round).
+    # SIGINT too: Python's own KeyboardInterrupt raised inside confluent-kafka's
+    # flush came out as a bare SystemError, read as messages not delivered.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, Interrupted.handler) if main_thread else None
+    previous = {sig: signal.signal(sig, Interrupted.handler)
+                for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
@@ -1721,8 +1724,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         kfeed_log.removeHandler(warnings_shown)
         kfeed_log.setLevel(level)
         kfeed_log.propagate = True

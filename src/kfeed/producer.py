@@ -327,6 +327,11 @@ class Producer:
         A fatal error is kept, so that every later call raises it at once.
         """
         err = kafka_error(exc)
+        if err is None and isinstance(exc, SystemError) and "without setting an exception" \
+                in str(exc):
+            # A KeyboardInterrupt raised inside confluent-kafka's flush comes out
+            # so: what it stopped was delivered, or is still queued.
+            raise KeyboardInterrupt(f"{what}: interrupted") from exc
         if err is None:
             return ProduceError(f"{what}: {exc!r}", topic=self.topic)
         if err.code() == _LOCAL_FATAL and not err.fatal():
