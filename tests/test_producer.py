@@ -238,6 +238,28 @@ def test_blocks_of_documents_stay_under_message_max_bytes(bootstrap: str, make_t
     assert np.array_equal(decoded.tokens, np.concatenate(sent))
 
 
+@pytest.mark.integration
+def test_a_document_larger_than_a_message_is_refused_before_any_is_sent(
+        bootstrap: str, make_topic: Any) -> None:
+    # Documents 0 to 2 went out, then the brokers refused document 3 ("Message
+    # size too large"), and document 4 never went: a send again repeated 0 to 2.
+    topic = make_topic(partitions=1)
+    sent = [np.full(10, i, np.int32) for i in range(5)]
+    sent[3] = np.zeros(300_000, np.int32)  # 1.2 MB
+    config = {"bootstrap.servers": bootstrap, "message.max.bytes": 1_000_000}
+    with kfeed.Producer(config, topic, BLOCK_SCHEMA, block_records=2) as producer:
+        with pytest.raises(kfeed.ConfigError, match=(
+                r"^document 3 of this send\(\) has 300,000 elements \(1,200,\d+ bytes as a "
+                r"block\), more than a message holds \(message.max.bytes less 1024 for the "
+                r"headers, 998,976\): split it, or raise message.max.bytes .*; nothing of this "
+                r"call was sent$")):
+            producer.send({"tokens": sent, "id": np.arange(5, dtype=np.int64)})
+        producer.send({"tokens": sent[:3], "id": np.arange(3, dtype=np.int64)})
+    messages = read_partitions(bootstrap, topic)[0]
+    decoded = BLOCK_SCHEMA.decode_documents([m.value() for m in messages])
+    assert decoded.columns["id"].tolist() == [0, 1, 2]
+
+
 def test_default_compression_follows_the_benchmark_figures() -> None:
     from kfeed.producer import default_compression
 

@@ -844,7 +844,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     is made, so that a mistake in the command or at the corpus's start leaves nothing
     behind; a mistake further on, or a signal, says the --skip-docs N that goes on."""
     from kfeed import text
-    from kfeed.producer import PRODUCER_DEFAULTS
+    from kfeed.producer import PRODUCER_DEFAULTS, too_large
 
     token_dtype = args.token_dtype or "uint16"
     skip = args.skip_docs or 0
@@ -882,9 +882,9 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
         """The documents of ``chunk`` (the first is document ``at`` of the corpus) to send,
         and their keys: tokenized, checked, the empty ones left out."""
         arrays = _token_arrays(chunk, tokenizer, token_dtype, lambda i: place(at + i))
-        if arrays and schema.block_nbytes(1, max(map(len, arrays))) > block_max:
-            i, big = next((i, a) for i, a in enumerate(arrays)
-                          if schema.block_nbytes(1, len(a)) > block_max)
+        i = too_large(schema, [len(a) for a in arrays], block_max)
+        if i is not None:
+            big = arrays[i]
             raise KfeedError(
                 f"{place(at + i)}: document of {len(big):,} tokens ({big.nbytes:,} bytes) is "
                 f"larger than a message (message.max.bytes {message_max:,} less 1024 for the "

@@ -381,7 +381,12 @@ class Producer:
             from kfeed.arrowformat import table_columns
 
             columns = table_columns(self.schema, columns)
-        views, n, _owners = self.schema._columns(columns)
+        if self.schema.varlen is not None:
+            _views, offsets, n, _owners = self.schema._doc_columns(columns)
+            if self.format is Format.BLOCK:
+                self._check_documents(np.diff(offsets))
+        else:
+            _views, n, _owners = self.schema._columns(columns)
         if partition is not None:
             part = as_int(partition)
             if part is None or not 0 <= part < self.num_partitions:
@@ -415,6 +420,17 @@ class Producer:
             self.samples += b - a
             self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
+
+    def _check_documents(self, lengths: np.ndarray) -> None:
+        """Refuse, before any is sent, a call with a document larger than a message."""
+        i = too_large(self.schema, lengths, self._block_bytes)
+        if i is not None:
+            raise ConfigError(
+                f"document {i} of this send() has {int(lengths[i]):,} elements "
+                f"({self.schema.block_nbytes(1, int(lengths[i])):,} bytes as a block), more "
+                f"than a message holds (message.max.bytes less 1024 for the headers, "
+                f"{self._block_bytes:,}): split it, or raise message.max.bytes (and the "
+                f"topic's max.message.bytes); nothing of this call was sent")
 
     def acknowledged(self) -> tuple[float, int]:
         """Samples and bytes the brokers acknowledged so far (for progress lines).
@@ -843,6 +859,15 @@ def _take_documents(column: Any, idx: np.ndarray) -> Any:
     positions = (np.arange(int(take_lengths.sum()), dtype=np.int64)
                  + np.repeat(starts[idx] - run_starts, take_lengths))
     return _take(flat, positions), take_lengths
+
+
+def too_large(schema: Schema, lengths: Sequence[int] | np.ndarray, limit: int) -> int | None:
+    """The first document (of ``lengths`` elements each) whose block alone is over
+    ``limit`` bytes, or None: a document larger than a message, which no block holds."""
+    lengths = np.asarray(lengths, np.int64)
+    if not lengths.size or schema.block_nbytes(1, int(lengths.max())) <= limit:
+        return None
+    return next(i for i, n in enumerate(lengths.tolist()) if schema.block_nbytes(1, n) > limit)
 
 
 def _most_records(schema: Schema, limit: int) -> int:
