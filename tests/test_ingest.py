@@ -55,8 +55,8 @@ def table(ids: np.ndarray) -> pa.Table:
                      "label": pa.array(ids % 10), "id": pa.array(ids)})
 
 
-def check_topic(bootstrap: str, topic: str, n: int) -> None:
-    """The topic holds rows 0..n-1, each once, with its values."""
+def check_topic(bootstrap: str, topic: str, n: int, ids: np.ndarray | None = None) -> None:
+    """The topic holds rows 0..n-1 (or ``ids``), each once, with its values."""
     got: dict[str, list[np.ndarray]] = {"id": [], "label": [], "features": []}
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
                       SCHEMA, 1024, device="cpu", until="end") as loader:
@@ -64,9 +64,9 @@ def check_topic(bootstrap: str, topic: str, n: int) -> None:
             for k, parts in got.items():
                 parts.append(batch[k].numpy().copy())
     cols = {k: np.concatenate(v) for k, v in got.items()}
-    ids = cols["id"]
+    wanted, ids = ids, cols["id"]
     assert len(ids) == n, f"{len(ids)} rows, {len(np.unique(ids))} distinct, want {n}"
-    assert np.array_equal(np.sort(ids), np.arange(n))
+    assert np.array_equal(np.sort(ids), np.arange(n) if wanted is None else wanted)
     want = table(ids)
     assert np.array_equal(cols["label"], ids % 10)
     assert np.array_equal(cols["features"],
@@ -288,6 +288,34 @@ def test_a_resume_naming_the_files_another_way_is_refused(bootstrap, make_topic,
     check_topic(bootstrap, topic, 500)
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path), "--resume")
     assert done.returncode == 0 and done.stdout.startswith("nothing to send"), done.stdout
+
+
+@pytest.mark.integration
+def test_a_resume_after_files_changed_before_where_it_stopped_is_refused(bootstrap, make_topic,
+                                                                       tmp_path) -> None:
+    # A file added among those sent: the row count skipped its rows in their
+    # place, sent c's again and b's never ("produced 2000 samples, after the
+    # 4,000 sent before", exit 0). A file added after them resumes.
+    topic = make_topic(partitions=1)
+    pq.write_table(table(np.arange(0, 2000)), tmp_path / "a.parquet")
+    pq.write_table(table(np.arange(4000, 6000)), tmp_path / "c.parquet")
+    argv = ("produce", "--topic", topic, "--from", str(tmp_path), "--progress-every", "600")
+    assert kfeed_cli(bootstrap, *argv).returncode == 0
+    pq.write_table(table(np.arange(2000, 4000)), tmp_path / "b.parquet")
+    again = kfeed_cli(bootstrap, *argv, "--resume")
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines() == [
+        f"kfeed: --resume: --from {tmp_path} changed since the 4,000 rows were sent (a file "
+        f"added, removed or changed among the ones they came from): skipping 4,000 rows "
+        f"would send some twice and others never; send it whole with --resend (to a new "
+        f"topic, or after deleting this one's records), or put new files in a folder of "
+        f"their own"], again.stderr
+    (tmp_path / "b.parquet").unlink()
+    pq.write_table(table(np.arange(6000, 7000)), tmp_path / "d.parquet")
+    done = kfeed_cli(bootstrap, *argv, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("produced 1000 samples"), done.stdout
+    check_topic(bootstrap, topic, 5000, ids=np.r_[0:2000, 4000:7000])
 
 
 def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:

@@ -656,7 +656,8 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         first_schema.append(schema)
         where = ingest.source_key(args.source)
         job = job_id(args.topic, where, args.query)
-        progress = IngestProgress(config, args.topic, job, where, args.connect_timeout)
+        progress = IngestProgress(config, args.topic, job, where, args.connect_timeout,
+                                  marker=rows.mark)
         try:
             _ensure_topic(args, config, schema, transactional=True)
             with Producer(config, args.topic, schema, format=_wire_format(args),
@@ -688,6 +689,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                     print(f"kfeed produce: no rows of {where} recorded as sent to {args.topic}: "
                           f"sending from the first", file=sys.stderr)
                 if done:
+                    rows.check_mark(progress.mark, done)
                     batches.close()
                     batches = read(done)
                     first = next(batches, None)

@@ -32,7 +32,9 @@ names the file, the field and the flag that fixes it.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import hashlib
 import os
 import re
 import socket
@@ -548,6 +550,14 @@ class Rows:
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
         raise NotImplementedError
 
+    def mark(self, rows: int) -> str | None:
+        """What must not change for a resume after ``rows`` rows to be exact (None: a
+        query, whose ORDER BY is the user's to keep)."""
+        return None
+
+    def check_mark(self, mark: str | None, rows: int) -> None:
+        """Refuse to resume after ``rows`` rows where ``mark`` no longer holds."""
+
     def close(self) -> None:
         pass
 
@@ -561,6 +571,8 @@ class DatasetRows(Rows):
         import pyarrow.fs as pafs
 
         self.source = source
+        self._ends: list[int] = []  # where each file read so far ends, in rows
+        self._sizes: dict[str, int] = {}
         said = shown(source)  # in messages: no credentials
         base, params = split_params(source)
         cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
@@ -580,15 +592,18 @@ class DatasetRows(Rows):
             info = fs.get_file_info(path)
             if info.type == pafs.FileType.File and pattern is None:
                 files = [path]
+                self._sizes = {path: info.size}
             elif info.type == pafs.FileType.Directory:
                 found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
                 # As pyarrow's own discovery: no file whose name, or any folder's
                 # below the one listed, starts with "_" or "." (a writer's
                 # _temporary/ or .staging/ files, _SUCCESS, .crc).
                 top = path.rstrip("/") + "/"
-                files = sorted(f.path for f in found if f.type == pafs.FileType.File
-                               and not _hidden(f.path[len(top):] if f.path.startswith(top)
-                                               else Path(f.path).name))
+                kept = [f for f in found if f.type == pafs.FileType.File
+                        and not _hidden(f.path[len(top):] if f.path.startswith(top)
+                                        else Path(f.path).name)]
+                files = sorted(f.path for f in kept)
+                self._sizes = {f.path: f.size for f in kept}
             else:
                 raise ConfigError(f"--from {said}: no such file or directory: check the path")
         except ConfigError:
@@ -624,6 +639,31 @@ class DatasetRows(Rows):
         if self.format in ("parquet", "ipc"):
             self.total = sum(self._count(f) for f in self.dataset.get_fragments())
 
+    def mark(self, rows: int) -> str | None:
+        """The files wholly or partly in the first ``rows`` rows, as ``N:digest`` of their
+        names and sizes: a file added, removed or changed among them moves what the
+        row count skips (a file added before the end sent it twice and skipped another)."""
+        done = bisect.bisect_right(self._ends, rows)  # files whose every row is sent
+        partly = rows > (self._ends[done - 1] if done else 0) and done < len(self.files)
+        n = done + int(partly)
+        return f"{n}:{self._digest(n)}"
+
+    def check_mark(self, mark: str | None, rows: int) -> None:
+        if not mark:
+            return  # (progress recorded before marks were)
+        n, _, digest = mark.partition(":")
+        if not n.isdigit() or int(n) > len(self.files) or self._digest(int(n)) != digest:
+            raise ConfigError(
+                f"--resume: --from {shown(self.source)} changed since the {rows:,} rows were "
+                f"sent (a file added, removed or changed among the ones they came from): "
+                f"skipping {rows:,} rows would send some twice and others never; send it "
+                f"whole with --resend (to a new topic, or after deleting this one's records), "
+                f"or put new files in a folder of their own")
+
+    def _digest(self, n: int) -> str:
+        text = "\0".join(f"{f}\0{self._sizes.get(f)}" for f in self.files[:n])
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
     def _count(self, fragment: Any) -> int:
         """``fragment``'s rows, from its metadata; a file that is not what its name says
         is a ConfigError naming it."""
@@ -640,6 +680,7 @@ class DatasetRows(Rows):
 
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
         fragments = list(self.dataset.get_fragments())
+        self._ends = []
         if self.format in ("parquet", "ipc"):  # files wholly skipped, by their metadata
             while skip and fragments:
                 n = self._count(fragments[0])
@@ -647,6 +688,7 @@ class DatasetRows(Rows):
                     break
                 skip -= n
                 fragments.pop(0)
+                self._ends.append((self._ends[-1] if self._ends else 0) + n)
         yield from _skip_rows(self._read(fragments, columns), skip,
                               f"--from {shown(self.source)}: it holds fewer rows than the "
                               f"{{}} more that --resume would leave out: it changed since the "
@@ -674,14 +716,19 @@ class DatasetRows(Rows):
             if missing:
                 raise ConfigError(f"{self.where} has no column {missing[0]!r}, which the files "
                                   f"before it have: give every file the same columns")
+            rows = self._ends[-1] if self._ends else 0
             try:
                 # In the file's order: a resume counts on it.
-                yield from fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
-                                               batch_readahead=READ_AHEAD_BATCHES,
-                                               fragment_readahead=1,
-                                               fragment_scan_options=options, use_threads=False)
+                for batch in fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
+                                                 batch_readahead=READ_AHEAD_BATCHES,
+                                                 fragment_readahead=1,
+                                                 fragment_scan_options=options,
+                                                 use_threads=False):
+                    rows += batch.num_rows
+                    yield batch
             except (pa.ArrowException, OSError) as e:
                 raise KfeedError(f"{Path(fragment.path).name}: {first_line(e)}") from None
+            self._ends.append(rows)  # where each file ends, in rows (mark)
 
 
 class QueryRows(Rows):

@@ -27,14 +27,18 @@ recorded (they would be sent twice); ``--resend`` starts from the source's
 first row and records its progress anew. Resuming skips the rows already sent by reading them
 again (files whose row counts are in their metadata are skipped unopened),
 so the source must give its rows in the same order: files are read in
-sorted order, and a query needs an ``ORDER BY`` on a unique key.
+sorted order, and a query needs an ``ORDER BY`` on a unique key. So that
+files do not move under the count, the note also holds a digest of the
+names and sizes of the files the rows came from (``Rows.mark``): a file
+added, removed or changed among them refuses the resume; files added after
+them are read on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kfeed.errors import ProduceError
@@ -52,12 +56,17 @@ class IngestProgress:
     """The rows of one source sent to ``topic``, as committed with the last transaction."""
 
     def __init__(self, kafka_config: Mapping[str, Any], topic: str, job: str, source: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, marker: Callable[[int], str | None] = lambda rows: None
+                 ) -> None:
         from confluent_kafka import Consumer
 
         from kfeed._kafka import logged_config
 
         self.topic, self.job, self.source, self.timeout_s = topic, job, source, timeout_s
+        # What must not change for a resume after N rows (``Rows.mark``): recorded
+        # with the count, and the last one found by ``done`` as ``mark``.
+        self.marker = marker
+        self.mark: str | None = None
         # librdkafka's lines go to logging, folded, as the producer's do: not to stderr.
         self._consumer = Consumer({**logged_config(kafka_config), "group.id": job,
                                    "enable.auto.commit": False,
@@ -75,13 +84,18 @@ class IngestProgress:
                                ) from e
         if got[0].error is not None:  # e.g. a commit still pending: never guess 0
             raise ProduceError(f"cannot read the progress of {self.job}: {got[0].error.str()}")
+        try:
+            self.mark = json.loads(got[0].metadata or "{}").get("mark")
+        except (ValueError, AttributeError):
+            self.mark = None
         return max(0, got[0].offset)
 
     def record(self, producer: Any, rows: int) -> None:
         """Inside ``producer.transaction()``: ``rows`` sent once it commits."""
         from confluent_kafka import TopicPartition
 
-        note = json.dumps({"rows": rows, "source": self.source}, separators=(",", ":"))
+        note = json.dumps({"rows": rows, "source": self.source, "mark": self.marker(rows)},
+                          separators=(",", ":"))
         producer.send_offsets(self._consumer, [TopicPartition(self.topic, 0, rows,
                                                               metadata=note)])
 
