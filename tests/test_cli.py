@@ -261,6 +261,18 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
                             "--field", "features=x", "--keyed")
     assert (code, err) == (2, [("kfeed: --keyed keys samples by their id field, and the fields "
                                "read are features: add --field id=COLUMN, or leave --keyed out")])
+    # A float id: refused before the topic is made, naming --keyed (the topic
+    # was made, then "keys must be bytes, str or int, got float64").
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    np.savez(tmp_path / "f.npz", x=np.zeros((4, 3), np.float32), f=np.arange(4.0))
+    pq.write_table(pa.table({"f": np.arange(4.0)}), tmp_path / "f.parquet")
+    for source in ("f.npz", "f.parquet"):
+        code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / source),
+                                "--field", "id=f", "--dtype", "id=float64", "--keyed")
+        assert (code, err) == (2, ["kfeed: --keyed keys samples by their id, and id is float64: "
+                                   "give it an integer --dtype id=int64, or leave --keyed out"])
 
 
 def corpus_cases() -> list[tuple[str, Any, tuple[str, ...], str]]:

@@ -479,6 +479,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             raise ConfigError(f"--keyed keys samples by their id field, and the fields read are "
                               f"{', '.join(data)}: add --field id=COLUMN, or leave --keyed out")
         schema = ingest.schema_for(data)
+        _check_keyed(args, schema)
         total = len(next(iter(data.values())))
 
         def chunk(i: int, n: int) -> dict[str, Any]:
@@ -653,6 +654,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
             print(f"nothing to send: {rows.name} holds no rows")
             return 0
         schema = ingest.schema_for(first)
+        _check_keyed(args, schema)
         first_schema.append(schema)
         where = ingest.source_key(args.source)
         job = job_id(args.topic, where, args.query)
@@ -705,6 +707,16 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
     finally:
         batches.close()  # the read-ahead, or the generator under it
         rows.close()
+
+
+def _check_keyed(args: argparse.Namespace, schema: Any) -> None:
+    """--keyed keys each sample by its id, which must be an integer (before the topic is made)."""
+    if args.keyed and schema["id"].dtype not in _INT_DTYPES:
+        raise ConfigError(f"--keyed keys samples by their id, and id is {schema['id'].dtype}: "
+                          f"give it an integer --dtype id=int64, or leave --keyed out")
+
+
+_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
 def _transaction_age_s(config: dict[str, Any]) -> float:
