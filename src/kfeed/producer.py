@@ -86,6 +86,7 @@ _BLOCK_RECORDS = 64
 
 # A send() of fixed-shape rows encodes this much at a time (see send).
 _CHUNK_BYTES = 64 << 20
+_CHUNK_KEYS = 1 << 16  # integer keys made bytes at a time (a chunk of rows at most this)
 
 # How long close() waits for the commit markers of the transactions this
 # producer committed (NOTE [ A commit is readable a moment later ]).
@@ -393,30 +394,45 @@ class Producer:
                 raise ConfigError(f"partition must be an int in 0..{self.num_partitions - 1} "
                                   f"({self.topic} has {self.num_partitions}), got {partition!r}")
             partition = part
+        # Integer keys (an array) are all good: made bytes and placed a chunk at a
+        # time, so a keyed send holds no more than an unkeyed one.
+        int_keys = isinstance(keys, np.ndarray) and keys.ndim == 1 and \
+            keys.dtype.kind in "iu" and self.partitioner == "murmur2"
         if keys is not None:
-            keys = list(keys)
+            keys = keys if int_keys else list(keys)
             if len(keys) != n:
                 raise ConfigError(f"{len(keys)} keys for {n} samples")
         if n == 0:
             return 0
-        # Every key is checked (and placed) before anything is sent: a bad
-        # one never leaves part of the call sent.
-        key_bytes = None if keys is None else [_key_bytes(k) for k in keys]
-        parts = None if keys is None or partition is not None else self._partitions(keys,
-                                                                                    key_bytes)
+        # Every other key is checked (and placed) before anything is sent: a
+        # bad one never leaves part of the call sent.
+        key_bytes = parts = None
+        if keys is not None and not int_keys:
+            key_bytes = [_key_bytes(k) for k in keys]
+            if partition is None:
+                parts = self._partitions(keys, key_bytes)
         # Fixed-shape rows go in chunks of about _CHUNK_BYTES, so that what
         # one call holds encoded stays bounded however large its columns (a
         # memory-mapped file, say), as librdkafka's queue bounds the rest.
         step = n
         if self.schema.varlen is None:
             per_chunk = _CHUNK_BYTES // max(1, self.schema.record_size)
+            if int_keys:  # and their bytes, about 40 a key
+                per_chunk = min(per_chunk, _CHUNK_KEYS)
             step = max(self.block_records, per_chunk - per_chunk % self.block_records)
         for a in range(0, n, step):
             b = min(n, a + step)
             cols = columns if step >= n else {name: _rows(columns[name], a, b)
                                               for name in self.schema.names}
-            self._send_rows(cols, None if parts is None else parts[a:b],
-                            None if key_bytes is None else key_bytes[a:b], partition)
+            if int_keys:
+                chunk = keys[a:b].tolist()
+                chunk_bytes = [str(k).encode() for k in chunk]
+                chunk_parts = None if partition is not None else self._partitions(chunk,
+                                                                                  chunk_bytes)
+            else:
+                chunk_bytes = None if key_bytes is None else key_bytes[a:b]
+                chunk_parts = None if parts is None else parts[a:b]
+            self._send_rows(cols, chunk_parts, chunk_bytes, partition)
             self.samples += b - a
             self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
