@@ -318,6 +318,76 @@ def test_a_resume_after_files_changed_before_where_it_stopped_is_refused(bootstr
     check_topic(bootstrap, topic, 5000, ids=np.r_[0:2000, 4000:7000])
 
 
+def _read_back(bootstrap: str, topic: str, schema: kfeed.Schema) -> dict[str, np.ndarray]:
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      schema, 4096, device="cpu", until="end") as loader:
+        got = [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+    return {k: np.concatenate([g[k] for g in got]) for k in schema.names}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_text_files_read_a_column_as_its_dtype_and_quoted_newlines(bootstrap, make_topic,
+                                                                   tmp_path, kind) -> None:
+    # pyarrow guessed each column's type from the file's first block: whole
+    # numbers for 1 MB then 2.5 stopped the read ("CSV conversion error to
+    # int64"), --dtype x=float64 or not, as did a column empty at first with
+    # --fill, and a quoted value holding newlines past the first block.
+    n = 120_000
+    ids = np.arange(n)
+    x = np.where(ids < n - 10, ids, ids + 0.5)
+    text = [str(int(v)) if v == int(v) else repr(float(v)) for v in x]
+    path = tmp_path / f"d.{kind}"
+    with path.open("w") as f:
+        if kind == "csv":
+            f.write("id,x,late,note\n")
+            for i in range(n):
+                late = "" if i < n - 10 else "7"
+                f.write(f'{i},{text[i]},{late},"a note\non two lines, {i}"\n')
+        else:
+            for i in range(n):
+                late = "null" if i < n - 10 else "7"
+                f.write(f'{{"id": {i}, "x": {text[i]}, "late": {late}, "note": "n {i}"}}\n')
+    # Without the --dtype, the line says what to do.
+    guessed = kfeed_cli(bootstrap, "produce", "--topic", make_topic(partitions=1), "--from",
+                        str(path), "--field", "id=id", "--field", "x=x", "--progress-every", "600")
+    assert guessed.returncode == 1 and ("(a column's type is guessed from the file's first "
+                                        "rows: give the field's with --dtype FIELD=DTYPE)"
+                                        in guessed.stderr), guessed.stderr
+    topic = make_topic(partitions=1)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(path),
+                     "--field", "id=id", "--field", "x=x", "--field", "late=late",
+                     "--dtype", "x=float64", "--dtype", "late=int32", "--fill", "late=0",
+                     "--progress-every", "600")
+    assert done.returncode == 0, done.stderr
+    got = _read_back(bootstrap, topic, kfeed.Schema({"id": ("int64", ()), "x": ("float64", ()),
+                                                     "late": ("int32", ())}))
+    assert np.array_equal(got["id"], ids) and np.array_equal(got["x"], x)
+    assert np.array_equal(got["late"], np.where(ids < n - 10, 0, 7))
+
+
+@pytest.mark.integration
+def test_empty_files_are_left_out_and_a_double_star_spans_folders(bootstrap, make_topic,
+                                                                  tmp_path) -> None:
+    # An empty .csv among a folder's stopped the run ("Empty CSV file"); '**'
+    # matched one folder level, and left out the files above and below it.
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    for i, where in enumerate(("a.csv", "sub/b.csv", "sub/deeper/c.csv")):
+        (tmp_path / where).write_text(f"id,label\n{i},{i}\n")
+    (tmp_path / "sub" / "empty.csv").write_text("")
+    topic = make_topic(partitions=1)
+    for source in (str(tmp_path), str(tmp_path / "**" / "*.csv")):
+        done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", source,
+                         "--field", "id=id", "--field", "label=label", "--resend")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("produced 3 samples"), done.stdout
+    lone = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                     str(tmp_path / "sub" / "empty.csv"), "--field", "id=id")
+    assert (lone.returncode, lone.stderr.strip()) == (
+        2, f"kfeed: --from {tmp_path / 'sub' / 'empty.csv'}: an empty file, which holds no "
+           f"rows: check the path")
+
+
 def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
     closed = "127.0.0.1:1"
     pq.write_table(table(np.arange(5)), tmp_path / "a.parquet")

@@ -628,11 +628,12 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
 
     dtypes = parse_pairs(args.dtype, "--dtype", "DTYPE")
     fills = parse_pairs(args.fill, "--fill", "VALUE")
-    rows = ingest.open_rows(args.source, args.query)
+    given = parse_pairs(args.field, "--field", "COLUMN")
+    rows = ingest.open_rows(args.source, args.query,
+                            {given.get(f, f): d for f, d in dtypes.items()})
     batches: Generator[dict[str, Any], None, None] | ingest.ReadAhead = (b for b in ())
     try:
-        fields = ingest.stream_fields(rows, parse_pairs(args.field, "--field", "COLUMN") or None,
-                                      dtypes, fills)
+        fields = ingest.stream_fields(rows, given or None, dtypes, fills)
         if args.keyed and "id" not in fields:
             raise ConfigError(f"--keyed keys samples by their id field, and the fields read are "
                               f"{', '.join(fields)}: add --field id=COLUMN, or leave --keyed out")

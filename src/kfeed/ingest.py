@@ -565,7 +565,7 @@ class Rows:
 class DatasetRows(Rows):
     """Files through ``pyarrow.fs`` and ``pyarrow.dataset``: one, a directory or a glob."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, column_types: Mapping[str, str] | None = None) -> None:
         import pyarrow as pa
         import pyarrow.dataset as ds
         import pyarrow.fs as pafs
@@ -591,6 +591,9 @@ class DatasetRows(Rows):
                 fs, path = pafs.LocalFileSystem(), os.path.abspath(base)
             info = fs.get_file_info(path)
             if info.type == pafs.FileType.File and pattern is None:
+                if info.size == 0:
+                    raise ConfigError(f"--from {said}: an empty file, which holds no rows: "
+                                      f"check the path")
                 files = [path]
                 self._sizes = {path: info.size}
             elif info.type == pafs.FileType.Directory:
@@ -599,7 +602,9 @@ class DatasetRows(Rows):
                 # below the one listed, starts with "_" or "." (a writer's
                 # _temporary/ or .staging/ files, _SUCCESS, .crc).
                 top = path.rstrip("/") + "/"
-                kept = [f for f in found if f.type == pafs.FileType.File
+                # (An empty file holds no rows: pyarrow refuses an empty CSV or
+                # JSON file, and one of a folder's would stop the run.)
+                kept = [f for f in found if f.type == pafs.FileType.File and f.size != 0
                         and not _hidden(f.path[len(top):] if f.path.startswith(top)
                                         else Path(f.path).name)]
                 files = sorted(f.path for f in kept)
@@ -630,8 +635,16 @@ class DatasetRows(Rows):
         self.files = files
         self.name = Path(files[0]).name if len(files) == 1 else said
         try:
-            self.dataset = ds.dataset(files, filesystem=fs, format=self.format)
+            fmt, types = _file_format(self.format, column_types or {})
+            self.dataset = ds.dataset(files, filesystem=fs, format=fmt)
             schema = self.dataset.schema
+            self._scan_schema = None
+            if self.format == "json" and types:
+                # A JSON dataset guesses its schema from the first block, whatever the
+                # parse options say: the columns' types go in the dataset's schema.
+                schema = pa.schema([pa.field(f.name, types.get(f.name, f.type)) for f in schema])
+                self.dataset = ds.dataset(files, filesystem=fs, format=fmt, schema=schema)
+                self._scan_schema = schema
         except (pa.ArrowException, OSError) as e:
             raise ConfigError(f"{self.name}: not a {self.format} file ({first_line(e)}): "
                               f"check the file") from None
@@ -723,11 +736,17 @@ class DatasetRows(Rows):
                                                  batch_readahead=READ_AHEAD_BATCHES,
                                                  fragment_readahead=1,
                                                  fragment_scan_options=options,
-                                                 use_threads=False):
+                                                 use_threads=False, schema=self._scan_schema):
                     rows += batch.num_rows
                     yield batch
             except (pa.ArrowException, OSError) as e:
-                raise KfeedError(f"{Path(fragment.path).name}: {first_line(e)}") from None
+                why = first_line(e)
+                if self.format in ("csv", "json") and any(
+                        says in why for says in ("conversion error", "changed from",
+                                                 "Failed to convert JSON")):
+                    why += (" (a column's type is guessed from the file's first rows: give "
+                            "the field's with --dtype FIELD=DTYPE)")
+                raise KfeedError(f"{Path(fragment.path).name}: {why}") from None
             self._ends.append(rows)  # where each file ends, in rows (mark)
 
 
@@ -802,14 +821,43 @@ def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
         raise KfeedError(short.format(skip))
 
 
-def open_rows(source: str, query: str | None = None) -> Rows:
-    """The rows ``--from`` (and ``--query``) name (see ``is_stream``)."""
+def open_rows(source: str, query: str | None = None,
+              column_types: Mapping[str, str] | None = None) -> Rows:
+    """The rows ``--from`` (and ``--query``) name (see ``is_stream``); ``column_types``
+    (``{column: dtype}``, from ``--dtype``) is what CSV and JSON columns are read as."""
     if query is not None:
         return QueryRows(source, query)
     if source.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"--from {shown(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
-    return DatasetRows(source)
+    return DatasetRows(source, column_types)
+
+
+def _file_format(kind: str, column_types: Mapping[str, str]) -> tuple[Any, dict[str, Any]]:
+    """pyarrow's format of ``kind`` files, and the Arrow types of ``column_types``.
+    CSV and JSON columns are read as their
+    ``--dtype`` says: left to pyarrow, a column's type is guessed from the file's
+    first block, and a later value of another type (2.5 after whole numbers, a
+    number after empty cells) stops the read. A CSV value may hold newlines
+    inside quotes, as RFC 4180 has it."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    # Read wide, in the dtype's kind: the cast to the dtype checks the range (_settle).
+    wide = {"i": pa.int64(), "u": pa.int64(), "f": pa.float64(), "b": pa.bool_()}
+    types = {c: pa.uint64() if d == "uint64" else wide[np.dtype(d).kind]
+             for c, d in column_types.items() if d in DTYPES and d != "bfloat16"}
+    if kind == "csv":
+        import pyarrow.csv as pacsv
+
+        return ds.CsvFileFormat(parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                                convert_options=pacsv.ConvertOptions(column_types=types)), types
+    if kind == "json" and types:
+        import pyarrow.json as pajson
+
+        return ds.JsonFileFormat(parse_options=pajson.ParseOptions(
+            explicit_schema=pa.schema(types), unexpected_field_behavior="infer")), types
+    return kind, types
 
 
 class ReadAhead:
@@ -967,10 +1015,18 @@ def split_params(source: str) -> tuple[str, str]:
 
 
 def _glob_match(path: str, pattern: str) -> bool:
-    """Whether ``path`` matches ``pattern`` part by part (a wildcard never spans a "/")."""
-    parts, want = path.strip("/").split("/"), pattern.strip("/").split("/")
-    return len(parts) == len(want) and all(fnmatch.fnmatchcase(a, b)
-                                           for a, b in zip(parts, want, strict=True))
+    """Whether ``path`` matches ``pattern`` part by part: a wildcard never spans a "/",
+    but a part ``**`` matches zero or more folders (as Python's glob, Spark and DuckDB)."""
+    return _parts_match(path.strip("/").split("/"), pattern.strip("/").split("/"))
+
+
+def _parts_match(parts: list[str], want: list[str]) -> bool:
+    if not want:
+        return not parts
+    if want[0] == "**":
+        return any(_parts_match(parts[i:], want[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], want[0]) and \
+        _parts_match(parts[1:], want[1:])
 
 
 # Query parameters of a URI that hold secrets: left out of its key and of messages.
