@@ -152,6 +152,35 @@ def test_token_documents_convert_to_blocks_through_the_command_line(bootstrap, m
     assert dead == [-1]
 
 
+@pytest.mark.integration
+def test_a_dead_letter_topic_made_before_with_fewer_partitions_takes_the_bad_records(
+        bootstrap, make_topic):
+    # The copies went to the source's partition numbers: a .dlq of 1 partition
+    # for a source of 3 failed every round ("Unknown partition"), naming the
+    # block topic, and nothing was converted.
+    src = make_topic(partitions=3)
+    kfeed.create_topic({"bootstrap.servers": bootstrap}, src + ".dlq", partitions=1)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(30):
+        value = {"id": i} if i % 10 else {"id": "not a number"}
+        p.produce(src, json.dumps(value).encode(), partition=i % 3)
+    assert p.flush(30) == 0
+    schema = kfeed.Schema({"id": ("int64", ())})
+    stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema,
+                          format="json", on_bad_record="dead_letter")
+    assert (stats.records, stats.bad) == (27, 3)
+    assert sorted(read_columns(bootstrap, src + ".blocks", schema)["id"].tolist()) == \
+        [i for i in range(30) if i % 10]
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "enable.partition.eof": True, "isolation.level": "read_committed"})
+    c.assign([TopicPartition(src + ".dlq", 0, 0)])
+    dead = []
+    while (m := c.poll(10)) is not None and not m.error():
+        dead.append(json.loads(m.value())["id"])
+    c.close()
+    assert dead == ["not a number"] * 3
+
+
 class Committed:
     """The offsets a consumer group committed on a topic, summed over its partitions.
 

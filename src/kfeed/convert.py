@@ -223,7 +223,10 @@ class _Convert:
             if policy is BadRecordPolicy.DEAD_LETTER:
                 create_topic(base, self.dlq_topic, partitions=nparts,
                              timeout_s=connect_timeout_s)
-                self.dlq_parts = nparts
+                # Its own count: one made before may have fewer partitions.
+                self.dlq_parts = len(admin_partitions(
+                    admin_client(base), self.dlq_topic, str(base["bootstrap.servers"]),
+                    connect_timeout_s))
         except BaseException:
             self.close()
             raise
