@@ -261,6 +261,13 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
                             "--field", "features=x", "--keyed")
     assert (code, err) == (2, [("kfeed: --keyed keys samples by their id field, and the fields "
                                "read are features: add --field id=COLUMN, or leave --keyed out")])
+    # A .ndjson is samples whether or not --field is given (without it, it was
+    # taken for a corpus, and told a corpus is not .ndjson).
+    (tmp_path / "s.ndjson").write_text('{"id": 1, "label": 2}\n')
+    code, err, _ = run_main(capsys, *PRODUCE, "--from", str(tmp_path / "s.ndjson"))
+    assert (code, err) == (2, ["kfeed: s.ndjson has no column 'features' for field 'features' "
+                               "(it has: id, label): map the field with --field "
+                               "features=COLUMN"])
     # A float id: refused before the topic is made, naming --keyed (the topic
     # was made, then "keys must be bytes, str or int, got float64").
     import pyarrow as pa

@@ -419,7 +419,8 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
 
     A URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ``postgresql://``), a
     directory, a glob, or a file of a suffix in ``DATASET_FORMATS``. ``.jsonl``
-    is a token corpus unless ``--field`` maps its keys to fields.
+    is a token corpus unless ``--field`` maps its keys to fields (``.ndjson``
+    never is one).
     """
     if query is not None:
         return True
@@ -430,7 +431,7 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
     if any(c in source for c in _GLOB) and not Path(source).exists():  # else a name with [?*
         return True
     suffix = Path(source).suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
+    if suffix == ".jsonl":
         return fields_given
     return suffix in DATASET_FORMATS
 
