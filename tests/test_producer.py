@@ -561,6 +561,43 @@ def test_a_closed_producer_refuses_to_send_and_a_process_says_what_it_lost(
            f"the Producer (or use `with`) before it ends" in done.stderr, done.stderr
 
 
+_FENCED = """
+import sys, numpy as np, kfeed
+b, topic = sys.argv[1], sys.argv[2]
+schema = kfeed.Schema({"id": ("int64", ())})
+first = kfeed.Producer({"bootstrap.servers": b, "linger.ms": 1000}, topic, schema,
+                       transactional_id="t-" + topic)
+tx = first.transaction()
+tx.__enter__()
+first.send({"id": np.arange(4)})
+second = kfeed.Producer({"bootstrap.servers": b}, topic, schema, transactional_id="t-" + topic)
+try:
+    tx.__exit__(None, None, None)
+except kfeed.ProduceError:
+    print("commit refused")
+try:
+    first.close()
+except kfeed.ProduceError:
+    print("close refused")
+second.close()
+"""
+
+
+@pytest.mark.integration
+def test_a_close_that_raised_is_not_told_again_at_exit(bootstrap: str, make_topic: Any) -> None:
+    # A fenced producer's close() raised, and the exit then said "close() the
+    # Producer" of the aborted transaction's messages, as if it had never been.
+    import subprocess
+    import sys
+
+    topic = make_topic(partitions=1)
+    done = subprocess.run([sys.executable, "-c", _FENCED, bootstrap, topic],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["commit refused", "close refused"], done.stdout
+    assert "now lost" not in done.stderr, done.stderr
+
+
 def test_a_ragged_nested_list_names_its_field() -> None:
     # numpy's "setting an array element with a sequence" named no field.
     schema = kfeed.Schema({"x": ("float32", (3,)), "id": ("int64", ())})

@@ -716,11 +716,15 @@ class Producer:
 
     def close(self) -> None:
         """Deliver everything sent; a transactional producer also waits until
-        read_committed consumers can read what it committed."""
-        self.flush()
-        self._await_readable()
-        self._closed = True
-        metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
+        read_committed consumers can read what it committed. What it raises (a
+        failure to deliver) is the last word on the messages it names: the exit
+        does not say them again."""
+        try:
+            self.flush()
+            self._await_readable()
+        finally:
+            self._closed = True
+            metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
 
     def __enter__(self) -> Producer:
         return self
