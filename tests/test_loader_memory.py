@@ -237,6 +237,29 @@ def test_stats_and_stall() -> None:
     assert 0.0 <= st["stall_fraction"] <= 1.0
 
 
+def test_a_closed_loader_of_epochs_stays_closed() -> None:
+    # The next loop, set_epoch and load_state_dict each made a new pipeline and
+    # read a whole epoch from a loader the user had closed.
+    def made() -> Loader:
+        return Loader(None, "memory", SCHEMA, 100, source=kfeed.MemorySource(blocks(0, 500)),
+                      until="end", epochs=2, device="cpu")
+
+    loader = made()
+    collect(loader)
+    state = loader.state_dict()
+    loader.close()
+    for use in (lambda: iter(loader), lambda: loader.set_epoch(1),
+                lambda: loader.load_state_dict(state), lambda: next(loader)):
+        with pytest.raises(kfeed.LoaderError, match="^the loader is closed$"):
+            use()
+    # numpy's integers are ints here too, as in Shuffle and the offset maps.
+    other = Loader(None, "memory", SCHEMA, np.int64(100),
+                   source=kfeed.MemorySource(blocks(0, 500)), until="end", device="cpu",
+                   prefetch=np.int32(2))
+    assert type(other.config.batch_size) is int and sum(b.size for b in other) == 500
+    other.close()
+
+
 def test_a_given_sources_counts_are_not_added_again_each_epoch() -> None:
     # The source given goes on into each epoch, its counts too; they were
     # added to the earlier epochs' again: commits 2/6/12/20 for 2/4/6/8.

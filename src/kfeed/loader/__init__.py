@@ -460,6 +460,10 @@ class Loader:
             self._carried: dict[str, Any] = {}
         metrics.register(self)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderError("the loader is closed")
+
     @property
     def cuda_index(self) -> int | None:
         """The CUDA device the batches go to (``device="cuda"``: the current one when
@@ -469,6 +473,7 @@ class Loader:
     # -- iteration ------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        self._check_open()  # (with epochs, the next loop would open it again)
         epochs = self._base.epochs
         if epochs is not None and self._epoch_finished and self._epoch + 1 < epochs:
             self._epoch += 1  # the next for-loop reads the next epoch
@@ -490,6 +495,7 @@ class Loader:
         used are committed, and the rest of it is not read. The epoch being
         read itself goes on at the next loop.
         """
+        self._check_open()
         epoch = self._base.check_epoch(epoch, "Loader")
         reading = self._feeder.thread is not None and not self._epoch_finished
         if epoch == self._epoch and (reading or self._feeder.thread is None):
@@ -649,8 +655,7 @@ class Loader:
         self._t0 = time.monotonic()
 
     def __next__(self) -> Batch:
-        if self._closed:
-            raise LoaderError("the loader is closed")
+        self._check_open()
         f = self._feeder
         if f.thread is None:
             self._start()
@@ -1006,6 +1011,7 @@ class Loader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state_dict()``; its positions win over committed offsets."""
+        self._check_open()
         if self._feeder.thread is not None:
             raise ConfigError("load_state_dict must be called before iterating")
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:

@@ -88,18 +88,20 @@ class LoaderConfig:
         put("topics", tuple(topics))
         if not isinstance(self.schema, Schema):
             raise ConfigError("schema must be a kfeed.Schema")
-        _positive_int("batch_size", self.batch_size)
+        # (numpy's integers too, kept as Python ints, as Shuffle and the offset maps take them)
+        put("batch_size", _positive_int("batch_size", self.batch_size))
         if self.prefetch != "auto":
-            _positive_int("prefetch", self.prefetch, "a positive int or 'auto'")
+            put("prefetch", _positive_int("prefetch", self.prefetch, "a positive int or 'auto'"))
         if self.max_memory_bytes is not None:
-            _positive_int("max_memory_bytes", self.max_memory_bytes, "a positive int or None")
+            put("max_memory_bytes", _positive_int("max_memory_bytes", self.max_memory_bytes,
+                                                  "a positive int or None"))
         if isinstance(self.until, Mapping):
             put("until", _offsets("until", self.until, self.topics))
         elif not (self.until in (None, "end") or isinstance(self.until, datetime)):
             raise ConfigError(f"until must be None (stream), 'end', a datetime or a "
                               f"{{(topic, partition): offset}} dict, got {self.until!r}")
         if self.epochs is not None:
-            _positive_int("epochs", self.epochs, "None or a positive int")
+            put("epochs", _positive_int("epochs", self.epochs, "None or a positive int"))
             if self.until is None:
                 raise ConfigError("epochs reads a bounded window again and again: give until= "
                                   "('end', a datetime or a {(topic, partition): offset} dict)")
@@ -114,7 +116,7 @@ class LoaderConfig:
             raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
                               f"got {self.on_bad_record!r}") from None
         if self.fail_fast is not None:
-            _positive_int("fail_fast", self.fail_fast, "None or an int >= 1")
+            put("fail_fast", _positive_int("fail_fast", self.fail_fast, "None or an int >= 1"))
         if self.dlq_config is not None and not isinstance(self.dlq_config, Mapping):
             raise ConfigError("dlq_config must be a dict of librdkafka settings (the "
                               "connection and login of the dead-letter producer)")
@@ -223,9 +225,12 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _positive_int(name: str, value: Any, what: str = "a positive int") -> None:
-    if not _int(value) or value < 1:
+def _positive_int(name: str, value: Any, what: str = "a positive int") -> int:
+    """``value`` as a Python int (a numpy integer too), if it is one >= 1."""
+    whole = as_int(value)
+    if whole is None or whole < 1:
         raise ConfigError(f"{name} must be {what}, got {value!r}")
+    return whole
 
 
 def _check_device(device: Any) -> torch.device:
