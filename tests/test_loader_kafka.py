@@ -673,6 +673,31 @@ def test_workers_on_two_topics_of_one_partition_count_them_as_the_assignor_deals
     assert np.array_equal(np.sort(ids), np.arange(600))
 
 
+def test_workers_of_one_dataloader_iteration_follow_each_others_commits(
+        bootstrap, make_topic, group_id, monkeypatch) -> None:
+    # Each worker's loader was a run of its own: with start="earliest" a worker
+    # that joined after another had read (and committed) a partition read it
+    # again from the start (200 to 300 of 1,000 records twice). Here worker 1
+    # reads everything first, then worker 0 of the same iteration joins.
+    import types
+
+    import torch
+
+    topic = make_topic(partitions=4)
+    produce(bootstrap, topic, 0, 1000)
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
+                                    topic, SCHEMA, 100, until="end", start="earliest")
+    worker = types.SimpleNamespace(num_workers=2, id=1, seed=7001)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: worker)
+    first = np.concatenate([b["id"].numpy() for b in ds])
+    assert np.array_equal(np.sort(first), np.arange(1000))
+    worker.id, worker.seed = 0, 7000
+    assert sum(b.size for b in ds) == 0  # all read, by its sibling
+    # The next iteration of the DataLoader (another base seed) is another run.
+    worker.seed = 9000
+    assert sum(b.size for b in ds) == 1000
+
+
 def test_the_workers_of_every_rank_count_against_the_partitions_of_a_group(
         bootstrap, make_topic, group_id) -> None:
     # Each rank checked its own 2 workers against the 2 partitions, while the

@@ -17,6 +17,7 @@ and not trained. Where that matters, use ``kfeed.Loader``.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 from collections.abc import Iterator, Mapping
 from multiprocessing.context import get_spawning_popen
@@ -108,10 +109,18 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         if worker is not None and worker.num_workers > 1 and config.assignment == "static":
             config = config.replace(rank=config.rank * worker.num_workers + worker.id,
                                     world_size=config.world_size * worker.num_workers)
-        elif worker is not None and worker.num_workers > 1:
+        run = None
+        if worker is not None and worker.num_workers > 1 and config.assignment != "static":
             self._check_group_workers(worker.num_workers)
+            # One run for the workers of one DataLoader iteration (their seeds
+            # less their ids are its base seed): a partition another worker read
+            # first goes on from its commit, whatever the start, as between the
+            # ranks of a job (NOTE [ Whose commits win ]). With a run each, a
+            # worker that joined later read it again from the start.
+            run = hashlib.blake2b(f"{worker.seed - worker.id}/{self.epoch}".encode(),
+                                  digest_size=6).hexdigest()
         with Loader.from_config(self.kafka_config, config, source=self.source,
-                                one_epoch=True) as loader:
+                                one_epoch=True, run=run) as loader:
             if self.epoch:
                 loader.set_epoch(self.epoch)
             yield from loader

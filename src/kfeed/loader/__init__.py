@@ -283,17 +283,21 @@ class Loader:
 
     @classmethod
     def from_config(cls, kafka_config: Mapping[str, Any] | None, config: LoaderConfig,
-                    source: Source | None = None, *, one_epoch: bool = False) -> Loader:
+                    source: Source | None = None, *, one_epoch: bool = False,
+                    run: str | None = None) -> Loader:
         """A loader of ``config`` (a ``LoaderConfig``, checked when it was made).
 
         ``one_epoch``: the loader reads one epoch of ``epochs=``, and each
         epoch gets a loader of its own (``KafkaIterableDataset``), so a map
         ``until=`` must name every partition: one it leaves out would end
-        where its end is at each epoch's start.
+        where its end is at each epoch's start. ``run``: the run it shares
+        with other loaders of its job (DataLoader workers), whose commits it
+        follows whatever its ``start`` (NOTE [ Whose commits win ]).
         """
         if not isinstance(config, LoaderConfig):
             raise ConfigError("config must be a kfeed.LoaderConfig")
         self = cls.__new__(cls)
+        self._run = run
         self._begin(kafka_config, config, source, one_epoch)
         return self
 
@@ -369,7 +373,7 @@ class Loader:
         # this run of them, in every commit (NOTE [ Whose commits win ] in
         # kfeed.loader.ledger).
         source.lineage = uuid.uuid4().hex[:16]
-        source.run = uuid.uuid4().hex[:12]
+        source.run = getattr(self, "_run", None) or uuid.uuid4().hex[:12]
         self._lineages = [source.lineage]  # newest first, see Ledger.lineages
         self._copier = DeviceCopier(self.device)
         packer = Packer(c.pack, c.batch_size) if c.pack is not None else None
