@@ -1190,6 +1190,16 @@ def test_lm_ids_past_the_vocabulary_and_a_checkpoint_of_other_flags_fail_in_one_
     # torch's "Error(s) in loading state_dict" first).
     other = kfeed(*args, "--group-id", group_id, "--seq-len", "128", bootstrap=bootstrap)
     assert other.returncode == 2 and len(other.stderr.splitlines()) == 1, other.stderr
+    # ... naming the checkpoint and the flags to give (it gave the loader's line alone).
+    assert other.stderr.startswith(f"kfeed: --resume {ckpt}: the state was saved with pack "), \
+        other.stderr
+    assert other.stderr.rstrip().endswith(
+        "resume with the flags it was saved with (--topic, --format, --seq-len, --eos-id, "
+        "--shuffle, --seed), or another --checkpoint"), other.stderr
+    # A checkpoint of the other --task is a mistake in the command: exit 2 (it was 1).
+    mlp = kfeed(*args[:2], "mlp", *args[3:], "--group-id", group_id, bootstrap=bootstrap)
+    assert mlp.returncode == 2 and mlp.stderr.startswith(
+        f"kfeed: {ckpt} is a checkpoint of --task lm, not mlp: "), mlp.stderr
     # A model of other shapes with the same loader state: torch's line that says which.
     state = torch.load(ckpt, weights_only=False)
     state["model"]["embed.weight"] = torch.zeros(300, state["model"]["embed.weight"].shape[1])

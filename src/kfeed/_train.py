@@ -403,7 +403,12 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     if state is not None:
         # The loader's state first: it names the settings that differ from the
         # checkpoint's (--seq-len, --eos-id), which the model's shapes follow.
-        loader.load_state_dict(state["loader"])
+        try:
+            loader.load_state_dict(state["loader"])
+        except ConfigError as e:
+            raise ConfigError(f"--resume {ckpt}: {e}: resume with the flags it was saved with "
+                              f"(--topic, --format, --seq-len, --eos-id, --shuffle, --seed), "
+                              f"or another --checkpoint") from None
         try:
             model.load_state_dict(state["model"])
         except RuntimeError as e:  # torch's first line only says there were errors

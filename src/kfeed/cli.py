@@ -1106,9 +1106,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # --task is the mistake, not the flags that go with it.
         state = _train.load_checkpoint(ckpt)
         if state.get("task", "mlp") != args.task:
-            raise KfeedError(f"{ckpt} is a checkpoint of --task {state.get('task', 'mlp')}, "
-                             f"not {args.task}: pass --task {state.get('task', 'mlp')}, or "
-                             f"another --checkpoint")
+            raise ConfigError(f"{ckpt} is a checkpoint of --task {state.get('task', 'mlp')}, "
+                              f"not {args.task}: pass --task {state.get('task', 'mlp')}, or "
+                              f"another --checkpoint")
     _check_task_flags(args)
     _lm_defaults(args)
     args.format = _wire_format(args)
