@@ -546,7 +546,7 @@ def test_train_lm_until_end_and_resume(bootstrap, make_topic, tmp_path) -> None:
     assert real1 + real2 == tokens + docs
     assert 90.0 < eff2 <= 100.0
     mlp = kfeed_cmd(*args, "--task", "mlp", bootstrap=bootstrap)
-    assert mlp.returncode == 1 and "checkpoint of --task lm" in mlp.stderr
+    assert mlp.returncode == 2 and "checkpoint of --task lm" in mlp.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
