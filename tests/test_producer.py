@@ -114,6 +114,8 @@ def read_partitions(bootstrap: str, topic: str) -> dict[int, list[Any]]:
 _INTERRUPTED_FLUSH = """
 import os, signal, sys, threading, time
 import numpy as np, kfeed
+# (started in a shell's background job, SIGINT is ignored: Python's own handler back)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 schema = kfeed.Schema({"id": ("int64", ())})
 p = kfeed.Producer({"bootstrap.servers": sys.argv[1], "max.in.flight": 1, "linger.ms": 0,
                     "batch.num.messages": 1}, sys.argv[2], schema, block_records=1)
