@@ -445,7 +445,7 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
                     return A_TRUNCATED
                 if <uint64_t>(elem + k + count) > c.nelem[nd.field]:
                     return A_LENGTH
-                memcpy(c.row[nd.field] + (elem + k) * 4, c.p, count * 4)
+                copy_out(c.row[nd.field] + (elem + k) * 4, c.p, count * 4, var)
                 c.p += count * 4
                 k += count
                 continue
@@ -454,7 +454,7 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
                     return A_TRUNCATED
                 if <uint64_t>(elem + k + count) > c.nelem[nd.field]:
                     return A_LENGTH
-                memcpy(c.row[nd.field] + (elem + k) * 8, c.p, count * 8)
+                copy_out(c.row[nd.field] + (elem + k) * 8, c.p, count * 8, var)
                 c.p += count * 8
                 k += count
                 continue
@@ -706,6 +706,7 @@ def avro_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed
                     c.err_field = -1
                     nbad += 1
                 i += 1
+            stream_fence()
         if i < n:
             need = None  # stopped on a full output, before the unknown id
         rejected = []

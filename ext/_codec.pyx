@@ -41,6 +41,68 @@ from libc.string cimport memcpy, memset
 cdef extern from *:
     void __builtin_prefetch(const void* addr) nogil
 
+# NOTE [ Streaming stores ]
+# A long run of bytes copied into the output (an Avro array of 768 floats,
+# say) goes around the cache: the output is a pool slot that this thread
+# never reads again, and that the device copy or the consumer reads later,
+# by which time the batches in between have pushed it out anyway. Written
+# through the cache, each of its lines is first read from memory, only to be
+# overwritten; streamed, it is written once. Copying 3 KB records from their
+# messages into rows of a cold output (AMD EPYC, 2 vCPUs): 10.7 GB/s with
+# memcpy, 17.8 GB/s streamed, against 20.6 GB/s for one contiguous memcpy of
+# the same bytes. Runs shorter than STREAM_MIN, and hosts without SSE2, take
+# memcpy. The stores are ordered by stream_fence() before the output is
+# handed on (the GIL's own lock would order them too, on x86).
+cdef extern from *:
+    """
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    static inline void kfeed_stream_copy(void *dst, const void *src, size_t n) {
+        unsigned char *d = (unsigned char *)dst;
+        const unsigned char *s = (const unsigned char *)src;
+        size_t head = (16 - ((size_t)d & 15)) & 15;
+        if (head > n) head = n;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        for (; n >= 64; n -= 64, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        for (; n >= 16; n -= 16, d += 16, s += 16)
+            _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+        memcpy(d, s, n);
+    }
+    static inline void kfeed_stream_fence(void) { _mm_sfence(); }
+    #else
+    static inline void kfeed_stream_copy(void *dst, const void *src, size_t n) {
+        memcpy(dst, src, n);
+    }
+    static inline void kfeed_stream_fence(void) {}
+    #endif
+    """
+    void stream_copy "kfeed_stream_copy"(void* dst, const void* src, size_t n) nogil
+    void stream_fence "kfeed_stream_fence"() nogil
+
+cdef enum:
+    STREAM_MIN = 1024
+
+
+cdef inline void copy_out(void* dst, const void* src, size_t n, bint reread) noexcept nogil:
+    """``n`` bytes into the output: streamed when the run is long (NOTE [ Streaming
+    stores ]), unless the caller reads them back at once (``reread``: a buffer of
+    documents, made bytes when the call ends)."""
+    if n >= STREAM_MIN and not reread:
+        stream_copy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
 cdef enum:
     HEADER_SIZE = 32
     COLUMN_ALIGN = 8

@@ -422,7 +422,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
 
 
 cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept nogil:
-    """Packed floats into a float32 field (doubles into float64) as one memcpy."""
+    """Packed floats into a float32 field (doubles into float64) as one copy."""
     cdef uint64_t size = 4 if e.kind == P_FLOAT else 8
     cdef uint64_t count = n // size, at = c.count[e.field]
     if n % size:
@@ -434,7 +434,7 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
         c.count[e.field] = at + count
         c.err_value = at + count
         return A_LENGTH
-    memcpy(c.row[e.field] + at * size, c.p, n)
+    copy_out(c.row[e.field] + at * size, c.p, n, e.field == c.plan.varfield)
     c.p += n
     c.count[e.field] = at + count
     if count:
@@ -796,6 +796,7 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
                     bad[nbad].value = c.err_value
                     nbad += 1
                 i += 1
+            stream_fence()
         if i < n:
             need = None  # stopped on a full output, before the unknown key
         rejected = pb_rejected(layout, vals, bad, nbad, vp, skip, owners, reasons)

@@ -912,3 +912,41 @@ def test_empty_items_are_bounded_per_record_not_per_block():
     assert cols["n"].tolist() == [7] and [(i, why) for i, why in bad] == [
         (0, "truncated at marks")], bad
 
+
+
+def _zigzag(v: int) -> bytes:
+    """An Avro long."""
+    u = (v << 1) ^ (v >> 63)
+    out = bytearray()
+    while u > 0x7F:
+        out.append(u & 0x7F | 0x80)
+        u >>= 7
+    return bytes(out + bytes([u]))
+
+
+@pytest.mark.parametrize("item", ["float", "double"])
+def test_long_runs_of_floats_split_in_blocks_land_whole_at_every_alignment(item):
+    # Runs of 1 KB and more are streamed around the cache: a head to 16 bytes, lines of 64,
+    # then a tail; every split of the array in blocks and every row start moves all three.
+    dtype = np.float32 if item == "float" else np.float64
+    rng = np.random.default_rng(5)
+    for n in (256, 257, 261, 300, 515, 1031):
+        writer = {"type": "record", "name": "R", "fields": [
+            {"name": "tag", "type": "int"}, {"name": "v", "type": {"type": "array", "items": item}}]}
+        schema = kfeed.Schema({"tag": ("int32", ()), "v": (dtype.__name__, (n,))})
+        want = rng.standard_normal((9, n)).astype(dtype)
+        values = []
+        for r, split in enumerate([n, 1, 3, 255, 256, n - 1, n - 17, n // 2, 2]):
+            blocks = [(0, split), (split, n)] if split < n else [(0, n)]
+            body = bytearray(_zigzag(r))
+            for a, b in blocks:
+                if r % 2:  # a block that says its size in bytes too
+                    body += _zigzag(-(b - a)) + _zigzag((b - a) * dtype().itemsize)
+                else:
+                    body += _zigzag(b - a)
+                body += want[r, a:b].tobytes()
+            values.append(bytes(body + b"\x00"))
+        got, bad = decode_all(kfeed.Avro(schema=writer).decoder(schema), schema, values, rows=4)
+        assert bad == []
+        np.testing.assert_array_equal(got["tag"], np.arange(9))
+        np.testing.assert_array_equal(got["v"], want, err_msg=f"{n} {item}s")

@@ -106,12 +106,13 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         config = self.config
         worker = torch.utils.data.get_worker_info()
-        if worker is not None and worker.num_workers > 1 and config.assignment == "static":
-            config = config.replace(rank=config.rank * worker.num_workers + worker.id,
-                                    world_size=config.world_size * worker.num_workers)
         run = None
-        if worker is not None and worker.num_workers > 1 and config.assignment != "static":
-            self._check_group_workers(worker.num_workers)
+        workers = 1 if worker is None else worker.num_workers
+        if workers > 1 and config.assignment == "static":
+            config = config.replace(rank=config.rank * workers + worker.id,
+                                    world_size=config.world_size * workers)
+        elif workers > 1:
+            self._check_group_workers(workers)
             # One run for the workers of one DataLoader iteration (their seeds
             # less their ids are its base seed): a partition another worker read
             # first goes on from its commit, whatever the start, as between the

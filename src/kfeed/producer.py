@@ -426,7 +426,7 @@ class Producer:
                                               for name in self.schema.names}
             if int_keys:
                 chunk = keys[a:b].tolist()
-                chunk_bytes = [str(k).encode() for k in chunk]
+                chunk_bytes = [_key_bytes(k) for k in chunk]
                 chunk_parts = None if partition is not None else self._partitions(chunk,
                                                                                   chunk_bytes)
             else:
