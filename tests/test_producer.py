@@ -283,25 +283,41 @@ def test_integer_keys_are_made_bytes_a_chunk_at_a_time(bootstrap: str, make_topi
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fmt", ["block", "arrow"])
 def test_a_document_larger_than_a_message_is_refused_before_any_is_sent(
-        bootstrap: str, make_topic: Any) -> None:
+        bootstrap: str, make_topic: Any, fmt: str) -> None:
     # Documents 0 to 2 went out, then the brokers refused document 3 ("Message
     # size too large"), and document 4 never went: a send again repeated 0 to 2.
+    # (Arrow said only "Message size too large", from librdkafka.)
     topic = make_topic(partitions=1)
     sent = [np.full(10, i, np.int32) for i in range(5)]
     sent[3] = np.zeros(300_000, np.int32)  # 1.2 MB
+    sent[4] = np.zeros(249_600, np.int32)  # just under a message, as either format
     config = {"bootstrap.servers": bootstrap, "message.max.bytes": 1_000_000}
-    with kfeed.Producer(config, topic, BLOCK_SCHEMA, block_records=2) as producer:
+    what = "a block" if fmt == "block" else "an Arrow message"
+    with kfeed.Producer(config, topic, BLOCK_SCHEMA, block_records=2, format=fmt) as producer:
         with pytest.raises(kfeed.ConfigError, match=(
-                r"^document 3 of this send\(\) has 300,000 elements \(1,200,\d+ bytes as a "
-                r"block\), more than a message holds \(message.max.bytes less 1024 for the "
+                rf"^document 3 of this send\(\) has 300,000 elements \(1,200,\d+ bytes as "
+                rf"{what}\), more than a message holds \(message.max.bytes less 1024 for the "
                 r"headers, 998,976\): split it, or raise message.max.bytes .*; nothing of this "
                 r"call was sent$")):
             producer.send({"tokens": sent, "id": np.arange(5, dtype=np.int64)})
-        producer.send({"tokens": sent[:3], "id": np.arange(3, dtype=np.int64)})
-    messages = read_partitions(bootstrap, topic)[0]
-    decoded = BLOCK_SCHEMA.decode_documents([m.value() for m in messages])
-    assert decoded.columns["id"].tolist() == [0, 1, 2]
+        producer.send({"tokens": sent[:3] + sent[4:], "id": np.array([0, 1, 2, 4])})
+    values = [m.value() for m in read_partitions(bootstrap, topic)[0]]
+    decoded = (BLOCK_SCHEMA.decode_documents(values) if fmt == "block" else
+               kfeed.Arrow().decoder(BLOCK_SCHEMA).decode_documents(values))
+    assert decoded.columns["id"].tolist() == [0, 1, 2, 4]
+    assert decoded.lengths.tolist() == [10, 10, 10, 249_600]
+
+
+def test_an_arrow_record_larger_than_a_message_is_refused_when_the_producer_is_made() -> None:
+    # Each message went to librdkafka, which refused it: "Message size too large".
+    schema = kfeed.Schema({"f": ("float32", (1000,))})
+    config = {"bootstrap.servers": "127.0.0.1:9", "message.max.bytes": 3000}
+    with pytest.raises(kfeed.ConfigError, match=(
+            r"^a record is 4,\d{3} bytes as an Arrow message, over message.max.bytes=3000 less "
+            r"1024 for the headers: raise message.max.bytes")):
+        kfeed.Producer(config, "t", schema, format="arrow")
 
 
 def test_default_compression_follows_the_benchmark_figures() -> None:

@@ -783,9 +783,9 @@ class ArrowEncoder(Encoder):
         _check(schema)
         self.schema = schema
 
-    def encode_blocks(self, columns: Mapping[str, Any], rows: int, max_bytes: int) -> list[bytes]:
-        """N records as messages of at most ``rows`` records and ``max_bytes`` each (a
-        record that alone is larger goes in a message of its own)."""
+    def _prepared(self, columns: Mapping[str, Any]) -> tuple[dict[str, Any], np.ndarray]:
+        """The columns as arrays (a document field as flat elements and offsets), and
+        each record's bytes of values."""
         views, n, _owners = self.schema._columns(columns)
         cols: dict[str, Any] = {}
         sizes = np.full(n, self.schema.record_size, np.int64)
@@ -797,6 +797,24 @@ class ArrowEncoder(Encoder):
             else:
                 cols[f.name] = np.asarray(columns[f.name], f.storage).reshape(n, *f.shape)
         del views
+        return cols, sizes
+
+    def message_bytes(self, elements: int) -> int:
+        """The bytes of a message of one record whose document has ``elements`` elements."""
+        cols: dict[str, Any] = {}
+        for f in self.schema.fields:
+            cols[f.name] = ((np.zeros(elements, f.storage), np.array([0, elements]))
+                            if f.variable else np.zeros((1, *f.shape), f.storage))
+        return len(self._message(cols, 0, 1))
+
+    def encode_blocks(self, columns: Mapping[str, Any], rows: int, max_bytes: int) -> list[bytes]:
+        """N records as messages of at most ``rows`` records and ``max_bytes`` each.
+
+        ConfigError, before any message is returned, for a record that alone is
+        larger than ``max_bytes``.
+        """
+        cols, sizes = self._prepared(columns)
+        n = len(sizes)
         out = []
         start = 0
         ends = np.cumsum(sizes)
@@ -806,8 +824,11 @@ class ArrowEncoder(Encoder):
             stop = start + max(1, min(rows, fit))
             while True:
                 message = self._message(cols, start, stop)
-                if len(message) <= max_bytes or stop - start == 1:
+                if len(message) <= max_bytes:
                     break
+                if stop - start == 1:
+                    raise ConfigError(f"a record is {len(message):,} bytes as an Arrow message, "
+                                      f"more than a message holds ({max_bytes:,})")
                 # Arrow's own bytes on top of the values (the schema, the offsets,
                 # each buffer's padding): fewer rows, in proportion.
                 stop = start + max(1, int((stop - start) * max_bytes / len(message) * 0.98))

@@ -897,7 +897,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
         """The documents of ``chunk`` (the first is document ``at`` of the corpus) to send,
         and their keys: tokenized, checked, the empty ones left out."""
         arrays = _token_arrays(chunk, tokenizer, token_dtype, lambda i: place(at + i))
-        i = too_large(schema, [len(a) for a in arrays], block_max)
+        i = too_large([len(a) for a in arrays], block_max, lambda n: schema.block_nbytes(1, n))
         if i is not None:
             big = arrays[i]
             raise KfeedError(

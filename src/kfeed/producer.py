@@ -193,6 +193,12 @@ class Producer:
             if fit < 1:
                 raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
                                   f"{raise_it}")
+        if fixed and isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow
+            assert self._encoder is not None
+            one = self._encoder.message_bytes(0)
+            if one > self._block_bytes:
+                raise ConfigError(f"a record is {one:,} bytes as an Arrow message, over {limit}: "
+                                  f"{raise_it}")
         block_bytes = schema.block_nbytes(block_records)
         if self.format is Format.BLOCK and block_bytes > self._block_bytes:
             if not fixed:
@@ -385,7 +391,12 @@ class Producer:
         if self.schema.varlen is not None:
             _views, offsets, n, _owners = self.schema._doc_columns(columns)
             if self.format is Format.BLOCK:
-                self._check_documents(np.diff(offsets))
+                self._check_documents(np.diff(offsets), "a block",
+                                      lambda k: self.schema.block_nbytes(1, k))
+            elif isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow
+                assert self._encoder is not None
+                self._check_documents(np.diff(offsets), "an Arrow message",
+                                      self._encoder.message_bytes)
         else:
             _views, n, _owners = self.schema._columns(columns)
         if partition is not None:
@@ -437,13 +448,15 @@ class Producer:
             self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
 
-    def _check_documents(self, lengths: np.ndarray) -> None:
-        """Refuse, before any is sent, a call with a document larger than a message."""
-        i = too_large(self.schema, lengths, self._block_bytes)
+    def _check_documents(self, lengths: np.ndarray, what: str,
+                         size_of: Callable[[int], int]) -> None:
+        """Refuse, before any is sent, a call with a document larger than a message
+        (``size_of(elements)``: the bytes of ``what``, one document alone)."""
+        i = too_large(lengths, self._block_bytes, size_of)
         if i is not None:
             raise ConfigError(
                 f"document {i} of this send() has {int(lengths[i]):,} elements "
-                f"({self.schema.block_nbytes(1, int(lengths[i])):,} bytes as a block), more "
+                f"({size_of(int(lengths[i])):,} bytes as {what}), more "
                 f"than a message holds (message.max.bytes less 1024 for the headers, "
                 f"{self._block_bytes:,}): split it, or raise message.max.bytes (and the "
                 f"topic's max.message.bytes); nothing of this call was sent")
@@ -881,13 +894,23 @@ def _take_documents(column: Any, idx: np.ndarray) -> Any:
     return _take(flat, positions), take_lengths
 
 
-def too_large(schema: Schema, lengths: Sequence[int] | np.ndarray, limit: int) -> int | None:
-    """The first document (of ``lengths`` elements each) whose block alone is over
-    ``limit`` bytes, or None: a document larger than a message, which no block holds."""
+def too_large(lengths: Sequence[int] | np.ndarray, limit: int,
+              size_of: Callable[[int], int]) -> int | None:
+    """The first document (of ``lengths`` elements each) whose message alone, of
+    ``size_of(elements)`` bytes, is over ``limit``, or None: a document larger than a
+    message, which no message holds. ``size_of`` grows with the elements: the least
+    length over the limit is found by bisection, in a few calls."""
     lengths = np.asarray(lengths, np.int64)
-    if not lengths.size or schema.block_nbytes(1, int(lengths.max())) <= limit:
+    if not lengths.size or size_of(int(lengths.max())) <= limit:
         return None
-    return next(i for i, n in enumerate(lengths.tolist()) if schema.block_nbytes(1, n) > limit)
+    fits, over = -1, int(lengths.max())
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        if size_of(mid) > limit:
+            over = mid
+        else:
+            fits = mid
+    return int(np.argmax(lengths >= over))
 
 
 def _most_records(schema: Schema, limit: int) -> int:
