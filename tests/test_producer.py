@@ -9,6 +9,7 @@ check that every document arrived exactly once, bit-equal, on the partition
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import Counter
@@ -308,6 +309,41 @@ def test_a_document_larger_than_a_message_is_refused_before_any_is_sent(
                kfeed.Arrow().decoder(BLOCK_SCHEMA).decode_documents(values))
     assert decoded.columns["id"].tolist() == [0, 1, 2, 4]
     assert decoded.lengths.tolist() == [10, 10, 10, 249_600]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fmt", ["json", "raw"])
+def test_a_sample_larger_than_a_message_is_refused_before_any_of_the_send_is_sent(
+        bootstrap: str, make_topic: Any, fmt: str) -> None:
+    # The samples before it went (those of its key's partition, and all of the other
+    # partitions' sent first), then librdkafka said "Message size too large".
+    topic = make_topic(partitions=2)
+    config = {"bootstrap.servers": bootstrap, "message.max.bytes": 1500}
+    if fmt == "json":  # zeros are short in JSON, sample 4's random floats are not
+        schema = kfeed.Schema({"f": ("float64", (100,)), "id": ("int64", ())})
+        f = np.zeros((6, 100))
+        f[4] = np.random.default_rng(0).standard_normal(100)
+        columns: dict[str, Any] = {"f": f, "id": np.arange(6)}
+        size = r"\d,\d{3}"
+    else:  # one document a message
+        schema = kfeed.Schema({"tokens": ("int32", (None,))})
+        columns = {"tokens": [np.arange(400 if i == 4 else 10, dtype=np.int32)
+                              for i in range(6)]}
+        size = "1,600"
+    keys = np.arange(6)
+    assert len({kfeed.partition_for(str(k), 2) for k in keys[:4]}) == 2
+    with kfeed.Producer(config, topic, schema, format=fmt) as producer:
+        with pytest.raises(kfeed.ConfigError, match=(
+                rf"^sample 4 of this send\(\) is {size} bytes as a message, more than "
+                r"message.max.bytes \(1,500\): raise it \(and the topic's max.message.bytes\); "
+                r"nothing of this call was sent$")):
+            producer.send(columns, keys=keys)
+        keep = [0, 1, 2, 3, 5]
+        producer.send({k: [v[i] for i in keep] if isinstance(v, list) else v[keep]
+                       for k, v in columns.items()}, keys=keys[keep])
+    got = sorted(int(json.loads(m.value())["id"]) if fmt == "json" else int(m.key())
+                 for ms in read_partitions(bootstrap, topic).values() for m in ms)
+    assert got == keep
 
 
 def test_an_arrow_record_larger_than_a_message_is_refused_when_the_producer_is_made() -> None:

@@ -169,6 +169,10 @@ class Producer:
         self.topic = topic
         self.schema = schema
         self.format = resolve(format)
+        # Arrow: several samples a message, as blocks. The others but blocks: one
+        # sample a message, with its key (raw, JSON, Avro, Protobuf).
+        self._batched = isinstance(self.format, RecordFormat) and self.format.batches
+        self._one_a_message = self.format is not Format.BLOCK and not self._batched
         # Formats others read (JSON, Avro): made, checked and (Avro) registered now.
         self._encoder = (self.format.encoder(schema, topic)
                          if isinstance(self.format, RecordFormat) else None)
@@ -182,7 +186,8 @@ class Producer:
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
         # Room for the key, the headers and the record's framing.
-        self._block_bytes = max(40, int(config["message.max.bytes"]) - 1024)
+        self._message_max = int(config["message.max.bytes"])
+        self._block_bytes = max(40, self._message_max - 1024)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
         fixed = schema.varlen is None
@@ -193,7 +198,7 @@ class Producer:
             if fit < 1:
                 raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
                                   f"{raise_it}")
-        if fixed and isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow
+        if fixed and self._batched:
             assert self._encoder is not None
             one = self._encoder.message_bytes(0)
             if one > self._block_bytes:
@@ -393,7 +398,7 @@ class Producer:
             if self.format is Format.BLOCK:
                 self._check_documents(np.diff(offsets), "a block",
                                       lambda k: self.schema.block_nbytes(1, k))
-            elif isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow
+            elif self._batched:
                 assert self._encoder is not None
                 self._check_documents(np.diff(offsets), "an Arrow message",
                                       self._encoder.message_bytes)
@@ -443,7 +448,7 @@ class Producer:
             else:
                 chunk_bytes = None if key_bytes is None else key_bytes[a:b]
                 chunk_parts = None if parts is None else parts[a:b]
-            self._send_rows(cols, chunk_parts, chunk_bytes, partition)
+            self._send_rows(cols, chunk_parts, chunk_bytes, partition, a)
             self.samples += b - a
             self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
@@ -474,21 +479,40 @@ class Producer:
         return (min(samples, samples * acked / nbytes) if nbytes else 0.0), acked
 
     def _send_rows(self, columns: Mapping[str, Any], parts: np.ndarray | None,
-                   keys: list[bytes] | None, partition: int | None) -> None:
-        """Rows to ``partition`` (or dealt in turn), or each to its key's in ``parts``."""
+                   keys: list[bytes] | None, partition: int | None, first: int) -> None:
+        """Rows to ``partition`` (or dealt in turn), or each to its key's in ``parts``:
+        all made messages, and checked, before any is sent. ``first``: the index of
+        the first row in the call to send()."""
         if parts is None:
-            self._send_group(columns, partition, keys)
-            return
-        assert keys is not None
-        order = np.argsort(parts, kind="stable")
-        bounds = np.flatnonzero(np.diff(parts[order])) + 1
-        variable = self.schema.varlen.name if self.schema.varlen is not None else None
-        for idx in np.split(order, bounds):
-            part = int(parts[idx[0]])
-            sub = {name: (_take_documents(columns[name], idx) if name == variable
-                          else _take(columns[name], idx))
-                   for name in self.schema.names}
-            self._send_group(sub, part, [keys[i] for i in idx])
+            groups = [(columns, partition, keys, None)]
+        else:
+            assert keys is not None
+            order = np.argsort(parts, kind="stable")
+            bounds = np.flatnonzero(np.diff(parts[order])) + 1
+            variable = self.schema.varlen.name if self.schema.varlen is not None else None
+            groups = [({name: (_take_documents(columns[name], idx) if name == variable
+                               else _take(columns[name], idx))
+                        for name in self.schema.names}, int(parts[idx[0]]),
+                       [keys[i] for i in idx], idx)
+                      for idx in np.split(order, bounds)]
+        made = [(self._messages(cols), part, ks, idx) for cols, part, ks, idx in groups]
+        for values, _part, _ks, idx in made if self._one_a_message else ():
+            # (Blocks and Arrow messages are made to fit.)
+            big = next((i for i, v in enumerate(values) if len(v) > self._message_max), None)
+            if big is not None:
+                row = first + (big if idx is None else int(idx[big]))
+                raise ConfigError(
+                    f"sample {row} of this send() is {len(values[big]):,} bytes as a "
+                    f"message, more than message.max.bytes ({self._message_max:,}): raise "
+                    f"it (and the topic's max.message.bytes); "
+                    + (f"samples 0 to {first - 1} were sent" if first else
+                       "nothing of this call was sent"))
+        for values, part, ks, _idx in made:
+            for i, v in enumerate(values):
+                if ks is None or not self._one_a_message:  # (blocks go without keys)
+                    self._produce(v, None, self._dealt(part))
+                else:  # (bytes already: send() made them so)
+                    self._produce(v, ks[i], part)
 
     def _partitions(self, keys: list[Any], key_bytes: list[bytes]) -> np.ndarray:
         if self.partitioner == "murmur2":
@@ -500,29 +524,19 @@ class Producer:
                               f"0..{self.num_partitions - 1}")
         return parts
 
-    def _send_group(self, columns: Mapping[str, Any], partition: int | None,
-                    keys: list[Any] | None) -> None:
+    def _messages(self, columns: Mapping[str, Any]) -> list[bytes]:
+        """The message values of rows ``columns``, in the producer's format."""
         if self.format is Format.BLOCK:
             if self.schema.varlen is None:
-                values = self.schema.encode_blocks(columns, self.block_records)
-            else:
-                # Documents vary in size: close a block before it outgrows a message.
-                values = self.schema.encode_blocks(columns, self.block_records,
-                                                   block_bytes=self._block_bytes)
-            for v in values:
-                self._produce(v, None, self._dealt(partition))
-        elif isinstance(self.format, RecordFormat) and self.format.batches:  # Arrow: block_records records a message, as blocks
+                return self.schema.encode_blocks(columns, self.block_records)
+            # Documents vary in size: close a block before it outgrows a message.
+            return self.schema.encode_blocks(columns, self.block_records,
+                                             block_bytes=self._block_bytes)
+        if self._batched:
             assert self._encoder is not None
-            for v in self._encoder.encode_blocks(columns, self.block_records, self._block_bytes):
-                self._produce(v, None, self._dealt(partition))
-        else:  # one record a message, each with its key
-            values = (self._encoder.encode(columns) if self._encoder is not None
-                      else self.schema.encode_raw(columns))
-            for i, v in enumerate(values):
-                if keys is None:
-                    self._produce(v, None, self._dealt(partition))
-                else:  # (bytes already: send() made them so)
-                    self._produce(v, keys[i], partition)
+            return self._encoder.encode_blocks(columns, self.block_records, self._block_bytes)
+        return (self._encoder.encode(columns) if self._encoder is not None
+                else self.schema.encode_raw(columns))
 
     def _dealt(self, partition: int | None) -> int:
         """``partition``, or for a message without one the next partition in turn.
