@@ -8,6 +8,8 @@ duplicated) in the test report; docs/RELIABILITY.md quotes them.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -609,3 +611,40 @@ def test_close_with_every_broker_down_is_bounded_and_names_where_it_is_stuck(
         cluster.up(dir=live_cluster, timeout=180)
     report("close_with_every_broker_down", close_s=round(took, 1))
     assert took < 25  # the thread's 10 s at most, then the consumer's 10 s
+
+
+@pytest.mark.timeout(300, method="thread")  # (a wait inside librdkafka never sees a signal)
+def test_the_end_of_a_read_with_every_broker_frozen_is_bounded(bootstrap, make_topic,
+                                                              live_cluster) -> None:
+    # Every record was fetched before the brokers stopped answering (frozen, as in a
+    # network partition or a long pause); the commit at the end of the read then
+    # waited for ever, and the loop never ended.
+    topic = make_topic(partitions=2, replication=3)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+        p.send(columns(np.arange(2000)))
+    ld = kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      SCHEMA, 100, device="cpu", connect_timeout_s=5, until="end",
+                      start="earliest", prefetch=24)  # room for every batch
+    seen = [next(ld)["id"].numpy()]
+    try:
+        deadline = time.monotonic() + 30
+        while ld.stats()["samples_decoded"] < 2000:
+            assert time.monotonic() < deadline, ld.stats()
+            time.sleep(0.05)
+        pids = cluster.node_pids(live_cluster)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(kfeed.LoaderError, match=(
+                r"^the offset commit at the end of the read did not finish within 10s, most "
+                r"likely because no broker answers: every batch was handed out")):
+            for batch in ld:
+                seen.append(batch["id"].numpy())
+        took = time.monotonic() - t
+        ld.close()  # quiet: the consumer is left to the commit
+    finally:
+        for pid in cluster.node_pids(live_cluster).values():
+            os.kill(pid, signal.SIGCONT)
+    report("end_of_read_with_every_broker_frozen", end_s=round(took, 1))
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(2000))
+    assert took < 20

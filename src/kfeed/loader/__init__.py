@@ -47,6 +47,11 @@ Two threads, one queue, one stop event::
   goes on in the background; what was used since the last commit that went
   through is read again by the group's next reader (a ``state_dict()`` the
   caller saved is exact all the same).
+- The commit at the end of a bounded read, made once the thread has ended,
+  runs on a thread of its own too ("kfeed-commit"), given as long: with every
+  broker down it waited for ever, and the loop never ended. Past the limit
+  ``next()`` raises ``LoaderError``, and the consumer is left to that thread:
+  ``close()`` then calls it no more.
 - The thread holds no reference to the ``Loader`` (only to ``Feeder``), so a
   dropped loader is garbage-collected and ``__del__`` runs ``close()``.
 - An exception in the feeder travels to the caller as ``_Failure`` and is
@@ -395,6 +400,9 @@ class Loader:
                               if c.shuffle is not None and c.pack is None and not c.jagged else 0),
             mixing=c.mix is not None)
         self._status = Status()
+        # What holds the consumer past its time limit (a commit no broker
+        # answers), if anything: the consumer is then never called again.
+        self._held: str | None = None
         mixer = None
         if c.mix is not None:
             mixer = Mixer(c.mix, c.batch_size, bounded=c.bounded)
@@ -951,16 +959,21 @@ class Loader:
             # Given up here, before this thread can hand out another batch.
             self._feeder.revoked_by_caller(self._ledger.revoke(tps))
 
-    def _commit(self, asynchronous: bool) -> None:
-        ledger, fetcher, feeder = self._ledger, self._fetcher, self._feeder
+    def _due(self) -> tuple[dict[TP, Any], bool]:
+        """The positions to commit, and whether the loader's thread is there to make it."""
+        ledger, fetcher = self._ledger, self._fetcher
         with ledger.lock:
             ledger.committed.update(self._source.acknowledged())
             # Only partitions this loader was given: a loaded state also
             # holds the other ranks' ones, which they commit themselves.
-            alive = feeder.alive()
-            todo = ledger.to_commit(lambda tp: tp in fetcher.assigned or not alive)
-        if not todo:
+            alive = self._feeder.alive()
+            return ledger.to_commit(lambda tp: tp in fetcher.assigned or not alive), alive
+
+    def _commit(self, asynchronous: bool) -> None:
+        todo, alive = self._due()
+        if not todo or self._held is not None:
             return
+        fetcher = self._fetcher
         if alive:
             # The consumer takes calls from one thread at a time, and the
             # loader's thread is in consume() most of the time: it makes the
@@ -969,8 +982,34 @@ class Loader:
                                 timeout=self.config.connect_timeout_s + 5.0,
                                 while_waiting=None if self._in_hook else self._run_revoke_hook)
             return
-        # Outside the lock: a synchronous commit may retry for seconds.
-        fetcher.commit_now(todo, asynchronous=asynchronous)
+        if asynchronous:
+            fetcher.commit_now(todo, asynchronous=True)
+            return
+        # The thread is gone (the epoch's end): outside the lock, and bounded,
+        # for against brokers that do not answer the commit waits for ever
+        # (NOTE [ Loader Shutdown Logic ]).
+        limit = self.config.connect_timeout_s + 5.0
+        failed: list[BaseException] = []
+
+        def commit() -> None:
+            try:
+                fetcher.commit_now(todo, asynchronous=False)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                failed.append(e)
+
+        self._status.doing = "making the commit (Source.commit)"
+        thread = threading.Thread(target=commit, name="kfeed-commit", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive():
+            self._held = "making the commit at the end of the read (Source.commit)"
+            raise LoaderError(
+                f"the offset commit at the end of the read did not finish within {limit:g}s, "
+                f"most likely because no broker answers: every batch was handed out, and "
+                f"records used since the last commit that went through will be read again by "
+                f"the next reader of the group; the consumer is left to that commit")
+        if failed:
+            raise failed[0]
 
     def commit(self) -> None:
         """Commit every batch handed out so far, including the current one.
@@ -1270,6 +1309,10 @@ class Loader:
             self._mark_used()
             self._take_rejected()
         self._bad.flush()
+        if self._held is not None:
+            # Closing the consumer under the commit still inside it is not safe.
+            log.info("the consumer was left open: a thread is still %s", self._held)
+            return
         failed: list[BaseException] = []
         if sys.is_finalizing():
             # (A loader collected at exit: a thread started now never runs,
@@ -1298,7 +1341,9 @@ class Loader:
                 # committing its start positions would only make them look
                 # read, to a later start="latest" say.)
                 self._status.doing = "making the final commit (Source.commit)"
-                self._commit(asynchronous=False)
+                todo, _alive = self._due()  # (the thread has stopped)
+                if todo:
+                    self._fetcher.commit_now(todo, asynchronous=False)
         except KfeedError as e:
             log.warning("final commit failed: %s", e)
         except BaseException as e:  # noqa: BLE001 - raised by close(), on the caller's thread
