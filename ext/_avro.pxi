@@ -857,6 +857,7 @@ def avro_documents(Layout layout, plans, values, bint framed, int code, Out out=
                     bad[nbad].field, bad[nbad].value = c.err_field, c.err_value
                     bad[nbad].skip = skip[i]
                     nbad += 1
+            stream_fence()  # (the fields beside the documents)
         if r == A_MEMORY:
             raise MemoryError("no memory to grow a document")
         rejected = []

@@ -868,6 +868,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
                     bad[nbad].node, bad[nbad].field = c.err_entry, c.err_field
                     bad[nbad].value = c.err_value
                     nbad += 1
+            stream_fence()  # (the fields beside the documents)
         if r == A_MEMORY:
             raise MemoryError("no memory to grow a document")
         rejected = pb_rejected(layout, vals, bad, nbad, vp, skip, owners, reasons)
