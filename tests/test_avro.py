@@ -890,16 +890,18 @@ def test_kfeed_produce_format_avro_writes_framed_records(bootstrap, make_topic):
         assert rec["label"] == want["label"][i]
 
 
+def zigzag(v: int) -> bytes:
+    """An Avro long, as a writer puts it."""
+    z, out = (v << 1) ^ (v >> 63), bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    return bytes(out + bytes([z]))
+
+
 def test_empty_items_are_bounded_per_record_not_per_block():
     # 3-byte blocks of 65,536 empty records each passed the bound, block after
     # block: 70 s to decode a 1 MB value, without the GIL and without a way to stop.
-    def zigzag(v: int) -> bytes:
-        z, out = (v << 1) ^ (v >> 63), bytearray()
-        while z >= 0x80:
-            out.append((z & 0x7F) | 0x80)
-            z >>= 7
-        return bytes(out + bytes([z]))
-
     writer = {"type": "record", "name": "R", "fields": [
         {"name": "marks", "type": {"type": "array", "items": {
             "type": "record", "name": "Mark", "fields": []}}},
@@ -911,17 +913,6 @@ def test_empty_items_are_bounded_per_record_not_per_block():
     cols, bad = decode_all(decoder, schema, [forged, fine])
     assert cols["n"].tolist() == [7] and [(i, why) for i, why in bad] == [
         (0, "truncated at marks")], bad
-
-
-
-def _zigzag(v: int) -> bytes:
-    """An Avro long."""
-    u = (v << 1) ^ (v >> 63)
-    out = bytearray()
-    while u > 0x7F:
-        out.append(u & 0x7F | 0x80)
-        u >>= 7
-    return bytes(out + bytes([u]))
 
 
 @pytest.mark.parametrize("item", ["float", "double"])
@@ -938,12 +929,12 @@ def test_long_runs_of_floats_split_in_blocks_land_whole_at_every_alignment(item)
         values = []
         for r, split in enumerate([n, 1, 3, 255, 256, n - 1, n - 17, n // 2, 2]):
             blocks = [(0, split), (split, n)] if split < n else [(0, n)]
-            body = bytearray(_zigzag(r))
+            body = bytearray(zigzag(r))
             for a, b in blocks:
                 if r % 2:  # a block that says its size in bytes too
-                    body += _zigzag(-(b - a)) + _zigzag((b - a) * dtype().itemsize)
+                    body += zigzag(-(b - a)) + zigzag((b - a) * dtype().itemsize)
                 else:
-                    body += _zigzag(b - a)
+                    body += zigzag(b - a)
                 body += want[r, a:b].tobytes()
             values.append(bytes(body + b"\x00"))
         got, bad = decode_all(kfeed.Avro(schema=writer).decoder(schema), schema, values, rows=4)
