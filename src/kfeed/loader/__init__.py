@@ -989,27 +989,15 @@ class Loader:
         # for against brokers that do not answer the commit waits for ever
         # (NOTE [ Loader Shutdown Logic ]).
         limit = self.config.connect_timeout_s + 5.0
-        failed: list[BaseException] = []
-
-        def commit() -> None:
-            try:
-                fetcher.commit_now(todo, asynchronous=False)
-            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
-                failed.append(e)
-
         self._status.doing = "making the commit (Source.commit)"
-        thread = threading.Thread(target=commit, name="kfeed-commit", daemon=True)
-        thread.start()
-        thread.join(limit)
-        if thread.is_alive():
+        if not _within(lambda: fetcher.commit_now(todo, asynchronous=False), "kfeed-commit",
+                       limit):
             self._held = "making the commit at the end of the read (Source.commit)"
             raise LoaderError(
                 f"the offset commit at the end of the read did not finish within {limit:g}s, "
                 f"most likely because no broker answers: every batch was handed out, and "
                 f"records used since the last commit that went through will be read again by "
                 f"the next reader of the group; the consumer is left to that commit")
-        if failed:
-            raise failed[0]
 
     def commit(self) -> None:
         """Commit every batch handed out so far, including the current one.
@@ -1313,28 +1301,21 @@ class Loader:
             # Closing the consumer under the commit still inside it is not safe.
             log.info("the consumer was left open: a thread is still %s", self._held)
             return
-        failed: list[BaseException] = []
         if sys.is_finalizing():
             # (A loader collected at exit: a thread started now never runs,
             # and start() would wait for it for ever.)
-            self._shut_down(failed)
-            closer = None
-        else:
-            closer = threading.Thread(target=self._shut_down, args=(failed,),
-                                      name="kfeed-close", daemon=True)
-            closer.start()
-            closer.join(limit)
-        if closer is not None and closer.is_alive():
+            self._shut_down()
+        elif not _within(self._shut_down, "kfeed-close", limit):
             raise LoaderError(
                 f"the consumer did not close within {limit:g}s: it is stuck "
                 f"{self._status.doing}, most likely because no broker answers; it goes on "
                 f"closing in the background, and records used since the last commit that "
                 f"went through will be read again by the next reader of the group")
-        if failed:
-            raise failed[0]
 
-    def _shut_down(self, failed: list[BaseException]) -> None:
-        """The final commit and the consumer's close (on the thread ``kfeed-close``)."""
+    def _shut_down(self) -> None:
+        """The final commit and the consumer's close (on the thread ``kfeed-close``); then
+        the first of their errors, if any, is raised."""
+        failed: list[BaseException] = []
         try:
             if not (self._ledger.failed and not self._ledger.handed_any):
                 # (A read that failed before its first batch moved nothing:
@@ -1346,7 +1327,7 @@ class Loader:
                     self._fetcher.commit_now(todo, asynchronous=False)
         except KfeedError as e:
             log.warning("final commit failed: %s", e)
-        except BaseException as e:  # noqa: BLE001 - raised by close(), on the caller's thread
+        except BaseException as e:  # noqa: BLE001 - raised once the consumer is closed
             failed.append(e)
         try:
             self._status.doing = "closing the consumer (Source.close)"
@@ -1363,6 +1344,8 @@ class Loader:
             self._fetcher.before_revoke = no_revoke_hook
             if isinstance(self._ledger, OrderLedger):
                 self._ledger.on_reset = no_reset_hook
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> Loader:
         return self
@@ -1375,6 +1358,27 @@ class Loader:
             self.close(commit_current=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
             pass
+
+
+def _within(call: Callable[[], None], name: str, limit: float) -> bool:
+    """``call()`` on a daemon thread ``name``, given ``limit`` seconds: False if it still
+    runs then (it goes on in the background); what it raised is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 # NOTE [ Epochs ]
