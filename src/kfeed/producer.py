@@ -496,17 +496,16 @@ class Producer:
                        [keys[i] for i in idx], idx)
                       for idx in np.split(order, bounds)]
         made = [(self._messages(cols), part, ks, idx) for cols, part, ks, idx in groups]
-        for values, _part, _ks, idx in made if self._one_a_message else ():
-            # (Blocks and Arrow messages are made to fit.)
-            big = next((i for i, v in enumerate(values) if len(v) > self._message_max), None)
-            if big is not None:
-                row = first + (big if idx is None else int(idx[big]))
-                raise ConfigError(
-                    f"sample {row} of this send() is {len(values[big]):,} bytes as a "
-                    f"message, more than message.max.bytes ({self._message_max:,}): raise "
-                    f"it (and the topic's max.message.bytes); "
-                    + (f"samples 0 to {first - 1} were sent" if first else
-                       "nothing of this call was sent"))
+        for values, _part, _ks, idx in made:
+            if not self._one_a_message or max(map(len, values), default=0) <= self._message_max:
+                continue  # (blocks and Arrow messages are made to fit)
+            big = next(i for i, v in enumerate(values) if len(v) > self._message_max)
+            row = first + (big if idx is None else int(idx[big]))
+            raise ConfigError(
+                f"sample {row} of this send() is {len(values[big]):,} bytes as a message, "
+                f"more than message.max.bytes ({self._message_max:,}): raise it (and the "
+                f"topic's max.message.bytes); " + (f"samples 0 to {first - 1} were sent"
+                                                    if first else "nothing of this call was sent"))
         for values, part, ks, _idx in made:
             for i, v in enumerate(values):
                 if ks is None or not self._one_a_message:  # (blocks go without keys)
