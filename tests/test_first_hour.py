@@ -401,6 +401,32 @@ def test_an_unreachable_broker_logs_a_few_lines_not_hundreds(caplog) -> None:
     assert len(caplog.records) <= 6, [r.getMessage() for r in caplog.records]
 
 
+def test_an_unreachable_broker_is_warned_of_once_not_twice(caplog) -> None:
+    # The error callbacks of the producer and the loader warned of each refused
+    # connect as "KafkaError{code=_TRANSPORT,...}", and librdkafka's own line of
+    # the same connect came beside it, at ERROR: two lines of one trouble.
+    config = {"bootstrap.servers": "127.0.0.1:9"}
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(kfeed.ProduceError):
+            kfeed.Producer(config, "t", SCHEMA, connect_timeout_s=3)
+        ld = kfeed.Loader({**config, "group.id": "g"}, "t", SCHEMA, 8, device="cpu",
+                          connect_timeout_s=3)
+        with pytest.raises(kfeed.ConsumeError):
+            next(ld)
+        ld.close()
+    lines = [(r.name, r.getMessage()) for r in caplog.records]
+    said = [(name, text) for name, text in lines if "Connect to ipv4#127.0.0.1:9" in text]
+    assert [name for name, _ in said] == ["kfeed.producer", "kfeed.sources"], lines
+    assert all(text.startswith("kafka: 127.0.0.1:9/bootstrap: Connect to") for _, text in said)
+    assert not any("KafkaError{" in text for _, text in lines), lines
+    # Still there for who asks (kfeed's -v): librdkafka's own lines, at DEBUG.
+    with caplog.at_level(logging.DEBUG, logger="kfeed.librdkafka"), \
+            pytest.raises(kfeed.ProduceError):
+        kfeed.Producer(config, "t", SCHEMA, connect_timeout_s=1)
+    assert any(r.name == "kfeed.librdkafka" and "Connect to" in r.getMessage()
+               for r in caplog.records)
+
+
 @pytest.mark.integration
 def test_a_missing_topic_says_how_to_create_it(bootstrap, group_id) -> None:
     name = f"missing-{uuid.uuid4().hex}"

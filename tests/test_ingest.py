@@ -41,6 +41,7 @@ from records import kfeed_cli
 
 import kfeed
 from kfeed.cluster._jars import cache_root
+from kfeed.errors import ConfigError, KfeedError
 from kfeed.ingest import shown, source_key
 from kfeed.resume import IngestProgress, job_id
 
@@ -268,6 +269,88 @@ def test_a_killed_run_resumed_sends_every_row_exactly_once(bootstrap, make_topic
                       str(tmp_path / "*.parquet"), "--resume")
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("nothing to send"), again.stdout
+
+
+def save_numpy(path: Path, ids: np.ndarray) -> None:
+    """Rows ``ids`` as ``table`` has them, in an .npz (features, label, id)."""
+    feats = (ids[:, None] * 0.5 + np.arange(WIDTH)).astype(np.float32)
+    np.savez(path, features=feats, label=ids % 10, id=ids)
+
+
+@pytest.mark.integration
+def test_a_numpy_file_is_sent_once_and_resumes_after_a_kill(bootstrap, make_topic,
+                                                            tmp_path) -> None:
+    # An .npz was read whole and sent outside any transaction, with no progress
+    # recorded: the same command after a crash sent every row again, silently.
+    n = 200_000
+    path = tmp_path / "d.npz"
+    save_numpy(path, np.arange(n))
+    topic = make_topic(partitions=4)
+    kill_then_resume(bootstrap, topic, ["--from", str(path)], n)
+    argv = ("produce", "--topic", topic, "--from", str(path), "--progress-every", "600")
+    again = kfeed_cli(bootstrap, *argv)
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines() == [
+        f"kfeed: all {n:,} rows of {source_key(str(path))} were already sent to {topic} by an "
+        f"earlier run: --resend sends them again"], again.stderr
+    # The file rewritten with more rows: a resume would skip by a count that
+    # no longer names the same rows.
+    save_numpy(path, np.arange(n + 10))
+    again = kfeed_cli(bootstrap, *argv, "--resume")
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stderr.strip().splitlines() == [
+        f"kfeed: --resume: --from {path} changed since the {n:,} rows were sent (its size is "
+        f"not what it was): skipping {n:,} rows would send some twice and others never; send "
+        f"it whole with --resend (to a new topic, or after deleting this one's records)"]
+    check_topic(bootstrap, topic, n)
+
+
+@pytest.mark.integration
+def test_a_npy_file_is_memory_mapped_and_sent_once(bootstrap, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    ids = np.arange(150_000)
+    np.save(tmp_path / "ids.npy", ids)
+    argv = ("produce", "--topic", topic, "--from", str(tmp_path / "ids.npy"), "--field",
+            "id=ids", "--progress-every", "600")
+    done = kfeed_cli(bootstrap, *argv)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("produced 150000 samples"), done.stdout
+    assert kfeed_cli(bootstrap, *argv).returncode == 2  # not sent twice
+    one = kfeed.Schema({"id": ("int64", ())})
+    with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
+                      one, 4096, device="cpu", until="end") as loader:
+        got = np.concatenate([b["id"].numpy().copy() for b in loader])
+    assert np.array_equal(np.sort(got), ids)
+
+
+def test_numpy_rows_skip_by_slicing_and_check_what_they_hold(tmp_path) -> None:
+    from kfeed.ingest import STREAM_BATCH_ROWS, NumpyRows
+
+    n = STREAM_BATCH_ROWS + 100
+    save_numpy(tmp_path / "d.npz", np.arange(n))
+    rows = NumpyRows(str(tmp_path / "d.npz"))
+    try:
+        got = [b.column("id") for b in rows.batches(["id", "label"], skip=5)]
+        assert [len(g) for g in got] == [STREAM_BATCH_ROWS, 95]
+        assert np.array_equal(np.concatenate(got), np.arange(5, n)) and rows.total == n
+        assert list(rows.batches(["id"], skip=n)) == []
+        with pytest.raises(KfeedError, match="holds fewer rows than the 1 more that --resume "
+                                             "would leave out: it changed since the last run"):
+            list(rows.batches(["id"], skip=n + 1))
+    finally:
+        rows.close()
+    np.savez(tmp_path / "uneven.npz", features=np.zeros((3, 2), np.float32), id=np.arange(4))
+    rows = NumpyRows(str(tmp_path / "uneven.npz"))
+    with pytest.raises(ConfigError, match=r"uneven.npz: the arrays have different row counts "
+                                          r"\(features 3, id 4\)"):
+        list(rows.batches(["features", "id"]))
+    rows.close()
+    # A .npy is mapped, not read: its rows come from the file as they are sent.
+    np.save(tmp_path / "big.npy", np.arange(10, dtype=np.int64))
+    rows = NumpyRows(str(tmp_path / "big.npy"))
+    (first,) = rows.batches(["big"])
+    assert isinstance(first.column("big"), np.memmap)
+    rows.close()
 
 
 @pytest.mark.integration

@@ -488,12 +488,19 @@ class ConnectionLog(logging.Handler):
     ``target`` (the ``kfeed.librdkafka`` logger by default), marked as
     connection lines (the record's ``connection`` attribute), which ``kfeed``
     commands show only with ``-v``: a failure that matters is an error of its own.
+
+    ``trouble_level``, if given, is the level of the connection lines: DEBUG
+    for the logger of a client whose error callback warns of the same
+    trouble (the loader's consumer, the producer), so that a program's log
+    says it once, not twice, every ``every_s``.
     """
 
-    def __init__(self, target: logging.Logger | None = None, every_s: float = 5.0) -> None:
+    def __init__(self, target: logging.Logger | None = None, every_s: float = 5.0,
+                 trouble_level: int | None = None) -> None:
         super().__init__()
         self.target = target or logging.getLogger("kfeed.librdkafka")
         self.every_s = every_s
+        self.trouble_level = trouble_level
         self._last: dict[str, tuple[float, int]] = {}
 
     # confluent-kafka takes any object with a ``log(level, fmt, *args)`` method.
@@ -510,6 +517,8 @@ class ConnectionLog(logging.Handler):
             self._last[broker] = (now, 0)
             if held:
                 text = f"{text} ({held} more like it in the last {now - last:.0f}s)"
+            if self.trouble_level is not None:
+                level = self.trouble_level
         self.target.log(level, "%s", text, extra={"connection": True})
 
     def emit(self, record: logging.LogRecord) -> None:  # as a plain logging.Handler

@@ -357,8 +357,7 @@ def _corpus_mode(args: argparse.Namespace) -> bool:
 
 
 def _check_produce(args: argparse.Namespace) -> str:
-    """Refuse flags this run would ignore; the run's kind: samples, file, stream, text or
-    corpus."""
+    """Refuse flags this run would ignore; the run's kind: samples, stream, text or corpus."""
     from kfeed import ingest
 
     if args.synthetic is not None:
@@ -370,7 +369,7 @@ def _check_produce(args: argparse.Namespace) -> str:
     elif ingest.is_stream(args.source, args.query, bool(args.field)):
         kind, mode = "stream", f"--from {Path(ingest.shown(args.source)).name} (samples)"
     else:
-        kind, mode = "file", f"--from {Path(ingest.shown(args.source)).name} (samples)"
+        raise ingest.not_samples(args.source)
     file_only = "--from samples (files, object stores, databases)"
     streamed = ("--from samples streamed through pyarrow or ADBC (Parquet, Arrow, CSV, "
                 "JSON Lines; folders, globs, URIs, postgresql://)")
@@ -378,9 +377,9 @@ def _check_produce(args: argparse.Namespace) -> str:
     suffix = Path(args.source).suffix.lower() if args.source is not None else ""
     fields = suffix in (".jsonl", ".parquet")  # a corpus whose documents have fields
     checks = [
-        ("--field", bool(args.field), kind in ("file", "stream"), file_only),
-        ("--dtype", bool(args.dtype), kind in ("file", "stream"), file_only),
-        ("--fill", bool(args.fill), kind in ("file", "stream"), file_only),
+        ("--field", bool(args.field), kind == "stream", file_only),
+        ("--dtype", bool(args.dtype), kind == "stream", file_only),
+        ("--fill", bool(args.fill), kind == "stream", file_only),
         ("--query", args.query is not None, kind == "stream", streamed),
         ("--resume", args.resume, kind == "stream", streamed),
         ("--resend", args.resend, kind == "stream", streamed),
@@ -454,8 +453,6 @@ def _serve_metrics(args: argparse.Namespace) -> None:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from kfeed import ingest
-
     kind = _check_produce(args)
     config = _kafka_config(args)
     _serve_metrics(args)
@@ -464,28 +461,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
     if kind == "stream":
         return _produce_stream(args, config)
     first = args.first_id or 0
-    if kind == "samples":
-        schema = synthetic_schema()
-        total = args.synthetic
-
-        def chunk(i: int, n: int) -> dict[str, Any]:
-            return synthetic_columns(range(first + i, first + i + n))
-    else:
-        fields = parse_pairs(args.field, "--field", "COLUMN") or None
-        data = ingest.read_columns(args.source, fields,
-                                   dtypes=parse_pairs(args.dtype, "--dtype", "DTYPE"),
-                                   fills=parse_pairs(args.fill, "--fill", "VALUE"))
-        if args.keyed and "id" not in data:
-            raise ConfigError(f"--keyed keys samples by their id field, and the fields read are "
-                              f"{', '.join(data)}: add --field id=COLUMN, or leave --keyed out")
-        schema = ingest.schema_for(data)
-        _check_keyed(args, schema)
-        total = len(next(iter(data.values())))
-
-        def chunk(i: int, n: int) -> dict[str, Any]:
-            return {name: col[i:i + n] for name, col in data.items()}
+    schema = synthetic_schema()
     _ensure_topic(args, config, schema)
-    return _send_samples(args, config, schema, total, chunk)
+    return _send_samples(args, config, schema, args.synthetic,
+                         lambda i, n: synthetic_columns(range(first + i, first + i + n)))
 
 
 def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any, *,
@@ -646,7 +625,7 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                 where = rows.where or rows.name
                 cols = ingest.batch_columns(where, batch, fields, dtypes, fills)
                 if first_schema:
-                    _same_schema(first_schema[0], cols, where)
+                    ingest.same_schema(first_schema[0], cols, where)
                 yield cols
 
         batches = read(0)
@@ -806,16 +785,6 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
     print(f"produced {new} samples in {producer.messages - before[0]} messages to {args.topic} "
           f"in {elapsed:.1f}s{after}: {_rates(new, nbytes, elapsed, 'samples')}")
     return 0
-
-
-def _same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
-    """Refuse a later batch (of file ``where``) that gives other fields than the first."""
-    from kfeed import ingest
-
-    later = ingest.schema_for(cols)
-    if later != schema:
-        raise ConfigError(f"{where}: a later batch gives {later} where the first gave {schema}: "
-                          f"give every file and row the same columns and list lengths")
 
 
 # -- produce: token documents -------------------------------------------------------
@@ -1185,12 +1154,13 @@ Send samples, or token documents, to a topic. A missing topic is created with
 replication; the run says so in one line.
 
 Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
-  FILE.npz|.npy                 read whole
-  FILE.parquet|.arrow|.feather|.csv, or .jsonl|.ndjson with --field, a folder of
-  such files or a glob of them (data/*.parquet), locally or at s3://bucket/path
+  FILE.npz|.npy|.parquet|.arrow|.feather|.csv, or .jsonl|.ndjson with --field,
+  a folder of such files or a glob of them (data/*.parquet), locally or at
+  s3://bucket/path
   (gs://, hdfs:// where pyarrow has them; endpoint, region and credentials as
   pyarrow takes them: s3://b/p?endpoint_override=host:port&scheme=http, and the
-  AWS_* environment)             streamed through pyarrow, a batch at a time
+  AWS_* environment)             streamed a batch at a time (through pyarrow;
+                                an .npy memory-mapped, an .npz array read whole)
   postgresql://user@host/db --query "SELECT ..."   streamed through ADBC
   Streamed sources are sent in transactions that also record, in Kafka, how many
   rows are sent: after a crash, the same command with --resume goes on after

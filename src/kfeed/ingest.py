@@ -2,15 +2,19 @@
 
 In the data flow this sits before the producer::
 
-    .npz / .npy / .parquet  --read_columns-->  {field: numpy array, one row a sample}
-                            --schema_for---->  kfeed.Schema
-                            --Producer.send->  a topic
+    .npz / .npy / .parquet / ... / s3:// / postgresql://
+        --open_rows------>  Rows: a batch of rows at a time, in the same order each run
+        --batch_columns-->  {field: numpy array, one row a sample}
+        --schema_for----->  kfeed.Schema
+        --Producer.send-->  a topic, in transactions that record the rows sent
+                            (``kfeed.resume``; the CLI's ``_send_stream``)
 
 (Token corpora take the other road, ``kfeed.text``: documents, not rows.)
 
 Columns become fields by stated rules, so that what reaches the topic is
-what the reader expects, or the run stops before sending anything with the
-column's name, its type and what to do:
+what the reader expects, or the run stops with the column's name, its type
+and what to do (before anything is sent when the mistake shows in the first
+batch; else after the rows before it, which a ``--resume`` goes on after):
 
 - a column of int8..int64, uint8..uint64, float16/32/64 or bool keeps its
   dtype, one value a sample;
@@ -26,6 +30,7 @@ column's name, its type and what to do:
   purpose. This is what stops list<double> features from becoming float64
   records that ``kfeed train`` rejects one by one.
 
+A numpy array of more than two dimensions keeps its row shape (``T[H, W]``).
 It knows nothing of Kafka or torch; errors are ``ConfigError``s whose text
 names the file, the field and the flag that fixes it.
 """
@@ -54,14 +59,17 @@ __all__ = [
     "DTYPES",
     "SUFFIXES",
     "TRAIN_FIELDS",
+    "NumpyRows",
     "ReadAhead",
     "Rows",
     "batch_columns",
     "is_stream",
     "no_password",
+    "not_samples",
     "open_rows",
     "parse_pairs",
     "read_columns",
+    "same_schema",
     "schema_for",
     "skip_documents",
     "source_key",
@@ -109,39 +117,37 @@ def read_columns(
     (``.npz``; a ``.npy`` holds one array, named after the file's stem);
     by default ``features``, ``label`` and ``id``. ``dtypes`` maps a field to
     a dtype to cast it to; ``fills`` maps a field to the value that replaces
-    its nulls (Parquet only).
+    its nulls (Parquet only). The file is read as ``kfeed produce`` streams
+    it (``open_rows``), every batch at once.
     """
     path = Path(path)
-    fields = field_order(fields or DEFAULT_FIELDS)
-    dtypes = dict(dtypes or {})
-    fills = dict(fills or {})
-    suffix = path.suffix.lower()
+    if path.suffix.lower() not in SUFFIXES or not path.exists():
+        raise not_samples(str(path))
+    dtypes, fills = dict(dtypes or {}), dict(fills or {})
+    rows = open_rows(str(path))
+    try:
+        fields = stream_fields(rows, fields, dtypes, fills)
+        parts = [batch_columns(path.name, batch, fields, dtypes, fills)
+                 for batch in rows.batches(sorted(set(fields.values())))]
+    finally:
+        rows.close()
+    if not parts:
+        raise ConfigError(f"{path.name} holds no rows: nothing to read")
+    for part in parts[1:]:
+        same_schema(schema_for(parts[0]), part, path.name)
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def not_samples(source: str) -> ConfigError:
+    """The mistake of a ``--from`` that names no sample file kfeed reads."""
+    path = Path(source)
     if not path.exists():
-        raise ConfigError(f"--from {path}: no such file: check the path")
-    if suffix not in SUFFIXES:
-        known = ", ".join(dict.fromkeys([*SUFFIXES, *DATASET_FORMATS]))
-        raise ConfigError(f"--from {path}: samples come from {known} files (.jsonl with "
-                          f"--field), a folder or a glob of them, not "
-                          f"{path.suffix or 'a file with no suffix'}: convert it, or give a "
-                          f".txt or .jsonl corpus for token documents")
-    if not path.is_file():
-        raise ConfigError(f"--from {path}: not a file: check the path")
-    _check_flags(fields, dtypes, fills)
-    if fills and suffix != ".parquet":
-        raise ConfigError(f"--fill replaces the nulls of Parquet columns; {path.name} has "
-                          f"none: leave --fill out")
-    if suffix == ".parquet":
-        raw = dict(_read_parquet(path, fields, fills))
-    else:
-        raw = dict(_read_numpy(path, fields))
-    out = {name: _settle(path.name, name, fields[name], arr, dtypes.get(name))
-           for name, arr in raw.items()}
-    counts = {name: len(arr) for name, arr in out.items()}
-    if len(set(counts.values())) > 1:
-        listed = ", ".join(f"{n} {c}" for n, c in counts.items())
-        raise ConfigError(f"{path.name}: the fields have different row counts ({listed}): "
-                          f"every column needs one value per sample")
-    return out
+        return ConfigError(f"--from {path}: no such file: check the path")
+    known = ", ".join(dict.fromkeys([*SUFFIXES, *DATASET_FORMATS]))
+    return ConfigError(f"--from {path}: samples come from {known} files (.jsonl with "
+                       f"--field), a folder or a glob of them, not "
+                       f"{path.suffix or 'a file with no suffix'}: convert it, or give a "
+                       f".txt or .jsonl corpus for token documents")
 
 
 def field_order(fields: Mapping[str, str]) -> dict[str, str]:
@@ -154,84 +160,14 @@ def field_order(fields: Mapping[str, str]) -> dict[str, str]:
 
 
 def schema_for(columns: Mapping[str, np.ndarray]) -> Any:
-    """The schema of columns ``read_columns`` returned: each field's dtype and row shape."""
+    """The schema of columns (``batch_columns``, ``read_columns``): each field's dtype and
+    row shape."""
     from kfeed.schema import Schema
 
     return Schema({name: (arr.dtype.name, arr.shape[1:]) for name, arr in columns.items()})
 
 
-# -- numpy files -------------------------------------------------------------------
-
-
-# What np.load raises for a file that is not what its name says, or is cut short.
-_NUMPY_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
-
-
-def _read_numpy(path: Path, fields: Mapping[str, str]) -> Iterator[tuple[str, np.ndarray]]:
-    if path.suffix.lower() == ".npy":
-        stem = path.stem
-        if len(fields) != 1 or next(iter(fields.values())) != stem:
-            raise ConfigError(f"{path.name} holds one array, named {stem!r} after the file: map "
-                              f"it to one field with --field FIELD={stem} (e.g. --field "
-                              f"features={stem})")
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except _NUMPY_ERRORS as e:
-            raise ConfigError(f"{path.name}: not a numpy array file ({first_line(e)}): check "
-                              f"the file") from None
-        if not isinstance(arr, np.ndarray):
-            arr.close()
-            raise ConfigError(f"{path.name}: an .npz archive, not one .npy array: name it "
-                              f"{path.stem}.npz") from None
-        yield next(iter(fields)), arr
-        return
-    try:
-        data = np.load(path, allow_pickle=False)
-    except _NUMPY_ERRORS as e:
-        raise ConfigError(f"{path.name}: not a numpy .npz file ({first_line(e)}): check the "
-                          f"file") from None
-    if isinstance(data, np.ndarray):
-        raise ConfigError(f"{path.name}: one .npy array, not an .npz archive: name it "
-                          f"{path.stem}.npy and map it with --field FIELD={path.stem}")
-    with data:
-        names = list(data.files)
-        for name, src in fields.items():
-            if src not in names:
-                raise ConfigError(f"{path.name} has no array {src!r} for field {name!r} (it has: "
-                                  f"{', '.join(names) or 'none'}): map the field with "
-                                  f"--field {name}=ARRAY")
-            try:
-                arr = data[src]
-            except ValueError as e:  # an object array: numpy refuses it without pickles
-                raise ConfigError(f"{path.name}: array {src!r} (field {name!r}) holds Python "
-                                  f"objects ({e}): save it as a numeric array") from None
-            except _NUMPY_ERRORS as e:  # the archive cut short
-                raise ConfigError(f"{path.name}: array {src!r} cannot be read "
-                                  f"({first_line(e)}): check the file") from None
-            yield name, arr
-
-
-# -- Parquet -----------------------------------------------------------------------
-
-
-def _read_parquet(path: Path, fields: Mapping[str, str],
-                  fills: Mapping[str, str]) -> Iterator[tuple[str, np.ndarray]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"{path.name}: not a Parquet file ({e}): check the file") from None
-    names = pf.schema_arrow.names
-    for name, src in fields.items():
-        if src not in names:
-            raise ConfigError(f"{path.name} has no column {src!r} for field {name!r} (it has: "
-                              f"{', '.join(names)}): map the field with --field {name}=COLUMN")
-    table = pf.read(columns=sorted(set(fields.values())))
-    for name, src in fields.items():
-        col = table.column(src).combine_chunks()
-        yield name, _arrow_column(path.name, name, src, col, fills.get(name))
+# -- Arrow columns ------------------------------------------------------------------
 
 
 def _element_type(kind: Any) -> tuple[bool, Any]:
@@ -433,7 +369,7 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
     suffix = Path(source).suffix.lower()
     if suffix == ".jsonl":
         return fields_given
-    return suffix in DATASET_FORMATS
+    return suffix in DATASET_FORMATS or suffix in SUFFIXES
 
 
 # How long a GCS request is retried unless the URI says (retry_limit_seconds=).
@@ -544,9 +480,16 @@ class Rows:
     where = ""  # the file the latest batch came from (for messages), if files
     total: int | None = None
     schema: Any = None  # the pyarrow schema of the rows
+    nulls = True  # whether a column may hold nulls (--fill)
 
     def names(self) -> list[str]:
         raise NotImplementedError
+
+    def no_column(self, name: str, src: str) -> ConfigError:
+        """The mistake of field ``name`` read from ``src``, which the rows do not have."""
+        return ConfigError(f"{self.name} has no column {src!r} for field {name!r} (it has: "
+                           f"{', '.join(self.names())}): map the field with --field "
+                           f"{name}=COLUMN")
 
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
         raise NotImplementedError
@@ -809,6 +752,118 @@ class QueryRows(Rows):
         self._cursor = None
 
 
+# What np.load raises for a file that is not what its name says, or is cut short.
+_NUMPY_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+
+
+class NumpyRows(Rows):
+    """The arrays of a ``.npz`` archive, or the one array of a ``.npy`` file (named
+    after the file's stem), a slice of rows at a time.
+
+    A ``.npy`` is memory-mapped, so it is read as it is sent whatever its
+    size; an ``.npz`` member is read whole when its column is first asked
+    for (numpy cannot map a zip member). Skipping rows for a resume is a
+    slice. A sample file has no nulls (``nulls``), and its mark is its size
+    (as a dataset's files are marked).
+    """
+
+    nulls = False
+
+    def __init__(self, source: str) -> None:
+        path = Path(source)
+        if not path.is_file():
+            raise not_samples(source) if not path.exists() else \
+                ConfigError(f"--from {path}: not a file: check the path")
+        self.path, self.name = path, path.name
+        self.one = path.suffix.lower() == ".npy"
+        what = "numpy array" if self.one else "numpy .npz"
+        try:
+            self._data: Any = np.load(path, mmap_mode="r" if self.one else None,
+                                      allow_pickle=False)
+        except _NUMPY_ERRORS as e:
+            raise ConfigError(f"{path.name}: not a {what} file ({first_line(e)}): check the "
+                              f"file") from None
+        if self.one and not isinstance(self._data, np.ndarray):
+            self._data.close()
+            raise ConfigError(f"{path.name}: an .npz archive, not one .npy array: name it "
+                              f"{path.stem}.npz")
+        if not self.one and isinstance(self._data, np.ndarray):
+            raise ConfigError(f"{path.name}: one .npy array, not an .npz archive: name it "
+                              f"{path.stem}.npy and map it with --field FIELD={path.stem}")
+        self.total = len(self._data) if self.one and self._data.ndim else None
+        self._size = path.stat().st_size
+
+    def names(self) -> list[str]:
+        return [self.path.stem] if self.one else list(self._data.files)
+
+    def no_column(self, name: str, src: str) -> ConfigError:
+        stem = self.path.stem
+        if self.one:
+            return ConfigError(f"{self.name} holds one array, named {stem!r} after the file: "
+                               f"map it to one field with --field FIELD={stem} (e.g. --field "
+                               f"features={stem})")
+        return ConfigError(f"{self.name} has no array {src!r} for field {name!r} (it has: "
+                           f"{', '.join(self.names()) or 'none'}): map the field with "
+                           f"--field {name}=ARRAY")
+
+    def _array(self, src: str) -> np.ndarray:
+        if self.one:
+            return self._data  # type: ignore[no-any-return]
+        try:
+            return self._data[src]  # type: ignore[no-any-return]
+        except ValueError as e:  # an object array: numpy refuses it without pickles
+            raise ConfigError(f"{self.name}: array {src!r} holds Python objects ({e}): save "
+                              f"it as a numeric array") from None
+        except _NUMPY_ERRORS as e:  # the archive cut short
+            raise ConfigError(f"{self.name}: array {src!r} cannot be read ({first_line(e)}): "
+                              f"check the file") from None
+
+    def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
+        arrays = {src: self._array(src) for src in columns}
+        for src, arr in arrays.items():
+            if arr.ndim == 0:
+                raise ConfigError(f"{src!r} of {self.name} is a single value, not one per "
+                                  f"sample: give an array with a row per sample")
+        counts = {src: len(arr) for src, arr in arrays.items()}
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{src} {n}" for src, n in counts.items())
+            raise ConfigError(f"{self.name}: the arrays have different row counts ({listed}): "
+                              f"every array needs one row per sample")
+        self.total = n = next(iter(counts.values()), 0)
+        if skip > n:
+            raise KfeedError(f"--from {self.path}: it holds fewer rows than the {skip - n} "
+                             f"more that --resume would leave out: it changed since the last "
+                             f"run")
+        for i in range(skip, n, STREAM_BATCH_ROWS):
+            yield _Slice({src: arr[i:i + STREAM_BATCH_ROWS] for src, arr in arrays.items()})
+
+    def mark(self, rows: int) -> str | None:
+        return f"1:{self._size}"
+
+    def check_mark(self, mark: str | None, rows: int) -> None:
+        if mark and mark != self.mark(rows):
+            raise ConfigError(
+                f"--resume: --from {self.path} changed since the {rows:,} rows were sent (its "
+                f"size is not what it was): skipping {rows:,} rows would send some twice and "
+                f"others never; send it whole with --resend (to a new topic, or after "
+                f"deleting this one's records)")
+
+    def close(self) -> None:
+        if not self.one:
+            self._data.close()
+
+
+class _Slice:
+    """Rows of a sample file's arrays, as ``batch_columns`` takes a RecordBatch's."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.num_rows = len(next(iter(arrays.values())))
+
+    def column(self, src: str) -> np.ndarray:
+        return self.arrays[src]
+
+
 def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
     """``batches`` less their first ``skip`` rows; ``short.format(rows missing)`` if too few."""
     for batch in batches:
@@ -831,6 +886,8 @@ def open_rows(source: str, query: str | None = None,
     if source.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"--from {shown(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
+    if Path(source).suffix.lower() in (".npz", ".npy") and "://" not in source:
+        return NumpyRows(source)
     return DatasetRows(source, column_types)
 
 
@@ -956,9 +1013,11 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
     names = rows.names()
     for name, src in fields.items():
         if src not in names:
-            raise ConfigError(f"{rows.name} has no column {src!r} for field {name!r} (it has: "
-                              f"{', '.join(names)}): map the field with --field {name}=COLUMN")
+            raise rows.no_column(name, src)
     _check_flags(fields, dtypes, fills)
+    if fills and not rows.nulls:
+        raise ConfigError(f"--fill replaces the nulls of Arrow columns; {rows.name} has none: "
+                          f"leave --fill out")
     for name, fill in fills.items():  # a bad value is a mistake before any row is sent
         _, kind = _element_type(rows.schema.field(fields[name]).type)
         if pa.types.is_null(kind):
@@ -985,14 +1044,23 @@ def _check_flags(fields: Mapping[str, str], dtypes: Mapping[str, str],
 
 def batch_columns(name: str, batch: Any, fields: Mapping[str, str],
                   dtypes: Mapping[str, str], fills: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """A RecordBatch's columns as ``{field: array}``, by the module's rules."""
+    """A batch's columns as ``{field: array}``, by the module's rules: a RecordBatch's,
+    or a sample file's (``NumpyRows``: numpy already)."""
     out = {}
     for field, src in fields.items():
         col = batch.column(src)
-        out[field] = _settle(name, field, src, _arrow_column(name, field, src, col,
-                                                             fills.get(field)),
-                             dtypes.get(field))
+        if not isinstance(col, np.ndarray):
+            col = _arrow_column(name, field, src, col, fills.get(field))
+        out[field] = _settle(name, field, src, col, dtypes.get(field))
     return out
+
+
+def same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
+    """Refuse a later batch (of file ``where``) that gives other fields than the first."""
+    later = schema_for(cols)
+    if later != schema:
+        raise ConfigError(f"{where}: a later batch gives {later} where the first gave {schema}: "
+                          f"give every file and row the same columns and list lengths")
 
 
 def _hidden(relative: str) -> bool:

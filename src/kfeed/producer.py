@@ -221,7 +221,8 @@ class Producer:
         # deque because append and popleft are atomic without a lock.
         self._failures: deque[Any] = deque()
         config["error_cb"] = chain(self._on_error, config.get("error_cb"))
-        config.setdefault("logger", ConnectionLog())
+        # (Its connection lines at DEBUG: _on_error warns of the same trouble.)
+        config.setdefault("logger", ConnectionLog(trouble_level=logging.DEBUG))
         self._servers = str(config["bootstrap.servers"])
         self._client = client_config(config)
         # Transactional: the offset after each partition's last delivered
@@ -592,7 +593,7 @@ class Producer:
         # past (bad credentials, no access) is kept and raised by send/flush.
         if err.fatal() or err.code() in REFUSED:
             self._fatal = err
-        self._warn.log(logging.WARNING, "kafka: %s", err)
+        self._warn.log(logging.WARNING, "kafka: %s", err.str())
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         # See NOTE [ Callbacks never raise ]: record, never lock, never raise.

@@ -347,7 +347,8 @@ class KafkaSource(Source):
         self.protocol = group_protocol(config)
         self.incremental = self.protocol != "eager"
         config["error_cb"] = chain(self._on_error, config.get("error_cb"))
-        config.setdefault("logger", ConnectionLog())
+        # (Its connection lines at DEBUG: _on_error warns of the same trouble.)
+        config.setdefault("logger", ConnectionLog(trouble_level=logging.DEBUG))
         self._warn = ConnectionLog(log)
         # Lag comes from librdkafka's own statistics, so reading it never
         # blocks on a broker (one that is down, say).
@@ -401,7 +402,7 @@ class KafkaSource(Source):
             self._fatal = err
         elif code in GONE_CODES and self._gone is None:
             self._gone = (time.monotonic(), err)
-        self._warn.log(logging.WARNING, "kafka: %s", err)
+        self._warn.log(logging.WARNING, "kafka: %s", err.str())
 
     def _still_gone(self, every: float = 1.0) -> str | None:
         """A topic the brokers know no more, if any (asked at most every ``every`` s)."""
