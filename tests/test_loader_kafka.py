@@ -501,6 +501,37 @@ def test_produce_cli_from_a_file(bootstrap, make_topic, group_id, tmp_path, suff
     assert np.array_equal(features, cols["features"])
 
 
+@pytest.mark.parametrize("how", ["exception", "close", "shuffled"])
+def test_a_step_that_failed_leaves_its_batch_to_be_read_again(bootstrap, make_topic,
+                                                              how) -> None:
+    # Closing the consumer revoked every partition, and the revoke committed
+    # what was handed out: the batch in hand too, whose step never finished
+    # (50 of 600 records never trained, in each way of leaving).
+    topic = make_topic(partitions=2)
+    produce(bootstrap, topic, 0, 600, block_records=8)
+    group = uuid.uuid4().hex
+    kwargs = {"shuffle": kfeed.Shuffle(buffer=64, seed=0)} if how == "shuffled" else {}
+    used: list[int] = []
+    in_hand: list[int] = []
+    ld = loader(bootstrap, topic, group, batch_size=50, **kwargs)
+    try:
+        with ld:
+            for step, b in enumerate(ld, 1):
+                if step == 3:
+                    in_hand = b["id"].tolist()
+                    if how == "close":
+                        ld.close(commit_current=False)
+                        break
+                    raise RuntimeError("the step failed")
+                used += b["id"].tolist()
+    except RuntimeError:
+        pass
+    with loader(bootstrap, topic, group, batch_size=50, **kwargs) as again:
+        rest = [i for b in again for i in b["id"].tolist()]
+    assert set(in_hand) <= set(rest)
+    assert sorted(used + rest) == sorted(set(used + rest)) == list(range(600))
+
+
 def _join_mid_stream(bootstrap: str, topic: str, first_batches: int, **kwargs) -> list[np.ndarray]:
     """Loader A hands out batches (and prefetches more), then B joins the group: the
     rebalance revokes A's partitions while A holds batches not yet handed out."""

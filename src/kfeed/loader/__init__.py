@@ -1331,6 +1331,11 @@ class Loader:
             failed.append(e)
         try:
             self._status.doing = "closing the consumer (Source.close)"
+            # Closing leaves the group, a revoke of every partition: it commits
+            # nothing more than the final commit above, which has what is due.
+            # (Of its own it commits what was handed out: the batch in hand
+            # too, which close(commit_current=False) leaves to be read again.)
+            self._fetcher.before_revoke = _commit_nothing
             self._source.close()
         except BaseException as e:  # noqa: BLE001 - as above
             failed.append(e)
@@ -1358,6 +1363,11 @@ class Loader:
             self.close(commit_current=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
             pass
+
+
+def _commit_nothing(tps: list[TP]) -> dict[TP, Position]:
+    """The revoke hook of a closing loader: no commit (see ``Loader._shut_down``)."""
+    return {}
 
 
 def _within(call: Callable[[], None], name: str, limit: float) -> bool:
