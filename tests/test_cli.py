@@ -232,8 +232,9 @@ def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("a document\n")
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--keyed")
-    assert (code, err) == (2, [("kfeed: --keyed applies to synthetic data, not to a corpus: key "
-                               "its documents with --key-field FIELD")])
+    # (It said --keyed applies to synthetic data, which --from samples take too.)
+    assert (code, err) == (2, [("kfeed: --keyed keys samples by their id, not a corpus's "
+                               "documents: key them with --key-field FIELD")])
     code, err, _ = run_main(capsys, *PRODUCE, "--from", str(corpus), "--field", "features=x")
     assert (code, err) == (2, [("kfeed: --field applies to --from samples (files, object "
                                "stores, databases), not to --from c.txt (a corpus): leave it "
@@ -515,6 +516,36 @@ def test_npz_missing_array_is_named_with_the_ones_it_has(capsys, tmp_path) -> No
                                "to one field with --field FIELD=f (e.g. --field features=f)")])
     got = ingest.read_columns(tmp_path / "f.npy", {"features": "f"})
     assert got["features"].dtype == np.float32 and got["features"].shape == (4, 3)
+
+
+def test_a_folder_or_glob_of_numpy_files_is_refused_in_one_line(capsys, tmp_path) -> None:
+    # A folder said ".npz" was not a format kfeed reads; a glob, "no such file".
+    for i in range(2):
+        np.savez(tmp_path / f"p{i}.npz", features=np.zeros((4, 3), np.float32))
+    line = (": the files are .npz: a run reads one format, one of .parquet, .arrow, .feather, "
+            ".ipc, .csv, .jsonl, .ndjson: a numpy file is read on its own, --from FILE.npz "
+            "(join the arrays into one file, or write the rows as Parquet files)")
+    for source in (str(tmp_path), str(tmp_path / "*.npz")):
+        code, err, _ = run_main(capsys, *PRODUCE, "--from", source)
+        assert (code, err) == (2, [f"kfeed: --from {source}{line}"]), source
+
+
+def test_a_json_list_column_is_cast_by_its_dtype(tmp_path) -> None:
+    # --dtype features=float32, as the refusal without it says to pass, became
+    # the JSON reader's type of the whole column, a number: "changed from number
+    # to array in row 0", and the run stopped.
+    import json
+
+    path = tmp_path / "arr.jsonl"
+    path.write_text("".join(json.dumps({"features": [0.5 * i, 1.0, 2.0], "label": i % 3,
+                                        "id": i}) + "\n" for i in range(50)))
+    fields = {"features": "features", "label": "label", "id": "id"}
+    with pytest.raises(ConfigError, match="pass --dtype features=float32 to cast it"):
+        ingest.read_columns(path, fields)
+    got = ingest.read_columns(path, fields, dtypes={"features": "float32"})
+    assert got["features"].dtype == np.float32 and got["features"].shape == (50, 3)
+    assert got["features"][7].tolist() == [3.5, 1.0, 2.0]
+    assert got["label"].tolist() == [i % 3 for i in range(50)]
 
 
 def test_a_checkpoint_that_is_not_one_is_a_mistake_in_the_command(capsys, tmp_path) -> None:
@@ -885,8 +916,18 @@ def test_a_ctrl_c_while_produce_waits_for_its_messages_is_an_interrupt(bootstrap
     proc.send_signal(signal.SIGINT)  # it waits for the acknowledgements
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert err.splitlines()[-1] == ("kfeed: interrupted: what was sent before stands (a run "
-                                    "--from a dataset goes on with --resume)"), err
+    # (--synthetic has no --resume: it said a run --from a dataset goes on with one.)
+    assert err.splitlines()[-1] == "kfeed: interrupted: what was sent before stands", err
+
+
+def test_an_interrupted_produce_names_resume_only_where_there_is_one(tmp_path) -> None:
+    parser = cli.build_parser()
+    cases = [(["--synthetic", "5"], ""), (["--from", str(tmp_path / "c.txt")], ""),
+             (["--from", str(tmp_path / "d.parquet")],
+              " (the same command with --resume goes on after it)")]
+    for argv, more in cases:
+        args = parser.parse_args(["produce", "--topic", "t", *argv])
+        assert cli._after_interrupt(args) == ": what was sent before stands" + more, argv
 
 
 def test_progress_off_a_terminal_is_plain_lines_with_the_eta(capsys) -> None:

@@ -306,6 +306,40 @@ def test_a_numpy_file_is_sent_once_and_resumes_after_a_kill(bootstrap, make_topi
 
 
 @pytest.mark.integration
+def test_a_transaction_ends_inside_a_source_batch_once_full(bootstrap, make_topic,
+                                                            tmp_path) -> None:
+    # The limits were looked at after each source batch, of 65,536 rows whatever
+    # their size: rows of 48 KB made a batch of 3 GB, whose transaction the
+    # brokers aborted for its age, at every --resume again. Each transaction
+    # ends with a marker that takes an offset: one partition's end offset less
+    # its messages counts them.
+    topic = make_topic(partitions=1)
+    n = 10_000
+    save_numpy(tmp_path / "d.npz", np.arange(n))  # 10,000 rows of 144 bytes: one batch
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path / "d.npz"),
+                     "--transaction-mb", "0.2", "--block-records", "64")
+    assert done.returncode == 0, done.stderr
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                  "enable.partition.eof": True})
+    try:
+        c.assign([TopicPartition(topic, 0, 0)])
+        messages = 0
+        while True:
+            m = c.poll(10)
+            assert m is not None
+            if m.error():
+                break  # the partition's end
+            messages += 1
+        _low, end = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    finally:
+        c.close()
+    transactions = end - messages
+    assert transactions >= n * 144 / 0.2e6 * 0.8, (transactions, messages)
+    check_topic(bootstrap, topic, n)
+
+
+@pytest.mark.integration
 def test_a_npy_file_is_memory_mapped_and_sent_once(bootstrap, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=2)
     ids = np.arange(150_000)
@@ -431,10 +465,12 @@ def test_text_files_read_a_column_as_its_dtype_and_quoted_newlines(bootstrap, ma
             for i in range(n):
                 late = "null" if i < n - 10 else "7"
                 f.write(f'{{"id": {i}, "x": {text[i]}, "late": {late}, "note": "n {i}"}}\n')
-    # Without the --dtype, the line says what to do.
+    # Without the --dtype, the line says what to do; nothing was sent (the
+    # transaction the rows before it were in is aborted): a mistake in the
+    # command, exit 2 (it was 1).
     guessed = kfeed_cli(bootstrap, "produce", "--topic", make_topic(partitions=1), "--from",
                         str(path), "--field", "id=id", "--field", "x=x", "--progress-every", "600")
-    assert guessed.returncode == 1 and ("(a column's type is guessed from the file's first "
+    assert guessed.returncode == 2 and ("(a column's type is guessed from the file's first "
                                         "rows: give the field's with --dtype FIELD=DTYPE)"
                                         in guessed.stderr), guessed.stderr
     topic = make_topic(partitions=1)

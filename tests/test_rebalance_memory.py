@@ -70,6 +70,37 @@ def test_every_record_once_whatever_the_rebalances(name, shuffle) -> None:
     assert len(ids) == len(all_ids())
 
 
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_a_revoke_commits_no_batch_whose_step_is_still_running(name) -> None:
+    # The loader's thread gave revoked partitions up at once, committing what
+    # was handed out: the batch whose step was still running too, which a
+    # trainer killed in that step never trained and nobody read again.
+    done: dict = {}  # per partition, the end of the batches whose step is over
+    early: list = []
+
+    class Watched(MemorySource):
+        def commit(self, positions, asynchronous):
+            early.extend((tp, pos[:2], done.get(tp)) for tp, pos in positions.items()
+                         if tuple(pos[:2]) > done.get(tp, (0, 0)))
+            return super().commit(positions, asynchronous)
+
+    incremental, script = SCRIPTS[name]
+    src = Watched(sample_values(), incremental=incremental, most=4)
+    for call, revoke, assign in script:
+        src.rebalance(call, revoke=revoke, assign=assign)
+    ids = []
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=3) as ld:
+        for batch in ld:
+            time.sleep(0.01)  # the step, while the thread fetches (and rebalances)
+            ids.append(batch["id"].numpy().copy())
+            for tp, (_first, end) in batch.offsets.items():
+                done[tp] = max(done.get(tp, (0, 0)), tuple(end))
+    assert src.calls >= max(c for c, _r, _a in script), "the script did not play"
+    assert early == []
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.sort(all_ids()))
+
+
 @pytest.mark.parametrize("incremental", [False, True], ids=["eager", "incremental"])
 def test_a_rebalance_inside_a_fetch_ahead_loses_and_repeats_nothing(incremental) -> None:
     # A fetch takes what is there first (consume(n + ahead, 0)), then waits

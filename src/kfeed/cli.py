@@ -404,8 +404,8 @@ def _check_produce(args: argparse.Namespace) -> str:
         raise ConfigError("--resume goes on after the rows sent before and --resend sends "
                           "them again: give one of them")
     if args.keyed and kind == "corpus":
-        raise ConfigError("--keyed applies to synthetic data, not to a corpus: key its "
-                          "documents with --key-field FIELD")
+        raise ConfigError("--keyed keys samples by their id, not a corpus's documents: key "
+                          "them with --key-field FIELD")
     _wire_format(args)
     if args.format in ("avro", "protobuf", "json") and kind in ("text", "corpus"):
         raise ConfigError(f"--format {args.format} writes fixed-shape samples, not token "
@@ -707,6 +707,13 @@ def _transaction_age_s(config: dict[str, Any]) -> float:
     return float(config.get("transaction.timeout.ms", 60_000)) / 3000
 
 
+def _rows_a_send(cols: dict[str, Any], limit: float) -> int:
+    """Rows a ``Producer.send`` of streamed rows takes: 8192, or fewer where they would
+    weigh more than 8 MB or a quarter of a transaction's ``limit`` bytes."""
+    row = sum(v[:1].nbytes for v in cols.values()) or 1
+    return int(max(1, min(8192, min(8 << 20, limit / 4) // row)))
+
+
 # What _send_stream holds in place of the next batch when the source was too slow to
 # give it within the transaction's age: it is waited for after the commit.
 _LATER = object()
@@ -749,17 +756,32 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         while cols is not None:
             with producer.transaction():
                 opened, start_bytes = time.monotonic(), producer.bytes
+
+                def full() -> bool:
+                    return (producer.bytes - start_bytes >= limit
+                            or time.monotonic() - opened >= age_s)
+
                 while True:
                     n = len(next(iter(cols.values())))
-                    for i in range(0, n, 8192):  # as _send_samples: encoding beside sending
-                        part = {k: v[i:i + 8192] for k, v in cols.items()}
+                    # A send at a time (encoding beside sending), the limits
+                    # looked at after each: a source batch of large rows would
+                    # otherwise outlive the transaction, which the brokers
+                    # abort for its age, at every resume again.
+                    step = _rows_a_send(cols, limit)
+                    i = 0
+                    while i < n and not (i and full()):
+                        part = {k: v[i:i + step] for k, v in cols.items()}
                         producer.send(part, keys=part["id"] if args.keyed else None)
-                    sent += n
-                    left = age_s - (time.monotonic() - opened)
-                    if producer.bytes - start_bytes >= limit or left <= 0:
+                        i += step
+                    i = min(i, n)
+                    sent += i
+                    if i < n:  # full inside the batch: its rest goes in the next one
+                        cols = {k: v[i:] for k, v in cols.items()}
+                        break
+                    if full():
                         cols = _LATER
                         break
-                    cols = following(left)
+                    cols = following(age_s - (time.monotonic() - opened))
                     if cols is None or cols is _LATER:
                         break
                 progress.record(producer, sent)
@@ -1154,9 +1176,9 @@ Send samples, or token documents, to a topic. A missing topic is created with
 replication; the run says so in one line.
 
 Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
-  FILE.npz|.npy|.parquet|.arrow|.feather|.csv, or .jsonl|.ndjson with --field,
-  a folder of such files or a glob of them (data/*.parquet), locally or at
-  s3://bucket/path
+  FILE.npz|.npy (one file), or FILE.parquet|.arrow|.feather|.csv, or
+  .jsonl|.ndjson with --field, a folder of such files or a glob of them
+  (data/*.parquet), locally or at s3://bucket/path
   (gs://, hdfs:// where pyarrow has them; endpoint, region and credentials as
   pyarrow takes them: s3://b/p?endpoint_override=host:port&scheme=http, and the
   AWS_* environment)             streamed a batch at a time (through pyarrow;
@@ -1718,9 +1740,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _after_interrupt(args: argparse.Namespace) -> str:
     if args.command == "produce":
-        if args.synthetic_text is not None or _corpus_mode(args):
+        if args.source is None or _corpus_mode(args):
             return ": what was sent before stands"
-        return ": what was sent before stands (a run --from a dataset goes on with --resume)"
+        return ": what was sent before stands (the same command with --resume goes on after it)"
     return {"train": ": the last checkpoint (if any) stands",
             "convert": ": the rounds committed before stand"}.get(args.command, "")
 

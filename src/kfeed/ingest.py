@@ -113,7 +113,7 @@ def read_columns(
 ) -> dict[str, np.ndarray]:
     """The columns of a sample file as ``{field: array}``, by the module's rules.
 
-    ``fields`` maps each field to its column (``.parquet``) or array
+    ``fields`` maps each field to its column (Parquet, Arrow, CSV, JSON Lines) or array
     (``.npz``; a ``.npy`` holds one array, named after the file's stem);
     by default ``features``, ``label`` and ``id``. ``dtypes`` maps a field to
     a dtype to cast it to; ``fills`` maps a field to the value that replaces
@@ -121,10 +121,11 @@ def read_columns(
     it (``open_rows``), every batch at once.
     """
     path = Path(path)
-    if path.suffix.lower() not in SUFFIXES or not path.exists():
+    if path.suffix.lower() not in (*SUFFIXES, *DATASET_FORMATS) or not path.is_file():
         raise not_samples(str(path))
     dtypes, fills = dict(dtypes or {}), dict(fills or {})
-    rows = open_rows(str(path))
+    given = dict(fields or {})
+    rows = open_rows(str(path), column_types={given.get(f, f): d for f, d in dtypes.items()})
     try:
         fields = stream_fields(rows, fields, dtypes, fills)
         parts = [batch_columns(path.name, batch, fields, dtypes, fills)
@@ -344,6 +345,8 @@ DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".
 _GLOB = "*?["
 # Rows a batch holds at most as it leaves the reader: one producer call.
 STREAM_BATCH_ROWS = 65536
+# ... and at most about this many bytes, where the rows' size is known (one row at least).
+STREAM_BATCH_BYTES = 64 << 20
 # Batches pyarrow decodes ahead of the one taken (besides ReadAhead's queue).
 READ_AHEAD_BATCHES = 1
 # The bytes of a batch of a query's result, as the ADBC driver streams it.
@@ -573,13 +576,22 @@ class DatasetRows(Rows):
             suffixes = sorted({Path(f).suffix or "(none)" for f in files})
             corpus = (": a text corpus is one file, --from corpus.txt (documents "
                       "separated by blank lines)" if ".txt" in suffixes else "")
+            if {".npz", ".npy"} & set(suffixes):
+                corpus = (": a numpy file is read on its own, --from FILE.npz (join the "
+                          "arrays into one file, or write the rows as Parquet files)")
             raise ConfigError(f"--from {said}: the files are {', '.join(suffixes)}: a run "
                               f"reads one format, one of {', '.join(DATASET_FORMATS)}{corpus}")
         self.format = kinds.pop()
         self.files = files
         self.name = Path(files[0]).name if len(files) == 1 else said
         try:
-            fmt, types = _file_format(self.format, column_types or {})
+            lists: set[str] = set()
+            if self.format == "json" and column_types:
+                # A list column's --dtype is its elements' (as the first rows have it).
+                guessed = ds.dataset(files, filesystem=fs, format="json").schema
+                lists = {c for c in column_types
+                         if c in guessed.names and _element_type(guessed.field(c).type)[0]}
+            fmt, types = _file_format(self.format, column_types or {}, lists)
             self.dataset = ds.dataset(files, filesystem=fs, format=fmt)
             schema = self.dataset.schema
             self._scan_schema = None
@@ -676,7 +688,8 @@ class DatasetRows(Rows):
             rows = self._ends[-1] if self._ends else 0
             try:
                 # In the file's order: a resume counts on it.
-                for batch in fragment.to_batches(columns=columns, batch_size=STREAM_BATCH_ROWS,
+                for batch in fragment.to_batches(columns=columns,
+                                                 batch_size=_rows_a_batch(self.schema, columns),
                                                  batch_readahead=READ_AHEAD_BATCHES,
                                                  fragment_readahead=1,
                                                  fragment_scan_options=options,
@@ -688,8 +701,12 @@ class DatasetRows(Rows):
                 if self.format in ("csv", "json") and any(
                         says in why for says in ("conversion error", "changed from",
                                                  "Failed to convert JSON")):
-                    why += (" (a column's type is guessed from the file's first rows: give "
-                            "the field's with --dtype FIELD=DTYPE)")
+                    # A type kfeed will not guess at: a mistake in the command
+                    # (exit 2) while nothing is sent, else a failure that says
+                    # how many rows were (cli._send_stream).
+                    raise ConfigError(f"{Path(fragment.path).name}: {why} (a column's type is "
+                                      f"guessed from the file's first rows: give the field's "
+                                      f"with --dtype FIELD=DTYPE)") from None
                 raise KfeedError(f"{Path(fragment.path).name}: {why}") from None
             self._ends.append(rows)  # where each file ends, in rows (mark)
 
@@ -834,8 +851,10 @@ class NumpyRows(Rows):
             raise KfeedError(f"--from {self.path}: it holds fewer rows than the {skip - n} "
                              f"more that --resume would leave out: it changed since the last "
                              f"run")
-        for i in range(skip, n, STREAM_BATCH_ROWS):
-            yield _Slice({src: arr[i:i + STREAM_BATCH_ROWS] for src, arr in arrays.items()})
+        row = sum(arr[:1].nbytes for arr in arrays.values())
+        step = max(1, min(STREAM_BATCH_ROWS, STREAM_BATCH_BYTES // max(row, 1)))
+        for i in range(skip, n, step):
+            yield _Slice({src: arr[i:i + step] for src, arr in arrays.items()})
 
     def mark(self, rows: int) -> str | None:
         return f"1:{self._size}"
@@ -864,6 +883,24 @@ class _Slice:
         return self.arrays[src]
 
 
+def _rows_a_batch(schema: Any, columns: list[str]) -> int:
+    """Rows a batch of ``columns`` holds: ``STREAM_BATCH_ROWS``, fewer where rows of fixed
+    size would weigh more than ``STREAM_BATCH_BYTES`` together."""
+    import pyarrow as pa
+
+    row = 0
+    for name in columns:
+        kind, width = schema.field(name).type, 1
+        while pa.types.is_fixed_size_list(kind):
+            width *= kind.list_size
+            kind = kind.value_type
+        try:
+            row += width * max(kind.bit_width // 8, 1)
+        except ValueError:  # no fixed width (strings, variable lists): a guess of 8 bytes
+            row += 8
+    return max(1, min(STREAM_BATCH_ROWS, STREAM_BATCH_BYTES // max(row, 1)))
+
+
 def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
     """``batches`` less their first ``skip`` rows; ``short.format(rows missing)`` if too few."""
     for batch in batches:
@@ -886,13 +923,16 @@ def open_rows(source: str, query: str | None = None,
     if source.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"--from {shown(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
-    if Path(source).suffix.lower() in (".npz", ".npy") and "://" not in source:
-        return NumpyRows(source)
+    if Path(source).suffix.lower() in (".npz", ".npy") and "://" not in source and not (
+            any(c in source for c in _GLOB) and not Path(source).exists()):
+        return NumpyRows(source)  # (a glob of them: DatasetRows says they are read one a run)
     return DatasetRows(source, column_types)
 
 
-def _file_format(kind: str, column_types: Mapping[str, str]) -> tuple[Any, dict[str, Any]]:
-    """pyarrow's format of ``kind`` files, and the Arrow types of ``column_types``.
+def _file_format(kind: str, column_types: Mapping[str, str], lists: set[str] = frozenset()
+                 ) -> tuple[Any, dict[str, Any]]:
+    """pyarrow's format of ``kind`` files, and the Arrow types of ``column_types``
+    (of their elements for the JSON columns in ``lists``).
     CSV and JSON columns are read as their
     ``--dtype`` says: left to pyarrow, a column's type is guessed from the file's
     first block, and a later value of another type (2.5 after whole numbers, a
@@ -905,6 +945,7 @@ def _file_format(kind: str, column_types: Mapping[str, str]) -> tuple[Any, dict[
     wide = {"i": pa.int64(), "u": pa.int64(), "f": pa.float64(), "b": pa.bool_()}
     types = {c: pa.uint64() if d == "uint64" else wide[np.dtype(d).kind]
              for c, d in column_types.items() if d in DTYPES and d != "bfloat16"}
+    types = {c: pa.list_(t) if c in lists else t for c, t in types.items()}
     if kind == "csv":
         import pyarrow.csv as pacsv
 

@@ -946,14 +946,15 @@ class Loader:
             self._last_commit = now
 
     def _run_revoke_hook(self) -> None:
-        """Run ``on_revoke`` for partitions the thread is about to give up (caller's thread)."""
+        """Give up partitions the thread is revoking, at a step boundary (caller's thread),
+        after ``on_revoke`` if there is one (NOTE [ A revoke waits for the step ])."""
         tps = self._feeder.take_revoking()
         if tps is None:
             return
         try:
-            assert self._on_revoke is not None
-            self._in_hook = True
-            self._on_revoke(tps)
+            if self._on_revoke is not None:
+                self._in_hook = True
+                self._on_revoke(tps)
         finally:
             self._in_hook = False
             # Given up here, before this thread can hand out another batch.

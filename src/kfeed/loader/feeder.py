@@ -34,6 +34,10 @@ log = logging.getLogger("kfeed.loader")
 
 END = object()  # the end of a bounded epoch, after its last batch
 
+# How long a revoke waits for the caller's step to end, with no on_revoke hook
+# (NOTE [ A revoke waits for the step ]).
+REVOKE_WAIT_S = 10.0
+
 
 class Ready:
     """The batches ready for the caller: at most ``size``, first in first out.
@@ -131,8 +135,8 @@ class Feeder:
         self.thread: threading.Thread | None = None
         self.epoch_over = False
         self.copy_s = 0.0  # issuing device copies, for metrics
-        # The on_revoke hook: the thread posts the partitions, the caller
-        # runs the hook inside next() and sets revoke_done.
+        # A revoke: the thread posts the partitions, the caller gives them up
+        # inside next() (after the on_revoke hook, if any) and sets revoke_done.
         self.hook_revoke = hook_revoke
         self.revoking: list[TP] | None = None
         self.revoked: dict[TP, Position] | None = None
@@ -229,20 +233,46 @@ class Feeder:
         return False
 
     def _wait_for_caller(self, tps: list[TP]) -> dict[TP, Position] | None:
-        """With an ``on_revoke`` hook: wait until the caller ran it and gave ``tps`` up.
+        """Wait until the caller gave ``tps`` up at a step boundary: the positions given up.
 
-        The positions given up, or None when there is no hook (or the loader
-        closes meanwhile): then the revoke gives them up itself.
+        NOTE [ A revoke waits for the step ]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A revoke commits the partitions' positions, for their next owner to
+        start from. Made by this thread at once, it committed what was handed
+        out, the batch whose step was still running too: a trainer that then
+        died never trained it, and nobody read it again. So the revoke waits
+        for the caller's next ``next()`` or ``commit()`` (or its wait for a
+        batch), where that step is over: the caller gives the partitions up
+        there, before it can take another batch, and the commit holds every
+        batch used and no other. The wait holds up the group's rebalance by a
+        step at most. With an ``on_revoke`` hook the caller runs the hook
+        first, and the wait has no end but ``close()``; without one, a caller
+        away longer than ``REVOKE_WAIT_S`` (an evaluation, say) is not waited
+        for: the thread gives the partitions up itself, the batch in hand
+        counted as used.
+
+        None: the revoke gives them up itself (the loader closes, or that wait
+        ran out).
         """
-        if not self.hook_revoke or self.stop.is_set():
+        if self.stop.is_set():
             return None
         self.revoke_done.clear()
         self.revoked = None
         with self.ledger.lock:
             self.revoking = list(tps)
-        self.status.doing = "waiting for the caller to run on_revoke"
+        self.status.doing = ("waiting for the caller to run on_revoke" if self.hook_revoke else
+                             "waiting for the caller's step to end, to give partitions up")
+        deadline = None if self.hook_revoke else time.monotonic() + REVOKE_WAIT_S
         while not self.revoke_done.wait(POLL_S) and not self.stop.is_set():
-            pass
+            if deadline is not None and time.monotonic() > deadline:
+                with self.ledger.lock:
+                    if self.revoking is not None:  # not taken by the caller: not waited for
+                        self.revoking = None
+                        log.info("the caller did not come back within %gs: the thread "
+                                 "gives %s up, the batch in hand counted as used",
+                                 REVOKE_WAIT_S, sorted(tps))
+                        return None
+                deadline = None  # taken: the caller is giving them up now
         return self.revoked
 
     def take_revoking(self) -> list[TP] | None:
