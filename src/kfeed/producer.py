@@ -331,7 +331,8 @@ class Producer:
     def _raise_fatal(self) -> None:
         err = self._fatal
         if err is not None:
-            raise ProduceError(f"the producer cannot go on: {err.str()}", topic=self.topic,
+            why = _WHY_FENCED if err.code() in _FENCED else ""
+            raise ProduceError(f"the producer cannot go on: {err.str()}{why}", topic=self.topic,
                                code=err.code())
 
     def _error(self, what: str, exc: BaseException) -> ProduceError:
@@ -353,7 +354,8 @@ class Producer:
             err = self._fatal or self._serve_fatal() or err
         if err.fatal() and self._fatal is None:
             self._fatal = err
-        return ProduceError(f"{what}: {err.str()}", topic=self.topic, code=err.code())
+        why = _WHY_FENCED if err.code() in _FENCED else ""
+        return ProduceError(f"{what}: {err.str()}{why}", topic=self.topic, code=err.code())
 
     def _serve_fatal(self, seconds: float = 2.0) -> Any | None:
         """Poll until confluent-kafka raises the fatal error librdkafka holds; give it."""
@@ -853,6 +855,12 @@ class Producer:
 _SLICE_S = 0.1
 # librdkafka's ERR__FATAL: what produce() says once a fatal error was raised.
 _LOCAL_FATAL = -150
+# A transactional producer fenced (_FENCED, PRODUCER_FENCED, INVALID_PRODUCER_EPOCH),
+# and why that happens, which librdkafka's "fenced by newer producer instance" hides.
+_FENCED = (-144, 90, 47)
+_WHY_FENCED = (" (the brokers fence a transactional producer when another one of the same "
+               "transactional.id starts, a second run of the same job, or when a transaction "
+               "outlives transaction.timeout.ms)")
 
 
 def _key_bytes(key: Any) -> bytes:
