@@ -548,6 +548,24 @@ def test_a_json_list_column_is_cast_by_its_dtype(tmp_path) -> None:
     assert got["label"].tolist() == [i % 3 for i in range(50)]
 
 
+def test_a_column_type_guessed_wrong_is_a_mistake_in_the_command(tmp_path) -> None:
+    # A KfeedError, so exit 1 "a failure while running" where it stopped the
+    # first batch, before anything was sent (cli._send_stream adds the rows
+    # sent where some were, and exits 1 then).
+    path = tmp_path / "late.csv"
+    path.write_text("x,label,id\n" + "".join(f"{i},{i % 3},{i}\n" for i in range(200_000))
+                    + "2.5,0,200000\n")  # (past pyarrow's first block, where it guesses)
+    rows = ingest.open_rows(str(path))
+    try:
+        with pytest.raises(ConfigError, match=r"^late\.csv: .*'2\.5' \(a column's type is "
+                                              r"guessed from the file's first rows: give the "
+                                              r"field's with --dtype FIELD=DTYPE\)$"):
+            for _batch in rows.batches(["x", "label", "id"]):
+                pass
+    finally:
+        rows.close()
+
+
 def test_a_checkpoint_that_is_not_one_is_a_mistake_in_the_command(capsys, tmp_path) -> None:
     # It was a failure while running (exit 1), though nothing had run.
     bad = tmp_path / "ck.pt"

@@ -465,12 +465,11 @@ def test_text_files_read_a_column_as_its_dtype_and_quoted_newlines(bootstrap, ma
             for i in range(n):
                 late = "null" if i < n - 10 else "7"
                 f.write(f'{{"id": {i}, "x": {text[i]}, "late": {late}, "note": "n {i}"}}\n')
-    # Without the --dtype, the line says what to do; nothing was sent (the
-    # transaction the rows before it were in is aborted): a mistake in the
-    # command, exit 2 (it was 1).
+    # Without the --dtype, the line says what to do (the rows of the batches
+    # before the bad value's are sent and recorded: exit 1).
     guessed = kfeed_cli(bootstrap, "produce", "--topic", make_topic(partitions=1), "--from",
                         str(path), "--field", "id=id", "--field", "x=x", "--progress-every", "600")
-    assert guessed.returncode == 2 and ("(a column's type is guessed from the file's first "
+    assert guessed.returncode == 1 and ("(a column's type is guessed from the file's first "
                                         "rows: give the field's with --dtype FIELD=DTYPE)"
                                         in guessed.stderr), guessed.stderr
     topic = make_topic(partitions=1)
@@ -1074,8 +1073,10 @@ def test_a_later_file_that_differs_is_named_in_the_run_and_in_its_resume(bootstr
                      "--progress-every", "600")
     assert done.returncode == 1, (done.stdout, done.stderr)
     line = done.stderr.strip().splitlines()[-1]
+    # (Every row before the batch that failed: the open transaction's rows are
+    # committed before the error is raised; it said 65,536, a batch's worth less.)
     assert line.startswith("kfeed: b.csv: ") and "3" in line and line.endswith(
-        "(65,536 rows before it were sent and recorded: after the fix, run again with --resume "
+        "(70,000 rows before it were sent and recorded: after the fix, run again with --resume "
         "to send the rest)"), line
 
 

@@ -741,6 +741,11 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         mb_s = (producer.bytes - before[1]) / max(time.monotonic() - t0, 1e-9) / 1e6
         return sent, total or 0, f"{mb_s:,.1f} MB/s"
 
+    # A batch the source could not give (a bad value, a file that cannot be
+    # read): the rows before it are good, and are committed with the open
+    # transaction before the error is raised, so a --resume goes on at it.
+    unread: list[KfeedError] = []
+
     def following(timeout: float | None) -> Any:
         try:
             return batches.take(timeout)  # (checked as read: _produce_stream's read)
@@ -748,6 +753,9 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
             return None
         except TimeoutError:
             return _LATER
+        except KfeedError as e:
+            unread.append(e)
+            return None
 
     progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every,
                              before=done)
@@ -788,6 +796,8 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
             committed = sent
             if cols is _LATER:
                 cols = following(None)
+        if unread:
+            raise unread[0]
     except KfeedError as e:
         progress_bar.close()
         if committed == done:
