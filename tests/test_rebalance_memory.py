@@ -9,6 +9,7 @@ revoke are those of the batches handed out before it.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -99,6 +100,23 @@ def test_a_revoke_commits_no_batch_whose_step_is_still_running(name) -> None:
     assert src.calls >= max(c for c, _r, _a in script), "the script did not play"
     assert early == []
     assert np.array_equal(np.sort(np.concatenate(ids)), np.sort(all_ids()))
+
+
+def test_a_loader_in_order_after_a_shuffled_one_says_what_it_reads_again(caplog) -> None:
+    # The shuffled loader's commit notes which records above its position it
+    # used; a loader in offset order cannot skip them and read them again, silently.
+    src = MemorySource(sample_values())
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=src, until="end",
+                      shuffle=kfeed.Shuffle(buffer=64, seed=3)) as ld:
+        first = [next(ld)["id"].numpy().copy() for _ in range(3)]
+    assert any(n for n in src.committed_notes.values())
+    with caplog.at_level(logging.WARNING, logger="kfeed.loader"):
+        ids = np.concatenate([b["id"].numpy() for b in run(src, 20)])
+    said = [r.getMessage() for r in caplog.records if "reads them again" in r.getMessage()]
+    assert said and said[0].startswith("memory[") and said[0].endswith(
+        "this loader reads in offset order and reads them again: read with the same "
+        "shuffle= and pack= to skip them"), said
+    assert len(np.intersect1d(np.concatenate(first), ids)) > 0  # as it says
 
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["eager", "incremental"])

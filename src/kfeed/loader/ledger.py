@@ -236,7 +236,17 @@ class Ledger:
             known = {tp: self._newer(self.handed[tp], committed.get(tp))
                      for tp in tps if tp in self.handed}
         need = [tp for tp in tps if tp not in known]
-        positions = {**known, **self.start_positions(need, committed)}
+        followed: set[TP] = set()
+        positions = {**known, **self.start_positions(need, committed, followed)}
+        for tp in sorted(followed):
+            c = committed.get(tp)
+            if c is not None and c.rest:
+                # The records a shuffle or a packer used above the position,
+                # which only a loader with an order skips (NOTE [ Commit notes ]).
+                log.warning("%s[%d]: the group's commit was made by a loader with shuffle= "
+                            "or pack=, which used records above offset %d; this loader "
+                            "reads in offset order and reads them again: read with the same "
+                            "shuffle= and pack= to skip them", tp[0], tp[1], c.offset)
         if first and self.cover_all:
             rest = [tp for tp in scope if tp not in positions and tp not in self.carried]
             self.carried.update(self.start_positions(rest, committed))
