@@ -941,3 +941,29 @@ def test_long_runs_of_floats_split_in_blocks_land_whole_at_every_alignment(item)
         assert bad == []
         np.testing.assert_array_equal(got["tag"], np.arange(9))
         np.testing.assert_array_equal(got["v"], want, err_msg=f"{n} {item}s")
+
+
+def test_a_source_through_an_avro_map_or_array_is_refused() -> None:
+    # attrs.score through a map<double>: the value was there, and the field took
+    # its default (-1.0) without a word, or every record was bad without one.
+    field = ("float64", (), {"source": "attrs.score", "default": -1.0})
+    schema = kfeed.Schema({"id": ("int64", ()), "score": field})
+    for kind, attrs, where in [
+            ("map", {"type": "map", "values": "double"}, "attrs"),
+            ("array", {"type": "array", "items": "double"}, "attrs"),
+            ("map", ["null", {"type": "map", "values": "double"}], "attrs")]:
+        writer = {"type": "record", "name": "E", "fields": [{"name": "id", "type": "long"},
+                                                              {"name": "attrs", "type": attrs}]}
+        with pytest.raises(kfeed.ConfigError) as e:
+            kfeed.Loader(None, "memory", schema, 4, source=kfeed.MemorySource([]),
+                         device="cpu", format=kfeed.Avro(schema=writer))
+        assert str(e.value) == (f"field 'score': {where} is an Avro {kind}, not a record to "
+                                f"read 'attrs.score' from: give a source through records only "
+                                f"(kfeed skips maps and reads arrays whole)"), attrs
+    # A union of null and a record: a null gives the default, as before.
+    rec = {"type": "record", "name": "A", "fields": [{"name": "score", "type": "double"}]}
+    writer = {"type": "record", "name": "E", "fields": [{"name": "id", "type": "long"},
+                                                          {"name": "attrs",
+                                                           "type": ["null", rec]}]}
+    kfeed.Loader(None, "memory", schema, 4, source=kfeed.MemorySource([]), device="cpu",
+                 format=kfeed.Avro(schema=writer)).close()

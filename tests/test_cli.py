@@ -781,17 +781,30 @@ def test_a_registry_that_cannot_be_reached_stops_produce_before_a_topic_is_made(
     # the brokers cannot be reached either: the registry is asked first.
     # A password in the url is not shown (it was, in this line and in every
     # warning of a reader asking the registry again).
-    code, err, out = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt,
+    proto = ("--proto", "google.protobuf.timestamp_pb2:Timestamp") if fmt == "protobuf" else ()
+    code, err, out = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt, *proto,
                               "--registry", "http://sr-user:s3cret@127.0.0.1:9",
                               "--connect-timeout", "2")
     assert code == 1 and len(err) == 1 and out == "", err
     assert err[0].startswith("kfeed: cannot reach the registry at "
                              "http://sr-user:***@127.0.0.1:9: "), err
-    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt,
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", fmt, *proto,
                             "--registry", "ftp://sr-user:s3cret@127.0.0.1:9")
     assert code == 2 and err == ["kfeed: --registry ftp://sr-user:***@127.0.0.1:9 is not an "
                                  "http:// or https:// address: give e.g. --registry "
                                  "http://registry:8081"], err
+
+
+def test_protobuf_written_without_a_message_class_is_refused_before_a_topic_is_made(
+        capsys) -> None:
+    # With --registry alone the topic was made, then the producer refused:
+    # "writing Protobuf needs message=", the Python argument, not the flag.
+    code, err, _ = run_main(capsys, *PRODUCE, "--synthetic", "5", "--format", "protobuf",
+                            "--registry", "http://127.0.0.1:9")
+    assert (code, err) == (2, ["kfeed: --format protobuf writes messages of a generated "
+                               "class: give --proto MODULE:MESSAGE (e.g. --proto "
+                               "clicks_pb2:Click), with --registry URL to register its "
+                               "schema"]), err
 
 
 def test_kfeeds_warnings_show_without_v_one_line_each_and_nothing_else(capsys,

@@ -198,6 +198,45 @@ class Committed:
         return sum(max(tp.offset, 0) for tp in self.consumer.committed(self.tps, timeout=10))
 
 
+def _dead_letter_offsets(bootstrap: str, topic: str) -> list[int]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                  "isolation.level": "read_committed", "enable.partition.eof": True})
+    c.assign([TopicPartition(topic + ".dlq", 0, 0)])
+    got = []
+    while (m := c.poll(10)) is not None and not m.error():
+        got.append(int(dict(m.headers())["kfeed.source.offset"]))
+    c.close()
+    return got
+
+
+def test_a_bad_message_is_dead_lettered_once_by_loaders_and_converts(bootstrap, make_topic):
+    # A convert copied every bad message again, after a loader had (10 copies,
+    # 20); and a loader after a convert scanned the dead-letter topic, whose
+    # last offset is the convert's transaction marker, which never comes, for
+    # 30 s, then stopped with "could not read ... to find what is dead-lettered".
+    schema = kfeed.Schema({"id": ("int64", ())})
+    config = {"bootstrap.servers": bootstrap}
+    bad = list(range(0, 100, 10))
+    for first in ("loader", "convert"):
+        src = make_topic(partitions=1)
+        p = KafkaProducer(config)
+        for i in range(100):
+            p.produce(src, json.dumps({"id": i if i % 10 else 1.5}).encode())
+        p.flush()
+        for step in (first, "loader" if first == "convert" else "convert"):
+            t0 = time.monotonic()
+            if step == "loader":
+                with kfeed.Loader({**config, "group.id": uuid.uuid4().hex}, src, schema, 10,
+                                  until="end", device="cpu", format=kfeed.Json()) as ld:
+                    assert sum(b.size for b in ld) == 90
+            else:
+                stats = kfeed.convert(config, src, src + f".blocks-{first}", schema,
+                                      format=kfeed.Json())
+                assert (stats.records, stats.bad) == (90, 10)
+            assert time.monotonic() - t0 < 20, step
+            assert _dead_letter_offsets(bootstrap, src) == bad, (first, step)
+
+
 def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
     src = make_topic(partitions=3)
     dst = src + ".blocks"

@@ -204,6 +204,10 @@ def test_fail_fast_none_routes_from_the_first_message() -> None:
      "topics ['a', 'b', 'a'] name 'a' more than once: give each topic once"),
     ({"rank": "0", "world_size": 2},
      "need ints 0 <= rank < world_size, got rank='0', world_size=2"),
+    # A bare AssertionError for the formats others write (the block format said this).
+    *[({"format": fmt, "pack": kfeed.Pack(seq_len=8, eos_id=0)},
+       "pack needs a schema with a variable-length token field, e.g. {'tokens': ('int32', "
+       "(None,))}") for fmt in (kfeed.Json(), "block")],
     ({"rank": True, "world_size": 2},
      "need ints 0 <= rank < world_size, got rank=True, world_size=2"),
 ])

@@ -471,8 +471,10 @@ class _Compiler:
         self.kids.extend(kids)
         return i
 
-    def walk(self, t: dict[str, Any], targets: dict[tuple[str, ...], int], path: str) -> int:
-        """Node of writer type ``t`` at ``path``; ``targets``: rest of a field's path -> field."""
+    def walk(self, t: dict[str, Any], targets: dict[tuple[str, ...], int], path: str,
+             branch: bool = False) -> int:
+        """Node of writer type ``t`` at ``path``; ``targets``: rest of a field's path -> field.
+        ``branch``: ``t`` is a branch of a union of which another branch is a record."""
         if () in targets:
             f = targets[()]
             return self.value(t, f, self.schema.fields[f].shape, path, True)
@@ -487,9 +489,21 @@ class _Compiler:
                 kids.append(self.walk(ft, sub, f"{path}.{name}" if path else name))
             return self.children(i, kids)
         if kind == "union":
+            # A branch that is no record (null, say) leaves the fields missing;
+            # some branch must be able to give them.
+            record = any(b["type"] == "record" for b in t["branches"])
             i = self.node("union", path)
-            return self.children(i, [self.walk(b, targets, path) for b in t["branches"]])
-        # Not a record: the fields below it are missing (their default, or bad).
+            return self.children(i, [self.walk(b, targets, path, record)
+                                     for b in t["branches"]])
+        if kind in ("map", "array") and not branch:
+            # Never a record: the fields would always be missing, and take their
+            # default without a word although the value is there.
+            rest, f = next(iter(targets.items()))
+            raise ConfigError(f"field {self.schema.fields[f].name!r}: {path} is an Avro {kind}, "
+                              f"not a record to read {'.'.join((path, *rest))!r} from: give a "
+                              f"source through records only (kfeed skips maps and reads "
+                              f"arrays whole)")
+        # Not a record (null, say): the fields below it are missing (their default, or bad).
         return self.skip(t, path)
 
     def skip(self, t: dict[str, Any], path: str) -> int:

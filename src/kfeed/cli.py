@@ -1350,6 +1350,11 @@ def _wire_format(args: argparse.Namespace) -> Any:
     if avro_schema:
         raise ConfigError(f"--avro-schema applies to --format avro, not {args.format}")
     if args.format == "protobuf":
+        if not proto and getattr(args, "command", None) == "produce":
+            # (Checked before the topic is made: the producer would refuse it after.)
+            raise ConfigError("--format protobuf writes messages of a generated class: give "
+                              "--proto MODULE:MESSAGE (e.g. --proto clicks_pb2:Click), with "
+                              "--registry URL to register its schema")
         if not proto and registry is not None:
             return kfeed.Protobuf(registry=registry)  # the writer schemas read from it
         if not proto:

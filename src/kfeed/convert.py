@@ -37,7 +37,7 @@ from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
-from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers
+from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers, dead_lettered_up_to
 
 __all__ = ["ConvertStats", "convert"]
 
@@ -220,6 +220,11 @@ class _Convert:
                 _check_blocks(kafka_config, to_topic, schema, connect_timeout_s)
             self.dlq_topic = f"{from_topic}.dlq"
             self.dlq_parts = 0
+            # Per source partition, its highest offset already dead-lettered:
+            # what a loader (or another convert) copied is not copied again
+            # (NOTE [ One copy per bad message ] in kfeed/sources.py).
+            self.client = base
+            self.dlq_done: dict[tuple[str, int], int] = {}
             if policy is BadRecordPolicy.DEAD_LETTER:
                 create_topic(base, self.dlq_topic, partitions=nparts,
                              timeout_s=connect_timeout_s)
@@ -357,12 +362,11 @@ class _Convert:
                     p.send(cols, partition=part % p.num_partitions)
             if not self.bad.good_seen:
                 raise _HeldBack  # nothing was sent: the transaction is empty
-            for m, why in self.dead:
-                p.copy(m, self.dlq_topic, m.partition() % self.dlq_parts,
-                       dead_letter_headers(m, why))
+            done = self._copy_dead()
             blocks = p.messages - messages_before
             p.send_offsets(self.consumer, [TopicPartition(self.from_topic, part, end)
                                            for part, end in ends.items()])
+        self.dlq_done.update(done)  # (committed with the round)
         carried, self.carried = self.carried, []
         stats.records += rows
         stats.bad += bad + len(carried)
@@ -372,6 +376,23 @@ class _Convert:
         stats.bytes_out += p.bytes - out_before
         stats.transactions += 1
         stats.lag = self._lag()
+
+    def _copy_dead(self) -> dict[tuple[str, int], int]:
+        """Copy this round's dead letters not in the dead-letter topic yet (inside the
+        round's transaction); the highest source offset copied per partition."""
+        p = self.producer
+        assert p is not None
+        done: dict[tuple[str, int], int] = {}
+        for m, why in self.dead:
+            src, part = (m.topic(), m.partition()), m.partition() % self.dlq_parts
+            if src not in done:
+                done[src] = self.dlq_done[src] if src in self.dlq_done else \
+                    dead_lettered_up_to(self.client, self.timeout, self.dlq_topic, part, src)
+            if m.offset() <= done[src]:
+                continue
+            p.copy(m, self.dlq_topic, part, dead_letter_headers(m, why))
+            done[src] = m.offset()
+        return done
 
     def _decode(self, msgs: list[Any]) -> tuple[dict[str, Any], int, int]:
         """Decode one partition's messages of the round: (columns, rows, bad)."""

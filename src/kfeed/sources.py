@@ -42,7 +42,7 @@ from kfeed._kafka import (
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
-           "CONSUMER_DEFAULTS", "dead_letter_headers"]
+           "CONSUMER_DEFAULTS", "dead_letter_headers", "dead_lettered_up_to"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,77 @@ def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
 # messages (start="latest", or a time) leaves those out of the dead-letter
 # topic for later readers too; they stay in the source topic. Two loaders that meet the same bad message at the same
 # moment may both copy it: the check is not a transaction.
+
+
+def dead_lettered_up_to(client: Mapping[str, Any], timeout: float, topic: str, part: int,
+                        src: TP) -> int:
+    """The highest offset of ``src`` already in partition ``part`` of dead-letter topic
+    ``topic``; -1 if none (NOTE [ One copy per bad message ]).
+
+    Reads the partition backwards in windows of ``_DLQ_WINDOW`` messages
+    until one from ``src`` turns up: one window when the dead-letter topic
+    has as many partitions as the source, the usual case. Committed copies
+    only: those of a ``kfeed convert`` round that was aborted are not there.
+    ``client``: the connection settings.
+    """
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    reader = Consumer({**client, "group.id": "kfeed-dlq-reader",
+                       "enable.auto.commit": False, "enable.partition.eof": True,
+                       "isolation.level": "read_committed", "logger": ConnectionLog()})
+    try:
+        # A dead-letter topic made a moment ago may be unknown to the broker
+        # asked while its metadata spreads: ask again a while.
+        deadline = time.monotonic() + GONE_GRACE_S
+        while True:
+            try:
+                lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
+                                                      timeout=timeout)
+                break
+            except KafkaException as e:
+                if e.args[0].code() in GONE_CODES and time.monotonic() < deadline:
+                    time.sleep(0.25)
+                    continue
+                raise ConsumeError(f"cannot read the end of {topic}[{part}]: "
+                                   f"{e.args[0].str()}", topic=topic, partition=part) from e
+        end = hi
+        while end > lo:
+            start = max(lo, end - _DLQ_WINDOW)
+            best = _scan_dead_letters(reader, TopicPartition(topic, part, start), end, src,
+                                      timeout)
+            if best >= 0:
+                return best
+            end = start
+        return -1
+    finally:
+        reader.close()
+
+
+def _scan_dead_letters(reader: Any, start: Any, end: int, src: TP, timeout: float) -> int:
+    """The highest offset of ``src`` among the dead-letter copies from ``start`` on."""
+    from confluent_kafka import KafkaError
+
+    reader.assign([start])
+    best = -1
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in reader.consume(500, 0.5):
+            if m.error() is not None:
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    # The end, past ``end`` too: offsets at its tail that hold
+                    # no message (a transaction's marker, aborted copies) never
+                    # come to the offset check below.
+                    return best
+                continue
+            h = dict(m.headers() or ())
+            if h.get(DLQ_TOPIC_HEADER) == src[0].encode() and \
+                    h.get(DLQ_PARTITION_HEADER) == str(src[1]).encode():
+                best = max(best, int(h.get(DLQ_OFFSET_HEADER, b"-1")))
+            if m.offset() >= end - 1:
+                return best
+    raise ConsumeError(f"could not read {start.topic}[{start.partition}] within "
+                       f"{timeout:g}s to find what is dead-lettered already",
+                       topic=start.topic, partition=start.partition)
 
 
 # Seconds without data after which a consumer asks whether its topics still exist.
@@ -868,7 +939,8 @@ class KafkaSource(Source):
         part = msg.partition() % self._dlq_partitions[topic]
         done = self._dlq_done.get(src)
         if done is None:
-            done = self._dlq_done[src] = self._dead_lettered_up_to(topic, part, src)
+            done = self._dlq_done[src] = dead_lettered_up_to(
+                self._client_config(), self.connect_timeout, topic, part, src)
         if msg.offset() <= done:
             log.info("%s[%d]@%d is in %s already", src[0], src[1], msg.offset(), topic)
             return
@@ -896,64 +968,6 @@ class KafkaSource(Source):
             err, topic = self._dlq_errors[0] if self._dlq_errors else ("timed out", "")
             raise ConsumeError(f"could not write {left + len(self._dlq_errors)} bad record(s) to "
                                f"the dead-letter topic {topic}: {err}", topic=topic or None)
-
-    def _dead_lettered_up_to(self, topic: str, part: int, src: TP) -> int:
-        """The highest offset of ``src`` already in partition ``part`` of ``topic``; -1 if none.
-
-        Reads the partition backwards in windows of ``_DLQ_WINDOW`` messages
-        until one from ``src`` turns up: one window when the dead-letter
-        topic has as many partitions as the source, the usual case.
-        """
-        from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-        reader = Consumer({**self._client_config(), "group.id": "kfeed-dlq-reader",
-                           "enable.auto.commit": False, "enable.partition.eof": True,
-                           "isolation.level": "read_uncommitted",
-                           "logger": ConnectionLog()})
-        try:
-            # A dead-letter topic made a moment ago may be unknown to the
-            # broker asked while its metadata spreads: ask again a while.
-            deadline = time.monotonic() + GONE_GRACE_S
-            while True:
-                try:
-                    lo, hi = reader.get_watermark_offsets(TopicPartition(topic, part),
-                                                          timeout=self.connect_timeout)
-                    break
-                except KafkaException as e:
-                    if e.args[0].code() in GONE_CODES and time.monotonic() < deadline:
-                        time.sleep(0.25)
-                        continue
-                    raise ConsumeError(f"cannot read the end of {topic}[{part}]: "
-                                       f"{e.args[0].str()}", topic=topic, partition=part) from e
-            end = hi
-            while end > lo:
-                start = max(lo, end - _DLQ_WINDOW)
-                best = self._scan_dead_letters(reader, TopicPartition(topic, part, start),
-                                               end, src)
-                if best >= 0:
-                    return best
-                end = start
-            return -1
-        finally:
-            reader.close()
-
-    def _scan_dead_letters(self, reader: Any, start: Any, end: int, src: TP) -> int:
-        reader.assign([start])
-        best = -1
-        deadline = time.monotonic() + self.connect_timeout
-        while time.monotonic() < deadline:
-            for m in reader.consume(500, 0.5):
-                if m.error() is not None:
-                    continue  # partition EOF: the offset check below ends the scan
-                h = dict(m.headers() or ())
-                if h.get(DLQ_TOPIC_HEADER) == src[0].encode() and \
-                        h.get(DLQ_PARTITION_HEADER) == str(src[1]).encode():
-                    best = max(best, int(h.get(DLQ_OFFSET_HEADER, b"-1")))
-                if m.offset() >= end - 1:
-                    return best
-        raise ConsumeError(f"could not read {start.topic}[{start.partition}] within "
-                           f"{self.connect_timeout:g}s to find what is dead-lettered already",
-                           topic=start.topic, partition=start.partition)
 
     def _ensure_topic(self, topic: str, like: str) -> int:
         """Create dead-letter topic ``topic`` with as many partitions as ``like``; its count."""

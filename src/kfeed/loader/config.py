@@ -134,6 +134,12 @@ class LoaderConfig:
                               f"{self.commit_interval_ms!r}")
         if not isinstance(self.drop_last, bool):
             raise ConfigError(f"drop_last must be True or False, got {self.drop_last!r}")
+        if self.pack is not None and not isinstance(self.pack, Pack):
+            raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
+        varlen = self.schema.varlen
+        if self.pack is not None and varlen is None:
+            raise ConfigError("pack needs a schema with a variable-length token field, "
+                              "e.g. {'tokens': ('int32', (None,))}")
         put("format", resolve(self.format))
         if isinstance(self.format, RecordFormat):
             if self.pack is not None and not self.format.documents:
@@ -144,14 +150,8 @@ class LoaderConfig:
                 one_field(self.schema, self.format.value.capitalize()
                                 if self.format.value != "json" else "JSON")
             self.format.decoder(self.schema)  # the fields' dtypes, and a plain schema, checked
-        if self.pack is not None and not isinstance(self.pack, Pack):
-            raise ConfigError(f"pack must be a kfeed.Pack, got {type(self.pack).__name__}")
         if self.shuffle is not None and not isinstance(self.shuffle, Shuffle):
             raise ConfigError(f"shuffle must be a kfeed.Shuffle, got {type(self.shuffle).__name__}")
-        varlen = self.schema.varlen
-        if self.pack is not None and varlen is None:
-            raise ConfigError("pack needs a schema with a variable-length token field, "
-                              "e.g. {'tokens': ('int32', (None,))}")
         if self.pack is None and varlen is not None:
             # Jagged: the field's elements, flat, and NAME_offsets (batch_size + 1).
             if self.shuffle is not None:
