@@ -343,6 +343,13 @@ def _described(arr: np.ndarray) -> str:
 DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
                    ".csv": "csv", ".jsonl": "json", ".ndjson": "json"}
 _GLOB = "*?["
+
+
+def _is_glob(source: str) -> bool:
+    """Whether ``source`` is a pattern: it holds ``*?[`` and names no path (a file or
+    folder whose name holds them is read as named)."""
+    return any(c in source for c in _GLOB) and not Path(source).exists()
+
 # Rows a batch holds at most as it leaves the reader: one producer call.
 STREAM_BATCH_ROWS = 65536
 # ... and at most about this many bytes, where the rows' size is known (one row at least).
@@ -357,7 +364,8 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
     """Whether ``--from`` names rows read through pyarrow (or a database) a batch at a time.
 
     A URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ``postgresql://``), a
-    directory, a glob, or a file of a suffix in ``DATASET_FORMATS``. ``.jsonl``
+    directory, a glob, or a file of a suffix in ``DATASET_FORMATS`` or ``SUFFIXES``
+    (numpy files, through ``NumpyRows``). ``.jsonl``
     is a token corpus unless ``--field`` maps its keys to fields (``.ndjson``
     never is one).
     """
@@ -367,7 +375,7 @@ def is_stream(source: str | None, query: str | None, fields_given: bool) -> bool
         return False
     if "://" in source or Path(source).is_dir():
         return True
-    if any(c in source for c in _GLOB) and not Path(source).exists():  # else a name with [?*
+    if _is_glob(source):
         return True
     suffix = Path(source).suffix.lower()
     if suffix == ".jsonl":
@@ -851,8 +859,7 @@ class NumpyRows(Rows):
             raise KfeedError(f"--from {self.path}: it holds fewer rows than the {skip - n} "
                              f"more that --resume would leave out: it changed since the last "
                              f"run")
-        row = sum(arr[:1].nbytes for arr in arrays.values())
-        step = max(1, min(STREAM_BATCH_ROWS, STREAM_BATCH_BYTES // max(row, 1)))
+        step = _batch_rows(sum(arr[:1].nbytes for arr in arrays.values()))
         for i in range(skip, n, step):
             yield _Slice({src: arr[i:i + step] for src, arr in arrays.items()})
 
@@ -898,7 +905,13 @@ def _rows_a_batch(schema: Any, columns: list[str]) -> int:
             row += width * max(kind.bit_width // 8, 1)
         except ValueError:  # no fixed width (strings, variable lists): a guess of 8 bytes
             row += 8
-    return max(1, min(STREAM_BATCH_ROWS, STREAM_BATCH_BYTES // max(row, 1)))
+    return _batch_rows(row)
+
+
+def _batch_rows(row_bytes: int) -> int:
+    """Rows a batch holds, given a row's bytes: ``STREAM_BATCH_ROWS``, fewer where they
+    would weigh more than ``STREAM_BATCH_BYTES`` together, one at least."""
+    return max(1, min(STREAM_BATCH_ROWS, STREAM_BATCH_BYTES // max(row_bytes, 1)))
 
 
 def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
@@ -923,8 +936,8 @@ def open_rows(source: str, query: str | None = None,
     if source.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"--from {shown(source)}: give the rows to read with "
                           f"--query \"SELECT ...\"")
-    if Path(source).suffix.lower() in (".npz", ".npy") and "://" not in source and not (
-            any(c in source for c in _GLOB) and not Path(source).exists()):
+    if Path(source).suffix.lower() in (".npz", ".npy") and "://" not in source \
+            and not _is_glob(source):
         return NumpyRows(source)  # (a glob of them: DatasetRows says they are read one a run)
     return DatasetRows(source, column_types)
 

@@ -135,9 +135,10 @@ def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
 # - <topic>.dlq is created with as many partitions as <topic>, and a bad
 #   message of partition p goes to partition p (p modulo the count, for a
 #   dead-letter topic made otherwise), in offset order;
-# - before its first copy from partition p, a loader reads the end of that
-#   dead-letter partition for the highest source offset of p there, and
-#   copies only messages above it.
+# - before its first copy from partition p, a loader (or a kfeed convert,
+#   inside its round's transaction) reads the committed end of that
+#   dead-letter partition for the highest source offset of p there
+#   (dead_lettered_up_to), and copies only messages above it.
 # So a second group, or a trainer resumed from an older checkpoint, copies
 # nothing twice. The rule is a prefix: a message below the highest copied
 # offset counts as copied, so a reader that started past earlier bad

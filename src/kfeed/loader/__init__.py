@@ -676,7 +676,7 @@ class Loader:
         # hook, which runs before a commit that the loader's thread would make
         # only once the hook ran.
         self._mark_used()
-        self._run_revoke_hook()
+        self._give_up_revoked()
         self._commit_if_due()
         if self._broken is not None:
             raise LoaderError(f"the loader stopped at a batch it could not hand out: "
@@ -843,7 +843,7 @@ class Loader:
             try:
                 item = f.ready.get(timeout=POLL_S)
             except queue.Empty:
-                self._run_revoke_hook()  # the thread may be waiting for it
+                self._give_up_revoked()  # the thread may be waiting for it
                 # A caught-up stream: the batch before this wait was used, and
                 # is committed while the caller waits for more, not after.
                 self._commit_if_due()
@@ -945,7 +945,7 @@ class Loader:
             self._commit(asynchronous=self._commit_interval > 0)
             self._last_commit = now
 
-    def _run_revoke_hook(self) -> None:
+    def _give_up_revoked(self) -> None:
         """Give up partitions the thread is revoking, at a step boundary (caller's thread),
         after ``on_revoke`` if there is one (NOTE [ A revoke waits for the step ])."""
         tps = self._feeder.take_revoking()
@@ -981,7 +981,7 @@ class Loader:
             # commit, between two fetches (NOTE [ One thread calls the consumer ]).
             fetcher.commits.put(todo, wait=not asynchronous,
                                 timeout=self.config.connect_timeout_s + 5.0,
-                                while_waiting=None if self._in_hook else self._run_revoke_hook)
+                                while_waiting=None if self._in_hook else self._give_up_revoked)
             return
         if asynchronous:
             fetcher.commit_now(todo, asynchronous=True)
@@ -1010,7 +1010,7 @@ class Loader:
         # the revoke itself commits the partitions going, synchronously, and
         # the others go with the next commit.
         if not self._in_hook:
-            self._run_revoke_hook()
+            self._give_up_revoked()
         self._commit(asynchronous=self._in_hook)
 
     # -- checkpoints ----------------------------------------------------------
