@@ -31,6 +31,7 @@ import pytest
 
 from kfeed import cluster
 from kfeed.cluster import _jars, _registry, _tool
+from kfeed.cluster._procs import has_exited
 from kfeed.cluster._layout import LOCK_FILE, STATE_FILE, Layout, new_cluster_id, write_properties
 from kfeed.errors import ClusterError
 
@@ -249,6 +250,46 @@ def test_one_node_lifecycle(state_dir: Path, bin_dir: Path, port: int) -> None:
 
 
 # -- the 3-node session cluster ----------------------------------------------
+
+
+# A process whose main thread has exited while another thread still listens:
+# what a killed JVM looks like for a moment, its command line already empty.
+_MAIN_THREAD_GONE = """
+import ctypes, socket, sys, threading, time
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+threading.Thread(target=time.sleep, args=(600,)).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_node_whose_threads_still_exit_has_not_exited_and_holds_its_port() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _MAIN_THREAD_GONE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not Path(f"/proc/{child.pid}/status").read_text().count("State:\tZ"):
+            assert time.monotonic() < deadline, "the child's main thread never exited"
+            time.sleep(0.05)
+        assert Path(f"/proc/{child.pid}/cmdline").read_bytes() == b""
+        assert not has_exited(child.pid)
+        assert _tool._in_use(port)
+    finally:
+        child.kill()
+        child.wait()
+    assert has_exited(child.pid)
+    assert not _tool._in_use(port)
+
+
+def test_a_zombie_of_one_thread_has_exited_and_a_live_process_has_not() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while "State:\tZ" not in Path(f"/proc/{child.pid}/status").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert has_exited(child.pid)
+    child.wait()
+    assert not has_exited(os.getpid())
 
 
 @pytest.mark.cluster3

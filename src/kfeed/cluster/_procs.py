@@ -44,6 +44,22 @@ def _node_args(pid: int, properties: Path) -> list[bytes] | None:
     return args if b"kafka.Kafka" in args and os.fsencode(properties) in args else None
 
 
+def has_exited(pid: int) -> bool:
+    """Whether every thread of ``pid`` has finished exiting, so its sockets are closed.
+
+    A killed JVM's command line reads empty as soon as its main thread lets
+    go of the memory, while it and dozens of other threads are still on the
+    way out, holding the node's listening sockets. Only a zombie whose other
+    threads are gone (or a pid collected already) holds nothing.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return fields.get("State", "").split()[:1] in (["Z"], ["X"]) and fields.get("Threads", "").strip() in ("", "1")
+
+
 def pid_file_pid(paths: NodePaths) -> int | None:
     """The pid the node's pid file names, whether or not it still runs."""
     try:

@@ -49,7 +49,7 @@ from kfeed.cluster._layout import (
     new_cluster_id,
     write_properties,
 )
-from kfeed.cluster._procs import is_launching, is_node_jvm, running_pid
+from kfeed.cluster._procs import has_exited, is_launching, is_node_jvm, pid_file_pid, running_pid
 from kfeed.errors import ClusterError, ConfigError
 
 logger = logging.getLogger("kfeed.cluster")
@@ -942,11 +942,15 @@ def _stop(layout: Layout, state_dir: Path, node_ids: Iterable[int]) -> list[int]
 
 
 def _wait_exited(nodes: dict[int, NodePaths], timeout: float) -> dict[int, NodePaths]:
-    """Wait until the nodes' processes are gone; return those still running at the timeout."""
+    """Wait until the nodes' processes are gone, every thread and port of them; return those left at the timeout."""
     deadline = time.monotonic() + timeout
+    pids = {n: pid_file_pid(paths) for n, paths in nodes.items()}
     left = dict(nodes)
     while left:
-        left = {n: paths for n, paths in left.items() if running_pid(paths) is not None}
+        left = {
+            n: paths for n, paths in left.items()
+            if running_pid(paths) is not None or (pids[n] is not None and not has_exited(pids[n]))
+        }
         if not left or time.monotonic() > deadline:
             break
         time.sleep(_POLL_S)
