@@ -692,3 +692,44 @@ def test_a_batch_whose_hand_out_failed_comes_with_the_next_call(shuffle) -> None
     assert all(pos[:2] in ((BLOCKS, 0), (BLOCKS - 1, PER_BLOCK))
                for pos in src.committed_positions.values())
     assert len(src.committed_positions) == PARTS
+
+
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=64, seed=5)], ids=["in order", "shuffled"])
+@pytest.mark.parametrize("failed", [True, False], ids=["step failed", "step over"])
+def test_a_loader_closed_while_a_revoke_waits_commits_what_close_commits(shuffle, failed) -> None:
+    # The revoke waits for the caller's step (NOTE [ A revoke waits for the
+    # step ]). A close() in that step ends the wait, and the revoke, still
+    # inside the consumer's rebalance, makes the partitions' commit for their
+    # next owner. It committed every batch handed out: the one of a step that
+    # failed too (close(commit_current=False)), never trained and never read again.
+    commits: list = []
+
+    class Watched(MemorySource):
+        def commit(self, positions, asynchronous):
+            commits.append({tp: tuple(pos[:2]) for tp, pos in positions.items()})
+            return super().commit(positions, asynchronous)
+
+    src = Watched(sample_values(), most=2)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
+                      prefetch=2, shuffle=shuffle)
+    used = [next(ld)["id"].numpy().copy()]
+    in_hand = next(ld)["id"].numpy().copy()
+    for _ in range(20):  # until a rebalance lands while a step runs
+        at = src.calls + 1
+        src.rebalance(at, revoke=[0, 1, 2], assign=[0, 1, 2])
+        deadline = time.monotonic() + 2
+        while ld._feeder.revoking is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if ld._feeder.revoking is not None:
+            break
+        used.append(in_hand)  # the thread waits for room: one more step
+        in_hand = next(ld)["id"].numpy().copy()
+    assert ld._feeder.revoking is not None, "no revoke came while a step ran"
+    commits.clear()
+    ld.close(commit_current=not failed)
+    assert commits, "the revoke committed nothing"
+    # What the group holds now: a reader after it (as the closed one read) reads the rest.
+    after = np.concatenate([b["id"].numpy() for b in run(src, 20, shuffle=shuffle)])
+    read = np.concatenate(used + ([] if failed else [in_hand]) + [after])
+    assert np.array_equal(np.sort(read), np.sort(all_ids())), (
+        f"lost {len(np.setdiff1d(all_ids(), read))}, repeated {len(read) - len(np.unique(read))}")

@@ -1282,6 +1282,8 @@ class Loader:
         # Closed, it is no longer published, even while a traceback keeps it alive.
         metrics.LIVE.discard(self)
         self._stop_clock()
+        if commit_current:  # before the thread stops: a revoke waiting for this step commits it
+            self._mark_used()
         f = self._feeder
         f.stop.set()
         self._pool.close()
@@ -1295,7 +1297,6 @@ class Loader:
                 raise LoaderError(f"the loader thread did not stop within {limit:g}s: it is "
                                   f"stuck {self._status.doing}; the consumer was left open")
         if commit_current:
-            self._mark_used()
             self._take_rejected()
         self._bad.flush()
         if self._held is not None:

@@ -251,11 +251,15 @@ class Feeder:
         for: the thread gives the partitions up itself, the batch in hand
         counted as used.
 
-        None: the revoke gives them up itself (the loader closes, or that wait
-        ran out).
+        A ``close()`` ends the wait too. The revoke, still inside the
+        consumer's rebalance, then commits what the final commit would have:
+        the batches used (``close()`` marks the batch in hand used first,
+        unless its step failed), not everything handed out.
+
+        None: the revoke gives them up itself (that wait ran out).
         """
         if self.stop.is_set():
-            return None
+            return self.ledger.revoke_used(tps)
         self.revoke_done.clear()
         self.revoked = None
         with self.ledger.lock:
@@ -263,7 +267,11 @@ class Feeder:
         self.status.doing = ("waiting for the caller to run on_revoke" if self.hook_revoke else
                              "waiting for the caller's step to end, to give partitions up")
         deadline = None if self.hook_revoke else time.monotonic() + REVOKE_WAIT_S
-        while not self.revoke_done.wait(POLL_S) and not self.stop.is_set():
+        while not self.revoke_done.wait(POLL_S):
+            if self.stop.is_set():
+                with self.ledger.lock:
+                    self.revoking = None
+                return self.ledger.revoke_used(tps)
             if deadline is not None and time.monotonic() > deadline:
                 with self.ledger.lock:
                     if self.revoking is not None:  # not taken by the caller: not waited for

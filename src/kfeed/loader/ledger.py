@@ -331,8 +331,27 @@ class Ledger:
         with self.lock:
             self.gen += 1
             mine = self.give_up(tps)
-            self.carried.update({tp: (pos[0], pos[1]) for tp, pos in mine.items()})
+            for tp, pos in mine.items():
+                self.carry(tp, pos)
         return mine
+
+    def revoke_used(self, tps: list[TP]) -> dict[TP, Position]:
+        """Partitions go as the loader closes: as ``revoke``, but from the batches used,
+        as the final commit (``close(commit_current=False)`` leaves the batch of a failed
+        step out: it is read again). The positions to commit; given back in the same
+        rebalance, the partitions start there too, not past the batches handed out."""
+        wanted = set(tps)
+        with self.lock:
+            used = self.used_positions(wanted.__contains__)
+        self.revoke(tps)
+        with self.lock:
+            for tp, pos in used.items():
+                self.carry(tp, pos)
+            return {tp: pos for tp, pos in used.items() if self.committed.get(tp) != pos}
+
+    def carry(self, tp: TP, pos: Position) -> None:
+        """Keep ``pos`` for a partition given up (under ``lock``)."""
+        self.carried[tp] = (pos[0], pos[1])
 
     def give_up(self, tps: list[TP]) -> dict[TP, Position]:
         """Drop revoked partitions from the state (under ``lock``); their positions."""
@@ -356,8 +375,12 @@ class Ledger:
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         """Used positions not yet acknowledged, of the partitions ``mine`` accepts."""
-        return {tp: pos for tp, pos in self.used.items()
-                if self.committed.get(tp) != pos and tp in self.seen and mine(tp)}
+        return {tp: pos for tp, pos in self.used_positions(mine).items()
+                if self.committed.get(tp) != pos}
+
+    def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
+        """Per partition ``mine`` accepts, the position after the batches used (under ``lock``)."""
+        return {tp: pos for tp, pos in self.used.items() if tp in self.seen and mine(tp)}
 
     def delivered(self) -> dict[TP, Position]:
         """Per partition, the position after every record handed out."""
@@ -649,11 +672,6 @@ class OrderLedger(Ledger):
         # back from (offset + 1, 0) to (offset, records), lag 1 for ever.
         mine = self._noted({tp: self._whole(tp, self._real(marks[tp]))
                             for tp in tps if tp in marks}, used=False)
-        for tp, pos in mine.items():  # (``revoke`` carries the positions themselves)
-            if len(pos) > 2:
-                self.carried_notes[tp] = pos[2]
-            else:
-                self.carried_notes.pop(tp, None)
         self._rebuild(set(tps))
         for tp in tps:  # what was used of them is committed with the revoke, or not ours
             self.used.pop(tp, None)
@@ -718,12 +736,17 @@ class OrderLedger(Ledger):
             return (pos[0] + 1, 0)
         return pos
 
-    def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
+    def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         self._update_used()
-        todo = {tp: self._whole(tp, pos) for tp, pos in self.used.items()
-                if tp in self.seen and mine(tp)}
-        return {tp: pos for tp, pos in self._noted(todo, used=True).items()
-                if self.committed.get(tp) != pos}
+        return self._noted({tp: self._whole(tp, pos) for tp, pos in self.used.items()
+                            if tp in self.seen and mine(tp)}, used=True)
+
+    def carry(self, tp: TP, pos: Position) -> None:
+        super().carry(tp, pos)
+        if len(pos) > 2:
+            self.carried_notes[tp] = pos[2]
+        else:
+            self.carried_notes.pop(tp, None)
 
     def delivered(self) -> dict[TP, Position]:
         return {tp: self._real(m) for tp, m in self.order.watermarks().items()}
