@@ -82,7 +82,7 @@ cdef enum AvErr:
     A_KIND
     A_NULL
     A_LENGTH
-    A_DEPTH
+    A_DEPTH          # records nested deeper than AV_MAX_DEPTH
     A_MISSING
     A_TRAILING
     A_FRAME
@@ -90,10 +90,15 @@ cdef enum AvErr:
     A_PLAN           # no plan for the value's schema id (a str reason from the caller)
     A_MEMORY         # a document could not grow
     A_RANGE_U64      # A_RANGE of an unsigned 64-bit value past int64 (its bits in the value)
+    A_NESTING        # values nested deeper than AV_MAX_NESTING
+    A_ITEMS          # more array or map items than a record of its size may hold (AV_FREE_ITEMS)
 
 cdef enum:
-    # Nesting deeper than this (recursive types) fails the record, not the stack.
+    # Records nested deeper than this (a recursive type, which only a record
+    # can be) fail the record, not the stack; so do values nested deeper than
+    # AV_MAX_NESTING in all (arrays, maps and unions between the records).
     AV_MAX_DEPTH = 200
+    AV_MAX_NESTING = 4000
     # Items that take no bytes each (nulls, empty records) are bounded by
     # this, a record's worth, so a forged count cannot spin the loop: a
     # record loops over at most its bytes plus this many items, in all its
@@ -161,7 +166,8 @@ cdef struct AvCur:
     uint8_t* written         # per field: set once the record wrote it
     VarOut* var              # documents: where the variable-length field goes
     int64_t vcount           # ... and the elements this record put there
-    int depth
+    int depth                # records the value is inside
+    int nesting              # values the value is inside: records, arrays, maps, unions
     int64_t items            # array and map items the record has looped over
     int64_t size             # the record's bytes
     Py_ssize_t err_node
@@ -428,7 +434,8 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
                 c.p += nbytes
                 continue
         if count > c.size + AV_FREE_ITEMS - c.items:
-            return A_TRUNCATED
+            c.err_value = count
+            return A_ITEMS
         c.items += count
         if var:
             if var_reserve(c.var, elem + (k + count) * nd.stride, &c.row[nd.field],
@@ -567,27 +574,31 @@ cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
             c.err_value = v
             r = A_UNION
         else:
-            c.depth += 1
-            if c.depth > AV_MAX_DEPTH:
-                return A_DEPTH
+            c.nesting += 1
+            if c.nesting > AV_MAX_NESTING:
+                return A_NESTING
             r = av_read(c, c.plan.kids[nd.first + v], elem)
-            c.depth -= 1
+            c.nesting -= 1
             return r
     elif kind == K_RECORD:
         c.depth += 1
+        c.nesting += 1
         if c.depth > AV_MAX_DEPTH:
             return A_DEPTH
+        if c.nesting > AV_MAX_NESTING:
+            return A_NESTING
         for k in range(nd.n):
             r = av_read(c, c.plan.kids[nd.first + k], elem)
             if r:
                 return r
         c.depth -= 1
+        c.nesting -= 1
     elif kind == K_ARRAY or kind == K_MAP:
-        c.depth += 1
-        if c.depth > AV_MAX_DEPTH:
-            return A_DEPTH
+        c.nesting += 1
+        if c.nesting > AV_MAX_NESTING:
+            return A_NESTING
         r = av_items(c, i, nd, elem)
-        c.depth -= 1
+        c.nesting -= 1
     else:  # K_BAD
         r = A_KIND
     if r and c.err_node < 0:
@@ -605,6 +616,7 @@ cdef int av_record(AvCur* c, const AvPlan* plan, const uint8_t* p, const uint8_t
     c.size = end - p
     c.items = 0
     c.depth = 0
+    c.nesting = 0
     c.err_node = -1
     c.err_field = -1
     c.err_value = 0
@@ -916,7 +928,12 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
     if err == A_LENGTH:
         return f"array of {b.value} items does not match the field's shape{where}"
     if err == A_DEPTH:
-        return f"nested deeper than {AV_MAX_DEPTH}{where}"
+        return f"records nested deeper than {AV_MAX_DEPTH}{where}"
+    if err == A_ITEMS:
+        return (f"a block of {b.value:,} items: past the record's bytes plus {AV_FREE_ITEMS:,}, "
+                f"the bound on items that take no bytes (nulls, empty records){where}")
+    if err == A_NESTING:
+        return f"nested deeper than {AV_MAX_NESTING} arrays, maps, unions and records{where}"
     if err == A_TRAILING:
         return f"{b.value} bytes left after the record"
     if err == A_MEMORY:

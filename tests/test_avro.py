@@ -307,6 +307,44 @@ def test_recursive_types_are_skipped_and_bounded():
     assert res.bad[0][0] == 1 and "nested deeper than" in res.bad[0][1]
 
 
+def test_records_nest_200_deep_through_their_unions_and_no_deeper():
+    # The bound counted unions and arrays too, so a linked list failed at 101
+    # records, "nested deeper than 200".
+    node = {"type": "record", "name": "Node", "fields": [
+        {"name": "id", "type": "long"}, {"name": "next", "type": ["null", "Node"]}]}
+    parsed = fastavro.parse_schema(node)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = []
+    for depth in (101, 200, 201):
+        chain = None
+        for i in range(depth, 0, -1):
+            chain = {"id": depth, "next": chain}
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, chain)
+        values.append(buf.getvalue())
+    out = {"id": np.zeros(3, np.int64)}
+    res = kfeed.Avro(schema=node).decoder(schema).decode_into(values, schema.bind(out), 0)
+    assert res.rows == 2 and out["id"][:2].tolist() == [101, 200]
+    assert res.bad == [(2, "records nested deeper than 200")]
+
+
+def test_items_of_no_bytes_past_the_bound_say_so_not_truncated():
+    writer = {"type": "record", "name": "R", "fields": [
+        {"name": "id", "type": "long"}, {"name": "flags", "type": {"type": "array", "items": "null"}}]}
+    parsed = fastavro.parse_schema(writer)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    values = []
+    for n in (65_536, 200_000):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, {"id": n, "flags": [None] * n})
+        values.append(buf.getvalue())
+    out = {"id": np.zeros(2, np.int64)}
+    res = kfeed.Avro(schema=writer).decoder(schema).decode_into(values, schema.bind(out), 0)
+    assert res.rows == 1 and out["id"][0] == 65_536
+    assert res.bad == [(1, "a block of 200,000 items: past the record's bytes plus 65,536, the "
+                           "bound on items that take no bytes (nulls, empty records) at flags")]
+
+
 def _colors(symbols: list[str]) -> dict:
     return {"type": "record", "name": "Event", "namespace": "shop", "fields": [
         {"name": "id", "type": "long"},
@@ -912,7 +950,8 @@ def test_empty_items_are_bounded_per_record_not_per_block():
     fine = zigzag(60000) + zigzag(0) + zigzag(7)  # as many as a record may loop over
     cols, bad = decode_all(decoder, schema, [forged, fine])
     assert cols["n"].tolist() == [7] and [(i, why) for i, why in bad] == [
-        (0, "truncated at marks")], bad
+        (0, "a block of 65,536 items: past the record's bytes plus 65,536, the bound on "
+            "items that take no bytes (nulls, empty records) at marks")], bad
 
 
 @pytest.mark.parametrize("item", ["float", "double"])
