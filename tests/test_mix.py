@@ -310,6 +310,37 @@ def test_a_resume_gives_the_stream_of_an_uninterrupted_run(stop, shuffle):
     assert state["mix"]["mixed"] >= stop * 32
 
 
+@pytest.mark.parametrize("exhausted", ["stop", "renormalize"])
+def test_a_state_saved_at_the_end_of_a_read_starts_the_next_read_on_new_records(exhausted):
+    # The state said the mixture was over, and the next bounded read, loaded
+    # from it, took that as its own end: it read nothing of the records
+    # written since, where plain topics read them.
+    mix = Mix(WEIGHTS, seed=1, exhausted=exhausted)
+    loader = Loader(None, mix, ROWS, 32, source=MemorySource(row_values()), device="cpu",
+                    until="end")
+    with loader:
+        first = np.concatenate([b["id"].numpy().copy() for b in loader])
+        state = loader.state_dict()
+    more = {t: (k, nparts, n + 100) for t, (k, nparts, n) in SOURCES.items()}
+    second, _ = read(row_values(sources=more), mix, state=state)
+    second = np.concatenate(second)
+    assert len(second) and not np.intersect1d(first, second).size
+    if exhausted == "renormalize":  # every record, once
+        assert len(first) + len(second) == sum(nparts * n for _k, nparts, n in more.values())
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(100, seed=2)])
+def test_a_state_saved_after_the_mixture_ended_hands_out_the_rest_and_ends(shuffle):
+    # The mixer has ended, but batches it mixed are still to come: a resume
+    # hands them out as the uninterrupted run does, and reads nothing more.
+    mix = Mix(WEIGHTS, seed=1, exhausted="renormalize")
+    whole = read(row_values(), mix, shuffle=shuffle)[0]
+    first, state = read(row_values(), mix, shuffle=shuffle, stop=len(whole) - 1)
+    assert state["mix"]["ended"]
+    rest, _ = read(row_values(), mix, shuffle=shuffle, state=state)
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(whole))
+
+
 TOKENS = Schema({"tokens": ("int32", (None,))})
 
 

@@ -629,6 +629,12 @@ class Mixer:
             raise ConfigError(f"not a mixture state: {e!r}") from None
         if self.mix.scheduled:
             self._check_schedule(state.get("schedule") or [])
+        if ended:
+            # Saved once the bounded read was over: a new read starts from it
+            # (its window resolved anew, as for plain topics), which finds out
+            # again which sources run out, as after a merge (``Loader.merge_states``).
+            # Records mixed but not handed out yet still come first.
+            live, ended = [True] * n, False
         self.credits = np.array(credits, np.int64)
         self.live = np.array(live, np.uint8)
         self.ran_out = np.array(state.get("ran_out", [False] * n), np.uint8)
