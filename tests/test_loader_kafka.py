@@ -658,6 +658,24 @@ def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
     assert len(ids) == 4000 and np.array_equal(np.sort(ids), np.arange(4000))
 
 
+def test_persistent_dataloader_workers_read_the_window_again_each_pass(
+        bootstrap, make_topic, group_id) -> None:
+    # Persistent workers keep their seeds, so each pass was the same run: the
+    # second took the first's commits at the window's end as another worker's
+    # of its own run, went on from there whatever the start, and read nothing.
+    import torch
+
+    topic = make_topic(partitions=4)
+    produce(bootstrap, topic, 0, 1000)
+    ds = kfeed.KafkaIterableDataset({"bootstrap.servers": bootstrap, "group.id": group_id},
+                                    topic, SCHEMA, 100, start="earliest", until="end")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                                     multiprocessing_context="forkserver")
+    for _ in range(2):
+        ids = np.concatenate([b["id"].numpy() for b in dl])
+        assert np.array_equal(np.sort(ids), np.arange(1000))
+
+
 def test_more_dataloader_workers_than_partitions_in_a_group_is_one_clear_error(
         bootstrap, make_topic, group_id) -> None:
     # A worker of the group with no partition never ended, and the DataLoader,

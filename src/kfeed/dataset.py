@@ -79,6 +79,7 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         # Shared memory: persistent DataLoader workers got their copy of the
         # dataset once, when they started, and must still see set_epoch.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
+        self._passes = 0  # iterations of this copy (a persistent DataLoader worker's)
 
     @property
     def epoch(self) -> int:
@@ -117,8 +118,12 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
             # less their ids are its base seed): a partition another worker read
             # first goes on from its commit, whatever the start, as between the
             # ranks of a job (NOTE [ Whose commits win ]). With a run each, a
-            # worker that joined later read it again from the start.
-            run = hashlib.blake2b(f"{worker.seed - worker.id}/{self.epoch}".encode(),
+            # worker that joined later read it again from the start. Persistent
+            # workers keep their seeds from pass to pass, so the pass counts too
+            # (each pass iterates every worker's copy once): the same run, the
+            # next pass went on from the last one's commits and read nothing.
+            self._passes += 1
+            run = hashlib.blake2b(f"{worker.seed - worker.id}/{self.epoch}/{self._passes}".encode(),
                                   digest_size=6).hexdigest()
         with Loader.from_config(self.kafka_config, config, source=self.source,
                                 one_epoch=True, run=run) as loader:
