@@ -495,8 +495,16 @@ def test_a_state_of_a_mixture_loaded_without_one_says_so():
 
 def test_a_state_must_come_from_the_same_mixture():
     _, state = read(row_values(), Mix(WEIGHTS, seed=1), stop=2)
-    with pytest.raises(ConfigError, match="saved by the mixture"):
+    with pytest.raises(ConfigError, match=r"^the state was saved by another mixture: its seed 1, "
+                                          r"this loader's 2; resume with the mixture it was saved with$"):
         read(row_values(), Mix(WEIGHTS, seed=2), state=state)
+    # The same weights, written in another order: the message printed both mixtures
+    # whole, whose weights it sorts, so nothing it showed differed but a list of topics.
+    with pytest.raises(ConfigError, match=r"^the state was saved by another mixture: its topics in "
+                                          r"the order \['web', 'code', 'math'\], this loader's "
+                                          r"\['math', 'code', 'web'\] \(the order of the weights' keys "
+                                          r"is part of the mixture: the seed deals turns by it\); "):
+        read(row_values(), Mix(dict(reversed(WEIGHTS.items())), seed=1), state=state)
     with pytest.raises(ConfigError, match="without a kfeed.Mix|of a kfeed.Mix"):
         read(row_values(), list(WEIGHTS), shuffle=Shuffle(10), state=state)
     # The same topics in offset order: the message blamed shuffle or pack, which
@@ -508,7 +516,9 @@ def test_a_state_must_come_from_the_same_mixture():
     with pytest.raises(ConfigError, match="saved by a loader reading in offset order .*; this "
                                           "one has a kfeed.Mix"):
         read(row_values(), Mix(WEIGHTS, seed=1), state=plain)
-    with pytest.raises(ConfigError, match="saved by the mixture"):
+    with pytest.raises(ConfigError, match=r"saved by another mixture: its weights \{'code': 0.3, "
+                                          r"'math': 0.1, 'web': 0.6\}, this loader's \{'code': 0.3, "
+                                          r"'math': 0.2, 'web': 0.5\}; resume"):
         read(row_values(), Mix({"web": 0.5, "code": 0.3, "math": 0.2}, seed=1), state=state)
 
 
@@ -626,6 +636,17 @@ def test_each_epoch_reads_the_window_once_in_its_own_reproducible_order():
     again = epoch_loader()
     again.set_epoch(2)  # as DistributedSampler.set_epoch: straight to epoch 2's order
     np.testing.assert_array_equal(epoch_ids(again), epochs[2])
+
+
+def test_the_records_mixed_are_counted_over_every_epoch():
+    # They restarted at each epoch, while the other counters went on.
+    loader = Loader(None, Mix(WEIGHTS, seed=1, exhausted="renormalize"), ROWS, 32,
+                    source=MemorySource(row_values()), device="cpu", until="end", epochs=2)
+    with loader:
+        n = [len(epoch_ids(loader)) for _ in range(2)]
+        stats = loader.stats()
+    assert n[0] == n[1] > 0
+    assert sum(stats["mix"].values()) == stats["samples"] == 2 * n[0]
 
 
 @pytest.mark.parametrize("stop", [5, 37])  # inside epoch 1; at its very end

@@ -148,6 +148,26 @@ def _same_mix(saved: Any, want: dict[str, Any]) -> bool:
     return saved == want
 
 
+def _mix_difference(saved: Any, want: dict[str, Any]) -> str:
+    """What makes a state's mixture (``describe()``) not ``want``, in words."""
+    if not isinstance(saved, Mapping):
+        return f"not a mixture ({saved!r})"
+    said = []
+    a, b = saved.get("topics"), want["topics"]
+    if isinstance(a, list) and sorted(map(str, a)) == sorted(b) and a != b:
+        said.append(f"its topics in the order {a}, this loader's {b} (the order of the "
+                    f"weights' keys is part of the mixture: the seed deals turns by it)")
+    elif a != b:
+        said.append(f"its topics {a}, this loader's {b}")
+    for key in ("seed", "exhausted"):
+        if saved.get(key) != want[key]:
+            said.append(f"its {key} {saved.get(key)!r}, this loader's {want[key]!r}")
+    if not said or not _same_mix({**saved, "topics": b, "seed": want["seed"],
+                                  "exhausted": want["exhausted"]}, want):
+        said.append(f"its weights {saved.get('weights')}, this loader's {want['weights']}")
+    return "; ".join(said)
+
+
 def as_int(x: Any) -> int | None:
     """``x`` as a Python int, if it is an integer (numpy's too) and no bool; else None."""
     if isinstance(x, bool) or isinstance(x, np.bool_):
@@ -614,9 +634,11 @@ class Mixer:
         want = self.mix.describe()
         if not _same_mix(state.get("mix"), want):
             # (An epoch's order without a Mix is a mixer of one source, in turn.)
-            mine = "has no kfeed.Mix" if self._one_source else f"mixes {want}"
-            raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
-                              f"this loader {mine}")
+            if self._one_source:
+                raise ConfigError(f"the state was saved by the mixture {state.get('mix')}, "
+                                  f"this loader has no kfeed.Mix")
+            raise ConfigError(f"the state was saved by another mixture: {_mix_difference(state.get('mix'), want)}; "
+                              f"resume with the mixture it was saved with")
         try:
             n = len(self.sources)
             credits = [int(c) for c in state["credits"]]

@@ -527,7 +527,8 @@ class Loader:
         stats = self.stats()  # the counts so far, which the new stages start again from
         # (A source given to the loader goes on into the next epoch, counting on.)
         kept = _SOURCE_COUNTS if self._given_source is not None else ()
-        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason") if k not in kept}
+        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason", "mix")
+                         if k not in kept and k in stats}
         self._epoch_finished = False
         self._setup(self._kafka_config, self._epoch_config(), self._given_source)
         self._lineages = lineages
@@ -1252,7 +1253,9 @@ class Loader:
         mixer = getattr(self._ledger, "mixer", None)
         if mixer is None or self.config.mix is None:
             return {}
-        return {"mix": {t: int(n) for t, n in zip(mixer.sources, mixer.per_source, strict=True)},
+        before = self._carried.get("mix", {})  # (the earlier epochs')
+        return {"mix": {t: int(n) + before.get(t, 0)
+                        for t, n in zip(mixer.sources, mixer.per_source, strict=True)},
                 "mix_waiting_for": mixer.stalled_on}
 
     # -- shutdown (see NOTE [ Loader Shutdown Logic ]) -------------------------
@@ -1396,9 +1399,10 @@ def _within(call: Callable[[], None], name: str, limit: float) -> bool:
 # NOTE [ Epochs ]
 # ~~~~~~~~~~~~~~~
 # Loader(..., until=..., epochs=N) reads a bounded window N times. Each
-# for-loop over the loader is one epoch (as with torch's DataLoader); the
-# next for-loop reads the next one, and set_epoch(e) picks it, as
-# DistributedSampler.set_epoch does. At the first epoch's start the window
+# for-loop that runs to its end reads one epoch; the next for-loop reads
+# the next one. A loop left early leaves its epoch open, and the next goes
+# on inside it; set_epoch(e) moves to epoch e, as
+# DistributedSampler.set_epoch does, leaving the rest of the one before unread. At the first epoch's start the window
 # is resolved to offsets in every partition (Loader._resolve_window: start
 # through the ledger's rules, until through Fetcher.ends_of), and every
 # epoch reads exactly that window: records written later are not in it.
