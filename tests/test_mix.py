@@ -781,6 +781,24 @@ def test_repeat_reads_a_source_again_until_every_source_ran_out_once():
     assert stats["mix"] == {"a": len(a), "b": 200}
 
 
+@pytest.mark.parametrize("shuffle", [None, Shuffle(20, seed=1)])
+def test_a_repeat_read_to_its_end_commits_every_topic_at_its_end(shuffle):
+    # The repeated topic's commit was its place in the reading in progress:
+    # the next read from the group read the rest of that reading again.
+    src = MemorySource(repeat_values())
+    loader = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat"), ROWS, 16,
+                    source=src, device="cpu", until="end", shuffle=shuffle)
+    with loader:
+        assert len(epoch_ids(loader)) > 250
+    committed = src.committed(list(repeat_values()))
+    assert {tp: (c.offset, c.skip) for tp, c in committed.items() if tp[0] == "a"} == {
+        ("a", 0): (4, 0), ("a", 1): (4, 0)}  # its window's end, read four times over
+    again = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat"), ROWS, 16,
+                   source=src, device="cpu", until="end", shuffle=shuffle)
+    with again:
+        assert len(epoch_ids(again)) == 0
+
+
 @pytest.mark.parametrize("stop", [3, 8, 11])  # a in its first, second and third reading
 def test_repeat_resumes_inside_a_reading_exactly(stop):
     mix = Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat")

@@ -437,7 +437,10 @@ def state_positions(state: Mapping[str, Any]) -> dict[TP, Position]:
 # a round at a time to the one the order had reached (pending_rounds,
 # RecordBuilder._read_again), so records held from several readings all
 # come back. Commits are Kafka offsets of the current reading: after the
-# first reading they go back below the end committed before.
+# first reading they go back below the end committed before. Once the
+# bounded read is over (OrderLedger.finish), such a partition was read
+# whole, and its commit is its window's end: a later read from the group
+# goes on from there, as it does for the other topics.
 ROUND_SHIFT = 40
 _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 
@@ -524,6 +527,7 @@ class OrderLedger(Ledger):
         # rest of the last round first, then this one from the window's start.
         self.saved_rounds: dict[TP, int] = {}
         self.pending_rounds: dict[TP, int] = {}
+        self.read_whole: dict[TP, Position] = {}  # once the read is over (``finish``)
         self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
@@ -738,8 +742,18 @@ class OrderLedger(Ledger):
 
     def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         self._update_used()
-        return self._noted({tp: self._whole(tp, pos) for tp, pos in self.used.items()
-                            if tp in self.seen and mine(tp)}, used=True)
+        out = self._noted({tp: self._whole(tp, pos) for tp, pos in self.used.items()
+                           if tp in self.seen and mine(tp)}, used=True)
+        out.update({tp: pos for tp, pos in self.read_whole.items() if tp in out})
+        return out
+
+    def finish(self, ends: Mapping[TP, int]) -> None:
+        """The bounded read is over, every record handed out: a partition read again
+        (NOTE [ Rounds ]) was read whole, so its commit is its window's end, not its
+        place in the reading in progress, which a later read would go on from."""
+        with self.lock:
+            self.read_whole = {tp: (ends[tp], 0) for tp, n in self.rounds.items()
+                               if n > 0 and tp in ends}
 
     def carry(self, tp: TP, pos: Position) -> None:
         super().carry(tp, pos)
