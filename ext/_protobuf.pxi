@@ -266,6 +266,16 @@ cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept 
     return A_OK
 
 
+cdef inline int pb_varint32(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
+    """A tag or a length: a varint of at most 5 bytes and 32 bits, as protobuf's parser
+    reads them (it refuses a longer one, which ``pb_varint`` would take)."""
+    cdef const uint8_t* start = c.p
+    cdef int r = pb_varint(c, end, out)
+    if r == A_OK and (c.p - start > 5 or out[0] > <uint64_t>0xFFFFFFFFu):
+        return A_VARINT
+    return r
+
+
 cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
     """Skip the value of an unknown field with ``tag`` at ``c.p``; a group
     (wire type 3, proto2) up to the end tag of the same number."""
@@ -284,7 +294,7 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
         c.p += 4
         return A_OK
     if wt == 2:
-        r = pb_varint(c, end, &v)
+        r = pb_varint32(c, end, &v)
         if r:
             return r
         if v > <uint64_t>(end - c.p):
@@ -296,7 +306,7 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
         if c.depth > PB_MAX_DEPTH:
             return A_DEPTH
         while c.p < end:
-            r = pb_varint(c, end, &inner)
+            r = pb_varint32(c, end, &inner)
             if r:
                 return r
             if (inner >> 3) == 0 or (inner >> 3) > 0x1FFFFFFF:
@@ -336,7 +346,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     cdef int r, kind = e.kind
     cdef bint floating = False
     if kind == P_BYTES:  # the document is these bytes (the last occurrence wins)
-        r = pb_varint(c, end, &raw)
+        r = pb_varint32(c, end, &raw)
         if r:
             return r
         if raw > <uint64_t>(end - c.p):
@@ -482,7 +492,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     if c.depth > PB_MAX_DEPTH:
         return A_DEPTH
     while c.p < end:
-        r = pb_varint(c, end, &tag)
+        r = pb_varint32(c, end, &tag)
         if r:
             return r
         wt = tag & 7
@@ -527,7 +537,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                 return r
             continue
         if e.kind == P_MESSAGE:
-            r = pb_varint(c, end, &n)
+            r = pb_varint32(c, end, &n)
             if r:
                 return r
             if n > <uint64_t>(end - c.p):
@@ -542,7 +552,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
         if wt == pb_wire(e.kind):
             r = pb_value(c, e, end)
         else:  # a repeated scalar, packed
-            r = pb_varint(c, end, &n)
+            r = pb_varint32(c, end, &n)
             if r:
                 return r
             if n > <uint64_t>(end - c.p):

@@ -290,6 +290,28 @@ def test_plain_values_without_framing():
         np.testing.assert_array_equal(got[f.name], want[f.name], err_msg=f.name)
 
 
+def test_tags_and_lengths_longer_than_5_bytes_are_bad_as_protobuf_refuses_them():
+    # They were read as any varint, up to 10 bytes, where protobuf's parser
+    # refuses the message.
+    ids = kfeed.Schema({"id": ("int64", ())})
+    values = {
+        "tag in 6 bytes": b"\x88\x80\x80\x80\x80\x00" + b"\x05",
+        "tag in 10 bytes": b"\x88" + b"\x80" * 8 + b"\x00" + b"\x05",
+        "packed length in 6 bytes": b"\x12\x84\x80\x80\x80\x80\x00" + b"\x00" * 4,
+        "tag past 32 bits": b"\xf8\xff\xff\xff\x1f\x05",
+        "length in 5 bytes": b"\x12\x84\x80\x80\x80\x00" + b"\x00" * 4 + b"\x08\x05",
+        "tag in 5 bytes": b"\x88\x80\x80\x80\x00" + b"\x05",
+    }
+    for why, v in list(values.items())[:4]:
+        with pytest.raises(DecodeError):
+            Click.FromString(v)
+    assert [Click.FromString(v).id for v in list(values.values())[4:]] == [5, 5]
+    got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(ids), ids, list(values.values()))
+    assert got["id"].tolist() == [5, 5]
+    assert [i for i, _why in bad] == [0, 1, 2, 3]
+    assert [why for _i, why in bad][:3] == ["malformed varint"] * 3
+
+
 def _proto2_class() -> type:
     fdp = descriptor_pb2.FileDescriptorProto(name="legacy.proto", package="legacy",
                                              syntax="proto2")
