@@ -63,6 +63,25 @@ def test_kfeeds_blocks_give_every_record_once_across_a_resume():
     assert [t.tolist() for t in nested.unbind()] == [r[1] for r in records(first)]
 
 
+def test_batches_in_offset_order_say_their_offsets_and_their_latency_as_fixed_ones_do():
+    # Records with a variable-length field go through the order, and their
+    # batches had no offsets and no end-to-end latency: the metric was empty.
+    cols = written(500, longest=20)
+    fixed = kfeed.Schema({"label": ("int64", ()), "w": ("bfloat16", (2,))})
+    said = {}
+    for name, schema in (("jagged", SCHEMA), ("fixed", fixed)):
+        values = schema.encode_blocks({k: cols[k] for k in schema.names}, block_records=37)
+        with memory_loader(values, schema, 64, device="cpu", until="end") as loader:
+            said[name] = [b.offsets for b in loader]
+            hist = loader.stats()["latency_histogram"]
+        assert hist.cumulative()[-1][1] == len(said[name]), name
+    assert said["jagged"] == said["fixed"]
+    assert said["jagged"][0][("memory", 0)][0] == (0, 0)
+    assert said["jagged"][-1][("memory", 0)][1] == (len(values), 0)
+    assert all(a[("memory", 0)][1] == b[("memory", 0)][0]
+               for a, b in zip(said["jagged"], said["jagged"][1:]))
+
+
 def test_a_schema_of_the_field_alone_reads_raw_values():
     schema = kfeed.Schema({"items": ("int16", (None,))})
     docs = [np.arange(k, dtype=np.int16) for k in range(200)]

@@ -141,9 +141,9 @@ class Batch(dict):
 
     ``offsets`` maps ``(topic, partition)`` to ``(first, end)`` positions,
     each ``(offset, skip)``: where the batch's records start and where the
-    next batch continues. With ``shuffle`` or ``pack`` records do not come
-    in offset ranges and ``offsets`` is empty: the loader's ``state_dict()``
-    says where to resume.
+    next batch continues. With ``shuffle``, ``pack`` or a ``kfeed.Mix``
+    records do not come in offset ranges and ``offsets`` is empty: the
+    loader's ``state_dict()`` says where to resume.
 
     A variable-length field without ``pack`` is ``NAME`` (the records'
     elements, 1-D) and ``NAME_offsets`` (``[n + 1]`` int64).
@@ -905,7 +905,7 @@ class Loader:
 
     def _hand_out(self, out: Handoff) -> Any:
         ledger = self._ledger
-        offsets = {} if isinstance(ledger, OrderLedger) else out.offsets()
+        offsets = out.offsets()  # (through an order: only jagged records in offset order)
         batch = Batch(out.tensors, out.rows, offsets, out.info)
         # The tensors are recorded for the caller's stream first: JAX's DLPack
         # import orders its own stream after the caller's. And the batch is

@@ -532,7 +532,8 @@ class RecordBuilder(SlotBuilder):
             if self.packer is not None:
                 self.packer.feed(tokens, lengths, copy=False)
             else:
-                self._queue_jagged(columns, tokens, lengths)
+                self._queue_jagged(columns, tokens, lengths,
+                                   self._places(msgs, docs.counts, recs, ids - first))
             return
         if self.fetches is not None:
             self.fetches.add(first, docs.tokens, docs.lengths)
@@ -853,10 +854,22 @@ class RecordBuilder(SlotBuilder):
     # JAGGED_START per record and grows (Slot.grow) when a batch needs more.
 
     def _queue_jagged(self, columns: dict[str, np.ndarray], tokens: np.ndarray,
-                      lengths: np.ndarray) -> None:
+                      lengths: np.ndarray, places: np.ndarray | None = None) -> None:
         starts = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=starts[1:])
-        self.jagged.append([columns, tokens, starts, 0])
+        self.jagged.append([columns, tokens, starts, 0, places])
+
+    @staticmethod
+    def _places(msgs: list[Any], counts: np.ndarray, recs: np.ndarray,
+                taken: np.ndarray) -> np.ndarray:
+        """Where records ``taken`` (rows of ``recs``, ``counts[j]`` of message ``j``) lie,
+        for batches in offset order: rows ``[pid, offset, index in the message, whether
+        the message's last, the message's time (ms)]``."""
+        last = np.ones(len(recs), np.int64)
+        last[:-1] = (recs[1:, 0] != recs[:-1, 0]) | (recs[1:, 1] != recs[:-1, 1])
+        ms = np.fromiter((m.timestamp()[1] for m in msgs), np.int64, len(msgs))
+        of = np.repeat(np.arange(len(msgs)), counts)
+        return np.column_stack([recs[taken, :3], last[taken], ms[of[taken]]])
 
     def _take_jagged(self, slot: Slot, out: Handoff) -> bool:
         """Move waiting records into the slot; whether it is complete."""
@@ -865,8 +878,10 @@ class RecordBuilder(SlotBuilder):
         name, offsets_name = f.name, f"{f.name}_offsets"
         while slot.rows < self.batch_size and self.jagged:
             chunk = self.jagged[0]
-            columns, tokens, starts, at = chunk
+            columns, tokens, starts, at, places = chunk
             k = min(self.batch_size - slot.rows, len(starts) - 1 - at)
+            if places is not None:
+                self._place(places[at:at + k], out)
             row = slot.rows
             for field, col in columns.items():
                 _host(slot.tensors[field])[row:row + k] = col[at:at + k]
@@ -886,6 +901,18 @@ class RecordBuilder(SlotBuilder):
             if at + k == len(starts) - 1:
                 self.jagged.popleft()
         return slot.rows == self.batch_size
+
+    def _place(self, places: np.ndarray, out: Handoff) -> None:
+        """Records in offset order (rows of ``_places``) go into ``out``: its offsets and time."""
+        order = self.order_ledger.order
+        for pid in np.unique(places[:, 0]).tolist():
+            mine = places[places[:, 0] == pid]
+            tp = order.partition(pid)
+            if tp not in out.first:
+                out.first[tp] = (int(mine[0, 1]), int(mine[0, 2]))
+            _pid, off, sub, last, _ms = mine[-1].tolist()
+            out.end[tp] = (off + 1, 0) if last else (off, sub + 1)
+        out.newest_ms = max(out.newest_ms, int(places[:, 4].max()))
 
     def _drain(self) -> None:
         with self.ledger.lock:
