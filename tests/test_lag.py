@@ -6,6 +6,7 @@ hand, so every figure the report gives is known beforehand.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -133,3 +134,12 @@ def test_a_group_or_topic_the_brokers_do_not_know_is_named(bootstrap, make_topic
     assert (done.returncode, done.stderr) == (1, (
         f"kfeed: no topic {missing} on these brokers ({bootstrap}): check the name "
         f"(topic={missing})\n"))
+
+
+def test_brokers_out_of_reach_are_one_error_and_no_librdkafka_warning(caplog):
+    # The error named them, and librdkafka's own line was logged at WARNING
+    # too: a program without logging set up got it on stderr as well.
+    with caplog.at_level(logging.WARNING), pytest.raises(
+            kfeed.ConsumeError, match="^cannot reach the brokers at 127.0.0.1:1 within 2s"):
+        kfeed.group_lag({"bootstrap.servers": "127.0.0.1:1"}, "nobody", timeout_s=2)
+    assert [r.getMessage() for r in caplog.records if r.name == "kfeed.librdkafka"] == []

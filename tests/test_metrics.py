@@ -548,3 +548,15 @@ def test_the_gpu_check_runs_on_the_cpu_and_scrapes_the_metrics(tmp_path):
     assert result["bandwidth"][0]["us_per_batch"] > 0
     assert result["gpu_metrics"]["samples"] == []  # a CPU loader: no GPU to report
     assert "d. GPU metrics" in done.stdout
+
+
+def test_a_producer_left_by_an_exception_is_no_longer_published(bootstrap, make_topic):
+    # close() took it off the endpoint; a with block left by an exception did not.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    topic = make_topic(partitions=1)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as producer:
+            producer.send({"id": np.arange(10)})
+            assert producer in metrics.LIVE
+            raise RuntimeError("the step failed")
+    assert producer not in metrics.LIVE

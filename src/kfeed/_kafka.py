@@ -53,10 +53,15 @@ def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
     """``client_config``, with librdkafka's lines going to logging through ``ConnectionLog``:
-    ``kafka_config``'s own ``logger`` if it is one (its folding goes on across clients)."""
+    ``kafka_config``'s own ``logger`` if it is one (its folding goes on across clients).
+
+    Connection trouble is logged at DEBUG: these short-lived clients' calls
+    fail with a line of their own that names the brokers, and a program
+    without logging set up got librdkafka's line on stderr as well."""
     given = kafka_config.get("logger")
     return {**client_config(kafka_config),
-            "logger": given if isinstance(given, ConnectionLog) else ConnectionLog()}
+            "logger": given if isinstance(given, ConnectionLog)
+            else ConnectionLog(trouble_level=logging.DEBUG)}
 
 
 def bad_setting(exc: BaseException) -> ConfigError:

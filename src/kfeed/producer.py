@@ -765,6 +765,7 @@ class Producer:
             self.close()
             return
         self._closed = True  # (what was not delivered is said here, not again at exit)
+        metrics.LIVE.discard(self)  # as close() does
         if self._fatal is None:
             # Still deliver what was sent; the original exception wins, and
             # what was not delivered is said, never dropped in silence.
