@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import pickle
 import subprocess
 import sys
 import threading
@@ -738,13 +739,14 @@ def test_workers_of_one_dataloader_iteration_follow_each_others_commits(
                                     topic, SCHEMA, 100, until="end", start="earliest")
     worker = types.SimpleNamespace(num_workers=2, id=1, seed=7001)
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: worker)
-    first = np.concatenate([b["id"].numpy() for b in ds])
+    # Each worker iterates a copy of its own, as the DataLoader sends them.
+    first = np.concatenate([b["id"].numpy() for b in pickle.loads(pickle.dumps(ds))])
     assert np.array_equal(np.sort(first), np.arange(1000))
     worker.id, worker.seed = 0, 7000
-    assert sum(b.size for b in ds) == 0  # all read, by its sibling
+    assert sum(b.size for b in pickle.loads(pickle.dumps(ds))) == 0  # all read, by its sibling
     # The next iteration of the DataLoader (another base seed) is another run.
     worker.seed = 9000
-    assert sum(b.size for b in ds) == 1000
+    assert sum(b.size for b in pickle.loads(pickle.dumps(ds))) == 1000
 
 
 def test_the_workers_of_every_rank_count_against_the_partitions_of_a_group(
