@@ -311,6 +311,9 @@ class Source:
     commit_failures = 0
     dead_lettered = 0
     group_member = False  # must keep polling for its group's rebalances to go on
+    # An error that ended the consumer (NOTE [ A fenced member stops at once ]):
+    # the loader's next() raises it before it hands out another batch.
+    ended: ConsumeError | None = None
     # A rebalance moves only some partitions (cooperative-sticky, or Kafka 4's
     # consumer protocol); the others keep their fetch position.
     incremental = False
@@ -882,6 +885,9 @@ class KafkaSource(Source):
                 self._gone = self._suspect = None  # the coordinator knows the topic (again)
                 continue
             self._refused_note(refused)
+            if refused.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID) \
+                    and self._fatal is None:
+                self._fenced(refused)
             if refused.code() in GONE_CODES and self._gone is None:
                 # The group's coordinator no longer knows the topic: deleted,
                 # most likely. librdkafka's own fetcher says so only after
@@ -893,6 +899,34 @@ class KafkaSource(Source):
             self.commit_failures += 1
             self._warn.log(logging.WARNING, "offset commit failed for %s[%d]@%d: %s",
                            p.topic, p.partition, p.offset, refused)
+
+    def _fenced(self, refused: Any) -> None:
+        """A commit refused as fenced, or ``Local: Fatal error``: the consumer is over.
+
+        NOTE [ A fenced member stops at once ]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A static member (``group.instance.id``) whose id another consumer
+        took, a second process of the same member say, is fenced: librdkafka
+        ends the consumer with a fatal error, which no error callback brings.
+        Its commits are refused from then on, and its partitions are the new
+        member's, but ``consume()`` still gave the messages fetched before
+        (up to 64 MiB): the loader handed out batches for seconds, every one
+        read again by the new member. The first commit refused so
+        (``FENCED_INSTANCE_ID``, then ``_FATAL``) ends the
+        stream: ``consume()`` raises, and the loader's ``next()`` does
+        before it hands out another batch (``Source.ended``), dropping those
+        it holds, which the group reads again.
+        """
+        from confluent_kafka import KafkaError
+
+        who = self._config.get("group.instance.id")
+        why = (f"another consumer took its group.instance.id {who!r} (a second process of "
+               f"the same member?), which fences this one" if who else
+               "librdkafka ended the consumer (its log says why)")
+        self._fatal = KafkaError(KafkaError._FATAL, f"the consumer of group {self.group_id!r} "
+                                 f"can no longer commit ({refused.str()}): {why}; its "
+                                 f"partitions are read by the group from its last commit")
+        self.ended = ConsumeError(self._fatal.str(), code=KafkaError._FATAL)
 
     def _refused_note(self, error: Any) -> bool:
         """A broker that keeps less metadata than Kafka's default: commit without notes.

@@ -858,6 +858,8 @@ class Loader:
                         return END
                     raise LoaderError("the loader thread stopped without a reason") from None
                 continue
+            if self._source.ended is not None and not isinstance(item, Failure):
+                item = Failure(self._source.ended, "reading")  # NOTE [ A fenced member stops at once ]
             if isinstance(item, Failure):
                 self._exhausted = True
                 exc = self._failed = item.exc
