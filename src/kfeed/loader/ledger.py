@@ -103,7 +103,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError
+from kfeed.errors import ConfigError, ConsumeError
 from kfeed.mix import Mixer, as_int
 from kfeed.sources import TP, Committed, Position, Source
 from kfeed.tokens import Key, Packer, Shuffle, ShuffleBuffer
@@ -198,6 +198,9 @@ class Ledger:
         # knows: the loaded state's, where it gave one back, or where it
         # would have started one (NOTE [ A state covers every partition ]).
         self.carried: dict[TP, Position] = {}
+        # A loaded state's partitions not yet checked against what the brokers
+        # still keep (``retained``).
+        self.unchecked: set[TP] = set()
         # Whether the state covers every partition of the topics (group
         # mode; a static rank's state covers its own).
         self.cover_all = False
@@ -250,6 +253,7 @@ class Ledger:
         if first and self.cover_all:
             rest = [tp for tp in scope if tp not in positions and tp not in self.carried]
             self.carried.update(self.start_positions(rest, committed))
+        self.retained(positions, holds=False)
         # A partition with nothing handed out yet is still part of the state:
         # without it, a resume would start it from the committed offset,
         # which may have moved on since the checkpoint. Its position is
@@ -263,6 +267,31 @@ class Ledger:
                 self._adopt(committed)
             self.decided = True
         return positions
+
+    def retained(self, positions: Mapping[TP, Position], *, holds: bool) -> None:
+        """Check a loaded state's ``positions`` against the first offset the brokers keep.
+
+        Retention may have deleted records while the job was down. Read from
+        a position, the partition goes on from the first record kept, and the
+        loss is said. A state whose order ``holds`` records (shuffle, pack, a
+        mixture) waited for ever for the deleted ones to come back: it is
+        refused, in one line.
+        """
+        todo = [tp for tp in positions if tp in self.unchecked]
+        for tp in todo:
+            self.unchecked.discard(tp)
+            first = self.source.watermarks(tp)[0]
+            at = positions[tp][0] & _OFFSET_MASK
+            if at >= first:
+                continue
+            lost = (f"{tp[0]}[{tp[1]}]: the state resumes at offset {at}, but the brokers keep "
+                    f"the partition from offset {first} on: {first - at} message(s) were "
+                    f"deleted (retention) before they were read")
+            if holds:
+                raise ConsumeError(f"{lost}, and the state holds records of them (its shuffle, "
+                                   f"pack or mixture), which cannot come back: load no state, "
+                                   f"to go on from the group's commits")
+            log.warning("%s; reading goes on from offset %d", lost, first)
 
     def _newer(self, own: Position, committed: Committed | None) -> Position:
         """Our position, or the committed one if it is past ours and not lost."""
@@ -400,6 +429,7 @@ class Ledger:
         handed = state_positions(state)
         self.handed.update(handed)
         self.used.update(handed)
+        self.unchecked.update(handed)
         self.carried = dict(handed)
 
 
@@ -563,6 +593,7 @@ class OrderLedger(Ledger):
                         self._follow_note(tp, Committed(pos[0], pos[1], None, None,
                                                         self.carried_notes[tp]))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
+        self.retained(positions, holds=self.order.restoring)
         for tp, (off, _skip) in positions.items():
             self.window.setdefault(tp, off)
         with self.lock:
@@ -838,3 +869,5 @@ class OrderLedger(Ledger):
         self.carried = {tp: pos for tp, pos, _n in carried}
         self.carried_notes = {tp: str(n) for tp, _pos, n in carried if n}
         self._restore(state["order"], int(state.get("pack_offset", 0)))
+        self.unchecked.update(self.order.resume_offsets())
+        self.unchecked.update(self.carried)
