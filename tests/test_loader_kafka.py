@@ -964,3 +964,21 @@ def test_a_state_whose_records_retention_deleted_says_so(bootstrap, make_topic, 
                 f"^{topic}\\[0\\]: the state resumes at offset \\d+, but the brokers keep the "
                 f"partition from offset 80 on: .* the state holds records of them")):
             next(ld)
+
+
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=64, seed=1)], ids=["in order", "shuffled"])
+def test_a_transactional_topic_read_to_its_end_has_no_lag_left(bootstrap, make_topic, group_id,
+                                                                shuffle) -> None:
+    # The commit was the last record's offset + 1, where the transaction's
+    # commit marker lies: the group's lag stayed 1 a partition for ever.
+    ids = kfeed.Schema({"id": ("int64", ())})
+    topic = make_topic(partitions=2)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids,
+                        transactional_id=f"{group_id}-tx") as p:
+        with p.transaction():
+            p.send({"id": np.arange(1000)})
+    config = {"bootstrap.servers": bootstrap, "group.id": group_id}
+    with kfeed.Loader(config, topic, ids, 64, device="cpu", until="end", shuffle=shuffle) as ld:
+        assert sum(b.size for b in ld) == 1000
+    lags = kfeed.group_lag(config, group_id, [topic])
+    assert [(p.committed, p.lag) for p in lags] == [(p.end, 0) for p in lags]

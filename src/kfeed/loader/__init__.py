@@ -726,8 +726,7 @@ class Loader:
                     self._agreement.finish()
                 if self._feeder.epoch_over:  # it ends right after END
                     self._feeder.join(self.config.connect_timeout_s + 5.0)
-                if isinstance(self._ledger, OrderLedger) and self._ledger.repeat:
-                    self._ledger.finish(self._fetcher.ends)
+                self._ledger.finish(self._fetcher.ends, self._fetcher.read_to, self._fetcher.done)
                 self._commit(asynchronous=False)
                 self._epoch_finished = True
                 self._stop_clock()

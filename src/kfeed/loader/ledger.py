@@ -201,6 +201,9 @@ class Ledger:
         # A loaded state's partitions not yet checked against what the brokers
         # still keep (``retained``).
         self.unchecked: set[TP] = set()
+        # Once a bounded read is over (``finish``): per partition read whole, the
+        # position after its last record, or None, and its end.
+        self.read_whole: dict[TP, tuple[Position | None, Position]] = {}
         # Whether the state covers every partition of the topics (group
         # mode; a static rank's state covers its own).
         self.cover_all = False
@@ -409,7 +412,24 @@ class Ledger:
 
     def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         """Per partition ``mine`` accepts, the position after the batches used (under ``lock``)."""
-        return {tp: pos for tp, pos in self.used.items() if tp in self.seen and mine(tp)}
+        return self._past_the_end({tp: pos for tp, pos in self.used.items()
+                                   if tp in self.seen and mine(tp)})
+
+    def _past_the_end(self, positions: dict[TP, Position]) -> dict[TP, Position]:
+        for tp, (last, end) in self.read_whole.items():
+            if tp in positions and (last is None or tuple(positions[tp][:2]) == last):
+                positions[tp] = end
+        return positions
+
+    def finish(self, ends: Mapping[TP, int], read_to: Mapping[TP, int], done: set[TP]) -> None:
+        """The bounded read is over. A partition read to its end (``done``) whose used
+        position is after the last record fetched (``read_to``) commits its end: after
+        that record a transaction's commit marker may come, and a commit before
+        it left the partition's lag at 1 for ever. (A record fetched but not used,
+        left by ``drop_last`` or the ranks' agreement, keeps the commit below it.)"""
+        with self.lock:
+            self.read_whole = {tp: ((read_to[tp], 0), (ends[tp], 0)) for tp in done
+                               if tp in ends and tp in read_to}
 
     def delivered(self) -> dict[TP, Position]:
         """Per partition, the position after every record handed out."""
@@ -557,7 +577,6 @@ class OrderLedger(Ledger):
         # rest of the last round first, then this one from the window's start.
         self.saved_rounds: dict[TP, int] = {}
         self.pending_rounds: dict[TP, int] = {}
-        self.read_whole: dict[TP, Position] = {}  # once the read is over (``finish``)
         self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
@@ -773,18 +792,18 @@ class OrderLedger(Ledger):
 
     def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         self._update_used()
-        out = self._noted({tp: self._whole(tp, pos) for tp, pos in self.used.items()
-                           if tp in self.seen and mine(tp)}, used=True)
-        out.update({tp: pos for tp, pos in self.read_whole.items() if tp in out})
-        return out
+        return self._past_the_end(self._noted(
+            {tp: self._whole(tp, pos) for tp, pos in self.used.items()
+             if tp in self.seen and mine(tp)}, used=True))
 
-    def finish(self, ends: Mapping[TP, int]) -> None:
-        """The bounded read is over, every record handed out: a partition read again
-        (NOTE [ Rounds ]) was read whole, so its commit is its window's end, not its
-        place in the reading in progress, which a later read would go on from."""
+    def finish(self, ends: Mapping[TP, int], read_to: Mapping[TP, int], done: set[TP]) -> None:
+        """As ``Ledger.finish``; and a partition read again (NOTE [ Rounds ]) was read
+        whole, so its commit is its window's end, not its place in the reading in
+        progress, which a later read would go on from."""
+        super().finish(ends, read_to, done)
         with self.lock:
-            self.read_whole = {tp: (ends[tp], 0) for tp, n in self.rounds.items()
-                               if n > 0 and tp in ends}
+            self.read_whole.update({tp: (None, (ends[tp], 0)) for tp, n in self.rounds.items()
+                                    if n > 0 and tp in ends})
 
     def carry(self, tp: TP, pos: Position) -> None:
         super().carry(tp, pos)
