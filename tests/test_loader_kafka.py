@@ -982,3 +982,51 @@ def test_a_transactional_topic_read_to_its_end_has_no_lag_left(bootstrap, make_t
         assert sum(b.size for b in ld) == 1000
     lags = kfeed.group_lag(config, group_id, [topic])
     assert [(p.committed, p.lag) for p in lags] == [(p.end, 0) for p in lags]
+
+
+def test_a_topic_made_again_under_its_name_has_its_own_bad_records_dead_lettered(
+        bootstrap, group_id, caplog) -> None:
+    # Offsets start at 0 again in the new topic, and its bad record below the
+    # old one's highest copy counted as copied: not in the dead-letter topic,
+    # while the warning said "sent to".
+    import logging
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from records import read_dlq
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
+
+    def fill(bad_at: int, tag: bytes) -> None:
+        produce(bootstrap, topic, 0, bad_at, format="raw")
+        p = KafkaProducer({"bootstrap.servers": bootstrap})
+        p.produce(topic, value=tag, partition=0)
+        assert p.flush(30) == 0
+
+    def made() -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
+                return
+            except Exception:  # noqa: BLE001 - the deletion still under way
+                assert time.monotonic() < deadline, "the topic could not be made again"
+                time.sleep(0.5)
+
+    try:
+        made()
+        fill(10, b"bad one")
+        with loader(bootstrap, topic, f"{group_id}-1", format="raw") as ld:
+            assert sum(b.size for b in ld) == 10
+        admin.delete_topics([topic])[topic].result()
+        made()
+        fill(1, b"bad two")
+        with caplog.at_level(logging.WARNING, logger="kfeed.loader"), \
+                loader(bootstrap, topic, f"{group_id}-2", format="raw") as ld:
+            assert sum(b.size for b in ld) == 1
+            assert ld.stats()["dead_lettered"] == 1
+        assert [m.value() for m in read_dlq(bootstrap, topic, 2)] == [b"bad one", b"bad two"]
+        assert f"bad record at {topic}[0]@1, sent to {topic}.dlq" in caplog.text
+    finally:
+        admin.delete_topics([topic, f"{topic}.dlq"])

@@ -240,11 +240,11 @@ class BadRecords:
             topic=first.topic(), partition=first.partition(), offset=first.offset())
 
     def _route(self, msg: Any, why: str) -> None:
-        dest = f"sent to {msg.topic()}.dlq" if self.policy is BadRecordPolicy.DEAD_LETTER \
-            else "skipped"
-        self._warn(msg, why, dest)
+        dest = "skipped"
         if self.policy is BadRecordPolicy.DEAD_LETTER:
-            self.source.dead_letter(msg, why)
+            dest = (f"sent to {msg.topic()}.dlq" if self.source.dead_letter(msg, why)
+                    else f"in {msg.topic()}.dlq already (another reader copied it)")
+        self._warn(msg, why, dest)
 
     def _warn(self, msg: Any, why: str, dest: str) -> None:
         now = time.monotonic()

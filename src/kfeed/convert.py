@@ -37,7 +37,7 @@ from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
 from kfeed.producer import Producer
 from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
-from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers, dead_lettered_up_to
+from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers, dead_lettered_up_to, topic_id
 
 __all__ = ["ConvertStats", "convert"]
 
@@ -225,7 +225,9 @@ class _Convert:
             # (NOTE [ One copy per bad message ] in kfeed/sources.py).
             self.client = base
             self.dlq_done: dict[tuple[str, int], int] = {}
+            self.source_id: str | None = None  # the source topic's id, on its copies
             if policy is BadRecordPolicy.DEAD_LETTER:
+                self.source_id = topic_id(base, connect_timeout_s, from_topic)
                 create_topic(base, self.dlq_topic, partitions=nparts,
                              timeout_s=connect_timeout_s)
                 # Its own count: one made before may have fewer partitions.
@@ -387,10 +389,11 @@ class _Convert:
             src, part = (m.topic(), m.partition()), m.partition() % self.dlq_parts
             if src not in done:
                 done[src] = self.dlq_done[src] if src in self.dlq_done else \
-                    dead_lettered_up_to(self.client, self.timeout, self.dlq_topic, part, src)
+                    dead_lettered_up_to(self.client, self.timeout, self.dlq_topic, part, src,
+                                        self.source_id)
             if m.offset() <= done[src]:
                 continue
-            p.copy(m, self.dlq_topic, part, dead_letter_headers(m, why))
+            p.copy(m, self.dlq_topic, part, dead_letter_headers(m, why, self.source_id))
             done[src] = m.offset()
         return done
 
@@ -414,9 +417,11 @@ class _Convert:
             self.bad.bad(msgs[j], reason)
         return cols, n, len(bad)
 
-    def dead_letter(self, msg: Any, reason: str) -> None:
-        """``BadRecords`` routes a rejected message here: copied within the round."""
+    def dead_letter(self, msg: Any, reason: str) -> bool:
+        """``BadRecords`` routes a rejected message here: copied within the round
+        (unless it is in the dead-letter topic already: ``_copy_dead``)."""
         self.dead.append((msg, reason))
+        return True
 
     def _rewind(self, msgs: list[Any]) -> None:
         from confluent_kafka import KafkaException, TopicPartition

@@ -42,7 +42,7 @@ from kfeed._kafka import (
 from kfeed.errors import ConfigError, ConsumeError
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "TP", "Position", "Committed",
-           "CONSUMER_DEFAULTS", "dead_letter_headers", "dead_lettered_up_to"]
+           "CONSUMER_DEFAULTS", "dead_letter_headers", "dead_lettered_up_to", "topic_id"]
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +116,34 @@ def group_share(counts: Mapping[str, int], mixture: bool,
 DLQ_TOPIC_HEADER = "kfeed.source.topic"
 DLQ_PARTITION_HEADER = "kfeed.source.partition"
 DLQ_OFFSET_HEADER = "kfeed.source.offset"
+# The source topic's id: a topic deleted and made again under its name has another.
+DLQ_TOPIC_ID_HEADER = "kfeed.source.topic_id"
 _DLQ_WINDOW = 1000
 
 
-def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
+def dead_letter_headers(msg: Any, reason: str, topic_id: str | None = None
+                        ) -> list[tuple[str, bytes]]:
     """The headers of ``msg``'s dead-letter copy: where it came from, and why."""
     return [
         (DLQ_TOPIC_HEADER, msg.topic().encode()),
         (DLQ_PARTITION_HEADER, str(msg.partition()).encode()),
         (DLQ_OFFSET_HEADER, str(msg.offset()).encode()),
+        *([(DLQ_TOPIC_ID_HEADER, topic_id.encode())] if topic_id else []),
         ("kfeed.reason", reason.encode()),
     ]
+
+
+def topic_id(client: Mapping[str, Any], timeout: float, topic: str) -> str | None:
+    """The brokers' id of ``topic`` (None where they do not say)."""
+    from confluent_kafka import KafkaException, TopicCollection
+
+    try:
+        admin = admin_client(client)  # (held until the answer: its end cancels the call)
+        found = admin.describe_topics(TopicCollection([topic]))[topic]
+        return str(found.result(timeout=timeout).topic_id) or None
+    except (KafkaException, ConfigError, TimeoutError, ValueError, TypeError) as e:
+        log.debug("cannot learn the id of %s: %s", topic, e)
+        return None
 
 # NOTE [ One copy per bad message ]
 #
@@ -144,13 +161,20 @@ def dead_letter_headers(msg: Any, reason: str) -> list[tuple[str, bytes]]:
 # offset counts as copied, so a reader that started past earlier bad
 # messages (start="latest", or a time) leaves those out of the dead-letter
 # topic for later readers too; they stay in the source topic. Two loaders that meet the same bad message at the same
-# moment may both copy it: the check is not a transaction.
+# moment may both copy it: the check is not a transaction. A copy names
+# its source topic's id (DLQ_TOPIC_ID_HEADER): a topic deleted and made
+# again under its name starts at offset 0 again, and the copies of the old
+# one do not count for it.
 
 
 def dead_lettered_up_to(client: Mapping[str, Any], timeout: float, topic: str, part: int,
-                        src: TP) -> int:
+                        src: TP, src_id: str | None = None) -> int:
     """The highest offset of ``src`` already in partition ``part`` of dead-letter topic
     ``topic``; -1 if none (NOTE [ One copy per bad message ]).
+
+    ``src_id``: the source topic's id (``topic_id``). Copies of a topic of
+    the same name deleted since (another id) are not this one's: its
+    offsets started again at 0.
 
     Reads the partition backwards in windows of ``_DLQ_WINDOW`` messages
     until one from ``src`` turns up: one window when the dead-letter topic
@@ -181,9 +205,9 @@ def dead_lettered_up_to(client: Mapping[str, Any], timeout: float, topic: str, p
         end = hi
         while end > lo:
             start = max(lo, end - _DLQ_WINDOW)
-            best = _scan_dead_letters(reader, TopicPartition(topic, part, start), end, src,
-                                      timeout)
-            if best >= 0:
+            best, older = _scan_dead_letters(reader, TopicPartition(topic, part, start), end,
+                                             src, src_id, timeout)
+            if best >= 0 or older:  # (before a copy of an older topic, none of this one)
                 return best
             end = start
         return -1
@@ -191,12 +215,14 @@ def dead_lettered_up_to(client: Mapping[str, Any], timeout: float, topic: str, p
         reader.close()
 
 
-def _scan_dead_letters(reader: Any, start: Any, end: int, src: TP, timeout: float) -> int:
-    """The highest offset of ``src`` among the dead-letter copies from ``start`` on."""
+def _scan_dead_letters(reader: Any, start: Any, end: int, src: TP, src_id: str | None,
+                       timeout: float) -> tuple[int, bool]:
+    """The highest offset of ``src`` among the dead-letter copies from ``start`` on, and
+    whether a copy of an older topic of its name (another id) was among them."""
     from confluent_kafka import KafkaError
 
     reader.assign([start])
-    best = -1
+    best, older = -1, False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for m in reader.consume(500, 0.5):
@@ -205,14 +231,18 @@ def _scan_dead_letters(reader: Any, start: Any, end: int, src: TP, timeout: floa
                     # The end, past ``end`` too: offsets at its tail that hold
                     # no message (a transaction's marker, aborted copies) never
                     # come to the offset check below.
-                    return best
+                    return best, older
                 continue
             h = dict(m.headers() or ())
             if h.get(DLQ_TOPIC_HEADER) == src[0].encode() and \
                     h.get(DLQ_PARTITION_HEADER) == str(src[1]).encode():
-                best = max(best, int(h.get(DLQ_OFFSET_HEADER, b"-1")))
+                theirs = h.get(DLQ_TOPIC_ID_HEADER)
+                if src_id and theirs and theirs != src_id.encode():
+                    best, older = -1, True  # the copies of this topic come after
+                else:
+                    best = max(best, int(h.get(DLQ_OFFSET_HEADER, b"-1")))
             if m.offset() >= end - 1:
-                return best
+                return best, older
     raise ConsumeError(f"could not read {start.topic}[{start.partition}] within "
                        f"{timeout:g}s to find what is dead-lettered already",
                        topic=start.topic, partition=start.partition)
@@ -374,8 +404,9 @@ class Source:
         """Positions of asynchronous commits acknowledged since the last call."""
         return {}
 
-    def dead_letter(self, msg: Any, reason: str) -> None:
-        """Copy a rejected message to the dead-letter queue (``settle`` waits for it)."""
+    def dead_letter(self, msg: Any, reason: str) -> bool:
+        """Copy a rejected message to the dead-letter queue (``settle`` waits for it);
+        False if it is there already."""
         raise NotImplementedError
 
     def settle(self) -> None:
@@ -455,6 +486,7 @@ class KafkaSource(Source):
         self._dlq_errors: deque[tuple[Any, str]] = deque()
         self._dlq_partitions: dict[str, int] = {}  # dead-letter topic -> partitions
         self._dlq_done: dict[TP, int] = {}  # source partition -> highest offset copied
+        self._topic_ids: dict[str, str | None] = {}  # source topic -> its id (``topic_id``)
         try:
             self._consumer = Consumer(config)
         except KafkaException as e:
@@ -951,7 +983,7 @@ class KafkaSource(Source):
                 out[tp] = pos
         return out
 
-    def dead_letter(self, msg: Any, reason: str) -> None:
+    def dead_letter(self, msg: Any, reason: str) -> bool:
         """Send a rejected value, untouched, to ``<topic>.dlq``, without waiting.
 
         The loader calls ``settle()`` before it commits or saves a position
@@ -972,15 +1004,19 @@ class KafkaSource(Source):
         if topic not in self._dlq_partitions:
             self._dlq_partitions[topic] = self._ensure_topic(topic, msg.topic())
         part = msg.partition() % self._dlq_partitions[topic]
+        if msg.topic() not in self._topic_ids:
+            self._topic_ids[msg.topic()] = topic_id(self._client_config(), self.connect_timeout,
+                                                    msg.topic())
+        src_id = self._topic_ids[msg.topic()]
         done = self._dlq_done.get(src)
         if done is None:
             done = self._dlq_done[src] = dead_lettered_up_to(
-                self._client_config(), self.connect_timeout, topic, part, src)
+                self._client_config(), self.connect_timeout, topic, part, src, src_id)
         if msg.offset() <= done:
-            log.info("%s[%d]@%d is in %s already", src[0], src[1], msg.offset(), topic)
-            return
+            return False
         self._dlq_producer.produce(
-            topic, value=msg.value(), key=msg.key(), headers=dead_letter_headers(msg, reason),
+            topic, value=msg.value(), key=msg.key(),
+            headers=dead_letter_headers(msg, reason, src_id),
             partition=part,
             on_delivery=self._on_dead_letter,
         )
@@ -990,6 +1026,7 @@ class KafkaSource(Source):
         # the prefix rule of NOTE [ One copy per bad message ] holds once
         # the copies are acknowledged, which settle() waits for.
         self._dlq_done[src] = msg.offset()
+        return True
 
     def _on_dead_letter(self, err: Any, msg: Any) -> None:
         if err is not None:
@@ -1269,9 +1306,10 @@ class MemorySource(Source):
             self.committed_by.update(dict.fromkeys(positions, (self.lineage, self.run)))
         return dict(positions)
 
-    def dead_letter(self, msg: Any, reason: str) -> None:
+    def dead_letter(self, msg: Any, reason: str) -> bool:
         self.dead_letters.append((msg, reason))
         self.dead_lettered += 1
+        return True
 
     def close(self) -> None:
         self._callbacks = None  # the fetch stage's: a reference cycle otherwise
