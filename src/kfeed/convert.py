@@ -225,9 +225,10 @@ class _Convert:
             # (NOTE [ One copy per bad message ] in kfeed/sources.py).
             self.client = base
             self.dlq_done: dict[tuple[str, int], int] = {}
-            self.source_id: str | None = None  # the source topic's id, on its copies
+            # The source topic's id, on its copies: asked at the first bad record.
+            self.source_id: str | None = None
+            self.source_id_known = False
             if policy is BadRecordPolicy.DEAD_LETTER:
-                self.source_id = topic_id(base, connect_timeout_s, from_topic)
                 create_topic(base, self.dlq_topic, partitions=nparts,
                              timeout_s=connect_timeout_s)
                 # Its own count: one made before may have fewer partitions.
@@ -385,6 +386,9 @@ class _Convert:
         p = self.producer
         assert p is not None
         done: dict[tuple[str, int], int] = {}
+        if self.dead and not self.source_id_known:
+            self.source_id = topic_id(self.client, self.timeout, self.dead[0][0].topic())
+            self.source_id_known = True
         for m, why in self.dead:
             src, part = (m.topic(), m.partition()), m.partition() % self.dlq_parts
             if src not in done:
