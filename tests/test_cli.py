@@ -1021,8 +1021,50 @@ def test_a_second_signal_stops_training_with_its_own_exit_status() -> None:
             with pytest.raises(Interrupted) as stopped:
                 guard._handle(second, None)
             assert stopped.value.signum == second
+            assert Interrupted.caught() == second
         finally:
             guard.restore()
+
+
+def _until_raised(seconds: float = 2.0) -> None:
+    """Run bytecode for up to ``seconds``: where a pending signal's handler runs."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("where", ["weakref", "client callback"])
+def test_a_signal_raised_where_python_or_a_callback_drops_it_is_raised_again(where) -> None:
+    # A SIGTERM whose handler ran inside importlib's weakref callback was
+    # ignored, and convert waited 30 s for the brokers, then exited 1. In a
+    # librdkafka callback it was logged as a failed callback, then forgotten.
+    import weakref
+
+    from kfeed._kafka import chain
+    from kfeed.errors import Interrupted
+
+    class Owner:
+        def on_error(self, err: int) -> None:
+            signal.raise_signal(signal.SIGTERM)  # the handler runs inside the callback
+
+    previous_handler = signal.signal(signal.SIGTERM, Interrupted.handler)
+    previous_hook = sys.unraisablehook
+    try:
+        Interrupted.keep_lost()
+        with pytest.raises(Interrupted) as stopped:
+            if where == "weakref":
+                owner = Owner()
+                ref = weakref.ref(owner, lambda _: signal.raise_signal(signal.SIGTERM))  # noqa: F841
+                del owner
+            else:
+                owner = Owner()
+                chain(owner.on_error, None)(0)
+            _until_raised()
+        assert stopped.value.signum == signal.SIGTERM
+        assert Interrupted.caught() == signal.SIGTERM
+    finally:
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGTERM, previous_handler)
 
 
 def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:

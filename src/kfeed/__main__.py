@@ -12,14 +12,17 @@ from kfeed.errors import Interrupted
 
 
 def run() -> int:
-    signal.signal(signal.SIGTERM, Interrupted.handler)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, Interrupted.handler)
+    Interrupted.keep_lost()
     try:
         from kfeed.cli import main
 
         return main()
     except KeyboardInterrupt as e:
+        signum = Interrupted.caught()
         print("kfeed: interrupted", file=sys.stderr)
-        return 128 + getattr(e, "signum", signal.SIGINT)
+        return 128 + getattr(e, "signum", signum or signal.SIGINT)
 
 
 if __name__ == "__main__":

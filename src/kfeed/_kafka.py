@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from kfeed.errors import ConfigError, ConsumeError, KfeedError
+from kfeed.errors import ConfigError, ConsumeError, Interrupted, KfeedError
 
 __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "refusal", "answer",
            "refused_message", "unavailable_message", "unreachable_message",
@@ -450,9 +450,13 @@ def _safely(callback: Callable[..., None], args: tuple[Any, ...]) -> None:
     # A callback runs inside confluent-kafka's poll, consume or flush: an
     # exception raised into it breaks librdkafka's dispatch (NOTE [ Callbacks
     # never raise ] in kfeed/producer.py).
+    # A KeyboardInterrupt its signal's handler raised here is raised again
+    # once the callback returned (NOTE [ A signal is never lost ]).
     try:
         callback(*args)
-    except BaseException:  # noqa: BLE001 - logged, never into librdkafka's dispatch
+    except BaseException as e:  # noqa: BLE001 - logged, never into librdkafka's dispatch
+        if Interrupted.raise_again(e):
+            return
         log.exception("a Kafka client callback failed (%s)",
                       getattr(callback, "__qualname__", callback))
 

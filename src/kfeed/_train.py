@@ -295,7 +295,7 @@ class StopGuard:
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, Interrupted.handles(self._handle))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -307,7 +307,8 @@ class StopGuard:
             # A second signal: the user will not wait for the checkpoint. The
             # exit status is the second signal's (143 for a SIGTERM).
             self.restore()
-            raise Interrupted(signum)
+            Interrupted.raise_for(signum)
+            return  # (one is on its way up already)
         self.signum = signum
         if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped

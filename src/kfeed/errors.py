@@ -10,6 +10,14 @@ another library's error inside one of them.
 
 from __future__ import annotations
 
+import _thread
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
 __all__ = [
     "KfeedError",
     "ConfigError",
@@ -79,17 +87,139 @@ class ClusterError(KfeedError):
     """The local Apache Kafka cluster tool could not do what was asked."""
 
 
+_watch_lock = threading.Lock()
+
+
 class Interrupted(KeyboardInterrupt):
-    """A SIGINT or SIGTERM that stops a ``kfeed`` command where it is (exit 128 + ``signum``)."""
+    """A SIGINT or SIGTERM that stops a ``kfeed`` command where it is (exit 128 + ``signum``).
+
+    The ``kfeed`` command's signal handlers raise it with ``raise_for``, which
+    makes sure it arrives (NOTE [ A signal is never lost ]).
+    """
+
+    handler: ClassVar[Callable[[int, Any], None]]  # the signal handler that raises it
+    _pending: ClassVar[int | None] = None  # raised by ``raise_for``, not yet ``caught``
+    _again: ClassVar[bool] = False  # the next handler run is the watch's, not a signal's
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
     @staticmethod
-    def handler(signum: int, _frame: object) -> None:
-        """A signal handler that raises it."""
+    def handles(fn: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+        """A signal handler that runs ``fn``: the form all the command's handlers take.
+
+        When the watch delivers the signal again, it raises the pending
+        ``Interrupted`` instead: ``fn`` may have changed its mind since (a
+        graceful stop that has begun).
+        """
+        def handler(signum: int, frame: Any) -> None:
+            again, Interrupted._again = Interrupted._again, False
+            if not again:
+                fn(signum, frame)
+            elif (pending := Interrupted._pending) is not None:
+                Interrupted.raise_for(pending)
+        handler.kfeed = True  # type: ignore[attr-defined]
+        return handler
+
+    @staticmethod
+    def raise_for(signum: int) -> None:
+        """Raise it for ``signum``, and again until the command ``caught`` it.
+
+        Returns, raising nothing, when an ``Interrupted`` is already on its
+        way up: it is being handled, by a ``finally`` that closes a client
+        for instance, which a second one would cut short.
+        """
+        seen = sys.exc_info()[1]
+        for _ in range(16):  # the exceptions raised while handling it chain to it
+            if seen is None:
+                break
+            if isinstance(seen, KeyboardInterrupt):
+                return
+            seen = seen.__cause__ or seen.__context__
+        watching = Interrupted._pending is not None
+        Interrupted._pending = signum
+        if not watching and threading.current_thread() is threading.main_thread():
+            threading.Thread(target=Interrupted._watch, name="kfeed-signal",
+                             daemon=True).start()
         raise Interrupted(signum)
+
+    @staticmethod
+    def caught() -> int | None:
+        """The signal whose ``Interrupted`` was raised, if one was: it is handled
+        now, and no longer raised again. The command calls it whatever it
+        caught (a lost one may come out as another error)."""
+        with _watch_lock:  # no delivery from the watch after this
+            signum, Interrupted._pending = Interrupted._pending, None
+            Interrupted._again = False
+        return signum
+
+    @staticmethod
+    def _watch() -> None:
+        while True:
+            time.sleep(0.05)
+            with _watch_lock:
+                signum = Interrupted._pending
+                if signum is not None and not getattr(signal.getsignal(signum), "kfeed", False):
+                    signum = Interrupted._pending = None  # the command's handlers are gone
+                if signum is None:
+                    return
+                Interrupted._again = True
+                _thread.interrupt_main(signum)
+
+    @staticmethod
+    def raise_again(exc: BaseException) -> bool:
+        """For code that must not let ``exc`` through: whether it is an interrupt
+        that will be raised again, once that code has returned.
+
+        ``raise_for``'s are (the watch). Any other KeyboardInterrupt in the main
+        thread is signalled once more, from another thread 10 ms later:
+        signalled from here, its handler would run still inside that code.
+        """
+        if not isinstance(exc, KeyboardInterrupt) or (
+                threading.current_thread() is not threading.main_thread()):
+            return False
+        if Interrupted._pending is None:
+            again = threading.Timer(0.01, _thread.interrupt_main,
+                                    (getattr(exc, "signum", signal.SIGINT),))
+            again.daemon = True
+            again.start()
+        return True
+
+    @staticmethod
+    def keep_lost() -> None:
+        """Have the interrupts that Python would ignore (raised in a weakref
+        callback or a ``__del__``) raised again, without its "Exception
+        ignored" lines: for the ``kfeed`` command, which owns its process."""
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if unraisable.exc_value is None or not Interrupted.raise_again(unraisable.exc_value):
+                previous(unraisable)
+        sys.unraisablehook = hook
+
+
+Interrupted.handler = Interrupted.handles(lambda signum, _frame: Interrupted.raise_for(signum))
+
+
+# NOTE [ A signal is never lost ]
+#
+# A signal's Python handler runs in the main thread at the next bytecode,
+# wherever that is: sometimes inside code that loses what it raises. The
+# ``Interrupted`` then never reached the command, which went on as if no
+# signal had come: a SIGTERM while ``convert`` imported a module ran the
+# handler inside importlib's weakref callback ("Exception ignored", then
+# 30 s of waiting for the brokers, then exit 1), once in 100 runs. Others
+# were lost without a trace, or came out of C code as a SystemError. So:
+# - ``raise_for`` marks the signal pending, and a watch thread delivers it
+#   again every 50 ms (``_thread.interrupt_main``) until the command has
+#   ``caught`` it. A delivery that finds an ``Interrupted`` already being
+#   handled (in a ``finally`` or an ``except`` on its way up) raises
+#   nothing, so that the clean-up it runs is not cut short;
+# - the command counts any error it catches while a signal is pending as
+#   that signal (one line, exit 128 + signum);
+# - Python's "Exception ignored" lines for it (``keep_lost``) and kfeed's
+#   librdkafka callbacks (``_kafka._safely``) stay quiet about it.
 
 
 def first_line(exc: BaseException) -> str:
