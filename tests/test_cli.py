@@ -208,6 +208,11 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
      "kfeed: bad Kafka setting: Invalid value \"x\" for configuration property "
      "\"security.protocol\": check its name and value (librdkafka's CONFIGURATION.md lists "
      "them)"),
+    # librdkafka names an alias by its own name alone: linger.ms was not named.
+    (PRODUCE + ("--synthetic", "5", "-X", "linger.ms=abc"),
+     "kfeed: bad Kafka setting: linger.ms (librdkafka's queue.buffering.max.ms): Invalid value "
+     "for configuration property \"queue.buffering.max.ms\": check its name and value "
+     "(librdkafka's CONFIGURATION.md lists them)"),
     (("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", " "),
      "kfeed: --group-id ' ' is empty: give a name"),
 ])

@@ -64,10 +64,28 @@ def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
             else ConnectionLog(trouble_level=logging.DEBUG)}
 
 
-def bad_setting(exc: BaseException) -> ConfigError:
-    """librdkafka's refusal of a setting (of ``kafka_config``, or ``-X``), as one line."""
+# librdkafka names a setting given by one of its aliases by its own name
+# (linger.ms=abc: 'Invalid value for configuration property
+# "queue.buffering.max.ms"'): the alias, by the name librdkafka gives.
+_ALIASES = {
+    "queue.buffering.max.ms": "linger.ms",
+    "message.send.max.retries": "retries",
+    "request.required.acks": "acks",
+    "max.in.flight.requests.per.connection": "max.in.flight",
+    "compression.codec": "compression.type",
+    "message.timeout.ms": "delivery.timeout.ms",
+    "fetch.message.max.bytes": "max.partition.fetch.bytes",
+}
+
+
+def bad_setting(exc: BaseException, config: Mapping[str, Any]) -> ConfigError:
+    """librdkafka's refusal of a setting of ``config`` (``kafka_config``, or ``-X``), as
+    one line that names the setting as it was given."""
     err = kafka_error(exc)
     why = err.str() if err is not None else str(exc)
+    named = re.search(r'property "([^"]+)"', why)
+    if named and named.group(1) not in config and _ALIASES.get(named.group(1)) in config:
+        why = f"{_ALIASES[named.group(1)]} (librdkafka's {named.group(1)}): {why}"
     return ConfigError(f"bad Kafka setting: {why}: check its name and value (librdkafka's "
                        f"CONFIGURATION.md lists them)")
 
@@ -86,7 +104,7 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     try:
         admin = AdminClient({**logged_config(kafka_config), "error_cb": refused.seen})
     except KafkaException as e:
-        raise bad_setting(e) from None
+        raise bad_setting(e, kafka_config) from None
     admin.kfeed_refusal = refused
     return admin
 
@@ -157,7 +175,7 @@ def check_settings(kafka_config: Mapping[str, Any], *, transactional: bool = Fal
     try:
         producer = Producer(config)
     except KafkaException as e:
-        raise bad_setting(e) from None
+        raise bad_setting(e, config) from None
     producer.poll(0)  # serves the warnings librdkafka queued while it read the settings
     ignored = [m.group(1) for m in map(_CONSUMER_ONLY.search, lines.texts) if m]
     if producer_only and ignored:

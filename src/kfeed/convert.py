@@ -204,7 +204,7 @@ class _Convert:
         try:
             self.consumer = Consumer(config)
         except KafkaException as e:
-            raise bad_setting(e) from e
+            raise bad_setting(e, config) from e
         self.producer: Producer | None = None
         try:  # what fails from here on closes the clients made
             base = client_config(kafka_config)

@@ -233,7 +233,7 @@ class Producer:
         try:
             self._producer = _Producer(config)
         except KafkaException as e:
-            raise bad_setting(e) from e
+            raise bad_setting(e, config) from e
         self._timeout = connect_timeout_s
         self.num_partitions = self._partition_count()
         # Partitions added to the topic later are found as librdkafka finds

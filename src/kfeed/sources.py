@@ -490,7 +490,7 @@ class KafkaSource(Source):
         try:
             self._consumer = Consumer(config)
         except KafkaException as e:
-            raise bad_setting(e) from e
+            raise bad_setting(e, config) from e
         self._paused: set[TP] = set()
         self._assigned_once = False
         self._callback_error: BaseException | None = None
