@@ -69,6 +69,28 @@ def test_resume_from_state_dict_repeats_and_skips_nothing(stop_after: int) -> No
     assert len(ids) == len(np.unique(ids)) == 3500
 
 
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=100, seed=0)],
+                         ids=["in order", "shuffled"])
+def test_a_state_past_the_partitions_end_is_of_another_topic_and_refused(shuffle) -> None:
+    # A topic deleted and made again under its name: in offset order the
+    # state read nothing, without a word; shuffled, it ended in "records of
+    # the loaded state were never pushed again".
+    first = memory_loader(blocks(0, 2000, 64), SCHEMA, 100, until="end", device="cpu",
+                          shuffle=shuffle)
+    for i, _batch in enumerate(first):
+        if i == 10:
+            break
+    state = first.state_dict()
+    first.close()
+    with memory_loader(blocks(0, 300, 64), SCHEMA, 100, until="end", device="cpu",
+                       shuffle=shuffle) as again:
+        again.load_state_dict(state)
+        with pytest.raises(kfeed.ConsumeError, match=(
+                r"^memory\[0\]: the state resumes at offset \d+, but the partition ends at "
+                r"offset 5: the state is of another topic of that name")):
+            next(again)
+
+
 def test_state_dict_rejects_another_schema() -> None:
     loader = memory_loader(blocks(0, 64), SCHEMA, 32, until="end", device="cpu")
     state = loader.state_dict()

@@ -272,19 +272,27 @@ class Ledger:
         return positions
 
     def retained(self, positions: Mapping[TP, Position], *, holds: bool) -> None:
-        """Check a loaded state's ``positions`` against the first offset the brokers keep.
+        """Check a loaded state's ``positions`` against the offsets the brokers keep.
 
         Retention may have deleted records while the job was down. Read from
         a position, the partition goes on from the first record kept, and the
         loss is said. A state whose order ``holds`` records (shuffle, pack, a
         mixture) waited for ever for the deleted ones to come back: it is
-        refused, in one line.
+        refused, in one line. A position past the partition's end is not of
+        this topic (deleted and made again under its name since): it read
+        nothing, or waited for records numbered as the old topic's. Refused.
         """
         todo = [tp for tp in positions if tp in self.unchecked]
         for tp in todo:
             self.unchecked.discard(tp)
-            first = self.source.watermarks(tp)[0]
+            first, end = self.source.watermarks(tp)
             at = positions[tp][0] & _OFFSET_MASK
+            if at > end:
+                raise ConsumeError(
+                    f"{tp[0]}[{tp[1]}]: the state resumes at offset {at}, but the partition "
+                    f"ends at offset {end}: the state is of another topic of that name (deleted "
+                    f"and made again since, or on other brokers): load no state, to go on "
+                    f"from the group's commits")
             if at >= first:
                 continue
             lost = (f"{tp[0]}[{tp[1]}]: the state resumes at offset {at}, but the brokers keep "
