@@ -258,8 +258,6 @@ class Feeder:
 
         None: the revoke gives them up itself (that wait ran out).
         """
-        if self.stop.is_set():
-            return self.ledger.revoke_used(tps)
         self.revoke_done.clear()
         self.revoked = None
         with self.ledger.lock:
@@ -267,11 +265,13 @@ class Feeder:
         self.status.doing = ("waiting for the caller to run on_revoke" if self.hook_revoke else
                              "waiting for the caller's step to end, to give partitions up")
         deadline = None if self.hook_revoke else time.monotonic() + REVOKE_WAIT_S
-        while not self.revoke_done.wait(POLL_S):
+        while True:
             if self.stop.is_set():
                 with self.ledger.lock:
                     self.revoking = None
                 return self.ledger.revoke_used(tps)
+            if self.revoke_done.wait(POLL_S):
+                break
             if deadline is not None and time.monotonic() > deadline:
                 with self.ledger.lock:
                     if self.revoking is not None:  # not taken by the caller: not waited for

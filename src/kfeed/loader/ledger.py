@@ -387,7 +387,7 @@ class Ledger:
         with self.lock:
             for tp, pos in used.items():
                 self.carry(tp, pos)
-            return {tp: pos for tp, pos in used.items() if self.committed.get(tp) != pos}
+            return self._uncommitted(used)
 
     def carry(self, tp: TP, pos: Position) -> None:
         """Keep ``pos`` for a partition given up (under ``lock``)."""
@@ -415,8 +415,11 @@ class Ledger:
 
     def to_commit(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         """Used positions not yet acknowledged, of the partitions ``mine`` accepts."""
-        return {tp: pos for tp, pos in self.used_positions(mine).items()
-                if self.committed.get(tp) != pos}
+        return self._uncommitted(self.used_positions(mine))
+
+    def _uncommitted(self, positions: Mapping[TP, Position]) -> dict[TP, Position]:
+        """Those of ``positions`` the brokers have not acknowledged (under ``lock``)."""
+        return {tp: pos for tp, pos in positions.items() if self.committed.get(tp) != pos}
 
     def used_positions(self, mine: Callable[[TP], bool]) -> dict[TP, Position]:
         """Per partition ``mine`` accepts, the position after the batches used (under ``lock``)."""
