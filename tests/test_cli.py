@@ -1072,6 +1072,53 @@ def test_a_signal_raised_where_python_or_a_callback_drops_it_is_raised_again(whe
         signal.signal(signal.SIGTERM, previous_handler)
 
 
+def test_a_signal_lost_as_the_command_ends_is_its_exit_status(capsys, monkeypatch) -> None:
+    # Lost in a client callback just before the command returned: it exited
+    # 0 without a word, and the signal, still pending, ended the next main().
+    from kfeed._kafka import chain
+    from kfeed.errors import Interrupted
+
+    class Owner:
+        def on_error(self, err: int) -> None:
+            signal.raise_signal(signal.SIGTERM)
+
+    owner = Owner()
+
+    def lost(args: Any) -> int:
+        chain(owner.on_error, None)(0)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_lag", lost)
+    code, err, _ = run_main(capsys, "lag", "--bootstrap-servers", CLOSED, "--group-id", "g")
+    assert (code, err) == (143, ["kfeed: interrupted"])
+    monkeypatch.setattr(cli, "cmd_lag", lambda args: _until_raised(0.3))
+    assert run_main(capsys, "lag", "--bootstrap-servers", CLOSED, "--group-id", "g")[:2] == (
+        0, [])
+    assert Interrupted.caught() is None
+
+
+def test_a_second_signal_cuts_the_clean_up_of_the_first_short(capsys, monkeypatch) -> None:
+    # The watch's deliveries leave a clean-up on its way up alone; a second
+    # signal of the user's was ignored too, and the clean-up (a producer's
+    # flush, up to its timeout) ran to its end.
+    def slow_to_stop(args: Any) -> int:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        finally:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10:  # the clean-up
+                time.sleep(0.01)
+                if 0.3 < time.monotonic() - t0 < 0.35:
+                    signal.raise_signal(signal.SIGTERM)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_lag", slow_to_stop)
+    t0 = time.monotonic()
+    code, err, _ = run_main(capsys, "lag", "--bootstrap-servers", CLOSED, "--group-id", "g")
+    assert (code, err) == (143, ["kfeed: interrupted"])
+    assert time.monotonic() - t0 < 5
+
+
 def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:
     import threading
     import time

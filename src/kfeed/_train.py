@@ -308,7 +308,6 @@ class StopGuard:
             # exit status is the second signal's (143 for a SIGTERM).
             self.restore()
             Interrupted.raise_for(signum)
-            return  # (one is on its way up already)
         self.signum = signum
         if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped

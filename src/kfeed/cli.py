@@ -966,7 +966,6 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         if stopped or not sending[0]:
             Interrupted.raise_for(signum)
-            return  # (one is on its way up already)
         stopped.append(signum)
 
     previous = ({sig: signal.signal(sig, Interrupted.handles(on_signal))
@@ -1402,7 +1401,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         # brokers: no transaction open), does not wait for the round to end.
         if stopped or not _inside(frame, "kfeed.convert", "run"):
             Interrupted.raise_for(signum)
-            return  # (one is on its way up already)
         stopped.append(signum)
         stop.set()
 
@@ -1732,10 +1730,14 @@ def main(argv: list[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, Interrupted.handler)
                 for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        # (NOTE [ A signal is never lost ] in kfeed/errors.py: one lost on its
+        # way up, and the command ended all the same.)
+        if (signum := Interrupted.caught()) is not None:
+            raise Interrupted(signum)
+        return code
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the one place that reports
-        # An error caught while a signal is pending is that signal's doing
-        # (NOTE [ A signal is never lost ] in kfeed/errors.py).
+        # An error caught while a signal is pending is that signal's doing.
         signum = Interrupted.caught()
         if not isinstance(e, KeyboardInterrupt) and signum is None:
             return _failed(args, e)
@@ -1744,6 +1746,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kfeed: interrupted{after}", file=sys.stderr)
         return 128 + getattr(e, "signum", signum or signal.SIGINT)
     finally:
+        Interrupted.caught()  # (before the handlers go: see the NOTE)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         kfeed_log.removeHandler(warnings_shown)

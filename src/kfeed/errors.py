@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 __all__ = [
     "KfeedError",
@@ -114,29 +114,21 @@ class Interrupted(KeyboardInterrupt):
         graceful stop that has begun).
         """
         def handler(signum: int, frame: Any) -> None:
-            again, Interrupted._again = Interrupted._again, False
-            if not again:
+            if not Interrupted._again:
                 fn(signum, frame)
-            elif (pending := Interrupted._pending) is not None:
+                return
+            # The watch's: raised again, unless it is on its way up already
+            # (being handled, by a ``finally`` that closes a client for
+            # instance, which a second one would cut short).
+            Interrupted._again = False
+            if (pending := Interrupted._pending) is not None and not _handling_one():
                 Interrupted.raise_for(pending)
         handler.kfeed = True  # type: ignore[attr-defined]
         return handler
 
     @staticmethod
-    def raise_for(signum: int) -> None:
-        """Raise it for ``signum``, and again until the command ``caught`` it.
-
-        Returns, raising nothing, when an ``Interrupted`` is already on its
-        way up: it is being handled, by a ``finally`` that closes a client
-        for instance, which a second one would cut short.
-        """
-        seen = sys.exc_info()[1]
-        for _ in range(16):  # the exceptions raised while handling it chain to it
-            if seen is None:
-                break
-            if isinstance(seen, KeyboardInterrupt):
-                return
-            seen = seen.__cause__ or seen.__context__
+    def raise_for(signum: int) -> NoReturn:
+        """Raise it for ``signum``, and again until the command ``caught`` it."""
         watching = Interrupted._pending is not None
         Interrupted._pending = signum
         if not watching and threading.current_thread() is threading.main_thread():
@@ -151,7 +143,6 @@ class Interrupted(KeyboardInterrupt):
         caught (a lost one may come out as another error)."""
         with _watch_lock:  # no delivery from the watch after this
             signum, Interrupted._pending = Interrupted._pending, None
-            Interrupted._again = False
         return signum
 
     @staticmethod
@@ -199,6 +190,18 @@ class Interrupted(KeyboardInterrupt):
         sys.unraisablehook = hook
 
 
+def _handling_one() -> bool:
+    """Whether the main thread is handling an interrupt (or an error raised meanwhile)."""
+    seen = sys.exc_info()[1]
+    for _ in range(16):  # the exceptions raised while handling it chain to it
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 Interrupted.handler = Interrupted.handles(lambda signum, _frame: Interrupted.raise_for(signum))
 
 
@@ -215,9 +218,12 @@ Interrupted.handler = Interrupted.handles(lambda signum, _frame: Interrupted.rai
 #   again every 50 ms (``_thread.interrupt_main``) until the command has
 #   ``caught`` it. A delivery that finds an ``Interrupted`` already being
 #   handled (in a ``finally`` or an ``except`` on its way up) raises
-#   nothing, so that the clean-up it runs is not cut short;
-# - the command counts any error it catches while a signal is pending as
-#   that signal (one line, exit 128 + signum);
+#   nothing, so that the clean-up it runs is not cut short; a second signal
+#   from the user still does, at once;
+# - the command asks whether a signal is pending however it ended: an error
+#   it caught, or a return, is that signal's (one line, exit 128 + signum).
+#   Only then are the handlers put back, so the watch's last delivery, if
+#   one is under way, meets a handler that knows it for one;
 # - Python's "Exception ignored" lines for it (``keep_lost``) and kfeed's
 #   librdkafka callbacks (``_kafka._safely``) stay quiet about it.
 
