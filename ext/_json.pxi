@@ -24,8 +24,32 @@
 # "surrogatepass": an encoded surrogate, ED A0-BF xx, is taken).
 
 from libc.math cimport INFINITY, NAN
-from libc.stdlib cimport strtod
 from libc.string cimport memcmp
+
+# The C library's strtod reads "1.5" by the process's locale: one whose
+# decimal point is "," (de_DE, set by the application) read 1.5e-30 as 1.0.
+# JSON's numbers are read in the "C" locale, whatever the process's.
+cdef extern from *:
+    """
+    #include <locale.h>
+    #include <stdlib.h>
+    #if defined(__APPLE__)
+    #include <xlocale.h>
+    #endif
+    static locale_t kfeed_c_locale = (locale_t)0;
+    static int kfeed_c_locale_init(void) {
+        if (!kfeed_c_locale) kfeed_c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+        return kfeed_c_locale != (locale_t)0;
+    }
+    static double kfeed_strtod_c(const char *s) {
+        return strtod_l(s, NULL, kfeed_c_locale);
+    }
+    """
+    int kfeed_c_locale_init() nogil
+    double kfeed_strtod_c(const char* s) nogil
+
+if not kfeed_c_locale_init():
+    raise MemoryError("kfeed: cannot make the C locale that JSON numbers are read in")
 
 cdef enum:
     J_OBJECT = 0       # an object level: its children are keys
@@ -460,7 +484,8 @@ cdef double* JS_POW10 = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10,
 
 
 cdef int js_strtod(const uint8_t* s, Py_ssize_t n, double* out) noexcept nogil:
-    """The C library's ``strtod`` of the ``n`` bytes at ``s`` (a number already checked)."""
+    """The C library's ``strtod`` of the ``n`` bytes at ``s`` (a number already checked),
+    in the "C" locale."""
     cdef char buf[128]
     cdef char* text = buf
     if n >= 128:
@@ -469,7 +494,7 @@ cdef int js_strtod(const uint8_t* s, Py_ssize_t n, double* out) noexcept nogil:
             return A_MEMORY
     memcpy(text, s, n)
     text[n] = 0
-    out[0] = strtod(text, NULL)
+    out[0] = kfeed_strtod_c(text)
     if text != buf:
         free(text)
     return A_OK

@@ -8,6 +8,7 @@ must equal what ``json.loads`` reads, cast to the field's dtype.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import numpy as np
@@ -151,6 +152,40 @@ def test_keys_escaped_repeated_and_numbers_as_json_loads_reads_them():
     assert out["id"][:3].tolist() == [w["id"] for w in want]
     np.testing.assert_array_equal(out["x"][:3], np.array([w["x"] for w in want]))
     assert out["é"][:3].tolist() == [2.0, 0.0, 0.0]
+
+
+_IN_LOCALE = """
+import json, locale, sys
+import numpy as np
+import kfeed
+locale.setlocale(locale.LC_ALL, "de_DE.UTF-8")
+assert locale.localeconv()["decimal_point"] == ","
+schema = kfeed.Schema({"x": ("float64", ())})
+values = [b'{"x": 0.12345678901234567890123}', b'{"x": 1.5e-30}', b'{"x": 1.5e300}']
+out = {"x": np.zeros(3)}
+kfeed.Json().decoder(schema).decode_into(values, schema.bind(out), 0)
+print(out["x"].tolist() == [json.loads(v)["x"] for v in values], out["x"].tolist())
+"""
+
+
+def test_numbers_read_the_same_whatever_the_processs_locale(tmp_path) -> None:
+    # Numbers past the fast paths went to the C library's strtod, which reads
+    # by the locale: with a decimal comma (de_DE) 1.5e-30 read as 1.0.
+    import shutil
+    import subprocess
+    import sys
+
+    made = None
+    if shutil.which("localedef"):
+        made = subprocess.run(["localedef", "-i", "de_DE", "-f", "UTF-8",
+                               str(tmp_path / "de_DE.UTF-8")], capture_output=True, check=False)
+    if made is None or not (tmp_path / "de_DE.UTF-8").is_dir():
+        pytest.skip("no localedef, or no de_DE locale source, to make a decimal-comma locale")
+    done = subprocess.run([sys.executable, "-c", _IN_LOCALE], capture_output=True, text=True,
+                          env={**os.environ, "LOCPATH": str(tmp_path)}, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True"), done.stdout
 
 
 def _json_loads_verdict(value: bytes) -> dict | None:
