@@ -606,8 +606,10 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     for f in range(plan.nfields):
         nbytes = plan.nelem[f] * code_size(plan.codes[f])
         if f == plan.varfield:
-            # Absent (or empty: proto3 cannot tell them apart): the default, or empty.
-            if c.count[f] == 0 and plan.default[f] != NULL:
+            # Absent: the default, or empty. (Present and empty is empty, as
+            # protobuf reads it; proto3 sends an empty string without presence
+            # as nothing at all, which is absent here.)
+            if not c.written[f] and plan.default[f] != NULL:
                 if var_reserve(c.var, plan.var_default, &c.row[f], &c.nelem[f]):
                     return A_MEMORY
                 memcpy(c.row[f], plan.default[f], plan.var_default * c.var.size)

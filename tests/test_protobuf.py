@@ -643,6 +643,34 @@ def _only(name: str) -> type:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"only_{name}.Doc"))
 
 
+def test_a_string_document_absent_or_present_and_empty_reads_as_protobuf_reads_it():
+    # An absent proto2 string with a declared default read as an empty
+    # document, not "abc"; a proto3 optional string sent as "" took the
+    # field's default, as if it were absent.
+    fdp = descriptor_pb2.FileDescriptorProto(name="strs.proto", package="strs", syntax="proto2")
+    fdp.message_type.add(name="Old").field.add(name="s", number=1, type=F.TYPE_STRING,
+                                               label=F.LABEL_OPTIONAL, default_value="abc")
+    new = descriptor_pb2.FileDescriptorProto(name="strs3.proto", package="strs3",
+                                             syntax="proto3")
+    m = new.message_type.add(name="New")
+    m.oneof_decl.add(name="_s")
+    m.field.add(name="s", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL,
+                proto3_optional=True, oneof_index=0)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    pool.Add(new)
+    old_cls, new_cls = (message_factory.GetMessageClass(pool.FindMessageTypeByName(n))
+                        for n in ("strs.Old", "strs3.New"))
+    text = kfeed.Schema({"s": ("uint8", (None,))})
+    docs = kfeed.Protobuf(message=old_cls).decoder(text).decode_documents([b""])
+    assert (bytes(docs.tokens), docs.bad) == (old_cls.FromString(b"").s.encode(), [])
+    with_default = kfeed.Schema({"s": ("uint8", (None,), {"default": list(b"N/A")})})
+    values = [new_cls(s="").SerializeToString(), b""]
+    docs = kfeed.Protobuf(message=new_cls).decoder(with_default).decode_documents(values)
+    assert docs.lengths.tolist() == [0, 3] and bytes(docs.tokens) == b"N/A"
+    assert new_cls.FromString(values[0]).HasField("s")
+
+
 def doc_values(registry, n: int) -> tuple[list[bytes], list]:
     """n documents by ``ProtobufSerializer``; how ``ProtobufDeserializer`` reads them back."""
     rng = np.random.default_rng(5)

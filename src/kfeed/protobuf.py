@@ -385,9 +385,12 @@ def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
                 # proto2: a declared default, and an enum's first value, are what an
                 # absent field reads as.
                 declared = fd.has_default_value or (kind == "enum" and fd.default_value)
-                if found[f] is None and declared and not fd.is_repeated \
-                        and not schema.fields[f].variable:
-                    found[f] = _declared_default(schema.fields[f], fd, where)
+                if found[f] is None and declared and not fd.is_repeated:
+                    if not schema.fields[f].variable:
+                        found[f] = _declared_default(schema.fields[f], fd, where)
+                    else:  # a string's or bytes' (a document of 1-byte elements)
+                        value = fd.default_value
+                        found[f] = value.encode() if isinstance(value, str) else bytes(value)
                 continue
             if kind != "message" or fd.is_repeated:
                 f = schema.fields[next(iter(sub.values()))]
