@@ -913,6 +913,63 @@ def test_repeat_with_a_partition_empty_in_the_window_does_not_stall():
     assert set(ids[ids < 10**6].tolist()) == set(range(10**4, 10**4 + 5))
 
 
+IDS = Schema({"id": ("int64", ())})
+
+
+def _ids_within(loader: Loader, seconds: float = 60) -> list[int]:
+    """Every id ``loader`` hands out, read in a thread: fails if it has not ended in time."""
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.extend(
+        i for b in loader for i in b["id"].tolist()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"next() waits for ever, after {len(got)} records"
+    return got
+
+
+def test_repeat_resumed_on_a_rank_whose_partitions_of_a_source_are_empty_ends() -> None:
+    # The merged state counts the source's records the other rank mixed, so
+    # it runs out here to be read again, with nothing to read: next() waited
+    # for ever.
+    values = {("a", 0): IDS.encode_blocks({"id": np.arange(0, 20)}, 5),
+              ("a", 1): IDS.encode_blocks({"id": np.arange(100, 120)}, 5),
+              ("b", 0): IDS.encode_blocks({"id": np.arange(1000, 1030)}, 5),
+              ("b", 1): []}
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=0, exhausted="repeat")
+
+    def loader(rank: int) -> Loader:
+        return Loader(None, mix, IDS, 4, source=MemorySource(values), device="cpu",
+                      until="end", rank=rank, world_size=2, assignment="static")
+
+    states, first = [], {}
+    for rank in range(2):
+        with loader(rank) as ld:
+            first[rank] = next(iter(ld))["id"].tolist()
+            states.append(ld.state_dict())
+    with loader(1) as ld:
+        ld.load_state_dict(Loader.merge_states(states))
+        rest = _ids_within(ld)
+    assert sorted(first[1] + rest) == list(range(100, 120))
+
+
+def test_repeat_reads_a_source_again_from_inside_the_message_this_read_started_in() -> None:
+    # The group had used a's records 0..14 (commit (1, 5), inside the second
+    # message of 10): every reading after the first read 10..14 again.
+    values = {("a", 0): IDS.encode_blocks({"id": np.arange(0, 20)}, 10),
+              ("b", 0): IDS.encode_blocks({"id": np.arange(1000, 1060)}, 10)}
+    source = MemorySource(values)
+    with Loader(None, Mix({"a": 1.0, "b": 0.0}), IDS, 5, source=source, device="cpu",
+                until="end") as first:
+        batches = iter(first)
+        assert [i for _ in range(3) for i in next(batches)["id"].tolist()] == list(range(15))
+    assert source.committed_positions[("a", 0)] == (1, 5)
+    again = Loader(None, Mix({"a": 0.5, "b": 0.5}, exhausted="repeat"), IDS, 5,
+                   source=source, device="cpu", until="end")
+    with again:
+        a = [i for i in _ids_within(again) if i < 1000]
+    assert a == [15, 16, 17, 18, 19] * (len(a) // 5) and len(a) >= 10
+
+
 def test_repeat_through_an_incremental_rebalance_reads_the_big_source_once():
     source = MemorySource(small_a_values(), incremental=True)
     values = small_a_values()

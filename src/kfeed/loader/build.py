@@ -614,8 +614,12 @@ class RecordBuilder(SlotBuilder):
         if mixer is None:
             return order.push_many(recs)
         self._sync_mixer()
-        # Records another reader used (NOTE [ Commit notes ]) take no turn in the mixture.
+        # Records another reader used (NOTE [ Commit notes ]), or this read's
+        # window starts after (NOTE [ Rounds ]), take no turn in the mixture.
         recs, used = order.screen(recs)
+        recs, before = self.order_ledger.before_window(recs)
+        if len(before):
+            used = np.concatenate([used, before])
         passed = mixer.push(recs, *order.arrived())
         emitted, skipped = order.push_many(passed)
         if len(used):
@@ -715,8 +719,11 @@ class RecordBuilder(SlotBuilder):
                     f.done.discard(tp)
                     seek.append(tp)
                 # (An empty window: nothing to read in any round; it stays done.)
-            self.mix_synced = None
             self._sync_mixer(force=True)
+            # The mixer takes again, even if nothing is read again: a source
+            # whose every partition here has an empty window (after a
+            # rebalance or an elastic resume) runs out again at once.
+            self.mix_synced = None
         if seek:
             log.info("mixture: reading %s again from %s", seek,
                      {tp: ledger.window[tp] for tp in seek})

@@ -584,6 +584,9 @@ class OrderLedger(Ledger):
         # is read in, and where its reading starts.
         self.rounds: dict[TP, int] = {}
         self.window: dict[TP, int] = {}
+        # A window that starts inside a message: its records before the start
+        # (used before this read), which a reading again skips.
+        self.window_skip: dict[TP, int] = {}
         # Saved in a round its order's records had not reached yet: read the
         # rest of the last round first, then this one from the window's start.
         self.saved_rounds: dict[TP, int] = {}
@@ -606,6 +609,7 @@ class OrderLedger(Ledger):
             if tp in resume:
                 positions[tp] = self._resume_round(tp, resume[tp])
         need = [tp for tp in tps if tp not in positions]
+        fresh: dict[TP, Position] = {}
         if need:
             followed: set[TP] = set()
             fresh = self.start_positions(need, committed, followed)
@@ -625,7 +629,10 @@ class OrderLedger(Ledger):
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         self.retained(positions, holds=self.order.restoring)
         for tp, (off, _skip) in positions.items():
-            self.window.setdefault(tp, off)
+            if tp not in self.window:
+                self.window[tp] = off
+                if tp in fresh and fresh[tp][1]:
+                    self.window_skip[tp] = fresh[tp][1]
         with self.lock:
             self.seen.update(tps)
         return positions
@@ -697,6 +704,22 @@ class OrderLedger(Ledger):
     def _real(self, pos: Position) -> Position:
         """A position of the order as a Kafka position (NOTE [ Rounds ])."""
         return (pos[0] & _OFFSET_MASK, pos[1]) if self.repeat else pos
+
+    def before_window(self, recs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``[pid, key, sub, item]`` less those of a reading again (NOTE [ Rounds ])
+        that lie before its window's start, inside the window's first message; their
+        items. (The first reading starts past them: ``seek``.)"""
+        if not self.window_skip or not len(recs):
+            return recs, recs[:0, 3]
+        drop = np.zeros(len(recs), bool)
+        for tp, skip in self.window_skip.items():
+            pid = self.order.known_pid(tp)
+            if pid is not None:
+                drop |= ((recs[:, 0] == pid) & (recs[:, 1] > _OFFSET_MASK)
+                         & ((recs[:, 1] & _OFFSET_MASK) == self.window[tp]) & (recs[:, 2] < skip))
+        if not drop.any():
+            return recs, recs[:0, 3]
+        return recs[~drop], recs[drop, 3]
 
     def _resume_round(self, tp: TP, resume: int) -> Position:
         """Where a partition the order holds goes on, and in which round (NOTE [ Rounds ]).
@@ -859,7 +882,8 @@ class OrderLedger(Ledger):
         if self.mixer is not None:
             state["mix"] = self.mixer.state()
             if self.mixer.mix.exhausted == "repeat":  # where partitions read again start
-                state["window"] = [[t, p, o] for (t, p), o in sorted(self.window.items())]
+                state["window"] = [[t, p, o, self.window_skip.get((t, p), 0)]
+                                   for (t, p), o in sorted(self.window.items())]
                 state["rounds"] = [[t, p, r] for (t, p), r in
                                    sorted({**self.rounds, **self.pending_rounds}.items()) if r]
         return state
@@ -888,7 +912,10 @@ class OrderLedger(Ledger):
             held = [tuple(e[0]) for e in state.get("order", {}).get("partitions", [])]
             self.mixer.load_state(state["mix"], held)
         try:
-            self.window = {(str(t), int(p)): int(o) for t, p, o in state.get("window", [])}
+            window = [(str(w[0]), int(w[1]), int(w[2]), int(w[3]) if len(w) > 3 else 0)
+                      for w in state.get("window", [])]
+            self.window = {(t, p): o for t, p, o, _s in window}
+            self.window_skip = {(t, p): s for t, p, _o, s in window if s}
             self.saved_rounds = {(str(t), int(p)): int(r) for t, p, r in state.get("rounds", [])}
             self.partial = {_key(k[:3]): int(k[3]) for k in state.get("partial", [])}
             carried = [((str(t), int(p)), (int(o), int(s)), n)
