@@ -42,7 +42,8 @@ cdef enum PbKind:
     P_SFIXED64
     P_DOUBLE
     P_MESSAGE
-    P_BYTES          # string or bytes: only into a document of bytes
+    P_BYTES          # bytes, or a string protobuf does not check: only into a document of bytes
+    P_STRING         # a string protobuf checks is UTF-8 (proto3's): as P_BYTES, checked
     P_GROUP          # a proto2 group: only a oneof member the schema does not read
     P_KINDS
 
@@ -50,11 +51,12 @@ PB_KINDS = {"int32": P_INT32, "int64": P_INT64, "uint32": P_UINT32, "uint64": P_
             "sint32": P_SINT32, "sint64": P_SINT64, "bool": P_BOOL, "enum": P_ENUM,
             "fixed32": P_FIXED32, "sfixed32": P_SFIXED32, "float": P_FLOAT,
             "fixed64": P_FIXED64, "sfixed64": P_SFIXED64, "double": P_DOUBLE,
-            "message": P_MESSAGE, "string": P_BYTES, "bytes": P_BYTES, "group": P_GROUP}
+            "message": P_MESSAGE, "string": P_STRING, "bytes": P_BYTES, "group": P_GROUP}
 
 cdef enum:
     A_TAG = 101      # field number 0, a group's end without its start, wire type 6 or 7
     A_INDEXES        # the Confluent message-index array is malformed
+    A_NOT_UTF8       # a string protobuf checks is not UTF-8
     PB_MAX_DEPTH = 100
 
 
@@ -164,7 +166,7 @@ cdef class ProtobufPlan:
         self.p.varfield = varfield
         for i in range(ne):
             if varfield >= 0 and entries[i, 2] == varfield and not (
-                    entries[i, 4] or entries[i, 1] == P_BYTES):
+                    entries[i, 4] or entries[i, 1] == P_BYTES or entries[i, 1] == P_STRING):
                 raise ValueError(f"entry {i}: a document is read from a repeated scalar "
                                  f"or bytes")
         plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default,
@@ -195,7 +197,8 @@ cdef class ProtobufPlan:
             else:
                 if not 0 <= e.field < layout.nfields or e.code != self.p.codes[e.field]:
                     raise ValueError(f"entry {i}: its field or code is not the layout's")
-                if e.kind == P_BYTES and (e.field != self.p.varfield or e.repeated
+                if (e.kind == P_BYTES or e.kind == P_STRING) and (
+                        e.field != self.p.varfield or e.repeated
                                           or code_size(e.code) != 1):
                     raise ValueError(f"entry {i}: bytes go into a document of 1-byte elements")
                 if e.repeated:
@@ -323,9 +326,46 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
     return A_TAG  # a group's end without its start, or wire type 6 or 7 (none)
 
 
+cdef bint pb_utf8(const uint8_t* p, uint64_t n) noexcept nogil:
+    """Whether the ``n`` bytes at ``p`` are UTF-8 as protobuf checks a string: shortest
+    forms, no surrogates, up to U+10FFFF."""
+    cdef uint64_t i = 0
+    cdef uint8_t b, lo, hi
+    cdef int k, more
+    while i < n:
+        b = p[i]
+        if b < 0x80:
+            i += 1
+            continue
+        lo, hi = 0x80, 0xBF
+        if 0xC2 <= b <= 0xDF:
+            more = 1
+        elif 0xE0 <= b <= 0xEF:
+            more = 2
+            if b == 0xE0:
+                lo = 0xA0  # not an overlong form
+            elif b == 0xED:
+                hi = 0x9F  # not a surrogate
+        elif 0xF0 <= b <= 0xF4:
+            more = 3
+            if b == 0xF0:
+                lo = 0x90  # not an overlong form
+            elif b == 0xF4:
+                hi = 0x8F  # not past U+10FFFF
+        else:
+            return False
+        if n - i <= <uint64_t>more:
+            return False
+        for k in range(1, more + 1):
+            if not ((lo if k == 1 else 0x80) <= p[i + k] <= (hi if k == 1 else 0xBF)):
+                return False
+        i += more + 1
+    return True
+
+
 cdef inline int pb_wire(int kind) noexcept nogil:
     """The wire type of a field of ``kind`` (a repeated scalar's packed form aside)."""
-    if kind == P_BYTES or kind == P_MESSAGE:
+    if kind == P_BYTES or kind == P_STRING or kind == P_MESSAGE:
         return 2
     if kind == P_GROUP:
         return 3
@@ -345,12 +385,14 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
     cdef int64_t v, elem = 0
     cdef int r, kind = e.kind
     cdef bint floating = False
-    if kind == P_BYTES:  # the document is these bytes (the last occurrence wins)
+    if kind == P_BYTES or kind == P_STRING:  # the document is these bytes (the last wins)
         r = pb_varint32(c, end, &raw)
         if r:
             return r
         if raw > <uint64_t>(end - c.p):
             return A_TRUNCATED
+        if kind == P_STRING and not pb_utf8(c.p, raw):
+            return A_NOT_UTF8
         if var_reserve(c.var, raw, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY
         memcpy(c.row[e.field], c.p, raw)
@@ -912,6 +954,11 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         return f"field {name!r}: {b.value} values do not match its shape{where}"
     if err == A_TAG:
         return "bad tag (field number 0, a group's end without its start, or wire type 6 or 7)"
+    if err == A_NOT_UTF8:
+        name = "?"
+        if plan is not None and b.node >= 0 and plan.p.entries[b.node].field >= 0:
+            name = layout.names[plan.p.entries[b.node].field]
+        return f"field {name!r}: a string that is not UTF-8{where} (as protobuf refuses it)"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_VARINT:

@@ -671,6 +671,33 @@ def test_a_string_document_absent_or_present_and_empty_reads_as_protobuf_reads_i
     assert new_cls.FromString(values[0]).HasField("s")
 
 
+def test_a_string_document_that_is_not_utf8_is_bad_where_protobuf_refuses_it():
+    # proto3 checks a string is UTF-8, proto2 does not: kfeed read both.
+    text = kfeed.Schema({"text": ("uint8", (None,))})
+    values = [b"\x22\x02ok", b"\x22\x02\xff\xfe", b"\x22\x03\xed\xa0\x80",  # a surrogate
+              b"\x22\x02\xc0\x80", "é€😀".encode().join([b"\x22\x09", b""])]
+    verdicts = []
+    for v in values:
+        try:
+            Doc.FromString(v)
+            verdicts.append(True)
+        except DecodeError:
+            verdicts.append(False)
+    assert verdicts == [True, False, False, False, True]
+    docs = kfeed.Protobuf(message=Doc).decoder(text).decode_documents(values)
+    assert [i for i, _why in docs.bad] == [1, 2, 3]
+    assert docs.bad[0][1] == "field 'text': a string that is not UTF-8 at text (as protobuf refuses it)"
+    fdp = descriptor_pb2.FileDescriptorProto(name="lax.proto", package="lax", syntax="proto2")
+    fdp.message_type.add(name="Doc").field.add(name="text", number=4, type=F.TYPE_STRING,
+                                               label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    lax = message_factory.GetMessageClass(pool.FindMessageTypeByName("lax.Doc"))
+    assert lax.FromString(values[1]).text == b"\xff\xfe"  # (protobuf's bytes, unchecked)
+    docs = kfeed.Protobuf(message=lax).decoder(text).decode_documents(values)
+    assert docs.bad == [] and bytes(docs.tokens[2:4]) == b"\xff\xfe"
+
+
 def doc_values(registry, n: int) -> tuple[list[bytes], list]:
     """n documents by ``ProtobufSerializer``; how ``ProtobufDeserializer`` reads them back."""
     rng = np.random.default_rng(5)

@@ -365,7 +365,7 @@ def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
             below[name] = set(sub.values())
             if () in sub:
                 f = sub[()]
-                rows.append((fd.number, _codec.PB_KINDS.get(kind, -1), f, field_codes[f],
+                rows.append((fd.number, _kind_code(kind, fd), f, field_codes[f],
                              int(fd.is_repeated), 0, where, _closed_values(fd)))
                 _check(schema.fields[f], kind, fd, where)
                 if schema.fields[f].default is not None and not fd.is_repeated \
@@ -462,6 +462,26 @@ def _declared_default(field: Field, fd: Any, where: str) -> bytes:
                           f"proto2 default of {where}: give the field a default of its own, "
                           f"or a wider dtype") from None
     return row.tobytes()
+
+
+def _kind_code(kind: str, fd: Any) -> int:
+    """The plan's kind of a field read: a string protobuf checks is UTF-8 is checked."""
+    if kind == "string" and not _checks_utf8(fd):
+        kind = "bytes"
+    return _codec.PB_KINDS.get(kind, -1)
+
+
+def _checks_utf8(fd: Any) -> bool:
+    """Whether protobuf refuses a value of string field ``fd`` that is not UTF-8: proto3's,
+    and an edition's that says so; not proto2's."""
+    from google.protobuf import descriptor_pb2
+
+    features = getattr(fd, "_GetFeatures", None)  # (protobuf 4.26 on: editions' features)
+    if features is not None:
+        return bool(features().utf8_validation == descriptor_pb2.FeatureSet.VERIFY)
+    proto = descriptor_pb2.FileDescriptorProto()
+    fd.file.CopyToProto(proto)
+    return proto.syntax == "proto3"
 
 
 def _describe(kind: str, fd: Any) -> str:
