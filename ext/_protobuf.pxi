@@ -329,10 +329,15 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
 cdef bint pb_utf8(const uint8_t* p, uint64_t n) noexcept nogil:
     """Whether the ``n`` bytes at ``p`` are UTF-8 as protobuf checks a string: shortest
     forms, no surrogates, up to U+10FFFF."""
-    cdef uint64_t i = 0
+    cdef uint64_t i = 0, word
     cdef uint8_t b, lo, hi
     cdef int k, more
     while i < n:
+        if n - i >= 8:  # ASCII, 8 bytes at a time
+            memcpy(&word, p + i, 8)
+            if not (word & 0x8080808080808080ULL):
+                i += 8
+                continue
         b = p[i]
         if b < 0x80:
             i += 1
