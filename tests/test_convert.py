@@ -550,3 +550,18 @@ def test_convert_into_a_topic_of_blocks_of_another_schema_is_refused(bootstrap, 
     again = kfeed.convert({"bootstrap.servers": bootstrap}, src, ids,
                           kfeed.Schema({"id": ("int64", ())}), format="json", group_id="other")
     assert (first.records, again.records) == (20, 20)
+
+
+def test_kfeed_convert_stays_the_function_once_its_module_is_imported() -> None:
+    # The function and its module shared the name: once anything imported the
+    # module (kfeed.ConvertStats, say), kfeed.convert was the module, and a
+    # call raised "TypeError: 'module' object is not callable".
+    import subprocess
+    import sys
+
+    script = ("import kfeed, kfeed.converter; kfeed.ConvertStats; "
+              "assert callable(kfeed.convert) and kfeed.convert.__name__ == 'convert'; "
+              "from kfeed import convert; assert callable(convert)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

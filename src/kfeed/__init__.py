@@ -68,8 +68,8 @@ _LAZY = {
     "create_topic": "kfeed._kafka",
     "Arrow": "kfeed.arrowformat",
     "Avro": "kfeed.avro",
-    "ConvertStats": "kfeed.convert",
-    "convert": "kfeed.convert",
+    "ConvertStats": "kfeed.converter",
+    "convert": "kfeed.converter",
     "Json": "kfeed.jsonformat",
     "PartitionLag": "kfeed.lag",
     "group_lag": "kfeed.lag",
@@ -99,7 +99,7 @@ if TYPE_CHECKING:
     from kfeed._kafka import create_topic
     from kfeed.arrowformat import Arrow
     from kfeed.avro import Avro
-    from kfeed.convert import ConvertStats, convert
+    from kfeed.converter import ConvertStats, convert
     from kfeed.dataset import KafkaIterableDataset
     from kfeed.jsonformat import Json
     from kfeed.lag import PartitionLag, group_lag

@@ -1399,7 +1399,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         # A second signal, or one before the rounds began (still waiting for the
         # brokers: no transaction open), does not wait for the round to end.
-        if stopped or not _inside(frame, "kfeed.convert", "run"):
+        if stopped or not _inside(frame, "kfeed.converter", "run"):
             Interrupted.raise_for(signum)
         stopped.append(signum)
         stop.set()
