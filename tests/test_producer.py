@@ -9,6 +9,7 @@ check that every document arrived exactly once, bit-equal, on the partition
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -790,3 +791,36 @@ def test_a_large_send_is_encoded_a_chunk_at_a_time(bootstrap: str, make_topic: A
                 got[int(i)] = part
     assert sorted(got) == list(range(6000))
     assert all(got[i] == kfeed.partition_for(str(i).encode(), 3) for i in range(3000))
+
+
+@pytest.mark.integration
+def test_blocks_into_a_compacted_topic_say_why_the_brokers_refuse_them(
+        bootstrap: str, make_topic: Any, group_id: str) -> None:
+    # The brokers' bare "Broker failed to validate record" (after a warning
+    # line that said the same); in a transaction, "Local: Erroneous state".
+    ids = kfeed.Schema({"id": ("int64", ())})
+    topic = make_topic(partitions=1, config={"cleanup.policy": "compact"})
+    said = (f": {topic} is compacted (cleanup.policy=compact), which takes only messages with "
+            f"a key; a block of records has none: write to a topic that is not compacted, or "
+            f"send one record a message with its key")
+    with pytest.raises(kfeed.ProduceError) as refused:
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids) as p:
+            p.send({"id": np.arange(100)}, keys=np.arange(100))
+    assert "not delivered; first error: Broker: Broker failed to validate record" + said \
+        in str(refused.value), refused.value
+    p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids,
+                       transactional_id=f"{group_id}-tx", block_records=16)
+    try:
+        with pytest.raises(kfeed.ProduceError) as refused:
+            with p.transaction():
+                for _ in range(200):  # until a send finds the transaction failed
+                    p.send({"id": np.arange(1000)})
+                    time.sleep(0.01)
+        assert "Erroneous state" not in str(refused.value), refused.value
+        assert "Broker failed to validate record" in str(refused.value), refused.value
+    finally:
+        with contextlib.suppress(kfeed.KfeedError):
+            p.close()
+    raw = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids, format="raw")
+    with raw:  # one record a message, keyed: what a compacted topic takes
+        raw.send({"id": np.arange(10)}, keys=np.arange(10))

@@ -95,6 +95,8 @@ _READABLE_WAIT_S = 10.0
 # librdkafka's codes for a message purged from its queues before delivery
 # (RD_KAFKA_RESP_ERR__PURGE_QUEUE, __PURGE_INFLIGHT), as an abort does.
 _PURGED = (-152, -151)
+_INVALID_RECORD = 87  # the brokers would not validate a record (a compacted topic's unkeyed one)
+_STATE = -172  # "Erroneous state": a transaction a failed delivery left only to abort
 
 Partitioner = Callable[[Any, int], int]
 
@@ -354,8 +356,28 @@ class Producer:
             err = self._fatal or self._serve_fatal() or err
         if err.fatal() and self._fatal is None:
             self._fatal = err
+        if err.code() == _STATE and self._transactional and self._failed_delivery():
+            # A delivery failed, and the transaction can only be aborted: that
+            # failure is what went wrong, not the state it left.
+            first = self._failures[0]
+            return ProduceError(f"{what}: a message was not delivered, and the transaction "
+                                f"can only be aborted: {first.str()}{self._refused(first)}",
+                                topic=self.topic, code=first.code())
         why = _WHY_FENCED if err.code() in _FENCED else ""
         return ProduceError(f"{what}: {err.str()}{why}", topic=self.topic, code=err.code())
+
+    def _failed_delivery(self, seconds: float = 2.0) -> bool:
+        """Whether a delivery failed, its report served within ``seconds`` if need be (a
+        transaction fails before the reports of its failed messages come)."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + seconds
+        while not self._failures and time.monotonic() < deadline:
+            try:
+                self._producer.poll(_SLICE_S)
+            except (KafkaException, SystemError):
+                break  # (a fatal error: the caller's own is raised)
+        return bool(self._failures)
 
     def _serve_fatal(self, seconds: float = 2.0) -> Any | None:
         """Poll until confluent-kafka raises the fatal error librdkafka holds; give it."""
@@ -665,16 +687,27 @@ class Producer:
 
     def _raise_failures(self, left: int = 0) -> None:
         failed, first = self._take_failures()
-        if first is not None:
-            log.error("delivery to %s failed: %s", self.topic, first)
         if left and not failed:  # a flush(timeout) ran out: nothing failed
             raise ProduceError(f"flush timed out with {left} message(s) still queued, none "
                                f"failed: they are still being delivered, and flush() again "
                                f"waits for them (sending them again would repeat them)",
                                topic=self.topic)
         if failed or left:
-            raise ProduceError(self._undelivered(failed, left, first), topic=self.topic,
-                               code=first.code() if first is not None else None)
+            raise ProduceError(self._undelivered(failed, left, first) + self._refused(first),
+                               topic=self.topic, code=first.code() if first is not None else None)
+
+    def _refused(self, first: Any) -> str:
+        """Why the brokers refused a record they would not validate, where kfeed can tell."""
+        if first is None or first.code() != _INVALID_RECORD:
+            return ""
+        if "compact" not in _cleanup_policy(self._client, self.topic):
+            return ""
+        how = ("send one record a message with its key (format='raw', keys=...; kfeed "
+               "produce --format raw --keyed)" if self.format is Format.BLOCK else
+               "send every message with a key (keys=...; kfeed produce --keyed)")
+        return (f": {self.topic} is compacted (cleanup.policy=compact), which takes only "
+                f"messages with a key; a block of records has none: write to a topic that "
+                f"is not compacted, or {how}")
 
     # -- transactions ---------------------------------------------------------
 
@@ -822,6 +855,21 @@ class Producer:
 # Another producer's transaction left open on the partition holds the stable
 # offset back for as long as it stays open; close() stops waiting after
 # _READABLE_WAIT_S and says so.
+
+
+def _cleanup_policy(client: Mapping[str, Any], topic: str) -> str:
+    """``topic``'s ``cleanup.policy``, as the brokers say it ("" if they do not)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    try:
+        admin = admin_client(client)  # (alive until its future is done)
+        found = admin.describe_configs([resource])[resource].result(timeout=10)
+    except (KafkaException, ConfigError, TimeoutError, OSError):
+        return ""
+    entry = found.get("cleanup.policy")
+    return str(entry.value) if entry is not None and entry.value is not None else ""
 
 
 # NOTE [ Callbacks never raise ]
