@@ -565,3 +565,64 @@ def test_kfeed_convert_stays_the_function_once_its_module_is_imported() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_round_read_again_after_a_failed_commit_is_converted_before_the_end(
+        bootstrap, make_topic, monkeypatch):
+    # The rewind left its partitions at their end: when the records read
+    # again were not back within a consume(), the convert ended, "0 records",
+    # exit 0, with them unconverted.
+    from kfeed import converter
+    from kfeed.errors import ProduceError
+    from kfeed.producer import Producer
+
+    src = make_topic(partitions=1)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(500):
+        p.produce(src, json.dumps({"id": i}).encode())
+    assert p.flush(30) == 0
+    sends, consume = Producer.send_offsets, converter._Convert._consume
+    fault = {"commit": True, "slow": False}
+
+    def send_offsets(self, consumer, offsets):
+        if fault.pop("commit", False):
+            fault["slow"] = True
+            raise ProduceError("a commit that failed once", topic=self.topic)
+        return sends(self, consumer, offsets)
+
+    def slow_consume(self):
+        if fault["slow"]:  # the records read again take longer than a consume()
+            fault["slow"] = False
+            return []
+        return consume(self)
+
+    monkeypatch.setattr(Producer, "send_offsets", send_offsets)
+    monkeypatch.setattr(converter._Convert, "_consume", slow_consume)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema,
+                          format="json")
+    assert "commit" not in fault and stats.aborted == 1
+    assert stats.records == 500
+    ids = read_columns(bootstrap, src + ".blocks", schema, batch_size=100)["id"]
+    assert sorted(ids.tolist()) == list(range(500))
+
+
+def test_large_records_convert_through_the_command_line_without_block_records(
+        bootstrap, make_topic):
+    # The command's --block-records defaulted to 64, which a 32 KB record
+    # is too large for: "lower block_records to 30 or fewer (or leave it
+    # out)", where it could not be left out.
+    from records import kfeed_cli
+
+    src = make_topic(partitions=1)
+    producer = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(40):
+        producer.produce(src, json.dumps({"id": i, "x": [i] * 8192}).encode())
+    assert producer.flush(30) == 0
+    done = kfeed_cli(bootstrap, "convert", "--from-topic", src, "--to-topic", src + ".blocks",
+                     "--format", "json", "--field", "x=float32[8192]", "--field", "id=int64")
+    assert done.returncode == 0, done.stderr
+    schema = kfeed.Schema({"x": ("float32", (8192,)), "id": ("int64", ())})
+    cols = read_columns(bootstrap, src + ".blocks", schema, batch_size=8)
+    assert sorted(cols["id"].tolist()) == list(range(40))
+    assert (cols["x"] == cols["id"][:, None]).all()

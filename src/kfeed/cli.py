@@ -1656,8 +1656,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--avro-schema", metavar="FILE.avsc", help="avro: the writer schema")
     c.add_argument("--proto", metavar="MODULE:MESSAGE", help="protobuf: the message class")
     c.add_argument("--group-id", type=_name, help="the consumer group (default kfeed-convert.TO_TOPIC)")
-    c.add_argument("--block-records", type=_count(1), default=64, metavar="N",
-                   help="records per block message (default 64)")
+    c.add_argument("--block-records", type=_count(1), default=None, metavar="N",
+                   help="records per block message (default: 64, fewer for records too "
+                        "large for 64 a message)")
     c.add_argument("--round-messages", type=_count(1), default=10_000, metavar="N",
                    help="source messages per transaction at most (default 10000)")
     c.add_argument("--on-bad-record", choices=["dead_letter", "skip", "raise"],

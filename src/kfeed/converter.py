@@ -436,6 +436,9 @@ class _Convert:
         for part, offset in first.items():
             if part not in self.assigned:
                 continue  # moved to another member: it reads from the committed offset
+            # Not at its end any more: a round that ends the convert (not
+            # following) waits for these records to be read again.
+            self.eof.discard(part)
             try:
                 self.consumer.seek(TopicPartition(self.from_topic, part, offset))
             except KafkaException as e:
