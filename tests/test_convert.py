@@ -626,3 +626,27 @@ def test_large_records_convert_through_the_command_line_without_block_records(
     cols = read_columns(bootstrap, src + ".blocks", schema, batch_size=8)
     assert sorted(cols["id"].tolist()) == list(range(40))
     assert (cols["x"] == cols["id"][:, None]).all()
+
+
+def test_a_document_no_message_holds_is_a_bad_record_not_the_end(bootstrap, make_topic):
+    # It stopped the convert for good, in words for a send() the user never
+    # made ("document 0 of this send() ... split it"), at every restart.
+    from records import read_dlq
+
+    src = make_topic(partitions=1)
+    producer = KafkaProducer({"bootstrap.servers": bootstrap})
+    failed = []
+    for i in range(300):  # (#150: 800 KB of JSON, 1.6 MB as a block)
+        ids = [0] * 400_000 if i == 150 else list(range(10 + i % 50))
+        producer.produce(src, json.dumps({"id": i, "ids": ids}, separators=(",", ":")).encode(),
+                         on_delivery=lambda err, _m: err is None or failed.append(err))
+    assert producer.flush(30) == 0 and not failed, failed
+    schema = kfeed.Schema({"ids": ("int32", (None,)), "id": ("int64", ())})
+    stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema,
+                          format="json")
+    assert (stats.records, stats.bad) == (299, 1)
+    (dead,) = read_dlq(bootstrap, src, 1)
+    headers = dict(dead.headers())
+    assert headers["kfeed.source.offset"] == b"150", headers
+    assert headers["kfeed.reason"].decode().startswith(
+        "a document of 400,000 elements, larger than a block message holds"), headers

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, bad_setting,
                           check_settings, client_config, create_topic, kafka_error, weakly)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
@@ -407,8 +409,25 @@ class _Convert:
         varlen = self.schema.varlen
         if varlen is not None:
             docs = self.decoder.decode_documents(values)
-            cols = {**docs.columns, varlen.name: (docs.tokens, docs.lengths)}
-            n, bad = len(docs.lengths), docs.bad
+            tokens, lengths, columns = docs.tokens, docs.lengths, docs.columns
+            bad = list(docs.bad)
+            assert self.producer is not None
+            over = self.producer.too_large(lengths)
+            if over.any():  # bad records: no message holds them (one a message at most)
+                of = np.searchsorted(np.cumsum(docs.counts), np.flatnonzero(over), "right")
+                limit = self.producer.max_value_bytes
+                for d, j in zip(np.flatnonzero(over).tolist(), of.tolist(), strict=True):
+                    bad.append((j, f"a document of {int(lengths[d]):,} elements, "
+                                            f"larger than a block message holds (message."
+                                            f"max.bytes less 1024 for the headers, "
+                                            f"{limit:,}): raise message.max.bytes (and the "
+                                            f"topic's max.message.bytes)"))
+                keep = ~over
+                tokens, lengths = tokens[np.repeat(keep, lengths)], lengths[keep]
+                columns = {k: v[keep] for k, v in columns.items()}
+                bad.sort()
+            cols = {**columns, varlen.name: (tokens, lengths)}
+            n = len(lengths)
         else:
             res = self.decoder.decode_into(values, self.target, 0)
             if res.consumed != len(values):  # one row a message at most, and room for all

@@ -478,6 +478,17 @@ class Producer:
             self._mark = (self.samples, self.bytes)  # one assignment: read whole by any thread
         return n
 
+    @property
+    def max_value_bytes(self) -> int:
+        """The bytes a message's value may hold (message.max.bytes less 1024 for headers)."""
+        return self._block_bytes
+
+    def too_large(self, lengths: np.ndarray) -> np.ndarray:
+        """Which documents (of ``lengths`` elements) no block message holds (a mask)."""
+        lengths = np.asarray(lengths, np.int64)
+        over = least_over(lengths, self._block_bytes, lambda k: self.schema.block_nbytes(1, k))
+        return lengths >= over if over is not None else np.zeros(len(lengths), bool)
+
     def _check_documents(self, lengths: np.ndarray, what: str,
                          size_of: Callable[[int], int]) -> None:
         """Refuse, before any is sent, a call with a document larger than a message
@@ -972,6 +983,14 @@ def too_large(lengths: Sequence[int] | np.ndarray, limit: int,
     message, which no message holds. ``size_of`` grows with the elements: the least
     length over the limit is found by bisection, in a few calls."""
     lengths = np.asarray(lengths, np.int64)
+    over = least_over(lengths, limit, size_of)
+    return None if over is None else int(np.argmax(lengths >= over))
+
+
+def least_over(lengths: np.ndarray, limit: int, size_of: Callable[[int], int]) -> int | None:
+    """The least length whose message, of ``size_of(length)`` bytes, is over ``limit``, if
+    one of ``lengths`` reaches it (else None): every document as long or longer is too
+    large. By bisection, ``size_of`` growing with the length."""
     if not lengths.size or size_of(int(lengths.max())) <= limit:
         return None
     fits, over = -1, int(lengths.max())
@@ -981,7 +1000,7 @@ def too_large(lengths: Sequence[int] | np.ndarray, limit: int,
             over = mid
         else:
             fits = mid
-    return int(np.argmax(lengths >= over))
+    return over
 
 
 def _most_records(schema: Schema, limit: int) -> int:
