@@ -1555,3 +1555,34 @@ def test_convert_fields_take_a_default() -> None:
         cli._convert_schema(["added=int32=seven"])
     with pytest.raises(ConfigError, match="does not fit int8"):
         cli._convert_schema(["small=int8=300"])
+
+
+def test_a_training_run_a_signal_stopped_does_not_wait_for_brokers_gone_away() -> None:
+    # The final commit waited for its brokers for the connect timeout: 36 s,
+    # then "the consumer did not close within 35s", exit 1, for a run whose
+    # checkpoint was saved.
+    import threading
+
+    import numpy as np
+
+    import kfeed
+    from kfeed import _train
+
+    class Gone(kfeed.MemorySource):
+        def commit(self, positions, asynchronous):
+            if not asynchronous:  # the final commit: no broker answers
+                threading.Event().wait(60)
+            return super().commit(positions, asynchronous)
+
+    ids = kfeed.Schema({"id": ("int64", ())})
+    guard = _train.StopGuard()
+    out = _train.Outcome(task=None)
+    loader = kfeed.Loader(None, "memory", ids, 4, device="cpu", until="end",
+                          source=Gone(ids.encode_blocks({"id": np.arange(64)}, 8)))
+    t0 = time.monotonic()
+    with _train._closing(loader, guard, out):
+        next(iter(loader))
+        guard.signum = signal.SIGINT  # (what the handler notes)
+    assert time.monotonic() - t0 < 3 * _train.STOP_CLOSE_S + 2
+    assert out.unclosed is not None and out.unclosed.startswith(
+        "the consumer did not close within 2s: it is stuck"), out.unclosed

@@ -16,10 +16,11 @@ import nothing from it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, Interrupted, first_line
+from kfeed.errors import ConfigError, Interrupted, LoaderError, first_line
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
@@ -341,6 +342,7 @@ class Outcome:
     resumed_from: Path | None = None
     saved_step: int | None = None  # the step of the last checkpoint this run saved
     signum: int | None = None      # the signal that stopped the run
+    unclosed: str | None = None    # why the loader's final commit did not go through, then
     positions: dict[str, Any] = field(default_factory=dict)  # the loader's, at the end
     start_to_first_step_s: float = 0.0
 
@@ -445,7 +447,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
     e_last, w_last = 0.0, 0.0
     loss = None
     try:
-        with loader:
+        with _closing(loader, guard, out):
             while guard.signum is None:
                 guard.waiting = True
                 try:
@@ -493,6 +495,30 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
             seen_log.close()
     out.loss = loss.item() if loss is not None else float("nan")
     return out
+
+
+# A run stopped by a signal gives the loader's final commit and close this
+# long each: the user asked to stop, and a broker that does not answer would
+# hold the command for the connect timeout (the checkpoint is saved by then).
+STOP_CLOSE_S = 2.0
+
+
+@contextlib.contextmanager
+def _closing(loader: Any, guard: StopGuard, out: Outcome) -> Iterator[Any]:
+    """``with loader:``, but a run a signal stopped closes it within ``STOP_CLOSE_S``, and a
+    final commit that does not go through then is said with the stop (``out.unclosed``)."""
+    try:
+        yield loader
+    except BaseException:
+        loader.close(commit_current=False,
+                     timeout_s=STOP_CLOSE_S if guard.signum is not None else None)
+        raise
+    try:
+        loader.close(timeout_s=STOP_CLOSE_S if guard.signum is not None else None)
+    except LoaderError as e:
+        if guard.signum is None:
+            raise
+        out.unclosed = first_line(e)
 
 
 def lag_text(lag: dict[str, int], unknown: Sequence[str] = ()) -> str:

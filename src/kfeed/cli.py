@@ -1150,6 +1150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             saved = f"checkpoint saved to {ckpt} at step {out.step}: --resume goes on from there"
         else:
             saved = "offsets committed; no --checkpoint, so the model is not saved"
+        if out.unclosed is not None:  # (the brokers went away: the stop did not wait)
+            saved = saved.replace("offsets committed; ", "") + f"; but {out.unclosed}"
         print(f"kfeed: stopped by {name} at step {out.step}: {saved}", file=sys.stderr)
         return 128 + out.signum
     if st["bad_records"] and not st["samples"]:
