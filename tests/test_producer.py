@@ -824,3 +824,33 @@ def test_blocks_into_a_compacted_topic_say_why_the_brokers_refuse_them(
     raw = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids, format="raw")
     with raw:  # one record a message, keyed: what a compacted topic takes
         raw.send({"id": np.arange(10)}, keys=np.arange(10))
+
+
+@pytest.mark.integration
+def test_an_interrupted_producer_waits_a_moment_and_says_what_it_left(
+        bootstrap: str, make_topic: Any) -> None:
+    # It waited for the acknowledgements for the whole timeout (30 s when the
+    # brokers went away), then logged them apart from the interrupt.
+    topic = make_topic(partitions=1)
+    ids = kfeed.Schema({"id": ("int64", ())})
+
+    class GoneAway:  # the client once the brokers went away: nothing is acknowledged
+        def flush(self, timeout: float) -> int:
+            time.sleep(timeout)
+            return 10
+
+        def __len__(self) -> int:
+            return 10
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids, block_records=10) as p:
+            p.send({"id": np.arange(100)})
+            p._producer.flush(30)
+            real, p._producer = p._producer, GoneAway()
+            raise KeyboardInterrupt
+    assert time.monotonic() - t0 < 10
+    assert stopped.value.__notes__ == [
+        f"10 message(s) to {topic} not acknowledged 2s after the interrupt: they may be "
+        f"missing from the topic"]
+    real.flush(30)

@@ -1746,7 +1746,9 @@ def main(argv: list[str] | None = None) -> int:
             return _failed(args, e)
         # A command that knows how to go on says so (a corpus: --skip-docs N).
         after = e.after if isinstance(e, _StoppedAt) else _after_interrupt(args)
-        print(f"kfeed: interrupted{after}", file=sys.stderr)
+        # (What an interrupted producer had not delivered: Producer.__exit__.)
+        notes = "".join(f"; {note}" for note in getattr(e, "__notes__", ()))
+        print(f"kfeed: interrupted{after}{notes}", file=sys.stderr)
         return 128 + getattr(e, "signum", signum or signal.SIGINT)
     finally:
         Interrupted.caught()  # (before the handlers go: see the NOTE)

@@ -97,6 +97,7 @@ _READABLE_WAIT_S = 10.0
 _PURGED = (-152, -151)
 _INVALID_RECORD = 87  # the brokers would not validate a record (a compacted topic's unkeyed one)
 _STATE = -172  # "Erroneous state": a transaction a failed delivery left only to abort
+_INTERRUPT_FLUSH_S = 2.0  # an interrupted `with Producer` waits this long for deliveries
 
 Partitioner = Callable[[Any, int], int]
 
@@ -812,13 +813,26 @@ class Producer:
         metrics.LIVE.discard(self)  # as close() does
         if self._fatal is None:
             # Still deliver what was sent; the original exception wins, and
-            # what was not delivered is said, never dropped in silence.
+            # what was not delivered is said, never dropped in silence. An
+            # interrupt waits a moment only (brokers that went away would hold
+            # it for the whole timeout), and what it left is said with it.
+            interrupt = isinstance(exc, KeyboardInterrupt)
             try:
-                left = self._flush(self._timeout)
+                left = self._flush(_INTERRUPT_FLUSH_S if interrupt else self._timeout)
             except (KafkaException, SystemError) as e:
                 log.error("flush after %s failed: %s", exc_type.__name__, e)
                 return
-            self._settle_failures(f"after {exc_type.__name__}", left)
+            if not interrupt:
+                self._settle_failures(f"after {exc_type.__name__}", left)
+                return
+            failed, first = self._take_failures()
+            if left:
+                exc.add_note(f"{left:,} message(s) to {self.topic} not acknowledged "
+                             f"{_INTERRUPT_FLUSH_S:g}s after the interrupt: they may be "
+                             f"missing from the topic")
+            if failed:
+                exc.add_note(f"{failed:,} message(s) to {self.topic} not delivered: "
+                             f"{first.str()}")
 
     def _await_readable(self) -> None:
         """Wait (at most _READABLE_WAIT_S) until the transactions committed are readable."""
