@@ -650,3 +650,22 @@ def test_a_document_no_message_holds_is_a_bad_record_not_the_end(bootstrap, make
     assert headers["kfeed.source.offset"] == b"150", headers
     assert headers["kfeed.reason"].decode().startswith(
         "a document of 400,000 elements, larger than a block message holds"), headers
+
+
+def test_bad_records_a_warning_held_back_are_said_at_the_end(bootstrap, make_topic, caplog):
+    # Three bad records in a burst: one warning, and the other two never said.
+    import logging
+
+    src = make_topic(partitions=1)
+    producer = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(20):
+        value = b"not json" if i in (3, 4, 5) else json.dumps({"id": i}).encode()
+        producer.produce(src, value)
+    assert producer.flush(30) == 0
+    schema = kfeed.Schema({"id": ("int64", ())})
+    with caplog.at_level(logging.WARNING):
+        stats = kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks", schema,
+                              format="json", on_bad_record="skip")
+    assert (stats.records, stats.bad) == (17, 3)
+    said = [r.getMessage() for r in caplog.records if "bad record" in r.getMessage()]
+    assert len(said) == 2 and said[1].startswith("2 more bad record(s) in the last"), said

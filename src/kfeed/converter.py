@@ -292,6 +292,7 @@ class _Convert:
             if not follow and not msgs and self.assigned and self.assigned <= self.eof:
                 self.bad.end_of_read()  # every record to the end was bad: that is the error
                 break
+        self.bad.flush()  # the bad records a warning window held back unsaid
         self.stats.elapsed_s = time.monotonic() - t0
         return self.stats
 
