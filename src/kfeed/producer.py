@@ -714,12 +714,15 @@ class Producer:
             return ""
         if "compact" not in _cleanup_policy(self._client, self.topic):
             return ""
-        how = ("send one record a message with its key (format='raw', keys=...; kfeed "
-               "produce --format raw --keyed)" if self.format is Format.BLOCK else
-               "send every message with a key (keys=...; kfeed produce --keyed)")
+        if self.format is Format.BLOCK:
+            sent, how = ("a block of records has none", "send one record a message with its "
+                         "key (format='raw', keys=...; kfeed produce --format raw --keyed)")
+        else:
+            sent, how = ("these were sent without one",
+                         "send every message with a key (keys=...; kfeed produce --keyed)")
         return (f": {self.topic} is compacted (cleanup.policy=compact), which takes only "
-                f"messages with a key; a block of records has none: write to a topic that "
-                f"is not compacted, or {how}")
+                f"messages with a key; {sent}: write to a topic that is not compacted, "
+                f"or {how}")
 
     # -- transactions ---------------------------------------------------------
 
