@@ -282,6 +282,22 @@ def test_a_closed_loader_of_epochs_stays_closed() -> None:
     other.close()
 
 
+def test_commit_after_close_is_refused_and_commits_nothing() -> None:
+    # A step failed inside `with loader:`, whose close() leaves that batch
+    # uncommitted; commit() after it went on to commit the failed batch (a
+    # closed Kafka consumer refused it with its own "Consumer closed").
+    source = kfeed.MemorySource(blocks(0, 500))
+    loader = Loader(None, "memory", SCHEMA, 100, source=source, until="end", device="cpu")
+    with pytest.raises(ZeroDivisionError), loader:
+        for i, _batch in enumerate(loader):
+            if i == 2:
+                raise ZeroDivisionError
+    before = dict(source.committed_positions)
+    with pytest.raises(kfeed.LoaderError, match="^the loader is closed$"):
+        loader.commit()
+    assert source.committed_positions == before and before
+
+
 def test_a_given_sources_counts_are_not_added_again_each_epoch() -> None:
     # The source given goes on into each epoch, its counts too; they were
     # added to the earlier epochs' again: commits 2/6/12/20 for 2/4/6/8.

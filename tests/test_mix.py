@@ -791,12 +791,58 @@ def test_a_repeat_read_to_its_end_commits_every_topic_at_its_end(shuffle):
     with loader:
         assert len(epoch_ids(loader)) > 250
     committed = src.committed(list(repeat_values()))
-    assert {tp: (c.offset, c.skip) for tp, c in committed.items() if tp[0] == "a"} == {
-        ("a", 0): (4, 0), ("a", 1): (4, 0)}  # its window's end, read four times over
+    # a: its window's end, read four times over. b, read once: its end, not
+    # (14, 2) after the last record of its last message, which is lag 1.
+    assert {tp: (c.offset, c.skip) for tp, c in committed.items()} == {
+        ("a", 0): (4, 0), ("a", 1): (4, 0), ("b", 0): (15, 0), ("b", 1): (15, 0)}
     again = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat"), ROWS, 16,
                    source=src, device="cpu", until="end", shuffle=shuffle)
     with again:
         assert len(epoch_ids(again)) == 0
+
+
+@pytest.mark.parametrize("shuffle", [None, Shuffle(20, seed=1)])
+@pytest.mark.parametrize("stop", [2, 5, 9])  # before a ran out, in its second, in its third reading
+def test_a_repeat_stopped_and_read_on_from_the_group_reads_the_topic_read_once_once(shuffle, stop):
+    # The commits carried no note under "repeat", not even for b, which is
+    # never read again: the records the shuffle held above b's commit, and
+    # used, came again from the group.
+    src = MemorySource(repeat_values())
+
+    def loader() -> Loader:
+        return Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=2, exhausted="repeat"), ROWS, 16,
+                      source=src, device="cpu", until="end", shuffle=shuffle)
+
+    with loader() as first:
+        batches = iter(first)
+        seen = [i for _ in range(stop) for i in next(batches)["id"].tolist()]
+    with loader() as again:
+        seen += epoch_ids(again).tolist()
+    b = [i for i in seen if i >= 10**6]
+    assert len(b) == len(set(b)) == 200
+
+
+@pytest.mark.parametrize("stop", [3, 9])
+def test_a_packed_repeat_read_on_from_the_group_cuts_the_document_part_way_out(stop):
+    # The commit's note said nothing of the tokens of web's document part way
+    # out: read on from the group, it came whole again after its first part.
+    values, docs = token_values()
+    values = {tp: v for tp, v in values.items() if tp[0] in ("web", "math")}
+    src = MemorySource(values)
+
+    def loader() -> Loader:
+        return Loader(None, Mix({"web": 0.8, "math": 0.2}, seed=4, exhausted="repeat"), TOKENS,
+                      4, source=src, device="cpu", until="end", pack=Pack(64, eos_id=2, pad_id=0))
+
+    with loader() as first:
+        batches = iter(first)
+        got = [next(batches)["tokens"].numpy().copy() for _ in range(stop)]
+    with loader() as again:
+        got += [b["tokens"].numpy().copy() for b in again]
+    web = [d for d in documents(got) if d[0] < 200000]
+    assert sorted(int(d[0]) for d in web) == sorted(k for k in docs if k < 200000)
+    for d in web:
+        np.testing.assert_array_equal(d[:-1], docs[int(d[0])])
 
 
 @pytest.mark.parametrize("stop", [3, 8, 11])  # a in its first, second and third reading

@@ -1008,7 +1008,10 @@ class Loader:
         """Commit every batch handed out so far, including the current one.
 
         A revoke waiting for the ``on_revoke`` hook has it run here first.
+        Refused once the loader is closed: ``close()`` committed what it
+        could, and the batch a failed step held is not to be committed.
         """
+        self._check_open()
         self._mark_used()
         # Inside the on_revoke hook the loader's thread waits for the hook:
         # the revoke itself commits the partitions going, synchronously, and

@@ -609,7 +609,7 @@ class RecordBuilder(SlotBuilder):
         """Records into the order, through the mixer if there is one (under the ledger's lock)."""
         order = self.order_ledger.order
         mixer = self.mixer
-        if len(recs) and not self.order_ledger.repeat:
+        if len(recs):
             self.order_ledger.note_ends(recs)
         if mixer is None:
             return order.push_many(recs)

@@ -501,7 +501,9 @@ def state_positions(state: Mapping[str, Any]) -> dict[TP, Position]:
 # first reading they go back below the end committed before. Once the
 # bounded read is over (OrderLedger.finish), such a partition was read
 # whole, and its commit is its window's end: a later read from the group
-# goes on from there, as it does for the other topics.
+# goes on from there, as it does for the other topics. Only the partitions
+# read again, or to be (OrderLedger._again), commit so, without a note: the
+# other topics' commits carry their notes and reach their ends as in any read.
 ROUND_SHIFT = 40
 _OFFSET_MASK = (1 << ROUND_SHIFT) - 1
 
@@ -644,7 +646,7 @@ class OrderLedger(Ledger):
         otherwise (a window's, a time, ``earliest``) that happens to fall on
         the same offset must not skip what somebody else used.
         """
-        if c is None or not c.rest or self.repeat or self._lost(c):
+        if c is None or not c.rest or self._again(tp) or self._lost(c):
             return
         try:
             read, keys, partial = decode_note(c.offset, c.rest)
@@ -660,12 +662,15 @@ class OrderLedger(Ledger):
     def _noted(self, positions: Mapping[TP, Position], *, used: bool
                ) -> dict[TP, tuple[Any, ...]]:
         """``positions`` (the order's watermarks), each with its note if it needs one."""
-        if self.repeat or (used and self.notes_stale):  # (NOTE [ Rounds ]; see notes_stale)
+        if used and self.notes_stale:  # (see notes_stale)
             return dict(positions)
         rest = self.order.rest(used=used, most=_NOTE_KEYS_MAX)
         head = self.order.first_unacked(used=used)
         out: dict[TP, tuple[Any, ...]] = {}
         for tp, pos in positions.items():
+            if self._again(tp):  # NOTE [ Rounds ]: its commits go back below its end
+                out[tp] = pos
+                continue
             read, keys = rest.get(tp, (pos, np.empty((0, 2), np.int64)))
             if keys is None and self.shuffle is None and not self.order.restoring \
                     and tuple(pos) >= tuple(self.followed.get(tp, pos)):
@@ -700,6 +705,17 @@ class OrderLedger(Ledger):
             note = encode_note(pos, read, keys, partial)
             out[tp] = pos if note is None else (pos[0], pos[1], note)
         return out
+
+    def _again(self, tp: TP) -> bool:
+        """Whether ``tp`` is read again, or is to be (NOTE [ Rounds ]): its positions are
+        those of its reading in progress, with no note. The partitions of a repeated
+        mixture's other topics, read once, commit as any others do."""
+        if not self.repeat:
+            return False
+        if self.rounds.get(tp) or self.pending_rounds.get(tp) or self.saved_rounds.get(tp):
+            return True
+        read = self.order.read_position(tp)
+        return read is not None and read[0] > _OFFSET_MASK
 
     def _real(self, pos: Position) -> Position:
         """A position of the order as a Kafka position (NOTE [ Rounds ])."""
@@ -820,7 +836,7 @@ class OrderLedger(Ledger):
     def _whole(self, tp: TP, pos: Position) -> Position:
         """``pos``, or ``(offset + 1, 0)`` where it is right after the last record of the
         last message read: the same place, as Kafka counts it (its lag 0 there, not 1)."""
-        if not self.repeat and self.message_ends.get(tp) == tuple(pos):
+        if not self._again(tp) and self.message_ends.get(tp) == tuple(pos):
             return (pos[0] + 1, 0)
         return pos
 
