@@ -911,16 +911,90 @@ def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
                      "features": pa.array(list(feats[::-1]), pa.list_(pa.float32()))})
     with pg.connect(postgres) as conn, conn.cursor() as cur:
         cur.adbc_ingest(name, rows, mode="create")
+        cur.execute(f"CREATE SEQUENCE {name}_runs")
         conn.commit()
-    query = f"SELECT features, label, id FROM {name} ORDER BY id"
+
+    def runs() -> int:  # how many times the query ran: its subquery takes a number each time
+        with pg.connect(postgres) as conn, conn.cursor() as cur:
+            cur.execute(f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {name}_runs")
+            return int(cur.fetchone()[0])
+
+    query = f"SELECT features, label, id, (SELECT nextval('{name}_runs')) AS run FROM {name} " \
+            f"ORDER BY id"
     topic = make_topic(partitions=3)
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", postgres, "--query",
                      query)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"produced {n} samples"), done.stdout
     check_topic(bootstrap, topic, n)
+    # The run read the result twice: once opened for its schema, then again.
+    assert runs() == 1
     again = make_topic(partitions=3)
     kill_then_resume(bootstrap, again, ["--from", postgres, "--query", query], n)
+    # The killed run and the resume: once each (the resume ran it three times).
+    assert runs() == 3
+
+
+def _active(postgres: str, marker: str) -> bool:
+    """Whether a query holding ``marker`` runs on the server."""
+    import adbc_driver_postgresql.dbapi as pg
+
+    with pg.connect(postgres) as conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND "
+                    f"query LIKE '%{marker}%' AND pid <> pg_backend_pid()")
+        return int(cur.fetchone()[0]) > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_query_runs_ends_the_command_and_the_query_at_once(
+        bootstrap, make_topic, postgres, sig) -> None:
+    # A call into the driver held the main thread, and the command's handlers
+    # with it: a SIGTERM waited for the query's first row (27 s of 30), and
+    # SIGINT, caught by the driver's own handler, ended in "--query: ...
+    # current transaction is aborted", exit 2.
+    marker = f"m{uuid.uuid4().hex[:12]}"
+    query = (f"SELECT i::bigint AS id, i::bigint AS label, ARRAY[i::real] AS features, "
+             f"'{marker}' AS marker FROM generate_series(0, 9) i WHERE pg_sleep(60) IS NOT NULL")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kfeed", "produce", "--topic", make_topic(partitions=1),
+         "--from", postgres, "--query", query], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "KFEED_BOOTSTRAP": bootstrap},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    try:
+        deadline = time.monotonic() + 60
+        while not _active(postgres, marker) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(sig)
+        t0 = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+        lines = err.splitlines()
+        assert proc.returncode == 128 + sig and len(lines) == 1 and \
+            lines[0].startswith("kfeed: "), (proc.returncode, lines)
+        assert took < 10, took
+        deadline = time.monotonic() + 10  # cancelled, not left running on the server
+        while _active(postgres, marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _active(postgres, marker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.integration
+def test_a_query_with_two_columns_of_one_name_is_refused_in_one_line(bootstrap, postgres) -> None:
+    done = kfeed_cli(bootstrap, "produce", "--topic", "never-made", "--from", postgres,
+                     "--query", "SELECT 1::bigint AS id, 2::bigint AS label, 3::bigint AS id",
+                     "--field", "id=id", "--field", "label=label")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "kfeed: the query on 127.0.0.1:" + postgres.split(":")[-1].split("/")[0]
+        + "/postgres has 2 columns named 'id', which field 'id' reads: give each a name of "
+          "its own (in a query, ... AS other_name)"], done.stderr
 
 
 @pytest.mark.integration
@@ -1172,3 +1246,32 @@ def test_read_ahead_keeps_order_raises_errors_waits_as_asked_and_stops_when_clos
     ahead.close()  # the thread stops and closes its source before close() returns
     assert closed.is_set()
     assert not any(t.name == "kfeed-read-ahead" for t in threading.enumerate())
+
+
+def test_read_ahead_cancels_a_read_under_way_when_closed_and_leaves_one_stuck(
+        monkeypatch) -> None:
+    # A read that blocks (a slow query) held close() for as long as it took.
+    import threading
+
+    from kfeed import ingest
+
+    monkeypatch.setattr(ingest, "CANCEL_WAIT_S", 0.3)
+    cancelled = threading.Event()
+
+    def blocked(unblock: threading.Event) -> Iterator[int]:
+        yield 1
+        unblock.wait(30)
+        yield 2
+
+    ahead = ingest.ReadAhead(blocked(cancelled), cancel=cancelled.set)
+    assert ahead.take(5.0) == 1
+    t0 = time.monotonic()
+    ahead.close()
+    assert cancelled.is_set() and not ahead.stuck and time.monotonic() - t0 < 2
+    never = threading.Event()
+    stuck = ingest.ReadAhead(blocked(never), cancel=lambda: None)
+    assert stuck.take(5.0) == 1
+    t0 = time.monotonic()
+    stuck.close()  # left behind: the source must not be closed under it
+    assert stuck.stuck and time.monotonic() - t0 < 2
+    never.set()

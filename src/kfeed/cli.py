@@ -679,14 +679,16 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         print(f"nothing to send: {rows.name} holds no rows after the "
                               f"{done:,} sent before")
                         return 0
-                batches = ingest.ReadAhead(batches)  # the next batch read while this is sent
+                # The next batch read while this is sent.
+                batches = ingest.ReadAhead(batches, cancel=rows.cancel)
                 return _send_stream(args, producer, schema, rows.name, rows.total, first,
                                     batches, progress, done, _transaction_age_s(config))
         finally:
             progress.close()
     finally:
         batches.close()  # the read-ahead, or the generator under it
-        rows.close()
+        if not getattr(batches, "stuck", False):  # (else its thread still reads them)
+            rows.close()
 
 
 def _check_keyed(args: argparse.Namespace, schema: Any) -> None:

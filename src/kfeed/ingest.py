@@ -38,14 +38,18 @@ names the file, the field and the flag that fixes it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fnmatch
 import hashlib
+import itertools
 import os
 import re
 import socket
+import threading
+import time
 import urllib.parse
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -513,6 +517,9 @@ class Rows:
     def check_mark(self, mark: str | None, rows: int) -> None:
         """Refuse to resume after ``rows`` rows where ``mark`` no longer holds."""
 
+    def cancel(self) -> None:
+        """Stop a read under way, from another thread, where the source can."""
+
     def close(self) -> None:
         pass
 
@@ -720,7 +727,14 @@ class DatasetRows(Rows):
 
 
 class QueryRows(Rows):
-    """A query's result from PostgreSQL through ADBC, streamed in Arrow batches."""
+    """A query's result from PostgreSQL through ADBC, streamed in Arrow batches.
+
+    The query runs once for a plain run: the result opened to learn its
+    schema is the one the first ``batches`` call reads, and a later call
+    that skips at least the rows given so far (``--resume`` after the first
+    batch was checked) reads on in it. Only a call that needs rows already
+    read runs the query again.
+    """
 
     def __init__(self, source: str, query: str) -> None:
         if not source.startswith(("postgresql://", "postgres://")):
@@ -733,48 +747,138 @@ class QueryRows(Rows):
                               "'kfeed[postgres]'") from None
         self.source, self.query = source, query
         self.name = f"the query on {source.split('@')[-1].split('?')[0]}"
+        self._cursor: Any = None
+        self._reader: Any = None
+        self._end = 0  # rows of the current result read so far
+        self._last: tuple[int, Any] | None = None  # the last batch read, and its first row
+        self._calling: threading.Event | None = None  # set when the latest call ended
         try:
-            self._conn = pg.connect(source)
+            self._conn = self._call(lambda: pg.connect(source))
         except Exception as e:  # noqa: BLE001 - the driver's errors are its own classes
             raise ConfigError(f"--from {shown(source)}: cannot connect "
                               f"({first_line(e)})") from None
-        self._cursor: Any = None
         try:
-            self.schema = self._run().schema
+            self._run()
+            self.schema = self._reader.schema
         except BaseException:
             self.close()
             raise
 
-    def _run(self) -> Any:
+    def _run(self) -> None:
         if self._cursor is not None:
             self._cursor.close()
         self._cursor = self._conn.cursor()
-        try:
+        self._reader, self._end, self._last = None, 0, None
+        cursor = self._cursor
+
+        def start() -> Any:
             # Batches of about this many bytes: memory stays bounded whatever the result.
-            self._cursor.adbc_statement.set_options(
+            cursor.adbc_statement.set_options(
                 **{"adbc.postgresql.batch_size_hint_bytes": str(QUERY_BATCH_BYTES)})
-            self._cursor.execute(self.query)
-            return self._cursor.fetch_record_batch()
+            cursor.execute(self.query)
+            return cursor.fetch_record_batch()
+
+        try:
+            self._reader = self._call(start)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--query: {first_line(e)}") from None
+
+    def _read(self) -> Iterator[Any]:
+        """The current result's batches from where its reading got to."""
+        reader = self._reader
+        while True:
+            batch = self._call(lambda: next(reader, None))
+            if batch is None:
+                return
+            self._last = (self._end, batch)
+            self._end += batch.num_rows
+            yield batch
 
     def names(self) -> list[str]:
         return list(self.schema.names)
 
     def batches(self, columns: list[str], skip: int = 0) -> Iterator[Any]:
-        yield from _skip_rows((batch.select(columns) for batch in self._run()), skip,
+        if self._reader is None or (self._last is not None and skip < self._last[0]):
+            self._run()  # rows before the last batch read are wanted again
+        head: list[Any] = []
+        if self._last is not None and skip < self._end:
+            first, batch = self._last
+            head, skip = [batch], skip - first
+        else:
+            skip -= self._end
+        batches = (b.select(columns) for b in itertools.chain(head, self._read()))
+        yield from _skip_rows(batches, skip,
                               "--query gave fewer rows than the {} more that --resume would "
                               "leave out: its result changed since the last run (give it an "
                               "ORDER BY on a unique key)")
 
+    def cancel(self) -> None:
+        """Stop the query under way, from any thread (its call into the driver raises)."""
+        if self._cursor is not None:
+            with contextlib.suppress(Exception):
+                self._cursor.adbc_cancel()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a call into the driver that may block for long, made so that a
+        signal stops it.
+
+        A call into C holds the main thread until it returns, and the command's
+        SIGINT/SIGTERM handlers run only when it does: a slow query held Ctrl-C
+        for as long as it ran. On the main thread, the call runs in a thread of
+        its own while this one waits in steps of 0.1 s; an interrupt then
+        cancels the query, again each step (it may not have started), for at
+        most ``CANCEL_WAIT_S``. A call still under way after that is left
+        behind, and ``close()`` leaves the connection to the process's exit: to
+        close it under the call crashes the driver. (Off the main thread the
+        ADBC driver also leaves SIGINT to the command; on it, its own handler's
+        cancel came out as a query error.)
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return fn()
+        out: list[tuple[bool, Any]] = []
+        # (Not Thread.join: interrupted, Python 3.11's marks a thread still
+        # running as stopped.)
+        done = self._calling = threading.Event()
+
+        def run() -> None:
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - raised on the main thread
+                out.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kfeed-query", daemon=True).start()
+        try:
+            while not done.wait(0.1):
+                pass
+        except BaseException:
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while not done.is_set() and time.monotonic() < deadline:
+                self.cancel()
+                with contextlib.suppress(BaseException):  # (the signal delivered again)
+                    done.wait(0.1)
+            raise
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
     def close(self) -> None:
+        if self._calling is not None and not self._calling.is_set():
+            return  # (see _call)
         for closable in (self._cursor, getattr(self, "_conn", None)):
             if closable is not None:
                 try:
                     closable.close()
                 except Exception:  # noqa: BLE001, S110 - closing what may be broken
                     pass
-        self._cursor = None
+        self._cursor = self._reader = None
+
+
+# How long a call into the database driver, or a read-ahead's read, is given
+# to end once cancelled (a signal, a close) before it is left behind.
+CANCEL_WAIT_S = 5.0
 
 
 # What np.load raises for a file that is not what its name says, or is cut short.
@@ -981,21 +1085,26 @@ class ReadAhead:
     something that expires (an open transaction) need not wait on a slow
     source. An error in the thread is raised at the item it stopped before.
     ``close()`` (or an error in the reader) stops the thread and closes
-    ``items`` before it returns, so the source can be closed after it.
+    ``items`` before it returns, so the source can be closed after it. A read
+    still under way after 0.1 s is ``cancel()``ed (a slow query's), and left
+    behind ``CANCEL_WAIT_S`` later: then ``stuck`` is True, and the source,
+    still in use by the thread, must not be closed.
     """
 
     _END = object()
 
-    def __init__(self, items: Iterator[Any], depth: int = 2) -> None:
+    def __init__(self, items: Iterator[Any], depth: int = 2,
+                 cancel: Callable[[], None] | None = None) -> None:
         import queue
-        import threading
 
         self._items = items
+        self._cancel = cancel
+        self.stuck = False
         self._out: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=self._run, name="kfeed-read-ahead", daemon=True)
-        self._thread.start()
+        self._ended = threading.Event()  # (not Thread.join: see QueryRows._call)
+        threading.Thread(target=self._run, name="kfeed-read-ahead", daemon=True).start()
 
     def _put(self, entry: tuple[Any, BaseException | None]) -> None:
         import queue
@@ -1018,8 +1127,11 @@ class ReadAhead:
             self._put((self._END, e))
         finally:
             close = getattr(self._items, "close", None)
-            if close is not None:
-                close()
+            try:
+                if close is not None:
+                    close()
+            finally:
+                self._ended.set()
 
     def __iter__(self) -> ReadAhead:
         return self
@@ -1050,12 +1162,21 @@ class ReadAhead:
 
         self._done = True
         self._stop.set()
-        while self._thread.is_alive():
+        deadline = None
+        while not self._ended.is_set():
             try:  # make room for a put under way, then wait for the thread
                 self._out.get_nowait()
             except queue.Empty:
                 pass
-            self._thread.join(timeout=0.1)
+            if self._ended.wait(0.1):
+                break
+            if deadline is None:  # a read under way, which may take long
+                if self._cancel is not None:
+                    self._cancel()
+                deadline = time.monotonic() + CANCEL_WAIT_S
+            elif time.monotonic() > deadline:
+                self.stuck = True
+                return
 
 
 def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
@@ -1068,6 +1189,10 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
     for name, src in fields.items():
         if src not in names:
             raise rows.no_column(name, src)
+        if names.count(src) > 1:
+            raise ConfigError(f"{rows.name} has {names.count(src)} columns named {src!r}, which "
+                              f"field {name!r} reads: give each a name of its own (in a query, "
+                              f"... AS other_name)")
     _check_flags(fields, dtypes, fills)
     if fills and not rows.nulls:
         raise ConfigError(f"--fill replaces the nulls of Arrow columns; {rows.name} has none: "
