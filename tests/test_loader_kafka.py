@@ -642,6 +642,50 @@ def test_a_dead_letter_copy_that_fails_stops_the_loader_before_any_commit_past_i
     assert committed.offset <= 1  # never past the bad record at offset 1
 
 
+def test_a_bad_record_the_dead_letter_topic_refuses_stops_the_read_and_is_never_passed(
+        bootstrap, make_topic, group_id) -> None:
+    # The copy failed (too large for the dead-letter topic) and the read went
+    # on: every commit failed, as warnings only, and a later bad record's copy
+    # landed, so the next group took the first for copied and passed it: lost.
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = make_topic(partitions=1)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(f"{topic}.dlq", 1, config={"max.message.bytes": "1000"})]
+                        )[f"{topic}.dlq"].result(30)
+    good = SCHEMA.encode_blocks(synthetic_columns(np.arange(256)), 64)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for v in [good[0], b"X" * 5000, *good[1:]]:
+        p.produce(topic, value=v)
+    assert p.flush(30) == 0
+    refused = (rf"could not copy the bad record at {topic}\[0\]@1 \(5,000 bytes\) to the "
+               rf"dead-letter topic {topic}.dlq: .*max.message.bytes.*on_bad_record='skip'")
+    with pytest.raises(kfeed.ConsumeError, match=refused), \
+            loader(bootstrap, topic, group_id, batch_size=64) as ld:
+        for _ in ld:
+            pass
+    p.produce(topic, value=b"junk")  # a bad record small enough, after it
+    p.produce(topic, value=good[0])
+    assert p.flush(30) == 0
+    for group in (group_id, f"{group_id}-other"):  # the same group again, and another one
+        with pytest.raises(kfeed.ConsumeError, match=refused), \
+                loader(bootstrap, topic, group, batch_size=64) as ld:
+            for _ in ld:
+                pass
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+        (committed,) = c.committed([TopicPartition(topic, 0)], timeout=10)
+        _low, copies = c.get_watermark_offsets(TopicPartition(f"{topic}.dlq", 0), timeout=10)
+        c.close()
+        assert committed.offset <= 1 and copies == 0
+
+
+def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
+    # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
+    with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):
+        loader(bootstrap, "never-read", "g", dlq_config={"no.such.prop": 1})
+
+
 def test_dataloader_workers_share_the_partitions_and_read_every_id_once(
         bootstrap, make_topic, group_id) -> None:
     import torch

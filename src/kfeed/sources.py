@@ -15,6 +15,7 @@ its records were already handed out (a block may straddle two batches).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -491,6 +492,12 @@ class KafkaSource(Source):
             self._consumer = Consumer(config)
         except KafkaException as e:
             raise bad_setting(e, config) from e
+        if self._dlq_config is not None:  # its mistakes now, not at the first bad record
+            try:
+                self._dlq_producer = self._dead_letter_producer()
+            except ConfigError as e:
+                self._consumer.close()
+                raise ConfigError(f"dlq_config: {e}") from None
         self._paused: set[TP] = set()
         self._assigned_once = False
         self._callback_error: BaseException | None = None
@@ -992,15 +999,14 @@ class KafkaSource(Source):
         Each message is copied at most once, whichever group reads it (see
         NOTE [ One copy per bad message ]).
         """
-        from confluent_kafka import Producer
+        from confluent_kafka import KafkaException
 
         topic = f"{msg.topic()}.dlq"
         src = (msg.topic(), msg.partition())
+        if self._dlq_errors and self.ended is not None:  # NOTE [ A failed copy stops the read ]
+            raise self.ended
         if self._dlq_producer is None:
-            conf = self._client_config()
-            conf.update({"acks": "all", "enable.idempotence": True,
-                         "logger": ConnectionLog()})
-            self._dlq_producer = Producer(conf)
+            self._dlq_producer = self._dead_letter_producer()
         if topic not in self._dlq_partitions:
             self._dlq_partitions[topic] = self._ensure_topic(topic, msg.topic())
         part = msg.partition() % self._dlq_partitions[topic]
@@ -1014,12 +1020,25 @@ class KafkaSource(Source):
                 self._client_config(), self.connect_timeout, topic, part, src, src_id)
         if msg.offset() <= done:
             return False
-        self._dlq_producer.produce(
-            topic, value=msg.value(), key=msg.key(),
-            headers=dead_letter_headers(msg, reason, src_id),
-            partition=part,
-            on_delivery=self._on_dead_letter,
-        )
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                self._dlq_producer.produce(
+                    topic, value=msg.value(), key=msg.key(),
+                    headers=dead_letter_headers(msg, reason, src_id),
+                    partition=part,
+                    on_delivery=functools.partial(self._on_dead_letter, src, msg.offset()),
+                )
+                break
+            except BufferError:  # its queue is full: wait for acknowledgements
+                if time.monotonic() > deadline:
+                    raise ConsumeError(f"the dead-letter topic {topic} takes no copies: "
+                                       f"{len(self._dlq_producer)} wait unacknowledged after "
+                                       f"{self.connect_timeout:g}s", topic=topic) from None
+                self._dlq_producer.poll(0.1)
+            except KafkaException as e:  # refused here: too large, say
+                raise self._copy_failed(e.args[0], src, msg.offset(), len(msg.value() or b""),
+                                        topic) from None
         self._dlq_producer.poll(0)
         self.dead_lettered += 1
         # In offset order per source partition (one idempotent producer), so
@@ -1028,14 +1047,60 @@ class KafkaSource(Source):
         self._dlq_done[src] = msg.offset()
         return True
 
-    def _on_dead_letter(self, err: Any, msg: Any) -> None:
+    def _dead_letter_producer(self) -> Any:
+        from confluent_kafka import KafkaException, Producer
+
+        conf = self._client_config()
+        conf.update({"acks": "all", "enable.idempotence": True, "logger": ConnectionLog()})
+        try:
+            return Producer(conf)
+        except KafkaException as e:
+            raise bad_setting(e, conf) from None
+
+    # NOTE [ A failed copy stops the read ]
+    #
+    # A bad record whose dead-letter copy failed is in neither place: the
+    # read must not be committed past it, and no later copy from its
+    # partition may land, or the prefix rule of NOTE [ One copy per bad
+    # message ] would count it copied for every reader to come. So the
+    # first failure ends the read (``ended``: the loader's next() raises it
+    # before it hands out another batch) and no copy is sent after it;
+    # settle() keeps failing, so no commit passes it. (Copies already sent
+    # when the failure comes back may still land: one poll's worth.)
+
+    def _on_dead_letter(self, src: TP, offset: int, err: Any, msg: Any) -> None:
         if err is not None:
-            self._dlq_errors.append((err, msg.topic()))
+            self._copy_failed(err, src, offset, len(msg.value() or b""), msg.topic())
+
+    def _copy_failed(self, err: Any, src: TP, offset: int, size: int, topic: str
+                     ) -> ConsumeError:
+        """The copy of bad record ``src``@``offset`` to ``topic`` failed: the read ends
+        (NOTE [ A failed copy stops the read ]); the error it ends with."""
+        from confluent_kafka import KafkaError
+
+        self._dlq_errors.append((err, topic))
+        if self.ended is not None:
+            return self.ended
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            fix = (f"it is over the dead-letter producer's message.max.bytes or {topic}'s "
+                   f"max.message.bytes: raise them (dlq_config={{'message.max.bytes': ...}} "
+                   f"and the topic's setting), or pass bad records over with "
+                   f"on_bad_record='skip'")
+        else:
+            fix = (f"the read stops so that it is not committed past it: make {topic} take "
+                   f"it, or pass bad records over with on_bad_record='skip'")
+        self.ended = ConsumeError(
+            f"could not copy the bad record at {src[0]}[{src[1]}]@{offset} ({size:,} bytes) to "
+            f"the dead-letter topic {topic}: {err.str()}: {fix}",
+            topic=src[0], partition=src[1], offset=offset, code=err.code())
+        return self.ended
 
     def settle(self) -> None:
         left = 0
         if self._dlq_producer is not None and len(self._dlq_producer):
             left = self._dlq_producer.flush(self.connect_timeout)
+        if self._dlq_errors and self.ended is not None:  # NOTE [ A failed copy stops the read ]
+            raise self.ended
         if left or self._dlq_errors:
             err, topic = self._dlq_errors[0] if self._dlq_errors else ("timed out", "")
             raise ConsumeError(f"could not write {left + len(self._dlq_errors)} bad record(s) to "

@@ -867,6 +867,9 @@ class Loader:
                 tb = "".join(traceback.format_exception(exc))
                 raise LoaderError(f"error in the loader thread while {item.where}:\n{tb}") from exc
             if item is END:
+                # A bad record's copy that failed is known once the copies
+                # are acknowledged: the read failed, it did not end.
+                self._source.settle()
                 return item
             with self._ledger.lock:
                 if item.gen == self._ledger.gen and item.rows == 0:
