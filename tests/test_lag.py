@@ -7,6 +7,7 @@ hand, so every figure the report gives is known beforehand.
 from __future__ import annotations
 
 import logging
+import re
 import os
 import subprocess
 import sys
@@ -143,3 +144,16 @@ def test_brokers_out_of_reach_are_one_error_and_no_librdkafka_warning(caplog):
             kfeed.ConsumeError, match="^cannot reach the brokers at 127.0.0.1:1 within 2s"):
         kfeed.group_lag({"bootstrap.servers": "127.0.0.1:1"}, "nobody", timeout_s=2)
     assert [r.getMessage() for r in caplog.records if r.name == "kfeed.librdkafka"] == []
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5", True])
+def test_a_timeout_that_is_no_number_of_seconds_is_one_clear_error(timeout_s):
+    # group_lag passed it to the admin client: a raw ValueError or TypeError,
+    # or "cannot reach the brokers ... within 0s"; create_topic's TypeError.
+    config = {"bootstrap.servers": "127.0.0.1:1"}
+    for call in (lambda: kfeed.group_lag(config, "g", timeout_s=timeout_s),
+                 lambda: kfeed.create_topic(config, "t", timeout_s=timeout_s)):
+        with pytest.raises(kfeed.ConfigError,
+                           match=f"^timeout_s must be a number of seconds > 0, got "
+                                 f"{re.escape(repr(timeout_s))}$"):
+            call()

@@ -132,3 +132,20 @@ def test_a_wait_under_way_or_cut_short_counts_as_the_stall() -> None:
     assert failed and "closed" in str(failed[0])
     after = ld.stats()
     assert after["wait_s"] >= during["wait_s"] and sum(after["wait_histogram"].counts) == 1
+
+
+def test_a_commit_wait_cut_short_by_close_says_so_not_a_timeout() -> None:
+    # close() from another thread ended the wait after 1 s with "did not make
+    # the commit within 8s".
+    from kfeed.loader.fetch import Commits, Status
+
+    stop, status = threading.Event(), Status()
+    status.doing = "fetching"
+    commits = Commits(stop, status)
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(kfeed.ConsumeError, match="^the loader was closed before its thread "
+                                                 "made the commit; it was fetching$"):
+        commits.put({("t", 0): (5, 0)}, wait=True, timeout=30)
+    commits = Commits(threading.Event(), status)
+    with pytest.raises(kfeed.ConsumeError, match="did not make the commit within 0.2s"):
+        commits.put({("t", 0): (5, 0)}, wait=True, timeout=0.2)

@@ -26,6 +26,7 @@ It knows nothing of batches, schemas or torch.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import weakref
@@ -76,6 +77,13 @@ _ALIASES = {
     "message.timeout.ms": "delivery.timeout.ms",
     "fetch.message.max.bytes": "max.partition.fetch.bytes",
 }
+
+
+def check_timeout(timeout_s: Any, name: str = "timeout_s") -> None:
+    """Refuse a timeout that is not a finite number of seconds > 0 (NaN passes every bound)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"{name} must be a number of seconds > 0, got {timeout_s!r}")
 
 
 def bad_setting(exc: BaseException, config: Mapping[str, Any]) -> ConfigError:
@@ -275,8 +283,7 @@ def create_topic(
     if replication is not None and (not isinstance(replication, int)
                                     or isinstance(replication, bool) or replication < 1):
         raise ConfigError(f"replication must be None or an int >= 1, got {replication!r}")
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_timeout(timeout_s)
     servers = kafka_config["bootstrap.servers"]
     admin = admin_client(kafka_config)
     deadline = time.monotonic() + timeout_s
@@ -290,7 +297,7 @@ def create_topic(
                                  code=err.code()) from e
             if time.monotonic() >= deadline:
                 raise KfeedError(unreachable_message(servers, timeout_s, e.args[0].str()),
-                                 topic=name) from e
+                                 topic=name, code=e.args[0].code()) from e
             time.sleep(0.05)
     there = known.topics.get(name)
     if exist_ok and there is not None and there.error is None:
@@ -424,7 +431,7 @@ def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> 
             if time.monotonic() < deadline:
                 continue
             raise ConsumeError(unreachable_message(servers, timeout_s, e.args[0].str()),
-                               topic=topic) from e
+                               topic=topic, code=e.args[0].code()) from e
         found = topic_partitions(md, topic, since, deadline)
         if isinstance(found, TopicUnavailable):
             raise ConsumeError(unavailable_message(topic, servers, found.why), topic=topic,

@@ -1227,7 +1227,9 @@ Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
 Token documents (a topic with one variable-length field, "tokens"):
   --synthetic-text N            seeded synthetic text, tokenized
   --from corpus.txt             UTF-8 text; documents are separated by blank lines
-                                (each paragraph is one document, its line breaks kept)
+                                (each paragraph is one document, its line breaks kept;
+                                a line of only spaces is blank too: documents that hold
+                                blank lines, as code does, go in .jsonl)
   --from corpus.jsonl           one JSON object per line, the text in --text-field
   --from corpus.parquet         with --tokenizer or --text-field: a string column
                                 (text) or a list<int> column (token ids already)

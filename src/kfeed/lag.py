@@ -20,6 +20,7 @@ from kfeed._kafka import (
     admin_client,
     admin_partitions,
     answer,
+    check_timeout,
     logged_config,
     refusal,
     refused_message,
@@ -79,6 +80,7 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                           "with 'bootstrap.servers'")
     if not isinstance(group_id, str) or not group_id:
         raise ConfigError(f"group_id must be a non-empty string, got {group_id!r}")
+    check_timeout(timeout_s)
     if isinstance(topics, str):  # one topic, as the Loader takes it
         topics = [topics]
     if topics is not None:

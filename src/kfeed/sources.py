@@ -628,7 +628,7 @@ class KafkaSource(Source):
                     raise ConsumeError(
                         unreachable_message(self._config["bootstrap.servers"],
                                             self.connect_timeout, e.args[0].str()),
-                        topic=topic,
+                        topic=topic, code=e.args[0].code(),
                     ) from e
                 found = topic_partitions(md, topic, since, deadline)
                 if isinstance(found, TopicUnavailable):

@@ -16,8 +16,10 @@ form for large corpora).
 Corpus forms:
 
 - ``.txt``: UTF-8 text; documents are separated by one or more blank lines
-  (a paragraph is a document); the line breaks inside a document are kept,
-  a byte order mark at the start is not text.
+  (a paragraph is a document; a line of only whitespace is blank too, so a
+  document that holds blank lines, as code does, goes in ``.jsonl``); the
+  line breaks inside a document are kept, a byte order mark at the start is
+  not text.
 - ``.jsonl``: one JSON object per line; the text is in ``text_field``, the
   optional key in ``key_field``. Blank lines are skipped.
 - ``.parquet``: ``text_field`` is a string column (text) or a list-of-ints

@@ -691,15 +691,15 @@ class Loader:
         if self._exhausted:
             raise StopIteration
         t = time.monotonic()
-        if self._t_end is not None:  # the next epoch's first next()
-            self._paused_s += t - self._t_end
-            self._t_end = None
         if self._agreement is None and self.config.bounded and self.world_size > 1 \
                 and dist_ready() and get_worker_info() is None:  # (no collectives in workers)
             self._agreement = EpochAgreement()
         # A wait after the first batch is the data stall: stats() counts it while it
-        # lasts, and one cut short (a signal, close(), an error) counts as well.
-        self._waiting_since = t if self._t_first is not None else None
+        # lasts, and one cut short (a signal, close(), an error) counts as well. A
+        # later epoch's first wait (its consumer joins the group) is between
+        # epochs, as the first one's is startup: the clock stopped at the last
+        # epoch's end (``_t_end``) goes on at its first batch.
+        self._waiting_since = t if self._t_first is not None and self._t_end is None else None
         try:
             return self._next_batch(f, t)
         except StopIteration:  # the end of a bounded read: no stall
@@ -721,6 +721,10 @@ class Loader:
         batch = None
         while batch is None:
             if item is END:
+                # The wait for the end, which stats() counted as it went (a
+                # counter never goes down); not the final commit after it.
+                if self._waiting_since is not None:
+                    self._waited(time.monotonic() - t)
                 self._exhausted = True
                 if self._agreement is not None:  # END in place of a dropped batch
                     self._agreement.finish()
@@ -737,6 +741,9 @@ class Loader:
         if self._t_first is None:
             self._t_first = time.monotonic()
             self._startup_s = self._t_first - (self._t0 or t)
+        elif self._t_end is not None:  # a later epoch's first batch
+            self._paused_s += time.monotonic() - self._t_end
+            self._t_end = None
         else:
             now = time.monotonic()
             waited = now - t

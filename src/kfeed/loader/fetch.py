@@ -86,7 +86,10 @@ class Commits:
         while not waiter[0].wait(POLL_S):
             if while_waiting is not None:
                 while_waiting()
-            if self._stop.is_set() or time.monotonic() >= deadline:
+            if self._stop.is_set():  # close(), from another thread
+                raise ConsumeError(f"the loader was closed before its thread made the commit; "
+                                   f"it was {self._status.doing}")
+            if time.monotonic() >= deadline:
                 raise ConsumeError(f"the loader's thread did not make the commit within "
                                    f"{timeout:g}s; it is {self._status.doing}")
         if waiter[1] is not None:
