@@ -1274,6 +1274,28 @@ def test_produce_creates_a_missing_topic_and_says_so(bootstrap) -> None:
 
 
 @pytest.mark.integration
+def test_produce_with_a_larger_message_max_bytes_makes_a_topic_that_takes_them(
+        bootstrap, tmp_path) -> None:
+    # The brokers refused the records -X message.max.bytes was raised for
+    # ("Broker: Message size too large", exit 1): the topic kfeed made kept the
+    # brokers' 1 MiB.
+    n, width = 3, 300_000  # 1.2 MB a record
+    np.savez(tmp_path / "big.npz", features=np.ones((n, width), np.float32),
+             label=np.arange(n), id=np.arange(n))
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
+    try:
+        done = kfeed("produce", "--topic", topic, "--from", str(tmp_path / "big.npz"),
+                     "-X", "message.max.bytes=3000000", bootstrap=bootstrap)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.splitlines()[0] == (
+            f"created topic {topic} with 4 partitions (replication: the brokers' default; "
+            f"max.message.bytes 3000000)"), done.stderr
+        assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    finally:
+        delete_topics(bootstrap, topic)
+
+
+@pytest.mark.integration
 def test_produce_refuses_blocks_of_another_schema_beside_a_topic_s_blocks(bootstrap,
                                                                          make_topic) -> None:
     from kfeed.synthetic import synthetic_schema

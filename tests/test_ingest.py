@@ -387,6 +387,19 @@ def test_numpy_rows_skip_by_slicing_and_check_what_they_hold(tmp_path) -> None:
     rows.close()
 
 
+def test_a_big_endian_array_is_sent_in_this_machine_s_byte_order() -> None:
+    # Its dtype's name is float32 all the same: the rules let it through, and the
+    # producer refused it after the topic was made ("expected dtype float32, got >f4").
+    from kfeed.ingest import _settle
+
+    for cast in (None, "float64"):
+        got = _settle("be.npz", "features", "features",
+                      np.arange(6, dtype=">f4").reshape(3, 2), cast)
+        assert got.dtype.isnative and got.dtype == np.dtype(cast or "float32")
+        assert np.array_equal(got, np.arange(6).reshape(3, 2))
+    assert _settle("be.npz", "id", "id", np.arange(3, dtype=">i8"), None).dtype == np.int64
+
+
 @pytest.mark.integration
 def test_a_resume_naming_the_files_another_way_is_refused(bootstrap, make_topic,
                                                           tmp_path) -> None:

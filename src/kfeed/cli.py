@@ -478,14 +478,24 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     check_settings(config, transactional=transactional, producer_only=True)
     _reach_registry(args)
     partitions = args.partitions or DEFAULT_PARTITIONS
+    # A -X message.max.bytes past the brokers' default (1 MiB) is for messages
+    # that large: the topic made here takes them too.
+    size = config.get("message.max.bytes")
+    topic_config = {"max.message.bytes": str(size)} \
+        if size is not None and int(size) > _BROKER_MESSAGE_MAX else None
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
-                                 exist_ok=True, timeout_s=args.connect_timeout)
+                                 config=topic_config, exist_ok=True,
+                                 timeout_s=args.connect_timeout)
     if created:
         print(f"created topic {args.topic} with {partitions} partition"
-              f"{'s' if partitions > 1 else ''} (replication: the brokers' default)",
-              file=sys.stderr)
+              f"{'s' if partitions > 1 else ''} (replication: the brokers' default"
+              f"{f'; max.message.bytes {size}' if topic_config else ''})", file=sys.stderr)
     else:
         _check_blocks(args, config, schema)
+
+
+# Kafka's default message.max.bytes (a record batch's largest size) on the brokers.
+_BROKER_MESSAGE_MAX = 1_048_588
 
 
 def _reach_registry(args: argparse.Namespace) -> None:
@@ -1217,7 +1227,8 @@ Samples: --synthetic N (what kfeed train reads), or --from SOURCE:
     nulls: refused, naming the column and their count, unless --fill FIELD=VALUE
     --dtype FIELD=DTYPE casts a field, refusing any cast that would change a value
       (a fraction or an int out of range into an int, past 0/1 into bool, past a
-      narrower float's range, an int a float cannot hold exactly)
+      narrower float's range, an int a float cannot hold exactly; CSV and JSON
+      numbers given a float dtype are read as float64, and rounded as floats are)
   kfeed train reads features float32[W], label int64, id int64. A column of
   another dtype under one of those names (say list<double> features, or a float64
   label) is refused unless --dtype says what to do: --dtype features=float32 casts

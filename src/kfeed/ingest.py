@@ -285,6 +285,8 @@ def _settle(file: str, name: str, src: str, arr: np.ndarray, cast: str | None) -
     if arr.ndim == 0:
         raise ConfigError(f"{where} (field {name!r}) is a single value, not one per sample: "
                           f"give an array with a row per sample")
+    if not arr.dtype.isnative:  # a big-endian .npy: the same values, in this machine's order
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     have = arr.dtype
     if have.name not in DTYPES:
         raise ConfigError(f"{where} (field {name!r}) has dtype {have}, which kfeed cannot send: "
