@@ -558,6 +558,13 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
         cases.append((["--from", str(source)], "kfeed: b.parquet: not a parquet file (Could "
                       "not open Parquet input source"))
         cases.append((["--from", str(source), "--resume"], "b.parquet: not a parquet file"))
+    # An Arrow IPC stream under an .arrow name: "not a ipc file".
+    streamed = tmp_path_factory.mktemp("streamed") / "s.arrow"
+    with pa.OSFile(str(streamed), "wb") as sink, \
+            pa.ipc.new_stream(sink, table(np.arange(3)).schema) as writer:
+        writer.write_table(table(np.arange(3)))
+    cases.append((["--from", str(streamed)], "kfeed: s.arrow: not an Arrow IPC file (the file "
+                  "format, which .arrow and .feather name; a stream is not read)"))
     if importlib.util.find_spec("adbc_driver_postgresql") is not None:
         cases.append((["--from", "postgresql://u@127.0.0.1:1/db?password=hunter2",
                        "--query", "SELECT 1 AS id"],

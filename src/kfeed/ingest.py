@@ -619,7 +619,7 @@ class DatasetRows(Rows):
                 self.dataset = ds.dataset(files, filesystem=fs, format=fmt, schema=schema)
                 self._scan_schema = schema
         except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{self.name}: not a {self.format} file ({first_line(e)}): "
+            raise ConfigError(f"{self.name}: not {_FILE_KINDS[self.format]} ({first_line(e)}): "
                               f"check the file") from None
         self.schema = schema
         if self.format in ("parquet", "ipc"):
@@ -658,7 +658,7 @@ class DatasetRows(Rows):
         try:
             return int(fragment.count_rows())
         except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{Path(fragment.path).name}: not a {self.format} file "
+            raise ConfigError(f"{Path(fragment.path).name}: not {_FILE_KINDS[self.format]} "
                               f"({first_line(e)}): check the file") from None
 
     def names(self) -> list[str]:
@@ -1031,6 +1031,12 @@ def _skip_rows(batches: Iterable[Any], skip: int, short: str) -> Iterator[Any]:
         yield batch
     if skip:
         raise KfeedError(short.format(skip))
+
+
+# What a file of each pyarrow format is, in messages.
+_FILE_KINDS = {"parquet": "a parquet file", "csv": "a csv file", "json": "a json file",
+               "ipc": "an Arrow IPC file (the file format, which .arrow and .feather "
+                      "name; a stream is not read)"}
 
 
 def open_rows(source: str, query: str | None = None,
