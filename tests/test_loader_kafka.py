@@ -680,6 +680,36 @@ def test_a_bad_record_the_dead_letter_topic_refuses_stops_the_read_and_is_never_
         assert committed.offset <= 1 and copies == 0
 
 
+def test_a_bad_record_as_large_as_its_topic_takes_is_dead_lettered(bootstrap, group_id) -> None:
+    # The dead-letter producer kept librdkafka's message.max.bytes (1,000,000)
+    # and the topic it made the brokers' (1 MiB): a 1.5 MB bad record of a topic
+    # made for 2 MB stopped every read at it, a raw traceback of MSG_SIZE_TOO_LARGE.
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, 1, config={"max.message.bytes": "2000000"})]
+                        )[topic].result(30)
+    try:
+        good = SCHEMA.encode_blocks(synthetic_columns(np.arange(128)), 64)
+        p = KafkaProducer({"bootstrap.servers": bootstrap, "message.max.bytes": 2_000_000})
+        for v in [good[0], b"X" * 1_500_000, good[1]]:
+            p.produce(topic, value=v)
+        assert p.flush(30) == 0
+        with loader(bootstrap, topic, group_id, batch_size=64,
+                    kafka={"fetch.max.bytes": 4_000_000}) as ld:
+            assert sum(b.size for b in ld) == 128
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id})
+        _low, copies = c.get_watermark_offsets(TopicPartition(f"{topic}.dlq", 0), timeout=10)
+        c.close()
+        assert copies == 1
+    finally:
+        for f in admin.delete_topics([topic, f"{topic}.dlq"]).values():
+            with contextlib.suppress(Exception):
+                f.result(30)
+
+
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
     # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
     with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):

@@ -79,6 +79,21 @@ _ALIASES = {
 }
 
 
+def topic_setting(client: Mapping[str, Any], topic: str, name: str) -> str:
+    """Setting ``name`` of ``topic`` as the brokers say it ("" if they do not)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    try:
+        admin = admin_client(client)  # (alive until its future is done)
+        found = admin.describe_configs([resource])[resource].result(timeout=10)
+    except (KafkaException, ConfigError, TimeoutError, OSError):
+        return ""
+    entry = found.get(name)
+    return str(entry.value) if entry is not None and entry.value is not None else ""
+
+
 def check_timeout(timeout_s: Any, name: str = "timeout_s") -> None:
     """Refuse a timeout that is not a finite number of seconds > 0 (NaN passes every bound)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \

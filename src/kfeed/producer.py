@@ -38,6 +38,7 @@ from kfeed._kafka import (
     client_config,
     kafka_error,
     topic_partitions,
+    topic_setting,
     unavailable_message,
     unreachable_message,
 )
@@ -712,7 +713,7 @@ class Producer:
         """Why the brokers refused a record they would not validate, where kfeed can tell."""
         if first is None or first.code() != _INVALID_RECORD:
             return ""
-        if "compact" not in _cleanup_policy(self._client, self.topic):
+        if "compact" not in topic_setting(self._client, self.topic, "cleanup.policy"):
             return ""
         if self.format is Format.BLOCK:
             sent, how = ("a block of records has none", "send one record a message with its "
@@ -883,21 +884,6 @@ class Producer:
 # Another producer's transaction left open on the partition holds the stable
 # offset back for as long as it stays open; close() stops waiting after
 # _READABLE_WAIT_S and says so.
-
-
-def _cleanup_policy(client: Mapping[str, Any], topic: str) -> str:
-    """``topic``'s ``cleanup.policy``, as the brokers say it ("" if they do not)."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import ConfigResource, ResourceType
-
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    try:
-        admin = admin_client(client)  # (alive until its future is done)
-        found = admin.describe_configs([resource])[resource].result(timeout=10)
-    except (KafkaException, ConfigError, TimeoutError, OSError):
-        return ""
-    entry = found.get("cleanup.policy")
-    return str(entry.value) if entry is not None and entry.value is not None else ""
 
 
 # NOTE [ Callbacks never raise ]

@@ -36,6 +36,7 @@ from kfeed._kafka import (
     chain,
     client_config,
     topic_partitions,
+    topic_setting,
     unavailable_message,
     unreachable_message,
     weakly,
@@ -120,6 +121,11 @@ DLQ_OFFSET_HEADER = "kfeed.source.offset"
 # The source topic's id: a topic deleted and made again under its name has another.
 DLQ_TOPIC_ID_HEADER = "kfeed.source.topic_id"
 _DLQ_WINDOW = 1000
+# The dead-letter producer's message.max.bytes (librdkafka's largest), and what a
+# dead-letter topic kfeed makes takes past its source topic's max.message.bytes:
+# a copy is the record and the headers naming its source.
+_DLQ_MESSAGE_MAX = 1_000_000_000
+_DLQ_HEADROOM = 64 << 10
 
 
 def dead_letter_headers(msg: Any, reason: str, topic_id: str | None = None
@@ -1050,7 +1056,9 @@ class KafkaSource(Source):
     def _dead_letter_producer(self) -> Any:
         from confluent_kafka import KafkaException, Producer
 
-        conf = self._client_config()
+        # Any record the source topic holds, past librdkafka's 1,000,000 (the
+        # brokers' default is 1,048,588): the dead-letter topic's limit decides.
+        conf = {"message.max.bytes": _DLQ_MESSAGE_MAX, **self._client_config()}
         conf.update({"acks": "all", "enable.idempotence": True, "logger": ConnectionLog()})
         try:
             return Producer(conf)
@@ -1117,8 +1125,12 @@ class KafkaSource(Source):
             return len(have.partitions)
         source = md.topics.get(like)
         count = len(source.partitions) if source is not None and source.partitions else 1
+        # It takes the source's largest record, and the headers a copy adds.
+        largest = topic_setting(self._client_config(), like, "max.message.bytes")
+        config = {"max.message.bytes": str(int(largest) + _DLQ_HEADROOM)} \
+            if largest.isdigit() else {}
         admin = admin_client(self._client_config())
-        futures = admin.create_topics([NewTopic(topic, num_partitions=count)],
+        futures = admin.create_topics([NewTopic(topic, num_partitions=count, config=config)],
                                       request_timeout=self.connect_timeout)
         try:
             futures[topic].result(self.connect_timeout)
