@@ -210,6 +210,10 @@ def test_fail_fast_none_routes_from_the_first_message() -> None:
        "(None,))}") for fmt in (kfeed.Json(), "block")],
     ({"rank": True, "world_size": 2},
      "need ints 0 <= rank < world_size, got rank=True, world_size=2"),
+    # It was unused, and its dead-letter producer still made (and connected) each epoch.
+    ({"on_bad_record": "skip", "dlq_config": {"sasl.username": "dlq"}},
+     "dlq_config sets up the dead-letter producer, and on_bad_record='skip' sends nothing to "
+     "it: leave dlq_config out, or on_bad_record='dead_letter'"),
 ])
 def test_loader_settings_of_the_wrong_kind_are_one_line(kwargs, line) -> None:
     with pytest.raises(kfeed.ConfigError) as e:

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Producer as KafkaProducer
@@ -146,7 +147,7 @@ def test_brokers_out_of_reach_are_one_error_and_no_librdkafka_warning(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "kfeed.librdkafka"] == []
 
 
-@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5", True])
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5", True, np.float32(-1)])
 def test_a_timeout_that_is_no_number_of_seconds_is_one_clear_error(timeout_s):
     # group_lag passed it to the admin client: a raw ValueError or TypeError,
     # or "cannot reach the brokers ... within 0s"; create_topic's TypeError.
@@ -157,3 +158,8 @@ def test_a_timeout_that_is_no_number_of_seconds_is_one_clear_error(timeout_s):
                            match=f"^timeout_s must be a number of seconds > 0, got "
                                  f"{re.escape(repr(timeout_s))}$"):
             call()
+
+
+def test_a_numpy_timeout_is_a_number_of_seconds():
+    with pytest.raises(kfeed.ConsumeError, match="^cannot reach the brokers at 127.0.0.1:1 "):
+        kfeed.group_lag({"bootstrap.servers": "127.0.0.1:1"}, "nobody", timeout_s=np.float64(1))

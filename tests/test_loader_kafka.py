@@ -710,6 +710,66 @@ def test_a_bad_record_as_large_as_its_topic_takes_is_dead_lettered(bootstrap, gr
                 f.result(30)
 
 
+def test_a_copy_waits_for_the_one_before_of_its_partition_and_none_follows_a_failure() -> None:
+    # Copies were sent without waiting: one sent while the copy before it was
+    # in flight landed after that one failed, and the prefix rule took the
+    # failed one for copied.
+    from collections import deque
+
+    from confluent_kafka import KafkaError
+
+    from kfeed.sources import KafkaSource
+
+    class Message:
+        def __init__(self, offset: int) -> None:
+            self._offset = offset
+
+        def topic(self) -> str:
+            return "t"
+
+        def partition(self) -> int:
+            return 0
+
+        def offset(self) -> int:
+            return self._offset
+
+        def value(self) -> bytes:
+            return b"bad"
+
+        def key(self) -> None:
+            return None
+
+    class Refusing:  # a dead-letter producer whose brokers refuse the first copy
+        def __init__(self) -> None:
+            self.queued: list = []
+            self.sent: list[int] = []
+
+        def produce(self, topic, value=None, key=None, headers=None, partition=None,
+                    on_delivery=None) -> None:
+            self.queued.append(on_delivery)
+            self.sent.append(on_delivery.args[1])
+
+        def poll(self, timeout: float = 0) -> int:
+            if timeout and self.queued:  # the answer comes while the loader waits
+                self.queued.pop(0)(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), Message(0))
+            return 0
+
+        def __len__(self) -> int:
+            return len(self.queued)
+
+    source = KafkaSource.__new__(KafkaSource)
+    source.connect_timeout, source.ended, source.dead_lettered = 5.0, None, 0
+    source._dlq_producer, source._dlq_errors = Refusing(), deque()
+    source._dlq_partitions, source._topic_ids = {"t.dlq": 1}, {"t": None}
+    source._dlq_done, source._dlq_inflight = {("t", 0): -1}, {}
+    assert source.dead_letter(Message(10), "bad")
+    with pytest.raises(kfeed.ConsumeError, match=r"bad record at t\[0\]@10 "):
+        source.dead_letter(Message(11), "bad")
+    assert source._dlq_producer.sent == [10]
+    with pytest.raises(kfeed.ConsumeError, match=r"bad record at t\[0\]@10 "):
+        source.settle()
+
+
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
     # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
     with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):

@@ -164,6 +164,28 @@ def test_the_stall_counter_never_goes_down_and_an_epoch_s_join_is_no_stall():
         assert loader.stats()["wait_s"] < 0.3
 
 
+def test_a_wait_that_ends_while_stats_are_read_is_not_counted_twice():
+    # stats() read the wait under way, then (after the lag) the waits before:
+    # one that ended in between was in both, and the next scrape was lower.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    loader = kfeed.Loader(None, "memory", schema, 10, device="cpu",
+                          source=kfeed.MemorySource(schema.encode_blocks(
+                              {"id": np.arange(100)}, 10), loop=True))
+    with loader:
+        next(loader), next(loader)
+        source, lag = loader._source, loader._source.lag
+        loader._waiting_since = time.monotonic() - 10.0  # another thread's next(), 10 s in
+
+        def ends_meanwhile(*args, **kwargs):  # its batch comes while stats() asks the lag
+            if loader._waiting_since is not None:
+                loader._waited(time.monotonic() - loader._waiting_since)
+            return lag(*args, **kwargs)
+
+        source.lag = ends_meanwhile
+        first, second = loader.stats()["wait_s"], loader.stats()["wait_s"]
+    assert 10.0 <= first <= second < 11.0, (first, second)
+
+
 def test_brokers_away_say_so_once_not_at_every_lag_round(caplog):
     # Each round of the lag reader made clients with a logger of their own,
     # so librdkafka's "Connect ... failed" came again every round, to stderr.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import re
 import time
 import weakref
@@ -96,7 +97,7 @@ def topic_setting(client: Mapping[str, Any], topic: str, name: str) -> str:
 
 def check_timeout(timeout_s: Any, name: str = "timeout_s") -> None:
     """Refuse a timeout that is not a finite number of seconds > 0 (NaN passes every bound)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
             or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"{name} must be a number of seconds > 0, got {timeout_s!r}")
 

@@ -480,9 +480,11 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     partitions = args.partitions or DEFAULT_PARTITIONS
     # A -X message.max.bytes past the brokers' default (1 MiB) is for messages
     # that large: the topic made here takes them too.
-    size = config.get("message.max.bytes")
-    topic_config = {"max.message.bytes": str(size)} \
-        if size is not None and int(size) > _BROKER_MESSAGE_MAX else None
+    try:  # (as librdkafka reads it: 0x... too; a value it read otherwise is left alone)
+        size = int(str(config.get("message.max.bytes", 0)), 0)
+    except ValueError:
+        size = 0
+    topic_config = {"max.message.bytes": str(size)} if size > _BROKER_MESSAGE_MAX else None
     created = kfeed.create_topic(config, args.topic, partitions=partitions, replication=None,
                                  config=topic_config, exist_ok=True,
                                  timeout_s=args.connect_timeout)

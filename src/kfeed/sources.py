@@ -15,6 +15,7 @@ its records were already handed out (a block may straddle two batches).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import functools
 import logging
 import threading
@@ -493,6 +494,7 @@ class KafkaSource(Source):
         self._dlq_errors: deque[tuple[Any, str]] = deque()
         self._dlq_partitions: dict[str, int] = {}  # dead-letter topic -> partitions
         self._dlq_done: dict[TP, int] = {}  # source partition -> highest offset copied
+        self._dlq_inflight: dict[TP, int] = {}  # source partition -> its copy not acknowledged
         self._topic_ids: dict[str, str | None] = {}  # source topic -> its id (``topic_id``)
         try:
             self._consumer = Consumer(config)
@@ -1009,8 +1011,8 @@ class KafkaSource(Source):
 
         topic = f"{msg.topic()}.dlq"
         src = (msg.topic(), msg.partition())
-        if self._dlq_errors and self.ended is not None:  # NOTE [ A failed copy stops the read ]
-            raise self.ended
+        if self._dlq_errors:  # NOTE [ A failed copy stops the read ]
+            raise self._failure()
         if self._dlq_producer is None:
             self._dlq_producer = self._dead_letter_producer()
         if topic not in self._dlq_partitions:
@@ -1026,25 +1028,32 @@ class KafkaSource(Source):
                 self._client_config(), self.connect_timeout, topic, part, src, src_id)
         if msg.offset() <= done:
             return False
+        # The copy before, of the same source partition, is acknowledged first
+        # (NOTE [ A failed copy stops the read ]).
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            try:
-                self._dlq_producer.produce(
-                    topic, value=msg.value(), key=msg.key(),
-                    headers=dead_letter_headers(msg, reason, src_id),
-                    partition=part,
-                    on_delivery=functools.partial(self._on_dead_letter, src, msg.offset()),
-                )
-                break
-            except BufferError:  # its queue is full: wait for acknowledgements
-                if time.monotonic() > deadline:
-                    raise ConsumeError(f"the dead-letter topic {topic} takes no copies: "
-                                       f"{len(self._dlq_producer)} wait unacknowledged after "
-                                       f"{self.connect_timeout:g}s", topic=topic) from None
-                self._dlq_producer.poll(0.1)
-            except KafkaException as e:  # refused here: too large, say
-                raise self._copy_failed(e.args[0], src, msg.offset(), len(msg.value() or b""),
-                                        topic) from None
+            if src not in self._dlq_inflight:
+                try:
+                    self._dlq_producer.produce(
+                        topic, value=msg.value(), key=msg.key(),
+                        headers=dead_letter_headers(msg, reason, src_id),
+                        partition=part,
+                        on_delivery=functools.partial(self._on_dead_letter, src, msg.offset()),
+                    )
+                    self._dlq_inflight[src] = msg.offset()
+                    break
+                except BufferError:  # its queue is full: wait for acknowledgements
+                    pass
+                except KafkaException as e:  # refused here: too large, say
+                    raise self._copy_failed(e.args[0], src, msg.offset(),
+                                            len(msg.value() or b""), topic) from None
+            if time.monotonic() > deadline:
+                raise ConsumeError(f"the dead-letter topic {topic} acknowledged no copy within "
+                                   f"{self.connect_timeout:g}s ({len(self._dlq_producer)} "
+                                   f"waiting): its brokers do not answer", topic=topic)
+            self._dlq_producer.poll(0.05)
+            if self._dlq_errors:
+                raise self._failure()
         self._dlq_producer.poll(0)
         self.dead_lettered += 1
         # In offset order per source partition (one idempotent producer), so
@@ -1070,15 +1079,26 @@ class KafkaSource(Source):
     # A bad record whose dead-letter copy failed is in neither place: the
     # read must not be committed past it, and no later copy from its
     # partition may land, or the prefix rule of NOTE [ One copy per bad
-    # message ] would count it copied for every reader to come. So the
-    # first failure ends the read (``ended``: the loader's next() raises it
-    # before it hands out another batch) and no copy is sent after it;
-    # settle() keeps failing, so no commit passes it. (Copies already sent
-    # when the failure comes back may still land: one poll's worth.)
+    # message ] would count it copied for every reader to come. So a copy
+    # is sent only once the one before it from the same source partition
+    # is acknowledged (``_dlq_inflight``: the copies of different partitions
+    # still overlap, and the loader's thread waits only for a partition's
+    # second bad record within a round trip); the first failure ends the
+    # read (``ended``: the loader's next() raises it before it hands out
+    # another batch) and no copy is sent after it; settle() keeps failing,
+    # so no commit passes it.
 
     def _on_dead_letter(self, src: TP, offset: int, err: Any, msg: Any) -> None:
+        if self._dlq_inflight.get(src) == offset:
+            del self._dlq_inflight[src]
         if err is not None:
             self._copy_failed(err, src, offset, len(msg.value() or b""), msg.topic())
+
+    def _failure(self) -> ConsumeError:
+        """The error a failed copy ended the read with, as a new instance: raised in
+        several threads, one instance would gather all their tracebacks."""
+        assert self.ended is not None
+        return copy.copy(self.ended)
 
     def _copy_failed(self, err: Any, src: TP, offset: int, size: int, topic: str
                      ) -> ConsumeError:
@@ -1090,10 +1110,10 @@ class KafkaSource(Source):
         if self.ended is not None:
             return self.ended
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-            fix = (f"it is over the dead-letter producer's message.max.bytes or {topic}'s "
-                   f"max.message.bytes: raise them (dlq_config={{'message.max.bytes': ...}} "
-                   f"and the topic's setting), or pass bad records over with "
-                   f"on_bad_record='skip'")
+            fix = (f"with the headers naming its source it is larger than {topic} takes (a "
+                   f"dead-letter topic made before with a smaller max.message.bytes, say, or a "
+                   f"smaller message.max.bytes in dlq_config): raise the topic's "
+                   f"max.message.bytes, or pass bad records over with on_bad_record='skip'")
         else:
             fix = (f"the read stops so that it is not committed past it: make {topic} take "
                    f"it, or pass bad records over with on_bad_record='skip'")
@@ -1107,12 +1127,12 @@ class KafkaSource(Source):
         left = 0
         if self._dlq_producer is not None and len(self._dlq_producer):
             left = self._dlq_producer.flush(self.connect_timeout)
-        if self._dlq_errors and self.ended is not None:  # NOTE [ A failed copy stops the read ]
-            raise self.ended
-        if left or self._dlq_errors:
-            err, topic = self._dlq_errors[0] if self._dlq_errors else ("timed out", "")
-            raise ConsumeError(f"could not write {left + len(self._dlq_errors)} bad record(s) to "
-                               f"the dead-letter topic {topic}: {err}", topic=topic or None)
+        if self._dlq_errors:  # NOTE [ A failed copy stops the read ]
+            raise self._failure()
+        if left:
+            raise ConsumeError(f"{left} copies of bad records were not acknowledged by the "
+                               f"dead-letter topics ({', '.join(sorted(self._dlq_partitions))}) "
+                               f"within {self.connect_timeout:g}s: their brokers do not answer")
 
     def _ensure_topic(self, topic: str, like: str) -> int:
         """Create dead-letter topic ``topic`` with as many partitions as ``like``; its count."""

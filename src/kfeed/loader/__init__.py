@@ -453,6 +453,7 @@ class Loader:
         self._failed: BaseException | None = None  # the loader's thread stopped at this error
         self._exhausted = False
         self._closed = False
+        self._fresh = True  # this pipeline handed out no batch yet
         if not hasattr(self, "_batches"):  # the first pipeline: counters for the loader's life
             self._wait_s = 0.0          # waited in next() after the first batch
             self._startup_s = 0.0       # from the first next() to the first batch
@@ -467,6 +468,8 @@ class Loader:
             self._paused_s = 0.0
             self._wait_hist = metrics.Histogram(metrics.WAIT_BUCKETS_S)
             self._waiting_since: float | None = None  # next() waits since then
+            self._stall_lock = threading.Lock()  # _wait_s and _waiting_since, together
+            self._wait_shown = 0.0  # the most stats() said was waited
             self._latency_hist = metrics.Histogram(metrics.LATENCY_BUCKETS_S)
             # The earlier epochs' pipelines' counts (their stages are made anew).
             self._carried: dict[str, Any] = {}
@@ -699,7 +702,8 @@ class Loader:
         # later epoch's first wait (its consumer joins the group) is between
         # epochs, as the first one's is startup: the clock stopped at the last
         # epoch's end (``_t_end``) goes on at its first batch.
-        self._waiting_since = t if self._t_first is not None and self._t_end is None else None
+        between = self._fresh and self._t_end is not None
+        self._waiting_since = t if self._t_first is not None and not between else None
         try:
             return self._next_batch(f, t)
         except StopIteration:  # the end of a bounded read: no stall
@@ -741,7 +745,7 @@ class Loader:
         if self._t_first is None:
             self._t_first = time.monotonic()
             self._startup_s = self._t_first - (self._t0 or t)
-        elif self._t_end is not None:  # a later epoch's first batch
+        elif self._fresh and self._t_end is not None:  # a later epoch's first batch
             self._paused_s += time.monotonic() - self._t_end
             self._t_end = None
         else:
@@ -750,6 +754,7 @@ class Loader:
             self._waited(waited)
             if self._tuner is not None:
                 self._tuner.observe(0.0 if ready else waited, now)
+        self._fresh = False
         return batch
 
     def _stop_clock(self) -> None:
@@ -757,8 +762,9 @@ class Loader:
             self._t_end = time.monotonic()
 
     def _waited(self, waited: float) -> None:
-        self._waiting_since = None
-        self._wait_s += waited
+        with self._stall_lock:  # (stats() reads the two together)
+            self._waiting_since = None
+            self._wait_s += waited
         self._longest_wait_s = max(self._longest_wait_s, waited)
         self._wait_hist.observe(waited)
 
@@ -876,7 +882,12 @@ class Loader:
             if item is END:
                 # A bad record's copy that failed is known once the copies
                 # are acknowledged: the read failed, it did not end.
-                self._source.settle()
+                try:
+                    self._source.settle()
+                except KfeedError as e:
+                    self._exhausted = True
+                    self._failed = e
+                    raise
                 return item
             with self._ledger.lock:
                 if item.gen == self._ledger.gen and item.rows == 0:
@@ -1200,8 +1211,12 @@ class Loader:
         # joining the group and the first fetch show as startup_s.
         now = time.monotonic() if self._t_end is None else self._t_end
         elapsed = now - self._t_first - self._paused_s if self._t_first is not None else 0.0
-        since = self._waiting_since  # a wait under way, in next() on another thread
-        waiting = now - since if since is not None else 0.0
+        with self._stall_lock:  # a wait under way (next() on another thread), and those before
+            since, wait_s = self._waiting_since, self._wait_s
+            waiting = max(0.0, now - since) if since is not None else 0.0
+            # A wait ends a moment after a scrape that counted it up to now:
+            # the counter never goes down (Prometheus would read a reset).
+            wait_s = self._wait_shown = max(self._wait_shown, wait_s + waiting)
         with ledger.lock:  # (after a message's last record: the next offset, lag 0)
             positions = {tp: ledger._whole(tp, pos)[0] for tp, pos in ledger.delivered().items()}
         if self._exhausted and self._feeder.epoch_over:
@@ -1240,9 +1255,9 @@ class Loader:
             "bad_records": self._bad.count,
             "lag": lag,
             "lag_unknown": lag_unknown,
-            "wait_s": self._wait_s + waiting,
+            "wait_s": wait_s,
             "longest_wait_s": max(self._longest_wait_s, waiting),
-            "stall_fraction": (self._wait_s + waiting) / elapsed if elapsed > 0 else 0.0,
+            "stall_fraction": wait_s / elapsed if elapsed > 0 else 0.0,
             "pool_bytes": self._pool.nbytes,
             "held_bytes": builder.held_bytes(),
             "group": self._source.group_id,

@@ -120,6 +120,10 @@ class LoaderConfig:
         if self.dlq_config is not None and not isinstance(self.dlq_config, Mapping):
             raise ConfigError("dlq_config must be a dict of librdkafka settings (the "
                               "connection and login of the dead-letter producer)")
+        if self.dlq_config is not None and self.on_bad_record is not BadRecordPolicy.DEAD_LETTER:
+            raise ConfigError(f"dlq_config sets up the dead-letter producer, and "
+                              f"on_bad_record={self.on_bad_record.value!r} sends nothing to it: "
+                              f"leave dlq_config out, or on_bad_record='dead_letter'")
         if self.on_revoke is not None and not callable(self.on_revoke):
             raise ConfigError("on_revoke must be a callable taking the revoked partitions")
         if self.assignment not in ("group", "static"):

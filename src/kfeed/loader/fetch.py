@@ -87,6 +87,8 @@ class Commits:
             if while_waiting is not None:
                 while_waiting()
             if self._stop.is_set():  # close(), from another thread
+                if waiter[0].is_set():  # (made meanwhile)
+                    break
                 raise ConsumeError(f"the loader was closed before its thread made the commit; "
                                    f"it was {self._status.doing}")
             if time.monotonic() >= deadline:

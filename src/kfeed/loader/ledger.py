@@ -752,7 +752,7 @@ class OrderLedger(Ledger):
         low = resume >> ROUND_SHIFT
         read = self.order.read_position(tp)
         target = max(low, self.rounds.get(tp, 0), self.pending_rounds.get(tp, 0),
-                     self.saved_rounds.get(tp, 0),
+                     self.saved_rounds.pop(tp, 0),  # (now in rounds or pending_rounds)
                      read[0] >> ROUND_SHIFT if read is not None else 0)
         self.rounds[tp] = low
         position = (resume & _OFFSET_MASK, 0)
@@ -770,6 +770,7 @@ class OrderLedger(Ledger):
         for tp in tps:  # a partition back later finds its rounds again from the order
             self.rounds.pop(tp, None)
             self.pending_rounds.pop(tp, None)
+            self.saved_rounds.pop(tp, None)
         marks = self.order.watermarks()
         # Whole messages as Kafka counts them, as to_commit gives them: a
         # revoke's commit (close() makes one) must not take the partition
