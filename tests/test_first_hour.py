@@ -423,6 +423,18 @@ def test_unreachable_brokers_read_the_same_for_create_topic_producer_and_loader(
         [e.value.code for e in (made, sent, read)]
 
 
+def test_brokers_named_without_a_port_are_said_to_be_on_9092() -> None:
+    # "--bootstrap-servers localhost" waited out the timeout, then named only
+    # "localhost": the port librdkafka tried was not said.
+    from kfeed._kafka import unreachable_message
+
+    assert unreachable_message("127.0.0.1:9,h2", 2, "why") == (
+        "cannot reach the brokers at 127.0.0.1:9,h2 within 2s (h2: no port given, so "
+        "librdkafka's 9092): why")
+    assert unreachable_message("SSL://h:9093,[::1]:9092", 2, "why") == (
+        "cannot reach the brokers at SSL://h:9093,[::1]:9092 within 2s: why")
+
+
 def test_an_unreachable_broker_logs_a_few_lines_not_hundreds(caplog) -> None:
     with caplog.at_level(logging.DEBUG, logger="kfeed"), pytest.raises(kfeed.ProduceError):
         kfeed.Producer({"bootstrap.servers": "127.0.0.1:9"}, "t", SCHEMA, connect_timeout_s=4)

@@ -375,7 +375,14 @@ def unavailable_message(topic: str, servers: str, why: str) -> str:
 
 def unreachable_message(servers: str, seconds: float, why: str) -> str:
     """Brokers that did not answer: the same words for the producer and the loader."""
-    return f"cannot reach the brokers at {servers} within {seconds:g}s: {why}"
+    bare = [s for s in str(servers).split(",") if s.strip() and not _HAS_PORT.search(s.strip())]
+    port = (f" ({', '.join(s.strip() for s in bare)}: no port given, so librdkafka's 9092)"
+            if bare else "")
+    return f"cannot reach the brokers at {servers} within {seconds:g}s{port}: {why}"
+
+
+# host:port, [v6]:port, or a protocol prefix's host:port (SSL://host:9093).
+_HAS_PORT = re.compile(r":\d+$")
 
 
 # -- error codes, topic metadata, callbacks ---------------------------------------
