@@ -1164,3 +1164,20 @@ def test_a_topic_made_again_under_its_name_has_its_own_bad_records_dead_lettered
         assert f"bad record at {topic}[0]@1, sent to {topic}.dlq" in caplog.text
     finally:
         admin.delete_topics([topic, f"{topic}.dlq"])
+
+
+def test_a_commit_acknowledged_at_the_interpreter_s_exit_needs_no_import(monkeypatch) -> None:
+    # close()'s commit, run by a loader collected at exit, imported
+    # confluent_kafka in its callback: "ImportError: sys.meta_path is None",
+    # a traceback after a job's real error.
+    from collections import deque
+    from types import SimpleNamespace
+
+    from kfeed.sources import KafkaSource
+
+    source = KafkaSource.__new__(KafkaSource)
+    source._inflight, source._acked = {(("t", 0), 7): (7, 0)}, deque()
+    source._gone = source._suspect = None
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # imports fail, as at exit
+    source._on_commit(None, [SimpleNamespace(topic="t", partition=0, offset=7, error=None)])
+    assert list(source._acked) == [(("t", 0), (7, 0))]

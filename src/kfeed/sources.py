@@ -920,8 +920,6 @@ class KafkaSource(Source):
         # Records only; the loader takes the acknowledged positions when it
         # next commits (see acknowledged()).
         # (Held ``weakly``: what this raises is logged, never passed on.)
-        from confluent_kafka import KafkaError
-
         for p in parts or ():
             tp = (p.topic, p.partition)
             pos = self._inflight.pop((tp, p.offset), None)
@@ -931,6 +929,10 @@ class KafkaSource(Source):
                     self._acked.append((tp, pos))
                 self._gone = self._suspect = None  # the coordinator knows the topic (again)
                 continue
+            # (Imported here, not above: a commit close() makes at the
+            # interpreter's exit, when imports fail, is most often a success.)
+            from confluent_kafka import KafkaError
+
             self._refused_note(refused)
             if refused.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID) \
                     and self._fatal is None:
