@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,8 +37,9 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def run_two_ranks(script: Path, *args: str) -> dict[int, tuple[int, ...]]:
-    """Run ``script`` as ranks 0 and 1 of a gloo job; each rank's ``RESULT rank a b ...`` ints."""
+def run_two_ranks(script: Path, *args: str, stderr: bool = False) -> dict[int, tuple[Any, ...]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo job; each rank's ``RESULT rank a b ...`` ints
+    (``stderr``: the ints, then what the rank wrote to stderr)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -52,7 +54,7 @@ def run_two_ranks(script: Path, *args: str) -> dict[int, tuple[int, ...]]:
             out, err = proc.communicate(timeout=180)
             assert proc.returncode == 0, err
             rank, *figures = map(int, out.split("RESULT", 1)[1].split())
-            results[rank] = tuple(figures)
+            results[rank] = (*figures, err) if stderr else tuple(figures)
     finally:  # a rank that hangs must not outlive the test, holding its ports
         for proc in procs:
             if proc.poll() is None:
@@ -79,6 +81,38 @@ def test_two_ranks_with_uneven_data_stop_at_the_same_step(tmp_path) -> None:
     # Rank 1's 1000 samples make 4 batches (3 x 256 + 232): both ranks stop after 4.
     assert results[0] == (4, 4 * 256, 4 * 256)
     assert results[1] == (4, 1000, 1000)
+
+
+EMPTY_RANK = textwrap.dedent("""
+    import logging, sys, torch.distributed as dist
+    import numpy as np
+    from kfeed.loader import memory_loader
+    from kfeed.synthetic import synthetic_columns, synthetic_schema
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    dist.init_process_group("gloo", init_method="env://")
+    schema = synthetic_schema()
+    # Partition 1 (rank 1) read to its end already: nothing left in it.
+    values = {0: schema.encode_blocks(synthetic_columns(np.arange(500)), 100), 1: []}
+    ld = memory_loader(values, schema, 100, device="cpu", until="end", assignment="static")
+    steps = sum(1 for _ in ld)
+    ld.close()
+    print("RESULT", dist.get_rank(), steps, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_job_whose_rank_has_nothing_left_says_why_it_reads_nothing(tmp_path) -> None:
+    # Resumed at the size that left one rank's partitions read to their end, a
+    # static job read nothing, resume after resume, without a word.
+    script = tmp_path / "worker.py"
+    script.write_text(EMPTY_RANK)
+    results = run_two_ranks(script, stderr=True)
+    assert results[0][:1] == results[1][:1] == (0,)
+    said = {r: err for r, (_steps, err) in results.items()}
+    assert "rank 0: the epoch ends before its first step: another rank has nothing left to " \
+           "read" in said[0], said[0]
+    assert "rank 1: the epoch ends before its first step: this rank has nothing left to " \
+           "read" in said[1], said[1]
 
 
 SHARED_RUN = textwrap.dedent("""

@@ -833,6 +833,14 @@ class Loader:
         ag.post(self._ahead is not END)
         if ag.answer():
             return item
+        if self._fresh:  # before the epoch's first step: a job of this size reads nothing
+            log.warning(
+                "rank %d: the epoch ends before its first step: %s, and ranks stop at the "
+                "same step; what the ranks have left is read by a job of another size, or "
+                "by one process, from the saved states", self.rank,
+                "this rank has nothing left to read" if item is END else
+                "another rank has nothing left to read (with assignment='static', in its "
+                "own partitions)")
         for held in (item, self._ahead):  # not handed out: their records stay unread
             if held is not END:
                 held.release(self._pool)
