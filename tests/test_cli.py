@@ -1616,3 +1616,20 @@ def test_a_training_run_a_signal_stopped_does_not_wait_for_brokers_gone_away() -
     assert time.monotonic() - t0 < 3 * _train.STOP_CLOSE_S + 2
     assert out.unclosed is not None and out.unclosed.startswith(
         "the consumer did not close within 2s: it is stuck"), out.unclosed
+
+
+@pytest.mark.integration
+def test_a_reader_that_goes_away_ends_the_command_quietly(cluster_dir) -> None:
+    # `kfeed cluster status | head -1`: "kfeed: unexpected BrokenPipeError ...
+    # rerun with -v", exit 1, though the command had done its work.
+    if cluster_dir is None:
+        pytest.skip("an external cluster: no state folder to show")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "kfeed", "cluster", "status", "--dir",
+                               str(cluster_dir)], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60, check=False)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")

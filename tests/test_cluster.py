@@ -1284,9 +1284,18 @@ def test_up_in_the_folder_of_the_running_cluster_adds_no_note(standins: StandIns
         (["up", "--unset", "num.partitions"], "--unset num.partitions: not among the cluster's --set"
                                               " settings (none)"),
         (["up", "--set", "a=1", "--unset", "a"], "--set and --unset both name a: pick one"),
+        # The second line went into server.properties as a setting of its own.
+        (["up", "--set", "num.partitions=8\nauto.create.topics.enable=true"],
+         "--set 'num.partitions=8\\nauto.create.topics.enable=true': one setting a --set, on one "
+         "line"),
+        # It started the cluster, then blamed the port the cluster had just taken.
+        (["up", "--port", "31992", "--schema-registry", "--schema-registry-port", "32092"],
+         "the Schema Registry's port 32092 is the cluster's own (controller of node 1): choose "
+         "another with --schema-registry-port"),
     ],
     ids=["nodes", "set", "port", "port0", "dir", "extra", "timeout-5", "timeout0", "registry-port0",
-         "registry-port-alone", "unset-unknown", "set-and-unset"],
+         "registry-port-alone", "unset-unknown", "set-and-unset", "set-two-lines",
+         "registry-port-the-cluster-s"],
 )  # fmt: skip
 def test_a_mistake_in_the_arguments_is_one_line_and_exit_2(
     elsewhere: Path, bin_dir: Path, args: list[str], error: str

@@ -24,6 +24,7 @@ fix>``, checked before any connection where it can be (see ``EXIT_CODES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -1778,6 +1779,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _failed(args: argparse.Namespace, e: Exception) -> int:
     """Report the error that ended the command in one line: its exit status."""
+    if isinstance(e, BrokenPipeError):
+        # The reader of its output went away (`kfeed cluster status | head -1`):
+        # as a shell tool ends on SIGPIPE, without a word; what is left unsaid
+        # must not fail again when Python flushes at exit.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     if isinstance(e, ConfigError):
         return _report(args, e, 2)
     if isinstance(e, KfeedError):

@@ -117,8 +117,9 @@ def register(subparsers: Any) -> None:
 
     status = commands.add_parser(
         "status",
-        help="print the nodes, then the bootstrap servers; fail if down",
-        description="Print the nodes, then the bootstrap servers as the last line; exit 1 if the cluster is down. "
+        help="print the nodes, then the bootstrap servers; fail if no node answers",
+        description="Print the nodes, then the bootstrap servers as the last line; exit 1 if no node answers "
+        "(a node dead or unregistered beside others that answer is shown so, with exit 0: the cluster serves). "
         f"Without --dir and with no cluster in {DEFAULT_DIR}: list the clusters recorded for this user, "
         "then the status of the one that runs (exit 2 when several run).",
     )
@@ -191,6 +192,11 @@ def _up(args: argparse.Namespace) -> int:
     unset = [_key(text) for text in args.unset]
     # Before anything starts: a taken or contradicting port must not leave a cluster half up.
     registry_port = _tool.schema_registry_port(args.dir, args.schema_registry_port) if args.schema_registry else None
+    clash = None if registry_port is None else \
+        _tool.cluster_port_of(registry_port, args.nodes, args.dir, args.port)
+    if clash is not None:
+        raise UsageError(f"the Schema Registry's port {registry_port} is the cluster's own ({clash}): "
+                         f"choose another with --schema-registry-port")
     here = _absolute(args.dir)
     others = [record for record in _registry.running() if record.dir != here]
     if others:
@@ -384,6 +390,8 @@ def _setting(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set wants KEY=VALUE, not {text!r}")
+    if any(c in text for c in "\r\n"):  # a second line would be a second setting
+        raise ConfigError(f"--set {text!r}: one setting a --set, on one line")
     return key.strip(), value
 
 

@@ -44,6 +44,14 @@ def _node_args(pid: int, properties: Path) -> list[bytes] | None:
     return args if b"kafka.Kafka" in args and os.fsencode(properties) in args else None
 
 
+def runs_kafka(pid: int) -> bool:
+    """Whether ``pid`` is a Kafka node's JVM, of whatever folder (a folder moved since)."""
+    try:
+        return b"kafka.Kafka" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def has_exited(pid: int) -> bool:
     """Whether every thread of ``pid`` has finished exiting, so its sockets are closed.
 

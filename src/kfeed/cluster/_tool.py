@@ -49,7 +49,14 @@ from kfeed.cluster._layout import (
     new_cluster_id,
     write_properties,
 )
-from kfeed.cluster._procs import has_exited, is_launching, is_node_jvm, pid_file_pid, running_pid
+from kfeed.cluster._procs import (
+    has_exited,
+    is_launching,
+    is_node_jvm,
+    pid_file_pid,
+    running_pid,
+    runs_kafka,
+)
 from kfeed.errors import ClusterError, ConfigError
 
 logger = logging.getLogger("kfeed.cluster")
@@ -628,10 +635,10 @@ def _name_the_setting(
     if not named:
         return exc
     key = named[0]
-    if key in given:
-        note = f"--set {key}={given[key]} was not kept"
-    elif recorded.overrides.get(key) == layout.overrides[key]:
+    if recorded.overrides.get(key) == layout.overrides[key]:  # (given again, or not)
         note = f"{key} comes from an earlier --set: remove it with kfeed cluster up --dir {shown} --unset {key}"
+    elif key in given:
+        note = f"--set {key}={given[key]} was not kept"
     else:
         return exc
     return type(exc)(f"{first} ({note}){newline}{rest}")
@@ -662,7 +669,12 @@ def _start(
     since = {n: _log_sizes(layout.node_paths(state_dir, n)) for n in node_ids}
     try:
         for node_id in node_ids:
-            started[node_id] = _launch(java, libs, state_dir, layout.node_paths(state_dir, node_id))
+            paths = layout.node_paths(state_dir, node_id)
+            # Known as started before the wait for its exec: an interrupt in
+            # that wait stops it too (a slow wrapper on its way to java).
+            started[node_id] = _launch(java, libs, state_dir, paths)
+            _await_exec(started[node_id], paths)
+            logger.info("started %s (pid %d)", paths.root.name, started[node_id])
         if awaited:
             _wait_ready(layout, state_dir, started, awaited, timeout, since=since)
     except BaseException:
@@ -757,8 +769,6 @@ def _launch(java: str, libs: Path, state_dir: Path, paths: NodePaths) -> int:
     except (OSError, ValueError, subprocess.CalledProcessError) as exc:
         raise ClusterError(f"could not launch node {paths.root.name}: {exc}") from exc
     paths.pid.write_text(f"{pid}\n")
-    _await_exec(pid, paths)
-    logger.info("started %s (pid %d)", paths.root.name, pid)
     return pid
 
 
@@ -813,6 +823,19 @@ def _ephemeral_ports() -> tuple[int, int]:
     except (OSError, ValueError):
         return 32768, 60999  # Linux's default
     return low, high
+
+
+def cluster_port_of(port: int, nodes: int | None, dir: Path | str, base: int | None) -> str | None:
+    """Which of the cluster's own ports ``port`` is ("broker of node 1"), for the cluster
+    that ``up`` with these arguments starts or finds in ``dir``; None if none."""
+    try:
+        saved = Layout.load(_state_dir(dir))
+    except (ClusterError, OSError):
+        saved = None  # (up reports what is wrong with it)
+    layout = saved or Layout(nodes=nodes or 1, port=DEFAULT_PORT if base is None else base,
+                             cluster_id="")
+    return next((f"{role} of node {node_id}" for node_id, role, p in
+                 _ports(layout, layout.node_ids) if p == port), None)
 
 
 def _ports(layout: Layout, node_ids: Iterable[int]) -> list[tuple[int, str, int]]:
@@ -921,6 +944,14 @@ def _stop(layout: Layout, state_dir: Path, node_ids: Iterable[int]) -> list[int]
         paths = layout.node_paths(state_dir, node_id)
         pid = running_pid(paths)
         if pid is None:
+            stale = pid_file_pid(paths)
+            if stale is not None and runs_kafka(stale):
+                # Its folder was moved or renamed while it ran: the pid file is
+                # all that still finds it (moved back, a later down stops it).
+                logger.warning("node %d: pid %d runs Kafka, but not from %s (was the folder "
+                               "moved while it ran?); left running: stop it with kill %d",
+                               node_id, stale, paths.properties.parent, stale)
+                continue
             paths.pid.unlink(missing_ok=True)
             continue
         running[node_id] = paths
