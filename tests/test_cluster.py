@@ -842,6 +842,36 @@ def test_a_java_slow_to_exec_the_jvm_is_waited_for_and_never_left_running(
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_ctrl_c_while_java_is_on_its_way_to_the_jvm_leaves_nothing_running(
+    tmp_path: Path, port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node was known as started only once its wrapper had become java: a
+    # Ctrl-C in that wait left it running, unknown to every later command.
+    wrapper = tmp_path / "wrapper-bin" / "java"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(_jars, "java", lambda: str(wrapper))
+    monkeypatch.setattr(_jars, "jars", lambda progress=None: tmp_path)
+    monkeypatch.setattr(_tool, "_format", lambda *args: None)
+
+    def interrupted(pid: int, paths: object) -> None:
+        deadline = time.monotonic() + 10  # the wrapper runs, then the Ctrl-C comes
+        while not jvms_in(state) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_tool, "_await_exec", interrupted)
+    state = tmp_path / "c"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.up(dir=state, port=port, timeout=30)
+        assert jvms_in(state) == []
+    finally:
+        for pid in jvms_in(state):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_java_home_without_java_says_to_fix_or_unset_it(tmp_path: Path, bin_dir: Path) -> None:
     link_java(bin_dir)
     env = env_with_path(bin_dir, JAVA_HOME=str(tmp_path / "nonexistent"))
