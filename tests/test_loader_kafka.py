@@ -770,6 +770,58 @@ def test_a_copy_waits_for_the_one_before_of_its_partition_and_none_follows_a_fai
         source.settle()
 
 
+def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one() -> None:
+    # A settle() on the caller's thread can serve a copy's answer before the
+    # loader's thread is back from produce(): the copy was marked in flight
+    # after its answer came, for ever, and the partition's next bad record
+    # waited out the timeout, then ended the read.
+    from collections import deque
+
+    from kfeed.sources import KafkaSource
+
+    class Message:
+        def __init__(self, offset: int) -> None:
+            self._offset = offset
+
+        def topic(self) -> str:
+            return "t"
+
+        def partition(self) -> int:
+            return 0
+
+        def offset(self) -> int:
+            return self._offset
+
+        def value(self) -> bytes:
+            return b"bad"
+
+        def key(self) -> None:
+            return None
+
+    class AnsweredAtOnce:
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        def produce(self, topic, value=None, key=None, headers=None, partition=None,
+                    on_delivery=None) -> None:
+            self.sent.append(on_delivery.args[1])
+            on_delivery(None, Message(on_delivery.args[1]))  # served meanwhile, elsewhere
+
+        def poll(self, timeout: float = 0) -> int:
+            return 0
+
+        def __len__(self) -> int:
+            return 0
+
+    source = KafkaSource.__new__(KafkaSource)
+    source.connect_timeout, source.ended, source.dead_lettered = 0.5, None, 0
+    source._dlq_producer, source._dlq_errors = AnsweredAtOnce(), deque()
+    source._dlq_partitions, source._topic_ids = {"t.dlq": 1}, {"t": None}
+    source._dlq_done, source._dlq_inflight = {("t", 0): -1}, {}
+    assert source.dead_letter(Message(10), "bad") and source.dead_letter(Message(11), "bad")
+    assert source._dlq_producer.sent == [10, 11] and source._dlq_inflight == {}
+
+
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
     # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
     with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):

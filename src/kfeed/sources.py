@@ -1035,6 +1035,9 @@ class KafkaSource(Source):
         deadline = time.monotonic() + self.connect_timeout
         while True:
             if src not in self._dlq_inflight:
+                # Set first: a settle() on the caller's thread may serve the
+                # answer before produce() returns here.
+                self._dlq_inflight[src] = msg.offset()
                 try:
                     self._dlq_producer.produce(
                         topic, value=msg.value(), key=msg.key(),
@@ -1042,11 +1045,11 @@ class KafkaSource(Source):
                         partition=part,
                         on_delivery=functools.partial(self._on_dead_letter, src, msg.offset()),
                     )
-                    self._dlq_inflight[src] = msg.offset()
                     break
                 except BufferError:  # its queue is full: wait for acknowledgements
-                    pass
+                    del self._dlq_inflight[src]
                 except KafkaException as e:  # refused here: too large, say
+                    del self._dlq_inflight[src]
                     raise self._copy_failed(e.args[0], src, msg.offset(),
                                             len(msg.value() or b""), topic) from None
             if time.monotonic() > deadline:
