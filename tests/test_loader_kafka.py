@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 from collections.abc import Iterator
 
 import numpy as np
@@ -710,34 +711,47 @@ def test_a_bad_record_as_large_as_its_topic_takes_is_dead_lettered(bootstrap, gr
                 f.result(30)
 
 
+class _BadMessage:
+    """A bad record of partition t[0] at ``offset``, as confluent-kafka gives it."""
+
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return b"bad"
+
+    def key(self) -> None:
+        return None
+
+
+def _dead_letter_source(producer: Any, timeout_s: float) -> Any:
+    """A KafkaSource with only its dead-letter state, copying through ``producer``, t.dlq made."""
+    from collections import deque
+
+    from kfeed.sources import KafkaSource
+
+    source = KafkaSource.__new__(KafkaSource)
+    source.connect_timeout, source.ended, source.dead_lettered = timeout_s, None, 0
+    source._dlq_producer, source._dlq_errors = producer, deque()
+    source._dlq_partitions, source._topic_ids = {"t.dlq": 1}, {"t": None}
+    source._dlq_done, source._dlq_inflight = {("t", 0): -1}, {}
+    return source
+
+
 def test_a_copy_waits_for_the_one_before_of_its_partition_and_none_follows_a_failure() -> None:
     # Copies were sent without waiting: one sent while the copy before it was
     # in flight landed after that one failed, and the prefix rule took the
     # failed one for copied.
-    from collections import deque
-
     from confluent_kafka import KafkaError
-
-    from kfeed.sources import KafkaSource
-
-    class Message:
-        def __init__(self, offset: int) -> None:
-            self._offset = offset
-
-        def topic(self) -> str:
-            return "t"
-
-        def partition(self) -> int:
-            return 0
-
-        def offset(self) -> int:
-            return self._offset
-
-        def value(self) -> bytes:
-            return b"bad"
-
-        def key(self) -> None:
-            return None
 
     class Refusing:  # a dead-letter producer whose brokers refuse the first copy
         def __init__(self) -> None:
@@ -751,20 +765,16 @@ def test_a_copy_waits_for_the_one_before_of_its_partition_and_none_follows_a_fai
 
         def poll(self, timeout: float = 0) -> int:
             if timeout and self.queued:  # the answer comes while the loader waits
-                self.queued.pop(0)(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), Message(0))
+                self.queued.pop(0)(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), _BadMessage(0))
             return 0
 
         def __len__(self) -> int:
             return len(self.queued)
 
-    source = KafkaSource.__new__(KafkaSource)
-    source.connect_timeout, source.ended, source.dead_lettered = 5.0, None, 0
-    source._dlq_producer, source._dlq_errors = Refusing(), deque()
-    source._dlq_partitions, source._topic_ids = {"t.dlq": 1}, {"t": None}
-    source._dlq_done, source._dlq_inflight = {("t", 0): -1}, {}
-    assert source.dead_letter(Message(10), "bad")
+    source = _dead_letter_source(Refusing(), timeout_s=5.0)
+    assert source.dead_letter(_BadMessage(10), "bad")
     with pytest.raises(kfeed.ConsumeError, match=r"bad record at t\[0\]@10 "):
-        source.dead_letter(Message(11), "bad")
+        source.dead_letter(_BadMessage(11), "bad")
     assert source._dlq_producer.sent == [10]
     with pytest.raises(kfeed.ConsumeError, match=r"bad record at t\[0\]@10 "):
         source.settle()
@@ -775,29 +785,6 @@ def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one()
     # loader's thread is back from produce(): the copy was marked in flight
     # after its answer came, for ever, and the partition's next bad record
     # waited out the timeout, then ended the read.
-    from collections import deque
-
-    from kfeed.sources import KafkaSource
-
-    class Message:
-        def __init__(self, offset: int) -> None:
-            self._offset = offset
-
-        def topic(self) -> str:
-            return "t"
-
-        def partition(self) -> int:
-            return 0
-
-        def offset(self) -> int:
-            return self._offset
-
-        def value(self) -> bytes:
-            return b"bad"
-
-        def key(self) -> None:
-            return None
-
     class AnsweredAtOnce:
         def __init__(self) -> None:
             self.sent: list[int] = []
@@ -805,7 +792,7 @@ def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one()
         def produce(self, topic, value=None, key=None, headers=None, partition=None,
                     on_delivery=None) -> None:
             self.sent.append(on_delivery.args[1])
-            on_delivery(None, Message(on_delivery.args[1]))  # served meanwhile, elsewhere
+            on_delivery(None, _BadMessage(on_delivery.args[1]))  # served meanwhile, elsewhere
 
         def poll(self, timeout: float = 0) -> int:
             return 0
@@ -813,12 +800,8 @@ def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one()
         def __len__(self) -> int:
             return 0
 
-    source = KafkaSource.__new__(KafkaSource)
-    source.connect_timeout, source.ended, source.dead_lettered = 0.5, None, 0
-    source._dlq_producer, source._dlq_errors = AnsweredAtOnce(), deque()
-    source._dlq_partitions, source._topic_ids = {"t.dlq": 1}, {"t": None}
-    source._dlq_done, source._dlq_inflight = {("t", 0): -1}, {}
-    assert source.dead_letter(Message(10), "bad") and source.dead_letter(Message(11), "bad")
+    source = _dead_letter_source(AnsweredAtOnce(), timeout_s=0.5)
+    assert source.dead_letter(_BadMessage(10), "bad") and source.dead_letter(_BadMessage(11), "bad")
     assert source._dlq_producer.sent == [10, 11] and source._dlq_inflight == {}
 
 
