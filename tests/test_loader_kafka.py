@@ -778,6 +778,7 @@ def test_a_copy_waits_for_the_one_before_of_its_partition_and_none_follows_a_fai
     assert source._dlq_producer.sent == [10]
     with pytest.raises(kfeed.ConsumeError, match=r"bad record at t\[0\]@10 "):
         source.settle()
+    assert source.dead_lettered == 0  # sent, refused: not copied
 
 
 def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one() -> None:
@@ -803,6 +804,7 @@ def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one()
     source = _dead_letter_source(AnsweredAtOnce(), timeout_s=0.5)
     assert source.dead_letter(_BadMessage(10), "bad") and source.dead_letter(_BadMessage(11), "bad")
     assert source._dlq_producer.sent == [10, 11] and source._dlq_inflight == {}
+    assert source.dead_lettered == 2
 
 
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:

@@ -1060,7 +1060,6 @@ class KafkaSource(Source):
             if self._dlq_errors:
                 raise self._failure()
         self._dlq_producer.poll(0)
-        self.dead_lettered += 1
         # In offset order per source partition (one idempotent producer), so
         # the prefix rule of NOTE [ One copy per bad message ] holds once
         # the copies are acknowledged, which settle() waits for.
@@ -1098,6 +1097,8 @@ class KafkaSource(Source):
             del self._dlq_inflight[src]
         if err is not None:
             self._copy_failed(err, src, offset, len(msg.value() or b""), msg.topic())
+        else:  # counted once the brokers have it: a refused copy is no copy
+            self.dead_lettered += 1
 
     def _failure(self) -> ConsumeError:
         """The error a failed copy ended the read with, as a new instance: raised in
