@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -1133,6 +1134,42 @@ def test_a_later_file_without_a_column_is_named(tmp_path) -> None:
                                                  r"files before it have: give every file the "
                                                  r"same columns$"):
         next(got)
+
+
+def test_a_later_file_of_no_rows_without_a_column_holds_nothing_missing(tmp_path) -> None:
+    # A writer's empty part with another schema stopped the run: no column,
+    # though no row lacked a value.
+    from kfeed.ingest import DatasetRows
+
+    pq.write_table(table(np.arange(3)), tmp_path / "a.parquet")
+    pq.write_table(table(np.arange(0)).drop_columns(["label"]), tmp_path / "b.parquet")
+    pq.write_table(table(np.arange(3, 5)), tmp_path / "c.parquet")
+    rows = DatasetRows(str(tmp_path))
+    got = list(rows.batches(["features", "label", "id"]))
+    assert np.concatenate([b["id"].to_numpy() for b in got]).tolist() == [0, 1, 2, 3, 4]
+    assert rows._ends == [3, 3, 5]
+
+
+@pytest.mark.parametrize("suffix, rows", [(".jsonl", '{"id": 1}\n{"id": 2}\n'),
+                                          (".csv", "id\n1\n2\n")])
+def test_a_file_of_blank_lines_holds_no_rows(tmp_path, suffix, rows) -> None:
+    # pyarrow refuses one ("Empty JSON stream", "Empty CSV file"): among a
+    # folder's files it stopped the run, and first in it, it was "not a json file".
+    from kfeed.ingest import DatasetRows
+
+    for blank_first in (True, False):
+        folder = tmp_path / f"first-{blank_first}"
+        folder.mkdir()
+        (folder / f"{'a' if blank_first else 'c'}{suffix}").write_text("\n  \n\t\n")
+        (folder / f"b{suffix}").write_text(rows)
+        got = DatasetRows(str(folder))
+        assert [Path(f).name for f in got.files] == [f"b{suffix}"]
+        assert sum(b.num_rows for b in got.batches(["id"])) == 2
+    lone = folder / f"c{suffix}"
+    with pytest.raises(kfeed.ConfigError, match=rf"^--from {re.escape(str(lone))}: an empty "
+                                                 rf"file \(only blank lines\), which holds no "
+                                                 rf"rows: check the path$"):
+        DatasetRows(str(lone))
 
 
 @pytest.mark.integration

@@ -349,6 +349,7 @@ def _described(arr: np.ndarray) -> str:
 DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
                    ".csv": "csv", ".jsonl": "json", ".ndjson": "json"}
 _GLOB = "*?["
+_BLANK_BYTES = 4096  # files up to this size are looked into for blank lines only (_blank)
 
 
 def _is_glob(source: str) -> bool:
@@ -555,9 +556,10 @@ class DatasetRows(Rows):
                 fs, path = pafs.LocalFileSystem(), os.path.abspath(base)
             info = fs.get_file_info(path)
             if info.type == pafs.FileType.File and pattern is None:
-                if info.size == 0:
-                    raise ConfigError(f"--from {said}: an empty file, which holds no rows: "
-                                      f"check the path")
+                if info.size == 0 or _blank(fs, path, info.size):
+                    raise ConfigError(f"--from {said}: an empty file"
+                                      f"{' (only blank lines)' if info.size else ''}, which "
+                                      f"holds no rows: check the path")
                 files = [path]
                 self._sizes = {path: info.size}
             elif info.type == pafs.FileType.Directory:
@@ -567,10 +569,12 @@ class DatasetRows(Rows):
                 # _temporary/ or .staging/ files, _SUCCESS, .crc).
                 top = path.rstrip("/") + "/"
                 # (An empty file holds no rows: pyarrow refuses an empty CSV or
-                # JSON file, and one of a folder's would stop the run.)
+                # JSON file, or one of blank lines, and one of a folder's would
+                # stop the run.)
                 kept = [f for f in found if f.type == pafs.FileType.File and f.size != 0
                         and not _hidden(f.path[len(top):] if f.path.startswith(top)
-                                        else Path(f.path).name)]
+                                        else Path(f.path).name)
+                        and not _blank(fs, f.path, f.size)]
                 files = sorted(f.path for f in kept)
                 self._sizes = {f.path: f.size for f in kept}
             else:
@@ -699,10 +703,13 @@ class DatasetRows(Rows):
                 missing = [c for c in columns if c not in fragment.physical_schema.names]
             except (pa.ArrowException, OSError) as e:
                 raise KfeedError(f"{self.where}: {first_line(e)}") from None
+            rows = self._ends[-1] if self._ends else 0
+            if missing and self.format in ("parquet", "ipc") and not self._count(fragment):
+                self._ends.append(rows)  # no rows, so no value is missing (a writer's empty part)
+                continue
             if missing:
                 raise ConfigError(f"{self.where} has no column {missing[0]!r}, which the files "
                                   f"before it have: give every file the same columns")
-            rows = self._ends[-1] if self._ends else 0
             try:
                 # In the file's order: a resume counts on it.
                 for batch in fragment.to_batches(columns=columns,
@@ -1248,6 +1255,20 @@ def same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
     if later != schema:
         raise ConfigError(f"{where}: a later batch gives {later} where the first gave {schema}: "
                           f"give every file and row the same columns and list lengths")
+
+
+def _blank(fs: Any, path: str, size: int) -> bool:
+    """Whether a small CSV or JSON lines file holds only whitespace (no rows; pyarrow
+    refuses it). Larger files are not read here: one of blank lines that large is
+    refused by name when it is read."""
+    if size > _BLANK_BYTES or DATASET_FORMATS.get(Path(path).suffix.lower()) not in ("csv",
+                                                                                   "json"):
+        return False
+    try:
+        with fs.open_input_stream(path) as f:
+            return not f.read().strip()
+    except OSError:
+        return False  # said when the file is read
 
 
 def _hidden(relative: str) -> bool:
