@@ -579,6 +579,17 @@ def test_a_folder_made_only_for_the_lock_is_removed_when_up_fails_early(tmp_path
     assert not (tmp_path / "a").exists()
 
 
+def test_a_lock_file_made_in_an_existing_folder_is_removed_when_up_fails_early(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    # The folder stayed, as it should, but held cluster.lock for ever after.
+    state = tmp_path / "mine"
+    state.mkdir()
+    result = kfeed("up", "--dir", str(state), "--port", "41000", env=env_with_path(bin_dir))
+    assert_fails_cleanly(result, "java not found")
+    assert state.is_dir() and list(state.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", [["up"], ["status"], ["down"], ["down", "--wipe"]], ids=" ".join)
 def test_a_file_as_dir_is_named(tmp_path: Path, bin_dir: Path, command: list[str]) -> None:
     afile = tmp_path / "afile"

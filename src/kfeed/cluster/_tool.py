@@ -515,10 +515,12 @@ def _locked(
     """Hold the exclusive lock of ``state_dir`` (making the folder if needed) for the block.
 
     Waits up to ``wait_s`` for another holder, then fails in one line. A
-    folder this made and left holding only the lock file is removed again.
+    folder this made and left holding only the lock file is removed again;
+    in a folder that was there before, the lock file this made is.
     """
     made = next((p for p in reversed([state_dir, *state_dir.parents]) if not p.exists()), None)
     path = state_dir / LOCK_FILE
+    lock_made = not path.exists()
     deadline = time.monotonic() + wait_s
     waiting = False
     while True:
@@ -564,15 +566,17 @@ def _locked(
     try:
         yield
     finally:
-        if made is not None:
+        if made is not None or lock_made:
             _remove_if_only_lock(state_dir, made, fd)
         os.close(fd)
 
 
-def _remove_if_only_lock(state_dir: Path, made: Path, fd: int) -> None:
+def _remove_if_only_lock(state_dir: Path, made: Path | None, fd: int) -> None:
     # After a start that failed before writing anything (no java, say), the
-    # folder it made for its lock is taken away again: only while the lock
-    # file there is still the one held, not one a later command made.
+    # folder it made for its lock is taken away again (``made``: the first
+    # folder it made; None: the folder was there, and only the lock file
+    # goes): only while the lock file there is still the one held, not one
+    # a later command made.
     try:
         if [entry.name for entry in state_dir.iterdir()] != [LOCK_FILE]:
             return
@@ -580,6 +584,8 @@ def _remove_if_only_lock(state_dir: Path, made: Path, fd: int) -> None:
         if (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
             return
         (state_dir / LOCK_FILE).unlink()
+        if made is None:
+            return
         folder = state_dir
         while True:
             folder.rmdir()
