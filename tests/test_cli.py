@@ -1160,6 +1160,33 @@ def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_signal_noted_while_next_committed_stops_the_wait_that_follows() -> None:
+    # The handler ran where next() was committing (not its wait): it noted
+    # the signal, could not raise there, and the wait that followed, on a
+    # stream with nothing new, went on for ever.
+    import threading
+
+    from kfeed import _train
+    from kfeed.loader import memory_loader
+
+    guard = _train.StopGuard()
+    loader = memory_loader([], synthetic_schema_(), 4, device="cpu")  # a stream with nothing
+    guard.watch(loader)
+    guard.started = guard.waiting = True
+    guard._handle(signal.SIGINT, None)  # noted outside the loader's wait: not raised
+    assert guard.signum == signal.SIGINT
+    watchdog = threading.Timer(10, loader.close)  # (before the fix: a LoaderError at 10 s)
+    watchdog.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(_train._Stopped):
+            next(loader)
+        assert time.monotonic() - t0 < 5
+    finally:
+        watchdog.cancel()
+        loader.close()
+
+
 def synthetic_schema_() -> Any:
     return cli.synthetic_schema()
 

@@ -270,8 +270,8 @@ class _Stopped(Exception):
 # at the last batch trained (a batch taken off the queue and then dropped is
 # read again on resume). Any other kfeed.loader frame on the way (handing a
 # batch out, committing, running a revoke hook, releasing a slot) must finish
-# first. If the names change in kfeed.loader, a signal simply waits for the
-# next step boundary.
+# first. A signal noted there is acted on at the wait's next look at it
+# (``StopGuard.watch``, within the loader's POLL_S), or at the step boundary.
 _SAFE_WAITS = (["_take", "_next_batch"], ["get", "_take", "_next_batch"])  # innermost first
 
 
@@ -312,6 +312,15 @@ class StopGuard:
         self.signum = signum
         if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped
+
+    def watch(self, loader: Any) -> None:
+        """Have ``loader``'s wait for data stop for a signal noted while ``next()`` did
+        something else (a commit): the handler could not raise there, and the wait
+        that followed, on a stream with nothing new, would have lasted for ever."""
+        def check() -> None:
+            if self.signum is not None and self.waiting:
+                raise _Stopped
+        loader._on_wait = check
 
 
 def _in_safe_wait(frame: FrameType | None) -> bool:
@@ -402,6 +411,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
         raise ConfigError(f"--max-memory-mb {opts.max_memory_mb} is too small for these "
                           f"settings: they need at least {e.least >> 20} (or a smaller "
                           f"--batch-size, --prefetch or --shuffle)") from None
+    guard.watch(loader)
     if state is not None:
         # The loader's state first: it names the settings that differ from the
         # checkpoint's (--seq-len, --eos-id), which the model's shapes follow.

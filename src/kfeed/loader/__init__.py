@@ -314,6 +314,10 @@ class Loader:
         self._made_alone = not dist_ready()  # its rank and world size were not the job's then
         self._kafka_config = kafka_config
         self._given_source = source
+        # Called each time next()'s wait for data finds no batch within POLL_S;
+        # an exception it raises leaves that wait with nothing half done (kfeed
+        # train's StopGuard: a signal noted while next() committed is acted on).
+        self._on_wait: Callable[[], None] | None = None
         self._epoch = 0
         self._epoch_finished = False
         # epochs=: the window's start and end offsets, and the records to skip
@@ -866,6 +870,8 @@ class Loader:
             try:
                 item = f.ready.get(timeout=POLL_S)
             except queue.Empty:
+                if self._on_wait is not None:
+                    self._on_wait()
                 self._give_up_revoked()  # the thread may be waiting for it
                 # A caught-up stream: the batch before this wait was used, and
                 # is committed while the caller waits for more, not after.
