@@ -349,7 +349,10 @@ def _described(arr: np.ndarray) -> str:
 DATASET_FORMATS = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
                    ".csv": "csv", ".jsonl": "json", ".ndjson": "json"}
 _GLOB = "*?["
-_BLANK_BYTES = 4096  # files up to this size are looked into for blank lines only (_blank)
+# Files up to this size are looked into for blank lines only (_blank): one
+# read each as the folder is listed, a request each in an object store, so
+# only for files too small to hold more than a row or two.
+_BLANK_BYTES = 256
 
 
 def _is_glob(source: str) -> bool:
