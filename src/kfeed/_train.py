@@ -292,6 +292,10 @@ class StopGuard:
     signum: int | None = None
     waiting: bool = False
     started: bool = False  # the loader handed out a batch
+    # The loader exists (watch): before, nothing is begun that a stop could
+    # cut in half (torch loading, the model being made), and a signal stops
+    # the command at once instead of after all that.
+    armed: bool = False
     _previous: dict[int, Any] = field(default_factory=dict)
 
     def install(self) -> None:
@@ -309,6 +313,9 @@ class StopGuard:
             # exit status is the second signal's (143 for a SIGTERM).
             self.restore()
             Interrupted.raise_for(signum)
+        if not self.armed:
+            self.restore()
+            Interrupted.raise_for(signum)
         self.signum = signum
         if self.waiting and (not self.started or _in_safe_wait(frame)):
             raise _Stopped
@@ -321,6 +328,7 @@ class StopGuard:
             if self.signum is not None and self.waiting:
                 raise _Stopped
         loader._on_wait = check
+        self.armed = True
 
 
 def _in_safe_wait(frame: FrameType | None) -> bool:
