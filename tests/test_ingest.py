@@ -524,6 +524,28 @@ def test_empty_files_are_left_out_and_a_double_star_spans_folders(bootstrap, mak
            f"rows: check the path")
 
 
+@pytest.mark.integration
+def test_a_row_larger_than_a_message_is_refused_before_the_topic_is_made(bootstrap,
+                                                                          tmp_path) -> None:
+    # It was refused once the topic was made, with the brokers' 1 MB limit: the
+    # same command with -X message.max.bytes raised then wrote to that topic,
+    # which refused every message.
+    from confluent_kafka.admin import AdminClient
+
+    big = np.ones((2, 300_000), np.float32)  # 1.2 MB a row
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(big.ravel()),
+                                                                    300_000)}),
+                   tmp_path / "big.parquet")
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from",
+                     str(tmp_path / "big.parquet"), "--field", "x=x")
+    assert (done.returncode, done.stderr.strip()) == (
+        2, "kfeed: a record of 1200000 bytes is over message.max.bytes=1000000 less 1024 for "
+           "the headers: raise message.max.bytes (and the topic's max.message.bytes)")
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30)
+    assert topic not in md.topics
+
+
 def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
     closed = "127.0.0.1:1"
     pq.write_table(table(np.arange(5)), tmp_path / "a.parquet")

@@ -418,6 +418,19 @@ def _watermarks(bootstrap: str, topic: str, n: int) -> dict[int, int]:
         c.close()
 
 
+def test_a_record_no_message_holds_is_found_without_a_broker() -> None:
+    from kfeed.producer import record_fits
+
+    schema = kfeed.Schema({"features": ("float32", (4096,)), "id": ("int64", ())})
+    assert record_fits(schema, {}) == 60 and record_fits(schema, {}, "raw") == 1
+    assert record_fits(schema, {"message.max.bytes": 5_000_000}) == 304
+    assert record_fits(schema, {"message.max.bytes": "0x4c4b40"}) == 304  # (as librdkafka reads it)
+    assert record_fits(schema, {}, "json") == 0  # sizes vary: checked at send()
+    with pytest.raises(kfeed.ConfigError, match=r"^a record of 16392 bytes is over "
+                                                r"message.max.bytes=10000 less 1024 "):
+        record_fits(schema, {"message.max.bytes": 10_000}, "raw")
+
+
 @pytest.mark.integration
 def test_blocks_fit_what_a_broker_takes_by_default(bootstrap: str, make_topic: Any) -> None:
     # Blocks were sized against the producer's own 8 MiB message.max.bytes:

@@ -190,18 +190,12 @@ class Producer:
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
         # Room for the key, the headers and the record's framing.
-        self._message_max = int(config["message.max.bytes"])
+        self._message_max = _message_max(config)
         self._block_bytes = max(40, self._message_max - 1024)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
         fixed = schema.varlen is None
-        if fixed and self.format in (Format.BLOCK, Format.RAW):
-            # The records a message holds at most (a raw message holds one).
-            fit = (_most_records(schema, self._block_bytes) if self.format is Format.BLOCK
-                   else int(schema.record_size <= self._block_bytes))
-            if fit < 1:
-                raise ConfigError(f"a record of {schema.record_size} bytes is over {limit}: "
-                                  f"{raise_it}")
+        fit = record_fits(schema, config, self.format)
         if fixed and self._batched:
             assert self._encoder is not None
             one = self._encoder.message_bytes(0)
@@ -1004,6 +998,37 @@ def least_over(lengths: np.ndarray, limit: int, size_of: Callable[[int], int]) -
         else:
             fits = mid
     return over
+
+
+def record_fits(schema: Schema, kafka_config: Mapping[str, Any],
+                format: str | Format | RecordFormat = "block") -> int:
+    """The most records of ``schema`` a ``format`` message holds under ``kafka_config``'s
+    message.max.bytes (kfeed's blocks and raw records of fixed shapes; 0 for others,
+    whose sizes vary); a ConfigError where not one does. It asks no broker: a command
+    calls it before it makes a topic for the records."""
+    fmt = resolve(format)
+    if schema.varlen is not None or fmt not in (Format.BLOCK, Format.RAW):
+        return 0
+    message_max = _message_max({**PRODUCER_DEFAULTS, **kafka_config})
+    block_bytes = max(40, message_max - 1024)
+    # (a raw message holds one)
+    fit = (_most_records(schema, block_bytes) if fmt is Format.BLOCK
+           else int(schema.record_size <= block_bytes))
+    if fit < 1:
+        raise ConfigError(f"a record of {schema.record_size} bytes is over message.max.bytes="
+                          f"{message_max} less 1024 for the headers: raise message.max.bytes "
+                          f"(and the topic's max.message.bytes)")
+    return fit
+
+
+def _message_max(config: Mapping[str, Any]) -> int:
+    """``message.max.bytes`` as librdkafka reads it (``0x...`` too)."""
+    value = config["message.max.bytes"]
+    try:
+        return int(str(value), 0)
+    except ValueError:
+        raise ConfigError(f"message.max.bytes must be a whole number of bytes, got "
+                          f"{value!r}") from None
 
 
 def _most_records(schema: Schema, limit: int) -> int:
