@@ -409,6 +409,10 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
     to_topic = f"never-{uuid.uuid4().hex}"
     with pytest.raises(kfeed.ConfigError, match="`acks` must be set to `all`"):
         kfeed.convert({**conf, "acks": "1"}, src, to_topic, schema, format="json")
+    # So is a record no block holds (the topic made for it would take none either).
+    with pytest.raises(kfeed.ConfigError, match="^a record of 2000008 bytes is over message"):
+        kfeed.convert(conf, src, to_topic, kfeed.Schema({"x": ("uint8", (2_000_000,)),
+                                                         "id": ("int64", ())}), format="json")
     from confluent_kafka.admin import AdminClient
 
     topics = AdminClient(conf).list_topics(timeout=30).topics

@@ -37,7 +37,7 @@ from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, bad_set
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
-from kfeed.producer import Producer
+from kfeed.producer import Producer, record_fits
 from kfeed.schema import DecodeResult, Documents, Format, Schema, Target
 from kfeed.sources import CONSUMER_DEFAULTS, dead_letter_headers, dead_lettered_up_to, topic_id
 
@@ -211,6 +211,7 @@ class _Convert:
         try:  # what fails from here on closes the clients made
             base = client_config(kafka_config)
             nparts = self._source_partitions(kafka_config)
+            record_fits(schema, kafka_config)  # (before a topic is made for the blocks)
             created = create_topic(base, to_topic, partitions=nparts,
                                    timeout_s=connect_timeout_s)
             self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
