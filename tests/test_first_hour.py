@@ -162,6 +162,27 @@ def test_a_read_whose_first_messages_are_all_bad_raises_one_error_and_routes_not
     assert src.dead_letters == [] and src.commits == []  # not even the start positions
 
 
+@pytest.mark.parametrize("fmt, values, says", [
+    ("block", [b'{"features": [0.5], "label": 1, "id": 7}'] * 5, "look like JSON: read them "
+     "with format=kfeed.Json() (kfeed train and kfeed convert: --format json)"),
+    ("raw", [b' [1, 2, 3]'] * 5, "look like JSON"),
+    ("block", [b"\x00\x00\x00\x00\x07\x02\x0ahello"] * 5, "look like the Confluent framing "
+     "of a Schema Registry (a zero byte, then a schema id): read them with "
+     "format=kfeed.Avro(registry=...) or kfeed.Protobuf(registry=...)"),
+    ("block", [b"junk"] * 5, "fix the schema (or the topic) and read again"),
+])
+def test_a_topic_of_another_writer_read_as_kfeed_blocks_says_which_format(fmt, values,
+                                                                           says) -> None:
+    # "fix the schema (or the topic)": no schema fixes JSON or Avro read as
+    # blocks, and kfeed train's schema cannot be changed at all.
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=MemorySource(values),
+                      until="end", format=fmt)
+    with pytest.raises(kfeed.DecodeError) as e:
+        next(ld)
+    ld.close()
+    assert says in str(e.value), str(e.value)
+
+
 def test_a_bounded_read_of_only_a_few_bad_messages_raises_at_its_end() -> None:
     src = MemorySource([b"junk"] * 5)
     ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end")

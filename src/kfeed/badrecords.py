@@ -124,6 +124,25 @@ def _written_with(msg: Any) -> str:
     return "another schema"
 
 
+# Reasons kfeed's own codec gives a message that is no kfeed block or raw record.
+_NOT_KFEED = re.compile(r"^(bad magic|shorter than the block header|raw value of )").match
+
+
+def _foreign(value: Any) -> str | None:
+    """What to do about a message of another writer read as kfeed's own, where its
+    first bytes say what it is; None where they do not."""
+    head = bytes(value[:64]).lstrip() if value else b""
+    if head[:1] in (b"{", b"["):
+        return ("the messages look like JSON: read them with format=kfeed.Json() "
+                "(kfeed train and kfeed convert: --format json)")
+    if len(value) >= 5 and value[0] == 0:
+        return ("the messages look like the Confluent framing of a Schema Registry (a zero "
+                "byte, then a schema id): read them with format=kfeed.Avro(registry=...) or "
+                "kfeed.Protobuf(registry=...) (kfeed train and kfeed convert: --format avro "
+                "or protobuf, --registry URL)")
+    return None
+
+
 class BadRecords:
     """Explains, counts, rate-limits and routes the messages the codec rejected."""
 
@@ -234,10 +253,11 @@ class BadRecords:
         else:
             top = "; ".join(f"{c}x {w}" for w, c in reasons.most_common(3))
             what = f"all {n} messages read so far were rejected ({top})"
-        raise DecodeError(
-            f"{what}. Nothing was dead-lettered or committed: fix the schema "
-            f"(or the topic) and read again",
-            topic=first.topic(), partition=first.partition(), offset=first.offset())
+        fix = "fix the schema (or the topic) and read again"
+        if all(_NOT_KFEED(why) for why in reasons):
+            fix = _foreign(first.value()) or fix
+        raise DecodeError(f"{what}. Nothing was dead-lettered or committed: {fix}",
+                          topic=first.topic(), partition=first.partition(), offset=first.offset())
 
     def _route(self, msg: Any, why: str) -> None:
         dest = "skipped"
