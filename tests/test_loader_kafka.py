@@ -807,6 +807,52 @@ def test_a_copy_acknowledged_before_produce_returns_does_not_hold_the_next_one()
     assert source.dead_lettered == 2
 
 
+def test_a_leader_or_coordinator_that_moves_is_asked_again() -> None:
+    # Right after a cluster restart, kfeed.group_lag failed at once with
+    # "Coordinator load in progress", and a loader's first look at a
+    # partition's end with "Not leader for partition": confluent-kafka marks
+    # neither retriable, so the watermarks' retry gave up on it.
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kfeed._kafka import passing
+    from kfeed.sources import KafkaSource
+
+    answers = [KafkaException(KafkaError(14)), KafkaException(KafkaError(6)), "lag"]
+
+    def ask() -> str:
+        item = answers.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def fails(code: int) -> Any:
+        def call() -> None:
+            raise KafkaException(KafkaError(code))
+        return call
+
+    assert passing(ask, 10.0) == "lag" and answers == []
+    t0 = time.monotonic()
+    with pytest.raises(KafkaException):  # a topic that is not there: not asked again
+        passing(fails(KafkaError.UNKNOWN_TOPIC_OR_PART), 10.0)
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(KafkaException):  # a passing one that stays: until the timeout
+        passing(fails(KafkaError.COORDINATOR_NOT_AVAILABLE), 0.6)
+    assert 0.5 < time.monotonic() - t0 < 3
+
+    class Moving:  # a consumer whose partition's leader moves once
+        calls = 0
+
+        def get_watermark_offsets(self, tp, timeout=None, cached=False):
+            Moving.calls += 1
+            if Moving.calls == 1:
+                raise KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION))
+            return (0, 42)
+
+    source = KafkaSource.__new__(KafkaSource)
+    source.connect_timeout, source._consumer = 10.0, Moving()
+    assert source.watermarks(("t", 0)) == (0, 42) and Moving.calls == 2
+
+
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
     # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
     with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):

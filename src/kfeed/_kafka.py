@@ -397,6 +397,32 @@ REFUSED = frozenset({
     31,    # CLUSTER_AUTHORIZATION_FAILED
     53,    # TRANSACTIONAL_ID_AUTHORIZATION_FAILED
 })
+# Answers of brokers that are starting, or moving a leader or a group's
+# coordinator (right after a restart, say): asked again, they go within
+# seconds (``passing``).
+PASSING = frozenset({
+    5,   # LEADER_NOT_AVAILABLE
+    6,   # NOT_LEADER_FOR_PARTITION
+    14,  # COORDINATOR_LOAD_IN_PROGRESS
+    15,  # COORDINATOR_NOT_AVAILABLE
+    16,  # NOT_COORDINATOR
+})
+
+
+def passing(call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()``, asked again while it raises a KafkaException whose code is in
+    ``PASSING``, for up to ``timeout_s``; then its error stands."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - only a passing KafkaError is asked again
+            err = kafka_error(e)
+            if err is None or err.code() not in PASSING or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.25)
+
+
 # A topic that stays unknown this long after the stream began was deleted
 # (a new topic can look unknown for a moment while metadata spreads: on a
 # busy 3-broker cluster a producer made right after create_topic asked a

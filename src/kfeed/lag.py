@@ -22,6 +22,7 @@ from kfeed._kafka import (
     answer,
     check_timeout,
     logged_config,
+    passing,
     refusal,
     refused_message,
     unreachable_message,
@@ -91,7 +92,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     servers = str(kafka_config["bootstrap.servers"])
     # The reader of the records' ages logs as the admin client does (not to stderr).
     config = logged_config(kafka_config)
-    try:
+
+    def ask() -> tuple[Any, ...]:
         committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
         if topics:
@@ -113,7 +115,10 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         first = {(tp.topic, tp.partition): answer(admin, f).offset
                  for tp, f in firsts.items()}
         start = {tp: max(committed.get(tp, first[tp]), first[tp]) for tp in parts}
-        owners = _owners(admin, group_id, timeout_s)
+        return committed, parts, end, start, _owners(admin, group_id, timeout_s)
+
+    try:  # (a group's coordinator still loading, after a restart: asked again)
+        committed, parts, end, start, owners = passing(ask, timeout_s)
     except KafkaException as e:
         if (refused := refusal(admin)) is not None:
             raise ConsumeError(refused_message(servers, refused), code=refused.code()) from e
@@ -143,8 +148,9 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
     admin = admin_client(kafka_config)
     servers = str(kafka_config["bootstrap.servers"])
     try:
-        desc = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)[group_id]
-        return answer(admin, desc).state != ConsumerGroupState.DEAD
+        desc = passing(lambda: answer(admin, admin.describe_consumer_groups(
+            [group_id], request_timeout=timeout_s)[group_id]), timeout_s)
+        return desc.state != ConsumerGroupState.DEAD
     except KafkaException as e:
         if (refused := refusal(admin)) is not None:
             raise ConsumeError(refused_message(servers, refused), code=refused.code()) from e

@@ -29,6 +29,7 @@ from kfeed import _fetch
 from kfeed._kafka import (
     GONE_CODES,
     GONE_GRACE_S,
+    PASSING,
     REFUSED,
     ConnectionLog,
     TopicUnavailable,
@@ -728,7 +729,10 @@ class KafkaSource(Source):
                 error = None if marks is not None else "timed out"
             except KafkaException as e:
                 marks, error = None, e.args[0].str()
-                if not e.args[0].retriable() and "destroyed" not in error:
+                # (confluent-kafka marks none of these retriable: a leader that
+                # moves, NOT_LEADER_FOR_PARTITION, is asked again by its code)
+                if not e.args[0].retriable() and e.args[0].code() not in PASSING \
+                        and "destroyed" not in error:
                     break
             if marks is not None or cached or time.monotonic() >= deadline:
                 break
