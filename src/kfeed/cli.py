@@ -1288,7 +1288,9 @@ Checkpoints (with --checkpoint): every --checkpoint-every steps, at the end of a
 clean run, and on SIGINT/SIGTERM, which stop the run at the next step boundary,
 save, commit the offsets and exit 130/143. A resume repeats no sample and skips
 none. Records that do not match the task's schema go to the dead-letter topic
-TOPIC.dlq; a run whose every record was bad exits 1.
+TOPIC.dlq. A run whose first 32 records are all bad (with --until-end: every
+record) exits 1; fewer bad records and then nothing are held back while it waits
+for a good one, with a warning every 5 s.
 """
 
 
