@@ -444,6 +444,16 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
         assert done.returncode == 2, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], (args, done.stderr)
+    # No --field: kfeed train's fields, which a topic of other fields lacks. It
+    # said only "field 'features': missing or null, and no default".
+    producer = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(5):
+        producer.produce(src, json.dumps({"id": i, "temp": 20.5}).encode())
+    assert producer.flush(30) == 0
+    done = cli("--format", "json")
+    assert done.returncode != 0 and "no --field was given, so the fields are those kfeed train " \
+        "reads, features float32[768], label int64, id int64: name the topic's with --field " \
+        "NAME=DTYPE[SHAPE][@SOURCE])" in done.stderr, done.stderr
 
 
 def test_avro_across_processes_through_a_real_schema_registry(bootstrap, make_topic,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kfeed import cluster
-from kfeed.errors import ConfigError, Interrupted, KfeedError, ProduceError
+from kfeed.errors import ConfigError, DecodeError, Interrupted, KfeedError, ProduceError
 from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_columns, synthetic_schema
@@ -1458,6 +1458,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
                            round_messages=args.round_messages,
                            follow=args.follow, on_bad_record=args.on_bad_record,
                            progress=progress, stop=stop, connect_timeout_s=args.connect_timeout)
+    except DecodeError as e:
+        if args.field:
+            raise
+        from kfeed.badrecords import describe_schema
+
+        raise DecodeError(f"{e.args[0]} (no --field was given, so the fields are those kfeed "
+                          f"train reads, {describe_schema(schema)}: name the topic's with "
+                          f"--field NAME=DTYPE[SHAPE][@SOURCE])", topic=e.topic,
+                          partition=e.partition, offset=e.offset, code=e.code) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
