@@ -1221,6 +1221,11 @@ def test_produce_help_and_train_mistakes_never_import_torch() -> None:
     assert done.returncode == 2 and "torch" not in done.stderr
     assert done.stderr.splitlines()[-1] == ("kfeed: --batch-size 0 is out of range: give an "
                                             "integer >= 1")
+    # A misspelt -X came once torch was loaded, seconds later than any other mistake.
+    done = kfeed(*TRAIN, "-X", "auto.ofset.reset=earliest", python_flags=("-X", "importtime"))
+    assert done.returncode == 2 and "torch" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        'kfeed: bad Kafka setting: No such configuration property: "auto.ofset.reset"')
 
 
 def interrupted(argv: list[str], sig: signal.Signals, after_s: float) -> tuple[int, list[str],

@@ -1118,8 +1118,11 @@ def _lm_defaults(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from kfeed import _train
 
+    from kfeed._kafka import check_settings
+
     _check_train(args)
     config = _kafka_config(args, **{"group.id": args.group_id})
+    check_settings(config)  # a misspelt -X said before torch is loaded (seconds)
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     state = None
     if args.resume and ckpt is not None and ckpt.exists():
