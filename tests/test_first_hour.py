@@ -162,6 +162,18 @@ def test_a_read_whose_first_messages_are_all_bad_raises_one_error_and_routes_not
     assert src.dead_letters == [] and src.commits == []  # not even the start positions
 
 
+@pytest.mark.parametrize("fmt, says", [
+    (kfeed.Json, "got <class 'kfeed.jsonformat.Json'> (the class: did you mean kfeed.Json()?)"),
+    ("avro", "got 'avro' (say where its schemas come from: kfeed.Avro(registry=...))"),
+    ("protobuf", "(say where its schemas come from: kfeed.Protobuf(registry=...))"),
+])
+def test_a_format_given_as_its_class_or_name_says_what_to_give(fmt, says) -> None:
+    with pytest.raises(kfeed.ConfigError, match="^format must be ") as e:
+        kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=MemorySource([]),
+                     format=fmt)
+    assert str(e.value).endswith(says), str(e.value)
+
+
 @pytest.mark.parametrize("fmt, values, says", [
     ("block", [b'{"features": [0.5], "label": 1, "id": 7}'] * 5, "look like JSON: read them "
      "with format=kfeed.Json() (kfeed train and kfeed convert: --format json)"),

@@ -69,8 +69,14 @@ class Format(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ConfigError(f"format must be 'block', 'raw', 'json', 'arrow', kfeed.Avro(...) "
-                              f"or kfeed.Protobuf(...), got {value!r}") from None
+            hint = ""
+            if isinstance(value, type):  # the class, not one: format=kfeed.Json
+                hint = f" (the class: did you mean kfeed.{value.__name__}()?)"
+            elif value in ("avro", "protobuf"):  # these need their schemas' source
+                hint = f" (say where its schemas come from: kfeed.{value.title()}(registry=...))"
+            raise ConfigError(f"format must be 'block', 'raw', 'json', 'arrow', kfeed.Json(), "
+                              f"kfeed.Arrow(), kfeed.Avro(...) or kfeed.Protobuf(...), got "
+                              f"{value!r}{hint}") from None
 
 
 class Field(NamedTuple):
