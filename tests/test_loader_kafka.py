@@ -853,6 +853,39 @@ def test_a_leader_or_coordinator_that_moves_is_asked_again() -> None:
     assert source.watermarks(("t", 0)) == (0, 42) and Moving.calls == 2
 
 
+def test_a_topic_whose_leaders_are_gone_is_one_line_before_produce_writes(monkeypatch) -> None:
+    # kfeed produce into it ended "unexpected KafkaException: ... Failed to get
+    # watermark offsets: Local: Timed out", exit 1, naming neither the cause
+    # nor that nothing was sent.
+    import confluent_kafka
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kfeed._kafka import newest_values
+
+    class Leaderless:
+        def __init__(self, config) -> None:
+            pass
+
+        def list_topics(self, topic, timeout=None):
+            class Md:
+                topics = {topic: type("T", (), {"partitions": {0: None, 1: None}})()}
+            return Md()
+
+        def get_watermark_offsets(self, tp, timeout=None):
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
+                                            "Failed to get watermark offsets: Local: Timed out"))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", Leaderless)
+    with pytest.raises(kfeed.ProduceError, match=r"^cannot read the newest messages of t within "
+                                                 r"5s, to check what it holds \(.*Timed out\): "
+                                                 r"its partitions' leaders do not answer; "
+                                                 r"nothing was sent"):
+        newest_values({"bootstrap.servers": "127.0.0.1:1"}, "t", 5.0)
+
+
 def test_a_mistake_in_dlq_config_is_one_line_when_the_loader_is_made(bootstrap) -> None:
     # It came at the first bad record, as a 22-line traceback of librdkafka's refusal.
     with pytest.raises(kfeed.ConfigError, match="^dlq_config: bad Kafka setting: .*no.such.prop"):

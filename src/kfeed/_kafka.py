@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from kfeed.errors import ConfigError, ConsumeError, Interrupted, KfeedError
+from kfeed.errors import ConfigError, ConsumeError, Interrupted, KfeedError, ProduceError
 
 __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "refusal", "answer",
            "refused_message", "unavailable_message", "unreachable_message",
@@ -232,20 +232,26 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
     killed producer's) may end a partition with many records never seen.
     What has not come within ``timeout_s`` is left out.
     """
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     consumer = Consumer({**logged_config(kafka_config), "group.id": "kfeed-peek",
                          "enable.auto.commit": False, "isolation.level": "read_committed"})
+    deadline = time.monotonic() + timeout_s
     try:
-        md = consumer.list_topics(topic, timeout=timeout_s)
-        lows, ends = {}, {}
-        for p in sorted(md.topics[topic].partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p),
-                                                       timeout=timeout_s)
-            if high > low:
-                lows[p], ends[p] = low, high
+        try:
+            md = consumer.list_topics(topic, timeout=timeout_s)
+            lows, ends = {}, {}
+            for p in sorted(md.topics[topic].partitions):
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, p), timeout=max(0.1, deadline - time.monotonic()))
+                if high > low:
+                    lows[p], ends[p] = low, high
+        except KafkaException as e:  # (a partition whose leader is gone, say)
+            raise ProduceError(f"cannot read the newest messages of {topic} within "
+                               f"{timeout_s:g}s, to check what it holds ({e.args[0].str()}): "
+                               f"its partitions' leaders do not answer; nothing was sent",
+                               topic=topic, code=e.args[0].code()) from None
         got: dict[int, bytes | None] = {}
-        deadline = time.monotonic() + timeout_s
         span = 4
         while ends and time.monotonic() < deadline:
             starts = {p: max(lows[p], end - span) for p, end in ends.items()}
