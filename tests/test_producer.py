@@ -418,6 +418,63 @@ def _watermarks(bootstrap: str, topic: str, n: int) -> dict[int, int]:
         c.close()
 
 
+def test_transactional_calls_wait_in_slices_that_a_signal_can_end() -> None:
+    # commit_transaction, abort_transaction and send_offsets_to_transaction
+    # blocked in C for their whole timeout: a SIGTERM to kfeed produce --from
+    # with the brokers gone took 85 s, where the README promises a second or so.
+    from collections import deque
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kfeed.producer import _SLICE_S, Producer
+
+    class Slow:  # brokers that answer each call only on its third slice
+        def __init__(self) -> None:
+            self.waits: dict[str, list[float]] = {}
+
+        def _call(self, name: str, timeout: float) -> None:
+            waits = self.waits.setdefault(name, [])
+            waits.append(timeout)
+            if len(waits) < 3:
+                raise KafkaException(KafkaError(
+                    KafkaError._TIMED_OUT, "Timed out waiting for operation to finish, retry "
+                    "call to resume", retriable=True))
+
+        def begin_transaction(self) -> None:
+            pass
+
+        def commit_transaction(self, timeout: float) -> None:
+            self._call("commit", timeout)
+
+        def abort_transaction(self, timeout: float) -> None:
+            self._call("abort", timeout)
+
+        def send_offsets_to_transaction(self, offsets, metadata, timeout: float) -> None:
+            self._call("offsets", timeout)
+
+        def poll(self, timeout: float = 0) -> int:
+            return 0
+
+        def __len__(self) -> int:
+            return 0
+
+    class Group:
+        def consumer_group_metadata(self) -> object:
+            return object()
+
+    p = Producer.__new__(Producer)
+    p.topic, p._timeout, p._transactional, p._in_transaction = "t", 30.0, True, False
+    p._closed, p._fatal, p._failures, p._written, p._unstable = False, None, deque(), {}, {}
+    p._producer = brokers = Slow()
+    with p.transaction():
+        p.send_offsets(Group(), [])
+    with pytest.raises(RuntimeError), p.transaction():
+        raise RuntimeError("a failed send")
+    assert {k: len(v) for k, v in brokers.waits.items()} == {"offsets": 3, "commit": 3,
+                                                            "abort": 3}
+    assert all(0 < t <= _SLICE_S for waits in brokers.waits.values() for t in waits), brokers.waits
+
+
 def test_a_record_no_message_holds_is_found_without_a_broker() -> None:
     from kfeed.producer import record_fits
 

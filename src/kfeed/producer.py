@@ -741,28 +741,54 @@ class Producer:
             yield self
             self.flush()
             try:
-                self._producer.commit_transaction(self._timeout)
+                self._sliced(self._producer.commit_transaction, self._timeout)
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot commit the transaction", e) from e
             self._unstable.update(self._written)
             self._written.clear()
             self._in_transaction = False
-        except BaseException:
+        except BaseException as exc:
             self._written.clear()
             self._in_transaction = False
             if self._fatal is None:
                 # The exception that ends the transaction is the one raised:
                 # an abort that fails (even fatally: the brokers then abort it
                 # when it times out) is kept and logged, never raised over it.
+                # An interrupt waits a moment only, and says nothing of it: the
+                # brokers abort what it leaves open, and its messages go with it.
+                interrupt = isinstance(exc, KeyboardInterrupt)
                 try:
-                    self._producer.abort_transaction(self._timeout)
+                    self._sliced(self._producer.abort_transaction,
+                                 _INTERRUPT_FLUSH_S if interrupt else self._timeout)
                     # The aborted messages' reports are in now: their failures
                     # are this transaction's, not the next one's.
                     self._producer.poll(0)
                 except (KafkaException, SystemError) as e:
-                    log.error("%s", self._error("abort_transaction failed", e))
-                self._settle_failures("in the aborted transaction")
+                    if not interrupt:
+                        log.error("%s", self._error("abort_transaction failed", e))
+                if interrupt:
+                    self._take_failures()
+                else:
+                    self._settle_failures("in the aborted transaction")
             raise
+
+    def _sliced(self, call: Callable[[float], Any], timeout: float) -> Any:
+        """A transactional call of librdkafka's (commit, abort, send_offsets) made in
+        slices of ``_SLICE_S``: a signal is raised between two, not after the whole
+        ``timeout`` (85 s for a SIGTERM with the brokers gone). A call that times out
+        is resumed by the next one with the same arguments."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return call(max(0.01, min(_SLICE_S, left)))
+            except KafkaException as e:
+                err = kafka_error(e)
+                if err is None or err.code() != KafkaError._TIMED_OUT or not err.retriable() \
+                        or left <= _SLICE_S:
+                    raise
 
     def send_offsets(self, consumer: Any, offsets: Sequence[Any]) -> None:
         """Inside ``transaction()``: commit ``consumer``'s ``offsets`` with it.
@@ -778,9 +804,10 @@ class Producer:
         if not self._in_transaction:
             raise ConfigError("send_offsets() commits offsets with a transaction: call it "
                               "inside `with producer.transaction():`")
+        metadata, offsets = consumer.consumer_group_metadata(), list(offsets)
         try:
-            self._producer.send_offsets_to_transaction(
-                list(offsets), consumer.consumer_group_metadata(), self._timeout)
+            self._sliced(lambda timeout: self._producer.send_offsets_to_transaction(
+                offsets, metadata, timeout), self._timeout)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send the offsets with the transaction", e) from e
 
