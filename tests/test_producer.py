@@ -475,6 +475,46 @@ def test_transactional_calls_wait_in_slices_that_a_signal_can_end() -> None:
     assert all(0 < t <= _SLICE_S for waits in brokers.waits.values() for t in waits), brokers.waits
 
 
+def test_stable_offsets_are_asked_of_every_broker_known_and_a_failure_says_so(
+        monkeypatch, caplog) -> None:
+    # With the bootstrap broker gone, the wait for the last commit to be
+    # readable asked only it, for 10 s, then blamed "another producer's open
+    # transaction".
+    import logging
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    import kfeed.producer as producer_module
+
+    asked: list[str] = []
+
+    class Unanswering:
+        def list_offsets(self, *a, **k):
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
+                                            "Failed to query partition leaders"))
+
+    def admin(config):
+        asked.append(config["bootstrap.servers"])
+        return Unanswering()
+
+    class Known:  # the producer's metadata: brokers 2 and 3 still there
+        def list_topics(self, timeout=None):
+            broker = type("B", (), {})
+            b2, b3 = broker(), broker()
+            b2.host, b2.port, b3.host, b3.port = "127.0.0.1", 9093, "127.0.0.1", 9094
+            return type("Md", (), {"brokers": {2: b2, 3: b3}})()
+
+    monkeypatch.setattr(producer_module, "admin_client", admin)
+    p = producer_module.Producer.__new__(producer_module.Producer)
+    p.topic, p._timeout, p._client, p._servers = "t", 0.5, {}, "127.0.0.1:9092"
+    p._unstable, p._producer = {("t", 0): 5}, Known()
+    with caplog.at_level(logging.WARNING, logger="kfeed.producer"):
+        p._await_readable()
+    assert asked == ["127.0.0.1:9093,127.0.0.1:9094"]
+    assert "t[0] are not readable yet after 0s (the brokers did not say where they stand " \
+           "(Failed to query partition leaders))" in caplog.text, caplog.text
+
+
 def test_a_record_no_message_holds_is_found_without_a_broker() -> None:
     from kfeed.producer import record_fits
 

@@ -867,9 +867,10 @@ class Producer:
         from confluent_kafka.admin import OffsetSpec
 
         waiting, self._unstable = self._unstable, {}
-        admin = admin_client(self._client)
+        admin = admin_client({**self._client, "bootstrap.servers": self._brokers()})
         wait_s = min(self._timeout, _READABLE_WAIT_S)
         deadline = time.monotonic() + wait_s
+        failed = None  # why the last question had no answer
         while True:
             try:
                 stable = admin.list_offsets(
@@ -879,16 +880,29 @@ class Producer:
                 for tp, future in stable.items():
                     if future.result().offset >= waiting[(tp.topic, tp.partition)]:
                         del waiting[(tp.topic, tp.partition)]
+                failed = None
             except KafkaException as e:  # a leader moving: asked again below
+                failed = e.args[0].str() if e.args and hasattr(e.args[0], "str") else str(e)
                 log.debug("cannot read the stable offsets of %s: %s", self.topic, e)
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
         if waiting:
+            why = (f"the brokers did not say where they stand ({failed})" if failed else
+                   "another producer's open transaction holds them back")
             log.warning("the last transaction is committed, but %s are not readable yet "
-                        "after %.0fs (another producer's open transaction holds them back): "
-                        "a loader started now stops before it",
-                        ", ".join(f"{t}[{p}]" for t, p in sorted(waiting)), wait_s)
+                        "after %.0fs (%s): a loader started now may stop before it",
+                        ", ".join(f"{t}[{p}]" for t, p in sorted(waiting)), wait_s, why)
+
+    def _brokers(self) -> str:
+        """Every broker the producer knows, as bootstrap servers: an admin client made
+        from the bootstrap list alone finds no one when those brokers went away."""
+        try:
+            md = self._producer.list_topics(timeout=1.0)
+            found = ",".join(f"{b.host}:{b.port}" for b in md.brokers.values())
+        except Exception:  # noqa: BLE001 - the bootstrap list, then
+            found = ""
+        return found or self._servers
 
 
 # NOTE [ A commit is readable a moment later ]
