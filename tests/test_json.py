@@ -568,3 +568,22 @@ def test_a_keyed_json_topic_reads_back_whole(bootstrap, make_topic):
     for f in SCHEMA.fields:
         np.testing.assert_array_equal(np.concatenate(got[f.name])[order],
                                       cols[f.name].astype(f.storage), err_msg=f.name)
+
+
+def test_a_key_with_a_dot_in_its_name_is_named_with_the_dot_escaped() -> None:
+    # Kafka Connect's Flatten writes {"user.age": 30}: no source could name
+    # that key, and with a default every record silently took the default.
+    values = [json.dumps({"id": i, "user.age": 30 + i, "user": {"age": i / 2}}).encode()
+              for i in range(3)]
+    schema = kfeed.Schema({"id": ("int64", ()),
+                           "age": ("float32", (), {"source": "user\\.age"}),
+                           "nested": ("float32", (), {"source": "user.age", "default": -1.0})})
+    with kfeed.Loader(None, "memory", schema, 3, device="cpu", until="end",
+                      source=kfeed.MemorySource(values), format=kfeed.Json()) as ld:
+        (batch,) = list(ld)
+    assert batch["age"].tolist() == [30.0, 31.0, 32.0]
+    assert batch["nested"].tolist() == [0.0, 0.5, 1.0]
+    from kfeed.cli import _convert_schema
+
+    (field,) = _convert_schema(["age=float32@user\\.age"]).fields
+    assert field.path == ("user.age",)

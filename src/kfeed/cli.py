@@ -1323,7 +1323,7 @@ which stop it after the round in hand.
   --registry URL alone: each writer schema read from the registry.
 """
 
-_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[((?:\d+|None)(?:,\d+)*)\])?(?:@([\w.]+))?"
+_FIELD = re.compile(r"([A-Za-z_]\w*)=(\w+)(?:\[((?:\d+|None)(?:,\d+)*)\])?(?:@([\w.\\]+))?"
                     r"(?:=(.+))?")
 
 

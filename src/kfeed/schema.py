@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, NamedTuple
@@ -97,7 +98,7 @@ class Field(NamedTuple):
     @property
     def path(self) -> tuple[str, ...]:
         """The record field it is read from, as a path of names."""
-        return tuple((self.source or self.name).split("."))
+        return source_path(self.source or self.name)
 
     @property
     def storage(self) -> np.dtype:
@@ -710,10 +711,20 @@ def _parse_options(name: str, options: object) -> tuple[str | None, Any]:
         raise ConfigError(f"field {name!r}: unknown options {sorted(unknown)}; "
                           f"known: 'source', 'default'")
     source = options.get("source")
-    if source is not None and (not isinstance(source, str) or not all(source.split("."))):
-        raise ConfigError(f"field {name!r}: source must be a dotted path like 'user.age', "
-                          f"got {source!r}")
+    if source is not None and (not isinstance(source, str) or not all(source_path(source))):
+        raise ConfigError(f"field {name!r}: source must be a dotted path like 'user.age' (a "
+                          f"key with a dot in its name: 'user\\.age'), got {source!r}")
     return source, options.get("default")
+
+
+_DOT = re.compile(r"(?<!\\)\.")
+
+
+def source_path(source: str) -> tuple[str, ...]:
+    """A dotted ``source`` as its path of names: ``"user.age"`` is key ``age`` in the
+    record ``user``, ``"user\\.age"`` the one key ``user.age`` (a record flattened
+    by Kafka Connect's Flatten, say)."""
+    return tuple(part.replace("\\.", ".") for part in _DOT.split(source))
 
 
 def _options(f: Field) -> tuple[dict[str, Any], ...]:
