@@ -1006,3 +1006,26 @@ def test_a_source_through_an_avro_map_or_array_is_refused() -> None:
                                                            "type": ["null", rec]}]}
     kfeed.Loader(None, "memory", schema, 4, source=kfeed.MemorySource([]), device="cpu",
                  format=kfeed.Avro(schema=writer)).close()
+
+
+def test_a_nullable_value_schema_reads_its_record_and_a_null_is_a_bad_record():
+    # ["null", Record] at the top, which AvroSerializer takes and its
+    # deserializer reads: "the writer schema is 'union'; kfeed reads Avro
+    # records", for every message, with no way to read the topic.
+    record = {"type": "record", "name": "R", "fields": [{"name": "id", "type": "long"},
+                                                        {"name": "x", "type": "double"}]}
+    writer = fastavro.parse_schema(["null", record])
+    values = []
+    for i in range(5):
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, writer, None if i == 2 else {"id": i, "x": i * 1.5})
+        values.append(out.getvalue())
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", ())})
+    src = kfeed.MemorySource(values)
+    with kfeed.Loader(None, "memory", schema, 8, device="cpu", source=src, until="end",
+                      format=kfeed.Avro(schema=["null", record])) as ld:
+        batches = list(ld)
+    assert [b["id"].tolist() for b in batches] == [[0, 1, 3, 4]]
+    assert batches[0]["x"].tolist() == [0.0, 1.5, 4.5, 6.0]
+    assert [reason for _m, reason in src.dead_letters] == [
+        "field 'id': missing or null, and no default"]

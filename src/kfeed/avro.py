@@ -587,8 +587,12 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
     for ref in named:
         names.resolve(ref, "")
     root = names.resolve(writer, "")
-    if root["type"] != "record":
-        raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records")
+    # A union of a record and null (a nullable value: ["null", Record]) reads as the
+    # record; a null one lacks every field (their defaults, or a bad record).
+    if not (root["type"] == "record" or root["type"] == "union" and any(
+            b["type"] == "record" for b in root["branches"])):
+        raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records "
+                          f"(or a union with a record branch)")
     layout = plan_layout(schema, "Avro")  # the dtypes checked first
     c = _Compiler(schema, enums or {})
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
