@@ -444,6 +444,22 @@ def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkey
     assert caplog.records  # it asked again, and said so
 
 
+def test_a_registry_that_does_not_answer_is_asked_for_the_whole_wait(monkeypatch) -> None:
+    # It gave up as soon as the next pause would pass the deadline: after
+    # 25-27 s of the 30 its error said.
+    monkeypatch.setattr(formats, "REGISTRY_RETRY_S", 2.0)
+    asked: list[float] = []
+
+    def unanswered() -> None:
+        asked.append(time.monotonic())
+        raise ConnectionError("refused")
+
+    t0 = time.monotonic()
+    with pytest.raises(kfeed.ConsumeError, match="did not give schema id 7 within 2 s"):
+        formats.ask_registry(unanswered, "schema id 7", "the registry")
+    assert time.monotonic() - t0 >= 2.0 and asked[-1] - t0 >= 1.9, asked
+
+
 def test_a_registry_refusal_no_wait_mends_is_said_at_once(monkeypatch) -> None:
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 

@@ -195,9 +195,11 @@ def ask_registry(call: Callable[[], Any], what: str, where: str,
                                    f"bearer.auth.* settings)") from e
             if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
                 raise ConsumeError(f"{where} refused to give {what}: {e}") from e
-            if time.monotonic() + delay > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:  # (it gave up up to 5 s early, where the next pause passed it)
                 raise ConsumeError(f"{where} did not give {what} "
                                    f"within {REGISTRY_RETRY_S:.0f} s: {e}") from e
+            delay = min(delay, left)
             log.warning("%s: %s; asking again in %.1f s", where, e, delay)
             if stop is None:
                 time.sleep(delay)
