@@ -480,7 +480,7 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     # A bad -X is a usage mistake, with no topic left behind; so is a record
     # larger than a message (the topic made for it would not take it either).
     check_settings(config, transactional=transactional, producer_only=True)
-    record_fits(schema, config, _wire_format(args))
+    record_fits(schema, config, args.format)
     _reach_registry(args)
     partitions = args.partitions or DEFAULT_PARTITIONS
     # A -X message.max.bytes past the brokers' default (1 MiB) is for messages

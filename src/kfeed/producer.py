@@ -1047,9 +1047,9 @@ def record_fits(schema: Schema, kafka_config: Mapping[str, Any],
     message.max.bytes (kfeed's blocks and raw records of fixed shapes; 0 for others,
     whose sizes vary); a ConfigError where not one does. It asks no broker: a command
     calls it before it makes a topic for the records."""
-    fmt = resolve(format)
-    if schema.varlen is not None or fmt not in (Format.BLOCK, Format.RAW):
-        return 0
+    if schema.varlen is not None or format not in (Format.BLOCK, Format.RAW):
+        return 0  # (a name or a Format: "avro" needs no registry asked here)
+    fmt = Format(format)
     message_max = _message_max({**PRODUCER_DEFAULTS, **kafka_config})
     block_bytes = max(40, message_max - 1024)
     # (a raw message holds one)
