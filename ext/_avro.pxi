@@ -491,7 +491,18 @@ cdef int av_items(AvCur* c, Py_ssize_t i, const AvNode* nd, int64_t elem) noexce
 
 
 cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
-    """Read one value of node ``i``; into element ``elem`` of its field, if it has one."""
+    """Read one value of node ``i``; into element ``elem`` of its field, if it has one.
+
+    An error names the innermost node it came from (``err_node``), for the
+    reason's "at <path>", a field skipped whole included.
+    """
+    cdef int r = av_value(c, i, elem)
+    if r and c.err_node < 0:
+        c.err_node = i
+    return r
+
+
+cdef inline int av_value(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
     cdef const AvNode* nd = &c.plan.nodes[i]
     cdef int64_t v
     cdef int r = A_OK
@@ -601,8 +612,6 @@ cdef int av_read(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
         c.nesting -= 1
     else:  # K_BAD
         r = A_KIND
-    if r and c.err_node < 0:
-        c.err_node = i
     return r
 
 

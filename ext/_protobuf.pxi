@@ -562,6 +562,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             # protobuf keeps among the unknown fields, leaving the field unset.
             r = pb_skip(c, end, tag)
             if r:
+                c.err_value = number  # (no entry: the reason names its number)
                 return r
             continue
         if e.closed and wt == 0:
@@ -585,10 +586,11 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             continue
         if e.kind == P_MESSAGE:
             r = pb_varint32(c, end, &n)
+            if r == A_OK and n > <uint64_t>(end - c.p):
+                r = A_TRUNCATED
             if r:
+                c.err_entry = lo
                 return r
-            if n > <uint64_t>(end - c.p):
-                return A_TRUNCATED
             stop = c.p + n
             r = pb_message(c, e.msg, stop)
             if r:
@@ -600,10 +602,11 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             r = pb_value(c, e, end)
         else:  # a repeated scalar, packed
             r = pb_varint32(c, end, &n)
+            if r == A_OK and n > <uint64_t>(end - c.p):
+                r = A_TRUNCATED
             if r:
+                c.err_entry = lo
                 return r
-            if n > <uint64_t>(end - c.p):
-                return A_TRUNCATED
             stop = c.p + n
             if e.field == c.plan.varfield and var_reserve(
                     c.var, c.count[e.field] + n, &c.row[e.field], &c.nelem[e.field]):
@@ -964,6 +967,8 @@ cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):
         if plan is not None and b.node >= 0 and plan.p.entries[b.node].field >= 0:
             name = layout.names[plan.p.entries[b.node].field]
         return f"field {name!r}: a string that is not UTF-8{where} (as protobuf refuses it)"
+    if (err == A_TRUNCATED or err == A_VARINT) and not where and b.value > 0:
+        where = f" in field number {b.value}, which the schema does not read"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_VARINT:

@@ -325,7 +325,7 @@ def test_records_nest_200_deep_through_their_unions_and_no_deeper():
     out = {"id": np.zeros(3, np.int64)}
     res = kfeed.Avro(schema=node).decoder(schema).decode_into(values, schema.bind(out), 0)
     assert res.rows == 2 and out["id"][:2].tolist() == [101, 200]
-    assert res.bad == [(2, "records nested deeper than 200")]
+    assert res.bad == [(2, "records nested deeper than 200 at next")]
 
 
 def test_items_of_no_bytes_past_the_bound_say_so_not_truncated():
@@ -343,6 +343,25 @@ def test_items_of_no_bytes_past_the_bound_say_so_not_truncated():
     assert res.rows == 1 and out["id"][0] == 65_536
     assert res.bad == [(1, "a block of 200,000 items: past the record's bytes plus 65,536, the "
                            "bound on items that take no bytes (nulls, empty records) at flags")]
+
+
+def test_a_truncated_value_names_the_field_it_ran_out_in_read_or_skipped():
+    # "truncated" alone, wherever the value ran out but inside an array.
+    writer = {"type": "record", "name": "R", "fields": [
+        {"name": "id", "type": "long"}, {"name": "note", "type": "string"},
+        {"name": "score", "type": "double"},
+        {"name": "user", "type": {"type": "record", "name": "U", "fields": [
+            {"name": "age", "type": "int"}, {"name": "tag", "type": "string"}]}}]}
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(writer), {
+        "id": 1, "note": "a note", "score": 0.5, "user": {"age": 3, "tag": "abc"}})
+    value = buf.getvalue()  # id 1 byte, note 1 + 6, score 8, age 1, tag 1 + 3
+    schema = kfeed.Schema({"id": ("int64", ()), "score": ("float64", ())})
+    cuts = {0: "id", 4: "note", 10: "score", 16: "user.age", 18: "user.tag"}
+    res = kfeed.Avro(schema=writer).decoder(schema).decode_into(
+        [value[:cut] for cut in cuts], schema.bind(schema.empty(len(cuts))), 0)
+    assert res.rows == 0
+    assert res.bad == [(k, f"truncated at {where}") for k, where in enumerate(cuts.values())]
 
 
 def _colors(symbols: list[str]) -> dict:

@@ -1128,36 +1128,34 @@ def test_a_second_signal_cuts_the_clean_up_of_the_first_short(capsys, monkeypatc
 
 
 def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:
-    import threading
-    import time
-
     from kfeed import _train
     from kfeed.loader import memory_loader
 
     guard = _train.StopGuard()
     loader = memory_loader([], synthetic_schema_(), 4, device="cpu")  # a stream with nothing
     guard.watch(loader)
-    main = threading.main_thread().ident
+    guard.started = True  # a batch was handed out: the handler itself raises nowhere
+    look = loader._on_wait
+    signalled = []
 
-    def signal_once_waiting() -> None:
-        while True:  # until the main thread is in the loader's wait for data
-            frame = sys._current_frames().get(main)
-            if _train._in_safe_wait(frame):
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.01)
+    def signal_at_the_first_look() -> None:  # the main thread is in the loader's wait
+        if not signalled:
+            signalled.append(True)
+            signal.raise_signal(signal.SIGINT)  # its handler runs here, in this thread
+        assert look is not None
+        look()
 
+    loader._on_wait = signal_at_the_first_look
     before = signal.getsignal(signal.SIGINT)  # (SIG_IGN when started in the background)
     guard.install()
     try:
-        threading.Thread(target=signal_once_waiting, daemon=True).start()
         guard.waiting = True
         with pytest.raises(_train._Stopped):
             next(loader)
     finally:
         guard.restore()
         loader.close()
-    assert guard.signum == signal.SIGINT
+    assert guard.signum == signal.SIGINT and signalled
     assert signal.getsignal(signal.SIGINT) is before
 
 

@@ -279,6 +279,18 @@ def test_two_fields_of_one_source_are_refused() -> None:
             fmt.decoder(schema)
 
 
+def test_a_truncated_value_names_the_field_it_ran_out_in() -> None:
+    # "truncated" alone, wherever the value ran out but in a scalar read.
+    v1 = _event_class(1)
+    value = v1(id=300, gone=1 << 40).SerializeToString()  # tag, 2 bytes; tag, 6 bytes
+    schema = kfeed.Schema({"id": ("int64", ())})
+    res = kfeed.Protobuf(message=v1).decoder(schema).decode_into(
+        [value[:2], value[:6]], schema.bind(schema.empty(2)), 0)
+    assert res.rows == 0
+    assert res.bad == [(0, "truncated at id"),
+                       (1, "truncated in field number 2, which the schema does not read")]
+
+
 def test_plain_values_without_framing():
     rng = np.random.default_rng(4)
     msgs = [make(Click, i, rng) for i in range(300)]
@@ -309,7 +321,9 @@ def test_tags_and_lengths_longer_than_5_bytes_are_bad_as_protobuf_refuses_them()
     got, bad = decode_all(kfeed.Protobuf(message=Click).decoder(ids), ids, list(values.values()))
     assert got["id"].tolist() == [5, 5]
     assert [i for i, _why in bad] == [0, 1, 2, 3]
-    assert [why for _i, why in bad][:3] == ["malformed varint"] * 3
+    assert [why for _i, why in bad][:3] == [
+        "malformed varint", "malformed varint",
+        "malformed varint in field number 2, which the schema does not read"]
 
 
 def _proto2_class() -> type:

@@ -264,17 +264,6 @@ class _Stopped(Exception):
     """Raised by ``StopGuard`` inside ``next(loader)`` while it only waits for data."""
 
 
-# The one loader wait inside which an exception leaves nothing half done:
-# ``Loader._take`` waiting in ``Ready.get`` for the next batch, which is not
-# handed out yet, so the loader's state (what a checkpoint saves) still ends
-# at the last batch trained (a batch taken off the queue and then dropped is
-# read again on resume). Any other kfeed.loader frame on the way (handing a
-# batch out, committing, running a revoke hook, releasing a slot) must finish
-# first. A signal noted there is acted on at the wait's next look at it
-# (``StopGuard.watch``, within the loader's POLL_S), or at the step boundary.
-_SAFE_WAITS = (["_take", "_next_batch"], ["get", "_take", "_next_batch"])  # innermost first
-
-
 @dataclass
 class StopGuard:
     """SIGINT/SIGTERM handling for the training loop.
@@ -283,10 +272,14 @@ class StopGuard:
     the checkpoint, closes the loader (which commits) and returns. A step is
     never cut in half. When the signal comes while ``next(loader)`` waits for
     data (a stream with nothing new), waiting for a boundary could last
-    forever: then the handler raises out of the wait, which is safe only in
-    the loader's wait itself (see ``_SAFE_WAITS``), or anywhere before the
-    loader handed out its first batch (brokers that do not answer: nothing
-    was read, so nothing can be cut in half).
+    forever: then the wait itself stops, at its next look at the signal
+    (``watch``, within the loader's POLL_S). That is the one loader wait
+    inside which an exception leaves nothing half done: ``Loader._take``
+    waiting for a batch not handed out yet, so the loader's state (what a
+    checkpoint saves) still ends at the last batch trained. Before the loader
+    handed out its first batch (brokers that do not answer), the handler
+    raises wherever ``next()`` is: nothing was read, so nothing can be cut
+    in half.
     """
 
     signum: int | None = None
@@ -317,31 +310,19 @@ class StopGuard:
             self.restore()
             Interrupted.raise_for(signum)
         self.signum = signum
-        if self.waiting and (not self.started or _in_safe_wait(frame)):
+        if self.waiting and not self.started:
             raise _Stopped
 
     def watch(self, loader: Any) -> None:
-        """Have ``loader``'s wait for data stop for a signal noted while ``next()`` did
-        something else (a commit): the handler could not raise there, and the wait
-        that followed, on a stream with nothing new, would have lasted for ever."""
+        """Have ``loader``'s wait for data stop for a signal noted while ``next()`` waits:
+        the handler raises nowhere inside ``next()`` once a batch was handed out (it
+        could cut a commit or a hand-over in half), and the wait, on a stream with
+        nothing new, would last for ever."""
         def check() -> None:
             if self.signum is not None and self.waiting:
                 raise _Stopped
         loader._on_wait = check
         self.armed = True
-
-
-def _in_safe_wait(frame: FrameType | None) -> bool:
-    """Whether ``frame`` is inside ``Loader.__next__`` only by way of its wait for data."""
-    names = []
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module == "kfeed.loader" or module.startswith("kfeed.loader."):
-            if frame.f_code.co_name == "__next__":
-                return names in _SAFE_WAITS
-            names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    return False
 
 
 # -- the job ---------------------------------------------------------------------

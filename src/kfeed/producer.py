@@ -189,9 +189,8 @@ class Producer:
             config["compression.type"] = compression
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
-        # Room for the key, the headers and the record's framing.
         self._message_max = _message_max(config)
-        self._block_bytes = max(40, self._message_max - 1024)
+        self._block_bytes = _value_max(self._message_max)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
         fixed = schema.varlen is None
@@ -1051,7 +1050,7 @@ def record_fits(schema: Schema, kafka_config: Mapping[str, Any],
         return 0  # (a name or a Format: "avro" needs no registry asked here)
     fmt = Format(format)
     message_max = _message_max({**PRODUCER_DEFAULTS, **kafka_config})
-    block_bytes = max(40, message_max - 1024)
+    block_bytes = _value_max(message_max)
     # (a raw message holds one)
     fit = (_most_records(schema, block_bytes) if fmt is Format.BLOCK
            else int(schema.record_size <= block_bytes))
@@ -1070,6 +1069,12 @@ def _message_max(config: Mapping[str, Any]) -> int:
     except ValueError:
         raise ConfigError(f"message.max.bytes must be a whole number of bytes, got "
                           f"{value!r}") from None
+
+
+def _value_max(message_max: int) -> int:
+    """The bytes a message's value may hold: room kept for the key, the headers and
+    the record's framing."""
+    return max(40, message_max - 1024)
 
 
 def _most_records(schema: Schema, limit: int) -> int:
