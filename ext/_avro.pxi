@@ -224,16 +224,19 @@ cdef class AvroPlan:
     indices, ``codes`` each field's AvCode, ``defaults`` one row of bytes per
     field or None. ``notes`` names each node for error messages (its path, or
     why a K_BAD node cannot be read). ``symbols``: the numbers an enum node
-    with ``stride > 0`` gives its writer's symbols (-1: a bad record).
+    with ``stride > 0`` gives its writer's symbols (-1: a bad record);
+    ``symbol_names``: such a node's writer's symbols, by node, for reasons.
     """
 
     cdef AvPlan p
     cdef readonly tuple notes
+    cdef readonly dict symbol_names
     cdef readonly Py_ssize_t nfields
     cdef tuple _defaults
 
     def __cinit__(self, Layout layout, const int64_t[:, ::1] nodes, const int64_t[::1] kids,
-                  codes, defaults, notes, Py_ssize_t varfield=-1, symbols=None):
+                  codes, defaults, notes, Py_ssize_t varfield=-1, symbols=None,
+                  symbol_names=None):
         cdef Py_ssize_t i, f, nn = nodes.shape[0], nk = kids.shape[0]
         cdef const int64_t[::1] syms = np.asarray(
             symbols if symbols is not None else (), np.int64).reshape(-1)
@@ -245,6 +248,7 @@ cdef class AvroPlan:
         if len(notes) != nn:
             raise ValueError("one note per node is needed")
         self.notes = tuple(str(x) for x in notes)
+        self.symbol_names = dict(symbol_names or {})
         self._defaults = tuple(defaults)
         self.p.nnodes = nn
         self.p.nfields = layout.nfields
@@ -921,7 +925,9 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
     if err == A_ENUM:
         return f"enum index {b.value} out of range{where}"
     if err == A_SYMBOL:
-        return f"the writer's enum symbol number {b.value} is not among those enums= names{where}"
+        names = plan.symbol_names.get(b.node, ()) if plan is not None else ()
+        symbol = repr(names[b.value]) if 0 <= b.value < len(names) else f"number {b.value}"
+        return f"the writer's enum symbol {symbol} is not among those enums= names{where}"
     if err == A_BOOLEAN:
         return f"boolean byte {b.value}{where}"
     if err == A_RANGE:

@@ -452,6 +452,7 @@ class _Compiler:
         self.codes = codes(schema)
         self.enums = enums  # Avro(enums=): symbols read by name
         self.symbols: list[int] = []  # their numbers, per writer symbol (AvroPlan)
+        self.symbol_names: dict[int, list[str]] = {}  # the writer's, by node
         self.read_enums: dict[str, list[str]] = {}  # enums read by the writer's index
         self.nodes: list[list[int]] = []
         self.kids: list[int] = []
@@ -567,8 +568,9 @@ class _Compiler:
             return self.node(kind, path, f, size=len(symbols))
         stride = len(self.symbols) + 1
         self.symbols += [given.index(x) if x in given else -1 for x in symbols]
-        return self.node(kind, f"{path} (the writer's symbols: {', '.join(symbols)})", f,
-                         size=len(symbols), stride=stride)
+        i = self.node(kind, path, f, size=len(symbols), stride=stride)
+        self.symbol_names[i] = list(symbols)
+        return i
 
     def bad(self, field: Field, what: str, path: str) -> int:
         shape = "" if not field.shape else f" of shape {field.shape}"
@@ -602,5 +604,5 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
     varfield = -1 if schema.varlen is None else schema.fields.index(schema.varlen)
     return _codec.AvroPlan(layout, nodes, np.array(c.kids, np.int64), c.codes,
                            defaults(schema), c.notes, varfield,
-                           np.array(c.symbols, np.int64))
+                           np.array(c.symbols, np.int64), c.symbol_names)
 
