@@ -412,6 +412,29 @@ def test_a_signal_while_a_corpus_is_sent_says_the_skip_docs_that_goes_on(
     assert made[0].sent[1][0][-1] == b"doc 2047" and made[0].flushes
 
 
+def test_a_signal_while_the_last_documents_are_acknowledged_waits_for_them(
+        capsys, tmp_path, fake_producer) -> None:
+    # It stopped at once with "kfeed: interrupted" and no --skip-docs: what the
+    # brokers had was not known, and a run again sent the corpus twice.
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"doc {i}\n\n" for i in range(1500)))
+    made = fake_producer()
+    acknowledged: list[bool] = []
+
+    def flush() -> None:  # the final flush: a SIGTERM comes while it waits
+        if not acknowledged:
+            signal.raise_signal(signal.SIGTERM)
+            acknowledged.append(True)
+
+    made[0].flush = flush
+    code, err, out = run_main(capsys, *PRODUCE, "--from", str(path))
+    assert (code, err) == (0, [
+        "kfeed produce: every document is sent; stopping once the brokers acknowledge the "
+        "last ones (a second signal stops at once)"]), (code, err)
+    assert out.startswith("produced 1500 documents (")
+    assert acknowledged and sum(len(docs) for docs, _ in made[0].sent) == 1500
+
+
 def test_a_bad_token_id_is_named_at_its_document_in_the_corpus(capsys, tmp_path,
                                                                fake_producer) -> None:
     # The document was counted from its chunk's start less --skip-docs ("document

@@ -881,7 +881,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     is made, so that a mistake in the command or at the corpus's start leaves nothing
     behind; a mistake further on, or a signal, says the --skip-docs N that goes on."""
     from kfeed import text
-    from kfeed.producer import PRODUCER_DEFAULTS, too_large
+    from kfeed.producer import PRODUCER_DEFAULTS, message_max_bytes, too_large, value_max_bytes
 
     token_dtype = args.token_dtype or "uint16"
     skip = args.skip_docs or 0
@@ -912,8 +912,8 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
 
     # A document gets a block of its own when it is larger than the producer's
     # blocks (message.max.bytes less 1024): one larger than that fits no message.
-    message_max = int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"])
-    block_max = max(40, message_max - 1024)
+    message_max = message_max_bytes({**PRODUCER_DEFAULTS, **config})
+    block_max = value_max_bytes(message_max)
 
     def prepare(chunk: text.Chunk, at: int) -> tuple[list[Any], list[Any] | None]:
         """The documents of ``chunk`` (the first is document ``at`` of the corpus) to send,
@@ -983,11 +983,16 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     # a second one, or one outside the sending, stops at once.
     stopped: list[int] = []
     sending = [False]
+    ended = [False]  # the corpus is read to its end, every document handed over
 
     def on_signal(signum: int, frame: Any) -> None:
         if stopped or not sending[0]:
             Interrupted.raise_for(signum)
         stopped.append(signum)
+        if ended[0]:  # every document is handed over: the wait for the brokers goes on
+            print("kfeed produce: every document is sent; stopping once the brokers "
+                  "acknowledge the last ones (a second signal stops at once)",
+                  file=sys.stderr, flush=True)
 
     previous = ({sig: signal.signal(sig, Interrupted.handles(on_signal))
                  for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -1020,6 +1025,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         try:  # reading the corpus, tokenizing, checking
                             chunk = next(todo, None)
                             if chunk is None:
+                                ended[0] = True
                                 break
                             arrays, keys = prepare(chunk, skip + docs)
                         except KfeedError as e:
@@ -1040,8 +1046,10 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
                         else:
                             docs += len(chunk)
                             empty += len(chunk)
-                sending[0] = False
+                # A signal while the last documents are acknowledged waits for
+                # them: then nothing is left to send, and no --skip-docs to give.
                 producer.flush()
+                sending[0] = False
             except BaseException:
                 progress.close()
                 raise
@@ -1050,7 +1058,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if stopped:
+    if stopped and not ended[0]:
         raise _StoppedAt(stopped[0], f": {_sent_before(skip, docs, empty, 'the stop')}: run "
                                      f"again with --skip-docs {skip + docs} to go on without "
                                      f"sending them twice")

@@ -189,8 +189,8 @@ class Producer:
             config["compression.type"] = compression
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
-        self._message_max = _message_max(config)
-        self._block_bytes = _value_max(self._message_max)
+        self._message_max = message_max_bytes(config)
+        self._block_bytes = value_max_bytes(self._message_max)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
         fixed = schema.varlen is None
@@ -1049,8 +1049,8 @@ def record_fits(schema: Schema, kafka_config: Mapping[str, Any],
     if schema.varlen is not None or format not in (Format.BLOCK, Format.RAW):
         return 0  # (a name or a Format: "avro" needs no registry asked here)
     fmt = Format(format)
-    message_max = _message_max({**PRODUCER_DEFAULTS, **kafka_config})
-    block_bytes = _value_max(message_max)
+    message_max = message_max_bytes({**PRODUCER_DEFAULTS, **kafka_config})
+    block_bytes = value_max_bytes(message_max)
     # (a raw message holds one)
     fit = (_most_records(schema, block_bytes) if fmt is Format.BLOCK
            else int(schema.record_size <= block_bytes))
@@ -1061,7 +1061,7 @@ def record_fits(schema: Schema, kafka_config: Mapping[str, Any],
     return fit
 
 
-def _message_max(config: Mapping[str, Any]) -> int:
+def message_max_bytes(config: Mapping[str, Any]) -> int:
     """``message.max.bytes`` as librdkafka reads it (``0x...`` too)."""
     value = config["message.max.bytes"]
     try:
@@ -1071,7 +1071,7 @@ def _message_max(config: Mapping[str, Any]) -> int:
                           f"{value!r}") from None
 
 
-def _value_max(message_max: int) -> int:
+def value_max_bytes(message_max: int) -> int:
     """The bytes a message's value may hold: room kept for the key, the headers and
     the record's framing."""
     return max(40, message_max - 1024)
