@@ -413,6 +413,48 @@ def test_null_rows_of_every_kind_take_the_default() -> None:
     assert res.rows == 0 and "column 'v' has null items in its lists" in res.bad[0][1]
 
 
+def test_null_bool_rows_take_the_default_at_every_shape() -> None:
+    # A null in a bool column stopped the loader ("Could not convert 0 ... to
+    # boolean": no bool scalar 0 to fill it with), default or none.
+    schema = kfeed.Schema({"b": ("bool", (), {"default": True}),
+                           "v": ("bool", (2,), {"default": True}),
+                           "d": ("bool", (), {"default": True})})
+    v = pa.array([[True, False], [None, None], [False, True]], pa.list_(pa.bool_(), 2))
+    v = pa.FixedSizeListArray.from_arrays(v.values, 2, mask=pa.array([False, True, False]))
+    d = pa.DictionaryArray.from_arrays(pa.array([0, None, 1], pa.int8()),
+                                       pa.array([False, True], pa.bool_()))
+    batch = pa.RecordBatch.from_arrays([pa.array([True, None, False]), v, d], names=["b", "v", "d"])
+    with memory_loader([stream(batch)], schema, 8, until="end", device="cpu",
+                       format="arrow") as loader:
+        got = next(loader)
+    assert got["b"].tolist() == [True, True, False]
+    assert got["v"].tolist() == [[True, False], [True, True], [False, True]]
+    assert got["d"].tolist() == [False, True, True]
+    # A producer sends such a table too.
+    cols = kfeed.arrowformat.table_columns(schema, pa.Table.from_batches([batch]))
+    assert cols["b"].tolist() == [True, True, False]
+
+
+def test_a_column_pyarrow_cannot_convert_makes_its_message_bad_not_the_read_fail(
+        monkeypatch) -> None:
+    # As the null bools did: an error of pyarrow's on one message stopped the loader.
+    import kfeed.arrowformat as af
+
+    schema = kfeed.Schema({"id": ("int64", (), {"default": -1})})
+    real = af._values
+
+    def refuse_the_second(f, col, kind, n):
+        if col.to_pylist() == [3, None]:
+            raise pa.ArrowInvalid("cannot convert this one\nsecond line")
+        return real(f, col, kind, n)
+
+    monkeypatch.setattr(af, "_values", refuse_the_second)
+    values = [stream(pa.RecordBatch.from_arrays([pa.array(ids)], names=["id"]))
+              for ids in ([1, None], [3, None], [5, None])]
+    res = ArrowDecoder(schema).decode_into(values, schema.bind(schema.empty(8)), 0)
+    assert res.rows == 4 and res.bad == [(1, "column 'id': cannot convert this one")]
+
+
 def test_a_permuted_tensor_and_a_start_past_the_end_are_handled() -> None:
     schema = kfeed.Schema({"m": ("float32", (2, 3))})
     permuted = pa.fixed_shape_tensor(pa.float32(), [2, 3], permutation=[1, 0])

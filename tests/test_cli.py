@@ -435,6 +435,35 @@ def test_a_signal_while_the_last_documents_are_acknowledged_waits_for_them(
     assert acknowledged and sum(len(docs) for docs, _ in made[0].sent) == 1500
 
 
+def test_convert_progress_shows_the_rate_since_the_line_before(capsys, monkeypatch) -> None:
+    # The rate was the average from the start: an idle --follow showed it
+    # sinking for ever (3,764, 1,305, 790 ... records/s) though nothing came.
+    import kfeed
+    from kfeed.converter import ConvertStats
+
+    def convert(*args: Any, progress: Any, **kwargs: Any) -> ConvertStats:
+        for elapsed, records in ((10.0, 30_000), (20.0, 30_000), (30.0, 35_000)):
+            st = ConvertStats(records=records, bytes_in=100 * records, partitions=1,
+                              elapsed_s=elapsed)
+            progress(st)
+        return st
+
+    monkeypatch.setattr(kfeed, "convert", convert)
+    code, err, out = run_main(capsys, "convert", "--bootstrap-servers", CLOSED, "--from-topic",
+                              "t", "--to-topic", "t.b", "--format", "json", "--field",
+                              "id=int64", "--progress-every", "0.000001")
+    assert code == 0, err
+    assert err == [
+        "kfeed convert: 30,000 records, 0 bad, 3,000 records/s, 0.3 MB/s in over the last "
+        "10.0s, lag 0 messages",
+        "kfeed convert: 30,000 records, 0 bad, 0 records/s, 0.0 MB/s in over the last 10.0s, "
+        "lag 0 messages",
+        "kfeed convert: 35,000 records, 0 bad, 500 records/s, 0.1 MB/s in over the last 10.0s, "
+        "lag 0 messages"]
+    assert out.startswith("converted 35,000 records (0 bad) from t to t.b in 30.0s: "
+                          "1,167 records/s")
+
+
 def test_a_bad_token_id_is_named_at_its_document_in_the_corpus(capsys, tmp_path,
                                                                fake_producer) -> None:
     # The document was counted from its chunk's start less --skip-docs ("document

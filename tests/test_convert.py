@@ -413,6 +413,9 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
     with pytest.raises(kfeed.ConfigError, match="^a record of 2000008 bytes is over message"):
         kfeed.convert(conf, src, to_topic, kfeed.Schema({"x": ("uint8", (2_000_000,)),
                                                          "id": ("int64", ())}), format="json")
+    # And a round larger than consume() takes ("unexpected ValueError", the topic made).
+    with pytest.raises(kfeed.ConfigError, match=r"^round_messages must be an int in 1\.\.1,000,000"):
+        kfeed.convert(conf, src, to_topic, schema, format="json", round_messages=2_000_000)
     from confluent_kafka.admin import AdminClient
 
     topics = AdminClient(conf).list_topics(timeout=30).topics
@@ -439,6 +442,8 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
         (["--format", "json", "--field", "id=int64", "--field", "id=int32"], "given twice"),
         (["--format", "raw", "--registry", "http://127.0.0.1:1"], "not raw"),
         (["--format", "json", "--avro-schema", "x.avsc"], "applies to --format avro"),
+        (["--format", "json", "--round-messages", "2000000"],
+         "2000000 is out of range: give an integer in 1..1000000"),
     ]:
         done = cli(*args)
         assert done.returncode == 2, (args, done.stderr)

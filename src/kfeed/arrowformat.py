@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from kfeed import _codec
-from kfeed.errors import ConfigError
+from kfeed.errors import ConfigError, first_line
 from kfeed.formats import Decoder, Encoder, RecordFormat
 from kfeed.schema import DecodeResult, Documents, Field, Schema, Target
 
@@ -250,8 +250,11 @@ class _Plan:
                 _validate_full(f, col)
             if kind == "plain" and not col.null_count:  # most columns: a view of the buffer
                 out.append(col.to_numpy(zero_copy_only=False))
-            else:
+                continue
+            try:
                 out.append(_values(f, col, kind, n))
+            except _pa().ArrowException as e:  # one message pyarrow cannot convert: bad, not fatal
+                raise _Bad(f"column {'.'.join(f.path)!r}: {first_line(e)}") from None
         return n, out
 
 
@@ -349,7 +352,7 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
                         else np.ones(len(items), np.bool_))
                 if (read & ~items.is_valid().to_numpy(zero_copy_only=False)).any():
                     raise _Bad(f"column {name!r} has null items in its lists")
-                items = pc.fill_null(items, _pa().scalar(0, items.type))
+                items = pc.fill_null(items, _zero(items.type))
             flat = items.to_numpy(zero_copy_only=False)
             offsets = offsets - offsets[0]
         else:
@@ -376,9 +379,15 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
         import pyarrow.compute as pc
 
         _in_null_rows(col, n, valid, f"column {name!r} has null items in its lists")
-        col = pc.fill_null(col, _pa().scalar(0, col.type))
+        col = pc.fill_null(col, _zero(col.type))
     values = col.to_numpy(zero_copy_only=False).reshape(n, *f.shape)
     return _filled(f, n, valid, values)
+
+
+def _zero(type_: Any) -> Any:
+    """The scalar a null that is never read is filled with: 0, or False (no 0 of a bool)."""
+    pa = _pa()
+    return pa.scalar(False if pa.types.is_boolean(type_) else 0, type_)
 
 
 def _in_null_rows(col: Any, n: int, valid: np.ndarray | None, reason: str) -> None:

@@ -1446,6 +1446,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, Interrupted.handles(on_signal))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     last = [0.0]
+    shown = [(0.0, 0, 0)]  # elapsed_s, records and bytes in at the last progress line
     group = args.group_id or f"kfeed-convert.{args.to_topic}"
     session_ms = float(config.get("session.timeout.ms", 45000))  # librdkafka's default
 
@@ -1461,9 +1462,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         elif now - last[0] >= args.progress_every:
             last[0] = now
+            # The rate since the line before: an average from the start sinks
+            # for ever while a --follow idles, and hides a slowdown.
+            t, records, nbytes = shown[0]
+            shown[0] = (st.elapsed_s, st.records, st.bytes_in)
+            dt = st.elapsed_s - t
             print(f"kfeed convert: {st.records:,} records, {st.bad:,} bad, "
-                  f"{_rates(st.records, st.bytes_in, st.elapsed_s, 'records')} in, "
-                  f"lag {st.lag:,} messages", file=sys.stderr, flush=True)
+                  f"{_rates(st.records - records, st.bytes_in - nbytes, dt, 'records')} in "
+                  f"over the last {dt:.1f}s, lag {st.lag:,} messages", file=sys.stderr,
+                  flush=True)
 
     try:
         st = kfeed.convert(config, args.topic, args.to_topic, schema, format=fmt,
@@ -1707,7 +1714,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-records", type=_count(1), default=None, metavar="N",
                    help="records per block message (default: 64, fewer for records too "
                         "large for 64 a message)")
-    c.add_argument("--round-messages", type=_count(1), default=10_000, metavar="N",
+    c.add_argument("--round-messages", type=_count(1, 1_000_000), default=10_000, metavar="N",
                    help="source messages per transaction at most (default 10000)")
     c.add_argument("--on-bad-record", choices=["dead_letter", "skip", "raise"],
                    default="dead_letter",

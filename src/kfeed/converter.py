@@ -45,6 +45,7 @@ __all__ = ["ConvertStats", "convert"]
 
 log = logging.getLogger("kfeed.convert")
 
+MAX_ROUND = 1_000_000   # round_messages at most: librdkafka's consume() takes no more
 _RETRIES = 3           # rounds aborted in a row before convert gives up
 
 
@@ -133,8 +134,9 @@ def convert(
         raise ConfigError(f"{from_topic}: convert reads topics of one record a message (avro, "
                           f"protobuf, json, raw); an Arrow topic holds many a message and the "
                           f"loader reads it as it is, with format='arrow'")
-    if not isinstance(round_messages, int) or round_messages < 1:
-        raise ConfigError(f"round_messages must be a positive int, got {round_messages!r}")
+    if not isinstance(round_messages, int) or not 1 <= round_messages <= MAX_ROUND:
+        raise ConfigError(f"round_messages must be an int in 1..{MAX_ROUND:,} (what one "
+                          f"consume() call takes at most), got {round_messages!r}")
     try:
         policy = BadRecordPolicy(on_bad_record)
     except ValueError:
