@@ -118,6 +118,32 @@ def test_a_wait_under_way_shows_as_stall_at_once(server):
     starved.join(10)
 
 
+def test_a_loader_waiting_for_its_first_batch_shows_the_wait_so_far(server):
+    # Stall and startup both read 0 while the first batch did not come (brokers
+    # that do not answer, a group that assigns nothing): a stuck job looked idle.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    loader = kfeed.Loader(None, "memory", schema, 10, device="cpu",
+                          source=kfeed.MemorySource({("memory", 0): []}))
+
+    def starve() -> None:
+        with contextlib.suppress(kfeed.KfeedError):
+            next(loader, None)
+
+    starved = threading.Thread(target=starve, daemon=True)
+    try:
+        starved.start()  # no record will come: it waits till close()
+        deadline = time.monotonic() + 10
+        while loader.stats()["startup_s"] < 0.3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        got = sample(scrape(server), "kfeed_loader_startup_seconds", consumergroup="",
+                     topics="memory")
+        assert got >= 0.3 and loader.stats()["batches"] == 0
+    finally:
+        loader.close()
+    starved.join(10)
+
+
 class _SlowSource(kfeed.MemorySource):
     """Synchronous commits take 0.4 s, and so does joining the group after the first time."""
 

@@ -335,7 +335,8 @@ class _Collector:
             "from the Kafka timestamp of a batch's newest record to the batch's hand-out "
             "(in offset order; not with shuffle or pack)", labels=loader_labels)
         startup = GaugeMetricFamily("kfeed_loader_startup_seconds",
-                                    "from the first next() to the first batch",
+                                    "from the first next() to the first batch (so far, "
+                                    "while it has not come)",
                                     labels=loader_labels)
         pool = GaugeMetricFamily("kfeed_loader_pool_bytes", "host memory of the buffer pool",
                                  labels=loader_labels)

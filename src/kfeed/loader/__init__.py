@@ -1206,7 +1206,9 @@ class Loader:
         ``lag``: messages past what was handed out, per partition held;
         ``lag_unknown``: the partitions held whose lag is not known yet (a
         stream's partitions not fetched from, for about a second after they
-        are assigned), left out of ``lag``.
+        are assigned), left out of ``lag``. ``startup_s``: from the first
+        next() to the first batch; while that batch has not come, the time so
+        far.
 
         Also what ``kfeed.metrics`` publishes: ``group``, ``bad_by_reason``,
         ``wait_histogram`` (the waits in next() after the first batch),
@@ -1261,7 +1263,10 @@ class Loader:
             "samples_decoded": builder.samples,
             "bytes": builder.value_bytes,
             "batches": self._batches,
-            "startup_s": self._startup_s,
+            # Until the first batch, the wait for it so far: a loader stuck
+            # before it (brokers, a group that assigns nothing) shows.
+            "startup_s": (self._startup_s if self._t_first is not None or self._t0 is None
+                          else time.monotonic() - self._t0),
             "elapsed_s": elapsed,
             "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
             "mb_per_s": ((builder.value_bytes + carried.get("bytes", 0)) / elapsed / 1e6
