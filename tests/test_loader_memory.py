@@ -15,6 +15,7 @@ import torch
 import kfeed
 from kfeed.synthetic import synthetic_columns, synthetic_schema
 from kfeed.loader import Loader, memory_loader
+from kfeed.loader.fetch import POLL_S
 from records import CountingSource, left_to_the_collector
 
 SCHEMA = synthetic_schema()
@@ -111,6 +112,45 @@ def test_commits_trail_the_step() -> None:
     assert second.offsets[("memory", 0)][0] == first.offsets[("memory", 0)][1]
     loader.close()
     assert source.committed_positions[("memory", 0)] == second.offsets[("memory", 0)][1]
+
+
+def test_a_commit_every_step_waits_for_the_commit_not_for_the_thread_s_next_look() -> None:
+    # The thread, waiting for room in the ready queue, made a synchronous commit
+    # at its next look, a tenth of a second later: 100 steps of
+    # commit_interval_ms=0 took 10 s from memory.
+    source = kfeed.MemorySource(blocks(0, 64 * 50, 64))
+    with Loader(None, "memory", SCHEMA, 64, source=source, until="end", device="cpu",
+                commit_interval_ms=0) as loader:
+        next(loader)
+        t0 = time.monotonic()
+        steps = sum(1 for _ in loader)
+        took = time.monotonic() - t0
+    assert steps == 49
+    assert took < 10 * POLL_S, took  # (before: about 25 POLL_S)
+    assert source.committed_positions[("memory", 0)] == (50, 0)  # (messages of 64)
+
+
+def test_a_commit_asked_as_the_thread_ends_is_made_by_the_caller(monkeypatch) -> None:
+    # A bounded read's thread queued its end and left; a synchronous commit asked
+    # of it meanwhile (commit_interval_ms=0) waited connect_timeout_s + 5 s for
+    # it, then failed the read: "it is committing (Source.commit)".
+    from kfeed.loader import feeder
+
+    run = feeder.Feeder.run
+
+    def slow_to_leave(self) -> None:
+        run(self)
+        time.sleep(0.5)  # the end queued: no commit is taken from here on
+
+    monkeypatch.setattr(feeder.Feeder, "run", slow_to_leave)
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    loader = Loader(None, "memory", SCHEMA, 64, source=source, until="end", device="cpu",
+                    commit_interval_ms=0, connect_timeout_s=1)
+    t0 = time.monotonic()
+    with loader:
+        assert sum(b.size for b in loader) == 640
+    assert time.monotonic() - t0 < 5  # (before: a ConsumeError after 6 s)
+    assert source.committed_positions[("memory", 0)] == (10, 0)
 
 
 def test_a_caught_up_stream_commits_what_was_used_while_next_waits() -> None:

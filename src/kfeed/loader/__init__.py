@@ -1018,10 +1018,16 @@ class Loader:
             # The consumer takes calls from one thread at a time, and the
             # loader's thread is in consume() most of the time: it makes the
             # commit, between two fetches (NOTE [ One thread calls the consumer ]).
-            fetcher.commits.put(todo, wait=not asynchronous,
-                                timeout=self.config.connect_timeout_s + 5.0,
-                                while_waiting=None if self._in_hook else self._give_up_revoked)
-            return
+            if fetcher.commits.put(todo, wait=not asynchronous,
+                                   timeout=self.config.connect_timeout_s + 5.0,
+                                   while_waiting=None if self._in_hook else self._give_up_revoked,
+                                   alive=self._feeder.alive,
+                                   wake=self._feeder.ready.poke):
+                return
+            # The thread ended (a bounded read's end) without making it: made here.
+            todo, alive = self._due()
+            if not todo:
+                return
         if asynchronous:
             fetcher.commit_now(todo, asynchronous=True)
             return

@@ -68,6 +68,7 @@ class Ready:
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._room = threading.Lock()  # held while the thread may wait for room
         self._room.acquire()
+        self._poked = False  # the next put that finds no room returns at once (poke)
 
     def resize(self, size: int) -> None:
         """Hold up to ``size`` items from now on (a waiting ``put`` sees it at once)."""
@@ -80,11 +81,24 @@ class Ready:
         """Queue ``item`` once there is room; False if there is none within ``timeout``."""
         if self._items.qsize() >= self.size:
             self.full_count += 1
-            self._room.acquire(timeout=timeout)
+            if not self._poked:
+                self._room.acquire(timeout=timeout)
             if self._items.qsize() >= self.size:
+                self._poked = False
                 return False
         self._items.put(item)
         return True
+
+    def poke(self) -> None:
+        """Have the put that waits for room, or the next one that would, return now.
+
+        The caller asks for a synchronous commit, which the thread makes
+        between puts: woken only by ``made_room``, whose one release a put
+        under way may take first, it made it at its POLL_S, a tenth of a
+        second on every step of ``commit_interval_ms=0``.
+        """
+        self._poked = True
+        self.made_room()
 
     def get(self, timeout: float) -> Any:
         """The oldest item; raises ``queue.Empty`` if none comes within ``timeout``.

@@ -68,12 +68,19 @@ class Commits:
         self._stop = stop
 
     def put(self, positions: dict[TP, Position], *, wait: bool, timeout: float,
-            while_waiting: Callable[[], None] | None = None) -> None:
+            while_waiting: Callable[[], None] | None = None,
+            alive: Callable[[], bool] | None = None,
+            wake: Callable[[], None] | None = None) -> bool:
         """Ask for a commit; with ``wait``, return once it is made.
 
         ``while_waiting`` runs every ``POLL_S`` of the wait: the caller's share
         of what the loader's thread may be waiting for meanwhile (the
-        ``on_revoke`` hook), so that neither waits on the other.
+        ``on_revoke`` hook), so that neither waits on the other. False when
+        the thread ended without making it (``alive``: a bounded read's end,
+        reached while the commit was asked): nothing asked is left queued, and
+        the caller makes the commit itself. ``wake``: what has the thread look
+        at the commits now if it waits for room in the ready queue (else it
+        would at its next POLL_S, a tenth of a second on each step).
         """
         waiter: list[Any] = [threading.Event(), None]
         with self._lock:
@@ -81,11 +88,22 @@ class Commits:
             if wait:
                 self._waiters.append(waiter)
         if not wait:
-            return
+            return True
+        if wake is not None:
+            wake()
         deadline = time.monotonic() + timeout
         while not waiter[0].wait(POLL_S):
             if while_waiting is not None:
                 while_waiting()
+            if alive is not None and not alive():
+                with self._lock:
+                    if waiter[0].is_set():  # (made as it ended)
+                        break
+                    # Left queued, an older position could be committed by a
+                    # later epoch's thread over what the caller commits now.
+                    self._todo, self._waiters = {}, [w for w in self._waiters
+                                                     if w is not waiter]
+                return False
             if self._stop.is_set():  # close(), from another thread
                 if waiter[0].is_set():  # (made meanwhile)
                     break
@@ -96,6 +114,7 @@ class Commits:
                                    f"{timeout:g}s; it is {self._status.doing}")
         if waiter[1] is not None:
             raise waiter[1]
+        return True
 
     def again(self, todo: dict[TP, Position], waiters: list[list[Any]]) -> None:
         """Put back what ``take`` gave, to be made later (newer positions win)."""
