@@ -201,6 +201,31 @@ def read(values: dict, mix: Mix, schema: Schema = ROWS, batch_size: int = 32, *,
         return got, loader.stats()
 
 
+@pytest.mark.parametrize("exhausted", ["renormalize", "stop"])
+@pytest.mark.parametrize("shuffle", [None, Shuffle(100, seed=1)])
+def test_a_topic_of_another_schema_in_a_mixture_fails_the_read_as_alone(exhausted, shuffle):
+    # The good records of the other topics proved the schema for all: the
+    # mixture read on without the topic (renormalize), or read nothing (stop),
+    # with a warning per message, where the topic alone fails the read.
+    from kfeed import DecodeError
+
+    other = Schema({"tokens": ("int32", (None,))})
+    values = {**row_values(sources={"web": (0, 1, 300)}),
+              ("code", 0): other.encode_blocks({"tokens": [np.arange(3, dtype=np.int32)] * 64}, 8)}
+    with pytest.raises(DecodeError, match=r"^all 8 messages of code \(in the mixture\) read so "
+                                          r"far were rejected: schema mismatch.* None of them "
+                                          r"was dead-lettered or committed"):
+        read(values, Mix({"web": 0.5, "code": 0.5}, exhausted=exhausted),
+             on_bad_record="skip", shuffle=shuffle)
+    # A stray bad message of one topic is dead-lettered once that topic decodes.
+    values[("code", 0)] = ROWS.encode_blocks({"id": np.arange(10**6, 10**6 + 64),
+                                              "x": np.zeros((64, 2), np.float32)}, 8)
+    values[("code", 0)].insert(0, b"garbage")
+    got, stats = read(values, Mix({"web": 0.5, "code": 0.5}, exhausted="renormalize"),
+                      on_bad_record="skip", shuffle=shuffle)
+    assert len(np.concatenate(got)) == 364 and stats["bad_records"] == 1
+
+
 def test_every_record_once_in_the_proportions_until_the_first_source_runs_out():
     got, stats = read(row_values(), Mix(WEIGHTS, seed=3))
     ids = np.concatenate(got)

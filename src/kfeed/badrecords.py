@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -147,7 +147,7 @@ class BadRecords:
     """Explains, counts, rate-limits and routes the messages the codec rejected."""
 
     def __init__(self, schema: Schema, fmt: Format, policy: BadRecordPolicy, source: Any,
-                 *, fail_fast: int | None) -> None:
+                 *, fail_fast: int | None, topics: Sequence[str] | None = None) -> None:
         self.schema = schema
         self.fmt = fmt
         self.policy = policy
@@ -158,6 +158,9 @@ class BadRecords:
         # counts the messages show, for the metrics' label and the warnings' pace.
         self.by_reason: Counter[str] = Counter()
         self.good_seen = False
+        # A mixture's topics (``topics``), each judged alone: one's good
+        # records say nothing of another's schema. Those with none yet.
+        self.unproven: set[str] | None = set(topics) if topics is not None else None
         # Before the first good record: rejected messages held back, so that
         # a read that is wrong from the start dead-letters nothing.
         self._held: list[tuple[Any, str]] = []
@@ -182,12 +185,26 @@ class BadRecords:
         positions must not move on before they are routed."""
         return bool(self._held)
 
-    def good(self) -> None:
-        """Records decoded well: the held messages were stray ones, route them now."""
+    @property
+    def per_topic(self) -> bool:
+        """Whether ``good`` wants the topics of the good records (a mixture's first ones)."""
+        return self.unproven is not None and not self.good_seen
+
+    def good(self, topics: Iterable[str] | None = None) -> None:
+        """Records decoded well (of ``topics``, with a mixture): the held messages (of
+        those topics) were stray ones, route them now."""
         if self.good_seen:
             return
-        self.good_seen = True
-        held, self._held = self._held, []
+        if self.unproven is not None and topics is not None:
+            self.unproven.difference_update(topics)
+            self.good_seen = not self.unproven
+            held = [(m, why) for m, why in self._held if m.topic() not in self.unproven]
+            self._held = [(m, why) for m, why in self._held if m.topic() in self.unproven]
+            if not self._held:
+                self._held_since = None
+        else:
+            self.good_seen = True
+            held, self._held = self._held, []
         for msg, reason in held:
             self._route(msg, reason)
 
@@ -199,7 +216,8 @@ class BadRecords:
         if self.policy is BadRecordPolicy.RAISE:
             raise DecodeError(f"bad record: {why}", topic=tp[0], partition=tp[1],
                               offset=msg.offset())
-        if self.good_seen or self.fail_fast is None:
+        if self.good_seen or self.fail_fast is None or (
+                self.unproven is not None and tp[0] not in self.unproven):
             self._route(msg, why)
             return
         self._held.append((msg, why))
@@ -247,16 +265,21 @@ class BadRecords:
         reasons = Counter(why for _m, why in self._held)
         first = self._held[0][0]
         n = len(self._held)
+        of = ""
+        if self.unproven is not None:  # a mixture whose other topics decode
+            topics = sorted({m.topic() for m, _why in self._held})
+            of = f" of {', '.join(topics)} (in the mixture)"
         if len(reasons) == 1:
             why = next(iter(reasons))
-            what = f"all {n} messages read so far were rejected: {why}"
+            what = f"all {n} messages{of} read so far were rejected: {why}"
         else:
             top = "; ".join(f"{c}x {w}" for w, c in reasons.most_common(3))
-            what = f"all {n} messages read so far were rejected ({top})"
+            what = f"all {n} messages{of} read so far were rejected ({top})"
         fix = "fix the schema (or the topic) and read again"
         if all(_NOT_KFEED(why) for why in reasons):
             fix = _foreign(first.value()) or fix
-        raise DecodeError(f"{what}. Nothing was dead-lettered or committed: {fix}",
+        nothing = "None of them was" if of else "Nothing was"
+        raise DecodeError(f"{what}. {nothing} dead-lettered or committed: {fix}",
                           topic=first.topic(), partition=first.partition(), offset=first.offset())
 
     def _route(self, msg: Any, why: str) -> None:

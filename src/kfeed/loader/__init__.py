@@ -418,7 +418,8 @@ class Loader:
         self._ledger.run = source.run
         self._ledger.cover_all = c.assignment == "group"
         self._bad = BadRecords(c.schema, c.format, c.on_bad_record, source,
-                               fail_fast=c.fail_fast)
+                               fail_fast=c.fail_fast,
+                               topics=None if c.mix is None else list(c.mix.topics))
         stop = threading.Event()  # set by close(); every wait of the thread watches it
         source.stopping = stop
         fetcher = Fetcher(source, self._ledger, bounded=c.bounded, until=c.until,
