@@ -463,8 +463,12 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             elif e.code == C_U64:
                 (<uint64_t*>c.row[e.field])[elem] = raw
                 r = A_OK
-            elif e.code == C_F32 or e.code == C_F64:
-                r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, <double>raw)
+            elif e.code == C_F32:  # rounded once, as numpy casts a uint64 (not through a double)
+                (<float*>c.row[e.field])[elem] = <float>raw
+                r = A_OK
+            elif e.code == C_F64:
+                (<double*>c.row[e.field])[elem] = <double>raw
+                r = A_OK
             else:
                 c.err_value = v
                 r = A_RANGE_U64

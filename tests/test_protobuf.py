@@ -291,6 +291,25 @@ def test_a_truncated_value_names_the_field_it_ran_out_in() -> None:
                        (1, "truncated in field number 2, which the schema does not read")]
 
 
+def test_a_uint64_past_int64_into_float32_rounds_once_as_numpy_casts_it() -> None:
+    # It went through a double first: 2**63 + 2**39 + 1 became 2**63 (a tie, to
+    # even), where numpy's cast of the uint64 gives 2**63 + 2**40.
+    fdp = descriptor_pb2.FileDescriptorProto(name="big.proto", package="big", syntax="proto3")
+    fdp.message_type.add(name="Big").field.add(name="v", number=1, type=F.TYPE_UINT64,
+                                                label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    big = message_factory.GetMessageClass(pool.FindMessageTypeByName("big.Big"))
+    xs = [2**63 + 2**39 + 1, 2**63 + 3 * 2**39 + 7, 2**64 - 1]
+    for dtype in ("float32", "float64"):
+        schema = kfeed.Schema({"v": (dtype, ())})
+        out = schema.empty(len(xs))
+        res = kfeed.Protobuf(message=big).decoder(schema).decode_into(
+            [big(v=x).SerializeToString() for x in xs], schema.bind(out), 0)
+        assert res.rows == 3 and res.bad == []
+        assert out["v"].tolist() == np.array(xs, np.uint64).astype(dtype).tolist(), dtype
+
+
 def test_plain_values_without_framing():
     rng = np.random.default_rng(4)
     msgs = [make(Click, i, rng) for i in range(300)]
