@@ -54,6 +54,10 @@ def test_lag_in_messages_and_seconds_and_the_owning_member(bootstrap, make_topic
              asynchronous=False)
     c.close()
     assert [(r.lag, r.lag_s) for r in kfeed.group_lag(config, group)] == [(0, 0.0), (0, 0.0)]
+    # A next record without a timestamp (-1): its age is not known (it read 56 years).
+    p.produce(topic, b"z", partition=1, timestamp=-1)
+    assert p.flush(30) == 0
+    assert [(r.lag, r.lag_s) for r in kfeed.group_lag(config, group)] == [(0, 0.0), (1, None)]
     # A commit below the log's start (records deleted, or gone with retention): the
     # group reads next from the start, whose record's age this is (it read 0 s).
     from confluent_kafka.admin import AdminClient

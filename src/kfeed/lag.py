@@ -186,10 +186,11 @@ def _ages(config: dict[str, Any], left: dict[tuple[str, int], int],
           timeout_s: float) -> dict[tuple[str, int], float]:
     """Per partition with records left, from its offset: the age of its next record, seconds.
 
-    A partition whose next readable record does not come within the timeout
-    is left out; one with none (only aborted or control records left) is 0.
+    A partition whose next readable record does not come within the timeout,
+    or has no timestamp (-1), is left out; one with none (only aborted or
+    control records left) is 0.
     """
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, TopicPartition
 
     if not left:
         return {}
@@ -198,7 +199,7 @@ def _ages(config: dict[str, Any], left: dict[tuple[str, int], int],
                          "auto.offset.reset": "earliest"})
     try:
         consumer.assign([TopicPartition(t, p, o) for (t, p), o in left.items()])
-        out: dict[tuple[str, int], float] = {}
+        out: dict[tuple[str, int], float | None] = {}
         deadline = time.monotonic() + timeout_s
         while len(out) < len(left) and time.monotonic() < deadline:
             m = consumer.poll(0.2)
@@ -208,12 +209,15 @@ def _ages(config: dict[str, Any], left: dict[tuple[str, int], int],
             if key in out or key not in left:
                 continue
             if m.error() is None:
-                out[key] = max(0.0, time.time() - m.timestamp()[1] / 1000)
+                kind, ms = m.timestamp()
+                # A record without a timestamp (-1): its age is not known.
+                out[key] = (max(0.0, time.time() - ms / 1000)
+                            if kind != TIMESTAMP_NOT_AVAILABLE and ms >= 0 else None)
             elif m.error().code() == KafkaError._PARTITION_EOF:
                 out[key] = 0.0
             else:
                 continue
             consumer.incremental_unassign([TopicPartition(*key)])
-        return out
+        return {tp: age for tp, age in out.items() if age is not None}
     finally:
         consumer.close()
