@@ -291,15 +291,22 @@ def test_a_truncated_value_names_the_field_it_ran_out_in() -> None:
                        (1, "truncated in field number 2, which the schema does not read")]
 
 
+def _one_field_class(package: str, message: str, field: str, number: int, type_: int,
+                     syntax: str = "proto3") -> type:
+    """The class of ``package.message``, of one optional field."""
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package,
+                                             syntax=syntax)
+    fdp.message_type.add(name=message).field.add(name=field, number=number, type=type_,
+                                                 label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{message}"))
+
+
 def test_a_uint64_past_int64_into_float32_rounds_once_as_numpy_casts_it() -> None:
     # It went through a double first: 2**63 + 2**39 + 1 became 2**63 (a tie, to
     # even), where numpy's cast of the uint64 gives 2**63 + 2**40.
-    fdp = descriptor_pb2.FileDescriptorProto(name="big.proto", package="big", syntax="proto3")
-    fdp.message_type.add(name="Big").field.add(name="v", number=1, type=F.TYPE_UINT64,
-                                                label=F.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    big = message_factory.GetMessageClass(pool.FindMessageTypeByName("big.Big"))
+    big = _one_field_class("big", "Big", "v", 1, F.TYPE_UINT64)
     xs = [2**63 + 2**39 + 1, 2**63 + 3 * 2**39 + 7, 2**64 - 1]
     for dtype in ("float32", "float64"):
         schema = kfeed.Schema({"v": (dtype, ())})
@@ -720,12 +727,7 @@ def test_a_string_document_that_is_not_utf8_is_bad_where_protobuf_refuses_it():
     docs = kfeed.Protobuf(message=Doc).decoder(text).decode_documents(values)
     assert [i for i, _why in docs.bad] == [1, 2, 3]
     assert docs.bad[0][1] == "field 'text': a string that is not UTF-8 at text (as protobuf refuses it)"
-    fdp = descriptor_pb2.FileDescriptorProto(name="lax.proto", package="lax", syntax="proto2")
-    fdp.message_type.add(name="Doc").field.add(name="text", number=4, type=F.TYPE_STRING,
-                                               label=F.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    lax = message_factory.GetMessageClass(pool.FindMessageTypeByName("lax.Doc"))
+    lax = _one_field_class("lax", "Doc", "text", 4, F.TYPE_STRING, syntax="proto2")
     assert lax.FromString(values[1]).text == b"\xff\xfe"  # (protobuf's bytes, unchecked)
     docs = kfeed.Protobuf(message=lax).decoder(text).decode_documents(values)
     assert docs.bad == [] and bytes(docs.tokens[2:4]) == b"\xff\xfe"
