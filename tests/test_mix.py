@@ -498,12 +498,13 @@ def test_a_stop_mixture_with_a_topic_empty_in_the_window_says_why_it_reads_nothi
     with caplog.at_level("WARNING", logger="kfeed"):
         got, _ = read(values, Mix({"a": 1.0, "b": 1.0}), batch_size=8)
     assert got == []
-    assert ("exhausted='stop': b has no records in the window, so the mixture ends at once, "
-            "after 0 records; exhausted='renormalize' reads the others without it") in caplog.text
+    assert ("exhausted='stop': b has no records left in the window, so the mixture ends at its "
+            "first turn, after 0 records; exhausted='renormalize' reads the others without it"
+            ) in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="kfeed"):
         read(row_values(), Mix(WEIGHTS, seed=3))  # one that ran out after its records: no word
-    assert "no records in the window" not in caplog.text
+    assert "no records left in the window" not in caplog.text
 
 
 def test_a_state_of_a_mixture_loaded_without_one_says_so():

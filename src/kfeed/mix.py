@@ -521,8 +521,8 @@ class Mixer:
             if why == _pack.MIX_EXHAUSTED and self.mix.exhausted == "stop":
                 self._count(out_parts)
                 if self.since[src] == 0:
-                    log.warning("exhausted='stop': %s has no records in the window, so the "
-                                "mixture ends at once, after %d records; "
+                    log.warning("exhausted='stop': %s has no records left in the window, so the "
+                                "mixture ends at its first turn, after %d records; "
                                 "exhausted='renormalize' reads the others without it",
                                 self.sources[src], self.mixed)
             self.ended = True  # a source ran out ("stop"), or all did
