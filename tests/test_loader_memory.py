@@ -246,6 +246,59 @@ def test_max_wait_makes_partial_batches_only_when_streaming(until) -> None:
         assert max(sizes) < 8  # streaming: what came within max_wait
 
 
+class _Clock:
+    """A monotonic clock that moves only as a consume() waits (``Waiting``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class Waiting(kfeed.MemorySource):
+    """A message of each partition a consume(); a call asked for more waits out its
+    timeout, as librdkafka's does, on ``clock``."""
+
+    def __init__(self, values: Any, clock: _Clock) -> None:
+        super().__init__(values)
+        self.clock = clock
+
+    def consume(self, max_messages: int, timeout: float) -> list:
+        if max_messages > len(self._next):
+            self.clock.now += timeout
+        return super().consume(len(self._next), 0)
+
+
+@pytest.mark.parametrize("how", ["jagged", "pack", "mix"])
+def test_a_batch_of_a_trickling_stream_goes_out_max_wait_after_its_first_fetch_began(
+        how, monkeypatch) -> None:
+    # Read into rows of a variable-length field, packed or mixed, the clock
+    # started once that fetch had returned: a batch went out up to POLL_S after
+    # max_wait (203 ms at max_wait_ms=100 on a broker, one record every 50 ms).
+    import types
+
+    from kfeed.loader import build, fetch
+
+    clock = _Clock()
+    fake = types.SimpleNamespace(monotonic=clock.monotonic)
+    monkeypatch.setattr(build, "time", fake)
+    monkeypatch.setattr(fetch, "time", fake)
+    schema = kfeed.Schema({"tokens": ("int32", (None,))})
+    values = schema.encode_raw({"tokens": [np.arange(5, dtype=np.int32)] * 20})
+    topics: Any = "memory"
+    parts: dict = {("memory", 0): values}
+    kwargs: dict[str, Any] = {"pack": kfeed.Pack(64, eos_id=0)} if how == "pack" else {}
+    if how == "mix":
+        topics, parts = kfeed.Mix({"a": 1.0, "b": 1.0}), {("a", 0): values[:10],
+                                                          ("b", 0): values[10:]}
+    with Loader(None, topics, schema, 64, source=Waiting(parts, clock), device="cpu",
+                format="raw", max_wait_ms=3.5 * POLL_S * 1000, **kwargs) as loader:
+        batch = next(loader)
+    # Fetches of POLL_S from the first one's start: 4 of them within max_wait (5 before).
+    assert (batch.pack.documents if how == "pack" else batch.size) == 4 * len(parts)
+
+
 def test_lag_counts_from_the_last_batch_handed_out() -> None:
     # 1,000 one-sample messages on one partition; the feeder runs ahead by
     # prefetch batches, but the lag counts what the caller has not had yet.

@@ -396,6 +396,7 @@ class RecordBuilder(SlotBuilder):
     def fill(self, slot: Slot) -> Handoff:
         out = Handoff(self.ledger.gen)
         started = None
+        begun = time.monotonic()
         f = self.fetcher
         while not self.stop.is_set():
             if out.gen != self.ledger.gen:  # a rebalance dropped what we had
@@ -403,7 +404,10 @@ class RecordBuilder(SlotBuilder):
             if self._take_into(slot, out):
                 break
             if started is None and (slot.rows or self._packing()):
-                started = time.monotonic()
+                # As SlotBuilder.fill: from the start of the fetch that brought
+                # the first record, not its end (up to POLL_S later: a batch
+                # of a trickling stream went out max_wait + 0.1 s after it).
+                started = max(f.pending_since, begun)
             if f.pending():
                 self._push_pending()
             elif self._read_again():
