@@ -63,6 +63,50 @@ def test_a_bursty_loop_deepens_the_queue_within_the_cap():
                f"{float(loader.stats()['prefetch'])}" in page
 
 
+def test_batches_of_a_variable_length_field_that_grow_are_held_within_the_cap(caplog):
+    # The cap was planned for the slots made at the start, 64 elements a record:
+    # batches of 1 MB records deepened "auto" to 64 and held 252 MB under 10 MiB.
+    jagged = kfeed.Schema({"v": ("int32", (None,)), "id": ("int64", ())})
+    small = [np.zeros(8, np.int32)] * 64
+    large = [np.zeros(250_000, np.int32)] * 16  # 1 MB a record, 4 MB a batch of 4
+    vals = list(jagged.encode_blocks({"v": small + large, "id": np.arange(80)},
+                                     block_records=1))
+    cap = 24 << 20
+    with caplog.at_level("INFO", logger="kfeed"):
+        with memory_loader(vals, jagged, 4, device="cpu", until="end", prefetch="auto",
+                           max_memory_bytes=cap) as loader:
+            assert loader._tuner.ceiling > 4
+            assert sum(b.size for b in loader) == 80
+            assert loader._tuner.ceiling == loader.stats()["prefetch"] == 1
+    assert "prefetch 2 -> 1: the batches grew to" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kfeed"):
+        with memory_loader(vals, jagged, 4, device="cpu", until="end", prefetch=2,
+                           max_memory_bytes=cap) as loader:
+            assert sum(b.size for b in loader) == 80
+    assert caplog.text.count("the batches grew to") == 1
+    assert "prefetch=2 and the batches held beside it no longer fit max_memory_bytes=" \
+        f"{cap}" in caplog.text
+
+
+def test_a_loop_that_keeps_its_batches_under_a_cap_is_told_once(caplog):
+    # Each batch kept is a slot the loader lets go of and makes again: ten times
+    # the cap held, in silence.
+    vals = values(2)
+    for cap, keep, said in ((64 * BATCH_BYTES, True, 1), (None, True, 0),
+                            (64 * BATCH_BYTES, False, 0)):
+        caplog.clear()
+        kept = []
+        with caplog.at_level("WARNING", logger="kfeed"):
+            with memory_loader(vals, SCHEMA, BATCH, device="cpu", until="end",
+                               max_memory_bytes=cap) as loader:
+                for batch in loader:
+                    if keep:
+                        kept.append(batch)
+        assert caplog.text.count("the loop keeps the batches it was handed") == said, \
+            (cap, keep)
+
+
 def test_a_loop_that_never_stalls_keeps_its_depth():
     with memory_loader(values(10), SCHEMA, BATCH, device="cpu", until="end",
                        prefetch="auto") as loader:

@@ -192,6 +192,7 @@ class BufferPool:
         self._free: deque[Slot] = deque(self._slots)
         self._lent: deque[Slot] = deque()
         self.most_lent = most_lent
+        self.forgotten = 0  # lent slots the caller still held past most_lent, left to it
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
 
@@ -281,6 +282,7 @@ class BufferPool:
             self._lent.append(slot)
             if len(self._lent) > self.most_lent:
                 self._slots.remove(self._lent.popleft())  # the caller's alone now
+                self.forgotten += 1
         return slot.view()
 
     def _take_back(self) -> Slot:

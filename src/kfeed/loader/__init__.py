@@ -103,6 +103,7 @@ from kfeed.loader.fetch import POLL_S, Fetcher, Status, no_revoke_hook
 from kfeed.loader.ledger import Ledger, OrderLedger, _key, no_reset_hook, state_positions
 from kfeed.loader.tuning import (
     AUTO_START,
+    GrownBatches,
     HELD_BESIDES_QUEUE,
     PrefetchTuner,
     memory_plan,
@@ -397,12 +398,24 @@ class Loader:
         self._pool = BufferPool(c.schema, c.batch_size, slots=slots, packer=packer,
                                 pin=self._copier.cuda, most_lent=depth + HELD_BESIDES_QUEUE - 1)
         batch_bytes = self._pool.nbytes // len(self._pool)
-        held, ceiling = memory_plan(
-            c.max_memory_bytes, user_config, prefetch=c.prefetch, batch_bytes=batch_bytes,
-            record_size=c.schema.record_size,
-            shuffled_records=(c.shuffle.buffer + c.batch_size
-                              if c.shuffle is not None and c.pack is None and not c.jagged else 0),
-            mixing=c.mix is not None)
+
+        def plan(batch_bytes: int) -> tuple[tuple[int, int] | None, int]:
+            return memory_plan(
+                c.max_memory_bytes, user_config, prefetch=c.prefetch, batch_bytes=batch_bytes,
+                record_size=c.schema.record_size,
+                shuffled_records=(c.shuffle.buffer + c.batch_size if c.shuffle is not None
+                                  and c.pack is None and not c.jagged else 0),
+                mixing=c.mix is not None)
+
+        held, ceiling = plan(batch_bytes)
+        # NOTE [ Batches that grow ]: a variable-length field's batches (no pack=)
+        # are as large as their records, and a slot grows to the largest it
+        # held: what the cap leaves room for is asked again as the slots grow.
+        self._grown = GrownBatches(self._pool, plan, c) \
+            if c.jagged and c.max_memory_bytes is not None else None
+        # Lent slots left to a loop that keeps its batches: a few are a loop
+        # that keeps the last ones for a while (a moving average, a log line).
+        self._kept_said = 16
         self._status = Status()
         # What holds the consumer past its time limit (a commit no broker
         # answers), if anything: the consumer is then never called again.
@@ -759,8 +772,21 @@ class Loader:
             self._waited(waited)
             if self._tuner is not None:
                 self._tuner.observe(0.0 if ready else waited, now)
+        if self._grown is not None:
+            self._grown.check(self._tuner)
+        if self._pool.forgotten > self._kept_said and self.config.max_memory_bytes is not None:
+            self._say_kept()
         self._fresh = False
         return batch
+
+    def _say_kept(self) -> None:
+        """The loop keeps its batches past their steps: said once, as the memory grows."""
+        log.warning(
+            "the loop keeps the batches it was handed past their steps (%d so far): each "
+            "is its own memory, beside the %d bytes of max_memory_bytes, and the loader "
+            "makes a new slot for each; drop them (or copy what you keep) to stay within "
+            "the cap", self._pool.forgotten, self.config.max_memory_bytes)
+        self._kept_said = 1 << 62  # once
 
     def _stop_clock(self) -> None:
         if self._t_end is None and self._t_first is not None:

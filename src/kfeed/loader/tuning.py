@@ -14,6 +14,7 @@ reads.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -221,3 +222,59 @@ class PrefetchTuner:
             self._set(new)
         self._start, self._waited, self._batches = now, 0.0, 0
         self._full = self.ready.full_count
+
+
+class GrownBatches:
+    """NOTE [ Batches that grow ]: the cap asked again as a variable-length field's
+    batches grow (``check`` after each batch handed out, on the caller's thread).
+
+    The pool's slots start with room for ``JAGGED_START`` elements a record
+    and grow to the largest batch each held, so the batches the cap was
+    planned for at the start were far smaller than those it holds later.
+    Once the largest slot grows, ``plan`` (``memory_plan`` for a batch of that
+    size) says how deep the queue may be: ``prefetch="auto"`` stays within it
+    (shallower at once if it is past it); a fixed ``prefetch`` past it is
+    said once, as a warning, for the read goes on.
+    """
+
+    def __init__(self, pool: Any, plan: Any, config: Any) -> None:
+        self.pool = pool
+        self.plan = plan
+        self.config = config
+        self.seen = max(_slot_bytes(s) for s in pool.slots)
+        self.warned = False
+
+    def check(self, tuner: PrefetchTuner | None) -> None:
+        largest = max(_slot_bytes(s) for s in self.pool.slots)
+        if largest <= self.seen:
+            return
+        self.seen = largest
+        try:
+            depth = self.plan(largest)[1]
+        except ConfigError:
+            depth = 0
+        cap = self.config.max_memory_bytes
+        if tuner is not None:
+            tuner.ceiling = max(1, depth)
+            if tuner.depth > tuner.ceiling:
+                log.info("prefetch %d -> %d: the batches grew to %d bytes (a variable-length "
+                         "field), and max_memory_bytes=%d holds %d of them", tuner.depth,
+                         tuner.ceiling, largest, cap, tuner.ceiling)
+                tuner.changes.append((time.monotonic(), tuner.depth, tuner.ceiling, 0.0))
+                tuner.depth = tuner.ceiling
+                tuner._set(tuner.depth)
+            if depth >= 1:
+                return
+        elif depth >= self.config.prefetch:
+            return
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "the batches grew to %d bytes (their variable-length field's records are "
+                "larger than at the start): prefetch=%s and the batches held beside it no "
+                "longer fit max_memory_bytes=%d; a smaller batch_size or prefetch, or a larger "
+                "cap, keeps the loader within it", largest, self.config.prefetch, cap)
+
+
+def _slot_bytes(slot: Any) -> int:
+    return sum(t.nbytes for t in slot.tensors.values())
