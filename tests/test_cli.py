@@ -231,6 +231,13 @@ def test_checkpoint_and_id_log_paths_are_checked_before_training(capsys, tmp_pat
         code, err, _ = run_main(capsys, *TRAIN, flag, str(missing))
         assert (code, err) == (2, [f"kfeed: {flag} {missing}: folder {missing.parent} does not "
                                    f"exist: create it first"])
+    # A checkpoint there, without --resume: it was overwritten at the first save.
+    there = tmp_path / "ck.pt"
+    there.write_bytes(b"a run's checkpoint")
+    code, err, _ = run_main(capsys, *TRAIN, "--checkpoint", str(there))
+    assert (code, err) == (2, [f"kfeed: --checkpoint {there} exists: pass --resume to go on "
+                               f"from it, or name another file (delete it to start over)"])
+    assert there.read_bytes() == b"a run's checkpoint"
 
 
 def test_keyed_corpus_and_from_file_mistakes(capsys, tmp_path) -> None:

@@ -291,6 +291,13 @@ def test_a_dataloader_with_batch_size_set_gets_a_clear_error() -> None:
                                     source=MemorySource(values))
     with pytest.raises(kfeed.ConfigError, match=r"use DataLoader\(dataset, batch_size=None\)"):
         list(torch.utils.data.DataLoader(ds, batch_size=4))
+    # Batches of other sizes in one DataLoader batch (the read's last one) failed
+    # with torch's "stack expects each tensor to be equal size", in a worker too.
+    for workers in (0, 1):
+        ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
+                                        source=MemorySource(values))
+        with pytest.raises(Exception, match=r"use DataLoader\(dataset, batch_size=None\)"):
+            list(torch.utils.data.DataLoader(ds, batch_size=7, num_workers=workers))
     ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
                                     source=MemorySource(values))
     sizes = [len(b["id"]) for b in torch.utils.data.DataLoader(ds, batch_size=None)]

@@ -599,6 +599,22 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
                                        128, source=source, output=output)
 
 
+def test_a_dataset_closed_commits_no_batch_it_made_and_did_not_see_trained() -> None:
+    # Closing the generator (a worker whose parent died, a DataLoader dropped)
+    # closed the loader first with its default: the batch in hand, which a
+    # worker had made and never handed over, was committed, and lost.
+    source = kfeed.MemorySource(blocks(0, 640, 64))
+    dataset = kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 64, source=source,
+                                         until="end", commit_interval_ms=0)
+    it = iter(dataset)
+    first, second = next(it), next(it)
+    it.close()
+    # The first batch's step was over when the second was asked for; the second's
+    # is not known to be: it is read again.
+    assert source.committed_positions[("memory", 0)] == second.offsets[("memory", 0)][0]
+    assert first.offsets[("memory", 0)][1] == second.offsets[("memory", 0)][0]
+
+
 def test_a_given_source_in_dataloader_workers_of_a_group_is_refused() -> None:
     # Each worker read the whole source: every record once per worker.
     parts = {0: blocks(0, 300, 30), 1: blocks(300, 300, 30)}

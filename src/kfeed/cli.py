@@ -1104,6 +1104,10 @@ def _check_train(args: argparse.Namespace) -> None:
         if Path(path).is_dir():
             raise ConfigError(f"{flag} {path} is a folder: name a file in it, such as "
                               f"{Path(path) / ('ck.pt' if flag == '--checkpoint' else 'ids.txt')}")
+    if args.checkpoint and not args.resume and Path(args.checkpoint).exists():
+        # It was overwritten in silence at the first save: a run's training gone.
+        raise ConfigError(f"--checkpoint {args.checkpoint} exists: pass --resume to go on from "
+                          f"it, or name another file (delete it to start over)")
 
 
 def _check_task_flags(args: argparse.Namespace) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kfeed.errors import ConfigError
-from kfeed.loader import Batch, Loader, LoaderConfig
+from kfeed.loader import STACKED, Batch, Loader, LoaderConfig
 from kfeed.schema import Schema
 from kfeed.sources import group_share
 
@@ -129,7 +129,13 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
                                 one_epoch=True, run=run) as loader:
             if self.epoch:
                 loader.set_epoch(self.epoch)
-            yield from loader
+            # Not ``yield from``: closing this generator (a worker whose parent
+            # is gone, a DataLoader dropped) would close the loader first with
+            # its default, committing the batch in hand, which a worker made
+            # and never handed over. A batch not known to be trained is read
+            # again instead (``__exit__`` with the GeneratorExit).
+            for batch in loader:
+                yield batch
 
     def _check_group_workers(self, workers: int) -> None:
         """Workers that share partitions in a group: a source of their own each would
@@ -162,3 +168,20 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
             raise ConfigError(f"{who} share the partitions in a consumer group ({given}; {how}): "
                               f"a worker without one would hold the DataLoader up for ever; "
                               f"{fewer}more partitions{other} or assignment='static'")
+
+
+def _refuse_stacking(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    raise ConfigError(STACKED)
+
+
+# A DataLoader with batch_size set collates kfeed's batches: torch's
+# default_collate looks its map up before it stacks anything, where batches
+# of other sizes (a read's last one, a stream's partial ones) failed with
+# torch's own "stack expects each tensor to be equal size". (Batch.update
+# refuses the stacked ones too, where a collate does without the map.)
+try:
+    from torch.utils.data._utils.collate import default_collate_fn_map
+except ImportError:  # (a torch without the map: Batch.update says it)
+    pass
+else:
+    default_collate_fn_map[Batch] = _refuse_stacking

@@ -175,11 +175,13 @@ class Batch(dict):
             old = self.get(key)
             if isinstance(value, torch.Tensor) and hasattr(old, "ndim") and \
                     value.dim() == old.ndim + 1:
-                raise ConfigError(
-                    "kfeed yields whole batches: a DataLoader with batch_size set would stack "
-                    "them; use DataLoader(dataset, batch_size=None) and give the batch size "
-                    "to KafkaIterableDataset")
+                raise ConfigError(STACKED)
         super().update(new)
+
+
+STACKED = ("kfeed yields whole batches: a DataLoader with batch_size set would stack them; "
+           "use DataLoader(dataset, batch_size=None) and give the batch size to "
+           "KafkaIterableDataset")
 
 
 class Loader:
