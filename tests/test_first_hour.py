@@ -297,7 +297,9 @@ def test_a_dataloader_with_batch_size_set_gets_a_clear_error() -> None:
         ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
                                         source=MemorySource(values))
         with pytest.raises(Exception, match=r"use DataLoader\(dataset, batch_size=None\)"):
-            list(torch.utils.data.DataLoader(ds, batch_size=7, num_workers=workers))
+            list(torch.utils.data.DataLoader(
+                ds, batch_size=7, num_workers=workers,
+                multiprocessing_context="spawn" if workers else None))
     ds = kfeed.KafkaIterableDataset(None, "memory", SCHEMA, 16, until="end",
                                     source=MemorySource(values))
     sizes = [len(b["id"]) for b in torch.utils.data.DataLoader(ds, batch_size=None)]

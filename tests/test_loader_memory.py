@@ -615,6 +615,14 @@ def test_a_dataset_closed_commits_no_batch_it_made_and_did_not_see_trained() -> 
     assert first.offsets[("memory", 0)][1] == second.offsets[("memory", 0)][0]
 
 
+def test_a_loader_pickled_says_what_to_do_instead() -> None:
+    # TypeError: cannot pickle '_thread.RLock' object.
+    with memory_loader(blocks(0, 64), SCHEMA, 32, until="end", device="cpu") as loader:
+        with pytest.raises(kfeed.ConfigError, match="^a Loader holds a Kafka consumer and a "
+                                                    "thread, which no pickle carries"):
+            pickle.dumps(loader)
+
+
 def test_a_given_source_in_dataloader_workers_of_a_group_is_refused() -> None:
     # Each worker read the whole source: every record once per worker.
     parts = {0: blocks(0, 300, 30), 1: blocks(300, 300, 30)}

@@ -1442,6 +1442,12 @@ class Loader:
         if failed:
             raise failed[0]
 
+    def __reduce__(self) -> Any:
+        raise ConfigError("a Loader holds a Kafka consumer and a thread, which no pickle "
+                          "carries: make one in each process instead, or give a torch "
+                          "DataLoader kfeed.KafkaIterableDataset, which does (a state to carry "
+                          "over is state_dict())")
+
     def __enter__(self) -> Loader:
         return self
 
