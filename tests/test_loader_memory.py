@@ -615,6 +615,13 @@ def test_a_dataset_closed_commits_no_batch_it_made_and_did_not_see_trained() -> 
     assert first.offsets[("memory", 0)][1] == second.offsets[("memory", 0)][0]
 
 
+def test_a_dataset_without_a_group_is_refused_when_made_not_in_a_worker() -> None:
+    # It was said by each worker, wrapped in torch's "Caught ConfigError in
+    # DataLoader worker process 0" and its traceback.
+    with pytest.raises(kfeed.ConfigError, match="^kafka_config needs 'group.id'"):
+        kfeed.KafkaIterableDataset({"bootstrap.servers": "127.0.0.1:9"}, "t", SCHEMA, 64)
+
+
 def test_a_loader_pickled_says_what_to_do_instead() -> None:
     # TypeError: cannot pickle '_thread.RLock' object.
     with memory_loader(blocks(0, 64), SCHEMA, 32, until="end", device="cpu") as loader:

@@ -28,7 +28,7 @@ import torch
 from kfeed.errors import ConfigError
 from kfeed.loader import STACKED, Batch, Loader, LoaderConfig
 from kfeed.schema import Schema
-from kfeed.sources import group_share
+from kfeed.sources import consumer_config, group_share
 
 __all__ = ["KafkaIterableDataset"]
 
@@ -37,7 +37,8 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
     """Each iteration opens a Loader on the CPU and yields its batches.
 
     The settings are checked here, when the dataset is made, not in a
-    worker. With DataLoader workers, every worker opens its own consumer in
+    worker (but for more workers than partitions, known once a worker asks
+    the brokers). With DataLoader workers, every worker opens its own consumer in
     the same consumer group, so the topic's partitions are shared among them
     and each record is read by one worker once (more workers than partitions
     is a ``ConfigError``, and so is a given ``source``, which no group
@@ -61,6 +62,8 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
         self.config = LoaderConfig(topics, schema, batch_size, **loader_kwargs)
+        if self.source is None:  # (in the main process: a worker's error comes wrapped)
+            consumer_config(self.kafka_config)
         if self.config.output != "torch":
             # The DataLoader converts what a dataset yields (numpy arrays into
             # tensors) and cannot collate JAX arrays or Arrow batches.

@@ -428,6 +428,28 @@ class Source:
         raise NotImplementedError
 
 
+def consumer_config(kafka_config: Any) -> dict[str, Any]:
+    """``kafka_config`` over kfeed's consumer defaults, checked (no broker asked)."""
+    if not isinstance(kafka_config, Mapping):
+        raise ConfigError("kafka_config must be a dict of librdkafka settings")
+    config = {**CONSUMER_DEFAULTS, **kafka_config}
+    if "bootstrap.servers" not in config:
+        raise ConfigError("kafka_config needs 'bootstrap.servers'")
+    if "group.id" not in config:
+        raise ConfigError("kafka_config needs 'group.id': offsets are committed to a group")
+    if not isinstance(config["group.id"], str) or not config["group.id"].strip():
+        raise ConfigError(f"group.id must be a non-empty string, got {config['group.id']!r}")
+    if str(config["enable.auto.offset.store"]).lower() not in ("false", "0"):
+        # librdkafka would store each record's offset as it is fetched, and
+        # commit those (auto commit, or any commit() of stored offsets):
+        # records ahead of the step, never trained if the trainer dies.
+        raise ConfigError(
+            f"enable.auto.offset.store={config['enable.auto.offset.store']!r}: librdkafka "
+            f"would commit records as they are fetched, ahead of the steps that use them; "
+            f"kfeed commits each batch after its step: leave the setting out")
+    return config
+
+
 class KafkaSource(Source):
     """Messages from Kafka through a confluent-kafka consumer.
 
@@ -446,23 +468,7 @@ class KafkaSource(Source):
     ) -> None:
         from confluent_kafka import Consumer, KafkaException
 
-        if not isinstance(kafka_config, Mapping):
-            raise ConfigError("kafka_config must be a dict of librdkafka settings")
-        config = {**CONSUMER_DEFAULTS, **kafka_config}
-        if "bootstrap.servers" not in config:
-            raise ConfigError("kafka_config needs 'bootstrap.servers'")
-        if "group.id" not in config:
-            raise ConfigError("kafka_config needs 'group.id': offsets are committed to a group")
-        if not isinstance(config["group.id"], str) or not config["group.id"].strip():
-            raise ConfigError(f"group.id must be a non-empty string, got {config['group.id']!r}")
-        if str(config["enable.auto.offset.store"]).lower() not in ("false", "0"):
-            # librdkafka would store each record's offset as it is fetched, and
-            # commit those (auto commit, or any commit() of stored offsets):
-            # records ahead of the step, never trained if the trainer dies.
-            raise ConfigError(
-                f"enable.auto.offset.store={config['enable.auto.offset.store']!r}: librdkafka "
-                f"would commit records as they are fetched, ahead of the steps that use them; "
-                f"kfeed commits each batch after its step: leave the setting out")
+        config = consumer_config(kafka_config)
         if bounded:
             # The end of a bounded epoch is seen as a partition EOF event, which
             # also covers a transaction marker or aborted records at the tail.
