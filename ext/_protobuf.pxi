@@ -566,7 +566,10 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             # protobuf keeps among the unknown fields, leaving the field unset.
             r = pb_skip(c, end, tag)
             if r:
-                c.err_value = number  # (no entry: the reason names its number)
+                if e != NULL:  # a field of the plan, in another wire type
+                    c.err_entry = lo
+                else:  # (no entry: the reason names its number)
+                    c.err_value = number
                 return r
             continue
         if e.closed and wt == 0:

@@ -142,6 +142,10 @@ def test_a_loader_waiting_for_its_first_batch_shows_the_wait_so_far(server):
     finally:
         loader.close()
     starved.join(10)
+    # Closed, it stays what it was (it grew on after a read that ended with no batch).
+    closed = loader.stats()["startup_s"]
+    time.sleep(0.2)
+    assert loader.stats()["startup_s"] == closed >= 0.3
 
 
 class _SlowSource(kfeed.MemorySource):

@@ -287,6 +287,21 @@ def _fill(pool: BufferPool, value: float) -> tuple:
     return slot, pool.lend(slot)
 
 
+def test_only_slots_the_caller_still_holds_count_as_kept_when_most_lent_shrinks():
+    # prefetch="auto" made shallower (most_lent 36 -> 5): the slots let go of
+    # already were counted as batches the loop keeps, and it was told so.
+    pool = small_pool(slots=10)
+    pool.most_lent = 8
+    for i in range(8):
+        _fill(pool, float(i))  # each batch dropped at once, as a training step does
+    pool.most_lent = 2
+    _fill(pool, 9.0)
+    assert pool.forgotten == 0
+    kept = [_fill(pool, 10.0 + i) for i in range(12)]  # (a lend forgets one slot at most)
+    left = sum(slot not in pool._lent for slot, _batch in kept)
+    assert pool.forgotten == left > 0  # the slots let go of are not counted
+
+
 @pytest.mark.parametrize("keep", ["tensor", "view", "numpy", "nothing"])
 def test_a_lent_slot_is_refilled_only_once_the_caller_lets_go(keep):
     pool = small_pool(slots=1)

@@ -284,11 +284,13 @@ def test_a_truncated_value_names_the_field_it_ran_out_in() -> None:
     v1 = _event_class(1)
     value = v1(id=300, gone=1 << 40).SerializeToString()  # tag, 2 bytes; tag, 6 bytes
     schema = kfeed.Schema({"id": ("int64", ())})
+    wire = _tag(1, 1) + b"\x01\x02"  # id as a fixed64, cut short (a field read, its type wrong)
     res = kfeed.Protobuf(message=v1).decoder(schema).decode_into(
-        [value[:2], value[:6]], schema.bind(schema.empty(2)), 0)
+        [value[:2], value[:6], wire], schema.bind(schema.empty(3)), 0)
     assert res.rows == 0
     assert res.bad == [(0, "truncated at id"),
-                       (1, "truncated in field number 2, which the schema does not read")]
+                       (1, "truncated in field number 2, which the schema does not read"),
+                       (2, "truncated at id")]
 
 
 def _one_field_class(package: str, message: str, field: str, number: int, type_: int,

@@ -281,8 +281,11 @@ class BufferPool:
             slot.state = SlotState.LENT
             self._lent.append(slot)
             if len(self._lent) > self.most_lent:
-                self._slots.remove(self._lent.popleft())  # the caller's alone now
-                self.forgotten += 1
+                old = self._lent.popleft()
+                self._slots.remove(old)  # the caller's alone now
+                # (one let go of already, past a most_lent made smaller, is no
+                # batch the caller keeps)
+                self.forgotten += not old.returned()
         return slot.view()
 
     def _take_back(self) -> Slot:

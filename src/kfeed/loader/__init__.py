@@ -793,6 +793,9 @@ class Loader:
     def _stop_clock(self) -> None:
         if self._t_end is None and self._t_first is not None:
             self._t_end = time.monotonic()
+        elif self._t_first is None and self._t0 is not None and not self._startup_s:
+            # Ended (or closed) before a first batch: the wait for it so far, kept.
+            self._startup_s = time.monotonic() - self._t0
 
     def _waited(self, waited: float) -> None:
         with self._stall_lock:  # (stats() reads the two together)
@@ -1301,7 +1304,7 @@ class Loader:
             # Until the first batch, the wait for it so far: a loader stuck
             # before it (brokers, a group that assigns nothing) shows.
             "startup_s": (self._startup_s if self._t_first is not None or self._t0 is None
-                          else time.monotonic() - self._t0),
+                          or self._startup_s else time.monotonic() - self._t0),
             "elapsed_s": elapsed,
             "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
             "mb_per_s": ((builder.value_bytes + carried.get("bytes", 0)) / elapsed / 1e6
