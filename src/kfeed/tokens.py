@@ -608,6 +608,10 @@ class ShuffleBuffer:
                 self._known = np.concatenate([self._known, np.zeros_like(self._known)])
         return p
 
+    def partition(self, pid: int) -> Hashable:
+        """The partition whose id is ``pid`` (``pid``'s inverse)."""
+        return self._parts[pid]
+
     def read_position(self, partition: Hashable) -> tuple[int, int] | None:
         """``(offset, sub)`` after the last record of ``partition`` taken, if known."""
         p = self._pid.get(partition)

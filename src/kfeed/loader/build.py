@@ -518,7 +518,7 @@ class RecordBuilder(SlotBuilder):
             emitted, skipped = self._ordered(recs)
         self.samples += n
         if n:
-            self.bad.good(_topics_of(msgs, docs.counts) if self.bad.per_topic else None)
+            self.bad.good(self._topics_of(recs) if self.bad.per_topic else None)
         for j, reason in docs.bad:
             self.bad.bad(msgs[j], reason)
         ids = emitted[:, 3]
@@ -593,7 +593,7 @@ class RecordBuilder(SlotBuilder):
         elif self.decoder is not None:
             vals, pids, offsets, msgs = self._as_raw(msgs, vals, pids, offsets)
         rejected = nvals - len(vals)
-        recs, counts, bad = held.add(vals, pids, offsets)
+        recs, _counts, bad = held.add(vals, pids, offsets)
         for j, reason in bad:
             self.bad.bad(msgs[j], reason)
         with self.ledger.lock:
@@ -603,9 +603,15 @@ class RecordBuilder(SlotBuilder):
         self._deliver(emitted)
         n = len(recs)
         if n:
-            self.bad.good(_topics_of(msgs, counts) if self.bad.per_topic else None)
+            self.bad.good(self._topics_of(recs) if self.bad.per_topic else None)
         self.samples += n
         self.fetcher.learn(n, nvals - rejected - len(bad))
+
+    def _topics_of(self, recs: np.ndarray) -> set[str]:
+        """The topics of ``recs`` (rows of a pid first): per partition, not per record
+        (a mixture's topic stays unproven for its whole read if it gives none)."""
+        order = self.order_ledger.order
+        return {order.partition(p)[0] for p in np.unique(recs[:, 0]).tolist()}
 
     # -- a mixture (kfeed.mix) ----------------------------------------------------
 
@@ -1032,8 +1038,3 @@ def _host(t: torch.Tensor) -> np.ndarray:
     """A host tensor as numpy, bfloat16 as its 2-byte words (as kfeed stores them)."""
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 \
         else t.numpy()
-
-
-def _topics_of(msgs: list[Any], counts: np.ndarray) -> set[str]:
-    """The topics of the messages that gave records (``counts``, one per message)."""
-    return {msgs[j].topic() for j in np.flatnonzero(counts)}
