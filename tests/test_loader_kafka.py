@@ -285,6 +285,51 @@ def test_a_topic_unknown_to_the_broker_asked_is_asked_again_for_a_grace_period()
     assert denied == TopicUnavailable("E29", 29)
 
 
+def test_a_missing_topic_is_named_even_when_the_last_ask_runs_out_of_time() -> None:
+    # The brokers answered "unknown topic" until the deadline, and the last
+    # ask, left a few milliseconds, timed out on a loaded machine: the
+    # producer and the loader then said "cannot reach the brokers", though
+    # they had been reached. Fake brokers: one answer, then only timeouts.
+    from types import SimpleNamespace
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kfeed._kafka import admin_partitions
+    from kfeed.producer import Producer
+
+    class Brokers:
+        def __init__(self) -> None:
+            self.asked = 0
+            self.kfeed_refusal = SimpleNamespace(error=None)
+
+        def list_topics(self, topic: str, timeout: float) -> SimpleNamespace:
+            self.asked += 1
+            if self.asked == 1:
+                err = SimpleNamespace(code=lambda: 3, str=lambda: "Broker: Unknown topic")
+                return SimpleNamespace(topics={topic: SimpleNamespace(error=err,
+                                                                      partitions={})})
+            time.sleep(timeout)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to get metadata"))
+
+        def poll(self, timeout: float = 0) -> int:
+            return 0
+
+    brokers = Brokers()
+    with pytest.raises(kfeed.ConsumeError) as e:
+        admin_partitions(brokers, "t", "127.0.0.1:1", 0.5)
+    assert str(e.value).startswith("topic 't' is not available at 127.0.0.1:1: Broker: "
+                                   "Unknown topic; create it with"), e.value
+    assert brokers.asked > 1
+    p = Producer.__new__(Producer)
+    p.topic, p._timeout, p._servers, p._fatal = "t", 0.5, "127.0.0.1:1", None
+    p._producer = brokers = Brokers()
+    with pytest.raises(kfeed.ProduceError) as e:
+        p._partition_count()
+    assert str(e.value).startswith("topic 't' is not available at 127.0.0.1:1: Broker: "
+                                   "Unknown topic; create it with"), e.value
+    assert brokers.asked > 1
+
+
 @pytest.mark.parametrize("assignment", ["group", "static"])
 def test_a_closed_producer_and_loader_are_freed_at_once(bootstrap, make_topic,
                                                         assignment) -> None:

@@ -630,6 +630,16 @@ def test_a_loader_pickled_says_what_to_do_instead() -> None:
             pickle.dumps(loader)
 
 
+def test_a_loader_given_to_a_dataloader_says_what_to_give_it() -> None:
+    # TypeError: object of type 'Loader' has no len(), from torch's sampler.
+    with memory_loader(blocks(0, 64), SCHEMA, 32, until="end", device="cpu") as loader:
+        with pytest.raises(TypeError, match="^a Loader is a stream of whole batches, with no "
+                                            "length: .* kfeed.KafkaIterableDataset"):
+            list(torch.utils.data.DataLoader(loader))
+        assert loader  # still a loader, whole
+        assert [b.size for b in list(loader)] == [32, 32]  # list() takes no length
+
+
 def test_a_given_source_in_dataloader_workers_of_a_group_is_refused() -> None:
     # Each worker read the whole source: every record once per worker.
     parts = {0: blocks(0, 300, 30), 1: blocks(300, 300, 30)}

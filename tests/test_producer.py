@@ -418,54 +418,69 @@ def _watermarks(bootstrap: str, topic: str, n: int) -> dict[int, int]:
         c.close()
 
 
+class TransactionBrokers:
+    """A transactional producer's client whose calls raise what ``answers`` holds
+    for them in turn ({"commit": [exception, ...]}), then return; ``waits`` holds
+    each call's timeouts."""
+
+    def __init__(self, **answers: list[BaseException]) -> None:
+        self.answers = answers
+        self.waits: dict[str, list[float]] = {}
+
+    def _call(self, name: str, timeout: float) -> None:
+        self.waits.setdefault(name, []).append(timeout)
+        if self.answers.get(name):
+            raise self.answers[name].pop(0)
+
+    def begin_transaction(self) -> None:
+        pass
+
+    def commit_transaction(self, timeout: float) -> None:
+        self._call("commit", timeout)
+
+    def abort_transaction(self, timeout: float) -> None:
+        self._call("abort", timeout)
+
+    def send_offsets_to_transaction(self, offsets, metadata, timeout: float) -> None:
+        self._call("offsets", timeout)
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return 0
+
+    def producer(self) -> kfeed.Producer:
+        """A transactional Producer of topic "t" on these brokers, as made."""
+        from collections import deque
+
+        p = kfeed.Producer.__new__(kfeed.Producer)
+        p.topic, p._timeout, p._transactional, p._in_transaction = "t", 30.0, True, False
+        p._closed, p._fatal, p._failures, p._written, p._unstable = False, None, deque(), {}, {}
+        p._producer = self
+        return p
+
+
+class Group:
+    def consumer_group_metadata(self) -> object:
+        return object()
+
+
 def test_transactional_calls_wait_in_slices_that_a_signal_can_end() -> None:
     # commit_transaction, abort_transaction and send_offsets_to_transaction
     # blocked in C for their whole timeout: a SIGTERM to kfeed produce --from
     # with the brokers gone took 85 s, where the README promises a second or so.
-    from collections import deque
-
     from confluent_kafka import KafkaError, KafkaException
 
-    from kfeed.producer import _SLICE_S, Producer
+    from kfeed.producer import _SLICE_S
 
-    class Slow:  # brokers that answer each call only on its third slice
-        def __init__(self) -> None:
-            self.waits: dict[str, list[float]] = {}
+    def slow() -> list[BaseException]:  # brokers that answer each call on its third slice
+        return [KafkaException(KafkaError(
+            KafkaError._TIMED_OUT, "Timed out waiting for operation to finish, retry call to "
+            "resume", retriable=True)) for _ in range(2)]
 
-        def _call(self, name: str, timeout: float) -> None:
-            waits = self.waits.setdefault(name, [])
-            waits.append(timeout)
-            if len(waits) < 3:
-                raise KafkaException(KafkaError(
-                    KafkaError._TIMED_OUT, "Timed out waiting for operation to finish, retry "
-                    "call to resume", retriable=True))
-
-        def begin_transaction(self) -> None:
-            pass
-
-        def commit_transaction(self, timeout: float) -> None:
-            self._call("commit", timeout)
-
-        def abort_transaction(self, timeout: float) -> None:
-            self._call("abort", timeout)
-
-        def send_offsets_to_transaction(self, offsets, metadata, timeout: float) -> None:
-            self._call("offsets", timeout)
-
-        def poll(self, timeout: float = 0) -> int:
-            return 0
-
-        def __len__(self) -> int:
-            return 0
-
-    class Group:
-        def consumer_group_metadata(self) -> object:
-            return object()
-
-    p = Producer.__new__(Producer)
-    p.topic, p._timeout, p._transactional, p._in_transaction = "t", 30.0, True, False
-    p._closed, p._fatal, p._failures, p._written, p._unstable = False, None, deque(), {}, {}
-    p._producer = brokers = Slow()
+    brokers = TransactionBrokers(commit=slow(), abort=slow(), offsets=slow())
+    p = brokers.producer()
     with p.transaction():
         p.send_offsets(Group(), [])
     with pytest.raises(RuntimeError), p.transaction():
@@ -473,6 +488,33 @@ def test_transactional_calls_wait_in_slices_that_a_signal_can_end() -> None:
     assert {k: len(v) for k, v in brokers.waits.items()} == {"offsets": 3, "commit": 3,
                                                             "abort": 3}
     assert all(0 < t <= _SLICE_S for waits in brokers.waits.values() for t in waits), brokers.waits
+
+
+def test_a_coordinator_busy_with_the_last_transaction_is_asked_again() -> None:
+    # On a loaded 3-broker cluster send_offsets_to_transaction failed at once
+    # with CONCURRENT_TRANSACTIONS (the commit before still being written):
+    # librdkafka marks it retriable, and kfeed produce --from gave up instead.
+    from confluent_kafka import KafkaError, KafkaException
+
+    def busy() -> KafkaException:
+        return KafkaException(KafkaError(
+            KafkaError.CONCURRENT_TRANSACTIONS, "Failed to add offsets to transaction on "
+            "broker TxnCoordinator/3: Broker: Producer attempted to update a transaction "
+            "while another concurrent operation on the same transaction was ongoing",
+            retriable=True))
+
+    brokers = TransactionBrokers(offsets=[busy(), busy()])
+    p = brokers.producer()
+    with p.transaction():
+        p.send_offsets(Group(), [])
+    assert len(brokers.waits["offsets"]) == 3
+    lost = KafkaException(KafkaError(
+        KafkaError.TOPIC_AUTHORIZATION_FAILED, "not authorized", txn_requires_abort=True))
+    brokers = TransactionBrokers(offsets=[lost, busy()])  # what needs an abort: not again
+    p = brokers.producer()
+    with pytest.raises(kfeed.ProduceError, match="cannot send the offsets"), p.transaction():
+        p.send_offsets(Group(), [])
+    assert len(brokers.waits["offsets"]) == 1
 
 
 def test_stable_offsets_are_asked_of_every_broker_known_and_a_failure_says_so(

@@ -467,33 +467,56 @@ def topic_partitions(md: Any, topic: str, since: float,
     return TopicUnavailable(err.str() if err is not None else "no partitions", code)
 
 
-def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> list[int]:
-    """``topic``'s partition ids, asked of an ``AdminClient``; ConsumeError naming why not.
+def wait_partitions(ask: Callable[[float], Any], topic: str, servers: str, timeout_s: float,
+                    error: type[KfeedError],
+                    check: Callable[[BaseException], None] = lambda e: None) -> list[int]:
+    """``topic``'s partition ids, asked with ``ask(timeout)`` (a client's ``list_topics``)
+    in slices of half a second, so that what ``check`` raises for a failed ask (bad
+    credentials, a fatal error) is raised at once, not after ``timeout_s``.
 
     Asked again while the topic is new to the broker asked (``topic_partitions``).
+    An ``error`` (ConsumeError or ProduceError) names why not: brokers that never
+    answered, or a topic they do not have. Brokers that answered were reached,
+    even when the last ask, cut short by the deadline (a slice of milliseconds on
+    a loaded machine), timed out: what is missing then is the topic.
     """
     from confluent_kafka import KafkaException
 
     since = time.monotonic()
     deadline = since + timeout_s
+    md = None
     while True:
         try:
-            md = admin.list_topics(topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-        except KafkaException as e:
-            if (err := refusal(admin)) is not None:
-                raise ConsumeError(refused_message(servers, err), topic=topic,
-                                   code=err.code()) from e
+            md = ask(min(0.5, max(0.01, deadline - time.monotonic())))
+        except (KafkaException, SystemError) as e:
+            check(e)
             if time.monotonic() < deadline:
                 continue
-            raise ConsumeError(unreachable_message(servers, timeout_s, e.args[0].str()),
-                               topic=topic, code=e.args[0].code()) from e
-        found = topic_partitions(md, topic, since, deadline)
+            if md is None:
+                err = kafka_error(e)
+                raise error(unreachable_message(servers, timeout_s,
+                                                err.str() if err is not None else repr(e)),
+                            topic=topic, code=err.code() if err is not None else None) from e
+            found = topic_partitions(md, topic, since, since)  # the last answer, made final
+        else:
+            found = topic_partitions(md, topic, since, deadline)
         if isinstance(found, TopicUnavailable):
-            raise ConsumeError(unavailable_message(topic, servers, found.why), topic=topic,
-                               code=found.code)
+            raise error(unavailable_message(topic, servers, found.why), topic=topic,
+                        code=found.code)
         if found is not None:
             return found
         time.sleep(0.1)
+
+
+def admin_partitions(admin: Any, topic: str, servers: str, timeout_s: float) -> list[int]:
+    """``topic``'s partition ids, asked of an ``AdminClient``; ConsumeError naming why not."""
+    def refused(e: BaseException) -> None:
+        if (err := refusal(admin)) is not None:
+            raise ConsumeError(refused_message(servers, err), topic=topic,
+                               code=err.code()) from e
+
+    return wait_partitions(lambda timeout: admin.list_topics(topic, timeout=timeout), topic,
+                           servers, timeout_s, ConsumeError, refused)
 
 
 def weakly(method: Callable[..., None]) -> Callable[..., None]:

@@ -30,17 +30,14 @@ from kfeed import metrics
 from kfeed._kafka import (
     REFUSED,
     ConnectionLog,
-    TopicUnavailable,
     admin_client,
     bad_setting,
     chain,
     check_topic_name,
     client_config,
     kafka_error,
-    topic_partitions,
     topic_setting,
-    unavailable_message,
-    unreachable_message,
+    wait_partitions,
 )
 from kfeed.badrecords import FINGERPRINT_HEADER, SCHEMA_HEADER, schema_header
 from kfeed.errors import ConfigError, ProduceError
@@ -263,36 +260,19 @@ class Producer:
         metrics.register(self)
 
     def _partition_count(self) -> int:
-        from confluent_kafka import KafkaException
+        def ask(timeout: float) -> Any:
+            self._producer.poll(0)
+            self._raise_fatal()
+            return self._producer.list_topics(self.topic, timeout=timeout)
 
-        # In short slices, so bad credentials fail at once, not after the timeout.
-        since = time.monotonic()
-        deadline = since + self._timeout
-        while True:
-            try:
-                self._producer.poll(0)
-                self._raise_fatal()
-                md = self._producer.list_topics(
-                    self.topic, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-            except (KafkaException, SystemError) as e:
-                err = kafka_error(e)
-                if err is not None and err.fatal():
-                    raise self._error("the producer cannot go on", e) from e
-                if time.monotonic() < deadline:
-                    continue
-                self._raise_fatal()
-                err = kafka_error(e)
-                raise ProduceError(
-                    unreachable_message(self._servers, self._timeout,
-                                        err.str() if err is not None else repr(e)),
-                    topic=self.topic, code=err.code() if err is not None else None) from e
-            found = topic_partitions(md, self.topic, since, deadline)
-            if isinstance(found, TopicUnavailable):
-                raise ProduceError(unavailable_message(self.topic, self._servers, found.why),
-                                   topic=self.topic, code=found.code)
-            if found is not None:
-                return len(found)
-            time.sleep(0.1)
+        def fatal(e: BaseException) -> None:
+            err = kafka_error(e)
+            if err is not None and err.fatal():
+                raise self._error("the producer cannot go on", e) from e
+            self._raise_fatal()
+
+        return len(wait_partitions(ask, self.topic, self._servers, self._timeout, ProduceError,
+                                   fatal))
 
     def _recount_partitions(self) -> None:
         """Take up partitions added to the topic since they were last counted.
@@ -775,7 +755,8 @@ class Producer:
         """A transactional call of librdkafka's (commit, abort, send_offsets) made in
         slices of ``_SLICE_S``: a signal is raised between two, not after the whole
         ``timeout`` (85 s for a SIGTERM with the brokers gone). A call that times out
-        is resumed by the next one with the same arguments."""
+        is resumed by the next one with the same arguments; one that failed with a
+        retriable error is made again."""
         from confluent_kafka import KafkaError, KafkaException
 
         deadline = time.monotonic() + timeout
@@ -784,10 +765,17 @@ class Producer:
             try:
                 return call(max(0.01, min(_SLICE_S, left)))
             except KafkaException as e:
+                # A retriable error is asked again until the timeout: a slice
+                # that timed out (the call resumes), or a coordinator still
+                # busy with the transaction before (CONCURRENT_TRANSACTIONS,
+                # which a cluster under load gave send_offsets_to_transaction
+                # right after the previous commit).
                 err = kafka_error(e)
-                if err is None or err.code() != KafkaError._TIMED_OUT or not err.retriable() \
-                        or left <= _SLICE_S:
+                if err is None or not err.retriable() or err.fatal() or \
+                        err.txn_requires_abort() or left <= _SLICE_S:
                     raise
+                if err.code() != KafkaError._TIMED_OUT:
+                    time.sleep(_SLICE_S)
 
     def send_offsets(self, consumer: Any, offsets: Sequence[Any]) -> None:
         """Inside ``transaction()``: commit ``consumer``'s ``offsets`` with it.

@@ -32,15 +32,12 @@ from kfeed._kafka import (
     PASSING,
     REFUSED,
     ConnectionLog,
-    TopicUnavailable,
     admin_client,
     bad_setting,
     chain,
     client_config,
-    topic_partitions,
     topic_setting,
-    unavailable_message,
-    unreachable_message,
+    wait_partitions,
     weakly,
 )
 from kfeed.errors import ConfigError, ConsumeError
@@ -615,15 +612,11 @@ class KafkaSource(Source):
         return TopicPartition(tp[0], tp[1], offset, metadata)
 
     def partitions(self) -> list[TP]:
-        from confluent_kafka import KafkaException
-
         result: list[TP] = []
         for topic in self.topics:
             # In short slices, so bad credentials (reported through error_cb)
             # fail at once instead of after connect_timeout.
-            since = time.monotonic()
-            deadline = since + self.connect_timeout
-            while True:
+            def ask(timeout: float, topic: str = topic) -> Any:
                 # Serves error_cb (not yet subscribed: reads nothing). A group
                 # the user may not use is said once, as an error event here,
                 # not through error_cb: nothing would say it again.
@@ -633,27 +626,11 @@ class KafkaSource(Source):
                 self._raise_fatal()
                 if self.stopping is not None and self.stopping.is_set():
                     raise ConsumeError("closed while waiting for the brokers", topic=topic)
-                try:
-                    md = self._consumer.list_topics(topic, timeout=min(
-                        0.5, max(0.01, deadline - time.monotonic())))
-                except KafkaException as e:
-                    if time.monotonic() < deadline:
-                        continue
-                    self._raise_fatal()
-                    raise ConsumeError(
-                        unreachable_message(self._config["bootstrap.servers"],
-                                            self.connect_timeout, e.args[0].str()),
-                        topic=topic, code=e.args[0].code(),
-                    ) from e
-                found = topic_partitions(md, topic, since, deadline)
-                if isinstance(found, TopicUnavailable):
-                    raise ConsumeError(
-                        unavailable_message(topic, self._config["bootstrap.servers"], found.why),
-                        topic=topic, code=found.code)
-                if found is not None:
-                    result.extend((topic, p) for p in found)
-                    break
-                time.sleep(0.1)
+                return self._consumer.list_topics(topic, timeout=timeout)
+
+            result.extend((topic, p) for p in wait_partitions(
+                ask, topic, self._config["bootstrap.servers"], self.connect_timeout,
+                ConsumeError, lambda e: self._raise_fatal()))
         return result
 
     def open(self, on_assign: AssignCallback, on_revoke: RevokeCallback,

@@ -1445,6 +1445,18 @@ class Loader:
         if failed:
             raise failed[0]
 
+    def __len__(self) -> int:
+        # What a torch DataLoader given the Loader itself asks (its sampler's
+        # range(len(dataset))): "object of type 'Loader' has no len()" said
+        # nothing of what to do. A TypeError, as that was: list(), tqdm and
+        # Lightning take a TypeError from len() as "no length" and go on.
+        raise TypeError("a Loader is a stream of whole batches, with no length: iterate it "
+                        "itself (for batch in loader), or give a torch DataLoader "
+                        "kfeed.KafkaIterableDataset(...) with batch_size=None")
+
+    def __bool__(self) -> bool:
+        return True  # (not len(): a loader is never empty as a container)
+
     def __reduce__(self) -> Any:
         raise ConfigError("a Loader holds a Kafka consumer and a thread, which no pickle "
                           "carries: make one in each process instead, or give a torch "
