@@ -24,7 +24,7 @@ import fastavro
 import numpy as np
 import pytest
 from confluent_kafka import Producer as KafkaProducer
-from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, given, settings
@@ -216,10 +216,34 @@ def test_corrupt_frames_are_rejected_whole_with_a_reason_and_neighbours_are_inta
     assert got["id"].tolist() == [0, 1, 3, 4]
 
 
+def test_a_schema_id_the_registry_had_not_yet_is_asked_again(registry, monkeypatch):
+    # A value of a schema registered a moment after it was first met (a
+    # registry replica behind its leader) was bad for the loader's life: the
+    # registry's "no such id" was kept as the id's plan for good.
+    import kfeed.formats
+
+    rng = np.random.default_rng(3)
+    first = AvroSerializer(registry, json.dumps(V1))(make_record(0, rng), CTX)
+    # The writer's registry, ahead of the one the loader asks: V2 is its next id.
+    ahead = SchemaRegistryClient.new_client({"url": f"mock://{uuid.uuid4().hex}"})
+    assert AvroSerializer(ahead, json.dumps(V1))(make_record(0, rng), CTX)[1:5] == first[1:5]
+    later = AvroSerializer(ahead, json.dumps(V2))(dict(make_record(1, rng), extra=0.5), CTX)
+    sid = int.from_bytes(later[1:5], "big")
+    decoder = kfeed.Avro(registry=registry).decoder(SCHEMA)
+    _got, bad = decode_all(decoder, SCHEMA, [first, later])
+    assert bad == [(1, f"schema id {sid} is not in the registry")]
+    assert registry.register_schema("loader-side", Schema(json.dumps(V2), "AVRO")) == sid
+    _got, bad = decode_all(decoder, SCHEMA, [later])
+    assert len(bad) == 1  # asked again once ABSENT_RETRY_S passed, not at every record
+    monkeypatch.setattr(kfeed.formats, "ABSENT_RETRY_S", 0.0)
+    got, bad = decode_all(decoder, SCHEMA, [first, later])
+    assert bad == [] and got["id"].tolist() == [0, 1]
+
+
 def test_schema_references_to_other_subjects_read_as_confluent_kafkas_deserializer(registry):
     # A named type registered under a subject of its own, which itself refers
     # to another: the writer schema alone names them without defining them.
-    from confluent_kafka.schema_registry import Schema, SchemaReference
+    from confluent_kafka.schema_registry import SchemaReference
 
     def register(subject: str, schema: dict, refs: list) -> SchemaReference:
         registry.register_schema(subject, Schema(json.dumps(schema), "AVRO", refs))

@@ -381,6 +381,42 @@ def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstr
     assert dead == ["not a number"] * 3  # each once
 
 
+def test_a_rerun_that_starts_at_a_writers_incompatible_change_dead_letters_it(bootstrap,
+                                                                               make_topic):
+    # A convert ran to the end; the writer then changed its events (a field the
+    # schema reads became a string) and sent 150: the rerun, whose first 100
+    # records were bad, failed "all 100 messages read so far were rejected" at
+    # the same offset on every retry, where a run that went on through the
+    # change dead-letters them. Blocks of this schema in the block topic prove
+    # it: the rerun routes them too. A first convert of such a topic still stops.
+    src = make_topic(partitions=1)
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", ())})
+    config = {"bootstrap.servers": bootstrap}
+    p = KafkaProducer(config)
+    for i in range(50):
+        p.produce(src, json.dumps({"id": i, "x": i / 2}).encode())
+    assert p.flush(30) == 0
+    first = kfeed.convert(config, src, src + ".blocks", schema, format="json")
+    assert (first.records, first.bad) == (50, 0)
+    other = make_topic(partitions=1)  # of the changed events only, never converted
+    for i in range(50, 200):
+        for topic in (src, other):
+            p.produce(topic, json.dumps({"id": i, "x": f"{i / 2}"}).encode())
+    assert p.flush(30) == 0
+    with pytest.raises(kfeed.DecodeError, match="all 100 messages read so far were rejected"):
+        kfeed.convert(config, other, other + ".blocks", schema, format="json",
+                      round_messages=50)
+    again = kfeed.convert(config, src, src + ".blocks", schema, format="json",
+                          round_messages=50)
+    assert (again.records, again.bad) == (0, 150)
+    cols = read_columns(bootstrap, src + ".blocks", schema)
+    np.testing.assert_array_equal(np.sort(cols["id"]), np.arange(50))
+    committed = Committed(bootstrap, f"kfeed-convert.{src}.blocks", src, 1)
+    assert committed() == 200
+    committed.consumer.close()
+    assert _dead_letter_offsets(bootstrap, src) == list(range(50, 200))
+
+
 def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, monkeypatch):
     src = make_topic(partitions=1)
     import confluent_kafka

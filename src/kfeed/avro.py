@@ -34,6 +34,7 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ProduceError
 from kfeed.formats import (
+    Absent,
     Encoder,
     PlanDecoder,
     RecordFormat,
@@ -135,7 +136,7 @@ class AvroDecoder(PlanDecoder):
         """The plan of a schema id, or the reason its records are bad."""
         registered = self.registered(schema_id)
         if registered is None:
-            return f"schema id {schema_id} is not in the registry"
+            return Absent(f"schema id {schema_id} is not in the registry")
         kind = getattr(registered, "schema_type", "AVRO") or "AVRO"
         if kind != "AVRO":
             return f"schema id {schema_id} is {kind}, not Avro"

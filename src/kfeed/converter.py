@@ -155,9 +155,10 @@ def convert(
 
 
 def _check_blocks(kafka_config: Mapping[str, Any], topic: str, schema: Schema,
-                  timeout_s: float) -> None:
+                  timeout_s: float) -> bool:
     """Refuse an existing ``topic`` whose newest messages are blocks of another schema, or
     no kfeed blocks: a loader of either would reject the others as bad records.
+    True if it holds blocks of ``schema``.
 
     The same check as ``kfeed produce`` makes; only each partition's newest
     committed message is read (``_kafka.newest_values``).
@@ -165,6 +166,7 @@ def _check_blocks(kafka_config: Mapping[str, Any], topic: str, schema: Schema,
     from kfeed._kafka import newest_values
     from kfeed.badrecords import block_fingerprint, describe_schema
 
+    held = False
     for part, value in sorted(newest_values(kafka_config, topic, timeout_s).items()):
         if value is None:
             continue  # a tombstone says nothing of the schema
@@ -181,6 +183,8 @@ def _check_blocks(kafka_config: Mapping[str, Any], topic: str, schema: Schema,
                 f"writes ({describe_schema(schema)}; {schema.fingerprint:#018x}): a loader of "
                 f"either schema would reject the other's blocks as bad records; convert to "
                 f"another topic")
+        held = True
+    return held
 
 
 class _Convert:
@@ -219,10 +223,10 @@ class _Convert:
             self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
                                      transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
                                      connect_timeout_s=connect_timeout_s)
-            if not created:
-                # After init_transactions: a killed convert's open transaction is
-                # aborted by now, so its newest committed blocks are readable.
-                _check_blocks(kafka_config, to_topic, schema, connect_timeout_s)
+            # After init_transactions: a killed convert's open transaction is
+            # aborted by now, so its newest committed blocks are readable.
+            proven = not created and _check_blocks(kafka_config, to_topic, schema,
+                                                   connect_timeout_s)
             self.dlq_topic = f"{from_topic}.dlq"
             self.dlq_parts = 0
             # Per source partition, its highest offset already dead-lettered:
@@ -244,6 +248,12 @@ class _Convert:
             self.close()
             raise
         self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
+        if proven:
+            # Blocks of this schema were converted before: its records did
+            # decode. A run that starts at a writer's incompatible change (a
+            # hundred bad records in a row) routes them as a run that went on
+            # through it did, rather than fail at the same offset every time.
+            self.bad.good()
         self.assigned: set[int] = set()
         self.eof: set[int] = set()
         if schema.varlen is None:  # rows of a round's partition, decoded in place

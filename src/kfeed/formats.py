@@ -31,6 +31,19 @@ log = logging.getLogger("kfeed.formats")
 # loader fails with ConsumeError: a record is never skipped for want of its schema.
 REGISTRY_RETRY_S = 30.0
 
+# A schema id the registry did not have is asked of it again after this long:
+# a registry replica behind its leader, or one restored, has it soon after;
+# its records until then are bad (the reason says the registry had no such id).
+ABSENT_RETRY_S = 10.0
+
+
+class Absent(str):
+    """The reason ``plan_for`` gives for a key the registry did not have: asked again
+    after ``ABSENT_RETRY_S``, where any other reason stands for the read's life."""
+
+    __slots__ = ()
+
+
 _NUMERIC = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float32", "float64")
 
@@ -73,12 +86,26 @@ class PlanDecoder(Decoder):
         self.framed = framed
         self.single = single
         self.plans: dict[Any, Any] = {}
+        self.absent: dict[Any, float] = {}  # key -> when the registry said it had none
         self._decode = decode
         self._documents = documents
         self.layout = plan_layout(schema, self.what)
 
     def plan_for(self, key: Any) -> Any:
         raise NotImplementedError
+
+    def _learn(self, key: Any) -> None:
+        """The plan of ``key`` (or why its values are bad), asked of ``plan_for``."""
+        self.plans[key] = plan = self.plan_for(key)
+        if isinstance(plan, Absent):
+            self.absent[key] = time.monotonic()
+
+    def _ask_again(self) -> None:
+        """Forget the keys the registry had none of, ``ABSENT_RETRY_S`` ago and more."""
+        now = time.monotonic()
+        for key, since in list(self.absent.items()):
+            if now - since >= ABSENT_RETRY_S:
+                del self.absent[key], self.plans[key]
 
     def ask(self, call: Callable[[], Any], what: str) -> Any:
         """``call()``'s answer from the format's registry (see ``ask_registry``)."""
@@ -103,6 +130,8 @@ class PlanDecoder(Decoder):
                               f"with pack=kfeed.Pack(...)")
         if not isinstance(values, (list, tuple)):
             values = list(values)
+        if self.absent:
+            self._ask_again()
         plans = self.single if self.single is not None else self.plans
         rows = consumed = 0
         bad: list[tuple[int, str]] = []
@@ -114,7 +143,7 @@ class PlanDecoder(Decoder):
             consumed += c
             if need is None:
                 return DecodeResult(rows, consumed, bad)
-            self.plans[need] = self.plan_for(need)
+            self._learn(need)
 
     def decode_documents(self, values: Sequence[Any]) -> Documents:
         """Each record's token field, flat; a bad record gives none."""
@@ -124,6 +153,8 @@ class PlanDecoder(Decoder):
         if not isinstance(values, (list, tuple)):
             values = list(values)
         code = codes(self.schema)[self.schema.fields.index(f)]
+        if self.absent:
+            self._ask_again()
         plans = self.single if self.single is not None else self.plans
         parts, lengths, counts = [], [], []
         rows: dict[str, list[np.ndarray]] = {x.name: [] for x in self.schema.fields
@@ -147,7 +178,7 @@ class PlanDecoder(Decoder):
             done += len(cnts)
             if need is None:
                 break
-            self.plans[need] = self.plan_for(need)
+            self._learn(need)
         columns = {name: np.concatenate(parts_) for name, parts_ in rows.items()}
         return Documents(np.frombuffer(b"".join(parts), f.storage), np.concatenate(lengths),
                          np.concatenate(counts), bad, columns)

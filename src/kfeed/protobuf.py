@@ -40,6 +40,7 @@ import numpy as np
 from kfeed import _codec
 from kfeed.errors import ConfigError, ConsumeError, ProduceError
 from kfeed.formats import (
+    Absent,
     Encoder,
     PlanDecoder,
     RecordFormat,
@@ -143,7 +144,7 @@ class ProtobufDecoder(PlanDecoder):
         schema_id, indexes = key
         registered = self.registered(schema_id, "serialized")
         if registered is None:
-            return f"schema id {schema_id} is not in the registry"
+            return Absent(f"schema id {schema_id} is not in the registry")
         kind = getattr(registered, "schema_type", None) or "AVRO"
         if kind != "PROTOBUF":
             return f"schema id {schema_id} is {kind}, not Protobuf"
