@@ -240,6 +240,33 @@ def test_a_schema_id_the_registry_had_not_yet_is_asked_again(registry, monkeypat
     assert bad == [] and got["id"].tolist() == [0, 1]
 
 
+def test_a_writer_schema_without_a_field_of_a_default_is_said_once(registry, caplog):
+    # A writer that renamed 'age' to 'years' (with an alias, which only an
+    # Avro reader's schema honours) was read with age's default, in silence.
+    schema = kfeed.Schema({"id": ("int64", ()), "age": ("int32", (), {"default": -1})})
+
+    def writer(field: dict) -> str:
+        return json.dumps({"type": "record", "name": "P", "fields": [
+            {"name": "id", "type": "long"}, field]})
+
+    values = [AvroSerializer(registry, writer({"name": "age", "type": "int"}))(
+        {"id": 0, "age": 30}, CTX)]
+    values += [AvroSerializer(registry, writer({"name": "years", "type": "int",
+                                                "aliases": ["age"]}))({"id": i, "years": 40},
+                                                                      CTX) for i in (1, 2)]
+    values.append(AvroSerializer(registry, writer({"name": "age", "type": "string"}))(
+        {"id": 3, "age": "x"}, CTX))  # given, as what it cannot be: bad, not a default
+    renamed = int.from_bytes(values[1][1:5], "big")
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, bad = decode_all(kfeed.Avro(registry=registry).decoder(schema), schema, values)
+    assert got["id"].tolist() == [0, 1, 2] and got["age"].tolist() == [30, -1, -1]
+    assert [i for i, _ in bad] == [3]
+    said = [r.getMessage() for r in caplog.records if "gives no value" in r.getMessage()]
+    assert said == [f"schema id {renamed} gives no value for 'age' (source 'age', default -1): "
+                    f"its records read the default; Avro fields are matched by name, so a "
+                    f"field the writer renamed reads so too"]
+
+
 def test_schema_references_to_other_subjects_read_as_confluent_kafkas_deserializer(registry):
     # A named type registered under a subject of its own, which itself refers
     # to another: the writer schema alone names them without defining them.

@@ -233,8 +233,11 @@ def _event_class(version: int) -> type:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.Ev"))
 
 
-def test_without_the_class_a_field_one_writer_lacks_reads_its_default(registry):
+def test_without_the_class_a_field_one_writer_lacks_reads_its_default(registry, caplog):
     # Every record of the writer without the field was bad, default or not.
+    # Then the default was read in silence, also where a writer had renamed
+    # the field (a rename changes no byte of a Protobuf record): it is said,
+    # once per writer schema.
     values = []
     for version in (1, 2):
         cls = _event_class(version)
@@ -242,12 +245,20 @@ def test_without_the_class_a_field_one_writer_lacks_reads_its_default(registry):
         extra = {"gone": 50} if version == 1 else {"added": 70}
         values += [write(cls(id=version * 10 + i, **{k: v + i for k, v in extra.items()}), CTX)
                    for i in range(3)]
+    ids = [int.from_bytes(values[i][1:5], "big") for i in (0, 3)]
     schema = kfeed.Schema({"id": ("int64", ()), "added": ("int64", (), {"default": -7}),
                            "gone": ("int64", (), {"default": -1})})
     # A 0 of a writer that has the field (proto3, no presence: sent as nothing)
     # reads 0, as protobuf reads it; it read the default.
     values.append(write(cls(id=23, added=0), CTX))
-    got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema, values)
+    with caplog.at_level("WARNING", logger="kfeed"):
+        got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema,
+                              values)
+    said = [r.getMessage() for r in caplog.records if "gives no value" in r.getMessage()]
+    assert said == [f"schema id {sid} gives no value for {name!r} (source {name!r}, default "
+                    f"{default}): its records read the default; Protobuf fields are matched "
+                    f"by name, so a field the writer renamed reads so too"
+                    for sid, name, default in ((ids[0], "added", -7), (ids[1], "gone", -1))]
     assert bad == []
     assert got["id"].tolist() == [10, 11, 12, 20, 21, 22, 23]
     assert got["added"].tolist() == [-7, -7, -7, 70, 71, 72, 0]

@@ -143,9 +143,11 @@ class AvroDecoder(PlanDecoder):
         try:
             named = _referenced(self.fmt.client(), registered, self.ask)
             enums: dict[str, list[str]] = {}
+            unread: list[str] = []
             plan = compile_plan(_load_schema(registered.schema_str), self.schema, named,
-                                self.fmt.enums, enums)
+                                self.fmt.enums, enums, unread)
             self._check_enums(schema_id, enums)
+            self.say_unread(schema_id, unread)
             return plan
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
@@ -459,10 +461,13 @@ class _Compiler:
         self.kids: list[int] = []
         self.notes: list[str] = []
         self.skipped: dict[int, int] = {}  # id(type) -> its skip node, shared
+        self.given: set[str] = set()  # the fields some record of the writer gives
 
     def node(self, kind: str, note: str, field: int = -1, size: int = 0,
              stride: int = 0) -> int:
         code = self.codes[field] if field >= 0 else 0
+        if field >= 0:
+            self.given.add(self.schema.fields[field].name)
         self.nodes.append([_codec.AVRO_KINDS[kind], field, code, size, stride, 0, 0])
         self.notes.append(note)
         return len(self.nodes) - 1
@@ -574,6 +579,7 @@ class _Compiler:
         return i
 
     def bad(self, field: Field, what: str, path: str) -> int:
+        self.given.add(field.name)  # (given, as something it cannot be: a bad record)
         shape = "" if not field.shape else f" of shape {field.shape}"
         return self.node("bad", f"{path}: {what} cannot be field {field.name!r} "
                                 f"({field.dtype}{shape})")
@@ -581,11 +587,13 @@ class _Compiler:
 
 def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
                  enums: Mapping[str, list[str]] | None = None,
-                 read_enums: dict[str, list[str]] | None = None) -> Any:
+                 read_enums: dict[str, list[str]] | None = None,
+                 unread: list[str] | None = None) -> Any:
     """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields;
     ``named``: schemas defining the named types that ``writer`` refers to;
     ``enums``: as ``Avro(enums=)``. ``read_enums`` gets the enums read by
-    the writer's index, with their symbols."""
+    the writer's index, with their symbols; ``unread`` the fields with a
+    default that no record of ``writer`` gives a value for."""
     names = _Names()
     for ref in named:
         names.resolve(ref, "")
@@ -601,6 +609,9 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
     if read_enums is not None:
         read_enums.update(c.read_enums)
+    if unread is not None:
+        unread.extend(f.name for f in schema.fields
+                      if f.name not in c.given and f.default is not None)
     nodes = np.array(c.nodes, np.int64).reshape(-1, 7)
     varfield = -1 if schema.varlen is None else schema.fields.index(schema.varlen)
     return _codec.AvroPlan(layout, nodes, np.array(c.kids, np.int64), c.codes,

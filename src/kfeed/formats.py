@@ -94,6 +94,18 @@ class PlanDecoder(Decoder):
     def plan_for(self, key: Any) -> Any:
         raise NotImplementedError
 
+    def say_unread(self, schema_id: int, names: Sequence[str]) -> None:
+        """Warn, once per writer schema, of the fields with a default that it gives no
+        value for: its records read their default, without a bad record to say so."""
+        if not names:
+            return
+        fields = {f.name: f for f in self.schema.fields}
+        which = ", ".join(f"{n!r} (source {fields[n].source or n!r}, default "
+                          f"{fields[n].default!r})" for n in names)
+        log.warning("schema id %d gives no value for %s: its records read the default; "
+                    "%s fields are matched by name, so a field the writer renamed reads so "
+                    "too", schema_id, which, self.what)
+
     def _learn(self, key: Any) -> None:
         """The plan of ``key`` (or why its values are bad), asked of ``plan_for``."""
         self.plans[key] = plan = self.plan_for(key)

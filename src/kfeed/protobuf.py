@@ -151,7 +151,10 @@ class ProtobufDecoder(PlanDecoder):
         try:
             descriptor = message_at(registry_pool(self.fmt.client(), registered, self.ask),
                                     indexes)
-            return compile_plan(descriptor, self.schema, writer=True)
+            unread: list[str] = []
+            plan = compile_plan(descriptor, self.schema, writer=True, unread=unread)
+            self.say_unread(schema_id, unread)
+            return plan
         except ConfigError as e:
             log.warning("schema id %d cannot be read: %s", schema_id, e)
             return f"schema id {schema_id}: {e}"
@@ -322,13 +325,15 @@ def _at(descriptor: Any, path: tuple[str, ...]) -> Any:
     return descriptor.fields_by_name[path[-1]]
 
 
-def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
+def compile_plan(descriptor: Any, schema: Schema, writer: bool = False,
+                 unread: list[str] | None = None) -> Any:
     """The ``_codec.ProtobufPlan`` reading ``descriptor``'s messages into ``schema``'s fields.
 
     ``writer``: ``descriptor`` is one of a topic's writer schemas (from the
     registry), which may lack fields that others have: a kfeed field with a
     default then reads it from every record (as from a message where the
-    field is absent), where the generated class given must have every field.
+    field is absent), where the generated class given must have every field;
+    ``unread`` gets those fields' names.
 
     Of the members of a oneof, protobuf keeps the one parsed last: each
     member's entry names the fields its oneof's other members lead to, which
@@ -356,6 +361,8 @@ def compile_plan(descriptor: Any, schema: Schema, writer: bool = False) -> Any:
                 lacking = [schema.fields[i] for i in sub.values()
                            if schema.fields[i].default is None]
                 if writer and not lacking:
+                    if unread is not None:
+                        unread.extend(schema.fields[i].name for i in sub.values())
                     continue  # never in this writer's records: their defaults
                 f = lacking[0] if lacking else schema.fields[next(iter(sub.values()))]
                 known = ", ".join(sorted(desc.fields_by_name)) or "none"
