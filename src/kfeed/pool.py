@@ -86,8 +86,8 @@ def _storage_marks(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Any, int, in
 class Slot:
     """One preallocated batch: a tensor per field, ``[batch_size, *shape]``."""
 
-    __slots__ = ("index", "tensors", "sizes", "target", "state", "event", "rows", "extent",
-                 "marks")
+    __slots__ = ("index", "tensors", "sizes", "nbytes", "target", "state", "event", "rows",
+                 "extent", "marks")
 
     def __init__(self, index: int, tensors: dict[str, torch.Tensor], target: Any) -> None:
         self.index = index
@@ -101,6 +101,7 @@ class Slot:
     def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
         self.sizes = tuple((name, t, len(t)) for name, t in tensors.items())
+        self.nbytes = sum(t.nbytes for t in tensors.values())
         self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
 
     def grow(self, name: str, length: int, pin: bool) -> torch.Tensor:
@@ -226,7 +227,7 @@ class BufferPool:
     @property
     def nbytes(self) -> int:
         """Host memory held by the pool (lent slots included)."""
-        return sum(t.nbytes for s in self._slots for t in s.tensors.values())
+        return sum(s.nbytes for s in self._slots)
 
     @property
     def slots(self) -> tuple[Slot, ...]:

@@ -135,6 +135,10 @@ _SOURCE_COUNTS = ("commits", "commit_failures", "dead_lettered")  # the source's
 
 _MAX_SUPERSEDED = 256  # and this many runs whose commits it accounts for
 _STATE_VERSION = 1
+# Lent slots left to a loop that keeps its batches: a few are a loop that
+# keeps the last ones for a while (a moving average, a log line); more, under
+# a memory cap, are said (``_say_kept``).
+_KEPT_FEW = 16
 
 
 class Batch(dict):
@@ -415,9 +419,7 @@ class Loader:
         # held: what the cap leaves room for is asked again as the slots grow.
         self._grown = GrownBatches(self._pool, plan, c) \
             if c.jagged and c.max_memory_bytes is not None else None
-        # Lent slots left to a loop that keeps its batches: a few are a loop
-        # that keeps the last ones for a while (a moving average, a log line).
-        self._kept_said = 16
+        self._kept_said = False  # (a loop that keeps its batches: said once)
         self._status = Status()
         # What holds the consumer past its time limit (a commit no broker
         # answers), if anything: the consumer is then never called again.
@@ -776,7 +778,8 @@ class Loader:
                 self._tuner.observe(0.0 if ready else waited, now)
         if self._grown is not None:
             self._grown.check(self._tuner)
-        if self._pool.forgotten > self._kept_said and self.config.max_memory_bytes is not None:
+        if self._pool.forgotten > _KEPT_FEW and not self._kept_said and \
+                self.config.max_memory_bytes is not None:
             self._say_kept()
         self._fresh = False
         return batch
@@ -788,7 +791,7 @@ class Loader:
             "is its own memory, beside the %d bytes of max_memory_bytes, and the loader "
             "makes a new slot for each; drop them (or copy what you keep) to stay within "
             "the cap", self._pool.forgotten, self.config.max_memory_bytes)
-        self._kept_said = 1 << 62  # once
+        self._kept_said = True
 
     def _stop_clock(self) -> None:
         if self._t_end is None and self._t_first is not None:

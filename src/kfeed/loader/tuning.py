@@ -241,11 +241,11 @@ class GrownBatches:
         self.pool = pool
         self.plan = plan
         self.config = config
-        self.seen = max(_slot_bytes(s) for s in pool.slots)
+        self.seen = max(s.nbytes for s in pool.slots)
         self.warned = False
 
     def check(self, tuner: PrefetchTuner | None) -> None:
-        largest = max(_slot_bytes(s) for s in self.pool.slots)
+        largest = max(s.nbytes for s in self.pool.slots)
         if largest <= self.seen:
             return
         self.seen = largest
@@ -275,6 +275,3 @@ class GrownBatches:
                 "longer fit max_memory_bytes=%d; a smaller batch_size or prefetch, or a larger "
                 "cap, keeps the loader within it", largest, self.config.prefetch, cap)
 
-
-def _slot_bytes(slot: Any) -> int:
-    return sum(t.nbytes for t in slot.tensors.values())
