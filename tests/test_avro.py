@@ -791,6 +791,33 @@ def test_mutated_documents_with_fields_beside_read_as_fastavro_reads_them(data):
 
 
 @pytest.mark.integration
+def test_a_schema_id_in_a_header_is_named_in_the_reason(bootstrap, make_topic, registry):
+    # confluent-kafka's serializers can put the schema's id in a header (the
+    # value is then bare Avro): kfeed said "too short for the Confluent framing"
+    # or "schema id N is not in the registry" (N from the record's own bytes).
+    from confluent_kafka.schema_registry import header_schema_id_serializer
+
+    topic = make_topic(partitions=1)
+    write = AvroSerializer(registry, json.dumps(V1),
+                           conf={"schema.id.serializer": header_schema_id_serializer})
+    rng = np.random.default_rng(5)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(40):
+        headers: list = []
+        value = write(make_record(i, rng), SerializationContext(topic, MessageField.VALUE,
+                                                                headers))
+        p.produce(topic, value, headers=headers)
+    assert p.flush(30) == 0
+    config = {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}
+    with kfeed.Loader(config, topic, SCHEMA, batch_size=8, until="end", device="cpu",
+                      format=kfeed.Avro(registry=registry)) as loader:
+        with pytest.raises(kfeed.DecodeError, match=r"^all 32 messages read so far were "
+                           r"rejected.*its writer put the schema id in the __value_schema_id "
+                           r"header, as confluent-kafka's header_schema_id_serializer does"):
+            next(iter(loader))
+
+
+@pytest.mark.integration
 def test_loader_packs_an_avro_topic_of_documents(bootstrap, make_topic, registry):
     topic = make_topic(partitions=2)
     values, records = doc_values(registry, 3000, seed=8)

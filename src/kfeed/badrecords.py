@@ -93,6 +93,17 @@ def _header(msg: Any, name: str) -> bytes | None:
 _NUMBERS = re.compile(r"\b(?:0x[0-9a-f]+|-?\d+)\b")  # not the 32 of float32
 
 
+# Where confluent-kafka's serializers put the schema's id (a GUID) when told to
+# write it in a header: the value is then the bare Avro, Protobuf or JSON.
+_HEADER_SCHEMA_ID = "__value_schema_id"
+
+
+def _header_schema_id(msg: Any) -> bool:
+    """Whether ``msg`` names its schema in the ``_HEADER_SCHEMA_ID`` header."""
+    headers = msg.headers() if hasattr(msg, "headers") else None
+    return bool(headers) and any(k == _HEADER_SCHEMA_ID for k, _v in headers)
+
+
 def reason_kind(why: str) -> str:
     """A reason with its numbers as N: "raw value of N bytes, but ...". The
     sizes and counts in reasons are as many as the messages; their kinds few."""
@@ -170,6 +181,11 @@ class BadRecords:
         self._dests: dict[str, str] = {}  # reason -> where its last record went
 
     def explain(self, msg: Any, reason: str) -> str:
+        if _header_schema_id(msg):
+            return (f"{reason} (its writer put the schema id in the {_HEADER_SCHEMA_ID} "
+                    f"header, as confluent-kafka's header_schema_id_serializer does, which "
+                    f"kfeed does not read: have it write the id into the value, the "
+                    f"serializers' default)")
         if reason in (_FINGERPRINT_REASON, _FLAGS_REASON):
             return (f"schema mismatch: the loader expects {describe_schema(self.schema)}; "
                     f"the message was written with {_written_with(msg)}")
