@@ -117,6 +117,29 @@ def test_a_resume_continues_inside_the_document_with_the_identical_next_batch(st
     assert_batches_equal(first + rest, whole)
 
 
+def test_a_resume_with_another_pad_id_places_every_token_as_before() -> None:
+    # pad_id only fills the rows' ends: a state saved with another one was
+    # refused ("the state was saved with pack [192, 100000, 0, True] ...").
+    docs = make_docs(300, seed=11)
+    values = TOKENS.encode_blocks({"tokens": docs}, 8)
+    whole, _ = run(values, TOKENS, 4, pack=Pack(seq_len=192, eos_id=EOS))
+    first, state = run(values, TOKENS, 4, stop=5, pack=Pack(seq_len=192, eos_id=EOS))
+    rest, _ = run(values, TOKENS, 4, state=state, pack=Pack(seq_len=192, eos_id=EOS,
+                                                            pad_id=-1))
+    assert len(first) + len(rest) == len(whole)
+    padded = 0
+    for got, want in zip(rest, whole[len(first):], strict=True):
+        pad = got["tokens"] == -1
+        padded += int(pad.sum())
+        np.testing.assert_array_equal(want["tokens"][pad], 0)
+        np.testing.assert_array_equal(got["tokens"][~pad], want["tokens"][~pad])
+        np.testing.assert_array_equal(got["cu_seqlens"], want["cu_seqlens"])
+    assert padded > 0
+    with pytest.raises(ConfigError, match="the state was saved with pack"):
+        run(values, TOKENS, 4, state=state, pack=Pack(seq_len=192, eos_id=EOS,
+                                                       split_long=False))
+
+
 def test_a_partly_emitted_document_is_in_the_state_and_not_committed() -> None:
     docs = [np.arange(1, 1001, dtype=np.int32)]  # one document of 1,000 tokens (+ EOS)
     values = TOKENS.encode_raw({"tokens": docs})
