@@ -127,6 +127,20 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (("lag", "--bootstrap-servers", "h:1,h:notaport", "--group-id", "g"),
      ("kfeed: --bootstrap-servers h:1,h:notaport: 'h:notaport' is not HOST:PORT (e.g. "
       "127.0.0.1:9092; several joined by commas)")),
+    # Found only once the topic was made (and left behind), or an OverflowError
+    # there; the brokers' address is closed, so a run that got that far fails
+    # otherwise.
+    (PRODUCE + ("--synthetic", "5", "-X", "acks=0"),
+     ("kfeed: bad Kafka setting: Failed to create producer: `acks` must be set to `all` when "
+      "`enable.idempotence` is true: check its name and value (librdkafka's CONFIGURATION.md "
+      "lists them)")),
+    (PRODUCE + ("--synthetic", "1000", "--block-records", "100000"),
+     ("kfeed: --block-records 100000: a block of that many records is 308,800,032 bytes, over "
+      "message.max.bytes=1,000,000 less 1024 for the headers: give --block-records 323 or "
+      "fewer (or leave it out), or raise -X message.max.bytes")),
+    (PRODUCE + ("--synthetic", "10", "--first-id", str(2**63 - 8)),
+     (f"kfeed: --first-id {2**63 - 8}: the ids of --synthetic 10 would pass "
+      f"9,223,372,036,854,775,807, the largest int64 id")),
 ])
 def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     code, err, out = run_main(capsys, *argv)

@@ -388,6 +388,59 @@ def test_numpy_rows_skip_by_slicing_and_check_what_they_hold(tmp_path) -> None:
     rows.close()
 
 
+def test_a_file_rewritten_at_the_same_size_is_a_change_for_resume(tmp_path) -> None:
+    # The marks held names and sizes only: a --resume after the file was
+    # rewritten at the same size (ids reversed) was taken, and sent its first
+    # rows twice and its last never.
+    import os
+
+    from kfeed.ingest import DatasetRows, NumpyRows
+
+    save_numpy(tmp_path / "d.npz", np.arange(1000))
+    pq.write_table(table(np.arange(1000)), tmp_path / "a.parquet")
+    kinds = {NumpyRows: str(tmp_path / "d.npz"), DatasetRows: str(tmp_path / "a.parquet")}
+    for kind, path in kinds.items():
+        rows = kind(path)
+        mark = rows.mark(600)
+        rows.close()
+        again = kind(path)
+        again.check_mark(mark, 600)  # unchanged: resumed
+        if kind is NumpyRows:  # a mark recorded before the times were kept
+            again.check_mark(mark.rpartition(":")[0], 600)
+        again.close()
+        size, st = os.path.getsize(path), os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten, same size
+        assert os.path.getsize(path) == size
+        changed = kind(path)
+        with pytest.raises(ConfigError, match="changed since the 600 rows were sent"):
+            changed.check_mark(mark, 600)
+        changed.close()
+
+
+def test_the_progress_is_asked_again_while_the_group_coordinator_moves() -> None:
+    # A run started right after the brokers (or the one coordinating the
+    # job's group) restarted failed at once: "cannot read the progress of
+    # kfeed-produce...: Failed to get committed offsets: Broker: Not coordinator".
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    class Moving:  # the coordinator answers on the third ask
+        asked = 0
+
+        def committed(self, tps, timeout):
+            self.asked += 1
+            if self.asked < 3:
+                raise KafkaException(KafkaError((KafkaError.NOT_COORDINATOR,
+                                                 KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+                                                [self.asked - 1]))
+            return [TopicPartition("t", 0, 1200, metadata='{"rows":1200,"mark":"m"}')]
+
+    progress = IngestProgress.__new__(IngestProgress)
+    progress.topic, progress.job, progress.timeout_s = "t", "kfeed-produce.t.x", 10.0
+    progress._consumer = Moving()
+    assert progress.done() == 1200 and progress.mark == "m"
+    assert progress._consumer.asked == 3
+
+
 def test_a_big_endian_array_is_sent_in_this_machine_s_byte_order() -> None:
     # Its dtype's name is float32 all the same: the rules let it through, and the
     # producer refused it after the topic was made ("expected dtype float32, got >f4").

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections import Counter
@@ -444,11 +445,17 @@ class TransactionBrokers:
     def send_offsets_to_transaction(self, offsets, metadata, timeout: float) -> None:
         self._call("offsets", timeout)
 
+    def flush(self, timeout: float) -> int:
+        self._call("flush", timeout)
+        return len(self)
+
     def poll(self, timeout: float = 0) -> int:
         return 0
 
     def __len__(self) -> int:
-        return 0
+        return self.queued
+
+    queued = 0
 
     def producer(self) -> kfeed.Producer:
         """A transactional Producer of topic "t" on these brokers, as made."""
@@ -515,6 +522,58 @@ def test_a_coordinator_busy_with_the_last_transaction_is_asked_again() -> None:
     with pytest.raises(kfeed.ProduceError, match="cannot send the offsets"), p.transaction():
         p.send_offsets(Group(), [])
     assert len(brokers.waits["offsets"]) == 1
+
+
+def test_a_transactional_call_that_never_returns_ends_at_the_timeout() -> None:
+    # librdkafka's send_offsets_to_transaction ignores its timeout when the
+    # transaction coordinator went away with a broker's restart: kfeed produce
+    # --from hung for ten minutes, and a SIGTERM with it. Fake brokers whose
+    # call blocks until the test ends.
+    from kfeed.producer import _STUCK_S
+
+    release = threading.Event()
+
+    class Stuck(TransactionBrokers):
+        def send_offsets_to_transaction(self, offsets, metadata, timeout: float) -> None:
+            self._call("offsets", timeout)
+            release.wait(60)
+
+    brokers = Stuck()
+    p = brokers.producer()
+    p._timeout = 1.0
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(kfeed.ProduceError, match="cannot send the offsets with the "
+                           "transaction: librdkafka's send_offsets_to_transaction did not "
+                           "return within its 1s"), p.transaction():
+            p.send_offsets(Group(), [])
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 1.0 + _STUCK_S + 1.0, took
+        # The producer cannot go on, and says so at once: no abort or flush waits on it.
+        assert set(brokers.waits) == {"offsets"}
+        with pytest.raises(kfeed.ProduceError, match="the producer cannot go on"):
+            p.send({"id": np.arange(3)})
+    finally:
+        release.set()
+
+
+def test_an_interrupt_of_a_transactional_producer_says_nothing_of_its_flush(caplog) -> None:
+    # A SIGTERM to kfeed produce --from during a commit: the producer's exit
+    # flushed the aborted transaction's messages, and logged "flush after
+    # Interrupted failed: KafkaError{FATAL,code=INVALID_TXN_STATE ...}".
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kfeed.errors import Interrupted
+
+    fatal = KafkaException(KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end "
+                                      "transaction", fatal=True))
+    brokers = TransactionBrokers(flush=[fatal])
+    brokers.queued = 5
+    p = brokers.producer()
+    with caplog.at_level("WARNING", logger="kfeed"), pytest.raises(Interrupted):
+        with p:
+            raise Interrupted(15)
+    assert "flush" not in brokers.waits and caplog.records == []
 
 
 def test_stable_offsets_are_asked_of_every_broker_known_and_a_failure_says_so(

@@ -414,7 +414,14 @@ def _check_produce(args: argparse.Namespace) -> str:
     if args.block_records is not None and args.format not in ("block", "arrow"):
         raise ConfigError(f"--block-records applies to --format block or arrow, not to "
                           f"{args.format} (one record a message): leave it out")
+    if args.first_id is not None and kind == "samples" and \
+            args.first_id + args.synthetic > _INT64_MAX + 1:
+        raise ConfigError(f"--first-id {args.first_id}: the ids of --synthetic "
+                          f"{args.synthetic} would pass {_INT64_MAX:,}, the largest int64 id")
     return kind
+
+
+_INT64_MAX = 2**63 - 1
 
 
 class _StepBar:
@@ -475,12 +482,22 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     import kfeed
     from kfeed._kafka import check_settings
 
-    from kfeed.producer import record_fits
+    from kfeed.producer import PRODUCER_DEFAULTS, message_max_bytes, record_fits
 
-    # A bad -X is a usage mistake, with no topic left behind; so is a record
-    # larger than a message (the topic made for it would not take it either).
-    check_settings(config, transactional=transactional, producer_only=True)
-    record_fits(schema, config, args.format)
+    # A bad -X is a usage mistake, with no topic left behind (checked as the
+    # Producer will be made: over its defaults, acks=all with idempotence);
+    # so is a record, or a --block-records block, larger than a message (the
+    # topic made for it would not take it either).
+    check_settings({**PRODUCER_DEFAULTS, **config}, transactional=transactional,
+                   producer_only=True)
+    fit = record_fits(schema, config, args.format)
+    block = getattr(args, "block_records", None)
+    if args.format == "block" and fit and block is not None and block > fit:
+        raise ConfigError(f"--block-records {block}: a block of that many records is "
+                          f"{schema.block_nbytes(block):,} bytes, over message.max.bytes="
+                          f"{message_max_bytes({**PRODUCER_DEFAULTS, **config}):,} less 1024 "
+                          f"for the headers: give --block-records {fit} or fewer (or leave it "
+                          f"out), or raise -X message.max.bytes")
     _reach_registry(args)
     partitions = args.partitions or DEFAULT_PARTITIONS
     # A -X message.max.bytes past the brokers' default (1 MiB) is for messages

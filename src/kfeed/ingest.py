@@ -540,7 +540,9 @@ class DatasetRows(Rows):
 
         self.source = source
         self._ends: list[int] = []  # where each file read so far ends, in rows
-        self._sizes: dict[str, int] = {}
+        # Per file: its size and modification time (ns; None where the file
+        # system keeps none), which a rewrite changes (``mark``).
+        self._stamps: dict[str, tuple[int, int | None]] = {}
         said = shown(source)  # in messages: no credentials
         base, params = split_params(source)
         cut = min((base.find(c) for c in _GLOB if c in base), default=-1)
@@ -564,7 +566,7 @@ class DatasetRows(Rows):
                                       f"{' (only blank lines)' if info.size else ''}, which "
                                       f"holds no rows: check the path")
                 files = [path]
-                self._sizes = {path: info.size}
+                self._stamps = {path: _stamp(info)}
             elif info.type == pafs.FileType.Directory:
                 found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
                 # As pyarrow's own discovery: no file whose name, or any folder's
@@ -579,7 +581,7 @@ class DatasetRows(Rows):
                                         else Path(f.path).name)
                         and not _blank(fs, f.path, f.size)]
                 files = sorted(f.path for f in kept)
-                self._sizes = {f.path: f.size for f in kept}
+                self._stamps = {f.path: _stamp(f) for f in kept}
             else:
                 raise ConfigError(f"--from {said}: no such file or directory: check the path")
         except ConfigError:
@@ -634,8 +636,10 @@ class DatasetRows(Rows):
 
     def mark(self, rows: int) -> str | None:
         """The files wholly or partly in the first ``rows`` rows, as ``N:digest`` of their
-        names and sizes: a file added, removed or changed among them moves what the
-        row count skips (a file added before the end sent it twice and skipped another)."""
+        names, sizes and modification times: a file added, removed or changed among
+        them moves what the row count skips (a file added before the end sent it twice
+        and skipped another; one rewritten at the same size, its first rows twice and
+        its last never)."""
         done = bisect.bisect_right(self._ends, rows)  # files whose every row is sent
         partly = rows > (self._ends[done - 1] if done else 0) and done < len(self.files)
         n = done + int(partly)
@@ -645,7 +649,8 @@ class DatasetRows(Rows):
         if not mark:
             return  # (progress recorded before marks were)
         n, _, digest = mark.partition(":")
-        if not n.isdigit() or int(n) > len(self.files) or self._digest(int(n)) != digest:
+        if not n.isdigit() or int(n) > len(self.files) or \
+                digest not in (self._digest(int(n)), self._digest(int(n), times=False)):
             raise ConfigError(
                 f"--resume: --from {shown(self.source)} changed since the {rows:,} rows were "
                 f"sent (a file added, removed or changed among the ones they came from): "
@@ -653,8 +658,12 @@ class DatasetRows(Rows):
                 f"whole with --resend (to a new topic, or after deleting this one's records), "
                 f"or put new files in a folder of their own")
 
-    def _digest(self, n: int) -> str:
-        text = "\0".join(f"{f}\0{self._sizes.get(f)}" for f in self.files[:n])
+    def _digest(self, n: int, times: bool = True) -> str:
+        """Of the first ``n`` files; ``times=False``: as marks recorded before kfeed kept
+        the modification times were (names and sizes)."""
+        text = "\0".join(f"{f}\0{self._stamps[f][0]}" + (f"\0{self._stamps[f][1]}" if times
+                                                          else "")
+                         for f in self.files[:n])
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def _count(self, fragment: Any) -> int:
@@ -897,6 +906,11 @@ CANCEL_WAIT_S = 5.0
 _NUMPY_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
 
 
+def _stamp(info: Any) -> tuple[int, int | None]:
+    """A pyarrow ``FileInfo``'s size and modification time (ns; None where not kept)."""
+    return int(info.size), info.mtime_ns
+
+
 class NumpyRows(Rows):
     """The arrays of a ``.npz`` archive, or the one array of a ``.npy`` file (named
     after the file's stem), a slice of rows at a time.
@@ -932,7 +946,8 @@ class NumpyRows(Rows):
             raise ConfigError(f"{path.name}: one .npy array, not an .npz archive: name it "
                               f"{path.stem}.npy and map it with --field FIELD={path.stem}")
         self.total = len(self._data) if self.one and self._data.ndim else None
-        self._size = path.stat().st_size
+        stat = path.stat()
+        self._size, self._mtime = stat.st_size, stat.st_mtime_ns
 
     def names(self) -> list[str]:
         return [self.path.stem] if self.one else list(self._data.files)
@@ -980,13 +995,14 @@ class NumpyRows(Rows):
             yield _Slice({src: arr[i:i + step] for src, arr in arrays.items()})
 
     def mark(self, rows: int) -> str | None:
-        return f"1:{self._size}"
+        return f"1:{self._size}:{self._mtime}"
 
     def check_mark(self, mark: str | None, rows: int) -> None:
-        if mark and mark != self.mark(rows):
+        # ("1:SIZE": recorded before kfeed kept the modification time.)
+        if mark and mark not in (self.mark(rows), f"1:{self._size}"):
             raise ConfigError(
                 f"--resume: --from {self.path} changed since the {rows:,} rows were sent (its "
-                f"size is not what it was): skipping {rows:,} rows would send some twice and "
+                f"size or modification time is not what it was): skipping {rows:,} rows would send some twice and "
                 f"others never; send it whole with --resend (to a new topic, or after "
                 f"deleting this one's records)")
 

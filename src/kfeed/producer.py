@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -254,7 +256,7 @@ class Producer:
         self._in_transaction = False
         if self._transactional:
             try:
-                self._producer.init_transactions(self._timeout)
+                self._sliced(self._producer.init_transactions, self._timeout)
             except (KafkaException, SystemError) as e:
                 raise self._error("cannot start transactions", e) from e
         metrics.register(self)
@@ -752,18 +754,18 @@ class Producer:
             raise
 
     def _sliced(self, call: Callable[[float], Any], timeout: float) -> Any:
-        """A transactional call of librdkafka's (commit, abort, send_offsets) made in
-        slices of ``_SLICE_S``: a signal is raised between two, not after the whole
-        ``timeout`` (85 s for a SIGTERM with the brokers gone). A call that times out
-        is resumed by the next one with the same arguments; one that failed with a
-        retriable error is made again."""
+        """A transactional call of librdkafka's (init, commit, abort, send_offsets) made
+        in slices of ``_SLICE_S`` (``_on_thread``), until ``timeout``: a signal is raised
+        between two, not after the whole ``timeout`` (85 s for a SIGTERM with the
+        brokers gone). A call that times out is resumed by the next one with the same
+        arguments; one that failed with a retriable error is made again."""
         from confluent_kafka import KafkaError, KafkaException
 
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             try:
-                return call(max(0.01, min(_SLICE_S, left)))
+                return self._on_thread(call, max(0.01, min(_SLICE_S, left)), deadline, timeout)
             except KafkaException as e:
                 # A retriable error is asked again until the timeout: a slice
                 # that timed out (the call resumes), or a coordinator still
@@ -776,6 +778,64 @@ class Producer:
                     raise
                 if err.code() != KafkaError._TIMED_OUT:
                     time.sleep(_SLICE_S)
+
+    def _on_thread(self, call: Callable[[float], Any], slice_s: float, deadline: float,
+                   timeout: float) -> Any:
+        """``call(slice_s)`` on a thread of its own, waited for in steps of ``_SLICE_S``.
+
+        librdkafka's send_offsets_to_transaction can block past the timeout it is
+        given (a transaction coordinator lost in a broker's restart held it for
+        ten minutes, a SIGTERM with it): a signal is raised here at once, and a
+        call still running ``_STUCK_S`` after ``deadline`` (the end of the
+        ``timeout`` the caller gave), or after an interrupt, is left to the
+        process's exit, the producer with it: every later call raises that, as
+        a fatal error does (the brokers abort its transaction at the
+        transaction's timeout; the next run of the job fences it).
+        """
+        from confluent_kafka import KafkaException
+
+        done, out = threading.Event(), []
+
+        def run() -> None:
+            try:
+                out.append((True, call(slice_s)))
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                out.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kfeed-transaction", daemon=True).start()
+        until = max(time.monotonic() + slice_s, deadline) + _STUCK_S
+        try:
+            while not done.wait(_SLICE_S):
+                if time.monotonic() >= until:
+                    break
+        except BaseException:
+            # An interrupt: a call within its slice ends in a moment, and the
+            # abort that follows is then not refused as a conflicting call.
+            if not done.wait(2 * _SLICE_S):
+                self._stuck(call, timeout)
+            raise
+        if not done.is_set():
+            self._stuck(call, timeout)
+            assert self._fatal is not None
+            raise KafkaException(self._fatal)
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def _stuck(self, call: Callable[..., Any], timeout: float) -> None:
+        """``call`` did not return: the producer cannot go on (see ``_on_thread``)."""
+        from confluent_kafka import KafkaError
+
+        name = getattr(getattr(call, "func", call), "__name__", "a call").lstrip("_")
+        if self._fatal is None:
+            self._fatal = KafkaError(
+                KafkaError._TIMED_OUT, f"librdkafka's {name} did not return within its "
+                f"{timeout:g}s (its transaction coordinator went away, with a broker that "
+                f"restarted, say): the brokers abort the open transaction at its timeout",
+                fatal=True)
 
     def send_offsets(self, consumer: Any, offsets: Sequence[Any]) -> None:
         """Inside ``transaction()``: commit ``consumer``'s ``offsets`` with it.
@@ -793,10 +853,14 @@ class Producer:
                               "inside `with producer.transaction():`")
         metadata, offsets = consumer.consumer_group_metadata(), list(offsets)
         try:
-            self._sliced(lambda timeout: self._producer.send_offsets_to_transaction(
-                offsets, metadata, timeout), self._timeout)
+            self._sliced(functools.partial(self._send_offsets_to_transaction, offsets, metadata),
+                         self._timeout)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send the offsets with the transaction", e) from e
+
+    def _send_offsets_to_transaction(self, offsets: list[Any], metadata: Any,
+                                     timeout: float) -> None:
+        self._producer.send_offsets_to_transaction(offsets, metadata, timeout)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -829,6 +893,11 @@ class Producer:
             # interrupt waits a moment only (brokers that went away would hold
             # it for the whole timeout), and what it left is said with it.
             interrupt = isinstance(exc, KeyboardInterrupt)
+            if interrupt and self._transactional:
+                # Sent inside transactions only: the one the interrupt left open
+                # is aborted (by transaction(), or by the brokers at its timeout),
+                # its messages with it. A flush would only fail on its state.
+                return
             try:
                 left = self._flush(_INTERRUPT_FLUSH_S if interrupt else self._timeout)
             except (KafkaException, SystemError) as e:
@@ -938,6 +1007,9 @@ class Producer:
 # Under confluent-kafka's 200 ms chunk, so that each call runs librdkafka's
 # dispatch once (see NOTE [ Callbacks never raise ]).
 _SLICE_S = 0.1
+# A transactional call that has not returned this long after its caller's
+# timeout will not (see Producer._on_thread).
+_STUCK_S = 1.0
 # librdkafka's ERR__FATAL: what produce() says once a fatal error was raised.
 _LOCAL_FATAL = -150
 # A transactional producer fenced (_FENCED, PRODUCER_FENCED, INVALID_PRODUCER_EPOCH),

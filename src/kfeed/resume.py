@@ -76,9 +76,17 @@ class IngestProgress:
         """Rows recorded as sent by the last committed transaction (0 if none)."""
         from confluent_kafka import KafkaException, TopicPartition
 
-        try:
+        from kfeed._kafka import PASSING, passing
+
+        def ask() -> Any:
             got = self._consumer.committed([TopicPartition(self.topic, 0)],
                                            timeout=self.timeout_s)
+            if got[0].error is not None and got[0].error.code() in PASSING:
+                raise KafkaException(got[0].error)
+            return got
+
+        try:  # (a group coordinator still loading or moving, after a restart: asked again)
+            got = passing(ask, self.timeout_s)
         except KafkaException as e:
             raise ProduceError(f"cannot read the progress of {self.job}: {e.args[0].str()}"
                                ) from e
