@@ -274,6 +274,22 @@ def test_offsets_stored_as_fetched_are_refused(store) -> None:
                             f"kfeed commits each batch after its step: leave the setting out")
 
 
+@pytest.mark.parametrize("reset", ["latest", "error"])
+def test_an_offset_reset_kfeed_would_not_use_is_refused(reset) -> None:
+    # Taken and never used: a new group given auto.offset.reset=latest read the
+    # whole topic (the loader places each partition's start by start=).
+    config = {"bootstrap.servers": "127.0.0.1:9", "group.id": "g", "auto.offset.reset": reset}
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(config, "t", SCHEMA, 8, device="cpu")
+    assert str(e.value) == (
+        f"auto.offset.reset={reset!r}: kfeed places each partition's start itself, by start= "
+        f"('committed' by default: the group's commit, else the earliest offset); give "
+        f"start='latest' (kfeed train --start latest) to begin at the end, and leave the "
+        f"setting out")
+    kfeed.Loader({**config, "auto.offset.reset": "earliest"}, "t", SCHEMA, 8,
+                 device="cpu").close()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_a_config_error() -> None:
     with pytest.raises(kfeed.ConfigError) as e:

@@ -430,14 +430,21 @@ class _StepBar:
 
     def __init__(self, steps: int) -> None:
         self._bar = _tqdm(total=steps or None, unit="step", desc="kfeed train", mininterval=0.25)
+        self._started = False
 
     def tick(self, step: int) -> None:
+        if not self._started:
+            # The clock from the first step on: torch's import, the model and
+            # the group's join are not steps (they made 0.3 s of steps read as
+            # 2.9 s a step, and the ETA of a minute and a half).
+            self._started = True
+            self._bar.reset(total=self._bar.total)
         self._bar.update(step - self._bar.n)
 
     def say(self, line: str) -> None:
-        self._bar.write(line)
-        if line.startswith("step "):
+        if line.startswith("step "):  # (before the write, which draws the bar again)
             self._bar.set_postfix_str(line.split("  ", 1)[-1], refresh=False)
+        self._bar.write(line)
 
     def close(self) -> None:
         self._bar.close()
@@ -1189,10 +1196,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     st = out.stats
     log.info("first step %.2fs after the command started", out.start_to_first_step_s)
     # This run's steps, as the samples and rates are this run's; a resumed
-    # run says where the checkpoint's count stands now.
+    # run says where the checkpoint's count stands now. MB/s is what the
+    # loader read, its prefetch included (on a run of a few steps, more than
+    # the samples trained on).
     at = f", now at step {out.step}" if out.first_step else ""
     print(f"{out.task.summary(out.step - out.first_step, st)}{at}, startup {st['startup_s']:.1f}s, "
-          f"{st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
+          f"read {st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
           f"{_train.lag_text(st['lag'], st['lag_unknown'])}, bad records {st['bad_records']}, "
           f"final loss {out.loss:.4f}", flush=True)
     if out.signum is not None:

@@ -436,6 +436,14 @@ def consumer_config(kafka_config: Any) -> dict[str, Any]:
         raise ConfigError("kafka_config needs 'group.id': offsets are committed to a group")
     if not isinstance(config["group.id"], str) or not config["group.id"].strip():
         raise ConfigError(f"group.id must be a non-empty string, got {config['group.id']!r}")
+    reset = str(config["auto.offset.reset"]).lower()
+    if reset not in ("earliest", "smallest", "beginning"):
+        # Never asked: the loader places each partition's start itself.
+        raise ConfigError(
+            f"auto.offset.reset={config['auto.offset.reset']!r}: kfeed places each "
+            f"partition's start itself, by start= ('committed' by default: the group's "
+            f"commit, else the earliest offset); give start='latest' (kfeed train --start "
+            f"latest) to begin at the end, and leave the setting out")
     if str(config["enable.auto.offset.store"]).lower() not in ("false", "0"):
         # librdkafka would store each record's offset as it is fetched, and
         # commit those (auto commit, or any commit() of stored offsets):
