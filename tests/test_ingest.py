@@ -300,8 +300,8 @@ def test_a_numpy_file_is_sent_once_and_resumes_after_a_kill(bootstrap, make_topi
     again = kfeed_cli(bootstrap, *argv, "--resume")
     assert again.returncode == 2, (again.stdout, again.stderr)
     assert again.stderr.strip().splitlines() == [
-        f"kfeed: --resume: --from {path} changed since the {n:,} rows were sent (its size is "
-        f"not what it was): skipping {n:,} rows would send some twice and others never; send "
+        f"kfeed: --resume: --from {path} changed since the {n:,} rows were sent (its size or "
+        f"modification time is not what it was): skipping {n:,} rows would send some twice and others never; send "
         f"it whole with --resend (to a new topic, or after deleting this one's records)"]
     check_topic(bootstrap, topic, n)
 
