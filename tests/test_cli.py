@@ -138,6 +138,9 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
      ("kfeed: --block-records 100000: a block of that many records is 308,800,032 bytes, over "
       "message.max.bytes=1,000,000 less 1024 for the headers: give --block-records 323 or "
       "fewer (or leave it out), or raise -X message.max.bytes")),
+    (TRAIN + ("--checkpoint", "/proc/ck.pt"),  # (found only at the first save, after steps)
+     ("kfeed: --checkpoint /proc/ck.pt: cannot write in /proc (No such file or directory): "
+      "name a file in a folder this user may write to")),
     (PRODUCE + ("--synthetic", "10", "--first-id", str(2**63 - 8)),
      (f"kfeed: --first-id {2**63 - 8}: the ids of --synthetic 10 would pass "
       f"9,223,372,036,854,775,807, the largest int64 id")),
@@ -145,6 +148,17 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
 def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     code, err, out = run_main(capsys, *argv)
     assert (code, err, out) == (2, [line], "")
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line() -> None:
+    # "unexpected RuntimeError: [enforce fail at inline_container.cc:...]" (a
+    # full disk, a folder made read-only while the run went on).
+    from kfeed import KfeedError
+    from kfeed._train import save_checkpoint
+
+    with pytest.raises(KfeedError, match=r"^cannot save the checkpoint to /proc/ck.pt: .*: the "
+                                         r"checkpoint before it, if any, stands$"):
+        save_checkpoint(Path("/proc/ck.pt"), {"step": 1})
 
 
 def test_the_train_bar_counts_from_the_first_step_and_draws_the_latest_line(capsys) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, Interrupted, LoaderError, first_line
+from kfeed.errors import ConfigError, Interrupted, KfeedError, LoaderError, first_line
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
@@ -42,8 +42,12 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     import torch
 
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+    except (OSError, RuntimeError) as e:  # (torch's writer raises RuntimeError)
+        raise KfeedError(f"cannot save the checkpoint to {path}: {first_line(e)}: the "
+                         f"checkpoint before it, if any, stands") from None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -1128,6 +1128,13 @@ def _check_train(args: argparse.Namespace) -> None:
         if Path(path).is_dir():
             raise ConfigError(f"{flag} {path} is a folder: name a file in it, such as "
                               f"{Path(path) / ('ck.pt' if flag == '--checkpoint' else 'ids.txt')}")
+        probe = Path(f"{path}.kfeed-probe")  # (found at the first save, after the steps)
+        try:
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}): name "
+                              f"a file in a folder this user may write to") from None
     if args.checkpoint and not args.resume and Path(args.checkpoint).exists():
         # It was overwritten in silence at the first save: a run's training gone.
         raise ConfigError(f"--checkpoint {args.checkpoint} exists: pass --resume to go on from "
