@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -770,9 +769,9 @@ class Producer:
         """
         self._flush(min(self._timeout, _ABORT_SETTLE_S))
 
-    def _sliced(self, call: Callable[[float], Any], timeout: float) -> Any:
-        """A transactional call of librdkafka's (init, commit, abort, send_offsets) made
-        in slices of ``_SLICE_S`` (``_on_thread``), until ``timeout``: a signal is raised
+    def _sliced(self, call: Callable[..., Any], timeout: float, *args: Any) -> Any:
+        """A transactional call of librdkafka's (init, commit, abort, send_offsets),
+        ``call(*args, slice)``, made in slices of ``_SLICE_S`` (``_on_thread``), until ``timeout``: a signal is raised
         between two, not after the whole ``timeout`` (85 s for a SIGTERM with the
         brokers gone). A call that times out is resumed by the next one with the same
         arguments; one that failed with a retriable error is made again."""
@@ -782,7 +781,8 @@ class Producer:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._on_thread(call, max(0.01, min(_SLICE_S, left)), deadline, timeout)
+                return self._on_thread(call, args, max(0.01, min(_SLICE_S, left)), deadline,
+                                       timeout)
             except KafkaException as e:
                 # A retriable error is asked again until the timeout: a slice
                 # that timed out (the call resumes), or a coordinator still
@@ -796,9 +796,9 @@ class Producer:
                 if err.code() != KafkaError._TIMED_OUT:
                     time.sleep(_SLICE_S)
 
-    def _on_thread(self, call: Callable[[float], Any], slice_s: float, deadline: float,
-                   timeout: float) -> Any:
-        """``call(slice_s)`` on a thread of its own, waited for in steps of ``_SLICE_S``.
+    def _on_thread(self, call: Callable[..., Any], args: tuple[Any, ...], slice_s: float,
+                   deadline: float, timeout: float) -> Any:
+        """``call(*args, slice_s)`` on a thread of its own, waited for in steps of ``_SLICE_S``.
 
         librdkafka's send_offsets_to_transaction can block past the timeout it is
         given (a transaction coordinator lost in a broker's restart held it for
@@ -815,7 +815,7 @@ class Producer:
 
         def run() -> None:
             try:
-                out.append((True, call(slice_s)))
+                out.append((True, call(*args, slice_s)))
             except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
                 out.append((False, e))
             finally:
@@ -846,7 +846,7 @@ class Producer:
         """``call`` did not return: the producer cannot go on (see ``_on_thread``)."""
         from confluent_kafka import KafkaError
 
-        name = getattr(getattr(call, "func", call), "__name__", "a call").lstrip("_")
+        name = getattr(call, "__name__", "a transactional call")
         if self._fatal is None:
             self._fatal = KafkaError(
                 KafkaError._TIMED_OUT, f"librdkafka's {name} did not return within its "
@@ -870,14 +870,10 @@ class Producer:
                               "inside `with producer.transaction():`")
         metadata, offsets = consumer.consumer_group_metadata(), list(offsets)
         try:
-            self._sliced(functools.partial(self._send_offsets_to_transaction, offsets, metadata),
-                         self._timeout)
+            self._sliced(self._producer.send_offsets_to_transaction, self._timeout, offsets,
+                         metadata)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send the offsets with the transaction", e) from e
-
-    def _send_offsets_to_transaction(self, offsets: list[Any], metadata: Any,
-                                     timeout: float) -> None:
-        self._producer.send_offsets_to_transaction(offsets, metadata, timeout)
 
     # -- lifecycle ------------------------------------------------------------
 
