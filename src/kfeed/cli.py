@@ -495,14 +495,14 @@ def _ensure_topic(args: argparse.Namespace, config: dict[str, Any], schema: Any,
     # Producer will be made: over its defaults, acks=all with idempotence);
     # so is a record, or a --block-records block, larger than a message (the
     # topic made for it would not take it either).
-    check_settings({**PRODUCER_DEFAULTS, **config}, transactional=transactional,
-                   producer_only=True)
+    producer_config = {**PRODUCER_DEFAULTS, **config}
+    check_settings(producer_config, transactional=transactional, producer_only=True)
     fit = record_fits(schema, config, args.format)
     block = getattr(args, "block_records", None)
     if args.format == "block" and fit and block is not None and block > fit:
         raise ConfigError(f"--block-records {block}: a block of that many records is "
                           f"{schema.block_nbytes(block):,} bytes, over message.max.bytes="
-                          f"{message_max_bytes({**PRODUCER_DEFAULTS, **config}):,} less 1024 "
+                          f"{message_max_bytes(producer_config):,} less 1024 "
                           f"for the headers: give --block-records {fit} or fewer (or leave it "
                           f"out), or raise -X message.max.bytes")
     _reach_registry(args)
