@@ -943,6 +943,9 @@ cdef class Held:
         # Field by field, not record by record: one field's rows are read
         # from fewer places at once, which a mixture's records, taken from
         # several values in turn, need (2x faster there, 1.3x in order).
+        # A long field goes around the cache (NOTE [ Streaming stores ]):
+        # a mixture's rows 1.1x to 1.15x faster on a Xeon with a large L3,
+        # a shuffle's unchanged (its random reads are the bound).
         # ``at[k]``: where record k's current field starts.
         cdef uint64_t* at = <uint64_t*>malloc(2 * max(n, 1) * sizeof(uint64_t))
         if at == NULL:
@@ -971,13 +974,14 @@ cdef class Held:
                         pv = &self.v[items[k + GATHER_AHEAD] >> 32]
                         __builtin_prefetch(pv.ptr + at[k + GATHER_AHEAD])
                     v = &self.v[items[k] >> 32]
-                    memcpy(d[f] + (row + k) * rb, v.ptr + at[k], rb)
+                    copy_out(d[f] + (row + k) * rb, v.ptr + at[k], rb, False)
                     if f + 1 == nf:
                         continue
                     if block and v.kept == NULL:  # the same record in the next column
                         at[k] += align_up(v.count * rb) + jj[k] * rbs[f + 1] - jj[k] * rb
                     else:
                         at[k] += rb
+            stream_fence()
         free(at)
         self._settle(items)
 
