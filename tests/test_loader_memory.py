@@ -517,15 +517,32 @@ def test_the_first_fetch_asks_for_a_few_messages_until_it_knows_their_records(sh
     # worth of messages before knowing that, a block topic would give 64
     # batches at once, all held (by a shuffle: as its values).
     from kfeed.loader.fetch import FIRST_FETCH
-    from kfeed.loader.tuning import FETCH_AHEAD
+    from kfeed.loader.tuning import fetch_ahead
 
     source = CountingSource(blocks(0, 64 * 400))
     with Loader(None, "memory", SCHEMA, 256, source=source, device="cpu",
                 until="end", shuffle=shuffle) as loader:
         assert sum(batch.size for batch in loader) == 64 * 400
+        ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
     asked = [n for n, _timeout, _given in source.asked]
     assert asked[0] == FIRST_FETCH
-    assert max(asked) <= (1 + FETCH_AHEAD) * 256 // 64
+    assert max(asked) <= (1 + ahead) * 256 // 64
+
+
+@pytest.mark.parametrize("cap", [None, 1 << 30], ids=["no cap", "max_memory_bytes"])
+def test_a_backlog_of_small_batches_is_fetched_16_mib_ahead(cap) -> None:
+    # NOTE [ Fetching ahead ]: the work of a fetch is per call; batches of
+    # 768 KB take 16 batches' worth ahead (4 under a memory cap, which counts
+    # them among its batches).
+    from kfeed.loader.tuning import FETCH_AHEAD, FETCH_AHEAD_MOST
+
+    source = CountingSource(blocks(0, 64 * 400))
+    with Loader(None, "memory", SCHEMA, 256, source=source, device="cpu", until="end",
+                max_memory_bytes=cap) as loader:
+        assert sum(batch.size for batch in loader) == 64 * 400
+        assert loader._pool.slots[0].nbytes < 1 << 20
+    ahead = FETCH_AHEAD if cap else FETCH_AHEAD_MOST
+    assert max(n for n, _timeout, _given in source.asked) == (1 + ahead) * 256 // 64
 
 
 @pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=1000, seed=0)],

@@ -222,7 +222,7 @@ def test_a_stream_short_of_a_batch_yields_a_partial_batch_once_max_wait_is_over(
 def test_a_message_a_document_is_fetched_a_few_batches_at_a_time(shuffle) -> None:
     # Topics others write hold one document a message: a fetch asked for a
     # message a row took a fetch (and its work) for every few documents.
-    from kfeed.loader.tuning import FETCH_AHEAD
+    from kfeed.loader.tuning import fetch_ahead
 
     docs = make_docs(3000, seed=5)
     source = CountingSource([TOKENS.encode_raw({"tokens": [d]})[0] for d in docs])
@@ -230,11 +230,12 @@ def test_a_message_a_document_is_fetched_a_few_batches_at_a_time(shuffle) -> Non
     with kfeed.Loader(None, "memory", TOKENS, 4, source=source, device="cpu",
                       until="end", format="raw", pack=pack, shuffle=shuffle) as loader:
         batches = [as_numpy(b) for b in loader]
+        ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
     asked = [n for n, _timeout, _given in source.asked]
     assert documents(batches) == want_documents(docs)
     assert len(asked) < len(batches) / 2
     per_row = np.mean([len(d) + 1 for d in docs]) / 1024  # rows of tokens a message
-    assert max(asked) <= 2 * (1 + FETCH_AHEAD) * 4 / per_row
+    assert max(asked) <= 2 * (1 + ahead) * 4 / per_row
 
 
 def test_packing_efficiency_on_a_realistic_length_mix() -> None:

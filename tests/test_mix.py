@@ -31,7 +31,7 @@ from kfeed import (
     Shuffle,
 )
 from kfeed.loader import build
-from kfeed.loader.tuning import FETCH_AHEAD
+from kfeed.loader.tuning import fetch_ahead
 from kfeed.mix import Mixer
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -599,7 +599,8 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded(monkeypat
             queued = loader._ledger.mixer.queued()  # type: ignore[attr-defined]
             # At most the cap, and what one fetch brought on top: a batch,
             # and what it took ahead (NOTE [ Fetching ahead ]).
-            assert queued.max() <= loader._builder.mix_queue + (1 + FETCH_AHEAD) * 256
+            ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
+            assert queued.max() <= loader._builder.mix_queue + (1 + ahead) * 256
             if i == 60:  # (it drains at 2.5 records a batch: resumed only after ~200)
                 break
         assert ("code", 0) in source._paused

@@ -443,7 +443,8 @@ class Loader:
                           batch_size=c.batch_size,
                           status=self._status, stop=stop)
         self._fetcher = fetcher
-        stop_args = dict(batch_size=c.batch_size, max_wait_s=c.max_wait_ms / 1000.0)
+        stop_args = dict(batch_size=c.batch_size, max_wait_s=c.max_wait_ms / 1000.0,
+                         capped=c.max_memory_bytes is not None)
         builder: SlotBuilder
         if isinstance(self._ledger, OrderLedger):
             builder = RecordBuilder(fetcher, self._ledger, c.schema, c.format, self._bad,

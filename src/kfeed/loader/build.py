@@ -43,7 +43,7 @@ from kfeed.errors import KfeedError
 from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import ROUND_SHIFT, Ledger, OrderLedger
-from kfeed.loader.tuning import FETCH_AHEAD
+from kfeed.loader.tuning import fetch_ahead
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, Position
@@ -58,17 +58,20 @@ log = logging.getLogger("kfeed.loader")
 _HELD_LIMIT = 6
 # NOTE [ Fetching ahead ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# A fetch takes, besides the records the batch needs, up to FETCH_AHEAD
-# batches' worth more of those librdkafka has fetched already, without
-# waiting for them (``Fetcher.fetch(ahead=)``). The work of a fetch is per
-# call, not per message (one C scan, a few array operations, the order's and
-# the mixer's bookkeeping), so on a backlog fewer, bigger calls cost less: a
-# block topic's batch of 256 is 4 messages, and taking 4 batches at once made
-# a three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream
-# 1.1x faster (bench/RESULTS.md, "Fetching ahead"). They wait in ``pending``
-# as messages, which librdkafka would have held in its queue otherwise; a
-# caught-up stream gets nothing ahead, and is asked for what its batch needs.
-# ``max_memory_bytes`` counts them (``tuning.prefetch_ceiling``).
+# A fetch takes, besides the records the batch needs, up to 16 MiB's worth
+# more of those librdkafka has fetched already (``tuning.fetch_ahead``: 4 to
+# 16 batches; 4 under max_memory_bytes), without waiting for them
+# (``Fetcher.fetch(ahead=)``). The work of a fetch is per call, not per
+# message (one C scan, a few array operations, the order's and the mixer's
+# bookkeeping), so on a backlog fewer, bigger calls cost less: a block
+# topic's batch of 256 is 4 messages, and taking 4 batches at once made a
+# three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream 1.1x
+# faster (bench/RESULTS.md, "Fetching ahead"); 16 batches of 768 KB in place
+# of 4, a mixture 1.2x faster again, the plain stream 1.05x ("Fetching 16 MiB
+# ahead"). They wait in ``pending`` as messages, which librdkafka would have
+# held in its queue otherwise; a caught-up stream gets nothing ahead, and is
+# asked for what its batch needs. ``max_memory_bytes`` counts them
+# (``tuning.prefetch_ceiling``).
 # NOTE [ Mixture queues ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A mixture's sources come in at the rate Kafka gives them, which is not
@@ -132,7 +135,7 @@ class SlotBuilder:
 
     def __init__(self, fetcher: Fetcher, ledger: Ledger, schema: Schema, fmt: Format,
                  bad: BadRecords, *, batch_size: int, max_wait_s: float,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, capped: bool = False) -> None:
         self.fetcher = fetcher
         self.ledger = ledger
         self.schema = schema
@@ -142,6 +145,7 @@ class SlotBuilder:
         self.bounded = fetcher.bounded
         self.max_wait_s = max_wait_s
         self.stop = stop
+        self.capped = capped   # under max_memory_bytes (tuning.fetch_ahead)
         self.samples = 0       # records decoded
         # Values others wrote (Avro, Protobuf): one record each, decoded by their plans.
         self.decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else None
@@ -173,7 +177,7 @@ class SlotBuilder:
                     # Read, and all rejected: their place goes on alone, now, not
                     # once records come again (NOTE [ Batches of no rows ]).
                     break
-                if not self.fetch_within(started, slot.rows):
+                if not self.fetch_within(started, slot):
                     break
                 continue
             self._decode(slot, out)
@@ -185,8 +189,8 @@ class SlotBuilder:
                 started = max(f.pending_since, begun)
         return out
 
-    def fetch_within(self, started: float | None, rows: int) -> bool:
-        """Fetch for a batch that holds ``rows`` since ``started``; False once max_wait is over.
+    def fetch_within(self, started: float | None, slot: Slot) -> bool:
+        """Fetch for ``slot``, whose rows it holds since ``started``; False once max_wait is over.
 
         A started batch waits at most what is left of ``max_wait``, and asks
         only for the records it still needs, so a trickling stream yields
@@ -196,7 +200,9 @@ class SlotBuilder:
         f = self.fetcher
         self.bad.waiting()
         # (Nothing ahead while the records a message holds are not known yet.)
-        ahead = self.fetch_size(FETCH_AHEAD * self.batch_size) if f.learned else 0
+        rows = slot.rows
+        ahead = (self.fetch_size(fetch_ahead(slot.nbytes, self.capped) * self.batch_size)
+                 if f.learned else 0)
         if started is None:
             # Streaming, a fetch waits no longer than max_wait for its first
             # records, so a batch's first record never waits longer in it.
@@ -288,9 +294,9 @@ class RecordBuilder(SlotBuilder):
     def __init__(self, fetcher: Fetcher, ledger: OrderLedger, schema: Schema, fmt: Format,
                  bad: BadRecords, *, batch_size: int, max_wait_s: float,
                  stop: threading.Event, packer: Packer | None,
-                 held_bytes: tuple[int, int] | None = None) -> None:
+                 held_bytes: tuple[int, int] | None = None, capped: bool = False) -> None:
         super().__init__(fetcher, ledger, schema, fmt, bad, batch_size=batch_size,
-                         max_wait_s=max_wait_s, stop=stop)
+                         max_wait_s=max_wait_s, stop=stop, capped=capped)
         self.order_ledger = ledger
         self.packer = packer
         self.shuffled = ledger.shuffle is not None
@@ -418,7 +424,7 @@ class RecordBuilder(SlotBuilder):
                 if self.drained:
                     break  # the end of the epoch: a partial batch, or none
                 self._drain()
-            elif not self.fetch_within(started, slot.rows):
+            elif not self.fetch_within(started, slot):
                 # max_wait is over: what the packer holds goes out, its last
                 # row padded, rather than wait for a whole batch.
                 if self.packer is not None and not self.finished:

@@ -20,7 +20,8 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 
-__all__ = ["FETCH_AHEAD", "CapTooSmall", "PrefetchTuner", "memory_plan", "memory_settings"]
+__all__ = ["FETCH_AHEAD", "CapTooSmall", "PrefetchTuner", "fetch_ahead", "memory_plan",
+           "memory_settings"]
 
 log = logging.getLogger("kfeed.loader")
 
@@ -37,8 +38,12 @@ STALL = 0.01
 # whose references may linger, and one more), plus the one filling.
 HELD_BESIDES_QUEUE = 5
 # Batches' worth of messages a fetch may take ahead of what its batch needs,
-# of those librdkafka holds already (NOTE [ Fetching ahead ] in loader/build.py).
+# of those librdkafka holds already (NOTE [ Fetching ahead ] in loader/build.py):
+# FETCH_AHEAD_BYTES' worth, from FETCH_AHEAD to FETCH_AHEAD_MOST batches, or
+# under max_memory_bytes FETCH_AHEAD (the cap counts them, prefetch_ceiling).
 FETCH_AHEAD = 4
+FETCH_AHEAD_MOST = 16
+FETCH_AHEAD_BYTES = 16 << 20
 # Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth, and a
 # fetch in flight another.
 _RDKAFKA_SHARE = 8
@@ -152,6 +157,17 @@ def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes
     fetch = kafka_config.get("fetch.max.bytes")
     rdkafka = (int(queue_kb) << 10 if queue_kb is not None else 0) + int(fetch or 0)
     return max(0, cap - rdkafka - held) // max(1, batch_bytes)
+
+
+def fetch_ahead(batch_bytes: int, capped: bool) -> int:
+    """How many batches' worth a fetch takes ahead, for batches of ``batch_bytes``.
+
+    ``capped``: under ``max_memory_bytes``, whose share for batches goes to
+    the ready queue first.
+    """
+    if capped:
+        return FETCH_AHEAD
+    return min(FETCH_AHEAD_MOST, max(FETCH_AHEAD, FETCH_AHEAD_BYTES // max(1, batch_bytes)))
 
 
 def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
