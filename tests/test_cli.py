@@ -1063,10 +1063,21 @@ def test_a_ctrl_c_while_produce_waits_for_its_messages_is_an_interrupt(bootstrap
     # and says what it left, in the same line.
     assert time.monotonic() - t0 < 15
     last = err.splitlines()[-1]
-    assert re.fullmatch(r"kfeed: interrupted: what was sent before stands(; [\d,]+ message\(s\) "
-                        rf"to {topic} not acknowledged 2s after the interrupt: they may be "
-                        r"missing from the topic)?", last), err
+    m = re.fullmatch(r"kfeed: interrupted: what was sent before stands(; [\d,]+ message\(s\) "
+                     rf"to {topic} not acknowledged 2s after the interrupt: they may be "
+                     r"missing from the topic)?; about ([\d,]+) of the 40,000 samples were "
+                     r"acknowledged by the brokers", last)
+    assert m, err
     assert "warning" not in err, err
+    # One sample a message: those said acknowledged are in the topic.
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex})
+    try:
+        _low, high = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+    finally:
+        c.close()
+    assert 4000 <= int(m.group(2).replace(",", "")) <= high, (err, high)
 
 
 def test_an_interrupted_produce_names_resume_only_where_there_is_one(tmp_path) -> None:

@@ -599,27 +599,34 @@ def _producer(args: argparse.Namespace, config: dict[str, Any], schema: Any) -> 
 
 def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any, total: int,
                   chunk: Callable[[int, int], dict[str, Any]]) -> int:
-    with _producer(args, config, schema) as producer:
-        _check_partitions(args, producer)
-        t0 = time.monotonic()
+    producer = None
+    try:
+        with _producer(args, config, schema) as producer:
+            _check_partitions(args, producer)
+            t0 = time.monotonic()
 
-        def status() -> tuple[float, float, str]:
-            done, acked = producer.acknowledged()
-            mb_s = acked / max(time.monotonic() - t0, 1e-9) / 1e6
-            return done, total, f"{mb_s:,.1f} MB/s"
+            def status() -> tuple[float, float, str]:
+                done, acked = producer.acknowledged()
+                mb_s = acked / max(time.monotonic() - t0, 1e-9) / 1e6
+                return done, total, f"{mb_s:,.1f} MB/s"
 
-        progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
-        try:
-            step = 8192
-            for i in range(0, total, step):
-                cols = chunk(i, min(step, total - i))
-                producer.send(cols, keys=cols["id"] if args.keyed else None)
-            producer.flush()
-        except BaseException:
-            progress.close()
-            raise
-        elapsed = time.monotonic() - t0
-        progress.close(final=True)
+            progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+            try:
+                step = 8192
+                for i in range(0, total, step):
+                    cols = chunk(i, min(step, total - i))
+                    producer.send(cols, keys=cols["id"] if args.keyed else None)
+                producer.flush()
+            except BaseException:
+                progress.close()
+                raise
+            elapsed = time.monotonic() - t0
+            progress.close(final=True)
+    except KeyboardInterrupt as e:
+        if producer is not None:  # (after its __exit__: what the flush delivered counts)
+            e.add_note(f"about {producer.acknowledged()[0]:,.0f} of the {total:,} samples "
+                       f"were acknowledged by the brokers")
+        raise
     print(f"produced {total} samples in {producer.messages} messages to {args.topic} in "
           f"{elapsed:.1f}s: {_rates(total, producer.bytes, elapsed, 'samples')}")
     return 0
