@@ -1341,6 +1341,9 @@ def test_streamed_rows_show_what_the_brokers_acknowledged_not_what_was_handed_ov
             self.messages += 1
             self.bytes += 8 * len(part["id"])
 
+        def stats(self) -> dict[str, int]:
+            return {"queued": self.messages}
+
     class Bar:
         def __init__(self, what, unit, status, t0, every_s=None, before=0.0) -> None:
             self.status = status

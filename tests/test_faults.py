@@ -613,6 +613,60 @@ def test_close_with_every_broker_down_is_bounded_and_names_where_it_is_stuck(
     assert took < 25  # the thread's 10 s at most, then the consumer's 10 s
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_a_produce_whose_brokers_all_stop_says_so_on_its_progress_line(bootstrap, make_topic,
+                                                                      live_cluster) -> None:
+    # With every broker gone, kfeed produce's count stood still without a word,
+    # as it would for a slow source.
+    import re
+
+    topic = make_topic(partitions=1, replication=3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kfeed", "produce", "--topic", topic, "--synthetic", "12000",
+         "--block-records", "1", "--progress-every", "0.5", "-X", "max.in.flight=1",
+         "-X", "linger.ms=0", "-X", "batch.num.messages=1"],
+        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "KFEED_BOOTSTRAP": bootstrap})
+    assert proc.stderr is not None
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def wait_for(pattern: str, seconds: float) -> re.Match[str]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for line in list(lines):
+                if m := re.search(pattern, line):
+                    return m
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {pattern!r} in {seconds}s: {lines}")
+
+    wait_for(r"kfeed produce: [1-9][\d,]{4,}/12,000 samples", 60)  # 1,000 or more
+    stopped_at = len(lines)
+    pids = cluster.node_pids(live_cluster)
+    try:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        m = wait_for(r"the brokers acknowledged nothing for (\d+)s, ([\d,]+) message\(s\) "
+                     r"waiting", 30)
+    finally:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
+    assert int(m.group(1)) >= 5 and int(m.group(2).replace(",", "")) > 0, lines[stopped_at:]
+    _out, _err = proc.communicate(timeout=180)
+    reader.join(10)
+    assert proc.returncode == 0, lines
+    assert re.match(r"produced 12000 samples in 12000 messages", _out), _out
+    # Once the brokers answer again, the word goes.
+    assert "acknowledged nothing" not in [ln for ln in lines if "kfeed produce:" in ln][-1]
+
+
 @pytest.mark.timeout(300, method="thread")  # (a wait inside librdkafka never sees a signal)
 def test_the_end_of_a_read_with_every_broker_frozen_is_bounded(bootstrap, make_topic,
                                                               live_cluster) -> None:

@@ -281,6 +281,29 @@ def _tqdm(**kwargs: Any) -> Any:
                 nrows=None if sized else 24, leave=True, **kwargs)
 
 
+class _AckWatch:
+    """A producer's progress line says when acknowledgements stop coming for
+    ``_STALLED_S`` while messages wait: a count that stalls without a word
+    read as a slow source, with every broker gone."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+        self._acked = -1
+        self._since = time.monotonic()
+
+    def word(self) -> str:
+        """``""`` while acknowledgements come, or nothing waits; else ``", the brokers..."``."""
+        p = self._producer
+        now = time.monotonic()
+        if p.acked_bytes != self._acked or not p.stats()["queued"]:
+            self._acked, self._since = p.acked_bytes, now
+            return ""
+        return f", {p.stalled(self._since)}" if now - self._since >= _STALLED_S else ""
+
+
+_STALLED_S = 5.0
+
+
 class _Progress:
     """Live progress on stderr while a command runs, from a thread that asks ``status``.
 
@@ -605,10 +628,12 @@ def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any,
             _check_partitions(args, producer)
             t0 = time.monotonic()
 
+            acks = _AckWatch(producer)
+
             def status() -> tuple[float, float, str]:
                 done, acked = producer.acknowledged()
                 mb_s = acked / max(time.monotonic() - t0, 1e-9) / 1e6
-                return done, total, f"{mb_s:,.1f} MB/s"
+                return done, total, f"{mb_s:,.1f} MB/s{acks.word()}"
 
             progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
             try:
@@ -787,11 +812,14 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
     t0 = time.monotonic()
     before = producer.messages, producer.bytes
 
+    acks = _AckWatch(producer)
+
     def status() -> tuple[float, float, str]:
         # What the brokers acknowledged, as --synthetic shows: rows handed to
         # librdkafka showed 100% for as long as its brokers were gone.
         mb_s = producer.acked_bytes / max(time.monotonic() - t0, 1e-9) / 1e6
-        return done + (sent - done) * _acknowledged(producer), total or 0, f"{mb_s:,.1f} MB/s"
+        return (done + (sent - done) * _acknowledged(producer), total or 0,
+                f"{mb_s:,.1f} MB/s{acks.word()}")
 
     # A batch the source could not give (a bad value, a file that cannot be
     # read): the rows before it are good, and are committed with the open
@@ -1033,12 +1061,15 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
             _check_partitions(args, producer)
             t0 = time.monotonic()
 
+            acks = _AckWatch(producer)
+
             def status() -> tuple[float, float, str]:
                 share = _acknowledged(producer)
                 dt = max(time.monotonic() - t0, 1e-9)
                 # The corpus read, in percent (of its bytes or rows).
                 return 100 * done[0] / max(done[1], 1), 100.0, (
-                    f"{sent * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s")
+                    f"{sent * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s"
+                    f"{acks.word()}")
 
             progress = _Progress("kfeed produce", "%", status, t0, args.progress_every)
             try:

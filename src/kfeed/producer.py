@@ -211,6 +211,9 @@ class Producer:
             block_records = self.block_records = fit
         self._warn = ConnectionLog(log)
         self._fatal: Any = None
+        # (monotonic time, text) of the last error librdkafka said, for
+        # progress lines that stall while the brokers are gone.
+        self.last_error: tuple[float, str] | None = None
         self._closed = False
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
@@ -604,6 +607,7 @@ class Producer:
         # past (bad credentials, no access) is kept and raised by send/flush.
         if err.fatal() or err.code() in REFUSED:
             self._fatal = err
+        self.last_error = (time.monotonic(), err.str())
         self._warn.log(logging.WARNING, "kafka: %s", err.str())
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
@@ -621,6 +625,15 @@ class Producer:
                 self.acked_bytes += len(msg)
             if self._transactional:
                 self._written[(msg.topic(), msg.partition())] = msg.offset() + 1
+
+    def stalled(self, since: float) -> str:
+        """A word on messages waiting since ``since`` (monotonic) with none acknowledged:
+        how many, and the brokers' last error since then, if any."""
+        waiting = len(self._producer)
+        said = self.last_error
+        why = f"; the last error: {said[1]}" if said is not None and said[0] >= since else ""
+        return (f"the brokers acknowledged nothing for {time.monotonic() - since:.0f}s, "
+                f"{waiting:,} message(s) waiting{why}")
 
     def stats(self) -> dict[str, int]:
         """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
