@@ -286,6 +286,10 @@ def test_a_convert_killed_mid_topic_resumes_exactly_once(bootstrap, make_topic):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "kfeed convert:" in err and "records" in err  # progress lines
     assert out.startswith("converted ")
+    # It says why it ended, and how to go on (it printed no word of the signal).
+    assert err.splitlines()[-1] == (f"kfeed: stopped by SIGTERM: the rounds committed stand; "
+                                    f"the same command goes on after them (group "
+                                    f"kfeed-convert.{dst})"), err
     schema = kfeed.Schema({"id": ("int64", ()), "label": ("int64", ()),
                            "features": ("float32", (8,))})
     cols = read_columns(bootstrap, dst, schema)

@@ -1571,6 +1571,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"{st.bytes_out / max(st.bytes_in, 1):.2f}x the bytes out; {st.blocks:,} blocks "
           f"in {st.transactions:,} transactions")
     if stopped:
+        # As kfeed train says where it stopped: the round under way was
+        # finished and committed, and the same command goes on after it.
+        print(f"kfeed: stopped by {signal.Signals(stopped[0]).name}: the rounds committed "
+              f"stand; the same command goes on after them (group {group})", file=sys.stderr)
         return 128 + stopped[0]
     return 0
 
