@@ -517,6 +517,39 @@ def test_convert_progress_shows_the_rate_since_the_line_before(capsys, monkeypat
                           "1,167 records/s")
 
 
+def test_an_idle_convert_follow_says_so_once_a_minute(capsys, monkeypatch) -> None:
+    # An idle --follow printed the same "0 records/s" line every 5 s for ever.
+    import kfeed
+    from kfeed.converter import ConvertStats
+
+    monkeypatch.setattr(cli, "_IDLE_EVERY_S", 0.5)
+
+    def convert(*args: Any, progress: Any, **kwargs: Any) -> ConvertStats:
+        def at(elapsed: float, records: int) -> ConvertStats:
+            st = ConvertStats(records=records, bytes_in=100 * records, partitions=1,
+                              elapsed_s=elapsed)
+            progress(st)
+            return st
+
+        at(10.0, 30_000)
+        for k in range(5):  # idle: the first says so, the next four are left out
+            at(11.0 + k, 30_000)
+        time.sleep(0.6)
+        at(20.0, 30_000)  # idle for longer than _IDLE_EVERY_S: said again
+        return at(21.0, 31_000)  # records again: said at once
+
+    monkeypatch.setattr(kfeed, "convert", convert)
+    code, err, _out = run_main(capsys, "convert", "--bootstrap-servers", CLOSED,
+                               "--from-topic", "t", "--to-topic", "t.b", "--format", "json",
+                               "--field", "id=int64", "--progress-every", "0.000001")
+    assert code == 0, err
+    assert [line.split(", lag")[0] for line in err] == [
+        "kfeed convert: 30,000 records, 0 bad, 3,000 records/s, 0.3 MB/s in over the last 10.0s",
+        "kfeed convert: 30,000 records, 0 bad, 0 records/s, 0.0 MB/s in over the last 1.0s",
+        "kfeed convert: 30,000 records, 0 bad, 0 records/s, 0.0 MB/s in over the last 9.0s",
+        "kfeed convert: 31,000 records, 0 bad, 1,000 records/s, 0.1 MB/s in over the last 1.0s"]
+
+
 def test_a_bad_token_id_is_named_at_its_document_in_the_corpus(capsys, tmp_path,
                                                                fake_producer) -> None:
     # The document was counted from its chunk's start less --skip-docs ("document

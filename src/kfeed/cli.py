@@ -1522,6 +1522,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     last = [0.0]
     shown = [(0.0, 0, 0)]  # elapsed_s, records and bytes in at the last progress line
+    idle_said = [False]  # the last line was of a --follow with nothing new
     group = args.group_id or f"kfeed-convert.{args.to_topic}"
     session_ms = float(config.get("session.timeout.ms", 45000))  # librdkafka's default
 
@@ -1536,10 +1537,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   f"ends, within session.timeout.ms: {session_ms / 1000:g} s)",
                   file=sys.stderr, flush=True)
         elif now - last[0] >= args.progress_every:
+            t, records, nbytes = shown[0]
+            # A --follow with nothing new: one line says its rate fell to 0,
+            # then one every _IDLE_EVERY_S (not 17,000 a day at 5 s).
+            idle = st.bytes_in == nbytes and st.lag == 0
+            if idle and idle_said[0] and now - last[0] < max(args.progress_every, _IDLE_EVERY_S):
+                return
+            idle_said[0] = idle
             last[0] = now
             # The rate since the line before: an average from the start sinks
             # for ever while a --follow idles, and hides a slowdown.
-            t, records, nbytes = shown[0]
             shown[0] = (st.elapsed_s, st.records, st.bytes_in)
             dt = st.elapsed_s - t
             print(f"kfeed convert: {st.records:,} records, {st.bad:,} bad, "
@@ -1577,6 +1584,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
               f"stand; the same command goes on after them (group {group})", file=sys.stderr)
         return 128 + stopped[0]
     return 0
+
+
+# An idle convert --follow's progress line, once it said so: this often.
+_IDLE_EVERY_S = 60.0
 
 
 def _inside(frame: Any, module: str, function: str) -> bool:
