@@ -1390,8 +1390,9 @@ into kfeed's block format in another topic, once, so that every later epoch
 reads it at block speed. Exactly once: each round of records, its dead-letter
 copies and the source offsets are one Kafka transaction, so a convert that is
 killed and started again writes every record once. Progress goes to stderr
-every few seconds; --follow keeps converting new records until SIGINT/SIGTERM,
-which stop it after the round in hand.
+every few seconds (once a minute while a --follow has nothing new); --follow
+keeps converting new records until SIGINT/SIGTERM, which stop it after the
+round in hand.
 
   --field NAME=DTYPE[SHAPE][@SOURCE][=DEFAULT] names a field of the blocks, e.g.
   --field features=float32[768] --field label=int64 --field age=float32@user.age
