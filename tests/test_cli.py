@@ -1113,6 +1113,35 @@ def test_a_ctrl_c_while_produce_waits_for_its_messages_is_an_interrupt(bootstrap
     assert 4000 <= int(m.group(2).replace(",", "")) <= high, (err, high)
 
 
+@pytest.mark.integration
+def test_a_slow_source_is_not_taken_for_brokers_that_acknowledge_nothing(
+        capsys, monkeypatch, tmp_path, bootstrap, make_topic) -> None:
+    # Acknowledgements arrive only while the producer is served (poll, flush): a
+    # corpus read that paused 7 s had its lines say "the brokers acknowledged
+    # nothing for 5s", of brokers that had acknowledged everything.
+    from kfeed import text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"document {i} " * 40 + "\n\n" for i in range(3000)))
+    read_corpus = text.read_corpus
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        for i, chunk in enumerate(read_corpus(*args, **kwargs)):
+            if i == 1:
+                time.sleep(7)
+            yield chunk
+
+    monkeypatch.setattr(text, "read_corpus", slow)
+    topic = make_topic(partitions=1)
+    code, err, out = run_main(capsys, "produce", "--bootstrap-servers", bootstrap, "--topic",
+                              topic, "--from", str(corpus), "--progress-every", "0.5")
+    assert code == 0, err
+    assert out.startswith("produced 3000 documents"), out
+    progress = [line for line in err if line.startswith("kfeed produce:")]
+    assert len(progress) >= 10, err  # (lines through the pause)
+    assert not [line for line in err if "acknowledged nothing" in line], err
+
+
 def test_an_interrupted_produce_names_resume_only_where_there_is_one(tmp_path) -> None:
     parser = cli.build_parser()
     cases = [(["--synthetic", "5"], ""), (["--from", str(tmp_path / "c.txt")], ""),
@@ -1366,6 +1395,8 @@ def test_streamed_rows_show_what_the_brokers_acknowledged_not_what_was_handed_ov
 
     class Unanswered:  # a producer whose brokers acknowledge nothing
         messages = bytes = acked_bytes = 0
+        polled_at = 0.0
+        last_error = None
 
         def transaction(self) -> Any:
             return contextlib.nullcontext()

@@ -284,7 +284,12 @@ def _tqdm(**kwargs: Any) -> Any:
 class _AckWatch:
     """A producer's progress line says when acknowledgements stop coming for
     ``_STALLED_S`` while messages wait: a count that stalls without a word
-    read as a slow source, with every broker gone."""
+    read as a slow source, with every broker gone.
+
+    Only time in which the producer was served counts: acknowledgements come
+    in its poll and flush calls, which a slow source (a tokenizer, a query
+    that pauses) puts off.
+    """
 
     def __init__(self, producer: Any) -> None:
         self._producer = producer
@@ -294,11 +299,18 @@ class _AckWatch:
     def word(self) -> str:
         """``""`` while acknowledgements come, or nothing waits; else ``", the brokers..."``."""
         p = self._producer
-        now = time.monotonic()
-        if p.acked_bytes != self._acked or not p.stats()["queued"]:
-            self._acked, self._since = p.acked_bytes, now
+        waiting = p.stats()["queued"]
+        if p.acked_bytes != self._acked or not waiting:
+            self._acked, self._since = p.acked_bytes, time.monotonic()
             return ""
-        return f", {p.stalled(self._since)}" if now - self._since >= _STALLED_S else ""
+        quiet = p.polled_at - self._since  # served all along, and nothing came
+        if quiet < _STALLED_S:
+            return ""
+        said = p.last_error
+        why = f"; the last error: {said[1]}" if said is not None and said[0] >= self._since \
+            else ""
+        return (f", the brokers acknowledged nothing for {quiet:.0f}s, {waiting:,} message(s) "
+                f"waiting{why}")
 
 
 _STALLED_S = 5.0

@@ -214,6 +214,7 @@ class Producer:
         # (monotonic time, text) of the last error librdkafka said, for
         # progress lines that stall while the brokers are gone.
         self.last_error: tuple[float, str] | None = None
+        self.polled_at = 0.0  # (monotonic) the last poll or flush: delivery reports run in them
         self._closed = False
         # Delivery failures, appended by _on_delivery and taken by flush; a
         # deque because append and popleft are atomic without a lock.
@@ -265,7 +266,7 @@ class Producer:
 
     def _partition_count(self) -> int:
         def ask(timeout: float) -> Any:
-            self._producer.poll(0)
+            self._poll(0)
             self._raise_fatal()
             return self._producer.list_topics(self.topic, timeout=timeout)
 
@@ -353,7 +354,7 @@ class Producer:
         deadline = time.monotonic() + seconds
         while not self._failures and time.monotonic() < deadline:
             try:
-                self._producer.poll(_SLICE_S)
+                self._poll(_SLICE_S)
             except (KafkaException, SystemError):
                 break  # (a fatal error: the caller's own is raised)
         return bool(self._failures)
@@ -365,7 +366,7 @@ class Producer:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                self._producer.poll(_SLICE_S)
+                self._poll(_SLICE_S)
             except (KafkaException, SystemError) as e:
                 err = kafka_error(e)
                 if err is not None and err.fatal():
@@ -591,14 +592,14 @@ class Producer:
                 except BufferError:
                     # The local queue is full: wait for deliveries instead of
                     # dropping or failing (backpressure).
-                    self._producer.poll(_SLICE_S)
+                    self._poll(_SLICE_S)
                     self._raise_fatal()
             if topic is None:  # (a dead-letter copy is not the topic's: ``copies``)
                 self.messages += 1
                 self.bytes += len(value or b"")
             else:
                 self.copies += 1
-            self._producer.poll(0)
+            self._poll(0)
         except (KafkaException, SystemError) as e:
             raise self._error("cannot send", e) from e
 
@@ -626,14 +627,10 @@ class Producer:
             if self._transactional:
                 self._written[(msg.topic(), msg.partition())] = msg.offset() + 1
 
-    def stalled(self, since: float) -> str:
-        """A word on messages waiting since ``since`` (monotonic) with none acknowledged:
-        how many, and the brokers' last error since then, if any."""
-        waiting = len(self._producer)
-        said = self.last_error
-        why = f"; the last error: {said[1]}" if said is not None and said[0] >= since else ""
-        return (f"the brokers acknowledged nothing for {time.monotonic() - since:.0f}s, "
-                f"{waiting:,} message(s) waiting{why}")
+    def _poll(self, timeout: float) -> None:
+        """librdkafka's poll, noting when: acknowledgements arrive only while it runs."""
+        self._producer.poll(timeout)
+        self.polled_at = time.monotonic()
 
     def stats(self) -> dict[str, int]:
         """Samples, messages and bytes sent, delivery failures, and messages not acknowledged yet."""
@@ -662,6 +659,7 @@ class Producer:
             if slice_s <= 0:
                 break
             left = self._producer.flush(slice_s)
+            self.polled_at = time.monotonic()
         return left
 
     def _take_failures(self) -> tuple[int, Any]:
@@ -757,7 +755,7 @@ class Producer:
                                  _INTERRUPT_FLUSH_S if interrupt else self._timeout)
                     # The aborted messages' reports are in now: their failures
                     # are this transaction's, not the next one's.
-                    self._producer.poll(0)
+                    self._poll(0)
                 except (KafkaException, SystemError) as e:
                     if not interrupt:
                         log.error("%s", self._error("abort_transaction failed", e))

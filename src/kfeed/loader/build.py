@@ -43,7 +43,7 @@ from kfeed.errors import KfeedError
 from kfeed.formats import RecordFormat
 from kfeed.loader.fetch import POLL_S, Fetcher
 from kfeed.loader.ledger import ROUND_SHIFT, Ledger, OrderLedger
-from kfeed.loader.tuning import fetch_ahead
+from kfeed.loader.tuning import FETCH_AHEAD, FETCH_AHEAD_BYTES, fetch_ahead
 from kfeed.pool import BufferPool, Slot
 from kfeed.schema import Format, Schema
 from kfeed.sources import TP, Position
@@ -67,11 +67,14 @@ _HELD_LIMIT = 6
 # topic's batch of 256 is 4 messages, and taking 4 batches at once made a
 # three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream 1.1x
 # faster (bench/RESULTS.md, "Fetching ahead"); 16 batches of 768 KB in place
-# of 4, a mixture 1.2x faster again, the plain stream 1.05x ("Fetching 16 MiB
-# ahead"). They wait in ``pending`` as messages, which librdkafka would have
-# held in its queue otherwise; a caught-up stream gets nothing ahead, and is
-# asked for what its batch needs. ``max_memory_bytes`` counts them
-# (``tuning.prefetch_ceiling``).
+# of 4, a mixture 1.2x faster again, the plain stream 1.05x ("A mixture's
+# gather streamed, and fetching 16 MiB ahead"). Beyond 4 batches the messages' own bytes bound it too (16 MiB of
+# values, ``Fetcher.messages_within``): a slot of variable-length rows is
+# small until it has grown to its records. They wait in ``pending`` as
+# messages, and librdkafka fetches more in their place: at most 16 MiB on top
+# of its own buffers, or under ``max_memory_bytes`` 4 batches, which the cap
+# counts (``tuning.prefetch_ceiling``). A caught-up stream gets nothing
+# ahead, and is asked for what its batch needs.
 # NOTE [ Mixture queues ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A mixture's sources come in at the rate Kafka gives them, which is not
@@ -201,8 +204,13 @@ class SlotBuilder:
         self.bad.waiting()
         # (Nothing ahead while the records a message holds are not known yet.)
         rows = slot.rows
-        ahead = (self.fetch_size(fetch_ahead(slot.nbytes, self.capped) * self.batch_size)
-                 if f.learned else 0)
+        ahead = 0
+        if f.learned:
+            ahead = self.fetch_size(fetch_ahead(slot.nbytes, self.capped) * self.batch_size)
+            # Beyond FETCH_AHEAD batches, the messages' own bytes bound it too:
+            # a slot of variable-length rows is small until it has grown.
+            ahead = max(self.fetch_size(FETCH_AHEAD * self.batch_size),
+                        min(ahead, f.messages_within(FETCH_AHEAD_BYTES)))
         if started is None:
             # Streaming, a fetch waits no longer than max_wait for its first
             # records, so a batch's first record never waits longer in it.
@@ -233,7 +241,10 @@ class SlotBuilder:
     def _decode_pending(self, slot: Slot, out: Handoff) -> None:
         f = self.fetcher
         msgs, i = f.msgs, f.i
-        vals = f.vals[i:]
+        # No more messages than the slot has rows left: each holds a record
+        # at least, and a decode looks at every value it is given (a fetch
+        # ahead of one event a message holds thousands).
+        vals = f.vals[i:i + self.batch_size - slot.rows]
         start = f.start
         if f.skip:
             # Resuming inside a block: decode that partition's first message on

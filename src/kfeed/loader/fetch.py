@@ -166,6 +166,7 @@ class Fetcher:
         self.start = 0
         self.records_per_msg = 1.0
         self.learned = False  # records_per_msg is a guess until the first fetch is decoded
+        self.bytes_per_msg = 0.0  # of the values fetched so far (0: none yet)
         self.last_poll = time.monotonic()
         # When the oldest pending message was fetched (the call's start): a
         # batch's max_wait runs from there (SlotBuilder.fill).
@@ -307,6 +308,10 @@ class Fetcher:
             return max(1, min(rows, FIRST_FETCH))
         return max(1, min(10000, math.ceil(rows / self.records_per_msg)))
 
+    def messages_within(self, nbytes: int) -> int:
+        """About how many messages ``nbytes`` of values hold (at least 1)."""
+        return max(1, int(nbytes // self.bytes_per_msg)) if self.bytes_per_msg else 10000
+
     def learn(self, rows: float, messages: int, *, least: float = 1.0) -> None:
         """``messages`` good messages held ``rows`` records: for ``messages_for``.
 
@@ -365,6 +370,10 @@ class Fetcher:
         # One pass in C: no Python work per message (a raw or Avro topic has
         # one record per message).
         keep, vals, runs, errors, done = _fetch.scan(msgs, self.ends if self.bounded else None)
+        if vals:
+            size = _fetch.value_bytes(vals, 0, len(vals)) / len(vals)
+            self.bytes_per_msg = (0.8 * self.bytes_per_msg + 0.2 * size if self.bytes_per_msg
+                                  else size)
         for m, err in errors:
             self._on_message_error(m, err)
         for tp in done:
