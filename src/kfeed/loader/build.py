@@ -68,9 +68,10 @@ _HELD_LIMIT = 6
 # three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream 1.1x
 # faster (bench/RESULTS.md, "Fetching ahead"); 16 batches of 768 KB in place
 # of 4, a mixture 1.2x faster again, the plain stream 1.05x ("A mixture's
-# gather streamed, and fetching 16 MiB ahead"). Beyond 4 batches the messages' own bytes bound it too (16 MiB of
-# values, ``Fetcher.messages_within``): a slot of variable-length rows is
-# small until it has grown to its records. They wait in ``pending`` as
+# gather streamed, and fetching 16 MiB ahead"). Beyond 4 batches the
+# messages' own bytes bound it too (16 MiB of values,
+# ``Fetcher.messages_within``): a slot of variable-length rows is small until
+# it has grown to its records. They wait in ``pending`` as
 # messages, and librdkafka fetches more in their place: at most 16 MiB on top
 # of its own buffers, or under ``max_memory_bytes`` 4 batches, which the cap
 # counts (``tuning.prefetch_ceiling``). A caught-up stream gets nothing
