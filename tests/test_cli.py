@@ -1409,7 +1409,8 @@ def test_streamed_rows_show_what_the_brokers_acknowledged_not_what_was_handed_ov
             return {"queued": self.messages}
 
     class Bar:
-        def __init__(self, what, unit, status, t0, every_s=None, before=0.0) -> None:
+        def __init__(self, what, unit, status, t0, every_s=None, before=0.0,
+                     producer=None) -> None:
             self.status = status
 
         def close(self, final: bool = False) -> None:

@@ -523,7 +523,7 @@ def test_the_first_fetch_asks_for_a_few_messages_until_it_knows_their_records(sh
     with Loader(None, "memory", SCHEMA, 256, source=source, device="cpu",
                 until="end", shuffle=shuffle) as loader:
         assert sum(batch.size for batch in loader) == 64 * 400
-        ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
+        ahead = fetch_ahead(False)
     asked = [n for n, _timeout, _given in source.asked]
     assert asked[0] == FIRST_FETCH
     assert max(asked) <= (1 + ahead) * 256 // 64

@@ -230,7 +230,7 @@ def test_a_message_a_document_is_fetched_a_few_batches_at_a_time(shuffle) -> Non
     with kfeed.Loader(None, "memory", TOKENS, 4, source=source, device="cpu",
                       until="end", format="raw", pack=pack, shuffle=shuffle) as loader:
         batches = [as_numpy(b) for b in loader]
-        ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
+        ahead = fetch_ahead(False)
     asked = [n for n, _timeout, _given in source.asked]
     assert documents(batches) == want_documents(docs)
     assert len(asked) < len(batches) / 2

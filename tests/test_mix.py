@@ -599,7 +599,7 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded(monkeypat
             queued = loader._ledger.mixer.queued()  # type: ignore[attr-defined]
             # At most the cap, and what one fetch brought on top: a batch,
             # and what it took ahead (NOTE [ Fetching ahead ]).
-            ahead = fetch_ahead(loader._pool.slots[0].nbytes, False)
+            ahead = fetch_ahead(False)
             assert queued.max() <= loader._builder.mix_queue + (1 + ahead) * 256
             if i == 60:  # (it drains at 2.5 records a batch: resumed only after ~200)
                 break

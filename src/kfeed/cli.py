@@ -328,10 +328,13 @@ class _Progress:
     """
 
     def __init__(self, what: str, unit: str, status: Callable[[], tuple[float, float, str]],
-                 t0: float, every_s: float | None = None, before: float = 0.0) -> None:
+                 t0: float, every_s: float | None = None, before: float = 0.0,
+                 producer: Any = None) -> None:
         # ``before``: done by an earlier run (--resume), in ``done`` but not in the rate.
+        # ``producer``: its stalls are said after ``extra`` (``_AckWatch``).
         self._what, self._unit, self._status, self._t0 = what, unit, status, t0
         self._before = before
+        self._acks = _AckWatch(producer) if producer is not None else None
         self._stop = threading.Event()
         self._bar: Any = None
         tty = sys.stderr.isatty()
@@ -348,6 +351,8 @@ class _Progress:
 
     def _draw(self) -> None:
         done, total, extra = self._status()
+        if self._acks is not None:
+            extra += self._acks.word()
         if self._bar is not None:
             self._bar.total = total or None
             self._bar.n = done
@@ -640,14 +645,13 @@ def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any,
             _check_partitions(args, producer)
             t0 = time.monotonic()
 
-            acks = _AckWatch(producer)
-
             def status() -> tuple[float, float, str]:
                 done, acked = producer.acknowledged()
                 mb_s = acked / max(time.monotonic() - t0, 1e-9) / 1e6
-                return done, total, f"{mb_s:,.1f} MB/s{acks.word()}"
+                return done, total, f"{mb_s:,.1f} MB/s"
 
-            progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every)
+            progress = _Progress("kfeed produce", "samples", status, t0, args.progress_every,
+                                 producer=producer)
             try:
                 step = 8192
                 for i in range(0, total, step):
@@ -824,14 +828,12 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
     t0 = time.monotonic()
     before = producer.messages, producer.bytes
 
-    acks = _AckWatch(producer)
-
     def status() -> tuple[float, float, str]:
         # What the brokers acknowledged, as --synthetic shows: rows handed to
         # librdkafka showed 100% for as long as its brokers were gone.
         mb_s = producer.acked_bytes / max(time.monotonic() - t0, 1e-9) / 1e6
         return (done + (sent - done) * _acknowledged(producer), total or 0,
-                f"{mb_s:,.1f} MB/s{acks.word()}")
+                f"{mb_s:,.1f} MB/s")
 
     # A batch the source could not give (a bad value, a file that cannot be
     # read): the rows before it are good, and are committed with the open
@@ -850,7 +852,7 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
             return None
 
     progress_bar = _Progress("kfeed produce", "samples", status, t0, args.progress_every,
-                             before=done)
+                             before=done, producer=producer)
     committed = done
     try:
         while cols is not None:
@@ -1073,17 +1075,15 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
             _check_partitions(args, producer)
             t0 = time.monotonic()
 
-            acks = _AckWatch(producer)
-
             def status() -> tuple[float, float, str]:
                 share = _acknowledged(producer)
                 dt = max(time.monotonic() - t0, 1e-9)
                 # The corpus read, in percent (of its bytes or rows).
                 return 100 * done[0] / max(done[1], 1), 100.0, (
-                    f"{sent * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s"
-                    f"{acks.word()}")
+                    f"{sent * share:,.0f} docs, {tokens * share / dt:,.0f} tokens/s")
 
-            progress = _Progress("kfeed produce", "%", status, t0, args.progress_every)
+            progress = _Progress("kfeed produce", "%", status, t0, args.progress_every,
+                                 producer=producer)
             try:
                 sending[0] = True
                 while pending is not None and not stopped:

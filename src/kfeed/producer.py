@@ -782,10 +782,11 @@ class Producer:
 
     def _sliced(self, call: Callable[..., Any], timeout: float, *args: Any) -> Any:
         """A transactional call of librdkafka's (init, commit, abort, send_offsets),
-        ``call(*args, slice)``, made in slices of ``_SLICE_S`` (``_on_thread``), until ``timeout``: a signal is raised
-        between two, not after the whole ``timeout`` (85 s for a SIGTERM with the
-        brokers gone). A call that times out is resumed by the next one with the same
-        arguments; one that failed with a retriable error is made again."""
+        ``call(*args, slice)``, made in slices of ``_SLICE_S`` (``_on_thread``)
+        until ``timeout``: a signal is raised between two, not after the whole
+        ``timeout`` (85 s for a SIGTERM with the brokers gone). A call that times
+        out is resumed by the next one with the same arguments; one that failed
+        with a retriable error is made again."""
         from confluent_kafka import KafkaError, KafkaException
 
         deadline = time.monotonic() + timeout

@@ -58,9 +58,10 @@ log = logging.getLogger("kfeed.loader")
 _HELD_LIMIT = 6
 # NOTE [ Fetching ahead ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# A fetch takes, besides the records the batch needs, up to 16 MiB's worth
-# more of those librdkafka has fetched already (``tuning.fetch_ahead``: 4 to
-# 16 batches; 4 under max_memory_bytes), without waiting for them
+# A fetch takes, besides the records the batch needs, up to 16 MiB of message
+# values more of those librdkafka has fetched already: 4 batches' worth at
+# least, 16 at most, and 4 under max_memory_bytes (``tuning.fetch_ahead``,
+# ``Fetcher.messages_within``), without waiting for them
 # (``Fetcher.fetch(ahead=)``). The work of a fetch is per call, not per
 # message (one C scan, a few array operations, the order's and the mixer's
 # bookkeeping), so on a backlog fewer, bigger calls cost less: a block
@@ -68,12 +69,11 @@ _HELD_LIMIT = 6
 # three-topic mixture 1.4x, a shuffled stream 1.25x and the plain stream 1.1x
 # faster (bench/RESULTS.md, "Fetching ahead"); 16 batches of 768 KB in place
 # of 4, a mixture 1.2x faster again, the plain stream 1.05x ("A mixture's
-# gather streamed, and fetching 16 MiB ahead"). Beyond 4 batches the
-# messages' own bytes bound it too (16 MiB of values,
-# ``Fetcher.messages_within``): a slot of variable-length rows is small until
-# it has grown to its records. They wait in ``pending`` as
-# messages, and librdkafka fetches more in their place: at most 16 MiB on top
-# of its own buffers, or under ``max_memory_bytes`` 4 batches, which the cap
+# gather streamed, and fetching 16 MiB ahead"). The bound is the values'
+# bytes, not the slot's: a slot of variable-length rows is small until it
+# has grown to its records. They wait in ``pending`` as
+# messages, and librdkafka fetches more in their place: at most 16 MiB (or 4
+# batches, if more) on top of its own buffers, or under ``max_memory_bytes`` 4 batches, which the cap
 # counts (``tuning.prefetch_ceiling``). A caught-up stream gets nothing
 # ahead, and is asked for what its batch needs.
 # NOTE [ Mixture queues ]
@@ -181,7 +181,7 @@ class SlotBuilder:
                     # Read, and all rejected: their place goes on alone, now, not
                     # once records come again (NOTE [ Batches of no rows ]).
                     break
-                if not self.fetch_within(started, slot):
+                if not self.fetch_within(started, slot.rows):
                     break
                 continue
             self._decode(slot, out)
@@ -193,8 +193,8 @@ class SlotBuilder:
                 started = max(f.pending_since, begun)
         return out
 
-    def fetch_within(self, started: float | None, slot: Slot) -> bool:
-        """Fetch for ``slot``, whose rows it holds since ``started``; False once max_wait is over.
+    def fetch_within(self, started: float | None, rows: int) -> bool:
+        """Fetch for a batch of ``rows`` so far, since ``started``; False once max_wait is over.
 
         A started batch waits at most what is left of ``max_wait``, and asks
         only for the records it still needs, so a trickling stream yields
@@ -204,14 +204,12 @@ class SlotBuilder:
         f = self.fetcher
         self.bad.waiting()
         # (Nothing ahead while the records a message holds are not known yet.)
-        rows = slot.rows
         ahead = 0
         if f.learned:
-            ahead = self.fetch_size(fetch_ahead(slot.nbytes, self.capped) * self.batch_size)
-            # Beyond FETCH_AHEAD batches, the messages' own bytes bound it too:
-            # a slot of variable-length rows is small until it has grown.
+            # FETCH_AHEAD batches; beyond that, up to FETCH_AHEAD_BYTES of values.
             ahead = max(self.fetch_size(FETCH_AHEAD * self.batch_size),
-                        min(ahead, f.messages_within(FETCH_AHEAD_BYTES)))
+                        min(self.fetch_size(fetch_ahead(self.capped) * self.batch_size),
+                            f.messages_within(FETCH_AHEAD_BYTES)))
         if started is None:
             # Streaming, a fetch waits no longer than max_wait for its first
             # records, so a batch's first record never waits longer in it.
@@ -436,7 +434,7 @@ class RecordBuilder(SlotBuilder):
                 if self.drained:
                     break  # the end of the epoch: a partial batch, or none
                 self._drain()
-            elif not self.fetch_within(started, slot):
+            elif not self.fetch_within(started, slot.rows):
                 # max_wait is over: what the packer holds goes out, its last
                 # row padded, rather than wait for a whole batch.
                 if self.packer is not None and not self.finished:

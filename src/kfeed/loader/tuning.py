@@ -39,7 +39,7 @@ STALL = 0.01
 HELD_BESIDES_QUEUE = 5
 # Batches' worth of messages a fetch may take ahead of what its batch needs,
 # of those librdkafka holds already (NOTE [ Fetching ahead ] in loader/build.py):
-# FETCH_AHEAD_BYTES' worth, from FETCH_AHEAD to FETCH_AHEAD_MOST batches, or
+# FETCH_AHEAD_BYTES of values, from FETCH_AHEAD to FETCH_AHEAD_MOST batches, or
 # under max_memory_bytes FETCH_AHEAD (the cap counts them, prefetch_ceiling).
 FETCH_AHEAD = 4
 FETCH_AHEAD_MOST = 16
@@ -159,15 +159,13 @@ def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes
     return max(0, cap - rdkafka - held) // max(1, batch_bytes)
 
 
-def fetch_ahead(batch_bytes: int, capped: bool) -> int:
-    """How many batches' worth a fetch takes ahead, for batches of ``batch_bytes``.
+def fetch_ahead(capped: bool) -> int:
+    """The most batches' worth a fetch takes ahead (the messages' bytes bound it too).
 
     ``capped``: under ``max_memory_bytes``, whose share for batches goes to
     the ready queue first.
     """
-    if capped:
-        return FETCH_AHEAD
-    return min(FETCH_AHEAD_MOST, max(FETCH_AHEAD, FETCH_AHEAD_BYTES // max(1, batch_bytes)))
+    return FETCH_AHEAD if capped else FETCH_AHEAD_MOST
 
 
 def prefetch_ceiling(prefetch: int | str, cap: int | None, budget: int | None,
