@@ -484,6 +484,10 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
         (["--format", "json", "--avro-schema", "x.avsc"], "applies to --format avro"),
         (["--format", "json", "--round-messages", "2000000"],
          "2000000 is out of range: give an integer in 1..1000000"),
+        # (It named kfeed produce.)
+        (["--format", "json", "-X", "transactional.id=mine"],
+         "-X transactional.id is set by kfeed convert (kfeed-convert.FROM.TO, the job's own "
+         "id): leave it out of -X"),
     ]:
         done = cli(*args)
         assert done.returncode == 2, (args, done.stderr)

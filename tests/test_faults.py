@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -613,13 +614,38 @@ def test_close_with_every_broker_down_is_bounded_and_names_where_it_is_stuck(
     assert took < 25  # the thread's 10 s at most, then the consumer's 10 s
 
 
+class _Stderr:
+    """A child's stderr lines, read on a thread as they come."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._proc = proc
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stderr is not None
+        for line in self._proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, seconds: float) -> re.Match[str]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {pattern!r} in {seconds}s: {self.lines}")
+
+    def join(self) -> None:
+        self._reader.join(10)
+
+
 @pytest.mark.timeout(300, method="thread")
 def test_a_produce_whose_brokers_all_stop_says_so_on_its_progress_line(bootstrap, make_topic,
                                                                       live_cluster) -> None:
     # With every broker gone, kfeed produce's count stood still without a word,
     # as it would for a slow source.
-    import re
-
     topic = make_topic(partitions=1, replication=3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kfeed", "produce", "--topic", topic, "--synthetic", "12000",
@@ -627,44 +653,62 @@ def test_a_produce_whose_brokers_all_stop_says_so_on_its_progress_line(bootstrap
          "-X", "linger.ms=0", "-X", "batch.num.messages=1"],
         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "KFEED_BOOTSTRAP": bootstrap})
-    assert proc.stderr is not None
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    def wait_for(pattern: str, seconds: float) -> re.Match[str]:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for line in list(lines):
-                if m := re.search(pattern, line):
-                    return m
-            time.sleep(0.1)
-        raise AssertionError(f"no line with {pattern!r} in {seconds}s: {lines}")
-
-    wait_for(r"kfeed produce: [1-9][\d,]{4,}/12,000 samples", 60)  # 1,000 or more
-    stopped_at = len(lines)
+    err = _Stderr(proc)
+    err.wait_for(r"kfeed produce: [1-9][\d,]{4,}/12,000 samples", 60)  # 1,000 or more
+    stopped_at = len(err.lines)
     pids = cluster.node_pids(live_cluster)
     try:
         for pid in pids.values():
             os.kill(pid, signal.SIGSTOP)
-        m = wait_for(r"the brokers acknowledged nothing for (\d+)s, ([\d,]+) message\(s\) "
-                     r"waiting", 30)
+        m = err.wait_for(r"the brokers acknowledged nothing for (\d+)s, ([\d,]+) message\(s\) "
+                         r"waiting", 30)
     finally:
         for pid in pids.values():
             os.kill(pid, signal.SIGCONT)
-    assert int(m.group(1)) >= 5 and int(m.group(2).replace(",", "")) > 0, lines[stopped_at:]
+    assert int(m.group(1)) >= 5 and int(m.group(2).replace(",", "")) > 0, err.lines[stopped_at:]
     _out, _err = proc.communicate(timeout=180)
-    reader.join(10)
-    assert proc.returncode == 0, lines
+    err.join()
+    assert proc.returncode == 0, err.lines
     assert re.match(r"produced 12000 samples in 12000 messages", _out), _out
     # Once the brokers answer again, the word goes.
-    assert "acknowledged nothing" not in [ln for ln in lines if "kfeed produce:" in ln][-1]
+    assert "acknowledged nothing" not in [ln for ln in err.lines if "kfeed produce:" in ln][-1]
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_an_idle_convert_follow_stops_at_a_signal_with_every_broker_frozen(
+        bootstrap, make_topic, live_cluster) -> None:
+    # Everything converted, a --follow idles; the brokers stop answering, and
+    # Ctrl-C took 24 s: the progress line's lag was asked of them for 30 s.
+    src = make_topic(partitions=1, replication=3)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, src, kfeed.Schema({"id": ("int64", ())}),
+                        format="json") as p:
+        p.send({"id": np.arange(10)})
+    cmd = [sys.executable, "-m", "kfeed", "convert", "--from-topic", src, "--to-topic",
+           src + ".blocks", "--format", "json", "--field", "id=int64"]
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("converted 10 records"), done
+    proc = subprocess.Popen([*cmd, "--follow", "--progress-every", "0.2"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = _Stderr(proc)
+    err.wait_for(r"kfeed convert: 0 records, .* lag 0 messages", 60)
+    pids = cluster.node_pids(live_cluster)
+    try:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)  # (the idle rounds go on asking)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        took = time.monotonic() - t
+    finally:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
+    err.join()
+    report("convert_follow_signal_with_every_broker_frozen", stop_s=round(took, 1))
+    assert proc.returncode == 128 + signal.SIGINT, err.lines
+    assert err.lines[-1].startswith("kfeed: stopped by SIGINT"), err.lines
+    assert took < 5, err.lines
 
 
 @pytest.mark.timeout(300, method="thread")  # (a wait inside librdkafka never sees a signal)

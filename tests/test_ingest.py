@@ -41,6 +41,7 @@ from pyarrow import feather
 from records import kfeed_cli
 
 import kfeed
+from kfeed import cli
 from kfeed.cluster._jars import cache_root
 from kfeed.errors import ConfigError, KfeedError
 from kfeed.ingest import shown, source_key
@@ -194,8 +195,7 @@ def test_a_bad_row_after_rows_were_sent_says_resume(bootstrap, make_topic, tmp_p
     assert len(lines) == 1, done.stderr
     line = lines[0]
     assert line.startswith("kfeed: ") and line.endswith(
-        "(4,000 rows before it were sent and recorded: after the fix, run again with "
-        "--resume to send the rest)"), line
+        f"(4,000 rows before it were sent and recorded: {cli._AFTER_THE_FIX})"), line
     pq.write_table(table(np.arange(4000, 5000)), tmp_path / "part-2.parquet")
     # The same command again, as a user would type it, sends nothing twice.
     again = kfeed_cli(bootstrap, *argv)
@@ -1264,8 +1264,7 @@ def test_a_later_file_that_differs_is_named_in_the_run_and_in_its_resume(bootstr
     assert done.returncode == 1, (done.stdout, done.stderr)
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("kfeed: b.parquet: a later batch gives ") and line.endswith(
-        "(2,000 rows before it were sent and recorded: after the fix, run again with --resume "
-        "to send the rest)"), line
+        f"(2,000 rows before it were sent and recorded: {cli._AFTER_THE_FIX})"), line
     again = kfeed_cli(bootstrap, *argv, "--resume")
     assert again.returncode == 2, (again.stdout, again.stderr)
     assert again.stderr.strip().splitlines()[-1].startswith(
@@ -1286,8 +1285,7 @@ def test_a_later_file_that_differs_is_named_in_the_run_and_in_its_resume(bootstr
     # (Every row before the batch that failed: the open transaction's rows are
     # committed before the error is raised; it said 65,536, a batch's worth less.)
     assert line.startswith("kfeed: b.csv: ") and "3" in line and line.endswith(
-        "(70,000 rows before it were sent and recorded: after the fix, run again with --resume "
-        "to send the rest)"), line
+        f"(70,000 rows before it were sent and recorded: {cli._AFTER_THE_FIX})"), line
 
 
 def test_a_stalled_send_holds_a_few_batches_not_the_file(tmp_path) -> None:

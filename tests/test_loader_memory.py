@@ -810,6 +810,31 @@ def test_a_dataset_of_epochs_refuses_a_window_each_epoch_would_end_anew() -> Non
     assert sum(len(b["id"]) for b in dataset) == 400
 
 
+def test_a_window_of_times_says_what_it_will_read(caplog) -> None:
+    # until= a time ahead ended at the topic's end without a word (a map past
+    # the end said so); until= before start= read nothing without a word (two
+    # maps so are a ConfigError).
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime.now(timezone.utc)
+    values = {0: blocks(0, 200, 64), 1: blocks(200, 200, 64)}
+    with caplog.at_level("WARNING", logger="kfeed"):
+        loader = Loader(None, "memory", SCHEMA, 64, source=kfeed.MemorySource(values),
+                        device="cpu", start="earliest", until=now + timedelta(hours=1))
+        with loader:
+            assert sum(b.size for b in loader) == 400
+    said = [r.getMessage() for r in caplog.records if "is 3600 s ahead" in r.getMessage()
+            or "is 3599 s ahead" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "the read stops at each partition's end now (the window is resolved once, at the "
+        "start: records written later are not read); leave until= out to go on streaming"), said
+    with pytest.raises(kfeed.ConfigError, match=re.escape(
+            f"until={(now - timedelta(days=1)).isoformat()} is not after start="
+            f"{now.isoformat()}: the window would hold nothing")):
+        Loader(None, "memory", SCHEMA, 64, source=kfeed.MemorySource(values), device="cpu",
+               start=now, until=now - timedelta(days=1))
+
+
 def test_two_threads_reading_one_loader_both_end_with_stop_iteration() -> None:
     # The thread that did not take the end found the loader's thread gone and
     # the queue empty: "the loader thread stopped without a reason" (a race:

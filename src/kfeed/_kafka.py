@@ -29,6 +29,7 @@ import logging
 import math
 import numbers
 import re
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -39,7 +40,8 @@ from kfeed.errors import ConfigError, ConsumeError, Interrupted, KfeedError, Pro
 __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "refusal", "answer",
            "refused_message", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
-           "topic_partitions", "admin_partitions", "bad_setting", "chain", "kafka_error", "weakly"]
+           "topic_partitions", "admin_partitions", "bad_setting", "chain", "kafka_error", "weakly",
+           "within"]
 
 log = logging.getLogger(__name__)
 
@@ -427,6 +429,27 @@ def passing(call: Callable[[], Any], timeout_s: float) -> Any:
             if err is None or err.code() not in PASSING or time.monotonic() >= deadline:
                 raise
         time.sleep(0.25)
+
+
+def within(call: Callable[[], None], name: str, limit: float) -> bool:
+    """``call()`` on a daemon thread ``name``, given ``limit`` seconds: False if it still
+    runs then (it goes on in the background); what it raised is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 # A topic that stays unknown this long after the stream began was deleted

@@ -231,7 +231,9 @@ def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
              "group.id": "--group-id" if hasattr(args, "group_id") else
              "kfeed produce (a producer is in no consumer group; a resumable job's progress "
              "has a group of its own)",
-             "transactional.id": "kfeed produce (a job's own id, for --resume)"}
+             "transactional.id": "kfeed convert (kfeed-convert.FROM.TO, the job's own id)"
+             if getattr(args, "command", None) == "convert" else
+             "kfeed produce (a job's own id, for --resume)"}
     for item in args.kafka:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -808,6 +810,11 @@ def _rows_a_send(cols: dict[str, Any], limit: float) -> int:
 # What _send_stream holds in place of the next batch when the source was too slow to
 # give it within the transaction's age: it is waited for after the commit.
 _LATER = object()
+# What a run stopped by a bad row says of --resume: it skips the rows sent,
+# so the files they came from and the fields' types must stay as they were.
+_AFTER_THE_FIX = ("after the fix, run again with --resume to send the rest; a fix that edits "
+                  "a file they came from, or gives a field another --dtype, cannot go on "
+                  "after them: send it all with --resend to a new topic instead")
 
 
 def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str,
@@ -900,7 +907,7 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
         # broker's refusal) were sent: a failure while running (exit 1), and a
         # rerun must go on after them.
         raise KfeedError(f"{e} ({committed - done:,} rows before it were sent and recorded: "
-                         f"after the fix, run again with --resume to send the rest)") from e
+                         f"{_AFTER_THE_FIX})") from e
     except BaseException:
         progress_bar.close()
         raise
@@ -1589,7 +1596,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"{args.to_topic} in {st.elapsed_s:.1f}s: "
           f"{_rates(st.records, st.bytes_in, st.elapsed_s, 'records')} in, "
           f"{st.bytes_out / max(st.bytes_in, 1):.2f}x the bytes out; {st.blocks:,} blocks "
-          f"in {st.transactions:,} transactions")
+          f"in {st.transactions:,} transaction{'' if st.transactions == 1 else 's'}")
     if stopped:
         # As kfeed train says where it stopped: the round under way was
         # finished and committed, and the same command goes on after it.

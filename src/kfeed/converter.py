@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from kfeed._kafka import (ConnectionLog, admin_client, admin_partitions, bad_setting,
-                          check_settings, client_config, create_topic, kafka_error, weakly)
+                          check_settings, client_config, create_topic, kafka_error, weakly,
+                          within)
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.errors import ConfigError, ConsumeError, KfeedError, ProduceError
 from kfeed.formats import Decoder, RecordFormat, Stopped, resolve
@@ -47,6 +48,8 @@ log = logging.getLogger("kfeed.convert")
 
 MAX_ROUND = 1_000_000   # round_messages at most: librdkafka's consume() takes no more
 _RETRIES = 3           # rounds aborted in a row before convert gives up
+_LAG_ASK_S = 1.0       # the most a progress line's lag waits for the brokers
+_LEAVE_S = 1.0         # the most a stopped convert waits to leave its group
 
 
 class _HeldBack(Exception):
@@ -151,7 +154,7 @@ def convert(
     try:
         return job.run(follow, progress, stop)
     finally:
-        job.close()
+        job.close(stopped=stop.is_set())
 
 
 def _check_blocks(kafka_config: Mapping[str, Any], topic: str, schema: Schema,
@@ -203,6 +206,7 @@ class _Convert:
         self.round_messages = round_messages
         self.stats = ConvertStats()
         self.timeout = connect_timeout_s
+        self.group = group_id
         # The settings first, as a transactional producer's and the consumer's:
         # librdkafka checks every one before any topic is made.
         check_settings(kafka_config, transactional=True)
@@ -494,8 +498,11 @@ class _Convert:
                 if high >= 0:
                     lag += max(0, high - tp.offset)
             if unread:  # (asked of the brokers: only until every partition is being read)
-                for tp in self.consumer.committed(unread, timeout=self.timeout):
-                    low, high = self.consumer.get_watermark_offsets(tp, timeout=self.timeout)
+                # Briefly: a signal waits for a call into librdkafka to end, and
+                # with the brokers gone an idle --follow asked for 30 s.
+                timeout = min(self.timeout, _LAG_ASK_S)
+                for tp in self.consumer.committed(unread, timeout=timeout):
+                    low, high = self.consumer.get_watermark_offsets(tp, timeout=timeout)
                     lag += max(0, high - max(tp.offset, low))
         except Exception as e:  # noqa: BLE001 - the lag is only reported
             log.debug("lag not known: %s", kafka_error(e) or e)
@@ -511,9 +518,17 @@ class _Convert:
         self.carried = [m for m in self.carried if m.partition() not in gone]
         self.bad.forget(lambda m: m.partition() in gone)
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """Close the clients. ``stopped`` (a signal, a stop asked for): leaving the
+        group waits ``_LEAVE_S`` at most, not librdkafka's 5 s for brokers that do
+        not answer; the group then frees the partitions at the session's end."""
         try:
-            self.consumer.close()
+            if not stopped:
+                self.consumer.close()
+            elif not within(self.consumer.close, "kfeed-convert-close", _LEAVE_S):
+                log.warning("the brokers did not answer this convert's leaving of group %s "
+                            "within %g s: its partitions come free when its session ends "
+                            "(session.timeout.ms)", self.group, _LEAVE_S)
         finally:
             if self.producer is not None:
                 self.producer.close()

@@ -90,7 +90,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from kfeed import metrics
-from kfeed._kafka import client_config
+from kfeed._kafka import client_config, within
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError, first_line
@@ -583,6 +583,14 @@ class Loader:
                 f"until={self._base.until.isoformat()} is in the future: with epochs=, each "
                 f"epoch of a KafkaIterableDataset opens a new loader, which would end at the "
                 f"newest record it finds, so epochs would differ; give a time past")
+        if isinstance(self._base.until, datetime) \
+                and (ahead := self._base.until.timestamp() - time.time()) > 0:
+            # Resolved once, now (as a map past the end is): a read that ended
+            # at the end of the topic said nothing of the time it was given.
+            log.warning("until=%s is %.0f s ahead: the read stops at each partition's end "
+                        "now (the window is resolved once, at the start: records written "
+                        "later are not read); leave until= out to go on streaming",
+                        self._base.until.isoformat(), ahead)
         maps = [(name, m) for name, m in (("start", self._base.start),
                                           ("until", self._base.until)) if isinstance(m, Mapping)]
         if not maps:
@@ -1072,7 +1080,7 @@ class Loader:
         # (NOTE [ Loader Shutdown Logic ]).
         limit = self.config.connect_timeout_s + 5.0
         self._status.doing = "making the commit (Source.commit)"
-        if not _within(lambda: fetcher.commit_now(todo, asynchronous=False), "kfeed-commit",
+        if not within(lambda: fetcher.commit_now(todo, asynchronous=False), "kfeed-commit",
                        limit):
             self._held = "making the commit at the end of the read (Source.commit)"
             raise LoaderError(
@@ -1402,7 +1410,7 @@ class Loader:
             # (A loader collected at exit: a thread started now never runs,
             # and start() would wait for it for ever.)
             self._shut_down()
-        elif not _within(self._shut_down, "kfeed-close", limit):
+        elif not within(self._shut_down, "kfeed-close", limit):
             raise LoaderError(
                 f"the consumer did not close within {limit:g}s: it is stuck "
                 f"{self._status.doing}, most likely because no broker answers; it goes on "
@@ -1483,27 +1491,6 @@ class Loader:
 def _commit_nothing(tps: list[TP]) -> dict[TP, Position]:
     """The revoke hook of a closing loader: no commit (see ``Loader._shut_down``)."""
     return {}
-
-
-def _within(call: Callable[[], None], name: str, limit: float) -> bool:
-    """``call()`` on a daemon thread ``name``, given ``limit`` seconds: False if it still
-    runs then (it goes on in the background); what it raised is raised here."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
-            failed.append(e)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        return False
-    if failed:
-        raise failed[0]
-    return True
 
 
 # NOTE [ Epochs ]

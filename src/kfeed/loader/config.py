@@ -105,6 +105,10 @@ class LoaderConfig:
             if self.until is None:
                 raise ConfigError("epochs reads a bounded window again and again: give until= "
                                   "('end', a datetime or a {(topic, partition): offset} dict)")
+        if isinstance(self.start, datetime) and isinstance(self.until, datetime) \
+                and self.until.timestamp() <= self.start.timestamp():
+            raise ConfigError(f"until={self.until.isoformat()} is not after start="
+                              f"{self.start.isoformat()}: the window would hold nothing")
         if isinstance(self.start, Mapping):
             put("start", _offsets("start", self.start, self.topics))
         elif not (isinstance(self.start, datetime) or self.start in _STARTS):
