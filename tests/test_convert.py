@@ -503,6 +503,14 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
     assert done.returncode != 0 and "no --field was given, so the fields are those kfeed train " \
         "reads, features float32[768], label int64, id int64: name the topic's with --field " \
         "NAME=DTYPE[SHAPE][@SOURCE])" in done.stderr, done.stderr
+    # --on-bad-record raise said only the record, not what stands nor how to go on.
+    producer.produce(src, b"not json")
+    assert producer.flush(30) == 0
+    done = cli("--format", "json", "--field", "id=int64", "--on-bad-record", "raise")
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"kfeed: bad record: not JSON: the rounds before it are committed, and the "
+        f"same command stops at it again; --on-bad-record dead_letter (or skip) goes past it "
+        f"(topic={src}, partition=0, offset=5)"), done.stderr
 
 
 def test_avro_across_processes_through_a_real_schema_registry(bootstrap, make_topic,

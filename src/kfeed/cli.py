@@ -1581,6 +1581,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
                            follow=args.follow, on_bad_record=args.on_bad_record,
                            progress=progress, stop=stop, connect_timeout_s=args.connect_timeout)
     except DecodeError as e:
+        if args.on_bad_record == "raise" and e.args[0].startswith("bad record: "):
+            # It said only the record: the rounds before it stand, and the
+            # same command stops at it again.
+            raise DecodeError(f"{e.args[0]}: the rounds before it are committed, and the "
+                              f"same command stops at it again; --on-bad-record dead_letter "
+                              f"(or skip) goes past it", topic=e.topic, partition=e.partition,
+                              offset=e.offset, code=e.code) from None
         if args.field:
             raise
         from kfeed.badrecords import describe_schema
