@@ -902,6 +902,18 @@ def test_a_leader_or_coordinator_that_moves_is_asked_again() -> None:
     source.connect_timeout, source._consumer = 10.0, Moving()
     assert source.watermarks(("t", 0)) == (0, 42) and Moving.calls == 2
 
+    class Recovering:  # every broker restarted: a listed partition unknown for a while
+        calls = 0
+
+        def get_watermark_offsets(self, tp, timeout=None, cached=False):
+            Recovering.calls += 1
+            if Recovering.calls <= 2:
+                raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION))
+            return (0, 7)
+
+    source._consumer = Recovering()
+    assert source.watermarks(("t", 0)) == (0, 7) and Recovering.calls == 3
+
 
 def test_a_topic_whose_leaders_are_gone_is_one_line_before_produce_writes(monkeypatch) -> None:
     # kfeed produce into it ended "unexpected KafkaException: ... Failed to get

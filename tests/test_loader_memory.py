@@ -810,6 +810,38 @@ def test_a_dataset_of_epochs_refuses_a_window_each_epoch_would_end_anew() -> Non
     assert sum(len(b["id"]) for b in dataset) == 400
 
 
+@pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=128, seed=0)],
+                         ids=["in order", "shuffled"])
+def test_a_slow_caller_does_not_make_the_pending_messages_grow(shuffle) -> None:
+    # A full queue polled the consumer every 0.1 s, each poll taking a message:
+    # with a step longer than that, the pending messages grew for as long as
+    # the backlog lasted (240 in a minute, past max_memory_bytes too).
+    from kfeed.loader.fetch import HOLD_S
+
+    source = CountingSource(blocks(0, 64 * 300))  # a message a batch
+    pending = []
+    with Loader(None, "memory", SCHEMA, 64, source=source, device="cpu", until="end",
+                prefetch=2, shuffle=shuffle) as loader:
+        ids = []
+        f = loader._fetcher
+        for i, batch in enumerate(loader):
+            ids += batch["id"].tolist()
+            if i < 28:
+                time.sleep(0.25)  # 2.5 polls a step, before
+                pending.append(len(f.msgs) - f.i)
+        assert not getattr(f, "held", None)  # resumed once the caller took batches faster
+    assert sorted(ids) == list(range(64 * 300))  # nothing lost or repeated
+    # No more than one fetch takes (a batch, and what it takes ahead).
+    assert max(pending) <= max(n for n, _timeout, _given in source.asked), pending
+    # Shuffled, the thread makes batches from the records it holds: the pending
+    # messages stay at what one fetch took, no poll comes for HOLD_S, and it
+    # polls for events alone, all paused (what it asked gave nothing). In
+    # order, each batch takes a pending message, and a poll takes its place.
+    paused = [given for n, _timeout, given in source.asked if n == 1 and given == 0]
+    assert paused or shuffle is None, source.asked
+    assert 28 * 0.25 > 2 * HOLD_S
+
+
 def test_a_window_of_times_says_what_it_will_read(caplog) -> None:
     # until= a time ahead ended at the topic's end without a word (a map past
     # the end said so); until= before start= read nothing without a word (two

@@ -710,7 +710,9 @@ class KafkaSource(Source):
         from confluent_kafka import KafkaException
 
         # A leader that just died is still in the metadata until the controller
-        # moves leadership: retry until connect_timeout instead of failing.
+        # moves leadership: retry until connect_timeout instead of failing. So
+        # is a partition unknown (a partition listed: metadata coming back
+        # after every broker restarted, which failed loaders 20 s in).
         deadline = time.monotonic() + self.connect_timeout
         while True:
             try:
@@ -722,8 +724,9 @@ class KafkaSource(Source):
                 marks, error = None, e.args[0].str()
                 # (confluent-kafka marks none of these retriable: a leader that
                 # moves, NOT_LEADER_FOR_PARTITION, is asked again by its code)
-                if not e.args[0].retriable() and e.args[0].code() not in PASSING \
-                        and "destroyed" not in error:
+                code = e.args[0].code()
+                if not e.args[0].retriable() and code not in PASSING \
+                        and code not in GONE_CODES and "destroyed" not in error:
                     break
             if marks is not None or cached or time.monotonic() >= deadline:
                 break

@@ -321,6 +321,8 @@ class RecordBuilder(SlotBuilder):
         self.mix_floor_warned = False
         self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
+        # (Not resumed by the fetcher's serving: NOTE [ Serving ] in loader/fetch.py.)
+        fetcher.kept_paused, fetcher.mixer = self.paused, self.mixer
         self.warned_absent: set[str] = set()
         self.mix_synced: tuple[int, int, int] | None = None  # see _sync_mixer
         # A variable-length field without pack: batches of its elements and

@@ -31,6 +31,7 @@ log = logging.getLogger("kfeed.loader")
 
 POLL_S = 0.1  # the longest any wait of the loader's thread goes without looking at stop
 SERVE_S = 0.5  # the longest the thread goes without polling the consumer
+HOLD_S = 2.0  # a full queue and enough pending: the longest without a poll (NOTE [ Serving ])
 
 
 # Messages the first fetch asks for at most (Fetcher.messages_for).
@@ -168,6 +169,14 @@ class Fetcher:
         self.learned = False  # records_per_msg is a guess until the first fetch is decoded
         self.bytes_per_msg = 0.0  # of the values fetched so far (0: none yet)
         self.last_poll = time.monotonic()
+        # NOTE [ Serving ]: the most messages one fetch took (what the pending
+        # ones may hold), and the partitions serve() paused to poll for
+        # events alone; ``kept_paused``: those a mixture paused for itself
+        # (all once it ``ended``).
+        self.fetch_most = 1
+        self.held: set[TP] = set()
+        self.kept_paused: set[TP] = set()
+        self.mixer: Any = None
         # When the oldest pending message was fetched (the call's start): a
         # batch's max_wait runs from there (SlotBuilder.fill).
         self.pending_since = self.last_poll
@@ -327,7 +336,8 @@ class Fetcher:
         self.records_per_msg = 0.8 * self.records_per_msg + 0.2 * seen if self.learned else seen
         self.learned = True
 
-    def fetch(self, n: int | None = None, timeout: float = POLL_S, *, ahead: int = 0) -> None:
+    def fetch(self, n: int | None = None, timeout: float = POLL_S, *, ahead: int = 0,
+              serving: bool = False) -> None:
         """Consume up to ``n`` messages (about a batch's worth by default) onto the pending ones.
 
         ``ahead``: up to this many more, of those already fetched from the
@@ -343,6 +353,10 @@ class Fetcher:
             # longer holds: the one fetching the window's last messages asks
             # for those alone, and is back as soon as they are in.
             n = max(1, self._window_left(n))
+        if not serving:
+            self.fetch_most = n + ahead
+            if self.held:
+                self._release()
         self._commit()
         gen = self.ledger.gen
         self.starts = {}
@@ -534,9 +548,35 @@ class Fetcher:
         together, a rank whose queue is full would wait on one that waits
         for its partitions. Polling also serves librdkafka's statistics,
         where ``stats()`` finds each partition's end. At most one message
-        comes back; it waits with the pending ones.
+        comes back; it waits with the pending ones, as many as one fetch
+        takes at most (NOTE [ Serving ]).
         """
-        self.fetch(1, 0)
+        # NOTE [ Serving ]
+        # ~~~~~~~~~~~~~~~~
+        # Each poll takes a message if one is there, so a caller slower than
+        # one message a poll (a step longer than POLL_S, in a full queue) had
+        # the pending messages grow without end: 240 in a minute, past
+        # max_memory_bytes too (docs/RELIABILITY.md). Once they hold what one
+        # fetch takes at most (``fetch_most``), serve() stops polling; if a
+        # poll is then HOLD_S old, it pauses every partition and polls for
+        # the group's events alone, until the next fetch for a batch resumes
+        # them (``_release``). A pause drops librdkafka's pre-fetched messages
+        # of the partition (fetched again on resume), so it is kept for a
+        # caller that slow; a rebalance waits HOLD_S more at most.
+        if len(self.msgs) - self.i >= self.fetch_most:
+            if not self.held and time.monotonic() - self.last_poll < HOLD_S:
+                return
+            self.held = set(self.assigned)
+            self.source.pause(sorted(self.held))  # (again if the builder resumed one)
+        self.fetch(1, 0, serving=True)
+
+    def _release(self) -> None:
+        """Resume what serve() paused, but for the partitions paused for other reasons."""
+        held, self.held = self.held, set()
+        if self.mixer is not None and self.mixer.ended:
+            return
+        self.source.resume(sorted(tp for tp in held if tp in self.assigned
+                                  and tp not in self.done and tp not in self.kept_paused))
 
     def serve_if_due(self) -> None:
         if time.monotonic() - self.last_poll >= SERVE_S:
