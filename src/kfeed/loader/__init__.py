@@ -1081,7 +1081,7 @@ class Loader:
         limit = self.config.connect_timeout_s + 5.0
         self._status.doing = "making the commit (Source.commit)"
         if not within(lambda: fetcher.commit_now(todo, asynchronous=False), "kfeed-commit",
-                       limit):
+                      limit):
             self._held = "making the commit at the end of the read (Source.commit)"
             raise LoaderError(
                 f"the offset commit at the end of the read did not finish within {limit:g}s, "

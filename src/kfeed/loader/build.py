@@ -71,11 +71,11 @@ _HELD_LIMIT = 6
 # of 4, a mixture 1.2x faster again, the plain stream 1.05x ("A mixture's
 # gather streamed, and fetching 16 MiB ahead"). The bound is the values'
 # bytes, not the slot's: a slot of variable-length rows is small until it
-# has grown to its records. They wait in ``pending`` as
-# messages, and librdkafka fetches more in their place: at most 16 MiB (or 4
-# batches, if more) on top of its own buffers, or under ``max_memory_bytes`` 4 batches, which the cap
-# counts (``tuning.prefetch_ceiling``). A caught-up stream gets nothing
-# ahead, and is asked for what its batch needs.
+# has grown to its records. They wait in ``pending`` as messages, and
+# librdkafka fetches more in their place: at most 16 MiB (or 4 batches, if
+# more) on top of its own buffers, or under ``max_memory_bytes`` 4 batches,
+# which the cap counts (``tuning.prefetch_ceiling``). A caught-up stream gets
+# nothing ahead, and is asked for what its batch needs.
 # NOTE [ Mixture queues ]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A mixture's sources come in at the rate Kafka gives them, which is not
