@@ -378,6 +378,7 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
 
     rng = np.random.default_rng(11)
     kills = 0
+    ended: list[str] = []  # what a rank that ended before its kill said
     for _ in range(5):
         procs = start()
         target = lines() + int(rng.integers(4, 30))  # a random point, between checkpoints or not
@@ -387,6 +388,9 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
             time.sleep(0.005)
         if all(p.poll() is None for p in procs):
             kills += 1
+        else:
+            ended += [f"rank {r} ended ({p.returncode}): {p.stderr.read().decode()[-2000:]}"
+                      for r, p in enumerate(procs) if p.poll() is not None and p.stderr]
         for p in procs:  # the job crashes: both ranks die
             p.kill()
             p.wait()
@@ -413,7 +417,7 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
     lost, dup = count_ids(np.concatenate([trained, left]), n)
     report(f"trainer_crash_two_ranks_one_group_{protocol}", samples=n, faults=kills, lost=lost,
            duplicated=dup, left_for_the_next_epoch=len(left))
-    assert kills == 5
+    assert kills == 5, ended
     assert (lost, dup) == (0, 0)
 
 

@@ -565,6 +565,7 @@ class Fetcher:
         # caller that slow; a rebalance waits HOLD_S more at most.
         if len(self.msgs) - self.i >= self.fetch_most:
             if not self.held and time.monotonic() - self.last_poll < HOLD_S:
+                self._commit()  # (as a poll would: a caller may wait on one)
                 return
             self.held = set(self.assigned)
             self.source.pause(sorted(self.held))  # (again if the builder resumed one)
