@@ -220,9 +220,9 @@ def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() ->
     # offset 3 returns, say, records 5 and 6 fetched before the revoke, then
     # the new fetch from 3: only the new fetch is kept. Records of a revoked
     # partition, and from below a new start, go too.
+    from kfeed._fetch import Record
     from kfeed.loader.fetch import Fetcher, Status
     from kfeed.loader.ledger import Ledger
-    from kfeed.sources import _Record
 
     src = MemorySource({0: [b""] * 10, 1: [b""] * 10})
     ledger = Ledger(src, "earliest")
@@ -231,8 +231,8 @@ def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() ->
     fetcher.assigned = {("memory", 0)}
     fetcher.starts = {("memory", 0): (3, 0)}
 
-    def rec(p: int, off: int) -> _Record:
-        return _Record("memory", p, off, b"", 0)
+    def rec(p: int, off: int) -> Record:
+        return Record("memory", p, off, b"", 0)
 
     got = fetcher._after_rebalance([rec(0, 5), rec(1, 7), rec(0, 6), rec(0, 2), rec(0, 3),
                                     rec(0, 4)])

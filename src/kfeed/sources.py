@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from kfeed import _fetch
+from kfeed._fetch import Record
 from kfeed._kafka import (
     GONE_CODES,
     GONE_GRACE_S,
@@ -1218,37 +1219,6 @@ class KafkaSource(Source):
             log.info("leaving the group before close: %s", e)
 
 
-class _Record:
-    """A recorded message with the accessors of confluent_kafka.Message."""
-
-    __slots__ = ("_topic", "_partition", "_offset", "_value", "_ts")
-
-    def __init__(self, topic: str, partition: int, offset: int, value: Any, ts: int) -> None:
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._value, self._ts = value, ts
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-    def value(self) -> Any:
-        return self._value
-
-    def key(self) -> None:
-        return None
-
-    def error(self) -> None:
-        return None
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, self._ts)
-
-
 class MemorySource(Source):
     """Replays recorded message values as if they came from Kafka.
 
@@ -1283,7 +1253,7 @@ class MemorySource(Source):
         now = int(time.time() * 1000)
         by_tp = {(k if isinstance(k, tuple) else (topic, k)): vals for k, vals in values.items()}
         self._data = {
-            (t, p): [_Record(t, p, i, v, now) for i, v in enumerate(vals)]
+            (t, p): [Record(t, p, i, v, now) for i, v in enumerate(vals)]
             for (t, p), vals in sorted(by_tp.items())
         }
         self._next: dict[TP, int] = {}
@@ -1358,7 +1328,7 @@ class MemorySource(Source):
             if self.loop and n:
                 for j in range(i, i + take):
                     r = recs[j % n]
-                    out.append(r if j < n else _Record(tp[0], tp[1], j, r._value, r._ts))
+                    out.append(r if j < n else Record(tp[0], tp[1], j, r._value, r._ts))
                 self._next[tp] = i + take
             else:
                 out.extend(recs[i:i + take])
