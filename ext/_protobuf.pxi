@@ -252,6 +252,10 @@ cdef class ProtobufPlan:
 cdef inline int pb_varint(PbCur* c, const uint8_t* end, uint64_t* out) noexcept nogil:
     cdef uint64_t v = 0, b
     cdef int shift = 0
+    if c.p < end and c.p[0] < 0x80:  # one byte: most tags, lengths and small values
+        out[0] = c.p[0]
+        c.p += 1
+        return A_OK
     while True:
         if c.p >= end:
             return A_TRUNCATED
@@ -539,6 +543,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     cdef Py_ssize_t lo, hi, mid
     cdef const uint8_t* stop
     cdef const uint8_t* at
+    cdef Py_ssize_t nxt = m.first
     c.depth += 1
     if c.depth > PB_MAX_DEPTH:
         return A_DEPTH
@@ -550,17 +555,22 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
         if (tag >> 3) == 0 or (tag >> 3) > 0x1FFFFFFF:
             return A_TAG
         number = <uint32_t>(tag >> 3)
-        # The entries of this message, by number.
+        # The entries of this message, by number: writers send fields in
+        # their numbers' order, so the entry after the last one is tried first.
         e = NULL
-        lo, hi = m.first, m.first + m.n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if c.plan.entries[mid].number < number:
-                lo = mid + 1
-            else:
-                hi = mid
+        if nxt < m.first + m.n and c.plan.entries[nxt].number == number:
+            lo = nxt
+        else:
+            lo, hi = m.first, m.first + m.n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if c.plan.entries[mid].number < number:
+                    lo = mid + 1
+                else:
+                    hi = mid
         if lo < m.first + m.n and c.plan.entries[lo].number == number:
             e = &c.plan.entries[lo]
+            nxt = lo + 1
         if e == NULL or (wt != pb_wire(e.kind) and not (wt == 2 and e.repeated)):
             # Not in the plan; or a known field in another wire type, which
             # protobuf keeps among the unknown fields, leaving the field unset.

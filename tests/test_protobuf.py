@@ -1017,3 +1017,43 @@ def test_a_ten_byte_varint_reads_as_protobuf_reads_it():
     assert bad == [(2, "malformed varint at a")], bad
     assert cols["a"].tolist() == [w.a for w in want] and cols["a"][0] == -1
     assert cols["b"].tolist() == [w.b for w in want]
+
+
+def test_fields_in_any_order_and_repeated_read_as_protobuf_reads_them():
+    # The decoder tries the entry after the last one read before searching
+    # the message's entries (writers send fields in their numbers' order):
+    # fields out of order, repeated (the last wins), unknown between known
+    # ones, and the packed and unpacked elements of one field interleaved
+    # must still read as protobuf parses them.
+    from records import message_class
+
+    cls = message_class("anyorder", "M", [("a", "int64", False), ("b", "double", False),
+                                          ("c", "sint32", False), ("v", "float", True)])
+
+    def field(number: int, wire: int, payload: bytes) -> bytes:
+        return bytes([number << 3 | wire]) + payload
+
+    def floats(*xs: float) -> bytes:
+        body = np.array(xs, np.float32).tobytes()
+        return bytes([len(body)]) + body
+
+    one = np.float32(1.5).tobytes()
+    a7, a9 = field(1, 0, b"\x07"), field(1, 0, b"\x09")
+    b = field(2, 1, np.float64(-2.25).tobytes())
+    c = field(3, 0, b"\x05")  # zig-zag -3
+    unknown = field(9, 2, b"\x03xyz")
+    values = [
+        a7 + b + c + field(4, 2, floats(1, 2)),                      # in order
+        field(4, 2, floats(1, 2)) + c + b + a7,                      # reversed
+        a7 + b + a9 + c + a7 + field(4, 2, floats(3, 4)),            # a thrice: the last wins
+        c + unknown + field(4, 5, one) + a9 + field(4, 2, floats(2)) + unknown + b,
+    ]
+    want = [cls.FromString(v) for v in values]
+    schema = kfeed.Schema({"a": ("int64", ()), "b": ("float64", ()), "c": ("int32", ()),
+                           "v": ("float32", (2,))})
+    cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, values)
+    assert bad == []
+    assert cols["a"].tolist() == [w.a for w in want] == [7, 7, 7, 9]
+    assert cols["b"].tolist() == [w.b for w in want]
+    assert cols["c"].tolist() == [w.c for w in want] == [-3] * 4
+    assert cols["v"].tolist() == [list(w.v) for w in want]
