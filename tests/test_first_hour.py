@@ -195,6 +195,21 @@ def test_a_topic_of_another_writer_read_as_kfeed_blocks_says_which_format(fmt, v
     assert says in str(e.value), str(e.value)
 
 
+def test_kfeed_blocks_read_as_json_say_to_read_them_as_kfeed_s_own() -> None:
+    # They were "not JSON", with "fix the schema (or the topic)": no schema
+    # fixes that; the reader's format= does.
+    values = SCHEMA.encode_blocks(synthetic_columns(np.arange(40)), 8)
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=MemorySource(values),
+                      until="end", format=kfeed.Json())
+    with pytest.raises(kfeed.DecodeError) as e:
+        next(ld)
+    ld.close()
+    assert str(e.value).startswith("all 5 messages read so far were rejected: not JSON. "
+                                   "Nothing was dead-lettered or committed: the messages are "
+                                   "kfeed blocks, as kfeed produce writes them: read them "
+                                   "without format="), str(e.value)
+
+
 def test_a_bounded_read_of_only_a_few_bad_messages_raises_at_its_end() -> None:
     src = MemorySource([b"junk"] * 5)
     ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end")

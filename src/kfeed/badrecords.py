@@ -157,10 +157,10 @@ def _foreign(value: Any) -> str | None:
 class BadRecords:
     """Explains, counts, rate-limits and routes the messages the codec rejected."""
 
-    def __init__(self, schema: Schema, fmt: Format, policy: BadRecordPolicy, source: Any,
+    def __init__(self, schema: Schema, fmt: Any, policy: BadRecordPolicy, source: Any,
                  *, fail_fast: int | None, topics: Sequence[str] | None = None) -> None:
         self.schema = schema
-        self.fmt = fmt
+        self.fmt = fmt  # Format.BLOCK or RAW (kfeed's own), or another writer's RecordFormat
         self.policy = policy
         self.source = source
         self.fail_fast = fail_fast
@@ -294,6 +294,12 @@ class BadRecords:
         fix = "fix the schema (or the topic) and read again"
         if all(_NOT_KFEED(why) for why in reasons):
             fix = _foreign(first.value()) or fix
+        elif self.fmt not in (Format.BLOCK, Format.RAW) \
+                and block_fingerprint(first.value()) is not None:
+            # (Another writer's format read; a block's magic says it is kfeed's.)
+            fix = ("the messages are kfeed blocks, as kfeed produce writes them: read "
+                   "them without format= (kfeed train: without --format; they need no "
+                   "kfeed convert)")
         nothing = "None of them was" if of else "Nothing was"
         raise DecodeError(f"{what}. {nothing} dead-lettered or committed: {fix}",
                           topic=first.topic(), partition=first.partition(), offset=first.offset())

@@ -251,7 +251,7 @@ class _Convert:
         except BaseException:
             self.close()
             raise
-        self.bad = BadRecords(schema, Format.RAW, policy, self, fail_fast=100)
+        self.bad = BadRecords(schema, fmt, policy, self, fail_fast=100)
         if proven:
             # Blocks of this schema were converted before: its records did
             # decode. A run that starts at a writer's incompatible change (a
