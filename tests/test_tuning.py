@@ -190,6 +190,31 @@ def test_librdkafka_gets_its_share_of_the_cap_unless_the_user_set_it():
         == 16 << 20
 
 
+def test_librdkafka_s_fetches_share_their_part_of_the_cap_among_the_brokers():
+    # One fetch is in flight per broker, and its response may land past the
+    # queue's bound and stays whole while any of its messages lives: with
+    # fetch.max.bytes a whole eighth of the cap per broker, 2 MiB records, a
+    # 128 MiB cap and 3 brokers took the process 183 MiB past its start.
+    from kfeed.loader.tuning import memory_plan, rdkafka_bytes
+
+    cap = 128 << 20
+    one, three = memory_settings(cap, {}), memory_settings(cap, {}, brokers=3)
+    assert one["fetch.max.bytes"] == cap // 16 and three["fetch.max.bytes"] == cap // 48
+    assert one["queued.max.messages.kbytes"] == three["queued.max.messages.kbytes"] == 16384
+    # Counted whole: the queue, and three fetches a broker. The same share of
+    # the cap however many brokers, until a fetch reaches its 1 MiB floor.
+    assert rdkafka_bytes(one) == cap // 8 + 3 * cap // 16
+    assert cap // 8 + 3 * cap // 16 - 9 <= rdkafka_bytes(three, brokers=3) <= rdkafka_bytes(one)
+    assert rdkafka_bytes(memory_settings(cap, {}, 64), 64) == cap // 8 + 3 * 64 * (1 << 20)
+    # A fetch size the user set is counted for every broker: the batches get what is left.
+    plan = {"prefetch": 2, "batch_bytes": 1 << 20, "shuffled_records": 0, "record_size": 1,
+            "mixing": False}
+    assert memory_plan(cap, {}, **plan, brokers=3)[1] == 2
+    with pytest.raises(kfeed.ConfigError, match="the least max_memory_bytes these settings "
+                                                "fit in is"):
+        memory_plan(cap, {"fetch.max.bytes": 32 << 20}, **plan, brokers=3)
+
+
 @pytest.mark.integration
 def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
     topic = make_topic(partitions=2)

@@ -135,6 +135,22 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     return admin
 
 
+def broker_count(kafka_config: Mapping[str, Any], timeout_s: float) -> int:
+    """How many brokers the cluster has, asked once; the bootstrap servers' count if
+    none answers within ``timeout_s`` (what fails then fails again, and says why, in
+    the client that needs them)."""
+    from confluent_kafka import KafkaException
+
+    servers = str(kafka_config.get("bootstrap.servers", ""))
+    listed = max(1, len([s for s in servers.split(",") if s.strip()]))
+    try:
+        admin = admin_client(kafka_config)
+        return max(1, len(admin.list_topics(timeout=timeout_s).brokers))
+    except (KafkaException, KfeedError) as e:
+        log.debug("counting the brokers: %s; counting the %d bootstrap servers", e, listed)
+        return listed
+
+
 class _Refusal:
     """An admin client's ``error_cb``: the first error no retry mends.
 

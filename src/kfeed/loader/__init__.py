@@ -90,7 +90,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from kfeed import metrics
-from kfeed._kafka import client_config, within
+from kfeed._kafka import broker_count, client_config, within
 from kfeed.badrecords import BadRecordPolicy, BadRecords
 from kfeed.device import DeviceCopier
 from kfeed.errors import ConfigError, KfeedError, LoaderError, first_line
@@ -371,14 +371,16 @@ class Loader:
         # Where the brokers are, for the metrics' lag in seconds (None: not Kafka).
         self._connection: dict[str, Any] | None = None
         user_config: Mapping[str, Any] | None = None  # the user's librdkafka settings
+        brokers = 1  # those a fetch is in flight from at once (NOTE [ librdkafka's memory ])
         if source is None:
             if kafka_config is None:
                 kafka_config = {}
             if isinstance(kafka_config, Mapping):  # (KafkaSource refuses anything else)
                 user_config = kafka_config
                 if c.max_memory_bytes is not None:  # librdkafka's buffers within the cap
-                    kafka_config = {**kafka_config,
-                                    **memory_settings(c.max_memory_bytes, kafka_config)}
+                    brokers = broker_count(kafka_config, min(c.connect_timeout_s, 5.0))
+                    kafka_config = {**kafka_config, **memory_settings(
+                        c.max_memory_bytes, kafka_config, brokers)}
             source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
                                  connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
             self._connection = client_config(kafka_config)
@@ -411,7 +413,7 @@ class Loader:
                 record_size=c.schema.record_size,
                 shuffled_records=(c.shuffle.buffer + c.batch_size if c.shuffle is not None
                                   and c.pack is None and not c.jagged else 0),
-                mixing=c.mix is not None)
+                mixing=c.mix is not None, brokers=brokers)
 
         held, ceiling = plan(batch_bytes)
         # NOTE [ Batches that grow ]: a variable-length field's batches (no pack=)

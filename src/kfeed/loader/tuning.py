@@ -44,9 +44,23 @@ HELD_BESIDES_QUEUE = 5
 FETCH_AHEAD = 4
 FETCH_AHEAD_MOST = 16
 FETCH_AHEAD_BYTES = 16 << 20
-# Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth, and a
-# fetch in flight another.
+# NOTE [ librdkafka's memory ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Of max_memory_bytes, librdkafka's pre-fetch queue takes an eighth
+# (queued.max.messages.kbytes) and its fetches a sixteenth, shared by the
+# brokers (fetch.max.bytes of each: a consumer has one fetch in flight per
+# broker). What it holds is counted as the queue and three times the fetches:
+# the queue's size is checked before a fetch is sent, not when it lands, so
+# each broker's response may land past it; each response is one buffer,
+# kept whole while any of its messages lives (queued, or pending in the
+# loader); and one more per broker is in flight. Measured with 2 MiB
+# records, a 128 MiB cap and 3 brokers, when the fetches took an eighth each,
+# not shared: the queue held 44 to 50 MiB against its 16, and librdkafka
+# 70 to 120 MiB in all against the 32 counted; the process went 183 MiB past
+# its start. The brokers are counted once, when the loader starts.
 _RDKAFKA_SHARE = 8
+_FETCH_SHARE = 16
+_FETCHES_HELD = 3
 
 
 # Of max_memory_bytes, what a shuffle or a mixture holds takes up to a half
@@ -64,14 +78,29 @@ _HELD_WORST = 4
 _FETCH_MAX = 2147483135
 
 
-def memory_settings(cap: int, kafka_config: Mapping[str, Any]) -> dict[str, Any]:
-    """librdkafka's buffer settings within ``cap`` bytes, where the user did not set them."""
+def memory_settings(cap: int, kafka_config: Mapping[str, Any], brokers: int = 1
+                    ) -> dict[str, Any]:
+    """librdkafka's buffer settings within ``cap`` bytes, where the user did not set them.
+
+    ``brokers``: how many the consumer may fetch from, each with a fetch of
+    its own (NOTE [ librdkafka's memory ]).
+    """
     message_max = int(kafka_config.get("message.max.bytes", 1_000_000))
-    share = min(_FETCH_MAX, max(1 << 20, message_max, cap // _RDKAFKA_SHARE))
-    wanted = {"queued.max.messages.kbytes": min(2097151, max(1024, share >> 10)),
-              "fetch.max.bytes": share,
-              "max.partition.fetch.bytes": min(8 << 20, share)}
+    least = max(1 << 20, message_max)
+    queue = min(_FETCH_MAX, max(least, cap // _RDKAFKA_SHARE))
+    fetch = min(_FETCH_MAX, max(least, cap // _FETCH_SHARE // max(1, brokers)))
+    wanted = {"queued.max.messages.kbytes": min(2097151, max(1024, queue >> 10)),
+              "fetch.max.bytes": fetch,
+              "max.partition.fetch.bytes": min(8 << 20, fetch)}
     return {k: v for k, v in wanted.items() if k not in kafka_config}
+
+
+def rdkafka_bytes(kafka_config: Mapping[str, Any], brokers: int = 1) -> int:
+    """What librdkafka may hold with these settings (NOTE [ librdkafka's memory ])."""
+    queue_kb = kafka_config.get("queued.max.messages.kbytes")
+    fetch = kafka_config.get("fetch.max.bytes")
+    return (int(queue_kb) << 10 if queue_kb is not None else 0) + \
+        _FETCHES_HELD * max(1, brokers) * int(fetch or 0)
 
 
 class CapTooSmall(ConfigError):
@@ -84,18 +113,20 @@ class CapTooSmall(ConfigError):
 
 def memory_plan(cap: int | None, kafka_config: Mapping[str, Any] | None, *,
                 prefetch: int | str, batch_bytes: int, shuffled_records: int, record_size: int,
-                mixing: bool) -> tuple[tuple[int, int] | None, int]:
+                mixing: bool, brokers: int = 1) -> tuple[tuple[int, int] | None, int]:
     """What ``held_budget`` and ``prefetch_ceiling`` give for ``cap``.
 
     ``kafka_config``: the user's librdkafka settings (None: not Kafka, no
-    librdkafka buffers). A cap too small raises ``CapTooSmall`` naming the
-    least cap, in whole MiB, that fits the same settings.
+    librdkafka buffers), fetching from ``brokers``. A cap too small raises
+    ``CapTooSmall`` naming the least cap, in whole MiB, that fits the same
+    settings.
     """
 
     def plan(cap: int | None) -> tuple[tuple[int, int] | None, int]:
-        rdkafka: Mapping[str, Any] = {}
+        rdkafka = 0
         if cap is not None and kafka_config is not None:
-            rdkafka = {**kafka_config, **memory_settings(cap, kafka_config)}
+            rdkafka = rdkafka_bytes(
+                {**kafka_config, **memory_settings(cap, kafka_config, brokers)}, brokers)
         held = held_budget(cap, shuffled_records=shuffled_records, record_size=record_size,
                            mixing=mixing)
         budget = batches_budget(cap, rdkafka, batch_bytes, held[0] if held else 0)
@@ -147,15 +178,12 @@ def held_budget(cap: int | None, *, shuffled_records: int, record_size: int, mix
     return share, share - need
 
 
-def batches_budget(cap: int | None, kafka_config: Mapping[str, Any], batch_bytes: int,
-                   held: int = 0) -> int | None:
-    """How many batches of ``batch_bytes`` the cap leaves beside librdkafka's buffers
-    and the ``held`` bytes of a shuffle's or a mixture's records."""
+def batches_budget(cap: int | None, rdkafka: int, batch_bytes: int, held: int = 0
+                   ) -> int | None:
+    """How many batches of ``batch_bytes`` the cap leaves beside librdkafka's ``rdkafka``
+    bytes and the ``held`` bytes of a shuffle's or a mixture's records."""
     if cap is None:
         return None
-    queue_kb = kafka_config.get("queued.max.messages.kbytes")
-    fetch = kafka_config.get("fetch.max.bytes")
-    rdkafka = (int(queue_kb) << 10 if queue_kb is not None else 0) + int(fetch or 0)
     return max(0, cap - rdkafka - held) // max(1, batch_bytes)
 
 
