@@ -192,7 +192,7 @@ def test_the_train_bar_counts_from_the_first_step_and_draws_the_latest_line(caps
     # Named max_memory_bytes, and said only what the batches need; the least
     # --max-memory-mb that fits was the user's to guess.
     (TRAIN + ("--max-memory-mb", "1"),
-     ("kfeed: --max-memory-mb 1 is too small for these settings: they need at least 12 (or a "
+     ("kfeed: --max-memory-mb 1 is too small for these settings: they need at least 13 (or a "
       "smaller --batch-size, --prefetch or --shuffle)")),
     # An EOS id no token of the topic can be made a 51 TB embedding.
     (TRAIN + ("--task", "lm", "--eos-id", "99999999999"),

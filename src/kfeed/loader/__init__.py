@@ -377,22 +377,8 @@ class Loader:
                 kafka_config = {}
             if isinstance(kafka_config, Mapping):  # (KafkaSource refuses anything else)
                 user_config = kafka_config
-                if c.max_memory_bytes is not None:  # librdkafka's buffers within the cap
-                    brokers = broker_count(kafka_config, min(c.connect_timeout_s, 5.0))
-                    kafka_config = {**kafka_config, **memory_settings(
-                        c.max_memory_bytes, kafka_config, brokers)}
-            source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
-                                 connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
-            self._connection = client_config(kafka_config)
         elif c.dlq_config is not None:
             raise ConfigError("dlq_config applies to Kafka topics, not to a given source")
-        self._source = source
-        # Names this loader and the ones resumed from its checkpoints, and
-        # this run of them, in every commit (NOTE [ Whose commits win ] in
-        # kfeed.loader.ledger).
-        source.lineage = uuid.uuid4().hex[:16]
-        source.run = getattr(self, "_run", None) or uuid.uuid4().hex[:12]
-        self._lineages = [source.lineage]  # newest first, see Ledger.lineages
         self._copier = DeviceCopier(self.device)
         packer = Packer(c.pack, c.batch_size) if c.pack is not None else None
         # CUDA: one filling, the others still being copied out (a slot is
@@ -415,7 +401,24 @@ class Loader:
                                   and c.pack is None and not c.jagged else 0),
                 mixing=c.mix is not None, brokers=brokers)
 
-        held, ceiling = plan(batch_bytes)
+        held, ceiling = plan(batch_bytes)  # (a cap too small for one broker: said at once)
+        if source is None:
+            if user_config is not None and c.max_memory_bytes is not None:
+                # librdkafka's buffers within the cap, shared by the brokers.
+                brokers = broker_count(user_config, min(c.connect_timeout_s, 5.0))
+                held, ceiling = plan(batch_bytes)
+                kafka_config = {**user_config,
+                                **memory_settings(c.max_memory_bytes, user_config, brokers)}
+            source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
+                                 connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
+            self._connection = client_config(kafka_config)
+        self._source = source
+        # Names this loader and the ones resumed from its checkpoints, and
+        # this run of them, in every commit (NOTE [ Whose commits win ] in
+        # kfeed.loader.ledger).
+        source.lineage = uuid.uuid4().hex[:16]
+        source.run = getattr(self, "_run", None) or uuid.uuid4().hex[:12]
+        self._lineages = [source.lineage]  # newest first, see Ledger.lineages
         # NOTE [ Batches that grow ]: a variable-length field's batches (no pack=)
         # are as large as their records, and a slot grows to the largest it
         # held: what the cap leaves room for is asked again as the slots grow.
