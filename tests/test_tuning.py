@@ -215,6 +215,13 @@ def test_librdkafka_s_fetches_share_their_part_of_the_cap_among_the_brokers():
         memory_plan(cap, {"fetch.max.bytes": 32 << 20}, **plan, brokers=3)
 
 
+def test_brokers_that_do_not_answer_are_counted_as_the_bootstrap_servers():
+    from kfeed._kafka import broker_count
+
+    assert broker_count({"bootstrap.servers": "127.0.0.1:1, 127.0.0.1:2"}, 0.2) == 2
+    assert broker_count({}, 0.2) == 1
+
+
 @pytest.mark.integration
 def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
     topic = make_topic(partitions=2)
@@ -228,7 +235,10 @@ def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
         settings = loader._source._config
     assert np.array_equal(np.sort(ids), np.arange(5000))
     assert settings["queued.max.messages.kbytes"] == (cap // 8) >> 10
-    assert settings["fetch.max.bytes"] == cap // 8
+    # A sixteenth of the cap, shared by the brokers, each with a fetch in flight.
+    from kfeed._kafka import broker_count
+
+    assert settings["fetch.max.bytes"] == cap // 16 // broker_count(config, 10)
 
 
 def test_a_mixture_whose_queues_outgrow_the_cap_says_so(caplog) -> None:
