@@ -148,7 +148,8 @@ class PlanDecoder(Decoder):
         rows = consumed = 0
         bad: list[tuple[int, str]] = []
         while True:
-            r, c, b, need = self._decode(self.layout, plans, values[consumed:], out.out,
+            r, c, b, need = self._decode(self.layout, plans,
+                                         values[consumed:] if consumed else values, out.out,
                                          row + rows, self.framed)
             bad.extend((consumed + i, why) for i, why in b)
             rows += r
@@ -176,7 +177,7 @@ class PlanDecoder(Decoder):
         while True:
             out = self._rows_out(len(values) - done) if rows else None
             tokens, lens, cnts, b, need = self._documents(
-                self.layout, plans, values[done:], self.framed, code,
+                self.layout, plans, values[done:] if done else values, self.framed, code,
                 None if out is None else out[0])
             if out is not None:
                 for x, buf in zip(self.schema.fields, out[1], strict=True):
