@@ -17,9 +17,9 @@ and ``kfeed.sources`` call it.
 ``Record`` is ``MemorySource``'s message: a C type, as confluent-kafka's
 ``Message`` is, so that replaying from memory costs what reading Kafka's
 messages does (a record of Python methods made ``scan`` 5x slower, a third
-of a Protobuf stream's time), and ``scan`` reads its fields directly. It
-refers to no object that could refer back to it, so the cyclic collector
-does not track it: a recording's records would lengthen each full pass.
+of a Protobuf stream's time), and ``scan`` reads its fields directly. The
+cyclic collector does not track it (a recording's records lengthened each
+full pass): a value that refers back to its record is never freed.
 """
 
 cimport cython
@@ -65,7 +65,8 @@ cdef class Record:
         return (1, self._ts)
 
     def __reduce__(self):
-        return (Record, (self._topic, self._partition, self._offset, self._value, self._ts))
+        return (type(self), (self._topic, self._partition, self._offset, self._value,
+                             self._ts))
 
 
 def scan(list msgs, dict ends):

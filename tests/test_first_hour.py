@@ -210,6 +210,30 @@ def test_kfeed_blocks_read_as_json_say_to_read_them_as_kfeed_s_own() -> None:
                                    "without format="), str(e.value)
 
 
+def test_values_that_are_not_bytes_read_as_json_are_a_decode_error() -> None:
+    # The check for kfeed blocks took a str value's first bytes: a TypeError.
+    values = ["this is not JSON, and longer than a block's header"] * 5
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=MemorySource(values),
+                      until="end", format=kfeed.Json())
+    with pytest.raises(kfeed.DecodeError, match="^all 5 messages read so far were rejected"):
+        next(ld)
+    ld.close()
+
+
+def test_a_capped_loader_s_settings_are_checked_before_any_broker_is_asked(monkeypatch):
+    # Counting the brokers waits for them: a setting that needs no broker to
+    # be wrong was said only after that wait.
+    import kfeed.loader
+
+    def asked(*_a: object, **_k: object) -> int:
+        raise AssertionError("a broker was asked")
+
+    monkeypatch.setattr(kfeed.loader, "broker_count", asked)
+    with pytest.raises(kfeed.ConfigError, match="kafka_config needs 'group.id'"):
+        kfeed.Loader({"bootstrap.servers": "127.0.0.1:1"}, "t", SCHEMA, 8, device="cpu",
+                     max_memory_bytes=256 << 20)
+
+
 def test_a_bounded_read_of_only_a_few_bad_messages_raises_at_its_end() -> None:
     src = MemorySource([b"junk"] * 5)
     ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=src, until="end")

@@ -215,10 +215,11 @@ def test_librdkafka_s_fetches_share_their_part_of_the_cap_among_the_brokers():
         memory_plan(cap, {"fetch.max.bytes": 32 << 20}, **plan, brokers=3)
 
 
-def test_brokers_that_do_not_answer_are_counted_as_the_bootstrap_servers():
+def test_brokers_that_do_not_answer_are_counted_as_the_bootstrap_servers(caplog):
     from kfeed._kafka import broker_count
 
     assert broker_count({"bootstrap.servers": "127.0.0.1:1, 127.0.0.1:2"}, 0.2) == 2
+    assert "fetches are sized for the 2 bootstrap server(s)" in caplog.text
     assert broker_count({}, 0.2) == 1
 
 
@@ -238,7 +239,7 @@ def test_a_capped_loader_reads_every_record_once(bootstrap, make_topic):
     # A sixteenth of the cap, shared by the brokers, each with a fetch in flight.
     from kfeed._kafka import broker_count
 
-    assert settings["fetch.max.bytes"] == cap // 16 // broker_count(config, 10)
+    assert settings["fetch.max.bytes"] == cap // 16 // broker_count(config, 10, [topic])
 
 
 def test_a_mixture_whose_queues_outgrow_the_cap_says_so(caplog) -> None:

@@ -32,16 +32,23 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kfeed.errors import ConfigError, ConsumeError, Interrupted, KfeedError, ProduceError
+from kfeed.errors import (
+    ConfigError,
+    ConsumeError,
+    Interrupted,
+    KfeedError,
+    ProduceError,
+    first_line,
+)
 
 __all__ = ["create_topic", "client_config", "logged_config", "admin_client", "refusal", "answer",
            "refused_message", "unavailable_message", "unreachable_message",
            "ConnectionLog", "REFUSED", "GONE_CODES", "GONE_GRACE_S", "TopicUnavailable",
            "topic_partitions", "admin_partitions", "bad_setting", "chain", "kafka_error", "weakly",
-           "within"]
+           "within", "broker_count"]
 
 log = logging.getLogger(__name__)
 
@@ -135,20 +142,28 @@ def admin_client(kafka_config: Mapping[str, Any]) -> Any:
     return admin
 
 
-def broker_count(kafka_config: Mapping[str, Any], timeout_s: float) -> int:
-    """How many brokers the cluster has, asked once; the bootstrap servers' count if
-    none answers within ``timeout_s`` (what fails then fails again, and says why, in
-    the client that needs them)."""
+def broker_count(kafka_config: Mapping[str, Any], timeout_s: float,
+                 topics: Sequence[str] = ()) -> int:
+    """How many brokers lead the partitions of ``topics`` (all the cluster's, where a
+    topic is not there yet), asked once; the bootstrap servers' count, with a
+    warning, if none answers within ``timeout_s`` (what fails then fails again, and
+    says why, in the client that needs them)."""
     from confluent_kafka import KafkaException
 
     servers = str(kafka_config.get("bootstrap.servers", ""))
     listed = max(1, len([s for s in servers.split(",") if s.strip()]))
     try:
-        admin = admin_client(kafka_config)
-        return max(1, len(admin.list_topics(timeout=timeout_s).brokers))
+        md = admin_client(kafka_config).list_topics(timeout=timeout_s)
     except (KafkaException, KfeedError) as e:
-        log.debug("counting the brokers: %s; counting the %d bootstrap servers", e, listed)
+        log.warning("max_memory_bytes: no broker said within %.0fs how many brokers there "
+                    "are (%s); librdkafka's fetches are sized for the %d bootstrap server(s), "
+                    "one fetch in flight each", timeout_s, first_line(e), listed)
         return listed
+    leaders = {p.leader for t in topics if t in md.topics
+               for p in md.topics[t].partitions.values() if p.leader >= 0}
+    if topics and all(t in md.topics for t in topics) and leaders:
+        return len(leaders)
+    return max(1, len(md.brokers))
 
 
 class _Refusal:

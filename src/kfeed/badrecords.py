@@ -111,8 +111,9 @@ def reason_kind(why: str) -> str:
 
 
 def block_fingerprint(value: Any) -> int | None:
-    """The schema fingerprint in a kfeed block's header, or None for no block."""
-    if value is not None and len(value) >= 24 and bytes(value[:4]) == _MAGIC:
+    """The schema fingerprint in a kfeed block's header, or None for no block (or no bytes)."""
+    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) >= 24 \
+            and bytes(value[:4]) == _MAGIC:
         return int.from_bytes(bytes(value[16:24]), "little")
     return None
 
@@ -142,7 +143,9 @@ _NOT_KFEED = re.compile(r"^(bad magic|shorter than the block header|raw value of
 def _foreign(value: Any) -> str | None:
     """What to do about a message of another writer read as kfeed's own, where its
     first bytes say what it is; None where they do not."""
-    head = bytes(value[:64]).lstrip() if value else b""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        return None
+    head = bytes(value[:64]).lstrip()
     if head[:1] in (b"{", b"["):
         return ("the messages look like JSON: read them with format=kfeed.Json() "
                 "(kfeed train and kfeed convert: --format json)")

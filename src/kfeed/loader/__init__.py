@@ -119,6 +119,7 @@ from kfeed.sources import (
     MemorySource,
     Position,
     Source,
+    consumer_config,
     group_share,
 )
 from kfeed.tokens import Pack, Packer, PackInfo, Shuffle, ShuffleBuffer
@@ -340,6 +341,9 @@ class Loader:
         # its rank's partitions ]).
         self._static: dict[str, list[list[Any]]] | None = None
         self._loaded_static: dict[str, list[list[Any]]] | None = None
+        # Under max_memory_bytes: the brokers the fetches are sized for, counted
+        # at the first pipeline's start (NOTE [ librdkafka's memory ]).
+        self._brokers: int | None = None
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -404,8 +408,14 @@ class Loader:
         held, ceiling = plan(batch_bytes)  # (a cap too small for one broker: said at once)
         if source is None:
             if user_config is not None and c.max_memory_bytes is not None:
-                # librdkafka's buffers within the cap, shared by the brokers.
-                brokers = broker_count(user_config, min(c.connect_timeout_s, 5.0))
+                # librdkafka's buffers within the cap, shared by the brokers:
+                # counted once (an epoch's pipeline keeps the first one's count),
+                # and once the settings that ask no broker are known good.
+                consumer_config(user_config)
+                if self._brokers is None:
+                    self._brokers = broker_count(user_config, min(c.connect_timeout_s, 5.0),
+                                                 c.topics)
+                brokers = self._brokers
                 held, ceiling = plan(batch_bytes)
                 kafka_config = {**user_config,
                                 **memory_settings(c.max_memory_bytes, user_config, brokers)}

@@ -57,7 +57,9 @@ FETCH_AHEAD_BYTES = 16 << 20
 # records, a 128 MiB cap and 3 brokers, when the fetches took an eighth each,
 # not shared: the queue held 44 to 50 MiB against its 16, and librdkafka
 # 70 to 120 MiB in all against the 32 counted; the process went 183 MiB past
-# its start. The brokers are counted once, when the loader starts.
+# its start. The brokers are those leading the topics' partitions, counted
+# once, when the loader starts (``_kafka.broker_count``); a fetch is 1 MiB
+# at least (librdkafka's message.max.bytes), so many brokers may take more.
 _RDKAFKA_SHARE = 8
 _FETCH_SHARE = 16
 _FETCHES_HELD = 3
