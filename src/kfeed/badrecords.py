@@ -110,9 +110,12 @@ def reason_kind(why: str) -> str:
     return _NUMBERS.sub("N", why)
 
 
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
 def block_fingerprint(value: Any) -> int | None:
     """The schema fingerprint in a kfeed block's header, or None for no block (or no bytes)."""
-    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) >= 24 \
+    if isinstance(value, _BYTES_LIKE) and len(value) >= 24 \
             and bytes(value[:4]) == _MAGIC:
         return int.from_bytes(bytes(value[16:24]), "little")
     return None
@@ -143,7 +146,7 @@ _NOT_KFEED = re.compile(r"^(bad magic|shorter than the block header|raw value of
 def _foreign(value: Any) -> str | None:
     """What to do about a message of another writer read as kfeed's own, where its
     first bytes say what it is; None where they do not."""
-    if not isinstance(value, (bytes, bytearray, memoryview)):
+    if not isinstance(value, _BYTES_LIKE):
         return None
     head = bytes(value[:64]).lstrip()
     if head[:1] in (b"{", b"["):

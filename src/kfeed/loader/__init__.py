@@ -375,7 +375,9 @@ class Loader:
         # Where the brokers are, for the metrics' lag in seconds (None: not Kafka).
         self._connection: dict[str, Any] | None = None
         user_config: Mapping[str, Any] | None = None  # the user's librdkafka settings
-        brokers = 1  # those a fetch is in flight from at once (NOTE [ librdkafka's memory ])
+        # Those a fetch is in flight from at once (NOTE [ librdkafka's memory ]):
+        # counted at the first pipeline's start, kept by an epoch's.
+        brokers = self._brokers or 1
         if source is None:
             if kafka_config is None:
                 kafka_config = {}
@@ -408,15 +410,13 @@ class Loader:
         held, ceiling = plan(batch_bytes)  # (a cap too small for one broker: said at once)
         if source is None:
             if user_config is not None and c.max_memory_bytes is not None:
-                # librdkafka's buffers within the cap, shared by the brokers:
-                # counted once (an epoch's pipeline keeps the first one's count),
-                # and once the settings that ask no broker are known good.
-                consumer_config(user_config)
+                # librdkafka's buffers within the cap, shared by the brokers,
+                # counted once the settings that ask no broker are known good.
                 if self._brokers is None:
-                    self._brokers = broker_count(user_config, min(c.connect_timeout_s, 5.0),
-                                                 c.topics)
-                brokers = self._brokers
-                held, ceiling = plan(batch_bytes)
+                    consumer_config(user_config)
+                    brokers = self._brokers = broker_count(
+                        user_config, min(c.connect_timeout_s, 5.0), c.topics)
+                    held, ceiling = plan(batch_bytes)
                 kafka_config = {**user_config,
                                 **memory_settings(c.max_memory_bytes, user_config, brokers)}
             source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
