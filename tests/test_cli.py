@@ -709,6 +709,31 @@ def test_a_column_type_guessed_wrong_is_a_mistake_in_the_command(tmp_path) -> No
         rows.close()
 
 
+@pytest.mark.parametrize("name, late", [("text.csv", "abc,0,200000\n"),
+                                        ("text.jsonl", '{"x": "abc", "label": 0, "id": 1}\n'),
+                                        ("list.jsonl", '{"x": [1.5], "label": 0, "id": 1}\n')])
+def test_text_where_numbers_came_before_asks_for_a_fix_not_a_dtype(tmp_path, name,
+                                                                     late) -> None:
+    # No --dtype reads 'abc' (or a list in a column of numbers): the line says
+    # to fix the value, where a number of another type says --dtype.
+    path = tmp_path / name
+    rows_text = ("x,label,id\n" + "".join(f"{i / 2},{i % 3},{i}\n" for i in range(200_000))
+                 if name.endswith(".csv") else
+                 "".join(f'{{"x": {i / 2}, "label": {i % 3}, "id": {i}}}\n'
+                         for i in range(200_000)))
+    path.write_text(rows_text + late)
+    rows = ingest.open_rows(str(path))
+    try:
+        with pytest.raises(ConfigError) as err:
+            for _batch in rows.batches(["x", "label", "id"]):
+                pass
+    finally:
+        rows.close()
+    assert str(err.value).endswith("(a field holds numbers, or lists of them, in every row: "
+                                   "fix that value in the file, or leave its column out)"), err
+    assert "--dtype" not in str(err.value)
+
+
 def test_a_checkpoint_that_is_not_one_is_a_mistake_in_the_command(capsys, tmp_path) -> None:
     # It was a failure while running (exit 1), though nothing had run.
     bad = tmp_path / "ck.pt"

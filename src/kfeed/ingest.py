@@ -740,11 +740,35 @@ class DatasetRows(Rows):
                     # A type kfeed will not guess at: a mistake in the command
                     # (exit 2) while nothing is sent, else a failure that says
                     # how many rows were (cli._send_stream).
-                    raise ConfigError(f"{Path(fragment.path).name}: {why} (a column's type is "
-                                      f"guessed from the file's first rows: give the field's "
-                                      f"with --dtype FIELD=DTYPE)") from None
+                    raise ConfigError(f"{Path(fragment.path).name}: {why} "
+                                      f"({_type_hint(why)})") from None
                 raise KfeedError(f"{Path(fragment.path).name}: {why}") from None
             self._ends.append(rows)  # where each file ends, in rows (mark)
+
+
+def _type_hint(why: str) -> str:
+    """What to do about a CSV or JSON value of another type than its column's first rows.
+
+    A number where whole numbers (or empty cells) came before is a type the
+    first rows guessed wrong, which ``--dtype`` names; text, or a list where
+    numbers came before (or a number where lists did), no dtype reads.
+    """
+    value = re.search(r"invalid value '(.*)'$|couldn't parse:(.*)$", why)
+    changed = re.search(r"changed from (\w+) to (\w+)", why)
+    if value is not None:
+        try:
+            float(value.group(1) if value.group(1) is not None else value.group(2))
+            numeric = True
+        except ValueError:
+            numeric = False
+    else:
+        numeric = changed is not None and {changed.group(1), changed.group(2)} <= {
+            "number", "null"}
+    if numeric:
+        return ("a column's type is guessed from the file's first rows: give the field's "
+                "with --dtype FIELD=DTYPE")
+    return ("a field holds numbers, or lists of them, in every row: fix that value in the "
+            "file, or leave its column out")
 
 
 class QueryRows(Rows):
