@@ -59,6 +59,20 @@ cdef enum:
     A_NOT_UTF8       # a string protobuf checks is not UTF-8
     PB_MAX_DEPTH = 100
 
+# A scalar entry whose value goes into its field's one element as it is read
+# (``pb_store``): the kinds and codes most events hold, where no range or
+# length check can fail. Every other entry goes through ``pb_value``.
+cdef enum:
+    D_NONE = 0
+    D_I64            # int64 into int64
+    D_I32            # int32 or an open enum into int32
+    D_I32_I64        # int32 or an open enum into int64
+    D_BOOL           # bool into bool
+    D_F64            # double into float64
+    D_F64_F32        # double into float32
+    D_F32            # float into float32
+    D_F32_F64        # float into float64
+
 
 cdef struct PbEntry:
     uint32_t number
@@ -68,6 +82,8 @@ cdef struct PbEntry:
     uint8_t repeated  # elements go one after another (a repeated scalar)
     uint8_t closed    # a closed (proto2) enum: its values in the plan's enum_values,
                       # [enum_at[i], enum_at[i + 1]) for entry i
+    uint8_t wire      # the wire type of one value of ``kind`` (pb_wire)
+    uint8_t direct    # DIRECT_*: a scalar stored as it is read, no check to make
     Py_ssize_t msg   # P_MESSAGE: the message type's index
     Py_ssize_t clear_first  # a oneof member: the fields its oneof's other members
     Py_ssize_t clear_n      # lead to, clear_fields[clear_first:clear_first + clear_n]
@@ -89,6 +105,7 @@ cdef struct PbPlan:
     Py_ssize_t* enum_at      # per entry and one more: where its values start
     int* codes
     uint64_t* nelem
+    uint64_t* rowbytes       # per field: nelem times the element's size
     uint8_t* repeated        # per field: filled by a repeated entry
     const uint8_t** default  # per field: one row, or NULL (zeros, or bad if repeated)
     int varfield             # the variable-length field (a document), -1: none
@@ -147,13 +164,14 @@ cdef class ProtobufPlan:
         self.p.msgs = <PbMsg*>calloc(nm, sizeof(PbMsg))
         self.p.codes = <int*>calloc(layout.nfields, sizeof(int))
         self.p.nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+        self.p.rowbytes = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
         self.p.repeated = <uint8_t*>calloc(layout.nfields, 1)
         self.p.default = <const uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
         self.p.clear_fields = <int*>calloc(ncl if ncl else 1, sizeof(int))
         self.p.enum_values = <int32_t*>calloc(nen if nen else 1, sizeof(int32_t))
         self.p.enum_at = <Py_ssize_t*>calloc(ne + 1, sizeof(Py_ssize_t))
         if not (self.p.entries and self.p.msgs and self.p.codes and self.p.nelem
-                and self.p.repeated and self.p.default and self.p.clear_fields
+                and self.p.rowbytes and self.p.repeated and self.p.default and self.p.clear_fields
                 and self.p.enum_values and self.p.enum_at):
             raise MemoryError()
         if cl.shape[1] != 2:
@@ -171,6 +189,8 @@ cdef class ProtobufPlan:
                                  f"or bytes")
         plan_fields(layout, codes, defaults, self.p.codes, self.p.nelem, self.p.default,
                     self.p.varfield)
+        for f in range(layout.nfields):
+            self.p.rowbytes[f] = self.p.nelem[f] * code_size(self.p.codes[f])
         self.p.var_default = 0
         if self.p.varfield >= 0 and defaults[self.p.varfield] is not None:
             self.p.var_default = (len(defaults[self.p.varfield])
@@ -203,6 +223,7 @@ cdef class ProtobufPlan:
                     raise ValueError(f"entry {i}: bytes go into a document of 1-byte elements")
                 if e.repeated:
                     self.p.repeated[e.field] = 1
+            e.wire = <uint8_t>pb_wire(e.kind)
         for k in range(ncl):
             i, f = cl[k, 0], cl[k, 1]
             if not 0 <= i < ne or not 0 <= f < layout.nfields:
@@ -229,6 +250,11 @@ cdef class ProtobufPlan:
             while k < nen and en[k, 0] < i:
                 k += 1
             self.p.enum_at[i] = k
+        for i in range(ne):
+            e = &self.p.entries[i]
+            if e.field >= 0 and not e.repeated and not e.closed and not e.clear_n \
+                    and self.p.nelem[e.field] == 1 and e.field != varfield:
+                e.direct = pb_direct(e.kind, e.code)
         for k in range(nm):
             self.p.msgs[k].first, self.p.msgs[k].n = msgs[k, 0], msgs[k, 1]
             if msgs[k, 0] < 0 or msgs[k, 1] < 0 or msgs[k, 0] + msgs[k, 1] > ne:
@@ -242,6 +268,7 @@ cdef class ProtobufPlan:
         free(self.p.msgs)
         free(self.p.codes)
         free(self.p.nelem)
+        free(self.p.rowbytes)
         free(self.p.repeated)
         free(self.p.default)
         free(self.p.clear_fields)
@@ -383,6 +410,66 @@ cdef inline int pb_wire(int kind) noexcept nogil:
     if kind == P_FIXED64 or kind == P_SFIXED64 or kind == P_DOUBLE:
         return 1
     return 0
+
+
+cdef uint8_t pb_direct(int kind, int code) noexcept nogil:
+    """The ``D_*`` store of an entry of ``kind`` into a field of ``code``; D_NONE: none."""
+    if kind == P_INT64 and code == C_I64:
+        return D_I64
+    if kind == P_INT32 or kind == P_ENUM:
+        return D_I32 if code == C_I32 else D_I32_I64 if code == C_I64 else D_NONE
+    if kind == P_BOOL and code == C_BOOL:
+        return D_BOOL
+    if kind == P_DOUBLE:
+        return D_F64 if code == C_F64 else D_F64_F32 if code == C_F32 else D_NONE
+    if kind == P_FLOAT:
+        return D_F32 if code == C_F32 else D_F32_F64 if code == C_F64 else D_NONE
+    return D_NONE
+
+
+cdef inline int pb_store(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil:
+    """One scalar of entry ``e`` (``e.direct``, in its wire type) into its field's element.
+
+    As ``pb_value`` stores it, without the checks no such value can fail.
+    """
+    cdef uint64_t raw
+    cdef float fv
+    cdef double dv
+    cdef uint8_t* d = c.row[e.field]
+    cdef int r
+    if e.wire == 0:
+        r = pb_varint(c, end, &raw)
+        if r:
+            return r
+        if e.direct == D_I64:
+            (<int64_t*>d)[0] = <int64_t>raw
+        elif e.direct == D_I32:
+            (<int32_t*>d)[0] = <int32_t>raw
+        elif e.direct == D_I32_I64:
+            (<int64_t*>d)[0] = <int32_t>raw
+        else:
+            d[0] = raw != 0
+    elif e.wire == 1:
+        if end - c.p < 8:
+            return A_TRUNCATED
+        memcpy(&dv, c.p, 8)
+        c.p += 8
+        if e.direct == D_F64:
+            (<double*>d)[0] = dv
+        else:
+            (<float*>d)[0] = <float>dv
+    else:
+        if end - c.p < 4:
+            return A_TRUNCATED
+        memcpy(&fv, c.p, 4)
+        c.p += 4
+        dv = fv
+        if e.direct == D_F32:
+            (<float*>d)[0] = <float>dv
+        else:
+            (<double*>d)[0] = dv
+    c.written[e.field] = 1
+    return A_OK
 
 
 cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil:
@@ -571,7 +658,13 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
         if lo < m.first + m.n and c.plan.entries[lo].number == number:
             e = &c.plan.entries[lo]
             nxt = lo + 1
-        if e == NULL or (wt != pb_wire(e.kind) and not (wt == 2 and e.repeated)):
+            if e.direct and wt == e.wire:
+                r = pb_store(c, e, end)
+                if r:
+                    c.err_entry = lo
+                    return r
+                continue
+        if e == NULL or (wt != e.wire and not (wt == 2 and e.repeated)):
             # Not in the plan; or a known field in another wire type, which
             # protobuf keeps among the unknown fields, leaving the field unset.
             r = pb_skip(c, end, tag)
@@ -615,7 +708,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
                     c.err_entry = lo
                 return r
             continue
-        if wt == pb_wire(e.kind):
+        if wt == e.wire:
             r = pb_value(c, e, end)
         else:  # a repeated scalar, packed
             r = pb_varint32(c, end, &n)
@@ -657,21 +750,19 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     c.err_entry = -1
     c.err_field = -1
     c.err_value = 0
+    memset(c.written, 0, plan.nfields)
+    memset(c.count, 0, plan.nfields * sizeof(uint64_t))
     for f in range(plan.nfields):
-        c.written[f] = 0
-        c.count[f] = 0
-        if f == plan.varfield:  # at the documents' end, made room for as it is read
-            c.row[f] = c.var.buf + c.var.len * c.var.size
-            c.nelem[f] = c.var.cap - c.var.len
-            continue
-        nbytes = plan.nelem[f] * code_size(plan.codes[f])
-        c.row[f] = dst[f] + row * nbytes
+        c.row[f] = dst[f] + row * plan.rowbytes[f]
         c.nelem[f] = plan.nelem[f]
+    if plan.varfield >= 0:  # at the documents' end, made room for as it is read
+        c.row[plan.varfield] = c.var.buf + c.var.len * c.var.size
+        c.nelem[plan.varfield] = c.var.cap - c.var.len
     cdef int r = pb_message(c, 0, end)
     if r:
         return r
     for f in range(plan.nfields):
-        nbytes = plan.nelem[f] * code_size(plan.codes[f])
+        nbytes = plan.rowbytes[f]
         if f == plan.varfield:
             # Absent: the default, or empty. (Present and empty is empty, as
             # protobuf reads it; proto3 sends an empty string without presence

@@ -1057,3 +1057,48 @@ def test_fields_in_any_order_and_repeated_read_as_protobuf_reads_them():
     assert cols["b"].tolist() == [w.b for w in want]
     assert cols["c"].tolist() == [w.c for w in want] == [-3] * 4
     assert cols["v"].tolist() == [list(w.v) for w in want]
+
+
+SCALARS = [("i64", "int64", "int64"), ("i32", "int32", "int32"), ("w", "int32", "int64"),
+           ("b", "bool", "bool"), ("d", "double", "float64"), ("dn", "double", "float32"),
+           ("f", "float", "float32"), ("fw", "float", "float64")]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_scalars_stored_as_read_equal_protobuf_s_values_cast_as_numpy_casts(data):
+    # Scalars of the kinds most events hold go into their field's element as
+    # they are read (the decoder's direct store): every value of each kind,
+    # negatives' ten-byte varints, a bool's varint past 1, doubles past
+    # float32's range, NaN and infinities, and the values cut or changed on
+    # the wire, read as protobuf parses them, cast as numpy casts them, and
+    # bad where protobuf refuses them.
+    from records import message_class
+
+    cls = message_class("direct", "M", [(name, kind, False) for name, kind, _ in SCALARS])
+    schema = kfeed.Schema({name: (dtype, ()) for name, _, dtype in SCALARS})
+    floats = st.floats(allow_nan=True, allow_infinity=True)
+    draws = {"int64": st.integers(-2**63, 2**63 - 1), "int32": st.integers(-2**31, 2**31 - 1),
+             "bool": st.booleans(), "double": floats, "float": st.floats(width=32)}
+    values = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        present = {name: data.draw(draws[kind]) for name, kind, _ in SCALARS
+                   if data.draw(st.booleans())}
+        raw = bytearray(cls(**present).SerializeToString())
+        if data.draw(st.booleans()):  # a bool sent as 2, as a writer may
+            raw += b"\x20\x02"
+        values.append(bytes(damage(data, raw, [0x00, 0x7F, 0x80, 0xFF, 0x09, 0x0D], [b"\x80"])))
+    cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, values)
+    good = []
+    for i, value in enumerate(values):
+        try:
+            parsed = cls.FromString(value)
+        except DecodeError:
+            parsed = None
+        assert (parsed is None) == (i in {j for j, _ in bad}), (i, value, bad)
+        if parsed is not None:
+            good.append(parsed)
+    for name, _, dtype in SCALARS:
+        with np.errstate(over="ignore"):
+            want = np.array([getattr(m, name) for m in good]).astype(dtype)
+        np.testing.assert_array_equal(cols[name], want, err_msg=name)
