@@ -322,6 +322,22 @@ def protobuf_runs(bootstrap: str, registry: Any, big: bool, n: int
     }
 
 
+def as_consumed(values: list[bytes]) -> list[bytes]:
+    """The same values, each a new bytes object, one after another in memory.
+
+    A consumer's ``consume()`` makes its messages' values in turn: 3,081-byte
+    values read from a local broker lay 3,136 bytes apart in 996 of 1,000
+    steps. Made between the serializer's own objects, they lay scattered,
+    and a decode that streams them read them at half the speed.
+    """
+    blob = b"".join(values)
+    out, at = [], 0
+    for v in values:
+        out.append(blob[at:at + len(v)])
+        at += len(v)
+    return out
+
+
 def protobuf_memory(registry: Any, big: bool, n: int, repeat: int) -> tuple[int, dict[str, float]]:
     """Protobuf without a broker: the loader from memory against the ParseFromString loop.
 
@@ -345,6 +361,7 @@ def protobuf_memory(registry: Any, big: bool, n: int, repeat: int) -> tuple[int,
         if rec.get("score", 0) is None:
             rec["score"] = 0.0
         values.append(ser(cls(**rec), ctx))
+    values = as_consumed(values)
     names = [f.name for f in schema.fields]
     skip = _framing(values[0])
 
