@@ -235,6 +235,34 @@ cdef Reason check_header(const uint8_t* p, Py_ssize_t size, uint8_t flags,
 
 # -- buffers held for a nogil pass ----------------------------------------------
 
+# NOTE [ Fetching values ahead ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each message value is its own bytes object, read once. The Protobuf
+# decoder stores what it reads as it reads it (``pb_store``), and spent a
+# third of a 200 B event's time waiting on the loads of the value's first
+# lines, whether the values lie one after another, as a consumer makes them,
+# or scattered. It asks for the first two lines of the value VALUE_AHEAD on
+# before it reads one (``fetch_value_ahead``): decoding 200 B events went
+# from 6.9M to 8.6M records/s (AMD EPYC, 2 vCPUs, values in turn), 7.0M to
+# 8.6M scattered. Values of 3 KB (768 packed floats, copied with streaming
+# stores) lost 10% to the same requests, and the hardware's prefetcher
+# follows a long value once its copy begins: values past VALUE_AHEAD_MOST
+# bytes are not asked for. The Avro and JSON decoders, asking the same, read
+# their 200 B events no faster (7.1M to 7.3M and 1.9M to 2.0M records/s
+# either way): their work a byte hides the loads.
+cdef enum:
+    VALUE_AHEAD = 4
+    VALUE_AHEAD_MOST = 512
+
+
+cdef inline void fetch_value_ahead(const uint8_t** ptr, const Py_ssize_t* size, Py_ssize_t n,
+                                   Py_ssize_t i) noexcept nogil:
+    """Ask for the first lines of value ``i + VALUE_AHEAD`` (NOTE [ Fetching values ahead ])."""
+    i += VALUE_AHEAD
+    if i < n and 0 < size[i] <= VALUE_AHEAD_MOST:
+        __builtin_prefetch(ptr[i])
+        __builtin_prefetch(ptr[i] + 64)
+
 
 cdef class _Values:
     """Pointers to a sequence of message values, held for a nogil pass.

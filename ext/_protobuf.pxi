@@ -58,19 +58,6 @@ cdef enum:
     A_INDEXES        # the Confluent message-index array is malformed
     A_NOT_UTF8       # a string protobuf checks is not UTF-8
     PB_MAX_DEPTH = 100
-    PB_AHEAD = 4     # values ahead whose first bytes are fetched while one is read,
-    PB_AHEAD_MOST = 512  # if no longer than this (NOTE [ Fetching values ahead ])
-
-# NOTE [ Fetching values ahead ]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Each value is its own bytes object, somewhere in the heap, read once: once
-# the scalars are stored as they are read (``pb_store``), a 200 B event's
-# decode waits on the loads of its first lines, a third of its time. Asking
-# for the first two lines of the value PB_AHEAD on while one is read took
-# decoding those events from 7.0M to 8.5M records/s (AMD EPYC, 2 vCPUs). A
-# value of 3 KB (768 packed floats, copied with streaming stores) lost 10%
-# to the same requests, and the hardware's prefetcher follows a long value
-# once its copy begins: values past PB_AHEAD_MOST bytes are not asked for.
 
 # A scalar entry whose value goes into its field's one element as it is read
 # (``pb_store``): the kinds and codes most events hold, where no range or
@@ -969,9 +956,7 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
         n, need = pb_plans(plans, vals, framed, layout.nfields, False, vp, skip, owners, reasons)
         with nogil:
             while i < n and out_row < out.capacity:
-                if i + PB_AHEAD < n and vals.size[i + PB_AHEAD] <= PB_AHEAD_MOST:
-                    __builtin_prefetch(vals.ptr[i + PB_AHEAD])
-                    __builtin_prefetch(vals.ptr[i + PB_AHEAD] + 64)
+                fetch_value_ahead(vals.ptr, vals.size, n, i)
                 r = pb_one(&c, vp[i], vals.ptr[i], vals.size[i], skip[i], framed, out.bufs.ptr,
                            out_row)
                 if r == A_OK:
@@ -1037,6 +1022,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
         c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, &var
         with nogil:
             for i in range(n):
+                fetch_value_ahead(vals.ptr, vals.size, n, i)
                 c.err_entry, c.err_field, c.err_value = -1, -1, 0
                 if vp[i] != NULL and vp[i].codes[vp[i].varfield] != code:
                     r = A_KIND
