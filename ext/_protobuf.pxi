@@ -643,10 +643,14 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
             return A_TAG
         number = <uint32_t>(tag >> 3)
         # The entries of this message, by number: writers send fields in
-        # their numbers' order, so the entry after the last one is tried first.
+        # their numbers' order, so the entry after the last one is tried
+        # first, then the last one again (an unpacked repeated field's next
+        # element: proto2's default).
         e = NULL
         if nxt < m.first + m.n and c.plan.entries[nxt].number == number:
             lo = nxt
+        elif nxt > m.first and c.plan.entries[nxt - 1].number == number:
+            lo = nxt - 1
         else:
             lo, hi = m.first, m.first + m.n
             while lo < hi:

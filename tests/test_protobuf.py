@@ -1020,8 +1020,9 @@ def test_a_ten_byte_varint_reads_as_protobuf_reads_it():
 
 
 def test_fields_in_any_order_and_repeated_read_as_protobuf_reads_them():
-    # The decoder tries the entry after the last one read before searching
-    # the message's entries (writers send fields in their numbers' order):
+    # The decoder tries the entry after the last one read, then that one
+    # again, before searching the message's entries (writers send fields in
+    # their numbers' order, an unpacked repeated field's elements in a row):
     # fields out of order, repeated (the last wins), unknown between known
     # ones, and the packed and unpacked elements of one field interleaved
     # must still read as protobuf parses them.
@@ -1047,15 +1048,17 @@ def test_fields_in_any_order_and_repeated_read_as_protobuf_reads_them():
         field(4, 2, floats(1, 2)) + c + b + a7,                      # reversed
         a7 + b + a9 + c + a7 + field(4, 2, floats(3, 4)),            # a thrice: the last wins
         c + unknown + field(4, 5, one) + a9 + field(4, 2, floats(2)) + unknown + b,
+        a7 + b + c + field(4, 5, one) + field(4, 5, one),            # unpacked, in a row
+        field(4, 5, one) + field(4, 5, one) + a9 + a7 + b + b + c,   # and again after it
     ]
     want = [cls.FromString(v) for v in values]
     schema = kfeed.Schema({"a": ("int64", ()), "b": ("float64", ()), "c": ("int32", ()),
                            "v": ("float32", (2,))})
     cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, values)
     assert bad == []
-    assert cols["a"].tolist() == [w.a for w in want] == [7, 7, 7, 9]
+    assert cols["a"].tolist() == [w.a for w in want] == [7, 7, 7, 9, 7, 7]
     assert cols["b"].tolist() == [w.b for w in want]
-    assert cols["c"].tolist() == [w.c for w in want] == [-3] * 4
+    assert cols["c"].tolist() == [w.c for w in want] == [-3] * 6
     assert cols["v"].tolist() == [list(w.v) for w in want]
 
 
