@@ -83,7 +83,7 @@ cdef struct PbEntry:
     uint8_t closed    # a closed (proto2) enum: its values in the plan's enum_values,
                       # [enum_at[i], enum_at[i + 1]) for entry i
     uint8_t wire      # the wire type of one value of ``kind`` (pb_wire)
-    uint8_t direct    # DIRECT_*: a scalar stored as it is read, no check to make
+    uint8_t direct    # D_*: a scalar stored as it is read, no check to make
     Py_ssize_t msg   # P_MESSAGE: the message type's index
     Py_ssize_t clear_first  # a oneof member: the fields its oneof's other members
     Py_ssize_t clear_n      # lead to, clear_fields[clear_first:clear_first + clear_n]
@@ -433,6 +433,7 @@ cdef inline int pb_store(PbCur* c, const PbEntry* e, const uint8_t* end) noexcep
     As ``pb_value`` stores it, without the checks no such value can fail.
     """
     cdef uint64_t raw
+    cdef uint32_t u32
     cdef float fv
     cdef double dv
     cdef uint8_t* d = c.row[e.field]
@@ -461,13 +462,18 @@ cdef inline int pb_store(PbCur* c, const PbEntry* e, const uint8_t* end) noexcep
     else:
         if end - c.p < 4:
             return A_TRUNCATED
-        memcpy(&fv, c.p, 4)
-        c.p += 4
-        dv = fv
         if e.direct == D_F32:
-            (<float*>d)[0] = <float>dv
+            # As read through a double (protobuf's Python float): a signaling
+            # NaN comes out quiet. (The compiler drops a float's round trip
+            # through a double, so the quiet bit is set here.)
+            memcpy(&u32, c.p, 4)
+            if (u32 & 0x7F800000u) == 0x7F800000u and (u32 & 0x007FFFFFu):
+                u32 |= 0x00400000u
+            memcpy(d, &u32, 4)
         else:
-            (<double*>d)[0] = dv
+            memcpy(&fv, c.p, 4)
+            (<double*>d)[0] = fv
+        c.p += 4
     c.written[e.field] = 1
     return A_OK
 
@@ -637,6 +643,7 @@ cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
     while c.p < end:
         r = pb_varint32(c, end, &tag)
         if r:
+            c.err_value = 0  # no field's: a value stored before is not its number
             return r
         wt = tag & 7
         if (tag >> 3) == 0 or (tag >> 3) > 0x1FFFFFFF:

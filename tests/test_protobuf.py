@@ -1105,3 +1105,26 @@ def test_scalars_stored_as_read_equal_protobuf_s_values_cast_as_numpy_casts(data
         with np.errstate(over="ignore"):
             want = np.array([getattr(m, name) for m in good]).astype(dtype)
         np.testing.assert_array_equal(cols[name], want, err_msg=name)
+
+
+def test_a_signaling_nan_and_a_bad_tag_read_as_before_the_direct_stores():
+    # A float sent as a signaling NaN reads quiet, as protobuf's double and
+    # numpy's cast give it (the direct store kept its bits); a malformed tag
+    # after a stored field names no field (it took the value stored before
+    # for a field number).
+    from records import message_class
+
+    cls = message_class("snan", "M", [("f", "float", False), ("w", "float", False),
+                                      ("a", "int64", False), ("u", "uint32", False)])
+    schema = kfeed.Schema({"f": ("float32", ()), "w": ("float64", ()), "a": ("int64", ()),
+                           "u": ("int64", ())})
+    snan = bytes.fromhex("0100807f")  # 0x7f800001
+    values = [b"\x0d" + snan + b"\x15" + snan,
+              b"\x18\x05" + b"\x80" * 11, b"\x20\x05" + b"\x80" * 11, b"\x20\x05\x80"]
+    cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, values)
+    parsed = cls.FromString(values[0])
+    assert cols["f"][:1].view(np.uint32).tolist() == \
+        np.array([parsed.f], np.float32).view(np.uint32).tolist() == [0x7FC00001]
+    assert cols["w"][:1].view(np.uint64).tolist() == \
+        np.array([parsed.w], np.float64).view(np.uint64).tolist()
+    assert bad == [(1, "malformed varint"), (2, "malformed varint"), (3, "truncated")], bad
