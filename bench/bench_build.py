@@ -12,6 +12,9 @@ Two ratios the loader's pipeline must hold (bench/RESULTS.md, "Build stage"):
   least any threaded loader does, as the bound on that ratio here; and the
   same documents one a message, as topics others write hold them.
 
+And, for information, a wide schema: 100 float32 scalar fields against the
+same bytes as one ``(100,)`` field (``wide_ratio``).
+
 Both sides of a ratio run interleaved, ``--repeat`` times, and the best
 of each is kept. Run: ``python bench/bench_build.py [--repeat 5]``.
 """
@@ -86,6 +89,31 @@ def shuffle_ratio(samples: int, buffer: int, repeat: int, cpu: bool = False
             best[name] = max(best[name], n / (time.perf_counter() - t))
             assert n == samples
     return best["order"], best["shuffled"]
+
+
+def wide_ratio(samples: int, fields: int, repeat: int) -> tuple[float, float]:
+    """Records of ``fields`` float32 scalars against the same bytes as one ``(fields,)`` field.
+
+    A wide tabular schema (a recommender's or a fraud model's features) costs
+    per field per batch what a field of many elements costs once: the
+    pool's check of a lent slot, the views handed out. Samples/s, best of
+    ``repeat``, interleaved.
+    """
+    rng = np.random.default_rng(0)
+    flat = rng.standard_normal((samples, fields)).astype(np.float32)
+    wide = kfeed.Schema({f"f{i}": ("float32", ()) for i in range(fields)})
+    one = kfeed.Schema({"f": ("float32", (fields,))})
+    streams = {"wide": (wide, wide.encode_blocks({f"f{i}": flat[:, i].copy()
+                                                  for i in range(fields)}, 64)),
+               "one": (one, one.encode_blocks({"f": flat}, 64))}
+    best = {name: 0.0 for name in streams}
+    for _ in range(repeat):
+        for name, (schema, values) in streams.items():
+            t = start_clock()
+            n = _drain(memory_loader(values, schema, 256, device="cpu", until="end"))
+            best[name] = max(best[name], n / (time.perf_counter() - t))
+            assert n == samples
+    return best["wide"], best["one"]
 
 
 def bare_handover(pack: kfeed.Pack, rows: int, flat: np.ndarray, lengths: np.ndarray) -> int:
@@ -182,6 +210,9 @@ def main() -> None:
           f"{bare / 1e6:,.1f} M tokens/s | Packer alone | {bare / packer:.2f}x (the bound) |")
     print(f"| Loader(pack=...), one document a message (format=raw) | {singles / 1e6:,.1f} M "
           f"tokens/s | in blocks of 64 | {singles / loader:.2f}x (information) |")
+    wide, one = wide_ratio(args.samples * 4, 100, args.repeat)
+    print(f"| 100 float32 fields | {wide:,.0f} samples/s | one (100,) field, the same bytes "
+          f"{one:,.0f} samples/s | {wide / one:.2f}x (information) |")
     for name, (thread_s, caller_s, batches) in CPU.items():
         print(f"CPU a batch, {name}: loader's thread {thread_s / batches * 1e6:.1f} us, "
               f"caller {caller_s / batches * 1e6:.1f} us ({int(batches)} batches)")
