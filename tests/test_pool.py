@@ -360,37 +360,3 @@ def test_lending_in_a_steady_loop_allocates_nothing():
         pointers.add(batch["features"].data_ptr())
     assert len(pool) <= 3
     assert len(pointers) <= 3
-
-
-def test_a_slot_is_one_buffer_whose_fields_do_not_overlap_and_is_checked_once():
-    # NOTE [ A slot is one buffer ]: every field a view of one storage, each
-    # starting on 64 bytes, so a lent slot's return is one storage's count;
-    # keeping any one field (the last one here) keeps the whole slot lent.
-    dtypes = ["float32", "bool", "bfloat16", "int64", "uint16", "int8", "float64", "int32"]
-    wide = Schema({f"f{i}": (dtypes[i % 8], (i % 3 + 1,) if i % 2 else ())
-                   for i in range(40)})
-    pool = BufferPool(wide, 5, 1, pin=False)
-    slot = pool.acquire(timeout=0)
-    assert len({t.untyped_storage().data_ptr() for t in slot.tensors.values()}) == 1
-    assert len(slot.marks) == 1 and pool.nbytes >= 5 * wide.record_size
-    assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in slot.tensors.values())
-    for f in wide.fields:
-        assert slot.tensors[f.name].shape == (5, *f.shape)
-        assert slot.tensors[f.name].dtype == f.torch_dtype
-    rng = np.random.default_rng(0)
-    cols = {f.name: (rng.integers(0, 2, (5, *f.shape)) if f.dtype == "bool" else
-                     rng.integers(0, 100, (5, *f.shape))).astype(f.storage)
-            for f in wide.fields}
-    res = wide.decode_into(wide.encode_blocks(cols, 5), slot.target)
-    assert res.rows == 5
-    for f in wide.fields:  # each field holds its own values: none overwrote another
-        assert np.array_equal(slot.tensors[f.name].view(torch.int16).numpy().view(f.storage)
-                              if f.dtype == "bfloat16" else slot.tensors[f.name].numpy(),
-                              cols[f.name]), f.name
-    slot.rows = 5
-    batch = pool.lend(slot)
-    kept = batch["f39"]
-    del batch
-    assert pool.acquire(timeout=0) is not slot and slot.state is SlotState.LENT
-    del kept
-    assert pool.acquire(timeout=0) is slot

@@ -34,14 +34,12 @@ storage references, every slot lent is forgotten.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import deque
 from enum import Enum
 from typing import Any
 
-import numpy as np
 import torch
 
 from kfeed.errors import ConfigError, KfeedError
@@ -75,41 +73,14 @@ def _physical_memory() -> int | None:
 
 
 def _storage_marks(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Any, int, int, int], ...]:
-    """Per storage: a tensor over it, its memory's address and size, and the references to it."""
+    """Per tensor: the tensor, its memory's address and size, and the references to it."""
     if _storage_use_count is None:
         return ()
-    marks = {}
+    marks = []
     for t in tensors.values():
         st = t.untyped_storage()
-        if st.data_ptr() not in marks:
-            marks[st.data_ptr()] = (t, st.data_ptr(), st.nbytes(),
-                                    _storage_use_count(st._cdata))
-    return tuple(marks.values())
-
-
-# Where each field of a slot starts in its one buffer: a multiple of this.
-FIELD_ALIGN = 64
-
-
-def _one_buffer(schema: Schema, n: int, pin: bool) -> dict[str, torch.Tensor]:
-    """A fixed schema's ``n`` rows, every field a view of one buffer.
-
-    NOTE [ A slot is one buffer ]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    Per batch the pool checks each storage of a lent slot (NOTE [ Lent
-    slots ]). A tensor per field made that a check per field: with 100
-    float32 features, the checks and the views handed out took more than
-    half of the loader thread's time (bench/RESULTS.md, "Wide schemas").
-    One buffer is one check, and one allocation (one pinned allocation on
-    CUDA, not one per field).
-    """
-    sizes = [n * math.prod(f.shape) * np.dtype(f.storage).itemsize for f in schema.fields]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // FIELD_ALIGN) * FIELD_ALIGN)
-    buf = torch.empty(max(starts[-1], 1), dtype=torch.uint8, pin_memory=pin)
-    return {f.name: buf[at:at + size].view(f.torch_dtype).view(n, *f.shape)
-            for f, at, size in zip(schema.fields, starts, sizes, strict=False)}
+        marks.append((t, st.data_ptr(), st.nbytes(), _storage_use_count(st._cdata)))
+    return tuple(marks)
 
 
 class Slot:
@@ -130,8 +101,7 @@ class Slot:
     def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
         self.sizes = tuple((name, t, len(t)) for name, t in tensors.items())
-        self.nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                           for t in tensors.values()}.values())
+        self.nbytes = sum(t.nbytes for t in tensors.values())
         self.marks = _storage_marks(tensors)  # see NOTE [ Lent slots ]
 
     def grow(self, name: str, length: int, pin: bool) -> torch.Tensor:
@@ -209,7 +179,7 @@ class BufferPool:
             first = self._make()
             # Checked before the rest are made: a million slots take minutes
             # to make, and all of this machine's memory once filled.
-            need = slots * first.nbytes
+            need = slots * sum(t.nbytes for t in first.tensors.values())
             memory = _physical_memory()
             if memory is not None and need > memory:
                 raise MemoryError(f"{need} bytes, more than the {memory} bytes of memory here")
@@ -233,7 +203,7 @@ class BufferPool:
         if self._packer is None and self.schema.varlen is not None:
             tensors = self._jagged_empty()
         elif self._packer is None:
-            tensors = _one_buffer(self.schema, self.batch_size, self.pinned)
+            tensors = self.schema.empty(self.batch_size, like="torch", pin_memory=self.pinned)
             target = self.schema.bind(tensors)
         else:
             tensors = self._packer.empty(like="torch", pin_memory=self.pinned)
