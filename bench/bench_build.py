@@ -75,19 +75,29 @@ def _drain(loader: kfeed.Loader, cpu: str | None = None) -> int:
     return n
 
 
-def shuffle_ratio(samples: int, buffer: int, repeat: int, cpu: bool = False
-                  ) -> tuple[float, float]:
-    schema = synthetic_schema()
-    values = schema.encode_blocks(synthetic_columns(np.arange(samples)), 64)
-    best = {"order": 0.0, "shuffled": 0.0}
+def _best_rates(streams: dict[str, tuple[list[bytes], kfeed.Schema, dict[str, Any]]],
+                samples: int, repeat: int, cpu: bool = False) -> dict[str, float]:
+    """Samples/s of each stream ``{name: (values, schema, Loader kwargs)}`` from memory,
+    batches of 256: the best of ``repeat`` runs, the streams interleaved."""
+    best = {name: 0.0 for name in streams}
     for _ in range(repeat):
-        for name in best:
-            kw = {"shuffle": kfeed.Shuffle(buffer=buffer, seed=0)} if name == "shuffled" else {}
+        for name, (values, schema, kw) in streams.items():
             t = start_clock()
             n = _drain(memory_loader(values, schema, 256, device="cpu", until="end", **kw),
                        name if cpu else None)
             best[name] = max(best[name], n / (time.perf_counter() - t))
             assert n == samples
+    return best
+
+
+def shuffle_ratio(samples: int, buffer: int, repeat: int, cpu: bool = False
+                  ) -> tuple[float, float]:
+    schema = synthetic_schema()
+    values = schema.encode_blocks(synthetic_columns(np.arange(samples)), 64)
+    best = _best_rates({"order": (values, schema, {}),
+                        "shuffled": (values, schema,
+                                     {"shuffle": kfeed.Shuffle(buffer=buffer, seed=0)})},
+                       samples, repeat, cpu)
     return best["order"], best["shuffled"]
 
 
@@ -103,16 +113,10 @@ def wide_ratio(samples: int, fields: int, repeat: int) -> tuple[float, float]:
     flat = rng.standard_normal((samples, fields)).astype(np.float32)
     wide = kfeed.Schema({f"f{i}": ("float32", ()) for i in range(fields)})
     one = kfeed.Schema({"f": ("float32", (fields,))})
-    streams = {"wide": (wide, wide.encode_blocks({f"f{i}": flat[:, i].copy()
-                                                  for i in range(fields)}, 64)),
-               "one": (one, one.encode_blocks({"f": flat}, 64))}
-    best = {name: 0.0 for name in streams}
-    for _ in range(repeat):
-        for name, (schema, values) in streams.items():
-            t = start_clock()
-            n = _drain(memory_loader(values, schema, 256, device="cpu", until="end"))
-            best[name] = max(best[name], n / (time.perf_counter() - t))
-            assert n == samples
+    best = _best_rates(
+        {"wide": (wide.encode_blocks({f"f{i}": flat[:, i].copy() for i in range(fields)}, 64),
+                  wide, {}),
+         "one": (one.encode_blocks({"f": flat}, 64), one, {})}, samples, repeat)
     return best["wide"], best["one"]
 
 

@@ -757,7 +757,7 @@ def _type_hint(why: str) -> str:
     changed = re.search(r"changed from (\w+) to (\w+)", why)
     if value is not None:
         try:
-            float(value.group(1) if value.group(1) is not None else value.group(2))
+            float(value.group(value.lastindex))  # (whichever of the two matched)
             numeric = True
         except ValueError:
             numeric = False
