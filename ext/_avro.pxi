@@ -92,6 +92,7 @@ cdef enum AvErr:
     A_RANGE_U64      # A_RANGE of an unsigned 64-bit value past int64 (its bits in the value)
     A_NESTING        # values nested deeper than AV_MAX_NESTING
     A_ITEMS          # more array or map items than a record of its size may hold (AV_FREE_ITEMS)
+    A_SCALED         # a timestamp past int64 in the unit Avro(timestamps=) asks
 
 cdef enum:
     # Records nested deeper than this (a recursive type, which only a record
@@ -111,9 +112,11 @@ cdef struct AvNode:
     int kind
     int field           # the field written, -1: skipped
     int code            # the field's AvCode when field >= 0
-    int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items (-1: any)
+    int64_t size        # FIXED: bytes; ENUM: symbols; ARRAY into a field: items (-1: any);
+                        # LONG into a field: > 1 multiplies the value (av_rescale)
     int64_t stride      # ARRAY into a field: elements per item; ENUM: 1 + where its
-                        # symbols' numbers start in ``symbols`` (0: the writer's index)
+                        # symbols' numbers start in ``symbols`` (0: the writer's index);
+                        # LONG into a field: > 1 divides the value, rounding down
     Py_ssize_t first    # children: kids[first:first + n]
     Py_ssize_t n
 
@@ -301,6 +304,8 @@ cdef class AvroPlan:
                 raise ValueError(f"node {i}: negative size")
             if nd.kind == K_ENUM and nd.stride > 0 and nd.size > ns - (nd.stride - 1):
                 raise ValueError(f"node {i}: its symbols are not in symbols")
+            if nd.kind == K_LONG and nd.size > 1 and nd.stride > 1:
+                raise ValueError(f"node {i}: a long is multiplied or divided, not both")
 
     def __dealloc__(self):
         free(self.p.nodes)
@@ -390,6 +395,24 @@ cdef inline int put_float(uint8_t* d, uint64_t nelem, int code, int64_t elem,
         (<double*>d)[elem] = v
     else:
         return A_KIND
+    return A_OK
+
+
+cdef inline int av_rescale(AvCur* c, const AvNode* nd, int64_t* v) noexcept nogil:
+    """A timestamp in the unit ``Avro(timestamps=)`` asks: the writer's times
+    ``nd.size``, or divided by ``nd.stride`` rounding down (as numpy's
+    ``datetime64`` casts do, before 1970 too)."""
+    cdef int64_t x = v[0], q
+    if nd.size > 1:
+        if x > INT64_MAX // nd.size or x < INT64_MIN // nd.size:
+            c.err_value = x
+            return A_SCALED
+        v[0] = x * nd.size
+    else:
+        q = x // nd.stride  # (cdivision: toward zero)
+        if x % nd.stride < 0:
+            q -= 1
+        v[0] = q
     return A_OK
 
 
@@ -537,6 +560,8 @@ cdef inline int av_value(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
             v = c.plan.symbols[nd.stride - 1 + v]
             if v < 0:
                 r = A_SYMBOL
+        elif r == A_OK and kind == K_LONG and (nd.size > 1 or nd.stride > 1):
+            r = av_rescale(c, nd, &v)
         if r == A_OK and nd.field >= 0:
             r = av_store_int(c, nd, elem, v)
     elif kind == K_FLOAT:
@@ -936,6 +961,8 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
             into = field_dtype(layout, plan.p.nodes[b.node].field,
                                plan.p.nodes[b.node].code).lstrip()
         return f"{b.value} does not fit {into}{where}"
+    if err == A_SCALED:
+        return f"timestamp {b.value} does not fit int64 in the unit timestamps= asks{where}"
     if err == A_KIND:
         return f"cannot be read{where}"
     if err == A_NULL:

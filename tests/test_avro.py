@@ -449,6 +449,82 @@ def test_enum_symbols_are_read_by_name_where_enums_names_them(registry, caplog):
     assert pickle.loads(pickle.dumps(spec)).enums == {"Color": ["RED"]}
 
 
+def _stamped(unit: str, name: str = "Stamped") -> dict:
+    ts = {"type": "long", "logicalType": f"timestamp-{unit}"}
+    return {"type": "record", "name": name, "namespace": "shop", "fields": [
+        {"name": "id", "type": "long"}, {"name": "ts", "type": ts},
+        {"name": "seen", "type": {"type": "array", "items": ts}},
+        {"name": "paid", "type": ["null", {**ts, "logicalType": f"local-timestamp-{unit}"}],
+         "default": None}]}
+
+
+def test_timestamps_read_in_one_unit_across_writers_of_another(registry, caplog):
+    # A writer moving a field from timestamp-millis to timestamp-micros (a change
+    # Avro's resolution allows) made the field's numbers 1,000 times larger from
+    # that record on, in silence.
+    millis = AvroSerializer(registry, json.dumps(_stamped("millis")))
+    micros = AvroSerializer(registry, json.dumps(_stamped("micros")))
+    local = dt.datetime(1970, 1, 1)
+    stamps = [EPOCH + dt.timedelta(microseconds=us) for us in
+              (1_700_000_000_123_000, -1_500, 0, 1_700_000_000_123_456, -1_000)]
+    values = []
+    for i, t in enumerate(stamps):
+        write = millis if i < 2 else micros  # the first two hold whole milliseconds only
+        if i < 2:
+            t = t.replace(microsecond=t.microsecond // 1000 * 1000)
+        values.append(write({"id": i, "ts": t, "seen": [t, t + dt.timedelta(days=1)],
+                             "paid": None if i == 2 else local + (t - EPOCH)}, CTX))
+    read = [AvroDeserializer(registry)(v, CTX) for v in values]
+    us = np.array([(r["ts"] - EPOCH) // dt.timedelta(microseconds=1) for r in read])
+    schema = kfeed.Schema({"id": ("int64", ()), "ts": ("int64", ()), "seen": ("int64", (2,)),
+                           "paid": ("int64", (), {"default": -1})})
+    for unit, want in (("us", us), ("ns", us * 1000),
+                       ("ms", np.array(us, "datetime64[us]").astype("datetime64[ms]")
+                        .astype(np.int64))):
+        got, bad = decode_all(kfeed.Avro(registry=registry, timestamps=unit).decoder(schema),
+                              schema, values)
+        assert bad == [], unit
+        np.testing.assert_array_equal(got["ts"], want, err_msg=unit)
+        day = {"ms": 86_400_000, "us": 86_400_000_000, "ns": 86_400_000_000_000}[unit]
+        np.testing.assert_array_equal(got["seen"], np.stack([want, want + day], 1))
+        np.testing.assert_array_equal(got["paid"], np.where(got["id"] == 2, -1, want))
+    assert got["ts"][1] == -2  # -1,500 us, rounded down to -2 ms as numpy's cast does
+    assert "mixes units" not in caplog.text
+    # As written: each writer's unit, and a warning that names the fix.
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(schema), schema, values)
+    assert bad == [] and got["ts"].tolist() == [us[0] // 1000, -2, *us[2:].tolist()]
+    assert re.search(r"schema id \d+ writes field 'ts' as timestamp-micros, schema id \d+ as "
+                     r"timestamp-millis: read as written, the field mixes units; give "
+                     r"kfeed.Avro\(timestamps='us'\)", caplog.text)
+    # Nanoseconds (written as the long they are), and a value no int64 holds in them.
+    nanos = fastavro.parse_schema(_stamped("nanos", "Nanos"))
+    plain = []
+    for t in (1_700_000_000_123_456_789, -1_500_001):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, nanos, {"id": 0, "ts": t, "seen": [t, t], "paid": t})
+        plain.append(buf.getvalue())
+    fmt = kfeed.Avro(schema=_stamped("nanos", "Nanos"), timestamps="us")
+    got, bad = decode_all(fmt.decoder(schema), schema, plain)
+    assert bad == [] and got["ts"].tolist() == [1_700_000_000_123_456, -1_501]
+    late = [millis({"id": 9, "ts": EPOCH + dt.timedelta(days=107_000), "seen": [EPOCH, EPOCH],
+                    "paid": None}, CTX)]  # about 2263: past int64 in nanoseconds
+    got, bad = decode_all(kfeed.Avro(registry=registry, timestamps="ns").decoder(schema),
+                          schema, late + values[:1])
+    assert bad == [(0, "timestamp 9244800000000 does not fit int64 in the unit timestamps= "
+                       "asks at ts")] and got["id"].tolist() == [0]
+    with pytest.raises(kfeed.ConfigError, match="timestamps must be 'ms', 'us' or 'ns'"):
+        kfeed.Avro(registry=registry, timestamps="s")
+    spec = kfeed.Avro(registry={"url": "mock://x"}, timestamps="ms")
+    assert pickle.loads(pickle.dumps(spec)).timestamps == "ms"
+    # kfeed convert takes it too.
+    from kfeed import cli
+
+    args = cli.build_parser().parse_args(["convert", "--from-topic", "a", "--to-topic", "b",
+                                          "--format", "avro", "--registry", "http://r:8081",
+                                          "--timestamps", "us"])
+    assert cli._wire_format(args).timestamps == "us"
+
+
 def test_configuration_mistakes_get_one_clear_line(registry):
     with pytest.raises(kfeed.ConfigError, match="needs schema= .* or registry="):
         kfeed.Avro()

@@ -482,6 +482,8 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
         (["--format", "json", "--field", "id=int64", "--field", "id=int32"], "given twice"),
         (["--format", "raw", "--registry", "http://127.0.0.1:1"], "not raw"),
         (["--format", "json", "--avro-schema", "x.avsc"], "applies to --format avro"),
+        (["--format", "json", "--timestamps", "us"],
+         "--timestamps applies to --format avro, not json"),
         (["--format", "json", "--round-messages", "2000000"],
          "2000000 is out of range: give an integer in 1..1000000"),
         # (It named kfeed produce.)

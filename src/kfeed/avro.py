@@ -53,6 +53,11 @@ __all__ = ["Avro", "AvroDecoder", "AvroEncoder", "writer_schema"]
 log = logging.getLogger("kfeed.avro")
 
 _PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
+# The unit of each timestamp logical type (a long), and what one of it is in ns.
+_UNITS = {"timestamp-millis": "ms", "timestamp-micros": "us", "timestamp-nanos": "ns",
+          "local-timestamp-millis": "ms", "local-timestamp-micros": "us",
+          "local-timestamp-nanos": "ns"}
+_NS = {"ms": 1_000_000, "us": 1_000, "ns": 1}
 _FLOATS = ("float32", "float64")
 
 
@@ -74,6 +79,13 @@ class Avro(RecordFormat):
     writer schema, and a symbol not listed makes the record bad. An enum
     not named reads as the writer's index, which a writer schema that adds
     a symbol before others changes (the loader warns when it does).
+
+    ``timestamps``: ``"ms"``, ``"us"`` or ``"ns"``: every timestamp (a long
+    of logical type ``timestamp-millis``, ``-micros`` or ``-nanos``, local
+    ones too) reads in that unit, whatever unit its writer schema gives;
+    a finer unit into a coarser one rounds down. None (the default): as
+    written, which a writer schema that changes a field's unit changes
+    (the loader warns when one does).
     """
 
     value = "avro"
@@ -81,13 +93,18 @@ class Avro(RecordFormat):
 
     def __init__(self, schema: Mapping[str, Any] | str | Path | None = None,
                  registry: Mapping[str, Any] | Any | None = None,
-                 enums: Mapping[str, Sequence[str]] | None = None) -> None:
+                 enums: Mapping[str, Sequence[str]] | None = None,
+                 timestamps: str | None = None) -> None:
         if (schema is None) == (registry is None):
             raise ConfigError("kfeed.Avro needs schema= (values without framing) or "
                               "registry= (values in the Confluent wire format), not both")
         self.schema = _load_schema(schema) if schema is not None else None
         self.registry = checked_registry(registry)
         self.enums = _checked_enums(enums)
+        if timestamps is not None and timestamps not in _NS:
+            raise ConfigError(f"timestamps must be 'ms', 'us' or 'ns' (the unit every "
+                              f"timestamp reads in), or None (as written), got {timestamps!r}")
+        self.timestamps = timestamps
         self._client: Any = None
 
     @property
@@ -115,7 +132,7 @@ class Avro(RecordFormat):
         if self.framed and not isinstance(self.registry, Mapping):
             raise ConfigError("a kfeed.Avro made with a registry client cannot be sent to "
                               "DataLoader workers; give registry= its config dict instead")
-        return (Avro, (self.schema, self.registry, self.enums or None))
+        return (Avro, (self.schema, self.registry, self.enums or None, self.timestamps))
 
 
 class AvroDecoder(PlanDecoder):
@@ -125,12 +142,15 @@ class AvroDecoder(PlanDecoder):
 
     def __init__(self, fmt: Avro, schema: Schema) -> None:
         self.fmt = fmt
-        single = compile_plan(fmt.schema, schema, enums=fmt.enums) \
+        single = compile_plan(fmt.schema, schema, enums=fmt.enums, timestamps=fmt.timestamps) \
             if fmt.schema is not None else None
         super().__init__(schema, fmt.framed, single, _codec.avro_decode, _codec.avro_documents)
         # Per enum read by its writer's index: the symbols of the first schema
         # that had it, and that schema's id (see _check_enums).
         self.enum_symbols: dict[str, tuple[int, list[str]]] = {}
+        # Per field read from a timestamp: its first writer's logical type, and
+        # that schema's id (see _check_units).
+        self.units: dict[str, tuple[int, str]] = {}
 
     def plan_for(self, schema_id: int) -> Any:
         """The plan of a schema id, or the reason its records are bad."""
@@ -144,9 +164,11 @@ class AvroDecoder(PlanDecoder):
             named = _referenced(self.fmt.client(), registered, self.ask)
             enums: dict[str, list[str]] = {}
             unread: list[str] = []
+            units: dict[str, str] = {}
             plan = compile_plan(_load_schema(registered.schema_str), self.schema, named,
-                                self.fmt.enums, enums, unread)
+                                self.fmt.enums, enums, unread, self.fmt.timestamps, units)
             self._check_enums(schema_id, enums)
+            self._check_units(schema_id, units)
             self.say_unread(schema_id, unread)
             return plan
         except ConfigError as e:
@@ -165,6 +187,18 @@ class AvroDecoder(PlanDecoder):
                             "so the same symbol reads as two numbers; give kfeed.Avro(enums="
                             "{%r: [...]}) to read symbols by name", schema_id, name, first_id,
                             ", ".join(moved), name)
+
+
+    def _check_units(self, schema_id: int, units: Mapping[str, str]) -> None:
+        """Warn where a writer schema gives a field's timestamps in another unit than an
+        earlier one did, and they are read as written."""
+        for name, logical in units.items():
+            first_id, first = self.units.setdefault(name, (schema_id, logical))
+            if self.fmt.timestamps is None and _UNITS[logical] != _UNITS[first]:
+                log.warning("schema id %d writes field %r as %s, schema id %d as %s: read as "
+                            "written, the field mixes units; give kfeed.Avro(timestamps='us') "
+                            "(or 'ms', 'ns') to read every timestamp in one unit",
+                            schema_id, name, logical, first_id, first)
 
 
 def _checked_enums(enums: Any) -> dict[str, list[str]]:
@@ -405,7 +439,9 @@ class _Names:
                                                              "fixed", "array", "map")):
             return self.resolve(t, ns)
         if t in _PRIMITIVES:
-            return {"type": t}
+            logical = s.get("logicalType")
+            return {"type": t, "logical": logical} if t == "long" and logical in _UNITS \
+                else {"type": t}
         if t in ("record", "error", "enum", "fixed"):
             name = s.get("name")
             if not isinstance(name, str) or not name:
@@ -450,8 +486,11 @@ class _Names:
 class _Compiler:
     """Writer schema + kfeed Schema -> the node arrays of an ``AvroPlan``."""
 
-    def __init__(self, schema: Schema, enums: Mapping[str, list[str]]) -> None:
+    def __init__(self, schema: Schema, enums: Mapping[str, list[str]],
+                 timestamps: str | None) -> None:
         self.schema = schema
+        self.timestamps = timestamps  # Avro(timestamps=): the unit they read in
+        self.units: dict[str, str] = {}  # the writer's timestamp logical type, by field
         self.codes = codes(schema)
         self.enums = enums  # Avro(enums=): symbols read by name
         self.symbols: list[int] = []  # their numbers, per writer symbol (AvroPlan)
@@ -565,6 +604,8 @@ class _Compiler:
               "float": field.dtype in _FLOATS, "double": field.dtype in _FLOATS}
         if not ok.get(kind, False):
             return self.bad(field, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}", path)
+        if kind == "long" and "logical" in t:
+            return self.timestamp(t["logical"], f, path)
         if kind != "enum":
             return self.node(kind, path, f)
         symbols = t["symbols"]
@@ -578,6 +619,15 @@ class _Compiler:
         self.symbol_names[i] = list(symbols)
         return i
 
+    def timestamp(self, logical: str, f: int, path: str) -> int:
+        """Node reading a timestamp into field ``f``: in ``timestamps``' unit, if given."""
+        self.units.setdefault(self.schema.fields[f].name, logical)
+        if self.timestamps is None:
+            return self.node("long", path, f)
+        have, want = _NS[_UNITS[logical]], _NS[self.timestamps]
+        return self.node("long", path, f, size=have // want if have > want else 0,
+                         stride=want // have if want > have else 0)
+
     def bad(self, field: Field, what: str, path: str) -> int:
         self.given.add(field.name)  # (given, as something it cannot be: a bad record)
         shape = "" if not field.shape else f" of shape {field.shape}"
@@ -588,12 +638,15 @@ class _Compiler:
 def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
                  enums: Mapping[str, list[str]] | None = None,
                  read_enums: dict[str, list[str]] | None = None,
-                 unread: list[str] | None = None) -> Any:
+                 unread: list[str] | None = None, timestamps: str | None = None,
+                 units: dict[str, str] | None = None) -> Any:
     """The ``_codec.AvroPlan`` reading records of ``writer`` into ``schema``'s fields;
     ``named``: schemas defining the named types that ``writer`` refers to;
     ``enums``: as ``Avro(enums=)``. ``read_enums`` gets the enums read by
     the writer's index, with their symbols; ``unread`` the fields with a
-    default that no record of ``writer`` gives a value for."""
+    default that no record of ``writer`` gives a value for; ``timestamps``: as
+    ``Avro(timestamps=)``; ``units`` gets the writer's timestamp logical
+    type of each field read from one."""
     names = _Names()
     for ref in named:
         names.resolve(ref, "")
@@ -605,10 +658,12 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
         raise ConfigError(f"the writer schema is {root['type']!r}; kfeed reads Avro records "
                           f"(or a union with a record branch)")
     layout = plan_layout(schema, "Avro")  # the dtypes checked first
-    c = _Compiler(schema, enums or {})
+    c = _Compiler(schema, enums or {}, timestamps)
     c.walk(root, {f.path: i for i, f in enumerate(schema.fields)}, "")
     if read_enums is not None:
         read_enums.update(c.read_enums)
+    if units is not None:
+        units.update(c.units)
     if unread is not None:
         unread.extend(f.name for f in schema.fields
                       if f.name not in c.given and f.default is not None)

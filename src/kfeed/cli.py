@@ -1420,7 +1420,8 @@ round in hand.
   reads, where without one such a record is bad: --field score=float32=0. One field
   may be variable-length, an array of any length: --field tokens=int32[None]. Without
   --field: features=float32[768], label=int64, id=int64, what kfeed train reads.
-  Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none).
+  Avro: --registry URL (Confluent framing) or --avro-schema FILE.avsc (none);
+  --timestamps us reads every timestamp in one unit (ms, us or ns).
   Protobuf: --proto MODULE:MESSAGE, a generated class on the Python path
   (--registry URL says the values carry the Confluent framing), or
   --registry URL alone: each writer schema read from the registry.
@@ -1458,7 +1459,8 @@ def _convert_schema(specs: list[str]) -> Any:
 
 
 def _wire_format(args: argparse.Namespace) -> Any:
-    """``--format`` with ``--registry``, ``--avro-schema`` and ``--proto``, as kfeed takes it."""
+    """``--format`` with ``--registry``, ``--avro-schema``, ``--timestamps`` and ``--proto``,
+    as kfeed takes it."""
     import importlib
 
     import kfeed
@@ -1471,7 +1473,10 @@ def _wire_format(args: argparse.Namespace) -> Any:
                           f"or https:// address: "
                           f"give e.g. --registry http://registry:8081")
     avro_schema = getattr(args, "avro_schema", None)
+    timestamps = getattr(args, "timestamps", None)
     proto = getattr(args, "proto", None)
+    if timestamps and args.format != "avro":
+        raise ConfigError(f"--timestamps applies to --format avro, not {args.format}")
     if args.format == "avro":
         if proto:
             raise ConfigError("--proto applies to --format protobuf, not avro")
@@ -1481,7 +1486,7 @@ def _wire_format(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--format avro needs --registry URL{how}")
         if registry is not None and avro_schema is not None:
             raise ConfigError("--registry and --avro-schema: give one of them")
-        return kfeed.Avro(schema=avro_schema, registry=registry)
+        return kfeed.Avro(schema=avro_schema, registry=registry, timestamps=timestamps)
     if avro_schema:
         raise ConfigError(f"--avro-schema applies to --format avro, not {args.format}")
     if args.format == "protobuf":
@@ -1826,6 +1831,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a field of the blocks (repeatable; see above)")
     c.add_argument("--registry", metavar="URL", help="the Schema Registry (Confluent framing)")
     c.add_argument("--avro-schema", metavar="FILE.avsc", help="avro: the writer schema")
+    c.add_argument("--timestamps", choices=["ms", "us", "ns"],
+                   help="avro: read every timestamp in this unit, whatever its writer's "
+                        "(default: as written)")
     c.add_argument("--proto", metavar="MODULE:MESSAGE", help="protobuf: the message class")
     c.add_argument("--group-id", type=_name, help="the consumer group (default kfeed-convert.TO_TOPIC)")
     c.add_argument("--block-records", type=_count(1), default=None, metavar="N",
