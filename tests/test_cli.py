@@ -484,7 +484,7 @@ def test_a_signal_while_the_last_documents_are_acknowledged_waits_for_them(
     assert (code, err) == (0, [
         "kfeed produce: every document is sent; stopping once the brokers acknowledge the "
         "last ones (a second signal stops at once)"]), (code, err)
-    assert out.startswith("produced 1500 documents (")
+    assert out.startswith("produced 1,500 documents (")
     assert acknowledged and sum(len(docs) for docs, _ in made[0].sent) == 1500
 
 
@@ -1161,7 +1161,7 @@ def test_a_slow_source_is_not_taken_for_brokers_that_acknowledge_nothing(
     code, err, out = run_main(capsys, "produce", "--bootstrap-servers", bootstrap, "--topic",
                               topic, "--from", str(corpus), "--progress-every", "0.5")
     assert code == 0, err
-    assert out.startswith("produced 3000 documents"), out
+    assert out.startswith("produced 3,000 documents"), out
     progress = [line for line in err if line.startswith("kfeed produce:")]
     assert len(progress) >= 10, err  # (lines through the pause)
     assert not [line for line in err if "acknowledged nothing" in line], err
@@ -1598,7 +1598,7 @@ def test_produce_with_a_larger_message_max_bytes_makes_a_topic_that_takes_them(
         assert done.stderr.splitlines()[0] == (
             f"created topic {topic} with 4 partitions (replication: the brokers' default; "
             f"max.message.bytes 3000000)"), done.stderr
-        assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+        assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
     finally:
         delete_topics(bootstrap, topic)
 
@@ -1870,7 +1870,7 @@ def test_on_a_terminal_produce_and_train_draw_bars(bootstrap, make_topic, group_
     # tqdm's bar: the description, the count of the total, the rate.
     assert "kfeed produce: 100%|" in text and "30.0k/30.0k" in text, text[-2000:]
     assert "samples/s" in text and "MB/s" in text
-    assert out.startswith("produced 30000 samples")
+    assert out.startswith("produced 30,000 samples")
     text, _, rc = on_a_terminal(["train", "--bootstrap-servers", bootstrap, "--topic", topic,
                                  "--group-id", group_id, "--steps", "6", "--log-every", "3",
                                  "--device", "cpu", "--prefetch", "auto",

@@ -673,7 +673,7 @@ def test_a_produce_whose_brokers_all_stop_says_so_on_its_progress_line(bootstrap
     _out, _err = proc.communicate(timeout=180)
     err.join()
     assert proc.returncode == 0, err.lines
-    assert re.match(r"produced 12000 samples in 12000 messages", _out), _out
+    assert re.match(r"produced 12,000 samples in 12,000 messages", _out), _out
     # Once the brokers answer again, the word goes.
     assert "acknowledged nothing" not in [ln for ln in err.lines if "kfeed produce:" in ln][-1]
 

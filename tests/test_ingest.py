@@ -110,7 +110,7 @@ def kill_then_resume(bootstrap: str, topic: str, source: list[str], n: int,
         assert done.returncode == 0, done.stderr
         assert progress.done() == n
         left = n - int(done.stdout.split("after the ")[1].split(" sent")[0].replace(",", ""))
-        assert done.stdout.startswith(f"produced {left} samples"), done.stdout
+        assert done.stdout.startswith(f"produced {left:,} samples"), done.stdout
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -129,7 +129,7 @@ def arrives_once_then_resumes(bootstrap: str, make_topic: Any, folder: str, glob
     topic = make_topic(partitions=3)
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", folder, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
     check_topic(bootstrap, topic, n)
     kill_then_resume(bootstrap, make_topic(partitions=3), ["--from", glob], n, env=env)
 
@@ -162,7 +162,7 @@ def test_every_row_of_local_files_arrives_once(bootstrap, make_topic, tmp_path, 
         done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(path),
                          "--field", "label=label", "--field", "id=id", "--field", "f0=f0")
         assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+        assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
         one = kfeed.Schema({"label": ("int64", ()), "id": ("int64", ()), "f0": ("float64", ())})
         with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
                           one, 512, device="cpu", until="end") as loader:
@@ -174,7 +174,7 @@ def test_every_row_of_local_files_arrives_once(bootstrap, make_topic, tmp_path, 
         return
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", *source)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
     check_topic(bootstrap, topic, n)
 
 
@@ -224,7 +224,7 @@ def test_a_finished_source_is_sent_again_only_with_resend(bootstrap, make_topic,
     check_topic(bootstrap, topic, 2000)
     resent = kfeed_cli(bootstrap, *argv, "--resend")
     assert resent.returncode == 0, resent.stderr
-    assert resent.stdout.startswith("produced 2000 samples"), resent.stdout
+    assert resent.stdout.startswith("produced 2,000 samples"), resent.stdout
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
                       SCHEMA, 1000, device="cpu", until="end") as loader:
         ids = np.concatenate([b["id"].numpy().copy() for b in loader])
@@ -349,7 +349,7 @@ def test_a_npy_file_is_memory_mapped_and_sent_once(bootstrap, make_topic, tmp_pa
             "id=ids", "--progress-every", "600")
     done = kfeed_cli(bootstrap, *argv)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("produced 150000 samples"), done.stdout
+    assert done.stdout.startswith("produced 150,000 samples"), done.stdout
     assert kfeed_cli(bootstrap, *argv).returncode == 2  # not sent twice
     one = kfeed.Schema({"id": ("int64", ())})
     with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex}, topic,
@@ -478,7 +478,7 @@ def test_a_resume_naming_the_files_another_way_is_refused(bootstrap, make_topic,
 def test_a_resume_after_files_changed_before_where_it_stopped_is_refused(bootstrap, make_topic,
                                                                        tmp_path) -> None:
     # A file added among those sent: the row count skipped its rows in their
-    # place, sent c's again and b's never ("produced 2000 samples, after the
+    # place, sent c's again and b's never ("produced 2,000 samples, after the
     # 4,000 sent before", exit 0). A file added after them resumes.
     topic = make_topic(partitions=1)
     pq.write_table(table(np.arange(0, 2000)), tmp_path / "a.parquet")
@@ -498,7 +498,7 @@ def test_a_resume_after_files_changed_before_where_it_stopped_is_refused(bootstr
     pq.write_table(table(np.arange(6000, 7000)), tmp_path / "d.parquet")
     done = kfeed_cli(bootstrap, *argv, "--resume")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("produced 1000 samples"), done.stdout
+    assert done.stdout.startswith("produced 1,000 samples"), done.stdout
     check_topic(bootstrap, topic, 5000, ids=np.r_[0:2000, 4000:7000])
 
 
@@ -1021,7 +1021,7 @@ def test_a_query_arrives_once_and_resumes_after_a_kill(bootstrap, make_topic,
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", postgres, "--query",
                      query)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
     check_topic(bootstrap, topic, n)
     # The run read the result twice: once opened for its schema, then again.
     assert runs() == 1
@@ -1109,7 +1109,7 @@ def test_a_source_that_pauses_longer_than_the_transaction_timeout_loses_nothing(
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", postgres,
                      "--query", query, "-X", "transaction.timeout.ms=4000")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"produced {n} samples"), done.stdout
+    assert done.stdout.startswith(f"produced {n:,} samples"), done.stdout
     check_topic(bootstrap, topic, n)
 
 

@@ -506,7 +506,7 @@ def test_produce_cli_reports_rates(bootstrap, make_topic) -> None:
                           bootstrap, "--topic", topic, "--synthetic", "5000"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "produced 5000 samples" in out.stdout and "MB/s" in out.stdout
+    assert "produced 5,000 samples" in out.stdout and "MB/s" in out.stdout
 
 
 def test_start_from_a_point_in_time_and_from_latest(bootstrap, make_topic) -> None:

@@ -436,7 +436,7 @@ def test_produce_corpus_reads_back_equal(bootstrap, make_topic, tmp_path, keyed)
     done = kfeed_cmd(*args, *(["--key-field", "src"] if keyed else []), bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
     # The one empty document has no tokens to send: left out, and said so.
-    assert f"produced {len(texts) - 1} documents, 1 empty left out (" in done.stdout
+    assert f"produced {len(texts) - 1:,} documents, 1 empty left out (" in done.stdout
     assert "tokens/s" in done.stdout
     schema = token_schema("int32")
     tok = ByteTokenizer()
@@ -493,7 +493,7 @@ def test_a_bad_line_after_the_first_chunk_says_how_to_go_on(bootstrap, make_topi
     path.write_text("".join(lines), encoding="utf-8")
     done = kfeed_cmd(*args, "--skip-docs", "1024", bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
-    assert f"produced {len(texts) - 1024 - 1} documents, 1 empty left out" in done.stdout
+    assert f"produced {len(texts) - 1024 - 1:,} documents, 1 empty left out" in done.stdout
     schema = token_schema("int32")
     got = []
     for values in read_topic(bootstrap, topic, 2).values():
@@ -526,7 +526,7 @@ def test_train_lm_until_end_and_resume(bootstrap, make_topic, tmp_path) -> None:
     done = kfeed_cmd("produce", "--topic", topic, "--synthetic-text", str(docs), "--keyed",
                      bootstrap=bootstrap)
     assert done.returncode == 0, done.stderr
-    tokens = int(done.stdout.split("(")[1].split()[0])
+    tokens = int(done.stdout.split("(")[1].split()[0].replace(",", ""))
     ckpt = tmp_path / "lm.pt"
     args = ["train", "--task", "lm", "--topic", topic, "--group-id", uuid.uuid4().hex,
             "--until-end", "--device", "cpu", "--batch-size", "4", "--seq-len", "64",

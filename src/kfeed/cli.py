@@ -670,7 +670,7 @@ def _send_samples(args: argparse.Namespace, config: dict[str, Any], schema: Any,
             e.add_note(f"about {producer.acknowledged()[0]:,.0f} of the {total:,} samples "
                        f"were acknowledged by the brokers")
         raise
-    print(f"produced {total} samples in {producer.messages} messages to {args.topic} in "
+    print(f"produced {total:,} samples in {producer.messages:,} messages to {args.topic} in "
           f"{elapsed:.1f}s: {_rates(total, producer.bytes, elapsed, 'samples')}")
     return 0
 
@@ -915,7 +915,7 @@ def _send_stream(args: argparse.Namespace, producer: Any, schema: Any, name: str
     progress_bar.close(final=True)
     new, nbytes = sent - done, producer.bytes - before[1]
     after = f", after the {done:,} sent before" if done else ""
-    print(f"produced {new} samples in {producer.messages - before[0]} messages to {args.topic} "
+    print(f"produced {new:,} samples in {producer.messages - before[0]:,} messages to {args.topic} "
           f"in {elapsed:.1f}s{after}: {_rates(new, nbytes, elapsed, 'samples')}")
     return 0
 
@@ -1144,9 +1144,9 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
                                      f"again with --skip-docs {skip + docs} to go on without "
                                      f"sending them twice")
     eos = "none" if tokenizer.eos_id is None else tokenizer.eos_id
-    left_out = f", {empty} empty left out" if empty else ""
-    print(f"produced {sent} documents{left_out} ({tokens} tokens, {token_dtype}, tokenizer "
-          f"{tokenizer.name}: vocab {tokenizer.vocab_size}, eos {eos}) in {producer.messages} "
+    left_out = f", {empty:,} empty left out" if empty else ""
+    print(f"produced {sent:,} documents{left_out} ({tokens:,} tokens, {token_dtype}, tokenizer "
+          f"{tokenizer.name}: vocab {tokenizer.vocab_size:,}, eos {eos}) in {producer.messages:,} "
           f"messages to {args.topic}: {sent / elapsed:,.0f} documents/s, "
           f"{tokens / elapsed:,.0f} tokens/s, {producer.bytes / elapsed / 1e6:,.1f} MB/s")
     return 0
