@@ -10,6 +10,7 @@ Every field of every record kfeed decodes must equal what
 from __future__ import annotations
 
 import pickle
+import re
 import uuid
 
 import numpy as np
@@ -216,6 +217,12 @@ def test_without_the_class_a_schema_importing_well_known_types_reads(registry):
         values = [write(event(id=i, at={"seconds": 100 + i}), CTX) for i in range(5)]
         got, bad = decode_all(kfeed.Protobuf(registry=registry).decoder(schema), schema, values)
         assert bad == [] and got["sec"].tolist() == [100, 101, 102, 103, 104]
+    # The message whole into a number: the line named neither its type nor the way in.
+    with pytest.raises(kfeed.ConfigError, match=re.escape(
+            "field 'at' (int64) cannot take at, a message (google.protobuf.Timestamp): read "
+            "its numbers into fields of their own, with {\"source\": \"at.seconds\"} and "
+            "{\"source\": \"at.nanos\"}")):
+        kfeed.Protobuf(message=event).decoder(kfeed.Schema({"at": ("int64", ())}))
 
 
 def _event_class(version: int) -> type:

@@ -520,4 +520,20 @@ def _check(field: Field, kind: str, fd: Any, where: str) -> None:
     if not ok:
         shape = f" of shape {field.shape}" if field.shape else ""
         raise ConfigError(f"field {field.name!r} ({field.dtype}{shape}) cannot take {where}, "
-                          f"a {what}")
+                          f"a {what}{_inside(kind, fd, where)}")
+
+
+def _inside(kind: str, fd: Any, where: str) -> str:
+    """For a message that a field cannot take whole: its type, and the sources of the
+    numbers in it (a google.protobuf.Timestamp's seconds and nanos, a wrapper's value)."""
+    if kind != "message" or fd.message_type.GetOptions().map_entry:
+        return ""
+    names = [f.name for f in fd.message_type.fields
+             if _TYPES.get(f.type) not in (None, "message", "group", "string", "bytes")]
+    if not names:
+        return f" ({fd.message_type.full_name})"
+    sources = " and ".join(f'{{"source": "{where}.{n}"}}' for n in names[:2])
+    if len(names) == 1:
+        return f" ({fd.message_type.full_name}): read its {names[0]} with {sources}"
+    return (f" ({fd.message_type.full_name}): read its numbers into fields of their own, "
+            f"{'e.g. ' if len(names) > 2 else ''}with {sources}")
