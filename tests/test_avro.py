@@ -512,8 +512,22 @@ def test_timestamps_read_in_one_unit_across_writers_of_another(registry, caplog)
                           schema, late + values[:1])
     assert bad == [(0, "timestamp 9244800000000 does not fit int64 in the unit timestamps= "
                        "asks at ts")] and got["id"].tolist() == [0]
-    with pytest.raises(kfeed.ConfigError, match="timestamps must be 'ms', 'us' or 'ns'"):
-        kfeed.Avro(registry=registry, timestamps="s")
+    for wrong in ("s", ["us"]):
+        with pytest.raises(kfeed.ConfigError, match="timestamps must be 'ms', 'us' or 'ns'"):
+            kfeed.Avro(registry=registry, timestamps=wrong)
+    # A writer that drops the logical type (or gives one that is no str, which
+    # Avro ignores) writes a long of no unit: read as written, and said.
+    caplog.clear()
+    plain = _stamped("millis")
+    plain["fields"][1]["type"] = {"type": "long", "logicalType": {"not": "a str"}}
+    later = AvroSerializer(registry, json.dumps(plain))({"id": 7, "ts": 1_700_000_000_123_456,
+                                                        "seen": [EPOCH, EPOCH]}, CTX)
+    got, bad = decode_all(kfeed.Avro(registry=registry, timestamps="us").decoder(schema),
+                          schema, values[:1] + [later])
+    assert bad == [] and got["ts"].tolist() == [us[0], 1_700_000_000_123_456]
+    assert re.search(r"schema id \d+ writes field 'ts' as a long without a logical type, schema "
+                     r"id \d+ as timestamp-millis: a long without a timestamp logical type has "
+                     r"no unit to read it in, so the field may mix units", caplog.text)
     spec = kfeed.Avro(registry={"url": "mock://x"}, timestamps="ms")
     assert pickle.loads(pickle.dumps(spec)).timestamps == "ms"
     # kfeed convert takes it too.

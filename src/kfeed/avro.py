@@ -101,7 +101,7 @@ class Avro(RecordFormat):
         self.schema = _load_schema(schema) if schema is not None else None
         self.registry = checked_registry(registry)
         self.enums = _checked_enums(enums)
-        if timestamps is not None and timestamps not in _NS:
+        if timestamps is not None and (not isinstance(timestamps, str) or timestamps not in _NS):
             raise ConfigError(f"timestamps must be 'ms', 'us' or 'ns' (the unit every "
                               f"timestamp reads in), or None (as written), got {timestamps!r}")
         self.timestamps = timestamps
@@ -148,8 +148,8 @@ class AvroDecoder(PlanDecoder):
         # Per enum read by its writer's index: the symbols of the first schema
         # that had it, and that schema's id (see _check_enums).
         self.enum_symbols: dict[str, tuple[int, list[str]]] = {}
-        # Per field read from a timestamp: its first writer's logical type, and
-        # that schema's id (see _check_units).
+        # Per field read from a long: its first writer's timestamp logical type
+        # ("long": none), and that schema's id (see _check_units).
         self.units: dict[str, tuple[int, str]] = {}
 
     def plan_for(self, schema_id: int) -> Any:
@@ -191,14 +191,25 @@ class AvroDecoder(PlanDecoder):
 
     def _check_units(self, schema_id: int, units: Mapping[str, str]) -> None:
         """Warn where a writer schema gives a field's timestamps in another unit than an
-        earlier one did, and they are read as written."""
+        earlier one did and they are read as written, or gives or drops a unit."""
         for name, logical in units.items():
             first_id, first = self.units.setdefault(name, (schema_id, logical))
-            if self.fmt.timestamps is None and _UNITS[logical] != _UNITS[first]:
+            if logical == first:
+                continue
+            if "long" in (logical, first):
+                log.warning("schema id %d writes field %r as %s, schema id %d as %s: a long "
+                            "without a timestamp logical type has no unit to read it in, so "
+                            "the field may mix units", schema_id, name, _logical(logical),
+                            first_id, _logical(first))
+            elif self.fmt.timestamps is None and _UNITS[logical] != _UNITS[first]:
                 log.warning("schema id %d writes field %r as %s, schema id %d as %s: read as "
                             "written, the field mixes units; give kfeed.Avro(timestamps='us') "
                             "(or 'ms', 'ns') to read every timestamp in one unit",
                             schema_id, name, logical, first_id, first)
+
+
+def _logical(logical: str) -> str:
+    return "a long without a logical type" if logical == "long" else logical
 
 
 def _checked_enums(enums: Any) -> dict[str, list[str]]:
@@ -439,9 +450,9 @@ class _Names:
                                                              "fixed", "array", "map")):
             return self.resolve(t, ns)
         if t in _PRIMITIVES:
-            logical = s.get("logicalType")
-            return {"type": t, "logical": logical} if t == "long" and logical in _UNITS \
-                else {"type": t}
+            logical = s.get("logicalType")  # (other logical types, or not a str: ignored)
+            return {"type": t, "logical": logical} if t == "long" and isinstance(
+                logical, str) and logical in _UNITS else {"type": t}
         if t in ("record", "error", "enum", "fixed"):
             name = s.get("name")
             if not isinstance(name, str) or not name:
@@ -490,7 +501,7 @@ class _Compiler:
                  timestamps: str | None) -> None:
         self.schema = schema
         self.timestamps = timestamps  # Avro(timestamps=): the unit they read in
-        self.units: dict[str, str] = {}  # the writer's timestamp logical type, by field
+        self.units: dict[str, str] = {}  # a long's timestamp logical type ("long": none)
         self.codes = codes(schema)
         self.enums = enums  # Avro(enums=): symbols read by name
         self.symbols: list[int] = []  # their numbers, per writer symbol (AvroPlan)
@@ -604,8 +615,8 @@ class _Compiler:
               "float": field.dtype in _FLOATS, "double": field.dtype in _FLOATS}
         if not ok.get(kind, False):
             return self.bad(field, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}", path)
-        if kind == "long" and "logical" in t:
-            return self.timestamp(t["logical"], f, path)
+        if kind == "long":
+            return self.long(t.get("logical"), f, path)
         if kind != "enum":
             return self.node(kind, path, f)
         symbols = t["symbols"]
@@ -619,10 +630,10 @@ class _Compiler:
         self.symbol_names[i] = list(symbols)
         return i
 
-    def timestamp(self, logical: str, f: int, path: str) -> int:
-        """Node reading a timestamp into field ``f``: in ``timestamps``' unit, if given."""
-        self.units.setdefault(self.schema.fields[f].name, logical)
-        if self.timestamps is None:
+    def long(self, logical: str | None, f: int, path: str) -> int:
+        """Node reading a long into field ``f``; a timestamp in ``timestamps``' unit, if given."""
+        self.units.setdefault(self.schema.fields[f].name, logical or "long")
+        if self.timestamps is None or logical is None:
             return self.node("long", path, f)
         have, want = _NS[_UNITS[logical]], _NS[self.timestamps]
         return self.node("long", path, f, size=have // want if have > want else 0,
@@ -646,7 +657,7 @@ def compile_plan(writer: Any, schema: Schema, named: Sequence[Any] = (),
     the writer's index, with their symbols; ``unread`` the fields with a
     default that no record of ``writer`` gives a value for; ``timestamps``: as
     ``Avro(timestamps=)``; ``units`` gets the writer's timestamp logical
-    type of each field read from one."""
+    type of each field read from a long ("long": none)."""
     names = _Names()
     for ref in named:
         names.resolve(ref, "")
