@@ -385,7 +385,7 @@ def test_produce_and_train_from_the_command_line_in_arrow(bootstrap, make_topic,
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--synthetic", "3000",
                      "--format", "arrow", "--block-records", "100")
     assert done.returncode == 0, done.stderr
-    assert "3000 samples in 30 messages" in done.stdout
+    assert "3,000 samples in 30 messages" in done.stdout
     done = kfeed_cli(bootstrap, "train", "--topic", topic, "--group-id", group_id, "--until-end",
                      "--device", "cpu", "--format", "arrow")
     assert done.returncode == 0, done.stderr
