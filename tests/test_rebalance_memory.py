@@ -499,7 +499,7 @@ def test_after_a_rebuild_a_used_commit_claims_nothing_of_the_batch_in_hand() -> 
 
 
 def test_merged_states_keep_every_ranks_notes() -> None:
-    from kfeed.loader import _merge_orders
+    from kfeed.loader.merge import _merge_orders
     from kfeed.tokens import ShuffleBuffer
 
     def state(tp):

@@ -888,7 +888,7 @@ class OrderLedger(Ledger):
             "order": order,
             # Partitions loaded with a state and not assigned to this loader
             # yet: the loaded state's, not its own reading (a merge takes
-            # them from the rank that read them, _merge_orders).
+            # them from the rank that read them, merge._merge_orders).
             "inherited": [list(tp) for tp in sorted(
                 {tuple(e[0]) for e in order["partitions"]} - self.seen)],
             "pack": self._pack_spec(),
