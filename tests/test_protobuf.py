@@ -223,6 +223,17 @@ def test_without_the_class_a_schema_importing_well_known_types_reads(registry):
             "its numbers into fields of their own, with {\"source\": \"at.seconds\"} and "
             "{\"source\": \"at.nanos\"}")):
         kfeed.Protobuf(message=event).decoder(kfeed.Schema({"at": ("int64", ())}))
+    # A repeated one has no source to read through: no source is offered.
+    ev.field.add(name="ats", number=3, type=F.TYPE_MESSAGE, label=F.LABEL_REPEATED,
+                 type_name=".google.protobuf.Timestamp")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(descriptor_pb2.FileDescriptorProto.FromString(timestamp_pb2.DESCRIPTOR.serialized_pb))
+    pool.Add(fdp)
+    events = message_factory.GetMessageClass(pool.FindMessageTypeByName("ev.Event"))
+    with pytest.raises(kfeed.ConfigError) as refused:
+        kfeed.Protobuf(message=events).decoder(kfeed.Schema({"ats": ("int64", (2,))}))
+    assert str(refused.value) == ("field 'ats' (int64 of shape (2,)) cannot take ats, a "
+                                  "repeated message")
 
 
 def _event_class(version: int) -> type:

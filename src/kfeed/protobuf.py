@@ -520,13 +520,14 @@ def _check(field: Field, kind: str, fd: Any, where: str) -> None:
     if not ok:
         shape = f" of shape {field.shape}" if field.shape else ""
         raise ConfigError(f"field {field.name!r} ({field.dtype}{shape}) cannot take {where}, "
-                          f"a {what}{_inside(kind, fd, where)}")
+                          f"a {what}{_inside(what, fd, where)}")
 
 
-def _inside(kind: str, fd: Any, where: str) -> str:
-    """For a message that a field cannot take whole: its type, and the sources of the
-    numbers in it (a google.protobuf.Timestamp's seconds and nanos, a wrapper's value)."""
-    if kind != "message" or fd.message_type.GetOptions().map_entry:
+def _inside(what: str, fd: Any, where: str) -> str:
+    """For a message (not a map, nor repeated: no source reads through those) that a
+    field cannot take whole: its type, and the sources of the numbers in it (a
+    google.protobuf.Timestamp's seconds and nanos, a wrapper's value)."""
+    if what != "message":
         return ""
     names = [f.name for f in fd.message_type.fields
              if _TYPES.get(f.type) not in (None, "message", "group", "string", "bytes")]
