@@ -11,6 +11,8 @@ JSON, Avro and Protobuf events mixed into the very stream their blocks give.
 from __future__ import annotations
 
 import threading
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -152,6 +154,8 @@ def test_bad_mixtures_say_what_is_wrong(kwargs, match):
 def test_numpy_weights_are_numbers_and_a_tiny_weight_still_takes_turns():
     mix = Mix({"a": np.float32(0.75), "b": np.int64(1)})
     assert mix.weights == {"a": 0.75, "b": 1.0}
+    # A Decimal was refused as not "a finite number >= 0".
+    assert Mix({"a": Decimal("0.5"), "b": Fraction(1, 2)}).weights == {"a": 0.5, "b": 0.5}
     seeded = Mix({"a": 1.0}, seed=np.uint64(2**63))  # a numpy integer seed, as an int
     assert seeded.seed == 2**63 and type(seeded.seed) is int
     assert Mix(lambda step: {"a": np.float64(1), "b": 0}).weights_at(0, ("a", "b")) == \
@@ -335,23 +339,42 @@ def test_a_resume_gives_the_stream_of_an_uninterrupted_run(stop, shuffle):
     assert state["mix"]["mixed"] >= stop * 32
 
 
-@pytest.mark.parametrize("exhausted", ["stop", "renormalize"])
+@pytest.mark.parametrize("exhausted", ["stop", "renormalize", "repeat"])
 def test_a_state_saved_at_the_end_of_a_read_starts_the_next_read_on_new_records(exhausted):
     # The state said the mixture was over, and the next bounded read, loaded
     # from it, took that as its own end: it read nothing of the records
-    # written since, where plain topics read them.
+    # written since, where plain topics read them. With "repeat", it went on
+    # in the last reading of the sources read again (records of the first
+    # read), and ended when the first source ran out, as if it were "stop".
     mix = Mix(WEIGHTS, seed=1, exhausted=exhausted)
-    loader = Loader(None, mix, ROWS, 32, source=MemorySource(row_values()), device="cpu",
-                    until="end")
-    with loader:
+    source = MemorySource(row_values())
+    with Loader(None, mix, ROWS, 32, source=source, device="cpu", until="end") as loader:
         first = np.concatenate([b["id"].numpy().copy() for b in loader])
         state = loader.state_dict()
-    more = {t: (k, nparts, n + 100) for t, (k, nparts, n) in SOURCES.items()}
-    second, _ = read(row_values(sources=more), mix, state=state)
-    second = np.concatenate(second)
-    assert len(second) and not np.intersect1d(first, second).size
-    if exhausted == "renormalize":  # every record, once
-        assert len(first) + len(second) == sum(nparts * n for _k, nparts, n in more.values())
+    more, new = row_values(), []  # 100 records more in each partition, after the others
+    for t, (k, nparts, n) in SOURCES.items():
+        for p in range(nparts):
+            ids = np.arange(n, n + 100) + k * 10**6 + p * 10**4
+            more[(t, p)] = more[(t, p)] + ROWS.encode_blocks(
+                {"id": ids, "x": np.zeros((100, 2), np.float32)}, 16)
+            new.append(ids)
+    new = np.sort(np.concatenate(new))
+    second = np.concatenate(read(more, mix, state=state)[0])
+    if exhausted == "stop":
+        assert len(second) and not np.intersect1d(first, second).size
+    else:  # every new record, and none of the first read's
+        assert np.array_equal(np.unique(second), new)
+    if exhausted == "renormalize":  # once
+        assert len(second) == len(new)
+    if exhausted == "repeat":
+        # What a read that goes on from the group's commits reads (its round
+        # robin starts afresh, so how often each is read again may differ).
+        grouped = MemorySource(more)
+        grouped.committed_positions.update(source.committed_positions)
+        with Loader(None, mix, ROWS, 32, source=grouped, device="cpu", until="end") as loader:
+            from_group = np.concatenate([b["id"].numpy().copy() for b in loader])
+        assert np.array_equal(np.unique(from_group), new)
+        assert len(second) > len(new)  # some read again
 
 
 @pytest.mark.parametrize("shuffle", [None, Shuffle(100, seed=2)])
@@ -546,6 +569,47 @@ def test_a_state_must_come_from_the_same_mixture():
                                           r"'math': 0.1, 'web': 0.6\}, this loader's \{'code': 0.3, "
                                           r"'math': 0.2, 'web': 0.5\}; resume"):
         read(row_values(), Mix({"web": 0.5, "code": 0.3, "math": 0.2}, seed=1), state=state)
+
+
+def test_an_epochs_state_of_another_mixture_names_the_seeds_given_and_changes_nothing():
+    # With epochs=, each epoch's seeds derive from those given: the message
+    # named two derived 64-bit seeds the user never wrote, and the refused
+    # state had already moved the loader to its epoch (a caller that went on
+    # skipped epoch 0).
+    shuffle = Shuffle(16, seed=0)
+    with Loader(None, Mix(WEIGHTS, seed=1), ROWS, 32, source=MemorySource(row_values()),
+                device="cpu", until="end", epochs=3, shuffle=shuffle) as loader:
+        for _ in loader:  # epoch 0
+            pass
+        next(iter(loader))
+        state = loader.state_dict()
+    assert state["epochs"]["epoch"] == 1
+    whole = np.concatenate(read(row_values(), Mix(WEIGHTS, seed=2), epochs=3,
+                                shuffle=shuffle)[0])
+    for mix, shuffled, match in [
+            (Mix(WEIGHTS, seed=2), shuffle,
+             r"^the state was saved by another mixture: its seed is not this loader's "
+             r"Mix\(seed=2\), from which epoch 1's order is dealt; resume with the mixture"),
+            (Mix(WEIGHTS, seed=1), Shuffle(16, seed=5),
+             r"^the state was saved with another shuffle than this loader's Shuffle\(buffer=16, "
+             r"seed=5\), from which epoch 1's is dealt; resume with the shuffle"),
+            (Mix(WEIGHTS, seed=1), Shuffle(8, seed=0), r"\(its buffer 16\); resume"),
+            (Mix(WEIGHTS, seed=1), None, r"^the state was saved with a shuffle \(buffer 16\), "
+                                         r"this loader has none$"),
+            # A damaged state found so after the epoch was taken from it.
+            (Mix(WEIGHTS, seed=1), shuffle, r"^not a loader state: its partial documents, window")]:
+        if match.startswith("^not"):
+            state = {**state, "window": [["web"]]}
+        loader = Loader(None, mix, ROWS, 32, source=MemorySource(row_values()), device="cpu",
+                        until="end", epochs=3, shuffle=shuffled)
+        with pytest.raises(ConfigError, match=match):
+            loader.load_state_dict(state)
+        assert loader.epoch == 0
+        if mix.seed == 2:  # the loader reads as if no state was given
+            with loader:
+                got = np.concatenate([b["id"].numpy().copy() for b in loader])
+            np.testing.assert_array_equal(got, whole[:len(got)])
+        loader.close()
 
 
 def test_a_mix_hashes_as_a_frozen_value_does():

@@ -37,6 +37,7 @@ import operator
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import logging
@@ -148,8 +149,9 @@ def _same_mix(saved: Any, want: dict[str, Any]) -> bool:
     return saved == want
 
 
-def _mix_difference(saved: Any, want: dict[str, Any]) -> str:
-    """What makes a state's mixture (``describe()``) not ``want``, in words."""
+def _mix_difference(saved: Any, want: dict[str, Any], seeds: str | None = None) -> str:
+    """What makes a state's mixture (``describe()``) not ``want``, in words; ``seeds``:
+    what to say where the seeds differ, if not the two seeds."""
     if not isinstance(saved, Mapping):
         return f"not a mixture ({saved!r})"
     said = []
@@ -161,7 +163,8 @@ def _mix_difference(saved: Any, want: dict[str, Any]) -> str:
         said.append(f"its topics {a}, this loader's {b}")
     for key in ("seed", "exhausted"):
         if saved.get(key) != want[key]:
-            said.append(f"its {key} {saved.get(key)!r}, this loader's {want[key]!r}")
+            said.append(seeds if key == "seed" and seeds is not None else
+                        f"its {key} {saved.get(key)!r}, this loader's {want[key]!r}")
     if not said or not _same_mix({**saved, "topics": b, "seed": want["seed"],
                                   "exhausted": want["exhausted"]}, want):
         said.append(f"its weights {saved.get('weights')}, this loader's {want['weights']}")
@@ -186,8 +189,8 @@ def _checked(weights: Any, topics: tuple[str, ...] | None, what: str) -> dict[st
         if not isinstance(topic, str) or not topic:
             raise ConfigError(f"{what}: topic names must be non-empty strings, got {topic!r}")
         try:
-            x = float(w) if isinstance(w, numbers.Real) and not isinstance(w, (bool, np.bool_)) \
-                else math.nan
+            x = float(w) if isinstance(w, (numbers.Real, Decimal)) \
+                and not isinstance(w, (bool, np.bool_)) else math.nan
         except OverflowError:
             x = math.inf
         if not math.isfinite(x) or x < 0:

@@ -113,7 +113,7 @@ from kfeed.loader.tuning import (
     memory_plan,
     memory_settings,
 )
-from kfeed.mix import Mix, Mixer, _splitmix
+from kfeed.mix import Mix, Mixer, _mix_difference, _same_mix, _splitmix
 from kfeed.outputs import converter
 from kfeed.pool import BufferPool, SlotState
 from kfeed.schema import Format, Schema
@@ -1177,10 +1177,20 @@ class Loader:
                 ("mix" in state) != (getattr(self._ledger, "mixer", None) is not None):
             with self._ledger.lock:  # says what differs, before anything changes
                 self._ledger.load_state(state)
-        mid_epoch = state.get("epochs") is None or self._load_epoch(state["epochs"])
-        if mid_epoch:  # (between epochs, the next one starts afresh)
-            with self._ledger.lock:
-                self._ledger.load_state(state)
+        if state.get("epochs") is not None:
+            self._check_epoch_seeds(state)
+        epoch, window = self._epoch, self._window
+        try:
+            mid_epoch = state.get("epochs") is None or self._load_epoch(state["epochs"])
+            if mid_epoch:  # (between epochs, the next one starts afresh)
+                with self._ledger.lock:
+                    self._ledger.load_state(state)
+        except ConfigError:
+            # A refused state changes nothing: not the epoch, nor the part of
+            # it the ledger had taken before it found what differs.
+            self._epoch, self._window = epoch, window
+            self._rebuild()
+            raise
         # A resumed loader carries on its state's lineage: the commits of a
         # run killed before its first checkpoint are then its own too.
         # Every one: a merged state holds one per rank, and a commit of a lineage
@@ -1194,6 +1204,40 @@ class Loader:
             self._ledger.lineages = set(self._lineages)
         self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
         self._loaded_static = merge.static_cover(state)
+
+    def _check_epoch_seeds(self, state: Mapping[str, Any]) -> None:
+        """With ``epochs=``, the state's Mix and Shuffle against this loader's for the
+        state's epoch, before the epoch changes. Each epoch's seeds derive from
+        those given (``_epoch_seed``): a difference names the given ones."""
+        base = self._base
+        try:
+            epoch = int(state["epochs"]["epoch"])
+        except (KeyError, TypeError, ValueError):
+            return  # (_load_epoch says what is wrong with it)
+        saved_mix = state["mix"].get("mix") if isinstance(state.get("mix"), Mapping) else None
+        if base.mix is not None and saved_mix is not None:
+            want = dataclasses.replace(base.mix, seed=_epoch_seed(base.mix.seed, epoch))
+            if not _same_mix(saved_mix, want.describe()):
+                seeds = (f"its seed is not this loader's Mix(seed={base.mix.seed}), "
+                         f"from which epoch {epoch}'s order is dealt")
+                raise ConfigError(f"the state was saved by another mixture: "
+                                  f"{_mix_difference(saved_mix, want.describe(), seeds)}; "
+                                  f"resume with the mixture it was saved with")
+        order = state.get("order")
+        if isinstance(order, Mapping) and bool(order.get("buffer")) != (base.shuffle is not None):
+            raise ConfigError("the state was saved " + (
+                f"with a shuffle (buffer {order.get('buffer')}), this loader has none"
+                if base.shuffle is None else "without a shuffle, this loader has one"))
+        if base.shuffle is not None and isinstance(order, Mapping) and (
+                order.get("buffer"), order.get("seed")) != (
+                base.shuffle.buffer, _epoch_seed(base.shuffle.seed, epoch)):
+            raise ConfigError(
+                f"the state was saved with another shuffle than this loader's "
+                f"Shuffle(buffer={base.shuffle.buffer}, seed={base.shuffle.seed}), "
+                f"from which epoch {epoch}'s is dealt" + (
+                    f" (its buffer {order.get('buffer')})"
+                    if order.get("buffer") != base.shuffle.buffer else "")
+                + "; resume with the shuffle it was saved with")
 
     def _load_epoch(self, saved: Mapping[str, Any]) -> bool:
         """The epoch and window of a state; whether its positions are to load (mid-epoch)."""

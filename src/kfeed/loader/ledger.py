@@ -593,6 +593,7 @@ class OrderLedger(Ledger):
         # rest of the last round first, then this one from the window's start.
         self.saved_rounds: dict[TP, int] = {}
         self.pending_rounds: dict[TP, int] = {}
+        self.over = False  # the bounded read is over (``finish``)
         self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
@@ -632,9 +633,13 @@ class OrderLedger(Ledger):
         self.retained(positions, holds=self.order.restoring)
         for tp, (off, _skip) in positions.items():
             if tp not in self.window:
+                # Where this read starts it: a fresh start's skip, or a resumed
+                # one's watermark inside the message (NOTE [ Rounds ]).
                 self.window[tp] = off
-                if tp in fresh and fresh[tp][1]:
-                    self.window_skip[tp] = fresh[tp][1]
+                skip = fresh[tp][1] if tp in fresh else (
+                    marks[tp][1] if tp in marks and marks[tp][0] == off else 0)
+                if skip:
+                    self.window_skip[tp] = skip
         with self.lock:
             self.seen.update(tps)
         return positions
@@ -853,6 +858,7 @@ class OrderLedger(Ledger):
         progress, which a later read would go on from."""
         super().finish(ends, read_to, done)
         with self.lock:
+            self.over = True
             self.read_whole.update({tp: (None, (ends[tp], 0)) for tp, n in self.rounds.items()
                                     if n > 0 and tp in ends})
 
@@ -903,7 +909,28 @@ class OrderLedger(Ledger):
                                    for (t, p), o in sorted(self.window.items())]
                 state["rounds"] = [[t, p, r] for (t, p), r in
                                    sorted({**self.rounds, **self.pending_rounds}.items()) if r]
+                self._read_over(state)
         return state
+
+    def _read_over(self, state: dict[str, Any]) -> None:
+        """A state saved once the bounded read was over (``finish``): the partitions
+        read again were read whole, so the next read starts them at their window's
+        end, in their first round, as their commits do (NOTE [ Rounds ]); its
+        windows are its own, and no source has run out in it yet. (From the last
+        reading's positions, the next read went on with records of this one, read
+        the old windows again, and ended at its first source to run out.)"""
+        if not self.over:
+            return
+        over = {tp: end for tp, (last, end) in self.read_whole.items() if last is None}
+        order = state["order"]
+        order["partitions"] = [[e[0], list(over[e[0]]), list(over[e[0]])] if e[0] in over
+                               else e for e in order["partitions"]]
+        for key in ("held", "outbox"):
+            order[key] = [k for k in order[key] if k[0] not in over]
+        state["positions"] = by_topic({**state_positions(state), **over})
+        state["window"], state["rounds"] = [], []  # the next read's are its own
+        n = len(self.mixer.sources)
+        state["mix"].update(ran_out=[False] * n, since=[0] * n, to_repeat=None)
 
     def _pack_spec(self) -> list[Any] | None:
         """``[seq_len, eos_id, pad_id, split_long]`` of the packer, as states keep it."""
