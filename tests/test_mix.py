@@ -597,7 +597,8 @@ def test_an_epochs_state_of_another_mixture_names_the_seeds_given_and_changes_no
             (Mix(WEIGHTS, seed=1), None, r"^the state was saved with a shuffle \(buffer 16\), "
                                          r"this loader has none$"),
             # A damaged state found so after the epoch was taken from it.
-            (Mix(WEIGHTS, seed=1), shuffle, r"^not a loader state: its partial documents, window")]:
+            (Mix(WEIGHTS, seed=1), shuffle,
+             r"^not a loader state: its partial documents, window")]:
         if match.startswith("^not"):
             state = {**state, "window": [["web"]]}
         loader = Loader(None, mix, ROWS, 32, source=MemorySource(row_values()), device="cpu",
