@@ -156,6 +156,33 @@ def test_a_partly_emitted_document_is_in_the_state_and_not_committed() -> None:
     loader.close(commit_current=False)
 
 
+@pytest.mark.parametrize("shuffle", [None, Shuffle(buffer=2, seed=0)])
+@pytest.mark.parametrize("apart", [False, True])
+def test_empty_documents_after_the_last_batch_are_committed_with_the_read(shuffle,
+                                                                          apart) -> None:
+    # The last batch filled its rows exactly; the empty document after it went
+    # with no batch and was never acknowledged: the read committed (0, 2), one
+    # record short of the message's end, its lag 1 for ever and the message
+    # read again by the next run. In the same message or one of its own.
+    docs = [np.arange(1, 4, dtype=np.int32), np.arange(4, 7, dtype=np.int32),
+            np.empty(0, np.int32)]
+    values = (TOKENS.encode_blocks({"tokens": docs[:2]}, 2)
+              + TOKENS.encode_blocks({"tokens": docs[2:]}, 1) if apart
+              else TOKENS.encode_blocks({"tokens": docs}, 3))
+    end = len(values)
+    source = kfeed.MemorySource(values)
+    with kfeed.Loader(None, "memory", TOKENS, 1, source=source, until="end", device="cpu",
+                      pack=Pack(seq_len=4, eos_id=EOS), shuffle=shuffle) as loader:
+        got = [b["tokens"].tolist() for b in loader]
+        state = loader.state_dict()
+    assert sorted(got) == [[[1, 2, 3, EOS]], [[4, 5, 6, EOS]]]
+    assert source.committed_positions[("memory", 0)] == (end, 0)
+    assert state["order"]["outbox"] == [] and state["order"]["held"] == []
+    rest, _ = run(values, TOKENS, 1, state=state, pack=Pack(seq_len=4, eos_id=EOS),
+                  shuffle=shuffle)
+    assert rest == []
+
+
 @pytest.mark.parametrize("shuffle", [None, Shuffle(buffer=64, seed=9)])
 @pytest.mark.parametrize("stop", [1, 40, 300])
 def test_several_partitions_resume_with_every_document_once(shuffle, stop) -> None:

@@ -543,6 +543,11 @@ def test_bad_feeds_raise_config_error():
         packer.feed(np.arange(2, dtype=np.int32), [3, -1])
     with pytest.raises(ConfigError, match="integer dtype"):
         packer.feed(np.zeros(2, np.float32), [2])
+    # owed= with split_long=False: its EOS was written, yet not counted in
+    # pending_tokens (a partial batch never came; later the count went to -1).
+    with pytest.raises(ConfigError, match="owed= is for split_long=True"):
+        Packer(Pack(4, eos_id=9, split_long=False), 1).feed(
+            np.empty(0, np.int32), [0], owed=np.array([True]))
     packer.feed(np.arange(2, dtype=np.int32), [2])
     with pytest.raises(ConfigError, match="stay int32"):
         packer.feed(np.arange(2, dtype=np.int64), [2])

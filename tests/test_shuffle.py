@@ -7,6 +7,7 @@ shuffle's watermarks the way a Kafka consumer would. No broker needed.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -259,6 +260,32 @@ def test_bad_states_and_calls_raise_config_error():
         ShuffleBuffer(Shuffle(4, seed=1)).load_state({"version": 1})
     with pytest.raises(ConfigError, match="version"):
         ShuffleBuffer(Shuffle(4, seed=1)).load_state({**state, "version": 99})
+    # A state damaged by hand raised IndexError, OverflowError or TypeError from
+    # inside, or loaded records past their partition's read position: the
+    # buffer then waited for them for ever, holding every record after.
+    full = ShuffleBuffer(Shuffle(4, seed=1), ack=True)
+    for o in range(10):
+        full.push(("t", 0), o, o)
+    good = full.state()
+    assert good["held"][0] == [("t", 0), 0, 0] and good["partitions"][0][2] == [9, 1]
+    for damage, match in [
+            (lambda s: s["partitions"][0].__setitem__(2, [5]), "not enough values"),
+            (lambda s: s["held"][0].__setitem__(1, 2**70), "is not an offset"),
+            (lambda s: s["partitions"][0][2].__setitem__(0, 2**70), "is not an offset"),
+            (lambda s: s["held"][0].__setitem__(0, {"a": 1}), "unhashable"),
+            (lambda s: s["held"][0].__setitem__(1, 3.5), "float"),
+            (lambda s: s.__setitem__("emitted", -5), "is not an offset"),
+            (lambda s: s.__setitem__("allow", [[["t", 0], [3], []]]), "not enough values"),
+            (lambda s: s["held"][0].__setitem__(1, 10**6),
+             r"record \[\('t', 0\), 1000000, 0\] is past where its partition was read to, "
+             r"\[9, 1\]"),
+            (lambda s: s["outbox"][0].__setitem__(0, ("u", 9)),
+             "of a partition it does not list")]:
+        damaged = copy.deepcopy(good)
+        damage(damaged)
+        with pytest.raises(ConfigError, match="^not a shuffle state: .*" + match):
+            ShuffleBuffer(Shuffle(4, seed=1), ack=True).load_state(damaged)
+    ShuffleBuffer(Shuffle(4, seed=1), ack=True).load_state(copy.deepcopy(good))
     buf = ShuffleBuffer(Shuffle(4, seed=1))
     buf.push(0, 0, "x")
     with pytest.raises(ConfigError, match="before the first push"):

@@ -34,6 +34,7 @@ Packing rules (``Pack``):
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -236,6 +237,9 @@ class Packer:
             return
         flat = np.array(flat, copy=True) if copy else np.ascontiguousarray(flat)
         flags = None
+        if owed is not None and not self.pack.split_long:
+            raise ConfigError("owed= is for split_long=True: without it no document is cut, "
+                              "so none owes its EOS")
         if owed is not None and self.pack.eos_id is not None:
             flags = np.ascontiguousarray(owed, np.uint8)
             if flags.shape != lens.shape:
@@ -464,6 +468,20 @@ _STATE_VERSION = 1
 _HOLE = -1  # the item of a held record of a loaded state not pushed again yet
 
 Key = tuple[Hashable, int, int]  # (partition, offset, sub-index)
+
+
+def _position(x: Any) -> int:
+    """An offset, sub or count of a state: an int in int64, not negative (else ValueError)."""
+    n = operator.index(x)  # (TypeError for a float, or a string)
+    if not 0 <= n < 2**63:
+        raise ValueError(f"{x!r} is not an offset")
+    return n
+
+
+def _key(pair: Any) -> tuple[int, int]:
+    """A state's ``[offset, sub]``, checked as ``_position`` checks each."""
+    o, sub = pair
+    return _position(o), _position(sub)
 
 
 def _as_partition(p: Any) -> Hashable:
@@ -978,15 +996,26 @@ class ShuffleBuffer:
             raise ConfigError("load_state must come before the first push")
         try:
             version, size, seed = state["version"], state["buffer"], state["seed"]
-            rng, emitted = int(state["rng"]), int(state["emitted"])
-            parts = [(_as_partition(p), tuple(w), (int(r[0]), int(r[1])))
-                     for p, w, r in state["partitions"]]
-            held = [(_as_partition(p), int(o), int(s)) for p, o, s in state["held"]]
-            outbox = [(_as_partition(p), int(o), int(s)) for p, o, s in state["outbox"]]
-            allow = [(_as_partition(p), (int(r[0]), int(r[1])), [(int(o), int(s)) for o, s in k])
-                     for p, r, k in state.get("allow", ())]
-        except (KeyError, TypeError, ValueError) as e:
+            rng, emitted = int(state["rng"]), _position(state["emitted"])
+            parts = [(_as_partition(p), _key(w), _key(r)) for p, w, r in state["partitions"]]
+            held = [(_as_partition(p), _position(o), _position(s)) for p, o, s in state["held"]]
+            outbox = [(_as_partition(p), _position(o), _position(s))
+                      for p, o, s in state["outbox"]]
+            allow = [(_as_partition(p), _key(r), [_key(k) for k in keys])
+                     for p, r, keys in state.get("allow", ())]
+            read = dict((p, r) for p, _w, r in parts)
+            # A record held or to hand out again was read: its partition is in
+            # the state, and it lies before where that partition was read to.
+            # (Past it, the buffer waited for a record that never comes back.)
+            unread = [[p, o, sub] for p, o, sub in held + outbox  # (partitions must hash)
+                      if p not in read or (o, sub) >= read[p]]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ConfigError(f"not a shuffle state: {e!r}") from None
+        if unread:
+            p = unread[0][0]
+            raise ConfigError(f"not a shuffle state: record {unread[0]} is " + (
+                f"past where its partition was read to, {list(read[p])}" if p in read
+                else "of a partition it does not list"))
         if version != _STATE_VERSION:
             raise ConfigError(f"shuffle state version {version!r}, expected {_STATE_VERSION}")
         if (size, seed) != (self._size, self.shuffle.seed):

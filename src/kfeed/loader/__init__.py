@@ -970,9 +970,11 @@ class Loader:
                 if item.gen == self._ledger.gen and item.rows == 0:
                     # NOTE [ Batches of no rows ]: in offset order, messages
                     # the codec all rejected make no batch, yet their
-                    # positions come in their place in the queue: every batch
-                    # before was handed out, and used (next() marked the last
-                    # one), so they are handed out and used as they are taken.
+                    # positions come in their place in the queue (packed:
+                    # the empty documents after the last batch, its
+                    # acknowledgements): every batch before was handed out,
+                    # and used (next() marked the last one), so they are
+                    # handed out and used as they are taken.
                     self._pass_over(item)
                     f.ready.made_room()
                     continue
@@ -998,8 +1000,9 @@ class Loader:
                     self._pass_over(item)
 
     def _pass_over(self, item: Handoff) -> None:
-        """A batch of no rows, its messages all rejected: past them (under the ledger's lock)."""
-        self._ledger.accept(item.end, 0, 0)
+        """A batch of no rows, its messages all rejected (or its documents all empty):
+        past them (under the ledger's lock)."""
+        self._ledger.accept(item.end, item.acks, item.pack_offset)
         self._ledger.mark_used(item.offsets())
 
     def _hand_out(self, out: Handoff) -> Any:

@@ -332,6 +332,7 @@ class RecordBuilder(SlotBuilder):
         self.doc_rows: dict[int, dict[str, np.ndarray]] = {}
         self.drained = False   # bounded epoch: the order gave up what it held
         self.finished = False  # ... and the packer its last batch
+        self.packed_docs = 0   # documents of the packer's batches, acknowledged
         # Fixed shapes: the records' values, and the items emitted, not in a
         # slot yet (pending[taken:]).
         self.held = None
@@ -383,6 +384,7 @@ class RecordBuilder(SlotBuilder):
         self.jagged.clear()
         self.doc_rows.clear()
         self.drained = self.finished = False
+        self.packed_docs = 0
         if self.mixer is not None:
             self.mixer.reset()
             self.mix_synced = None
@@ -459,7 +461,12 @@ class RecordBuilder(SlotBuilder):
             info = packer.next_batch(slot.target)
             if info is None:
                 self.finished = self.drained
-                return False
+                # Empty documents after the read's last batch went with none:
+                # acknowledged with no rows, or their commit stays before them
+                # (NOTE [ Batches of no rows ]).
+                out.acks = packer.state()["docs"] - self.packed_docs
+                self.packed_docs += out.acks
+                return out.acks > 0
             self._packed(slot, out, info)
             # The read's last batch is known as such now, not at the next call:
             # drop_last looks at all_done() before that (a short last batch
@@ -485,6 +492,7 @@ class RecordBuilder(SlotBuilder):
         slot.rows = info.rows
         slot.extent = {"cu_seqlens": info.segments + 1}
         out.acks = info.documents
+        self.packed_docs += info.documents
         out.pack_offset = self.packer.offset
         out.info = info
 

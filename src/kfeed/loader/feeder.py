@@ -198,10 +198,11 @@ class Feeder:
             finished = self.bounded and builder.all_done()
             if slot.rows == 0 or (finished and self.drop_last and slot.rows < self.batch_size):
                 out.release(pool)
-                # Messages read and all rejected (a partition's last ones, say):
-                # no batch, but the ledger must move past them in turn, or they
-                # are read again for ever (NOTE [ Batches of no rows ]).
-                if slot.rows == 0 and out.end and not self.bad.holding \
+                # Messages read and all rejected (a partition's last ones, say),
+                # or empty documents after the last packed batch: no batch, but
+                # the ledger must move past them in turn, or they are read again
+                # for ever (NOTE [ Batches of no rows ]).
+                if slot.rows == 0 and (out.end or out.acks) and not self.bad.holding \
                         and not self._put(out, serve=True):
                     return
                 if finished or self.stop.is_set():
