@@ -651,6 +651,13 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
                            f"directly$"):
             kfeed.KafkaIterableDataset({}, "memory", kfeed.Schema({"x": ("float32", (2,))}),
                                        128, source=source, output=output)
+        # Said first: an int64 field under JAX asked for 64-bit types, and
+        # pack= under Arrow for another output, before this refused them too.
+        for kwargs in ({}, {"pack": kfeed.Pack(16, eos_id=0)}):
+            schema = kfeed.Schema({"t": ("int64", (None,) if kwargs else ())})
+            with pytest.raises(kfeed.ConfigError, match="^KafkaIterableDataset yields torch"):
+                kfeed.KafkaIterableDataset({}, "memory", schema, 4, source=source,
+                                           output=output, **kwargs)
 
 
 def test_a_dataset_closed_commits_no_batch_it_made_and_did_not_see_trained() -> None:

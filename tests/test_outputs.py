@@ -100,10 +100,18 @@ def test_a_jax_batch_goes_into_jit_and_tree_map_as_a_dict_does(jax_x64) -> None:
         batch = next(loader)
         assert float(step(batch)) == float(step(dict(batch)))
         doubled = jax.tree_util.tree_map(lambda a: a * 2, batch)
-        assert list(doubled) == list(batch)
+        assert list(doubled) == sorted(batch)
         assert np.array_equal(np.asarray(doubled["id"]), 2 * np.asarray(batch["id"]))
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(batch)]
-        assert paths == [f"['{k}']" for k in batch]
+        assert paths == [f"['{k}']" for k in sorted(batch)]
+        # Its leaves in a dict's order (they came in the fields' order): a
+        # batch's leaves and those of a tree JAX made from it paired wrongly.
+        assert list(batch) != sorted(batch)
+        leaves = jax.tree_util.tree_leaves(batch)
+        assert all(a is b for a, b in zip(leaves, jax.tree_util.tree_leaves(dict(batch)),
+                                          strict=True))
+        summed = jax.tree_util.tree_map(lambda a, b: a + b, dict(batch), doubled)
+        assert np.array_equal(np.asarray(summed["id"]), 3 * np.asarray(batch["id"]))
 
 
 @pytest.mark.parametrize("output", ["numpy", "jax", "arrow"])

@@ -302,6 +302,21 @@ def test_only_slots_the_caller_still_holds_count_as_kept_when_most_lent_shrinks(
     assert pool.forgotten == left > 0  # the slots let go of are not counted
 
 
+def test_slots_whose_memory_was_moved_to_send_them_are_not_counted_as_kept():
+    # A DataLoader worker sends each batch by share_memory_(), which gives the
+    # slot's storage other memory: every slot was counted as one the loop
+    # keeps, and the worker warned the user's loop, which kept none.
+    pool = small_pool(slots=10)
+    pool.most_lent = 2
+    for i in range(6):
+        _slot, batch = _fill(pool, float(i))
+        batch["x"].share_memory_()
+        del batch
+    assert pool.forgotten == 0
+    kept = [_fill(pool, 10.0 + i) for i in range(4)]  # kept as they are: counted
+    assert pool.forgotten == 4 - sum(slot in pool._lent for slot, _batch in kept) > 0
+
+
 @pytest.mark.parametrize("keep", ["tensor", "view", "numpy", "nothing"])
 def test_a_lent_slot_is_refilled_only_once_the_caller_lets_go(keep):
     pool = small_pool(slots=1)

@@ -694,6 +694,39 @@ def test_a_batch_whose_hand_out_failed_comes_with_the_next_call(shuffle) -> None
     assert len(src.committed_positions) == PARTS
 
 
+def test_a_close_after_a_failed_hand_out_commits_nothing_past_the_batch_held() -> None:
+    # close() passes over the batches of rejected messages queued right after
+    # what was handed out; it passed over those after the batch held for the
+    # next call too, and committed past it: its records were lost (ids 20-29).
+    schema = kfeed.Schema({"id": ("int32", ())})
+    values = schema.encode_blocks({"id": np.arange(30, dtype=np.int32)}, 10) + [b"garbage"]
+    src = MemorySource({0: values})
+    ld = kfeed.Loader(None, "memory", schema, 10, source=src, until="end", device="cpu",
+                      output="numpy", on_bad_record="skip")
+    real, calls = ld._convert, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("transient")
+        return real(batch)
+
+    ld._convert = flaky
+    try:
+        assert [int(next(ld)["id"][0]) for _ in range(2)] == [0, 10]
+        deadline = time.monotonic() + 10
+        while ld._feeder.ready._items.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the batch of 20-29, and the bad message's, are queued
+        with pytest.raises(RuntimeError, match="transient"):
+            next(ld)
+    finally:
+        ld.close()
+    assert src.committed_positions[("memory", 0)] == (2, 0)
+    with kfeed.Loader(None, "memory", schema, 10, source=src, until="end", device="cpu",
+                      on_bad_record="skip") as again:
+        assert [int(i) for b in again for i in b["id"]] == list(range(20, 30))
+
+
 @pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=64, seed=5)], ids=["in order", "shuffled"])
 @pytest.mark.parametrize("failed", [True, False], ids=["step failed", "step over"])
 def test_a_loader_closed_while_a_revoke_waits_commits_what_close_commits(shuffle, failed) -> None:

@@ -61,16 +61,18 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         loader_kwargs.setdefault("device", "cpu")
         self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
+        output = loader_kwargs.get("output", "torch")
+        if output != "torch":
+            # The DataLoader converts what a dataset yields (numpy arrays into
+            # tensors) and cannot collate JAX arrays or Arrow batches. (Said
+            # first: the output's own checks would ask for what is no use here.)
+            raise ConfigError(f"KafkaIterableDataset yields torch batches, which a DataLoader "
+                              f"takes as they are; output={output!r} needs no "
+                              f"DataLoader: iterate kfeed.Loader(..., "
+                              f"output={output!r}) directly")
         self.config = LoaderConfig(topics, schema, batch_size, **loader_kwargs)
         if self.source is None:  # (in the main process: a worker's error comes wrapped)
             consumer_config(self.kafka_config)
-        if self.config.output != "torch":
-            # The DataLoader converts what a dataset yields (numpy arrays into
-            # tensors) and cannot collate JAX arrays or Arrow batches.
-            raise ConfigError(f"KafkaIterableDataset yields torch batches, which a DataLoader "
-                              f"takes as they are; output={self.config.output!r} needs no "
-                              f"DataLoader: iterate kfeed.Loader(..., "
-                              f"output={self.config.output!r}) directly")
         if self.config.epochs is not None and (self.config.until == "end" or
                                                self.config.start in ("committed", "latest")):
             raise ConfigError("with epochs=, each epoch of a KafkaIterableDataset opens a new "

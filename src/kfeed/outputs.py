@@ -12,8 +12,9 @@ values handed out, never the pipeline, the ledger or ``state_dict()``:
   the GPU when torch and JAX both have one (the CUDA copy is ordered
   before JAX reads it by the DLPack stream protocol), else on the CPU.
   A 64-bit field needs ``jax.config.update("jax_enable_x64", True)``
-  (JAX would narrow it, and copy); a jagged field's ``NAME_offsets`` are
-  int32 then.
+  (JAX would narrow it, and copy). Without it, the loader's own int64
+  arrays come as int32 copies, whose values fit: a jagged field's
+  ``NAME_offsets``, and packed batches' ``tokens`` and ``position_ids``.
 - ``"arrow"``: a ``pyarrow.RecordBatch``, for Ray Data, Polars and DuckDB,
   with no copy but for bool fields (Arrow packs them in bits). A field of
   shape ``()`` is a primitive column, ``(k,)`` a ``fixed_size_list``, more
@@ -146,8 +147,11 @@ _registered = False
 def _register_pytree(jax: Any) -> None:
     """Make ``Batch`` a JAX pytree of its arrays, by field name, so that a batch goes
     into ``jax.jit`` and ``jax.tree_util`` as a dict does (an unregistered dict
-    subclass is one opaque leaf, which ``jit`` refuses). Taken apart and put back
-    together by JAX, it is a plain dict: its offsets and pack info stay outside."""
+    subclass is one opaque leaf, which ``jit`` refuses): its leaves in the order
+    of the sorted names, as a dict's. Taken apart and put back together by JAX,
+    it is a plain dict: its offsets and pack info stay outside. (A dict is
+    another kind of node: to map over a batch and a tree made from it at once,
+    pass ``dict(batch)``.)"""
     global _registered
     if _registered:
         return
@@ -155,9 +159,9 @@ def _register_pytree(jax: Any) -> None:
 
     tree = jax.tree_util
     tree.register_pytree_with_keys(
-        Batch, lambda b: ([(tree.DictKey(k), v) for k, v in b.items()], tuple(b)),
+        Batch, lambda b: ([(tree.DictKey(k), b[k]) for k in sorted(b)], tuple(sorted(b))),
         lambda keys, values: dict(zip(keys, values, strict=True)),
-        flatten_func=lambda b: (list(b.values()), tuple(b)))
+        flatten_func=lambda b: ([b[k] for k in sorted(b)], tuple(sorted(b))))
     _registered = True
 
 
@@ -168,7 +172,7 @@ def _as_jax(batch: Any, narrow: bool) -> Any:
 
     out = {}
     for k, t in batch.items():
-        if narrow and t.dtype == torch.int64:  # a jagged field's offsets: they fit
+        if narrow and t.dtype == torch.int64:  # the loader's own: offsets, packed rows
             t = t.to(torch.int32)
         out[k] = jax.dlpack.from_dlpack(t)
     return Batch(out, batch.size, batch.offsets, batch.pack)

@@ -141,6 +141,12 @@ class Slot:
                 return False
         return True
 
+    def moved(self) -> bool:
+        """Whether a lent slot's storage has other memory now (``share_memory_()``, as a
+        DataLoader worker does to send a batch): not the caller keeping it."""
+        return any(t.untyped_storage().data_ptr() != ptr or t.untyped_storage().nbytes()
+                   != nbytes for t, ptr, nbytes, _count in self.marks)
+
     def __repr__(self) -> str:
         return f"Slot({self.index}, {self.state.value}, rows={self.rows})"
 
@@ -284,9 +290,9 @@ class BufferPool:
             if len(self._lent) > self.most_lent:
                 old = self._lent.popleft()
                 self._slots.remove(old)  # the caller's alone now
-                # (one let go of already, past a most_lent made smaller, is no
-                # batch the caller keeps)
-                self.forgotten += not old.returned()
+                # (one let go of already, past a most_lent made smaller, or one
+                # whose memory was moved to send it, is no batch the caller keeps)
+                self.forgotten += not old.returned() and not old.moved()
         return slot.view()
 
     def _take_back(self) -> Slot:

@@ -987,8 +987,11 @@ class Loader:
         """At close: positions of rejected messages queued next, as ``_take`` takes them.
 
         Only those right behind what was handed out: a batch not handed out
-        ends it (it, and what follows, is read again by the next reader).
+        ends it (it, and what follows, is read again by the next reader), the
+        one a conversion failed on, or the one ranks took a step ahead, too.
         """
+        if self._again is not None or self._ahead not in (None, END):
+            return
         f = self._feeder
         while not f.ready.empty():
             item = f.ready.get(timeout=0)
