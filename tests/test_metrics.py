@@ -148,6 +148,31 @@ def test_a_loader_waiting_for_its_first_batch_shows_the_wait_so_far(server):
     assert loader.stats()["startup_s"] == closed >= 0.3
 
 
+def test_startup_counts_the_brokers_answers_before_the_thread_starts():
+    # The clock started once the window was resolved (the brokers asked for
+    # partitions, commits and ends): a loader stuck there showed startup 0.
+    schema = kfeed.Schema({"id": ("int64", ())})
+
+    class Slow(kfeed.MemorySource):
+        def partitions(self):  # type: ignore[no-untyped-def]
+            time.sleep(0.5)  # brokers slow to answer
+            return super().partitions()
+
+    loader = kfeed.Loader(None, "memory", schema, 10, device="cpu", until="end", epochs=2,
+                          source=Slow(schema.encode_blocks({"id": np.arange(100)}, 10)))
+    seen: list[float] = []
+    reader = threading.Thread(target=lambda: (time.sleep(0.3), seen.append(
+        loader.stats()["startup_s"])))
+    with loader:
+        reader.start()
+        t = time.monotonic()
+        next(loader)
+        wall = time.monotonic() - t
+        reader.join(10)
+        assert seen[0] >= 0.25
+        assert wall - 0.1 <= loader.stats()["startup_s"] <= wall
+
+
 class _SlowSource(kfeed.MemorySource):
     """Synchronous commits take 0.4 s, and so does joining the group after the first time."""
 
@@ -192,6 +217,39 @@ def test_the_stall_counter_never_goes_down_and_an_epoch_s_join_is_no_stall():
         assert all(b >= a for a, b in zip(seen, seen[1:])), \
             [(a, b) for a, b in zip(seen, seen[1:]) if b < a]
         assert loader.stats()["wait_s"] < 0.3
+
+
+def test_stats_read_while_an_epoch_s_stages_are_made_count_the_old_ones_once(monkeypatch):
+    # set_epoch carried the counts over before it made the new stages: a
+    # scrape in between added the old stages' counts twice, and the next
+    # scrape went down again (a counter reset to Prometheus).
+    schema = kfeed.Schema({"id": ("int64", ())})
+    loader = memory_loader(schema.encode_blocks({"id": np.arange(1000)}, 10), schema, 10,
+                           device="cpu", until="end", epochs=2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    setup = kfeed.Loader._setup
+
+    def slow_setup(self, *args):  # the new stages take a while
+        time.sleep(0.3)
+        return setup(self, *args)
+
+    monkeypatch.setattr(kfeed.Loader, "_setup", slow_setup)
+    keys = ("bytes", "samples_decoded", "rebalances")
+    before = {k: loader.stats()[k] for k in keys}
+    during = {}
+    reader = threading.Thread(target=lambda: (time.sleep(0.15), during.update(
+        {k: loader.stats()[k] for k in keys})))
+    with loader:
+        reader.start()
+        loader.set_epoch(1)
+        reader.join(10)
+        after = {k: loader.stats()[k] for k in keys}
+    # (The old thread decodes on till set_epoch stops it; the new one is not
+    # started yet.)
+    assert before["bytes"] > 0 and during == after
+    assert all(before[k] <= after[k] for k in keys)
 
 
 def test_a_wait_that_ends_while_stats_are_read_is_not_counted_twice():
@@ -579,6 +637,10 @@ class _Nvml:
     def __init__(self, uuid: str, busy: int, used: int, total: int) -> None:
         self.uuid, self.busy, self.used, self.total = uuid, busy, used, total
         self.broken = False
+        self.shutdowns = 0
+
+    def nvmlShutdown(self):  # noqa: N802
+        self.shutdowns += 1
 
     def nvmlDeviceGetHandleByUUID(self, uuid):  # noqa: N802 - NVML's names
         if uuid != self.uuid:
@@ -611,6 +673,11 @@ def test_gpu_metrics_are_nvml_s_figures_for_the_devices_loaders_feed(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "no GPU metrics for cuda:1: NVML knows no device 0bad",
         "GPU metrics of cuda:0: GPU is lost"]
+    # NVML counts its nvmlInit callers: serve()'s reader was never closed, so
+    # each serve() and shutdown() left one more (the server's stop closes it).
+    reader.close()
+    reader.close()
+    assert nvml.shutdowns == 1 and reader.read({0}) == []
 
 
 def test_without_a_gpu_a_scrape_has_no_gpu_metrics(server):

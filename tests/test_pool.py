@@ -302,6 +302,21 @@ def test_only_slots_the_caller_still_holds_count_as_kept_when_most_lent_shrinks(
     assert pool.forgotten == left > 0  # the slots let go of are not counted
 
 
+def test_slots_in_use_are_those_filling_or_held_not_those_let_go_of():
+    # A lent slot stays LENT until acquire takes it back: the metric counted
+    # every slot the loop had let go of, and read the pool's size all along.
+    pool = small_pool(slots=3)
+    _slot, held = _fill(pool, 1.0)
+    _fill(pool, 2.0)  # let go of at once
+    filling = pool.acquire(timeout=0)
+    assert pool.states() == [SlotState.LENT, SlotState.LENT, SlotState.FILLING]
+    assert pool.in_use() == 2
+    del held
+    assert pool.in_use() == 1
+    pool.release(filling)
+    assert pool.in_use() == 0
+
+
 def test_slots_whose_memory_was_moved_to_send_them_are_not_counted_as_kept():
     # A DataLoader worker sends each batch by share_memory_(), which gives the
     # slot's storage other memory: every slot was counted as one the loop

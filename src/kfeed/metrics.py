@@ -118,10 +118,13 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
                           f"{lag_interval_s!r}")
     ages = _LagSeconds(float(lag_interval_s))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(ages, GpuReader.open()))
+    gpus = GpuReader.open()
+    registry.register(_Collector(ages, gpus))
     try:
         server, _thread = start_http_server(port, addr, registry=registry)
     except OSError as e:
+        if gpus is not None:
+            gpus.close()
         raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}") from e
     ages.start()
     # A round under way when the process exits must end first: librdkafka's
@@ -134,6 +137,8 @@ def serve(port: int, addr: str = "127.0.0.1", lag_interval_s: float = 15.0) -> A
         server.server_close()  # the port, free for another serve()
         ages.close()
         atexit.unregister(ages.close)
+        if gpus is not None:
+            gpus.close()
 
     server.shutdown = stop
     return server
@@ -243,6 +248,15 @@ class GpuReader:
             return None
         return cls(pynvml)
 
+    def close(self) -> None:
+        """Shut NVML down, once (``nvmlInit`` counts its callers)."""
+        nvml, self.nvml = self.nvml, None
+        if nvml is not None:
+            try:
+                nvml.nvmlShutdown()
+            except nvml.NVMLError as e:
+                log.debug("NVML shutdown: %s", e)
+
     def _handle(self, index: int) -> tuple[str, Any] | None:
         """``(uuid, NVML handle)`` of CUDA device ``index``; None if NVML does not know it."""
         if index not in self._handles:
@@ -261,6 +275,8 @@ class GpuReader:
 
     def read(self, indices: set[int]) -> list[tuple[list[str], float, int, int]]:
         """Per device: ``([index, uuid], utilisation 0..1, memory used, memory total)``."""
+        if self.nvml is None:  # closed (a scrape that came as the server stopped)
+            return []
         out = []
         for index in sorted(indices):
             found = self._handle(index)
@@ -314,7 +330,7 @@ class _Collector:
                                     "(consume), decode (decode, order, pack), copy (to the "
                                     "device)", labels=[*loader_labels, "stage"])
         slots = GaugeMetricFamily("kfeed_loader_pool_slots_in_use",
-                                  "pool slots filling, lent or being copied",
+                                  "pool slots filling, being copied, or lent and held",
                                   labels=loader_labels)
         depth = GaugeMetricFamily("kfeed_loader_prefetch_batches",
                                   "batches the loader may hold ready (prefetch; 'auto' moves it)",

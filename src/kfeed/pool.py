@@ -245,6 +245,13 @@ class BufferPool:
     def states(self) -> list[SlotState]:
         return [s.state for s in self._slots]
 
+    def in_use(self) -> int:
+        """Slots filling, being copied, or lent and still held: a lent slot the caller
+        let go of is free, though it stays LENT until ``acquire`` takes it back."""
+        with self._cond:
+            return sum(s.state is not SlotState.FREE and not (
+                s.state is SlotState.LENT and s.returned()) for s in self._slots)
+
     def acquire(self, timeout: float | None = None) -> Slot | None:
         """A FREE slot, now FILLING; None if none frees up within ``timeout``.
 

@@ -115,7 +115,7 @@ from kfeed.loader.tuning import (
 )
 from kfeed.mix import Mix, Mixer, _mix_difference, _same_mix, _splitmix
 from kfeed.outputs import converter
-from kfeed.pool import BufferPool, SlotState
+from kfeed.pool import BufferPool
 from kfeed.schema import Format, Schema
 from kfeed.sources import (
     TP,
@@ -348,6 +348,9 @@ class Loader:
         # Under max_memory_bytes: the brokers the fetches are sized for, counted
         # at the first pipeline's start (NOTE [ librdkafka's memory ]).
         self._brokers: int | None = None
+        # The stages and _carried, swapped together by _rebuild: stats() from
+        # another thread in between counted the old stages twice.
+        self._stages_lock = threading.RLock()
         self._setup(kafka_config, self._epoch_config(), source)
 
     def _epoch_config(self) -> LoaderConfig:
@@ -572,10 +575,11 @@ class Loader:
         stats = self.stats()  # the counts so far, which the new stages start again from
         # (A source given to the loader goes on into the next epoch, counting on.)
         kept = _SOURCE_COUNTS if self._given_source is not None else ()
-        self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason", "mix")
-                         if k not in kept and k in stats}
-        self._epoch_finished = False
-        self._setup(self._kafka_config, self._epoch_config(), self._given_source)
+        with self._stages_lock:
+            self._carried = {k: stats[k] for k in (*_CARRIED, "bad_by_reason", "mix")
+                             if k not in kept and k in stats}
+            self._epoch_finished = False
+            self._setup(self._kafka_config, self._epoch_config(), self._given_source)
         self._lineages = lineages
         self._source.lineage = lineages[0]
         self._ledger.lineages = set(lineages)
@@ -664,6 +668,8 @@ class Loader:
 
     def _start(self) -> None:
         f = self._feeder
+        if self._t0 is None:  # startup_s counts the brokers' answers below too
+            self._t0 = time.monotonic()
         if self._made_alone and dist_ready() and get_worker_info() is None \
                 and torch.distributed.get_world_size() != self.world_size:
             # Every rank would read as the one reader: each record once per rank.
@@ -718,7 +724,6 @@ class Loader:
             run = shared_run(self._source.run or "")
             self._source.run = self._ledger.run = run
         f.start()
-        self._t0 = time.monotonic()
 
     def __next__(self) -> Batch:
         self._check_open()
@@ -1305,7 +1310,10 @@ class Loader:
         mixture holds beside the pool (message values and documents, which
         ``max_memory_bytes`` does not cover).
         """
-        ledger, fetcher, builder = self._ledger, self._fetcher, self._builder
+        with self._stages_lock:  # the stages and the counts carried past them, together
+            ledger, fetcher, builder, source = self._ledger, self._fetcher, self._builder, \
+                self._source
+            feeder, bad, pool, carried = self._feeder, self._bad, self._pool, self._carried
         # Rates and stall are over the steady state, from the first batch on
         # to the read's end or close (the time between epochs left out);
         # joining the group and the first fetch show as startup_s.
@@ -1319,7 +1327,7 @@ class Loader:
             wait_s = self._wait_shown = max(self._wait_shown, wait_s + waiting)
         with ledger.lock:  # (after a message's last record: the next offset, lag 0)
             positions = {tp: ledger._whole(tp, pos)[0] for tp, pos in ledger.delivered().items()}
-        if self._exhausted and self._feeder.epoch_over:
+        if self._exhausted and feeder.epoch_over:
             # Everything up to each partition's end at the start was read;
             # what lies between the last record and that end (transaction
             # markers) is no lag.
@@ -1331,16 +1339,15 @@ class Loader:
         # (Copies, taken whole under the GIL: the loader's thread adds to these dicts,
         # and a scrape iterating them as it did would fail.)
         lag = {f"{t}[{p}]": n
-               for (t, p), n in sorted(self._source.lag(positions, dict(fetcher.ends)).items())
+               for (t, p), n in sorted(source.lag(positions, dict(fetcher.ends)).items())
                if (t, p) in assigned}
         # A stream's partition not fetched from yet, before librdkafka's
         # first statistics: its end is not known (nothing asks the brokers
         # from here), so neither is its lag, and a sum over ``lag`` is short.
         lag_unknown = sorted(name for name in (f"{t}[{p}]" for t, p in list(assigned))
                              if name not in lag)
-        carried = self._carried
         reasons = dict(carried.get("bad_by_reason", {}))
-        for why, n in dict(self._bad.by_reason).items():
+        for why, n in dict(bad.by_reason).items():
             reasons[why] = reasons.get(why, 0) + n
         stats = {
             "samples": self._samples_out,
@@ -1355,39 +1362,40 @@ class Loader:
             "samples_per_s": self._samples_out / elapsed if elapsed > 0 else 0.0,
             "mb_per_s": ((builder.value_bytes + carried.get("bytes", 0)) / elapsed / 1e6
                          if elapsed > 0 else 0.0),
-            "bad_records": self._bad.count,
+            "bad_records": bad.count,
             "lag": lag,
             "lag_unknown": lag_unknown,
             "wait_s": wait_s,
             "longest_wait_s": max(self._longest_wait_s, waiting),
             "stall_fraction": wait_s / elapsed if elapsed > 0 else 0.0,
-            "pool_bytes": self._pool.nbytes,
+            "pool_bytes": pool.nbytes,
             "held_bytes": builder.held_bytes(),
-            "group": self._source.group_id,
+            "group": source.group_id,
             "bad_by_reason": reasons,
             "wait_histogram": self._wait_hist,
             "latency_histogram": self._latency_hist,
-            "commits": self._source.commits_sent,
-            "commit_failures": self._source.commit_failures,
-            "dead_lettered": self._source.dead_lettered,
+            "commits": source.commits_sent,
+            "commit_failures": source.commit_failures,
+            "dead_lettered": source.dead_lettered,
             "rebalances": fetcher.rebalances,
             "fetch_s": fetcher.fetch_s,
             "decode_s": builder.decode_s,
-            "copy_s": self._feeder.copy_s,
-            "pool_slots_in_use": sum(s is not SlotState.FREE for s in self._pool.states()),
-            "prefetch": self._feeder.ready.size,
+            "copy_s": feeder.copy_s,
+            "pool_slots_in_use": pool.in_use(),
+            "prefetch": feeder.ready.size,
             "epoch": self._epoch,
-            **self._mix_stats(),
+            **self._mix_stats(ledger, self.config.mix, carried),
         }
         for key in _CARRIED:
             stats[key] += carried.get(key, 0)
         return stats
 
-    def _mix_stats(self) -> dict[str, Any]:
-        mixer = getattr(self._ledger, "mixer", None)
-        if mixer is None or self.config.mix is None:
+    @staticmethod
+    def _mix_stats(ledger: Ledger, mix: Mix | None, carried: dict[str, Any]) -> dict[str, Any]:
+        mixer = getattr(ledger, "mixer", None)
+        if mixer is None or mix is None:
             return {}
-        before = self._carried.get("mix", {})  # (the earlier epochs')
+        before = carried.get("mix", {})  # (the earlier epochs')
         return {"mix": {t: int(n) + before.get(t, 0)
                         for t, n in zip(mixer.sources, mixer.per_source, strict=True)},
                 "mix_waiting_for": mixer.stalled_on}
