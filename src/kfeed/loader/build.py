@@ -637,7 +637,14 @@ class RecordBuilder(SlotBuilder):
         """The topics of ``recs`` (rows of a pid first): per partition, not per record
         (a mixture's topic stays unproven for its whole read if it gives none)."""
         order = self.order_ledger.order
-        return {order.partition(p)[0] for p in np.unique(recs[:, 0]).tolist()}
+        pids = recs[:, 0]
+        if not len(pids):
+            return set()
+        # The first of each run of one partition (a fetch's records come in
+        # runs): no sort of every record, as np.unique made (4 ms a fetch of
+        # 200,000 records, while no record of a mixture's topic had come yet).
+        firsts = pids[np.flatnonzero(np.concatenate(([True], pids[1:] != pids[:-1])))]
+        return {order.partition(p)[0] for p in set(firsts.tolist())}
 
     # -- a mixture (kfeed.mix) ----------------------------------------------------
 
