@@ -13,7 +13,8 @@
 # Grammar (RFC 8259), plus what Python's json.loads also reads: NaN,
 # Infinity and -Infinity. Numbers without a fraction or exponent are
 # integers (json.loads gives an int), the others floats; a float never goes
-# into an integer field. A key repeated in one object: the last one wins. A
+# into an integer field. A key repeated in one object: the last one wins (a
+# copy before it that the field cannot take makes the record bad all the same). A
 # value starting with a zero byte carries the Confluent JSON Schema framing
 # (zero byte, 4-byte schema id), which is skipped.
 #
@@ -574,6 +575,8 @@ cdef int js_number(JsCur* c, bint* is_float, int64_t* iv, double* dv) noexcept n
         while c.p < c.end and 0x30 <= c.p[0] <= 0x39:
             if e10 < 100000:
                 e10 = e10 * 10 + (c.p[0] - 0x30)
+            else:  # cut short: with the digits' scale it may look small (strtod reads it)
+                exact = False
             c.p += 1
         if eneg:
             e10 = -e10
@@ -618,6 +621,9 @@ cdef int js_put_number(JsCur* c, uint8_t* d, uint64_t nelem, int code,
     if r == J_UINT64 or r == J_WIDE:
         if elem < 0 or <uint64_t>elem >= nelem:
             return A_LENGTH
+        if code == C_F32 and r == J_UINT64:  # one rounding, as numpy's uint64 cast
+            (<float*>d)[elem] = <float><uint64_t>iv
+            return A_OK
         if code == C_F32 or code == C_F64:
             return A_RANGE if dv == INFINITY or dv == -INFINITY else \
                 put_float(d, nelem, code, elem, dv)

@@ -342,6 +342,24 @@ def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_r
     assert all("does not fit the field's dtype at" in why for _, why in bad), bad
 
 
+def test_a_uint64_into_float32_and_a_long_exponent_read_as_numpy_casts_json_loads_value():
+    # An integer past int64 went into float32 through a double: two roundings,
+    # the second from a tie, the wrong way (numpy casts the uint64 once). An
+    # exponent of 7 digits or more was cut to 6, and with a number of as many
+    # digits the cut one looked small: read exactly, and wrongly.
+    schema = kfeed.Schema({"f": ("float32", ()), "d": ("float64", (), {"default": 0.0})})
+    values = [b'{"f": 9223372586610589697}',
+              b'{"f": 1, "d": 1' + b"0" * 100010 + b'e-1000005}',
+              b'{"f": 1, "d": 0.' + b"0" * 100010 + b'1e1000005}']
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, values)
+    assert bad == []
+    want = [json.loads(v) for v in values]
+    assert got["f"][0] == np.array([want[0]["f"]]).astype(np.float32)[0] == np.float32(
+        9.223373136366404e18)
+    assert got["d"].tolist() == [0.0, float(want[1]["d"]), float(want[2]["d"])] == [0.0, 0.0,
+                                                                                      np.inf]
+
+
 def test_configuration_mistakes_get_one_clear_line():
     with pytest.raises(kfeed.ConfigError, match="cannot be both a value and an object"):
         kfeed.Json().decoder(kfeed.Schema({"a": ("int64", ()),
