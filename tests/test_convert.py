@@ -437,6 +437,10 @@ def test_convert_mistakes_get_one_clear_line(bootstrap, make_topic, tmp_path, mo
     schema = kfeed.Schema({"id": ("int64", ())})
     with pytest.raises(kfeed.ConfigError, match="both 'a'"):
         kfeed.convert(conf, "a", "a", schema, format="json")
+    # Its bad records went into the blocks, in the round's transaction.
+    with pytest.raises(kfeed.ConfigError, match="^a.dlq is a's dead-letter topic: convert to "
+                                                "another topic$"):
+        kfeed.convert(conf, "a", "a.dlq", schema, format="json")
     with pytest.raises(kfeed.ConfigError, match="from block to block"):
         kfeed.convert(conf, src, src + ".b", schema, format="block")
     with pytest.raises(kfeed.ConfigError, match="on_bad_record"):
@@ -592,6 +596,120 @@ def test_a_rerun_says_it_waits_for_a_stopped_members_partitions(bootstrap, make_
     # Once assigned, the lag counts what is left: never 0 before the records are in.
     for line in lines[len(waits):]:
         assert "lag 0 messages" not in line or " 100 records" in line, lines
+
+
+_LIVE_MEMBER = """
+import sys
+from confluent_kafka import Consumer
+c = Consumer({"bootstrap.servers": sys.argv[1], "group.id": sys.argv[2],
+              "session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+c.subscribe([sys.argv[3]])
+said = False
+while not sys.stdin.closed:
+    c.poll(0.2)
+    if c.assignment() and not said:
+        print("assigned", [tp.partition for tp in c.assignment()], flush=True)
+        said = True
+    import select
+    if select.select([sys.stdin], [], [], 0)[0]:
+        break
+c.close()  # leaves the group: its partitions go to the convert
+"""
+
+
+def test_a_read_to_the_end_waits_for_the_partitions_another_member_holds(bootstrap,
+                                                                         make_topic):
+    # Without --follow, a convert that held only some partitions (another
+    # member, or a killed restart not yet timed out, held the rest) read those
+    # to their ends and exited 0: "converted 50 records", the rest never.
+    src = make_topic(partitions=2)
+    dst = src + ".blocks"
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(100):
+        p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
+    assert p.flush(30) == 0
+    member = subprocess.Popen([sys.executable, "-c", _LIVE_MEMBER, bootstrap,
+                               f"kfeed-convert.{dst}", src], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert member.stdout is not None and member.stdout.readline().startswith("assigned")
+        convert = subprocess.Popen([sys.executable, "-m", "kfeed", "convert", "--from-topic",
+                                    src, "--to-topic", dst, "--format", "json", "--field",
+                                    "id=int64", "--progress-every", "0.2"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "KFEED_BOOTSTRAP": bootstrap})
+        time.sleep(8)  # the group deals a partition to each; the convert's is read
+        assert convert.poll() is None, convert.communicate()
+    finally:
+        assert member.stdin is not None
+        member.stdin.write("go\n")
+        member.stdin.flush()
+        member.wait(30)
+    out, err = convert.communicate(timeout=120)
+    assert convert.returncode == 0, err
+    assert out.startswith("converted 100 records"), (out, err)
+    assert "kfeed convert: waiting for group" in err, err
+    assert sorted(read_columns(bootstrap, dst, kfeed.Schema({"id": ("int64", ())}))["id"]
+                  .tolist()) == list(range(100))
+
+
+def test_converts_of_topics_whose_names_join_alike_do_not_fence_each_other(bootstrap,
+                                                                           make_topic):
+    # The transactional id joined the topics with dots, which names hold:
+    # S -> q.X and S.q -> X had one id, and the second convert fenced the
+    # first, which read its round again three times, then failed.
+    import threading
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    conf = {"bootstrap.servers": bootstrap}
+    a_src, out = make_topic(partitions=1), f"out-{uuid.uuid4().hex}"
+    b_src = f"{a_src}.q"
+    admin = AdminClient(conf)
+    admin.create_topics([NewTopic(b_src, 1, 1)])[b_src].result(timeout=60)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    p = KafkaProducer(conf)
+
+    def produce(topic: str, ids: range) -> None:
+        for i in ids:
+            p.produce(topic, json.dumps({"id": i}).encode())
+        assert p.flush(30) == 0
+
+    def blocks(topic: str) -> list[int]:
+        return sorted(read_columns(bootstrap, topic, schema)["id"].tolist())
+
+    produce(a_src, range(10))
+    produce(b_src, range(10))
+    stop, result = threading.Event(), {}
+
+    def follow() -> None:
+        try:
+            result["a"] = kfeed.convert(conf, a_src, f"q.{out}", schema, format="json",
+                                        follow=True, stop=stop)
+        except BaseException as e:  # noqa: BLE001 - the assertion says what it was
+            result["a"] = e
+
+    a = threading.Thread(target=follow)
+    a.start()
+    try:
+        until(lambda: blocks(f"q.{out}") == list(range(10)), 60)
+        assert kfeed.convert(conf, b_src, out, schema, format="json").records == 10
+        produce(a_src, range(10, 15))
+        until(lambda: "a" in result or blocks(f"q.{out}") == list(range(15)), 60)
+    finally:
+        stop.set()
+        a.join(60)
+        admin.delete_topics([b_src])
+    assert not isinstance(result.get("a"), BaseException), result
+    assert result["a"].records == 15 and result["a"].aborted == 0
+
+
+def until(done, seconds: float) -> None:
+    """Wait for ``done()``, asking every 0.2 s; fail past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.2)
 
 
 def test_convert_into_a_topic_of_blocks_of_another_schema_is_refused(bootstrap, make_topic):

@@ -1553,10 +1553,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     def progress(st: Any) -> None:
         now = time.monotonic()
-        if now - last[0] >= args.progress_every and not st.partitions:
+        if now - last[0] >= args.progress_every and (not st.partitions or (
+                st.partitions < st.source_partitions and st.lag == 0)):
             last[0] = now
             # No lag to show: it counts the partitions assigned. A stopped
-            # convert of the same group holds them until its session ends.
+            # convert of the same group holds them (or some) until its
+            # session ends; a read to the end waits for them.
             print(f"kfeed convert: waiting for group {group} to assign it partitions of "
                   f"{args.topic} (those a stopped convert held come free when its session "
                   f"ends, within session.timeout.ms: {session_ms / 1000:g} s)",

@@ -71,6 +71,7 @@ class ConvertStats:
     lag: int = 0            # source messages not read yet, at the last round
     partitions: int = 0     # source partitions assigned to this convert now; 0 until the
                             # group gives it some (a stopped member's session must end first)
+    source_partitions: int = 0  # the source topic's, which a read to the end must all hold
     elapsed_s: float = 0.0
 
 
@@ -105,9 +106,11 @@ def convert(
 
     Reads with the consumer group ``group_id`` (default
     ``kfeed-convert.<to_topic>``), whose offsets move only with committed
-    rounds; the transactional id is ``kfeed-convert.<from_topic>.<to_topic>``,
-    so a second convert of the same pair fences the first. Without
-    ``follow`` it returns once every partition is read to its end; with
+    rounds; the transactional id is ``kfeed-convert:<from_topic>:<to_topic>``
+    (a colon, which no topic name holds), so a second convert of the same
+    pair fences the first, and only it. Without ``follow`` it returns once
+    it holds every partition, each read to its end (while a stopped convert
+    of the group still holds some, it waits for its session to end); with
     ``follow`` it waits for new records until ``stop`` is set. A bad record
     is dead-lettered to ``<from_topic>.dlq`` inside the round's transaction,
     skipped, or raised (``on_bad_record``). Returns the final ``ConvertStats``.
@@ -145,6 +148,10 @@ def convert(
     except ValueError:
         raise ConfigError("on_bad_record must be 'dead_letter', 'skip' or 'raise', "
                           f"got {on_bad_record!r}") from None
+    if to_topic == f"{from_topic}.dlq" and policy is BadRecordPolicy.DEAD_LETTER:
+        # Its bad records would go into the blocks, in the same transaction.
+        raise ConfigError(f"{to_topic} is {from_topic}'s dead-letter topic: convert to "
+                          f"another topic")
     decoder = fmt.decoder(schema) if isinstance(fmt, RecordFormat) else _Raw(schema)
     stop = stop or threading.Event()
     decoder.stop = stop  # a stop ends a wait for the schema registry (Stopped)
@@ -220,12 +227,12 @@ class _Convert:
         self.producer: Producer | None = None
         try:  # what fails from here on closes the clients made
             base = client_config(kafka_config)
-            nparts = self._source_partitions(kafka_config)
+            nparts = self.stats.source_partitions = self._source_partitions(kafka_config)
             record_fits(schema, kafka_config)  # (before a topic is made for the blocks)
             created = create_topic(base, to_topic, partitions=nparts,
                                    timeout_s=connect_timeout_s)
             self.producer = Producer(kafka_config, to_topic, schema, block_records=block_records,
-                                     transactional_id=f"kfeed-convert.{from_topic}.{to_topic}",
+                                     transactional_id=f"kfeed-convert:{from_topic}:{to_topic}",
                                      connect_timeout_s=connect_timeout_s)
             # After init_transactions: a killed convert's open transaction is
             # aborted by now, so its newest committed blocks are readable.
@@ -292,7 +299,10 @@ class _Convert:
                 except ProduceError as e:
                     failures += 1
                     self.stats.aborted += 1
-                    if failures > _RETRIES:
+                    # A fatal error (fenced by a newer convert of the pair)
+                    # no round mends: raised at once, as NOTE [ One
+                    # transaction a round ] says.
+                    if failures > _RETRIES or self.producer._fatal is not None:
                         raise
                     log.warning("round aborted (%s); reading its records again", e)
                     self._rewind(self.carried + msgs)
@@ -306,7 +316,11 @@ class _Convert:
             self.stats.partitions = len(self.assigned)
             if progress is not None:  # (an idle round of --follow too: it is alive)
                 progress(self.stats)
-            if not follow and not msgs and self.assigned and self.assigned <= self.eof:
+            # The end: every partition of the source held, each at its end (one
+            # another member holds, a stopped convert's till its session ends,
+            # is read once it comes here).
+            if not follow and not msgs and len(self.assigned) >= self.stats.source_partitions \
+                    and self.assigned <= self.eof:
                 self.bad.end_of_read()  # every record to the end was bad: that is the error
                 break
         self.bad.flush()  # the bad records a warning window held back unsaid
