@@ -331,15 +331,25 @@ def test_a_sample_larger_than_a_message_is_refused_before_any_of_the_send_is_sen
         schema = kfeed.Schema({"tokens": ("int32", (None,))})
         columns = {"tokens": [np.arange(400 if i == 4 else 10, dtype=np.int32)
                               for i in range(6)]}
-        size = "1,600"
+        size = "1,601"
     keys = np.arange(6)
     assert len({kfeed.partition_for(str(k), 2) for k in keys[:4]}) == 2
     with kfeed.Producer(config, topic, schema, format=fmt) as producer:
         with pytest.raises(kfeed.ConfigError, match=(
-                rf"^sample 4 of this send\(\) is {size} bytes as a message, more than "
-                r"message.max.bytes \(1,500\): raise it \(and the topic's max.message.bytes\); "
-                r"nothing of this call was sent$")):
+                rf"^sample 4 of this send\(\) is {size} bytes as a message \(its key counted\), "
+                r"more than message.max.bytes \(1,500\) less its headers and framing \(\d+\) "
+                r"holds: raise "
+                r"it \(and the topic's max.message.bytes\); nothing of this call was sent$")):
             producer.send(columns, keys=keys)
+        if fmt == "raw":
+            # A value under the limit, but not with its key and headers: librdkafka
+            # refused it inside the loop, the samples before it sent, "samples 0".
+            near = {"tokens": [np.arange(10, dtype=np.int32)] * 4
+                    + [np.arange(345, dtype=np.int32)]}
+            with pytest.raises(kfeed.ConfigError, match=(
+                    r"^sample 4 of this send\(\) is 1,381 bytes as a message \(its key "
+                    r"counted\), .*nothing of this call was sent$")):
+                producer.send(near, keys=keys[:5])
         keep = [0, 1, 2, 3, 5]
         producer.send({k: [v[i] for i in keep] if isinstance(v, list) else v[keep]
                        for k, v in columns.items()}, keys=keys[keep])
@@ -464,11 +474,10 @@ class TransactionBrokers:
 
     def producer(self) -> kfeed.Producer:
         """A transactional Producer of topic "t" on these brokers, as made."""
-        from collections import deque
-
         p = kfeed.Producer.__new__(kfeed.Producer)
         p.topic, p._timeout, p._transactional, p._in_transaction = "t", 30.0, True, False
-        p._closed, p._fatal, p._failures, p._written, p._unstable = False, None, deque(), {}, {}
+        p._closed, p._fatal, p._written, p._unstable = False, None, {}, {}
+        p._failed_n, p._first_failure = 0, None
         p._producer = self
         return p
 
@@ -1093,3 +1102,52 @@ def test_an_interrupted_producer_waits_a_moment_and_says_what_it_left(
         f"10 message(s) to {topic} not acknowledged 2s after the interrupt: they may be "
         f"missing from the topic"]
     real.flush(30)
+
+    class Interrupted(GoneAway):  # Ctrl-C while close() waits for the acknowledgements
+        def flush(self, timeout: float) -> int:
+            raise KeyboardInterrupt
+
+    # In close() (the end of a with block too), the interrupt came out with no
+    # word, and the producer, closed, said nothing at exit either.
+    for closing in (lambda p: p.close(), lambda p: p.__exit__(None, None, None)):
+        p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids, block_records=10)
+        p.send({"id": np.arange(100)})
+        p._producer.flush(30)
+        real, p._producer = p._producer, Interrupted()
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            closing(p)
+        assert stopped.value.__notes__ == [
+            f"10 message(s) to {topic} not acknowledged when interrupted: they may be "
+            f"missing from the topic"]
+        real.flush(30)
+
+
+@pytest.mark.integration
+def test_failed_deliveries_of_a_long_send_are_counted_not_kept(bootstrap: str,
+                                                               make_topic: Any) -> None:
+    # Each failed delivery's error was kept until the flush, which only
+    # counts them and says the first: about 120 bytes each, for the whole send.
+    import tracemalloc
+
+    topic = make_topic(partitions=1, config={"cleanup.policy": "compact"})  # keys needed
+    ids = kfeed.Schema({"id": ("int64", ())})
+    p = kfeed.Producer({"bootstrap.servers": bootstrap}, topic, ids, block_records=1)
+    p.send({"id": np.arange(500)})
+    p._producer.flush(30)
+    p._poll(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(10):
+            p.send({"id": np.arange(1000)})
+            p._producer.flush(30)
+            p._poll(0)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert p.delivery_failures == 10_500
+    assert grown < 300_000, grown  # (10,000 kept errors: 1.2 MB)
+    with pytest.raises(kfeed.ProduceError, match=r"^10500 message\(s\) .*not delivered.*"
+                                                 r"first error: "):
+        p.flush(30)
+    p._closed = True

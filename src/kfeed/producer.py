@@ -21,7 +21,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -216,9 +215,12 @@ class Producer:
         self.last_error: tuple[float, str] | None = None
         self.polled_at = 0.0  # (monotonic) the last poll or flush: delivery reports run in them
         self._closed = False
-        # Delivery failures, appended by _on_delivery and taken by flush; a
-        # deque because append and popleft are atomic without a lock.
-        self._failures: deque[Any] = deque()
+        # Delivery failures since flush last took them: how many, and the first
+        # (each one kept grew by a report a message over a long send that failed).
+        # Set by _on_delivery, which runs inside this thread's poll or flush,
+        # without a lock (NOTE [ Callbacks never raise ]).
+        self._failed_n = 0
+        self._first_failure: Any = None
         config["error_cb"] = chain(self._on_error, config.get("error_cb"))
         # (Its connection lines at DEBUG: _on_error warns of the same trouble.)
         config.setdefault("logger", ConnectionLog(trouble_level=logging.DEBUG))
@@ -339,7 +341,7 @@ class Producer:
         if err.code() == _STATE and self._transactional and self._failed_delivery():
             # A delivery failed, and the transaction can only be aborted: that
             # failure is what went wrong, not the state it left.
-            first = self._failures[0]
+            first = self._first_failure
             return ProduceError(f"{what}: a message was not delivered, and the transaction "
                                 f"can only be aborted: {first.str()}{self._refused(first)}",
                                 topic=self.topic, code=first.code())
@@ -352,12 +354,12 @@ class Producer:
         from confluent_kafka import KafkaException
 
         deadline = time.monotonic() + seconds
-        while not self._failures and time.monotonic() < deadline:
+        while not self._failed_n and time.monotonic() < deadline:
             try:
                 self._poll(_SLICE_S)
             except (KafkaException, SystemError):
                 break  # (a fatal error: the caller's own is raised)
-        return bool(self._failures)
+        return bool(self._failed_n)
 
     def _serve_fatal(self, seconds: float = 2.0) -> Any | None:
         """Poll until confluent-kafka raises the fatal error librdkafka holds; give it."""
@@ -512,14 +514,24 @@ class Producer:
                        [keys[i] for i in idx], idx)
                       for idx in np.split(order, bounds)]
         made = [(self._messages(cols), part, ks, idx) for cols, part, ks, idx in groups]
-        for values, _part, _ks, idx in made:
-            if not self._one_a_message or max(map(len, values), default=0) <= self._message_max:
+        # librdkafka counts the key, the headers and their framing in a message's
+        # size too: a value just under message.max.bytes failed inside the loop
+        # below. (With kfeed's 3 headers, 79 bytes, and a 1-byte key, it took
+        # values of 1,378 bytes at most under message.max.bytes=1500.)
+        room = self._message_max - 64 - sum(len(name) + len(v) for name, v in self._headers)
+        for values, _part, ks, idx in made:
+            if not self._one_a_message or max(map(len, values), default=0) + (
+                    max(map(len, ks), default=0) if ks is not None else 0) <= room:
                 continue  # (blocks and Arrow messages are made to fit)
-            big = next(i for i, v in enumerate(values) if len(v) > self._message_max)
+            sizes = [len(v) + (len(ks[i]) if ks is not None else 0) for i, v in enumerate(values)]
+            big = next((i for i, n in enumerate(sizes) if n > room), None)
+            if big is None:
+                continue
             row = first + (big if idx is None else int(idx[big]))
             raise ConfigError(
-                f"sample {row} of this send() is {len(values[big]):,} bytes as a message, "
-                f"more than message.max.bytes ({self._message_max:,}): raise it (and the "
+                f"sample {row} of this send() is {sizes[big]:,} bytes as a message (its key "
+                f"counted), more than message.max.bytes ({self._message_max:,}) less its "
+                f"headers and framing ({self._message_max - room:,}) holds: raise it (and the "
                 f"topic's max.message.bytes); " + (f"samples 0 to {first - 1} were sent"
                                                     if first else "nothing of this call was sent"))
         for values, part, ks, _idx in made:
@@ -619,7 +631,9 @@ class Producer:
             # transaction that sent it has failed already, the next one has not.
             self.purged += 1
         elif err is not None:
-            self._failures.append(err)
+            if self._first_failure is None:
+                self._first_failure = err
+            self._failed_n += 1
             self.delivery_failures += 1
         else:
             if msg.topic() == self.topic:
@@ -664,11 +678,8 @@ class Producer:
 
     def _take_failures(self) -> tuple[int, Any]:
         """The delivery failures waiting, taken: how many, and the first (or None)."""
-        failed, first = 0, None
-        while self._failures:
-            err = self._failures.popleft()
-            first = err if first is None else first
-            failed += 1
+        failed, first = self._failed_n, self._first_failure
+        self._failed_n, self._first_failure = 0, None
         return failed, first
 
     @staticmethod
@@ -897,6 +908,11 @@ class Producer:
         try:
             self.flush()
             self._await_readable()
+        except KeyboardInterrupt as e:
+            # Closed all the same, so the exit says nothing more: say it here.
+            failed, first = self._take_failures()
+            self._note_left(e, len(self._producer), failed, first, "when interrupted")
+            raise
         finally:
             self._closed = True
             metrics.LIVE.discard(self)  # no longer published, as a closed loader is not
@@ -932,13 +948,18 @@ class Producer:
                 self._settle_failures(f"after {exc_type.__name__}", left)
                 return
             failed, first = self._take_failures()
-            if left:
-                exc.add_note(f"{left:,} message(s) to {self.topic} not acknowledged "
-                             f"{_INTERRUPT_FLUSH_S:g}s after the interrupt: they may be "
-                             f"missing from the topic")
-            if failed:
-                exc.add_note(f"{failed:,} message(s) to {self.topic} not delivered: "
-                             f"{first.str()}")
+            self._note_left(exc, left, failed, first,
+                            f"{_INTERRUPT_FLUSH_S:g}s after the interrupt")
+
+    def _note_left(self, exc: BaseException, left: int, failed: int, first: Any,
+                   when: str) -> None:
+        """Notes on ``exc``: the messages not acknowledged ``when``, and those that failed."""
+        if left:
+            exc.add_note(f"{left:,} message(s) to {self.topic} not acknowledged {when}: "
+                         f"they may be missing from the topic")
+        if failed:
+            exc.add_note(f"{failed:,} message(s) to {self.topic} not delivered: "
+                         f"{first.str()}")
 
     def _await_readable(self) -> None:
         """Wait (at most _READABLE_WAIT_S) until the transactions committed are readable."""
@@ -1022,7 +1043,7 @@ class Producer:
 # So:
 # - every poll and flush runs in slices of _SLICE_S, under one chunk, so a
 #   fatal error ends the call and reaches the caller as a KafkaException;
-# - the callbacks take no lock and only record (a deque), and error_cb (through
+# - the callbacks take no lock and only record (counts), and error_cb (through
 #   _kafka.chain, as the loader's consumer callbacks) keeps its own exceptions
 #   and a user callback's from escaping into librdkafka's dispatch;
 # - every confluent-kafka call is wrapped: a KafkaException, or a SystemError
