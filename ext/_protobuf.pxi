@@ -757,7 +757,7 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     cdef uint64_t nbytes
     c.plan = plan
     c.p = p
-    c.depth = 0
+    c.depth = -1  # the record itself is no nesting: upb takes it and 100 levels in it
     c.err_entry = -1
     c.err_field = -1
     c.err_value = 0

@@ -1037,6 +1037,45 @@ def test_a_ten_byte_varint_reads_as_protobuf_reads_it():
     assert cols["b"].tolist() == [w.b for w in want]
 
 
+def test_messages_nested_as_deep_as_protobuf_reads_them_are_read():
+    # The record itself counted as a level: one nested 100 deep (which
+    # protobuf reads; 101 it refuses) was "nested deeper than 100".
+    fdp = descriptor_pb2.FileDescriptorProto(name="deep.proto", package="deep", syntax="proto3")
+    node = fdp.message_type.add(name="Node")
+    node.field.add(name="x", number=1, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL)
+    node.field.add(name="next", number=2, type=F.TYPE_MESSAGE, type_name=".deep.Node",
+                   label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("deep.Node"))
+
+    def nested(depth: int) -> bytes:
+        inner = b"\x08\x07"  # x = 7
+        for _ in range(depth):
+            inner = b"\x12" + _varint(len(inner)) + inner
+        return inner
+
+    values = [nested(100), nested(101)]
+    assert cls.FromString(values[0])
+    with pytest.raises(Exception):
+        cls.FromString(values[1])
+    for depth, value in zip((100, 101), values, strict=True):
+        schema = kfeed.Schema({"x": ("int32", (), {"source": ".".join(["next"] * depth
+                                                                       + ["x"])})})
+        cols, bad = decode_all(kfeed.Protobuf(message=cls).decoder(schema), schema, [value])
+        assert (cols["x"].tolist(), bad) == (([7], []) if depth == 100 else
+                                             ([], [(0, "nested deeper than 100")]))
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        out += bytes([n & 0x7F | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
 def test_fields_in_any_order_and_repeated_read_as_protobuf_reads_them():
     # The decoder tries the entry after the last one read, then that one
     # again, before searching the message's entries (writers send fields in
