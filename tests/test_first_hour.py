@@ -313,6 +313,18 @@ def test_offsets_stored_as_fetched_are_refused(store) -> None:
                             f"kfeed commits each batch after its step: leave the setting out")
 
 
+@pytest.mark.parametrize("level", ["read_uncommitted", "READ_UNCOMMITTED"])
+def test_reading_uncommitted_records_is_refused(level) -> None:
+    # Accepted without a word: the records of an aborted transaction at a
+    # topic's end (a killed producer's) were handed out, 150 of 100 written.
+    config = {"bootstrap.servers": "127.0.0.1:9", "group.id": "g", "isolation.level": level}
+    with pytest.raises(kfeed.ConfigError) as e:
+        kfeed.Loader(config, "t", SCHEMA, 8, device="cpu").close()
+    assert str(e.value) == (f"isolation.level={level!r}: the records of aborted transactions "
+                            f"would be read as written; kfeed reads committed records only: "
+                            f"leave the setting out")
+
+
 @pytest.mark.parametrize("reset", ["latest", "error"])
 def test_an_offset_reset_kfeed_would_not_use_is_refused(reset) -> None:
     # Taken and never used: a new group given auto.offset.reset=latest read the
@@ -396,6 +408,12 @@ def test_connection_settings_include_the_ssl_and_sasl_switches() -> None:
     config = {"bootstrap.servers": "b:1", "enable.ssl.certificate.verification": "false",
               "enable.sasl.oauthbearer.unsecure.jwt": "true", "fetch.min.bytes": 1}
     assert client_config(config) == {k: v for k, v in config.items() if k != "fetch.min.bytes"}
+    # OAUTHBEARER's token callback too: the dead-letter producer, the admin and
+    # lag clients logged in with the mechanism and no token.
+    token = {"security.protocol": "SASL_SSL", "sasl.mechanism": "OAUTHBEARER",
+             "oauth_cb": lambda _config: ("token", 0.0)}
+    assert client_config({**config, **token}) == {
+        **{k: v for k, v in config.items() if k != "fetch.min.bytes"}, **token}
 
 
 def test_a_few_bad_messages_and_then_nothing_say_so_while_the_read_waits(monkeypatch,

@@ -525,6 +525,58 @@ def test_start_from_a_point_in_time_and_from_latest(bootstrap, make_topic) -> No
         assert [b.size for b in ld] == []
 
 
+def test_a_partition_added_while_reading_from_the_latest_is_read_from_its_start(
+        bootstrap, make_topic) -> None:
+    # start="latest" placed a partition added mid-read at its end too: what
+    # was written to it before the group saw it (up to
+    # topic.metadata.refresh.interval.ms) was never read, and committed past.
+    import threading
+
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    topic = make_topic(partitions=1)
+    got: list[np.ndarray] = []
+    ld = loader(bootstrap, topic, uuid.uuid4().hex, start="latest", until=None, batch_size=10,
+                max_wait_ms=50, kafka={"topic.metadata.refresh.interval.ms": 3000})
+    stop = threading.Event()
+
+    def read() -> None:
+        for batch in ld:
+            got.append(batch["id"].numpy().copy())
+            if stop.is_set():
+                return
+
+    def seen() -> int:
+        return sum(len(g) for g in got)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ld._fetcher.assigned:  # placed at the end: what comes next is read
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        produce(bootstrap, topic, 0, 100)
+        while seen() < 100:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_partitions([NewPartitions(topic, 2)])[topic].result(timeout=30)
+        with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA) as p:
+            p.send(synthetic_columns(np.arange(1000, 1100)), partition=1)
+        deadline = time.monotonic() + 60
+        while seen() < 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        produce(bootstrap, topic, 5000, 1)  # (wakes the read, to end it)
+        reader.join(30)
+        ld.close()
+    ids = np.concatenate(got)
+    assert np.array_equal(np.sort(ids[ids < 5000]), np.concatenate(
+        [np.arange(100), np.arange(1000, 1100)]))
+
+
 @pytest.mark.parametrize("suffix", [".npz", ".parquet"])
 def test_produce_cli_from_a_file(bootstrap, make_topic, group_id, tmp_path, suffix) -> None:
     topic = make_topic(partitions=2)

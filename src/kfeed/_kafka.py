@@ -56,10 +56,14 @@ _CONNECTION_KEYS = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "sock
                     "broker.address.", "reconnect.", "enable.ssl.", "enable.sasl.")
 
 
+# confluent-kafka's callback that gives OAUTHBEARER its tokens: a login too.
+_CONNECTION_NAMES = ("oauth_cb",)
+
+
 def client_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that say where the brokers are and how to log in; nothing else."""
     return {k: v for k, v in kafka_config.items()
-            if isinstance(k, str) and k.startswith(_CONNECTION_KEYS)}
+            if isinstance(k, str) and (k.startswith(_CONNECTION_KEYS) or k in _CONNECTION_NAMES)}
 
 
 def logged_config(kafka_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -445,6 +445,13 @@ def consumer_config(kafka_config: Any) -> dict[str, Any]:
             f"partition's start itself, by start= ('committed' by default: the group's "
             f"commit, else the earliest offset); give start='latest' (kfeed train --start "
             f"latest) to begin at the end, and leave the setting out")
+    if str(config["isolation.level"]).lower() != "read_committed":
+        # The records of aborted transactions (a killed producer's, a fenced
+        # convert's) would be handed out, as if they were written.
+        raise ConfigError(
+            f"isolation.level={config['isolation.level']!r}: the records of aborted "
+            f"transactions would be read as written; kfeed reads committed records "
+            f"only: leave the setting out")
     if str(config["enable.auto.offset.store"]).lower() not in ("false", "0"):
         # librdkafka would store each record's offset as it is fetched, and
         # commit those (auto commit, or any commit() of stored offsets):
@@ -497,7 +504,7 @@ class KafkaSource(Source):
         self._lag: dict[TP, int] = {}
         self._ends: dict[TP, int] = {}
         self._fetched_ends: dict[TP, int] = {}  # until the first statistics
-        self._committed_only = config.get("isolation.level") == "read_committed"
+        self._committed_only = True  # (consumer_config refuses read_uncommitted)
         self.topics = list(topics)
         self.connect_timeout = connect_timeout
         self._config = config

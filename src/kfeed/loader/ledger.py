@@ -360,8 +360,15 @@ class Ledger:
             elif isinstance(self.start, Mapping):  # a window's start; unnamed: the earliest
                 out[tp] = (self.start[tp], self.start_skips.get(tp, 0)) if tp in self.start \
                     else (self.source.watermarks(tp)[0], 0)
-            elif self.start == "latest":
+            elif self.start == "latest" and (not self.partitions or tp in self.partitions):
                 out[tp] = (self.source.watermarks(tp)[1], 0)
+            elif self.start == "latest":
+                # Added to the topic since the read began: all of it is newer
+                # than the start (from its end, the records written before the
+                # group saw it, up to topic.metadata.refresh.interval.ms, were lost).
+                log.info("%s[%d] was added since the read began: read from its start",
+                         tp[0], tp[1])
+                out[tp] = (self.source.watermarks(tp)[0], 0)
             else:  # "earliest", or "committed" with nothing committed yet
                 out[tp] = (self.source.watermarks(tp)[0], 0)
         return out
