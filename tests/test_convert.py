@@ -564,18 +564,24 @@ sys.stdin.read()  # until killed
 """
 
 
-def test_a_rerun_says_it_waits_for_a_stopped_members_partitions(bootstrap, make_topic):
-    # It printed "0 records ... lag 0 messages" until the dead member's session
-    # ended: the lag counts only assigned partitions, and none were.
+def _member_of_the_convert_s_group(bootstrap, make_topic, script: str):
+    """A JSON topic of 100 ids over 2 partitions, its blocks' topic, and a consumer
+    of the convert's group running ``script``."""
     src = make_topic(partitions=2)
     dst = src + ".blocks"
     p = KafkaProducer({"bootstrap.servers": bootstrap})
     for i in range(100):
         p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
     assert p.flush(30) == 0
-    dead = subprocess.Popen([sys.executable, "-c", _DEAD_MEMBER, bootstrap,
-                             f"kfeed-convert.{dst}", src], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    member = subprocess.Popen([sys.executable, "-c", script, bootstrap, f"kfeed-convert.{dst}",
+                               src], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return src, dst, member
+
+
+def test_a_rerun_says_it_waits_for_a_stopped_members_partitions(bootstrap, make_topic):
+    # It printed "0 records ... lag 0 messages" until the dead member's session
+    # ended: the lag counts only assigned partitions, and none were.
+    src, dst, dead = _member_of_the_convert_s_group(bootstrap, make_topic, _DEAD_MEMBER)
     try:
         assert dead.stdout is not None and dead.stdout.readline() == "assigned\n"
     finally:
@@ -622,15 +628,7 @@ def test_a_read_to_the_end_waits_for_the_partitions_another_member_holds(bootstr
     # Without --follow, a convert that held only some partitions (another
     # member, or a killed restart not yet timed out, held the rest) read those
     # to their ends and exited 0: "converted 50 records", the rest never.
-    src = make_topic(partitions=2)
-    dst = src + ".blocks"
-    p = KafkaProducer({"bootstrap.servers": bootstrap})
-    for i in range(100):
-        p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
-    assert p.flush(30) == 0
-    member = subprocess.Popen([sys.executable, "-c", _LIVE_MEMBER, bootstrap,
-                               f"kfeed-convert.{dst}", src], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    src, dst, member = _member_of_the_convert_s_group(bootstrap, make_topic, _LIVE_MEMBER)
     try:
         assert member.stdout is not None and member.stdout.readline().startswith("assigned")
         convert = subprocess.Popen([sys.executable, "-m", "kfeed", "convert", "--from-topic",

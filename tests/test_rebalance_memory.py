@@ -656,6 +656,19 @@ def test_a_state_saved_after_a_revoke_carries_the_partition_given_up(order, star
     assert np.array_equal(np.sort(out[out >= 0]), want)
 
 
+def _fail_the_third_hand_out(ld: kfeed.Loader) -> None:
+    """The loader's conversion to its output raises once, at the third batch."""
+    real, calls = ld._convert, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("transient")
+        return real(batch)
+
+    ld._convert = flaky
+
+
 @pytest.mark.parametrize("shuffle", [None, kfeed.Shuffle(buffer=30, seed=2)],
                          ids=["in order", "shuffled"])
 def test_a_batch_whose_hand_out_failed_comes_with_the_next_call(shuffle) -> None:
@@ -666,15 +679,7 @@ def test_a_batch_whose_hand_out_failed_comes_with_the_next_call(shuffle) -> None
     got = []
     with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
                       shuffle=shuffle, output="numpy") as ld:
-        real, calls = ld._convert, []
-
-        def flaky(batch):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("transient")
-            return real(batch)
-
-        ld._convert = flaky
+        _fail_the_third_hand_out(ld)
         failed = 0
         while True:
             try:
@@ -703,15 +708,7 @@ def test_a_close_after_a_failed_hand_out_commits_nothing_past_the_batch_held() -
     src = MemorySource({0: values})
     ld = kfeed.Loader(None, "memory", schema, 10, source=src, until="end", device="cpu",
                       output="numpy", on_bad_record="skip")
-    real, calls = ld._convert, []
-
-    def flaky(batch):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("transient")
-        return real(batch)
-
-    ld._convert = flaky
+    _fail_the_third_hand_out(ld)
     try:
         assert [int(next(ld)["id"][0]) for _ in range(2)] == [0, 10]
         deadline = time.monotonic() + 10
