@@ -467,15 +467,7 @@ def test_a_closed_enum_s_unknown_values_are_left_aside_as_protobuf_leaves_them()
     pool.Add(fdp)
     Paint = message_factory.GetMessageClass(pool.FindMessageTypeByName("closed.Paint"))
 
-    def varint(v: int) -> bytes:
-        v &= (1 << 64) - 1
-        out = b""
-        while True:
-            out += bytes([v & 0x7F | (0x80 if v > 0x7F else 0)])
-            v >>= 7
-            if not v:
-                return out
-
+    varint = _varint
     rng = np.random.default_rng(5)
     values = []
     for _ in range(400):
@@ -1068,6 +1060,8 @@ def test_messages_nested_as_deep_as_protobuf_reads_them_are_read():
 
 
 def _varint(n: int) -> bytes:
+    """``n`` as a protobuf varint (a negative one as its 64-bit two's complement)."""
+    n &= (1 << 64) - 1
     out = b""
     while True:
         out += bytes([n & 0x7F | (0x80 if n > 0x7F else 0)])
