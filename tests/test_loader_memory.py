@@ -658,6 +658,8 @@ def test_kafka_iterable_dataset_under_a_torch_dataloader() -> None:
             with pytest.raises(kfeed.ConfigError, match="^KafkaIterableDataset yields torch"):
                 kfeed.KafkaIterableDataset({}, "memory", schema, 4, source=source,
                                            output=output, **kwargs)
+    with pytest.raises(kfeed.ConfigError, match="^output must be one of 'torch', "):
+        kfeed.KafkaIterableDataset({}, "memory", SCHEMA, 4, source=source, output="tf")
 
 
 def test_a_dataset_closed_commits_no_batch_it_made_and_did_not_see_trained() -> None:

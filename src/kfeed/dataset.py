@@ -27,6 +27,7 @@ import torch
 
 from kfeed.errors import ConfigError
 from kfeed.loader import STACKED, Batch, Loader, LoaderConfig
+from kfeed.outputs import OUTPUTS
 from kfeed.schema import Schema
 from kfeed.sources import consumer_config, group_share
 
@@ -62,7 +63,7 @@ class KafkaIterableDataset(torch.utils.data.IterableDataset):
         self.source = loader_kwargs.pop("source", None)
         self.kafka_config = dict(kafka_config or {})
         output = loader_kwargs.get("output", "torch")
-        if output != "torch":
+        if output != "torch" and output in OUTPUTS:
             # The DataLoader converts what a dataset yields (numpy arrays into
             # tensors) and cannot collate JAX arrays or Arrow batches. (Said
             # first: the output's own checks would ask for what is no use here.)
