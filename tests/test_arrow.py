@@ -389,7 +389,7 @@ def test_produce_and_train_from_the_command_line_in_arrow(bootstrap, make_topic,
     done = kfeed_cli(bootstrap, "train", "--topic", topic, "--group-id", group_id, "--until-end",
                      "--device", "cpu", "--format", "arrow")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1].startswith("trained 12 steps on 3000 samples")
+    assert done.stdout.strip().splitlines()[-1].startswith("trained 12 steps on 3,000 samples")
 
 
 def test_null_rows_of_every_kind_take_the_default() -> None:

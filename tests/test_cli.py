@@ -1033,6 +1033,21 @@ STATS = {"startup_s": 0.0, "mb_per_s": 0.0, "stall_fraction": 0.0, "lag": {}, "l
          "bad_records": 0, "samples": 0}
 
 
+def test_the_summaries_say_one_step_and_separate_thousands() -> None:
+    from kfeed._train import _LMTask, _MLPTask
+
+    mlp = _MLPTask.__new__(_MLPTask)
+    assert mlp.summary(1, {"samples": 1000, "samples_per_s": 12345.6}).startswith(
+        "trained 1 step on 1,000 samples: 12,346 samples/s")
+    assert mlp.summary(12000, {"samples": 1_200_000, "samples_per_s": 1.0}).startswith(
+        "trained 12,000 steps on 1,200,000 samples")
+    lm = _LMTask.__new__(_LMTask)
+    lm._real, lm._slots, lm.batch_size, lm.seq_len = 40_960, 65_536, 8, 2048
+    assert lm.summary(1, {"elapsed_s": 2.0}).startswith(
+        "trained 1 step on 40,960 tokens in [8, 2048] rows: 20,480 tokens/s, packing "
+        "efficiency 62.5%")
+
+
 def test_train_every_record_bad_exits_1_naming_the_dead_letter_topic(capsys, monkeypatch) -> None:
     from kfeed import _train
 
@@ -1780,7 +1795,7 @@ def test_a_clean_end_saves_the_last_steps(bootstrap, make_topic, group_id, tmp_p
     rest = kfeed(*args, "--until-end", bootstrap=bootstrap)
     assert rest.returncode == 0, rest.stderr
     # 1000 samples before, 1000 after: none repeated, none skipped.
-    assert summary(rest.stdout).startswith("trained 10 steps on 1000 samples: "), rest.stdout
+    assert summary(rest.stdout).startswith("trained 10 steps on 1,000 samples: "), rest.stdout
     assert ", now at step 20, " in summary(rest.stdout), rest.stdout
 
 

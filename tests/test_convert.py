@@ -539,14 +539,14 @@ def test_avro_across_processes_through_a_real_schema_registry(bootstrap, make_to
     assert f"{topic}-value" in client.get_subjects()
     trained = cli("train", "--topic", topic, "--group-id", uuid.uuid4().hex, "--until-end",
                   "--device", "cpu", "--format", "avro", "--registry", schema_registry)
-    assert "trained 4 steps on 1000 samples" in trained.stdout
+    assert "trained 4 steps on 1,000 samples" in trained.stdout
     assert "bad records 0" in trained.stdout
     converted = cli("convert", "--from-topic", topic, "--to-topic", topic + ".blocks",
                     "--format", "avro", "--registry", schema_registry)
     assert converted.stdout.startswith("converted 1,000 records (0 bad)")
     again = cli("train", "--topic", topic + ".blocks", "--group-id", uuid.uuid4().hex,
                 "--until-end", "--device", "cpu")
-    assert "trained 4 steps on 1000 samples" in again.stdout
+    assert "trained 4 steps on 1,000 samples" in again.stdout
 
 
 # A member of the convert's group that holds every partition and then dies

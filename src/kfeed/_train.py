@@ -66,6 +66,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def _steps(n: int) -> str:
+    """``n`` steps, as a summary says it: "1 step", "12,000 steps"."""
+    return f"{n:,} step{'' if n == 1 else 's'}"
+
+
 class _MLPTask:
     """The seeds' workload: an MLP on 768 features, 10 classes, from a sample topic."""
 
@@ -99,7 +104,7 @@ class _MLPTask:
 
     def summary(self, steps: int, st: dict[str, Any]) -> str:
         """``steps``: this run's, as ``st`` counts this run's samples."""
-        return (f"trained {steps} steps on {st['samples']} samples: "
+        return (f"trained {_steps(steps)} on {st['samples']:,} samples: "
                 f"{st['samples_per_s']:,.0f} samples/s")
 
     def expects(self) -> str:
@@ -254,7 +259,7 @@ class _LMTask:
         real = int(self._real)
         eff = real / self._slots if self._slots else 0.0
         rate = real / st["elapsed_s"] if st["elapsed_s"] > 0 else 0.0
-        return (f"trained {steps} steps on {real} tokens in [{self.batch_size}, {self.seq_len}] "
+        return (f"trained {_steps(steps)} on {real:,} tokens in [{self.batch_size}, {self.seq_len}] "
                 f"rows: {rate:,.0f} tokens/s, packing efficiency {100 * eff:.1f}%")
 
     def expects(self) -> str:

@@ -1263,10 +1263,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # run says where the checkpoint's count stands now. MB/s is what the
     # loader read, its prefetch included (on a run of a few steps, more than
     # the samples trained on).
-    at = f", now at step {out.step}" if out.first_step else ""
+    at = f", now at step {out.step:,}" if out.first_step else ""
     print(f"{out.task.summary(out.step - out.first_step, st)}{at}, startup {st['startup_s']:.1f}s, "
           f"read {st['mb_per_s']:,.1f} MB/s, data stall {100 * st['stall_fraction']:.1f}%, "
-          f"{_train.lag_text(st['lag'], st['lag_unknown'])}, bad records {st['bad_records']}, "
+          f"{_train.lag_text(st['lag'], st['lag_unknown'])}, bad records {st['bad_records']:,}, "
           f"final loss {out.loss:.4f}", flush=True)
     if out.signum is not None:
         name = signal.Signals(out.signum).name
