@@ -592,6 +592,25 @@ def test_list_and_string_offsets_out_of_order_make_the_message_bad() -> None:
         sorted([1, 2, 3, 4, 5, 6] * 2)
 
 
+def test_a_damaged_column_no_field_reads_is_no_matter_first_or_later() -> None:
+    # The C reader (a schema's later messages) checks the columns it reads;
+    # pyarrow (its first message) checked every column: the same bytes were
+    # bad first and read later.
+    rb = pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array(["ab", "c", "def"])],
+                                    names=["id", "s"])
+    good = stream(rb)
+    bad = rewritten(good, (0, 2, 3, 6), (0, 2, 3, 60))  # s's last offset past its data
+    ids = kfeed.Schema({"id": ("int64", ())})
+    batches, refused = dead_letters([bad, good, bad], ids)
+    assert refused == []
+    assert [b["id"].tolist() for b in batches] == [[0, 1, 2]] * 3
+    both = kfeed.Schema({"id": ("int64", ()), "s": ("uint8", (None,))})
+    batches, refused = dead_letters([bad, good, bad], both)
+    assert [o for o, _ in refused] == [0, 2]
+    assert all("an invalid record batch: column 's': " in why for _, why in refused), refused
+    assert [b["id"].tolist() for b in batches] == [[0, 1, 2]]
+
+
 def test_streams_of_several_batches_empty_or_damaged_are_read_batch_by_batch() -> None:
     schema = kfeed.Schema({"id": ("int64", ()), "tok": ("int32", (None,))})
     rb = pa.RecordBatch.from_arrays([pa.array([0, 1, 2]), pa.array([[1, 2], [3], [4, 5, 6]],

@@ -202,6 +202,7 @@ class _Plan:
         self.arrow = arrow
         self.steps: list[tuple[Field, tuple[int, ...] | None, str]] = []
         self.reason: str | None = None
+        self.read_columns: set[int] = set()  # the top-level columns the steps read
         try:
             self._match(schema, arrow)
         except UnicodeDecodeError as e:  # a damaged schema message: pyarrow decodes names late
@@ -229,15 +230,24 @@ class _Plan:
                                f"reads {arrow_type(f)}")
                 return
             self.steps.append((f, path, kind))
+        self.read_columns = {path[0] for _f, path, _k in self.steps if path is not None}
 
     def read(self, batch: Any) -> tuple[int, list[Any]]:
         if self.reason is not None:
             raise _Bad(self.reason)
-        try:  # buffer sizes against lengths: pyarrow's IPC reader leaves that to us
-            batch.validate()
-        except (_pa().ArrowException, ValueError) as e:
-            raise _Bad(f"an invalid record batch: {e}") from None
         n = batch.num_rows
+        # Buffer sizes against lengths, which pyarrow's IPC reader leaves to
+        # us: of the columns read only, as the C reader checks them (a column
+        # no field reads does not make a message bad, whichever reads it).
+        for i, col in enumerate(batch.columns):
+            try:
+                if len(col) != n:
+                    raise ValueError(f"{len(col)} rows in a batch of {n}")
+                if i in self.read_columns:
+                    col.validate()
+            except (_pa().ArrowException, ValueError) as e:
+                raise _Bad(f"an invalid record batch: column {batch.schema.names[i]!r}: "
+                           f"{e}") from None
         out = []
         for f, path, kind in self.steps:
             if path is None:
