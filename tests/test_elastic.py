@@ -314,6 +314,60 @@ def test_states_of_different_epochs_do_not_merge():
         Loader.merge_states([plain[0], states[1]])
 
 
+@pytest.mark.parametrize("late", ["after_commits", "before_its_first_batch"])
+def test_ranks_that_resolved_their_window_apart_merge(late):
+    # Without torch.distributed each rank resolves the epoch's window at its
+    # first batch: a rank that started after another committed had another
+    # start for that rank's partition (or, saved before its first batch, no
+    # window), and the states did not merge ("differ in their epochs' window").
+    values = {p: ROWS.encode_blocks({"id": np.arange(p * 100, p * 100 + 40)}, 4)
+              for p in range(2)}
+    shared: tuple[dict, dict, dict] = ({}, {}, {})
+
+    def rank(r: int, world: int) -> Loader:
+        source = MemorySource(values)
+        source.committed_positions, source.committed_by, source.committed_notes = shared
+        return Loader(None, "memory", ROWS, 8, source=source, device="cpu", until="end",
+                      epochs=2, rank=r, world_size=world, assignment="static",
+                      commit_interval_ms=0)
+    a, b = rank(0, 2), rank(1, 2)
+    got = [next(a)["id"].numpy().copy() for _ in range(3)]
+    if late == "after_commits":
+        got += [next(b)["id"].numpy().copy() for _ in range(3)]
+    states = [a.state_dict(), b.state_dict()]
+    a.close()
+    b.close()
+    if late == "after_commits":
+        starts = [s["epochs"]["window"]["start"] for s in states]
+        assert starts[0] != starts[1]  # rank 1 saw rank 0's commits
+    else:
+        assert states[1]["epochs"]["window"] is None
+    merged = Loader.merge_states(states)
+    assert merged["epochs"]["window"]["start"] == states[0]["epochs"]["window"]["start"]
+    one = rank(0, 1)
+    one.load_state_dict(merged)
+    with one:
+        rest = [b["id"].numpy().copy() for b in one]
+    assert sorted(np.concatenate(got + rest).tolist()) == [*range(40), *range(100, 140)]
+
+
+def test_windows_that_differ_where_no_rank_reads_do_not_merge():
+    values = {p: ROWS.encode_blocks({"id": np.arange(p * 100, p * 100 + 40)}, 4)
+              for p in range(2)}
+    _, states = run_job(values, 2, [1, 1], None, "id", batch_size=8, epochs=2)
+    other = json.loads(json.dumps(states[1]))
+    other["epochs"]["window"]["until"][0][2] -= 1  # rank 0's partition, which rank 1 never reads
+    assert Loader.merge_states([states[0], other])["epochs"] == \
+        Loader.merge_states(states)["epochs"]
+    both = json.loads(json.dumps(states[0]))
+    both["epochs"]["window"]["until"][0][2] -= 2
+    # Hand-made: both name the partition as theirs, at different ends.
+    both["static"] = other["static"] = {"covers": [["memory", 0], ["memory", 1]],
+                                        "of": [["memory", 0], ["memory", 1]]}
+    with pytest.raises(ConfigError, match=r"differ in their epochs' window at \('memory', 0\)"):
+        Loader.merge_states([both, other])
+
+
 def static_ranks(ids: dict[int, np.ndarray], per_block: int, batch_size: int):
     """``loader(rank, world_size)``: static ranks over partitions of ``ids``, whose
     commits go where every loader made by it reads them, as a Kafka group's do."""

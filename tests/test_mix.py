@@ -1043,6 +1043,37 @@ def test_repeat_resumes_with_several_readings_held_in_the_shuffle(stop):
     np.testing.assert_array_equal(np.concatenate(first + rest), whole)
 
 
+@pytest.mark.parametrize("shuffle", [None, Shuffle(5, seed=1)])
+def test_a_repeat_state_saved_again_before_its_first_batch_keeps_its_rounds(shuffle):
+    # A job resumed and checkpointed again before its first step (or a rank
+    # that saves before its first batch): the loaded rounds were not in the
+    # state, and a resume from it stopped reading the source read again
+    # (24 of 40 records).
+    ids = Schema({"id": ("int64", ())})
+    values = {("a", 0): ids.encode_blocks({"id": np.array([0])}, 1),  # read again and again
+              ("b", 0): ids.encode_blocks({"id": np.arange(1000, 1020)}, 1)}
+    mix = Mix({"a": 0.5, "b": 0.5}, seed=0, exhausted="repeat")
+    kw = {"batch_size": 4, "shuffle": shuffle}
+    whole = np.concatenate(read(values, mix, ids, **kw)[0])
+    assert len(whole) == 40
+    first, state = read(values, mix, ids, stop=1, **kw)
+    assert state["rounds"]
+    loader = Loader(None, mix, ids, 4, source=MemorySource(values), device="cpu", until="end",
+                    shuffle=shuffle)
+    loader.load_state_dict(state)
+    with loader:
+        again = loader.state_dict()
+    assert again["rounds"] == state["rounds"]
+    rest, _ = read(values, mix, ids, state=again, **kw)
+    np.testing.assert_array_equal(np.concatenate(first + rest), whole)
+    # Merged with states naming the partition in an earlier round, or in none,
+    # the furthest round is kept, once.
+    (t, p, r), = state["rounds"]
+    for other in ([[t, p, 1]], []):
+        merged = Loader.merge_states([{**again, "rounds": other}, again])
+        assert merged["rounds"] == state["rounds"]
+
+
 def test_repeat_with_a_partition_empty_in_the_window_does_not_stall():
     got, stats = read(small_a_values(empty_a0=True), Mix({"a": 0.5, "b": 0.5},
                                                           exhausted="repeat"), batch_size=16)

@@ -914,8 +914,10 @@ class OrderLedger(Ledger):
             if self.mixer.mix.exhausted == "repeat":  # where partitions read again start
                 state["window"] = [[t, p, o, self.window_skip.get((t, p), 0)]
                                    for (t, p), o in sorted(self.window.items())]
-                state["rounds"] = [[t, p, r] for (t, p), r in
-                                   sorted({**self.rounds, **self.pending_rounds}.items()) if r]
+                # (A loaded state's rounds stay its own until their partition
+                # is assigned: a state saved before that kept none of them.)
+                rounds = {**self.saved_rounds, **self.rounds, **self.pending_rounds}
+                state["rounds"] = [[t, p, r] for (t, p), r in sorted(rounds.items()) if r]
                 self._read_over(state)
         return state
 

@@ -115,9 +115,50 @@ def _merge_epochs(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     if len(numbers) > 1:
         raise ConfigError(f"the states are of different epochs ({', '.join(map(str, numbers[:-1]))}"
                           f" and {numbers[-1]}): gather every rank's state at one step")
-    if any(e["window"] != saved[0]["window"] for e in saved):
-        raise ConfigError("the states differ in their epochs' window")
-    return {**saved[0], "finished": all(bool(e["finished"]) for e in saved)}
+    return {**saved[0], "window": _merge_windows(states),
+            "finished": all(bool(e["finished"]) for e in saved)}
+
+
+def _merge_windows(states: list[Mapping[str, Any]]) -> dict[str, list[list[Any]]] | None:
+    """The epoch's window of the ranks' states: a partition's ends are those of the rank
+    that reads it (its static cover, else its positions).
+
+    Without torch.distributed each rank resolves the window itself, at its
+    first batch (none yet: None): a rank that started after another had
+    committed, or more was written, has other ends for that rank's
+    partitions, which it never reads.
+    """
+    windows = [(i, st["epochs"]["window"]) for i, st in enumerate(states)
+               if st["epochs"]["window"] is not None]
+    if not windows:
+        return None
+    readers: dict[tuple[str, int], set[int]] = {}
+    for i, st in enumerate(states):
+        cover = static_cover(st)
+        tps = ({(t, p) for t, p in cover["covers"]} if cover is not None
+               else set(state_positions(st)))
+        for tp in tps:
+            readers.setdefault(tp, set()).add(i)
+    out: dict[str, list[list[Any]]] = {}
+    for name in ("start", "until", "skips"):
+        ends: dict[tuple[str, int], dict[int, int]] = {}
+        for i, window in windows:
+            for t, p, o in window.get(name, []):
+                ends.setdefault((str(t), int(p)), {})[i] = int(o)
+        merged = []
+        for tp, by_rank in sorted(ends.items()):
+            if name == "skips":  # a window without the partition skips none of it
+                by_rank = {i: by_rank.get(i, 0) for i, _w in windows}
+            values = set(by_rank.values())
+            if len(values) > 1:
+                values = {o for i, o in by_rank.items() if i in readers.get(tp, ())}
+            if len(values) != 1:
+                raise ConfigError(f"the states differ in their epochs' window at {tp}, "
+                                  f"which no one rank reads: gather every rank's state of "
+                                  f"one job at one step")
+            merged.append([*tp, values.pop()])
+        out[name] = [e for e in merged if name != "skips" or e[2]]
+    return out
 
 
 def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -203,8 +244,16 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         out["mix"] = {**mixes[0], "ended": False, "live": [True] * n, "to_repeat": None,
                       "ran_out": ran_out,
                       "since": [max(c, 1) if k in again else c for k, c in enumerate(since)]}
-        # Mix(exhausted="repeat"): each partition's window start and round.
-        for key in ("window", "rounds"):
-            if any(key in st for st in states):
-                out[key] = [e for st in states for e in st.get(key, [])]
+        # Mix(exhausted="repeat"): each partition's window start, and its round:
+        # the furthest, where a rank that holds it and one that only loaded it
+        # both name it (rounds only grow).
+        if any("window" in st for st in states):
+            out["window"] = list({tuple(e[:2]): e for st in states
+                                  for e in st.get("window", [])}.values())
+        if any("rounds" in st for st in states):
+            rounds: dict[tuple[Any, ...], int] = {}
+            for st in states:
+                for t, p, r in st.get("rounds", []):
+                    rounds[(t, p)] = max(rounds.get((t, p), 0), int(r))
+            out["rounds"] = [[t, p, r] for (t, p), r in sorted(rounds.items())]
     return out
