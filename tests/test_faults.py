@@ -184,13 +184,19 @@ def short_sessions(bootstrap: str, group: str) -> None:
     admin.incremental_alter_configs([resource])[resource].result(30)
 
 
+# How many times the crash proofs kill: `make test` twice (a resume from a
+# resumed run), `pytest -m slow` five times.
+KILLS = [2, pytest.param(5, marks=pytest.mark.slow)]
+
+
 # One trainer in its group: cooperative-sticky's incremental assignment differs
 # from eager's only when members come and go, which the two-rank proof below runs
 # under all three protocols; its single-member run is left to `pytest -m slow`.
+@pytest.mark.parametrize("kills", KILLS)
 @pytest.mark.parametrize("protocol", [
     "eager", pytest.param("cooperative", marks=pytest.mark.slow), "consumer"])
-def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_path,
-                                                   protocol) -> None:
+def test_trainer_killed_repeatedly_resumes_exactly(bootstrap, make_topic, tmp_path,
+                                                   protocol, kills) -> None:
     from test_loader_kafka import produce, trained_ids
 
     topic = make_topic(partitions=3, replication=3)
@@ -207,8 +213,8 @@ def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_pa
     for key, value in PROTOCOLS[protocol].items():
         cmd += ["-X", f"{key}={value}"]
     rng = np.random.default_rng(7)
-    kills = 0
-    for _ in range(5):
+    wanted, kills = kills, 0
+    for _ in range(wanted):
         before = log.read_text().count("\n") if log.exists() else 0
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         target = before + int(rng.integers(3, 25))  # a random point, between checkpoints or not
@@ -224,7 +230,7 @@ def test_trainer_killed_five_times_resumes_exactly(bootstrap, make_topic, tmp_pa
     assert done.returncode == 0, done.stderr
     lost, dup = count_ids(np.array(trained_ids(log.read_text())), n)
     report(f"trainer_crash_{protocol}", samples=n, faults=kills, lost=lost, duplicated=dup)
-    assert kills == 5
+    assert kills == wanted
     assert (lost, dup) == (0, 0)
 
 
@@ -343,9 +349,10 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.parametrize("kills", KILLS)
 @pytest.mark.parametrize("protocol", ["eager", "cooperative", "consumer"])
-def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
-        bootstrap, make_topic, tmp_path, protocol) -> None:
+def test_two_ranks_in_one_group_killed_repeatedly_resume_exactly(
+        bootstrap, make_topic, tmp_path, protocol, kills) -> None:
     import os
     import socket
 
@@ -377,9 +384,9 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
         return sum(log.read_bytes().count(b"\n") for log in logs if log.exists())
 
     rng = np.random.default_rng(11)
-    kills = 0
+    wanted, kills = kills, 0
     ended: list[str] = []  # what a rank that ended before its kill said
-    for _ in range(5):
+    for _ in range(wanted):
         procs = start()
         target = lines() + int(rng.integers(4, 30))  # a random point, between checkpoints or not
         deadline = time.monotonic() + 60
@@ -417,7 +424,7 @@ def test_two_ranks_in_one_group_killed_five_times_resume_exactly(
     lost, dup = count_ids(np.concatenate([trained, left]), n)
     report(f"trainer_crash_two_ranks_one_group_{protocol}", samples=n, faults=kills, lost=lost,
            duplicated=dup, left_for_the_next_epoch=len(left))
-    assert kills == 5, ended
+    assert kills == wanted, ended
     assert (lost, dup) == (0, 0)
 
 
