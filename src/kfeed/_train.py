@@ -259,7 +259,8 @@ class _LMTask:
         real = int(self._real)
         eff = real / self._slots if self._slots else 0.0
         rate = real / st["elapsed_s"] if st["elapsed_s"] > 0 else 0.0
-        return (f"trained {_steps(steps)} on {real:,} tokens in [{self.batch_size}, {self.seq_len}] "
+        return (f"trained {_steps(steps)} on {real:,} tokens in "
+                f"[{self.batch_size}, {self.seq_len}] "
                 f"rows: {rate:,.0f} tokens/s, packing efficiency {100 * eff:.1f}%")
 
     def expects(self) -> str:
