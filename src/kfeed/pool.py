@@ -132,18 +132,20 @@ class Slot:
 
     def returned(self) -> bool:
         """Whether a lent slot's tensors are the pool's alone again, on the same memory."""
-        return bool(self.marks) and not self.moved() and all(
-            _storage_use_count(t.untyped_storage()._cdata) == count
-            for t, _ptr, _nbytes, count in self.marks)
+        if not self.marks:
+            return False
+        for t, ptr, nbytes, count in self.marks:
+            st = t.untyped_storage()
+            if st.data_ptr() != ptr or st.nbytes() != nbytes \
+                    or _storage_use_count(st._cdata) != count:
+                return False
+        return True
 
     def moved(self) -> bool:
         """Whether a lent slot's storage has other memory now (``share_memory_()``, as a
         DataLoader worker does to send a batch): not the caller keeping it."""
-        for t, ptr, nbytes, _count in self.marks:
-            st = t.untyped_storage()
-            if st.data_ptr() != ptr or st.nbytes() != nbytes:
-                return True
-        return False
+        return any(t.untyped_storage().data_ptr() != ptr or t.untyped_storage().nbytes()
+                   != nbytes for t, ptr, nbytes, _count in self.marks)
 
     def __repr__(self) -> str:
         return f"Slot({self.index}, {self.state.value}, rows={self.rows})"
