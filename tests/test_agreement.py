@@ -101,6 +101,64 @@ EMPTY_RANK = textwrap.dedent("""
 """)
 
 
+REPEAT_STOPPED = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch.distributed as dist
+    from kfeed import Loader, MemorySource, Mix, Schema, Shuffle
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    ids = Schema({"id": ("int64", ())})
+    # Rank 0: A[0] (600, read again while B[0] lasts) and B[0] (2000); rank 1's
+    # partitions are short, so its mixture ends first and the agreement stops
+    # rank 0 inside a reading of A[0] again, some of A[0]'s first still held.
+    values = {(t, p): ids.encode_blocks({"id": np.arange(first, first + n)}, 10)
+              for t, p, first, n in (("A", 0, 0, 600), ("B", 0, 10000, 2000),
+                                     ("A", 1, 1000, 500), ("B", 1, 20000, 500))}
+    shuffle = Shuffle(100, seed=1) if sys.argv[1] == "1" else None
+
+    def loader(**kw):
+        return Loader(None, Mix({"A": 0.5, "B": 0.5}, exhausted="repeat"), ids, 50,
+                      source=MemorySource(values), device="cpu", until="end",
+                      shuffle=shuffle, **kw)
+    ld = loader(assignment="static", rank=rank, world_size=2)
+    got = [i for b in ld for i in b["id"].tolist()]
+    states, gots = [None, None], [None, None]
+    dist.all_gather_object(states, ld.state_dict())
+    dist.all_gather_object(gots, got)
+    ld.close()
+    dist.destroy_process_group()
+    rest = loader()  # the next read, from the job's merged state
+    rest.load_state_dict(json.loads(json.dumps(Loader.merge_states(states))))
+    with rest:
+        left = [i for b in rest for i in b["id"].tolist()]
+    every = {(t, p): set(range(first, first + n)) for t, p, first, n in
+             (("A", 0, 0, 600), ("B", 0, 10000, 2000), ("A", 1, 1000, 500),
+              ("B", 1, 20000, 500))}
+    seen = set(gots[0]) | set(gots[1]) | set(left)
+    lost = sum(len(v - seen) for v in every.values())
+    a0_first = [i for i in gots[rank] if i < 600]
+    a0_again = len([i for i in left if i < 600 and i in set(a0_first)])
+    print("RESULT", rank, int(len(a0_first) < 600), lost, a0_again,
+          int(list(states[0]["positions"]["A"][0]) < [60, 0]), flush=True)
+""")
+
+
+@pytest.mark.parametrize("shuffle", ["0", "1"])
+def test_a_repeat_mixture_stopped_by_the_agreement_leaves_its_first_reading_to_the_next(
+        tmp_path, shuffle) -> None:
+    # The read again partitions of a rank stopped by the others counted as
+    # read whole: their state and commit went to their end, and the records
+    # of their first reading not handed out yet were never read (75 of 600).
+    script = tmp_path / "worker.py"
+    script.write_text(REPEAT_STOPPED)
+    results = run_two_ranks(script, shuffle)
+    stopped_inside, lost, again, behind = results[0]
+    assert stopped_inside == 1  # the case: rank 0 had not handed out all of A[0] yet
+    assert lost == 0
+    assert again == 0  # what rank 0 handed out of A[0] is not read again
+    assert behind == 1  # its own state keeps A[0] before its end
+
+
 def test_a_job_whose_rank_has_nothing_left_says_why_it_reads_nothing(tmp_path) -> None:
     # Resumed at the size that left one rank's partitions read to their end, a
     # static job read nothing, resume after resume, without a word.

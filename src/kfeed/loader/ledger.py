@@ -601,6 +601,9 @@ class OrderLedger(Ledger):
         self.saved_rounds: dict[TP, int] = {}
         self.pending_rounds: dict[TP, int] = {}
         self.over = False  # the bounded read is over (``finish``)
+        # Partitions read again whose first reading was not all handed out when
+        # the read ended: where that reading ends.
+        self.first_left: dict[TP, int] = {}
         self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
@@ -866,8 +869,20 @@ class OrderLedger(Ledger):
         super().finish(ends, read_to, done)
         with self.lock:
             self.over = True
-            self.read_whole.update({tp: (None, (ends[tp], 0)) for tp, n in self.rounds.items()
-                                    if n > 0 and tp in ends})
+            marks = self.order.watermarks()
+            for tp, n in self.rounds.items():
+                if n == 0 or tp not in ends:
+                    continue
+                mark = marks.get(tp)
+                if mark is not None and (mark[0] > _OFFSET_MASK or tuple(mark) >= (ends[tp], 0)):
+                    self.read_whole[tp] = (None, (ends[tp], 0))
+                else:
+                    # Its first reading is not all out: the ranks' agreement
+                    # stopped the read (NOTE [ Rounds ]). Its commit stays below
+                    # what is left, and a state leaves the next read that
+                    # (``_read_over``), not the readings that came after.
+                    self.read_whole.pop(tp, None)
+                    self.first_left[tp] = ends[tp]
 
     def carry(self, tp: TP, pos: Position) -> None:
         super().carry(tp, pos)
@@ -931,11 +946,17 @@ class OrderLedger(Ledger):
         if not self.over:
             return
         over = {tp: end for tp, (last, end) in self.read_whole.items() if last is None}
+        left = self.first_left
         order = state["order"]
+        # A first reading not all out is read on from its watermark to its end,
+        # its records not out yet held as they were; the later readings' are
+        # no more.
         order["partitions"] = [[e[0], list(over[e[0]]), list(over[e[0]])] if e[0] in over
+                               else [e[0], e[1], [left[e[0]], 0]] if e[0] in left
                                else e for e in order["partitions"]]
         for key in ("held", "outbox"):
-            order[key] = [k for k in order[key] if k[0] not in over]
+            order[key] = [k for k in order[key] if k[0] not in over
+                          and (k[0] not in left or k[1] <= _OFFSET_MASK)]
         state["positions"] = by_topic({**state_positions(state), **over})
         state["window"], state["rounds"] = [], []  # the next read's are its own
         n = len(self.mixer.sources)
