@@ -1835,7 +1835,7 @@ def test_a_signal_saves_a_checkpoint_and_exits(bootstrap, make_topic, group_id, 
     assert err.splitlines() == [
         (f"kfeed: stopped by {signal.Signals(sig).name} at step {step}: checkpoint saved to "
         f"{ckpt} at step {step}: --resume goes on from there")]
-    assert summary(out).startswith(f"trained {step} steps on ")
+    assert summary(out).startswith(f"trained {step} step{'' if step == 1 else 's'} on ")
     first = samples_of(out)
     rest = kfeed(*args, bootstrap=bootstrap)
     assert rest.returncode == 0, rest.stderr
@@ -1845,7 +1845,7 @@ def test_a_signal_saves_a_checkpoint_and_exits(bootstrap, make_topic, group_id, 
 
 
 def samples_of(stdout: str) -> int:
-    return int(summary(stdout).split(" samples")[0].rsplit(" ", 1)[1])
+    return int(summary(stdout).split(" samples")[0].rsplit(" ", 1)[1].replace(",", ""))
 
 
 def on_a_terminal(args: list[str], stdout: Any = subprocess.PIPE) -> tuple[str, str, int]:

@@ -514,7 +514,7 @@ def lm_summary(stdout: str) -> tuple[int, float]:
     """Real tokens and packing efficiency (%) from ``kfeed train --task lm``'s last line."""
     summary = stdout.strip().splitlines()[-1]
     assert "tokens/s" in summary and "data stall" in summary, stdout
-    real = int(summary.split(" tokens in ")[0].rsplit(" ", 1)[1])
+    real = int(summary.split(" tokens in ")[0].rsplit(" ", 1)[1].replace(",", ""))
     return real, float(summary.split("packing efficiency ")[1].split("%")[0])
 
 
