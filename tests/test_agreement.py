@@ -111,9 +111,10 @@ REPEAT_STOPPED = textwrap.dedent("""
     # Rank 0: A[0] (600, read again while B[0] lasts) and B[0] (2000); rank 1's
     # partitions are short, so its mixture ends first and the agreement stops
     # rank 0 inside a reading of A[0] again, some of A[0]'s first still held.
-    values = {(t, p): ids.encode_blocks({"id": np.arange(first, first + n)}, 10)
-              for t, p, first, n in (("A", 0, 0, 600), ("B", 0, 10000, 2000),
-                                     ("A", 1, 1000, 500), ("B", 1, 20000, 500))}
+    every = {(t, p): range(first, first + n) for t, p, first, n in
+             (("A", 0, 0, 600), ("B", 0, 10000, 2000), ("A", 1, 1000, 500),
+              ("B", 1, 20000, 500))}
+    values = {tp: ids.encode_blocks({"id": np.array(r)}, 10) for tp, r in every.items()}
     shuffle = Shuffle(100, seed=1) if sys.argv[1] == "1" else None
 
     def loader(**kw):
@@ -131,11 +132,8 @@ REPEAT_STOPPED = textwrap.dedent("""
     rest.load_state_dict(json.loads(json.dumps(Loader.merge_states(states))))
     with rest:
         left = [i for b in rest for i in b["id"].tolist()]
-    every = {(t, p): set(range(first, first + n)) for t, p, first, n in
-             (("A", 0, 0, 600), ("B", 0, 10000, 2000), ("A", 1, 1000, 500),
-              ("B", 1, 20000, 500))}
     seen = set(gots[0]) | set(gots[1]) | set(left)
-    lost = sum(len(v - seen) for v in every.values())
+    lost = sum(len(set(r) - seen) for r in every.values())
     a0_first = [i for i in gots[rank] if i < 600]
     a0_again = len([i for i in left if i < 600 and i in set(a0_first)])
     print("RESULT", rank, int(len(a0_first) < 600), lost, a0_again,

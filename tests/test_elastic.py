@@ -320,16 +320,8 @@ def test_ranks_that_resolved_their_window_apart_merge(late):
     # first batch: a rank that started after another committed had another
     # start for that rank's partition (or, saved before its first batch, no
     # window), and the states did not merge ("differ in their epochs' window").
-    values = {p: ROWS.encode_blocks({"id": np.arange(p * 100, p * 100 + 40)}, 4)
-              for p in range(2)}
-    shared: tuple[dict, dict, dict] = ({}, {}, {})
-
-    def rank(r: int, world: int) -> Loader:
-        source = MemorySource(values)
-        source.committed_positions, source.committed_by, source.committed_notes = shared
-        return Loader(None, "memory", ROWS, 8, source=source, device="cpu", until="end",
-                      epochs=2, rank=r, world_size=world, assignment="static",
-                      commit_interval_ms=0)
+    rank = static_ranks({p: np.arange(p * 100, p * 100 + 40) for p in range(2)}, 4, 8,
+                        epochs=2, commit_interval_ms=0)
     a, b = rank(0, 2), rank(1, 2)
     got = [next(a)["id"].numpy().copy() for _ in range(3)]
     if late == "after_commits":
@@ -368,9 +360,10 @@ def test_windows_that_differ_where_no_rank_reads_do_not_merge():
         Loader.merge_states([both, other])
 
 
-def static_ranks(ids: dict[int, np.ndarray], per_block: int, batch_size: int):
+def static_ranks(ids: dict[int, np.ndarray], per_block: int, batch_size: int, **kw):
     """``loader(rank, world_size)``: static ranks over partitions of ``ids``, whose
-    commits go where every loader made by it reads them, as a Kafka group's do."""
+    commits go where every loader made by it reads them, as a Kafka group's do;
+    ``kw``: more Loader arguments."""
     rows = Schema({"id": ("int64", ())})
     values = {p: rows.encode_blocks({"id": v}, per_block) for p, v in ids.items()}
     shared: tuple[dict, dict, dict] = ({}, {}, {})
@@ -379,7 +372,7 @@ def static_ranks(ids: dict[int, np.ndarray], per_block: int, batch_size: int):
         source = MemorySource(values)
         source.committed_positions, source.committed_by, source.committed_notes = shared
         return Loader(None, "memory", rows, batch_size, source=source, device="cpu",
-                      until="end", rank=rank, world_size=size, assignment="static")
+                      until="end", rank=rank, world_size=size, assignment="static", **kw)
     return loader
 
 

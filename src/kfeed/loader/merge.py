@@ -82,7 +82,7 @@ def merge_states(states: Sequence[Mapping[str, Any]], version: int) -> dict[str,
         out["static"] = {key: [list(tp) for tp in sorted(
             {tuple(tp) for c in covers for tp in c[key]})] for key in ("covers", "of")}
     if first.get("epochs") is not None:
-        out["epochs"] = _merge_epochs(states)
+        out["epochs"] = _merge_epochs(states, covers)
     if "order" in first:
         out.update(_merge_orders(states))
     return out
@@ -102,7 +102,8 @@ def static_cover(state: Mapping[str, Any]) -> dict[str, list[list[Any]]] | None:
     return out
 
 
-def _merge_epochs(states: list[Mapping[str, Any]]) -> dict[str, Any]:
+def _merge_epochs(states: list[Mapping[str, Any]],
+                  covers: list[dict[str, list[list[Any]]] | None]) -> dict[str, Any]:
     """The epoch of states saved by the ranks of a job with ``epochs=N``.
 
     They must be in one epoch, over one window. It counts as finished only
@@ -115,13 +116,15 @@ def _merge_epochs(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     if len(numbers) > 1:
         raise ConfigError(f"the states are of different epochs ({', '.join(map(str, numbers[:-1]))}"
                           f" and {numbers[-1]}): gather every rank's state at one step")
-    return {**saved[0], "window": _merge_windows(states),
+    return {**saved[0], "window": _merge_windows(states, covers),
             "finished": all(bool(e["finished"]) for e in saved)}
 
 
-def _merge_windows(states: list[Mapping[str, Any]]) -> dict[str, list[list[Any]]] | None:
+def _merge_windows(states: list[Mapping[str, Any]],
+                   covers: list[dict[str, list[list[Any]]] | None]
+                   ) -> dict[str, list[list[Any]]] | None:
     """The epoch's window of the ranks' states: a partition's ends are those of the rank
-    that reads it (its static cover, else its positions).
+    that reads it (its static cover, ``covers[i]``, else its positions).
 
     Without torch.distributed each rank resolves the window itself, at its
     first batch (none yet: None): a rank that started after another had
@@ -133,8 +136,7 @@ def _merge_windows(states: list[Mapping[str, Any]]) -> dict[str, list[list[Any]]
     if not windows:
         return None
     readers: dict[tuple[str, int], set[int]] = {}
-    for i, st in enumerate(states):
-        cover = static_cover(st)
+    for i, (st, cover) in enumerate(zip(states, covers, strict=True)):
         tps = ({(t, p) for t, p in cover["covers"]} if cover is not None
                else set(state_positions(st)))
         for tp in tps:
