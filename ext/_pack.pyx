@@ -803,10 +803,10 @@ MIX_LIMIT, MIX_STALLED, MIX_EXHAUSTED, MIX_NONE = (MIX_LIMIT_C, MIX_STALLED_C,
 
 
 def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] end,
-             const uint8_t[::1] done, int64_t[::1] ring, const int64_t[::1] ring_start,
-             int64_t[::1] ring_len, int64_t[::1] rr, const int64_t[::1] weights,
-             int64_t[::1] credits, const uint8_t[::1] live, Py_ssize_t limit,
-             int64_t[:, ::1] out):
+             const uint8_t[::1] done, const uint8_t[::1] idle, int64_t[::1] ring,
+             const int64_t[::1] ring_start, int64_t[::1] ring_len, int64_t[::1] rr,
+             const int64_t[::1] weights, int64_t[::1] credits, const uint8_t[::1] live,
+             Py_ssize_t limit, int64_t[:, ::1] out):
     """Take up to ``limit`` records in the mixture's order into ``out``.
 
     Sources are drawn by smooth weighted round robin: every draw adds each
@@ -817,16 +817,21 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
     turns record by record, in ``ring`` order (``ring[ring_start[s]:][:ring_len[s]]``,
     the next one at ``rr[s]``). A partition's records wait in
     ``pool[head[p]:end[p]]``; one that is ``done`` (read to its end) and
-    empty leaves the ring when its turn comes.
+    empty leaves the ring when its turn comes. One that is ``idle`` (an
+    unbounded read at the partition's end for now: nothing more in Kafka)
+    and empty passes its turn to the next of its ring, unless every one
+    of them is idle or waits (a source with no records holds the mixture).
 
     A draw is made only once its record is there, so where the stream stops
     (a partition not fetched yet) does not change the order: the records
-    taken depend only on the state and the records, never on timing.
+    taken depend only on the state and the records, never on timing; but
+    for a partition's turn passed while it was idle, which depends on when
+    its next records were written.
     Returns ``(taken, why, source)``: ``why`` one of the ``MIX_*`` codes,
     ``source`` the source that stalled or ran out (else -1).
     """
     cdef Py_ssize_t nsrc = weights.shape[0], nparts = head.shape[0], nring = ring.shape[0]
-    cdef Py_ssize_t s, p, k, j, best, n = 0
+    cdef Py_ssize_t s, p, k, j, best, passed, n = 0
     cdef int64_t total, v, bestv
     cdef int why = MIX_LIMIT_C
     cdef Py_ssize_t src = -1
@@ -835,8 +840,8 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
     if credits.shape[0] != nsrc or live.shape[0] != nsrc or ring_start.shape[0] != nsrc \
             or ring_len.shape[0] != nsrc or rr.shape[0] != nsrc:
         raise ValueError("credits, live, ring_start, ring_len and rr need one entry per source")
-    if end.shape[0] != nparts or done.shape[0] != nparts:
-        raise ValueError("head, end and done need one entry per partition id")
+    if end.shape[0] != nparts or done.shape[0] != nparts or idle.shape[0] != nparts:
+        raise ValueError("head, end, done and idle need one entry per partition id")
     for p in range(nparts):
         if not 0 <= head[p] <= end[p] <= pool.shape[0]:
             raise ValueError(f"partition id {p}: rows {head[p]}..{end[p]} are not in the pool")
@@ -866,6 +871,7 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
                     if best < 0 or v > bestv:
                         best = s
                         bestv = v
+            passed = 0  # idle partitions whose turn passed in this draw
             while True:
                 if ring_len[best] == 0:
                     why = MIX_EXHAUSTED_C
@@ -875,6 +881,10 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
                 if head[p] < end[p]:
                     break
                 if not done[p]:
+                    if idle[p] and passed + 1 < ring_len[best]:
+                        passed += 1
+                        rr[best] = (rr[best] + 1) % ring_len[best]
+                        continue
                     why = MIX_STALLED_C
                     break
                 # Read to its end and empty: out of the ring, the next takes its turn.

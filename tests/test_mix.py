@@ -39,6 +39,7 @@ from kfeed.mix import Mixer
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 NONE_KNOWN = (np.zeros((0, 2), np.int64), np.zeros(0, np.uint8))
+IDS = Schema({"id": ("int64", ())})
 
 
 def mixed_sources(weights: dict[str, float], n: int, seed: int = 0) -> np.ndarray:
@@ -128,6 +129,89 @@ def test_partitions_of_a_source_take_turns_and_a_finished_one_leaves_the_ring():
     assert m.take()[:, 3].tolist() == [5] and not m.ended
     m.done([2])
     assert len(m.take()) == 0 and m.ended
+
+
+def test_an_idle_partition_passes_its_turn_and_a_waiting_one_holds_its_source():
+    m = Mixer(Mix({"a": 1.0}), 4, bounded=False)
+    m.assign({("a", 0): 0, ("a", 1): 1, ("a", 2): 2})
+    recs = np.array([(0, 0, 0, 0), (0, 1, 0, 1), (2, 0, 0, 2), (2, 1, 0, 3)], np.int64)
+    m.push(recs, *NONE_KNOWN)
+    assert m.take()[:, 3].tolist() == [0]  # 1 has nothing and is not known idle: it waits
+    assert m.stalled_on == "a"
+    m.idle([1])  # at its end for now: its turns pass
+    assert m.take()[:, 3].tolist() == [2, 1, 3]
+    assert m.stalled_on == "a"  # 0 waits (not idle), though 1 is
+    m.idle([0, 1, 2])
+    assert len(m.take()) == 0 and m.stalled_on == "a"  # every one idle: the source waits
+    m.push(np.array([(1, 0, 0, 4), (0, 2, 0, 5)], np.int64), *NONE_KNOWN)
+    assert m.take()[:, 3].tolist() == [5, 4]  # idle ones with records take their turns
+    assert not m.ended
+
+
+def idle_key_values(a0: int = 4) -> dict:
+    """Topic a: partition 0 holds ``a0`` records (a rare key), partition 1 many; b: one."""
+    ids = {("a", 0): range(a0), ("a", 1): range(1000, 1200 - a0), ("b", 0): range(2000, 2200)}
+    return {tp: IDS.encode_raw({"id": np.array(list(r), np.int64)}) for tp, r in ids.items()}
+
+
+def _ids_until(loader: Loader, n: int, seconds: float = 30) -> list[int]:
+    """The first ``n`` ids ``loader`` (unbounded) hands out, read in a thread; fails if they
+    do not come in time. The loader is closed."""
+    got: list[int] = []
+
+    def read() -> None:
+        try:
+            for b in loader:
+                got.extend(b["id"].tolist())
+                if len(got) >= n:
+                    return
+        except LoaderError:  # closed while it waited: the assert below says why
+            pass
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    loader.close()
+    thread.join(10)
+    assert len(got) >= n, f"the mixture waits, after {len(got)} records"
+    return got
+
+
+@pytest.mark.parametrize("most", [None, 3])
+def test_an_unbounded_mixture_is_not_held_up_by_a_partition_at_its_end(most):
+    # Partition a/0 (a rare key) ends after 4 records: waiting on its turn
+    # would hold topic a, and the mixture, up after a dozen records.
+    source = MemorySource(idle_key_values(), eof=True, most=most)
+    loader = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=3), IDS, 8, source=source,
+                    device="cpu", format="raw", max_wait_ms=20)
+    got = _ids_until(loader, 400)
+    assert sorted(got) == sorted(set(got)) == [*range(4), *range(1000, 1196),
+                                               *range(2000, 2200)]
+    # Over records already written the order is still the records' alone: the
+    # same stream however the fetches came (most=3: three messages a fetch).
+    plain = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=3), IDS, 8, device="cpu", format="raw",
+                   source=MemorySource(idle_key_values(), eof=True), max_wait_ms=20)
+    assert got == _ids_until(plain, 400)
+    src = np.array([i >= 2000 for i in got])  # b's records, about every other one
+    assert abs(int(src[:200].sum()) - 100) <= 2
+
+
+def test_a_partition_written_again_takes_its_turns_again():
+    source = MemorySource(idle_key_values(), eof=True)
+    loader = Loader(None, Mix({"a": 0.5, "b": 0.5}), IDS, 8, source=source, device="cpu",
+                    format="raw", max_wait_ms=20)
+    got: list[int] = []
+    with loader:
+        for b in loader:
+            got.extend(b["id"].tolist())
+            if len(got) == 40:  # a/0 was read to its end long ago
+                source.append(("a", 0), IDS.encode_raw({"id": np.arange(100, 110)}))
+            if len(got) >= 160:
+                break
+    assert len(got) == len(set(got))
+    a = [i for i in got if i < 2000]
+    k = a.index(100)
+    assert a[k:k + 20:2] == list(range(100, 110))  # every other turn of topic a again
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -1080,9 +1164,6 @@ def test_repeat_with_a_partition_empty_in_the_window_does_not_stall():
     ids = np.concatenate(got)
     assert stats["mix"]["b"] == 200 and abs(stats["mix"]["a"] - 200) <= 1
     assert set(ids[ids < 10**6].tolist()) == set(range(10**4, 10**4 + 5))
-
-
-IDS = Schema({"id": ("int64", ())})
 
 
 def _ids_within(loader: Loader, seconds: float = 60) -> list[int]:

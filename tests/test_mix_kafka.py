@@ -6,6 +6,7 @@ own timing decides what each fetch holds, which must not change the stream.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -133,3 +134,61 @@ def test_repeat_reads_a_small_topic_again_and_resumes_into_the_same_stream(boots
     assert any(r >= 2 for _t, _p, r in state["rounds"])
     rest, _ = read(bootstrap, mix, shuffle=kfeed.Shuffle(200, seed=1), state=state)
     np.testing.assert_array_equal(np.concatenate(first + rest), ids)
+
+
+def produce_to(bootstrap: str, topic: str, partition: int, ids: np.ndarray) -> None:
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, SCHEMA,
+                        partitioner=lambda _key, _n: partition) as p:
+        p.send(synthetic_columns(ids), keys=ids)
+
+
+def test_an_unbounded_mixture_is_not_held_up_by_an_idle_partition(bootstrap, make_topic):
+    # Topic a is keyed: partition 0 holds a few records, 1 the rest, 2 none
+    # (a key not seen yet). Waiting on 2's turn would hold the mixture up at
+    # once; its turns pass while the brokers say it is at its end.
+    a, b = make_topic(partitions=3), make_topic(partitions=1)
+    produce_to(bootstrap, a, 0, np.arange(5))
+    produce_to(bootstrap, a, 1, np.arange(5, 1000))
+    produce(bootstrap, b, 10**6 + np.arange(1000))
+    mix = kfeed.Mix({a: 0.5, b: 0.5}, seed=1)
+    config = {"bootstrap.servers": bootstrap}
+
+    def reader() -> tuple[kfeed.Loader, list[int], threading.Thread]:
+        loader = kfeed.Loader({**config, "group.id": uuid.uuid4().hex}, mix, SCHEMA, 100,
+                              device="cpu", max_wait_ms=50)
+        got: list[int] = []
+
+        def read() -> None:
+            try:
+                for batch in loader:
+                    got.extend(batch["id"].tolist())
+            except kfeed.LoaderError:  # closed
+                pass
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        return loader, got, thread
+
+    def wait_for(got: list[int], n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(got) >= n, f"the mixture waits, after {len(got)} records"
+
+    streams = []
+    for run in range(2):
+        loader, got, thread = reader()
+        wait_for(got, 2000)
+        if run:  # a key seen at last: partition 2 takes its turns again
+            produce_to(bootstrap, a, 2, np.arange(2000, 2010))
+            produce(bootstrap, b, 10**6 + np.arange(1000, 1010))
+            wait_for(got, 2020)
+        loader.close()
+        thread.join(30)
+        streams.append(got)
+    first, second = streams
+    assert sorted(first) == [*range(1000), *range(10**6, 10**6 + 1000)]
+    # Over records already written the stream is the records' alone: the
+    # second read mixes them alike, whatever its fetches held.
+    assert second[:2000] == first
+    assert sorted(second[2000:]) == [*range(2000, 2010), *range(10**6 + 1000, 10**6 + 1010)]

@@ -75,6 +75,7 @@ def mix_take(
     head: npt.NDArray[np.int64],
     end: npt.NDArray[np.int64],
     done: npt.NDArray[np.uint8],
+    idle: npt.NDArray[np.uint8],
     ring: npt.NDArray[np.int64],
     ring_start: npt.NDArray[np.int64],
     ring_len: npt.NDArray[np.int64],

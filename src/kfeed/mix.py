@@ -13,9 +13,15 @@ records, give or take a couple; a source's partitions take turns record by
 record, in partition order. A draw waits until its record is there, so the
 order depends on the seed, the weights and the records alone, never on when
 the brokers answered: the same seed over the same topics gives the same
-stream. The price of that: a partition that gets no records holds up its
-source, and a source holds up the mixture (as with every fixed-proportion
-mix); a source that runs ahead is paused, so memory stays bounded.
+stream. The price of that: a source with no records holds up the mixture
+(as with every fixed-proportion mix); a source that runs ahead is paused, so
+memory stays bounded. Within a source, an unbounded read does not wait on a
+partition at its end (the fetch stage saw its end-of-partition event and no
+record since): its turn passes to the next partition with records, so one
+idle key or a partition written slower than its siblings does not hold its
+topic up. Over records already written the order is still the records'
+alone (a partition is passed over only once it has none left); a turn
+passed while records were still being written depends on when they came.
 
 NOTE [ Mixer state ]
 ~~~~~~~~~~~~~~~~~~~~
@@ -299,6 +305,7 @@ class Mixer:
         self._head = np.zeros(0, np.int64)
         self._end = np.zeros(0, np.int64)
         self._done = np.zeros(0, np.uint8)
+        self._idle = np.zeros(0, np.uint8)
         self._src_of = np.zeros(0, np.int64)
         self._ring = np.zeros(0, np.int64)
         self._ring_start = np.zeros(len(self.sources), np.int64)
@@ -318,6 +325,7 @@ class Mixer:
         self._head = np.concatenate([self._head, at])
         self._end = np.concatenate([self._end, at])
         self._done = np.concatenate([self._done, np.zeros(more, np.uint8)])
+        self._idle = np.concatenate([self._idle, np.zeros(more, np.uint8)])
         self._src_of = np.concatenate([self._src_of, np.zeros(more, np.int64)])
 
     def _append(self, p: int, rows: np.ndarray) -> None:
@@ -417,6 +425,14 @@ class Mixer:
         self._done[:] = 0
         self._done[pids] = 1
 
+    def idle(self, pids: list[int]) -> None:
+        """Exactly these partitions are at their end for now (an unbounded read): one
+        with no record queued passes its turn to the next of its source."""
+        if pids:
+            self._grow(max(pids) + 1)
+        self._idle[:] = 0
+        self._idle[pids] = 1
+
     def queued(self) -> np.ndarray:
         """Records queued per partition id."""
         return self._end - self._head
@@ -482,9 +498,9 @@ class Mixer:
                 limit = min(limit, self.batch_size - self.mixed % self.batch_size)
             out = np.empty((limit, 4), np.int64)
             n, why, src = _pack.mix_take(
-                self._pool, self._head, self._end, self._done, self._ring, self._ring_start,
-                self._ring_len, self._rr, self.weights, self.credits, self.live & self.present,
-                limit, out)
+                self._pool, self._head, self._end, self._done, self._idle, self._ring,
+                self._ring_start, self._ring_len, self._rr, self.weights, self.credits,
+                self.live & self.present, limit, out)
             if n:
                 out_parts.append(out[:n])
                 self.mixed += n

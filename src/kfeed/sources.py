@@ -475,16 +475,17 @@ class KafkaSource(Source):
         kafka_config: Mapping[str, Any],
         topics: Sequence[str],
         *,
-        bounded: bool,
+        ends: bool,
         connect_timeout: float,
         dlq_config: Mapping[str, Any] | None = None,
     ) -> None:
         from confluent_kafka import Consumer, KafkaException
 
         config = consumer_config(kafka_config)
-        if bounded:
+        if ends:
             # The end of a bounded epoch is seen as a partition EOF event, which
-            # also covers a transaction marker or aborted records at the tail.
+            # also covers a transaction marker or aborted records at the tail;
+            # an unbounded mixture passes the turn of a partition at its end.
             config.setdefault("enable.partition.eof", True)
         self.protocol = group_protocol(config)
         self.incremental = self.protocol != "eager"
@@ -1226,6 +1227,32 @@ class KafkaSource(Source):
             log.info("leaving the group before close: %s", e)
 
 
+class _EndEvent:
+    """``MemorySource``'s end-of-partition event: a message whose error is librdkafka's
+    ``_PARTITION_EOF``, at the offset after the partition's last record."""
+
+    def __init__(self, tp: TP, offset: int) -> None:
+        from confluent_kafka import KafkaError
+
+        self._tp, self._offset = tp, offset
+        self._error = KafkaError(KafkaError._PARTITION_EOF)
+
+    def error(self) -> Any:
+        return self._error
+
+    def topic(self) -> str:
+        return self._tp[0]
+
+    def partition(self) -> int:
+        return self._tp[1]
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> None:
+        return None
+
+
 class MemorySource(Source):
     """Replays recorded message values as if they came from Kafka.
 
@@ -1244,12 +1271,16 @@ class MemorySource(Source):
     ``(topic, partition)`` for several topics). ``most``: at most
     this many messages a ``consume()`` call returns, as a broker's fetch size
     bounds what librdkafka holds (default: as many as asked for), so that a
-    script plays while the partitions are being read.
+    script plays while the partitions are being read. ``eof=True``: a
+    partition read to its end gives an end-of-partition event, once per
+    reaching it, as librdkafka's ``enable.partition.eof`` does; ``append()``
+    writes more records while it is read.
     """
 
     def __init__(self, values: Sequence[Any] | Mapping[int, Sequence[Any]], *,
                  topic: str = "memory", loop: bool = False, incremental: bool = False,
-                 first: Sequence[int | TP] | None = None, most: int | None = None) -> None:
+                 first: Sequence[int | TP] | None = None, most: int | None = None,
+                 eof: bool = False) -> None:
         if most is not None and (not isinstance(most, int) or most < 1):
             raise ConfigError(f"most must be an int >= 1 or None, got {most!r}")
         self.most = most
@@ -1265,6 +1296,8 @@ class MemorySource(Source):
         }
         self._next: dict[TP, int] = {}
         self._paused: set[TP] = set()
+        self.eof = eof
+        self._eof_at: dict[TP, int] = {}  # where each partition's last end event was
         self.commits: list[dict[TP, Position]] = []
         self.committed_positions: dict[TP, Position] = {}
         self.committed_by: dict[TP, tuple[str | None, str | None]] = {}  # (lineage, run)
@@ -1299,6 +1332,7 @@ class MemorySource(Source):
         self._paused.clear()  # opened again (the next epoch): nothing is paused
         offsets = on_assign(tps)
         self._next = {tp: offsets[tp][0] for tp in tps}
+        self._eof_at.clear()
 
     def _play(self) -> None:
         assert self._callbacks is not None
@@ -1308,10 +1342,13 @@ class MemorySource(Source):
                 on_revoke(revoke)
                 for tp in revoke:
                     self._next.pop(tp, None)
+                    self._eof_at.pop(tp, None)
             if assign:
                 self._paused.difference_update(assign)
                 offsets = on_assign(assign)
                 self._next.update({tp: offsets[tp][0] for tp in assign})
+                for tp in assign:
+                    self._eof_at.pop(tp, None)
 
     def watermarks(self, tp: TP, cached: bool = False) -> tuple[int, int]:
         if self.loop:
@@ -1340,6 +1377,9 @@ class MemorySource(Source):
             else:
                 out.extend(recs[i:i + take])
                 self._next[tp] = min(n, i + take)
+                if self.eof and self._next[tp] == n and self._eof_at.get(tp) != n:
+                    self._eof_at[tp] = n
+                    out.append(_EndEvent(tp, n))
         if not out and timeout > 0:
             time.sleep(min(timeout, 0.01))
         return out
@@ -1358,6 +1398,14 @@ class MemorySource(Source):
     def seek(self, positions: Mapping[TP, Position]) -> None:
         for tp, (offset, _skip) in positions.items():
             self._next[tp] = offset
+            self._eof_at.pop(tp, None)
+
+    def append(self, partition: int | TP, values: Sequence[Any]) -> None:
+        """Write ``values`` at the end of ``partition`` (a producer's, while it is read)."""
+        tp = partition if isinstance(partition, tuple) else (self.topic, partition)
+        recs = self._data[tp]
+        first, now = len(recs), int(time.time() * 1000)
+        recs.extend([Record(tp[0], tp[1], first + i, v, now) for i, v in enumerate(values)])
 
     def committed(self, tps: Sequence[TP]) -> dict[TP, Committed | None]:
         out: dict[TP, Committed | None] = {}

@@ -426,7 +426,7 @@ class Loader:
                     held, ceiling = plan(batch_bytes)
                 kafka_config = {**user_config,
                                 **memory_settings(c.max_memory_bytes, user_config, brokers)}
-            source = KafkaSource(kafka_config, c.topics, bounded=c.bounded,
+            source = KafkaSource(kafka_config, c.topics, ends=c.bounded or c.mix is not None,
                                  connect_timeout=c.connect_timeout_s, dlq_config=c.dlq_config)
             self._connection = client_config(kafka_config)
         self._source = source

@@ -324,7 +324,7 @@ class RecordBuilder(SlotBuilder):
         # (Not resumed by the fetcher's serving: NOTE [ Serving ] in loader/fetch.py.)
         fetcher.kept_paused, fetcher.mixer = self.paused, self.mixer
         self.warned_absent: set[str] = set()
-        self.mix_synced: tuple[int, int, int] | None = None  # see _sync_mixer
+        self.mix_synced: tuple[int, int, int, int] | None = None  # see _sync_mixer
         # A variable-length field without pack: batches of its elements and
         # offsets (NOTE [ Jagged fields ]); decoded documents wait in ``jagged``.
         self.jagged_field = schema.varlen if packer is None else None
@@ -693,6 +693,8 @@ class RecordBuilder(SlotBuilder):
         # (A partition about to be read again is not done: NOTE [ Rounds ].)
         pending = self.order_ledger.pending_rounds
         mixer.done([order.pid(tp) for tp in f.done if tp in f.assigned and tp not in pending])
+        if not self.bounded:  # at their end for now: their turns pass (kfeed.mix)
+            mixer.idle([order.pid(tp) for tp in f.at_end if tp in f.assigned])
         mixer.assign({tp: order.pid(tp) for tp in f.assigned}, force=force)
         absent = [t for t in mixer.absent() if t not in self.warned_absent]
         if absent and f.assigned:
@@ -700,16 +702,17 @@ class RecordBuilder(SlotBuilder):
             log.warning("this loader holds no partition of %s: the mixture goes on "
                         "without them, in the others' proportions", absent)
 
-    def _mix_signature(self) -> tuple[int, int, int]:
-        """What changes when the assignment or the partitions read to their end do."""
+    def _mix_signature(self) -> tuple[int, int, int, int]:
+        """What changes when the assignment, the partitions read to their end, or
+        those at their end for now do."""
         f = self.fetcher
-        return (f.rebalances, len(f.assigned), len(f.done))
+        return (f.rebalances, len(f.assigned), len(f.done), f.ends_seen)
 
     def _mix_more(self) -> bool:
         """Nothing pending: let out what the mixer can now; whether anything changed.
 
         Partitions read to their end since the last fetch can end a source, or
-        let its turn pass to the next partition.
+        let its turn pass to the next partition; so can one at its end for now.
         """
         mixer = self.mixer
         assert mixer is not None

@@ -43,6 +43,12 @@ def no_revoke_hook(_tps: list[TP]) -> None:
     return None
 
 
+def _is_eof(err: Any) -> bool:
+    from confluent_kafka import KafkaError
+
+    return bool(err.code() == KafkaError._PARTITION_EOF)
+
+
 class Status:
     """What the loader's thread is doing now, for ``close()`` to name if it hangs."""
 
@@ -157,6 +163,11 @@ class Fetcher:
         self.starts: dict[TP, Position] = {}  # partitions assigned during the current fetch
         self.fetched: set[TP] = set()  # partitions that delivered since their assignment
         self.kept: set[TP] = set()  # kept through an incremental revoke: to read again
+        # An unbounded read: the partitions at their end for now (an EOF event
+        # came, and no record since), with the offset it named; ``ends_seen``
+        # counts its changes (a mixture lets their turns pass: kfeed.mix).
+        self.at_end: dict[TP, int] = {}
+        self.ends_seen = 0
         # Messages fetched and not yet decoded: msgs[i:], the first of which
         # has its first ``start`` records decoded already; ``runs`` groups
         # msgs into stretches of one partition, (start, stop, tp).
@@ -204,6 +215,7 @@ class Fetcher:
         self.starts.update(positions)
         self.assigned.update(tps)
         self.fetched.difference_update(tps)
+        self._not_at_end(tps)
         done_now = [tp for tp in tps if tp in self.done]
         if done_now:
             self.source.pause(done_now)
@@ -262,6 +274,7 @@ class Fetcher:
         moved = {tp: pos for tp, pos in positions.items() if tp in self.fetched}
         if moved:
             self.source.seek(moved)
+        self._not_at_end(kept)
         again = [tp for tp in kept if tp not in self.done]
         self.source.resume(again)
         self.source.pause([tp for tp in kept if tp in self.done])
@@ -294,6 +307,7 @@ class Fetcher:
         self.assigned.difference_update(tps)
         self.fetched.difference_update(tps)
         self.kept.difference_update(tps)
+        self._not_at_end(tps)
         log.info("revoked %s", sorted(tps))
 
     # -- fetching -------------------------------------------------------------
@@ -392,6 +406,9 @@ class Fetcher:
             self._on_message_error(m, err)
         for tp in done:
             self.mark_done(tp)
+        if self.at_end:  # records written after an end seen: not at its end any more
+            self._not_at_end([tp for _s, e, tp in runs
+                              if keep[e - 1].offset() >= self.at_end.get(tp, math.inf)])
         self.fetched.update(tp for _s, _e, tp in runs)
         if self.bounded:
             for _s, e, tp in runs:
@@ -431,6 +448,7 @@ class Fetcher:
         """Read partitions again from ``positions`` (a mixture's next round)."""
         self.source.seek({tp: (off, 0) for tp, off in positions.items()})
         self.read_to.update(positions)
+        self._not_at_end(positions)
 
     def spans(self, lo: int, hi: int) -> Iterator[tuple[TP, int, int]]:
         """``(tp, a, b)``: pending messages ``a..b-1`` of ``lo..hi-1`` are from partition ``tp``."""
@@ -509,8 +527,8 @@ class Fetcher:
 
         def current(m: Any) -> bool:
             tp = (m.topic(), m.partition())
-            if m.error() is not None:
-                return tp in self.assigned
+            if m.error() is not None:  # (a kept partition's end is seen again after _restart)
+                return tp in self.assigned and not (tp in kept and _is_eof(m.error()))
             start = starts.get(tp)
             return tp in self.assigned and tp not in kept and (
                 start is None or m.offset() >= start[0])
@@ -599,9 +617,18 @@ class Fetcher:
             end = self.ends.get(tp)
             if self.bounded and end is not None and m.offset() >= end:
                 self.mark_done(tp)
+            elif not self.bounded and tp in self.assigned and self.at_end.get(tp) != m.offset():
+                self.at_end[tp] = m.offset()
+                self.ends_seen += 1
             return
         raise ConsumeError(f"consume error: {err.str()}", topic=tp[0], partition=tp[1],
                            code=err.code())
+
+    def _not_at_end(self, tps: Any) -> None:
+        """``tps`` may have records to read: assigned, sought, or records came."""
+        for tp in tps:
+            if self.at_end.pop(tp, None) is not None:
+                self.ends_seen += 1
 
     def mark_done(self, tp: TP) -> None:
         if tp not in self.done:
