@@ -831,7 +831,7 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
     ``source`` the source that stalled or ran out (else -1).
     """
     cdef Py_ssize_t nsrc = weights.shape[0], nparts = head.shape[0], nring = ring.shape[0]
-    cdef Py_ssize_t s, p, k, j, best, passed, n = 0
+    cdef Py_ssize_t s, p, k, j, best, passed, turn, n = 0
     cdef int64_t total, v, bestv
     cdef int why = MIX_LIMIT_C
     cdef Py_ssize_t src = -1
@@ -872,6 +872,7 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
                         best = s
                         bestv = v
             passed = 0  # idle partitions whose turn passed in this draw
+            turn = rr[best]
             while True:
                 if ring_len[best] == 0:
                     why = MIX_EXHAUSTED_C
@@ -885,6 +886,12 @@ def mix_take(const int64_t[:, ::1] pool, int64_t[::1] head, const int64_t[::1] e
                         passed += 1
                         rr[best] = (rr[best] + 1) % ring_len[best]
                         continue
+                    # The turn stays where the draw found it, whichever partitions
+                    # were known idle: the state does not depend on when that was.
+                    # (Passing happens only in unbounded reads, where no partition
+                    # is done, so the ring did not change meanwhile.)
+                    if passed:
+                        rr[best] = turn
                     why = MIX_STALLED_C
                     break
                 # Read to its end and empty: out of the ring, the next takes its turn.
