@@ -232,6 +232,21 @@ def test_a_state_saved_while_a_topic_waits_at_its_end_is_the_same_whatever_the_f
     assert streams[0] == streams[1] == streams[2]
 
 
+def test_an_empty_partition_kept_through_an_incremental_revoke_still_passes_its_turn():
+    # a/0 gives only its end event; a/2 is revoked: a/0, not sought back (it
+    # delivered nothing), is still at its end and gives no end event again.
+    ids = {("a", 0): [], ("a", 1): range(1000, 1400), ("a", 2): range(5000, 5400),
+           ("b", 0): range(2000, 2800)}
+    source = MemorySource({tp: IDS.encode_raw({"id": np.array(list(r), np.int64)})
+                           for tp, r in ids.items()}, topic="a", eof=True, most=8,
+                          incremental=True)
+    source.rebalance(6, revoke=[2])
+    loader = Loader(None, Mix({"a": 0.5, "b": 0.5}, seed=3), IDS, 8, source=source,
+                    device="cpu", format="raw", max_wait_ms=20)
+    got = _ids_until(loader, 400)
+    assert len(got) == len(set(got))
+
+
 def test_a_partition_written_again_takes_its_turns_again():
     source = MemorySource(idle_key_values(), eof=True)
     loader = Loader(None, Mix({"a": 0.5, "b": 0.5}), IDS, 8, source=source, device="cpu",

@@ -21,7 +21,8 @@ record since): its turn passes to the next partition with records, so one
 idle key or a partition written slower than its siblings does not hold its
 topic up. Over records already written the order is still the records'
 alone (a partition is passed over only once it has none left); a turn
-passed while records were still being written depends on when they came.
+passed while records were still being written depends on when they came
+(records behind an open transaction count as written when it ends).
 
 NOTE [ Mixer state ]
 ~~~~~~~~~~~~~~~~~~~~

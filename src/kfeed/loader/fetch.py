@@ -274,11 +274,12 @@ class Fetcher:
         moved = {tp: pos for tp, pos in positions.items() if tp in self.fetched}
         if moved:
             self.source.seek(moved)
-        self._not_at_end(kept)
+        self._not_at_end(moved)  # (the others are where they were: their ends stand)
         again = [tp for tp in kept if tp not in self.done]
         self.source.resume(again)
         self.source.pause([tp for tp in kept if tp in self.done])
         log.info("kept %s, read again from %s", sorted(kept), positions)
+
     def on_revoke(self, tps: list[TP]) -> None:
         # Batches not yet handed out are dropped: their records will be read
         # again, by us or by the partitions' new owner, from the handed-out
@@ -524,11 +525,15 @@ class Fetcher:
         """
         kept, self.kept = self.kept, set()
         starts = self.starts
+        # A kept partition whose messages are dropped here has moved on too.
+        self.fetched.update(tp for tp in ((m.topic(), m.partition()) for m in msgs
+                                          if m.error() is None) if tp in kept)
+        sought = kept & self.fetched  # (by _restart)
 
         def current(m: Any) -> bool:
             tp = (m.topic(), m.partition())
-            if m.error() is not None:  # (a kept partition's end is seen again after _restart)
-                return tp in self.assigned and not (tp in kept and _is_eof(m.error()))
+            if m.error() is not None:  # (the end of one sought back is seen again after)
+                return tp in self.assigned and not (tp in sought and _is_eof(m.error()))
             start = starts.get(tp)
             return tp in self.assigned and tp not in kept and (
                 start is None or m.offset() >= start[0])
@@ -548,9 +553,6 @@ class Fetcher:
         if restart:
             out = [m for i, m in enumerate(out)
                    if i >= restart.get((m.topic(), m.partition()), 0)]
-        # A kept partition whose messages are dropped here has moved on too.
-        self.fetched.update(tp for tp in ((m.topic(), m.partition()) for m in msgs
-                                          if m.error() is None) if tp in kept)
         if len(out) < len(msgs):
             log.info("dropped %d messages fetched across a rebalance", len(msgs) - len(out))
         kept &= self.assigned
