@@ -809,6 +809,48 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded(monkeypat
     assert stats["mix"]["code"] / sum(stats["mix"].values()) == pytest.approx(0.01, abs=0.002)
 
 
+class ThreadNoting(MemorySource):
+    """A ``MemorySource`` noting the thread of each ``resume()`` (a consumer lets one
+    thread in at a time: NOTE [ One thread calls the consumer ])."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.resumed_on: list[str] = []
+
+    def resume(self, tps) -> None:
+        self.resumed_on.append(threading.current_thread().name)
+        super().resume(tps)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_revoke_the_caller_gives_up_resumes_the_mixtures_pauses_on_the_loaders_thread(
+        monkeypatch, incremental):
+    # A revoke waits for the caller's step (NOTE [ A revoke waits for the
+    # step ]); the caller gives the partitions up, which rebuilds the order
+    # and lifts the mixture's pauses. Lifted from the caller's thread, the
+    # consumer's resume() waited for the loader's thread, inside consume()
+    # waiting for the caller: the read, and the group's rebalance, stopped.
+    monkeypatch.setattr(build, "_MIX_QUEUE_BYTES", 2 * 1024 * ROWS.record_size)
+    cols = {"id": np.arange(2000), "x": np.zeros((2000, 2), np.float32)}
+    values = {("web", 0): ROWS.encode_raw(cols), ("web", 1): ROWS.encode_raw(cols),
+              ("code", 0): ROWS.encode_raw(cols)}
+    source = ThreadNoting(values, topic="web", loop=True, incremental=incremental)
+    if incremental:
+        source.rebalance(40, revoke=[1])
+    else:
+        source.rebalance(40, revoke=[0, 1], assign=[0])
+    loader = Loader(None, Mix({"web": 0.99, "code": 0.01}), ROWS, 256, source=source,
+                    device="cpu", format="raw")
+    with loader:
+        for i, _batch in enumerate(loader):
+            if i == 20:
+                assert ("code", 0) in source._paused  # the mixture paused it
+            if source.calls > 60:
+                break
+    assert loader._fetcher.rebalances == (1 if incremental else 2)
+    assert source.resumed_on and set(source.resumed_on) == {"kfeed-loader"}
+
+
 # -- windows -----------------------------------------------------------------------------
 
 

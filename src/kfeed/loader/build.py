@@ -321,6 +321,8 @@ class RecordBuilder(SlotBuilder):
         self.mix_floor_warned = False
         self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
+        # Those to resume once the order was rebuilt, by this thread (``_reset``).
+        self.unpause: set[TP] = set()
         # (Not resumed by the fetcher's serving: NOTE [ Serving ] in loader/fetch.py.)
         fetcher.kept_paused, fetcher.mixer = self.paused, self.mixer
         self.warned_absent: set[str] = set()
@@ -388,7 +390,13 @@ class RecordBuilder(SlotBuilder):
         if self.mixer is not None:
             self.mixer.reset()
             self.mix_synced = None
-            self._resume(self.paused)
+            # Resumed at this thread's next fill, not here: a revoke the caller
+            # gives up at its step runs this on the caller's thread, whose call
+            # into the consumer would wait for this thread, itself inside
+            # consume() waiting for the caller (NOTE [ One thread calls the
+            # consumer ] in kfeed/loader/__init__.py). (Under the ledger's lock.)
+            self.unpause |= self.paused
+            self.paused.clear()  # (in place: the fetcher's kept_paused too)
 
     def all_done(self) -> bool:
         f = self.fetcher
@@ -421,6 +429,13 @@ class RecordBuilder(SlotBuilder):
         while not self.stop.is_set():
             if out.gen != self.ledger.gen:  # a rebalance dropped what we had
                 slot.rows, slot.extent, out, started = 0, {}, Handoff(self.ledger.gen), None
+            if self.unpause:
+                with self.ledger.lock:
+                    tps, self.unpause = self.unpause, set()
+                again = [tp for tp in tps if tp in f.assigned and tp not in f.done
+                         and tp not in self.paused]
+                if again:
+                    f.source.resume(again)
             if self._take_into(slot, out):
                 break
             if started is None and (slot.rows or self._packing()):
