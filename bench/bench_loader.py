@@ -617,7 +617,7 @@ def hooked_source(spec: dict[str, Any], bounded: bool, hook: Any) -> tuple[dict[
             super().open(hooked, on_revoke, assignment)
 
     config = {"bootstrap.servers": spec["bootstrap"], "group.id": spec["group"]}
-    return config, HookedSource(config, [spec["topic"]], bounded=bounded, connect_timeout=30.0)
+    return config, HookedSource(config, [spec["topic"]], ends=bounded, connect_timeout=30.0)
 
 
 def run_kfeed(spec: dict[str, Any]) -> dict[str, Any]:

@@ -822,9 +822,8 @@ class ThreadNoting(MemorySource):
         super().resume(tps)
 
 
-@pytest.mark.parametrize("incremental", [False, True])
 def test_a_revoke_the_caller_gives_up_resumes_the_mixtures_pauses_on_the_loaders_thread(
-        monkeypatch, incremental):
+        monkeypatch):
     # A revoke waits for the caller's step (NOTE [ A revoke waits for the
     # step ]); the caller gives the partitions up, which rebuilds the order
     # and lifts the mixture's pauses. Lifted from the caller's thread, the
@@ -834,11 +833,9 @@ def test_a_revoke_the_caller_gives_up_resumes_the_mixtures_pauses_on_the_loaders
     cols = {"id": np.arange(2000), "x": np.zeros((2000, 2), np.float32)}
     values = {("web", 0): ROWS.encode_raw(cols), ("web", 1): ROWS.encode_raw(cols),
               ("code", 0): ROWS.encode_raw(cols)}
-    source = ThreadNoting(values, topic="web", loop=True, incremental=incremental)
-    if incremental:
-        source.rebalance(40, revoke=[1])
-    else:
-        source.rebalance(40, revoke=[0, 1], assign=[0])
+    # (Incremental: the memory source scripts rebalances of one topic's partitions.)
+    source = ThreadNoting(values, topic="web", loop=True, incremental=True)
+    source.rebalance(40, revoke=[1])
     loader = Loader(None, Mix({"web": 0.99, "code": 0.01}), ROWS, 256, source=source,
                     device="cpu", format="raw")
     with loader:
@@ -847,7 +844,7 @@ def test_a_revoke_the_caller_gives_up_resumes_the_mixtures_pauses_on_the_loaders
                 assert ("code", 0) in source._paused  # the mixture paused it
             if source.calls > 60:
                 break
-    assert loader._fetcher.rebalances == (1 if incremental else 2)
+    assert loader._fetcher.rebalances == 1
     assert source.resumed_on and set(source.resumed_on) == {"kfeed-loader"}
 
 
