@@ -430,12 +430,7 @@ class RecordBuilder(SlotBuilder):
             if out.gen != self.ledger.gen:  # a rebalance dropped what we had
                 slot.rows, slot.extent, out, started = 0, {}, Handoff(self.ledger.gen), None
             if self.unpause:
-                with self.ledger.lock:
-                    tps, self.unpause = self.unpause, set()
-                again = [tp for tp in tps if tp in f.assigned and tp not in f.done
-                         and tp not in self.paused]
-                if again:
-                    f.source.resume(again)
+                self._unpause()
             if self._take_into(slot, out):
                 break
             if started is None and (slot.rows or self._packing()):
@@ -833,6 +828,16 @@ class RecordBuilder(SlotBuilder):
     def _resume(self, tps: Any) -> None:
         tps = [tp for tp in tps if tp in self.paused]
         self.paused.difference_update(tps)
+        self._read_on(tps)
+
+    def _unpause(self) -> None:
+        """Resume what a rebuilt order's ``_reset`` left paused, but those paused again."""
+        with self.ledger.lock:
+            tps, self.unpause = self.unpause, set()
+        self._read_on([tp for tp in tps if tp not in self.paused])
+
+    def _read_on(self, tps: list[TP]) -> None:
+        """Resume ``tps``, those still assigned and not read to their end."""
         again = [tp for tp in tps if tp in self.fetcher.assigned and tp not in self.fetcher.done]
         if again:
             self.fetcher.source.resume(again)

@@ -612,10 +612,8 @@ class Fetcher:
         return msgs, vals, runs
 
     def _on_message_error(self, m: Any, err: Any) -> None:
-        from confluent_kafka import KafkaError
-
         tp = (m.topic(), m.partition())
-        if err.code() == KafkaError._PARTITION_EOF:
+        if _is_eof(err):
             end = self.ends.get(tp)
             if self.bounded and end is not None and m.offset() >= end:
                 self.mark_done(tp)
