@@ -112,6 +112,14 @@ cdef struct PbPlan:
     uint64_t var_default     # its default's elements (when default[varfield])
 
 
+cdef struct PbPending:
+    # A value its field cannot take (NOTE [ The value protobuf keeps ]): 0, or
+    # the A_* reason, the entry that read it, and the value.
+    int err
+    Py_ssize_t entry
+    int64_t value
+
+
 cdef struct PbCur:
     const uint8_t* p
     const PbPlan* plan
@@ -119,6 +127,8 @@ cdef struct PbCur:
     uint64_t* nelem          # per field: elements the row holds
     uint8_t* written
     uint64_t* count          # per field: elements of a repeated field so far
+    PbPending* pending       # per field: a value it cannot take, unless replaced
+    Py_ssize_t npending      # fields with one
     VarOut* var              # documents: where the variable-length field goes
     int depth
     Py_ssize_t err_entry
@@ -536,6 +546,9 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
         if e.field == c.plan.varfield and <uint64_t>elem >= c.nelem[e.field] and \
                 var_reserve(c.var, elem + 1, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY
+        if <uint64_t>elem >= c.nelem[e.field]:  # more than the shape: counted, not kept
+            pb_defer(c, e, A_LENGTH, 0)
+            return A_OK
     if floating:
         r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, dv)
     else:
@@ -555,9 +568,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             v = <int64_t>raw
         if (kind == P_UINT64 or kind == P_FIXED64) and v < 0:
             # Past int64: only a uint64 or a float field takes it.
-            if <uint64_t>elem >= c.nelem[e.field]:
-                r = A_LENGTH
-            elif e.code == C_U64:
+            if e.code == C_U64:
                 (<uint64_t*>c.row[e.field])[elem] = raw
                 r = A_OK
             elif e.code == C_F32:  # rounded once, as numpy casts a uint64 (not through a double)
@@ -574,9 +585,42 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             r = put_int(c.row[e.field], c.nelem[e.field], e.code, elem, v)
     if r == A_OK:
         c.written[e.field] = 1
-    elif r == A_LENGTH:
-        c.err_value = c.count[e.field]
+        if c.npending and c.pending[e.field].err and not e.repeated:  # the last value wins
+            pb_settle(c, e.field)
+    elif r == A_RANGE or r == A_RANGE_U64 or r == A_KIND:
+        pb_defer(c, e, r, c.err_value)
+        r = A_OK
     return r
+
+
+# NOTE [ The value protobuf keeps ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Protobuf keeps the last value of a field given twice, and a oneof member
+# read clears the others: what it drops is no part of the record it parses.
+# So a value its field cannot take (out of its dtype's range, of another
+# kind, or past the shape of a repeated field) does not end the record where
+# it is read. It waits (``pb_defer``) in ``c.pending``: a later value of a
+# singular field (``pb_settle``), or the clear of a oneof member
+# (``pb_clear``), drops it; at the record's end one still waiting makes the
+# record bad (``pb_record``). A repeated field's elements add up, so only a
+# clear drops its. A value that cannot be read at all (truncated, a bad
+# varint or tag, a string that is not UTF-8) ends the record at once, as it
+# ends protobuf's parse.
+
+cdef inline void pb_defer(PbCur* c, const PbEntry* e, int err, int64_t value) noexcept nogil:
+    """Value ``value`` of entry ``e``, which its field cannot take (``err``), waits."""
+    cdef PbPending* w = &c.pending[e.field]
+    if w.err and e.repeated:
+        return  # the first of a repeated field's stands
+    if not w.err:
+        c.npending += 1
+    w.err, w.entry, w.value = err, e - c.plan.entries, value
+
+
+cdef inline void pb_settle(PbCur* c, int f) noexcept nogil:
+    """Field ``f``'s waiting value is dropped: replaced, or cleared."""
+    c.pending[f].err = 0
+    c.npending -= 1
 
 
 cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept nogil:
@@ -588,10 +632,11 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
     if e.field == c.plan.varfield and var_reserve(c.var, at + count, &c.row[e.field],
                                                   &c.nelem[e.field]):
         return A_MEMORY
-    if count > c.nelem[e.field] - at:
-        c.count[e.field] = at + count
-        c.err_value = at + count
-        return A_LENGTH
+    if at > c.nelem[e.field] or count > c.nelem[e.field] - at:
+        c.count[e.field] = at + count  # more than the shape: counted, not kept
+        c.p += n
+        pb_defer(c, e, A_LENGTH, 0)
+        return A_OK
     copy_out(c.row[e.field] + at * size, c.p, n, e.field == c.plan.varfield)
     c.p += n
     c.count[e.field] = at + count
@@ -624,6 +669,8 @@ cdef inline void pb_clear(PbCur* c, const PbEntry* e) noexcept nogil:
         f = c.plan.clear_fields[j]
         c.written[f] = 0
         c.count[f] = 0
+        if c.npending and c.pending[f].err:
+            pb_settle(c, f)
 
 
 cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
@@ -763,6 +810,9 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     c.err_value = 0
     memset(c.written, 0, plan.nfields)
     memset(c.count, 0, plan.nfields * sizeof(uint64_t))
+    if c.npending:  # (left by a record that ended early)
+        memset(c.pending, 0, plan.nfields * sizeof(PbPending))
+        c.npending = 0
     for f in range(plan.nfields):
         c.row[f] = dst[f] + row * plan.rowbytes[f]
         c.nelem[f] = plan.nelem[f]
@@ -772,6 +822,13 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     cdef int r = pb_message(c, 0, end)
     if r:
         return r
+    if c.npending:  # a value protobuf keeps that its field cannot take
+        for f in range(plan.nfields):
+            r = c.pending[f].err
+            if r:
+                c.err_entry = c.pending[f].entry
+                c.err_value = c.count[f] if r == A_LENGTH else c.pending[f].value
+                return r
     for f in range(plan.nfields):
         nbytes = plan.rowbytes[f]
         if f == plan.varfield:
@@ -954,15 +1011,18 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
     cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
     cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef PbPending* pending = <PbPending*>calloc(layout.nfields, sizeof(PbPending))
     cdef PbCur c
     cdef uint64_t out_row = row
     cdef int r
     owners = {}
     reasons = {}
-    if not (vp and skip and bad and rowp and nelem and written and count):
+    if not (vp and skip and bad and rowp and nelem and written and count and pending):
         free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written); free(count)
+        free(pending)
         raise MemoryError()
     c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, NULL
+    c.pending, c.npending = pending, 0
     try:
         n, need = pb_plans(plans, vals, framed, layout.nfields, False, vp, skip, owners, reasons)
         with nogil:
@@ -985,6 +1045,7 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
         return out_row - row, i, rejected, need
     finally:
         free(vp); free(skip); free(bad); free(rowp); free(nelem); free(written); free(count)
+        free(pending)
 
 
 def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=None):
@@ -1012,6 +1073,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
     cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
     cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
+    cdef PbPending* pending = <PbPending*>calloc(layout.nfields, sizeof(PbPending))
     cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
     cdef uint64_t row = 0
     cdef VarOut var
@@ -1023,7 +1085,8 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
     var.size, var.cap, var.len = code_size(code), 1024, 0
     var.buf = <uint8_t*>malloc(var.cap * var.size)
     try:
-        if not (vp and skip and bad and var.buf and rowp and nelem and written and count):
+        if not (vp and skip and bad and var.buf and rowp and nelem and written and count
+                and pending):
             raise MemoryError()
         n, need = pb_plans(plans, vals, framed, layout.nfields, True, vp, skip, owners, reasons)
         lengths = np.zeros(n, np.int64)
@@ -1031,6 +1094,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
         lens = lengths
         cnts = counts
         c.row, c.nelem, c.written, c.count, c.var = rowp, nelem, written, count, &var
+        c.pending, c.npending = pending, 0
         with nogil:
             for i in range(n):
                 fetch_value_ahead(vals.ptr, vals.size, n, i)
@@ -1059,7 +1123,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
         return tokens, lengths[counts > 0], counts, rejected, need
     finally:
         free(vp); free(skip); free(bad); free(var.buf); free(rowp); free(nelem); free(written)
-        free(count)
+        free(count); free(pending)
 
 
 cdef str _pb_reason(Layout layout, ProtobufPlan plan, AvBad b, Py_ssize_t size):

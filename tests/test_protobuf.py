@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import re
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -435,6 +436,68 @@ def test_proto2_defaults_groups_and_values_past_int64_read_as_protobuf_reads_the
                                                 r"the proto2 default of level: give the field"):
         kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", ())}))
     kfeed.Protobuf(message=Reading).decoder(kfeed.Schema({"level": ("uint8", (), {"default": 0})}))
+
+
+def _last_wins_class() -> type:
+    """M: two scalars, and a oneof of two ints and a message of repeated fields."""
+    fdp = descriptor_pb2.FileDescriptorProto(name="lastwins.proto", package="lastwins",
+                                             syntax="proto3")
+    c = fdp.message_type.add(name="C")
+    c.field.add(name="r", number=1, type=F.TYPE_INT32, label=F.LABEL_REPEATED)
+    c.field.add(name="v", number=2, type=F.TYPE_FLOAT, label=F.LABEL_REPEATED)  # packed
+    m = fdp.message_type.add(name="M")
+    m.oneof_decl.add(name="o")
+    m.field.add(name="small", number=1, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL)
+    m.field.add(name="u", number=2, type=F.TYPE_UINT64, label=F.LABEL_OPTIONAL)
+    m.field.add(name="a", number=3, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=0)
+    m.field.add(name="b", number=4, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL, oneof_index=0)
+    m.field.add(name="c", number=5, type=F.TYPE_MESSAGE, type_name=".lastwins.C",
+                label=F.LABEL_OPTIONAL, oneof_index=0)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("lastwins.M"))
+
+
+def test_a_value_protobuf_drops_does_not_make_the_record_bad():
+    # Protobuf keeps a field's last value, and a oneof member read clears the
+    # others (serialized messages concatenated merge): a value a field cannot
+    # take that protobuf drops is no part of the record. One it keeps is.
+    M = _last_wins_class()
+    C = M.DESCRIPTOR.fields_by_name["c"].message_type._concrete_class
+
+    def of(*parts: Any) -> bytes:
+        return b"".join(M(**kw).SerializeToString() for kw in parts)
+
+    kept = [of({"small": 1000}, {"small": 5}),                   # the last one fits
+            of({"u": 2**64 - 1}, {"u": 7}),                      # past int64, then 7
+            of({"a": 1000}, {"b": 1}),                           # a cleared by b
+            of({"c": C(r=[1000, 1, 3])}, {"b": 1}, {"c": C(r=[7, 8])}),  # c cleared, again
+            of({"c": C(v=[1, 2, 3])}, {"a": 1}, {"c": C(v=[4, 5])}),     # packed floats
+            of({"c": C(r=[1])}, {"c": C(r=[2])})]                # merged: [1, 2]
+    refused = [of({"small": 5}, {"small": 1000}),                # the last one does not fit
+               of({"b": 1}, {"a": 1000}),
+               of({"c": C(r=[1000, 1])}, {"c": C()}),            # merged: 1000 stays
+               of({"c": C(r=[1, 2, 3])}),
+               of({"c": C(v=[1, 2])}, {"c": C(v=[3])}),          # merged: 3 floats
+               of({"c": C(r=[1, 2])}, {"a": 1}, {"c": C(r=[7, 2**20])})]
+    schema = kfeed.Schema({"small": ("int8", ()), "u": ("int64", ()), "a": ("int8", ()),
+                           "r": ("int8", (2,), {"source": "c.r", "default": [0, 0]}),
+                           "v": ("float32", (2,), {"source": "c.v", "default": [0, 0]})})
+    got, bad = decode_all(kfeed.Protobuf(message=M).decoder(schema), schema, kept + refused)
+    assert bad == [(6, "1000 does not fit field 'small' (int8) at small"),
+                   (7, "1000 does not fit field 'a' (int8) at a"),
+                   (8, "1000 does not fit field 'r' (int8) at c.r"),
+                   (9, "field 'r': 3 values do not match its shape at c.r"),
+                   (10, "field 'v': 3 values do not match its shape at c.v"),
+                   (11, "1048576 does not fit field 'r' (int8) at c.r")]
+    want = [M.FromString(v) for v in kept]
+    assert got["small"].tolist() == [w.small for w in want] == [5, 0, 0, 0, 0, 0]
+    assert got["u"].tolist() == [w.u for w in want] == [0, 7, 0, 0, 0, 0]
+    assert got["a"].tolist() == [w.a for w in want] == [0, 0, 0, 0, 0, 0]
+    assert got["r"].tolist() == [list(w.c.r) or [0, 0] for w in want]
+    assert got["r"].tolist()[3:] == [[7, 8], [0, 0], [1, 2]]
+    assert got["v"].tolist() == [list(w.c.v) or [0, 0] for w in want]
+    assert got["v"].tolist()[4] == [4.0, 5.0]
 
 
 def _tag(number: int, wire: int) -> bytes:
