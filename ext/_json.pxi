@@ -13,10 +13,11 @@
 # Grammar (RFC 8259), plus what Python's json.loads also reads: NaN,
 # Infinity and -Infinity. Numbers without a fraction or exponent are
 # integers (json.loads gives an int), the others floats; a float never goes
-# into an integer field. A key repeated in one object: the last one wins (a
-# copy before it that the field cannot take makes the record bad all the same). A
-# value starting with a zero byte carries the Confluent JSON Schema framing
-# (zero byte, 4-byte schema id), which is skipped.
+# into an integer field. A key repeated in one object: the last one wins, and
+# a copy before it that the field cannot take is dropped with it (NOTE [ The
+# value the parser keeps ] in _protobuf.pxi). A value starting with a zero
+# byte carries the Confluent JSON Schema framing (zero byte, 4-byte schema
+# id), which is skipped.
 #
 # Every string, read or skipped, key or value, is checked as json.loads checks
 # it, so that a record json.loads refuses is a bad record here too: no raw
@@ -104,6 +105,8 @@ cdef struct JsCur:
     uint8_t** row
     uint8_t* written
     JtCur* doc               # the document being read (plans with a varfield)
+    Deferred* pending        # per field: a value it cannot take, unless its key comes again
+    Py_ssize_t npending      # fields with one
     int depth
     Py_ssize_t err_node
     Py_ssize_t err_field
@@ -665,7 +668,7 @@ cdef int js_key(JsCur* c) noexcept nogil:
 
 cdef int js_count_rest(JsCur* c, uint64_t k) noexcept nogil:
     """A_LENGTH with the array's length in ``err_value``: ``k`` items read, the
-    rest (from ``c.p``, an item) skipped and counted to its ``]``."""
+    rest (from ``c.p``, an item) skipped and counted, to after its ``]``."""
     cdef int r
     while True:
         js_ws(c)
@@ -681,6 +684,7 @@ cdef int js_count_rest(JsCur* c, uint64_t k) noexcept nogil:
             continue
         if c.p[0] != 0x5D:
             return A_JSON
+        c.p += 1  # (past the array: the record is read on, NOTE [ The value the parser keeps ])
         c.err_value = k
         return A_LENGTH
 
@@ -763,8 +767,8 @@ cdef int js_skip(JsCur* c) noexcept nogil:
 cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexcept nogil:
     """The value at ``c.p`` into field ``f``: a scalar at ``elem``, or arrays from ``level`` on."""
     cdef const JsNode* nd = &c.plan.nodes[ni]
-    cdef int ndim = c.plan.ndim[f], r
-    cdef int64_t k = 0, dim, stride = 1
+    cdef int ndim = c.plan.ndim[f], r, held = A_OK
+    cdef int64_t k = 0, dim, stride = 1, held_value = 0
     cdef int j
     js_ws(c)
     if c.p >= c.end:
@@ -790,8 +794,10 @@ cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexc
                 if k >= dim:  # too long: the rest skipped, to say how long
                     return js_count_rest(c, k)
                 r = js_field(c, ni, f, level + 1, elem + k * stride)
-                if r:
+                if r and not deferrable(r):
                     return r
+                if r and not held:  # read on: the record is bad unless the key comes again
+                    held, held_value = r, c.err_value
                 k += 1
                 js_ws(c)
                 if c.p >= c.end:
@@ -806,6 +812,9 @@ cdef int js_field(JsCur* c, Py_ssize_t ni, int f, int level, int64_t elem) noexc
         if k != dim:
             c.err_value = k
             return A_LENGTH
+        if held:
+            c.err_value = held_value
+            return held
         if level == 0:
             c.written[f] = 1
         return A_OK
@@ -831,8 +840,22 @@ cdef void js_forget(JsCur* c, Py_ssize_t ni) noexcept nogil:
     for f in range(c.plan.nfields):
         if below[f]:
             c.written[f] = 0
+            if c.npending:
+                settle(&c.pending[f], &c.npending)
             if f == c.plan.varfield:
                 c.doc.len, c.doc.found = c.doc.start, False
+
+
+cdef inline int js_keep(JsCur* c, Py_ssize_t ni, int f, int r) noexcept nogil:
+    """After the value of key node ``ni`` went into field ``f`` (``r``): one the field
+    cannot take waits for the record's end, a good one (or null) drops one waiting."""
+    if r == A_OK:
+        if c.npending:
+            settle(&c.pending[f], &c.npending)
+    elif deferrable(r):
+        defer(&c.pending[f], &c.npending, r, ni, c.err_value, False)
+        r = A_OK
+    return r
 
 
 cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
@@ -842,7 +865,7 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
     cdef const uint8_t* name
     cdef Py_ssize_t n, k, match
     cdef bint esc
-    cdef int r
+    cdef int r, f
     c.depth += 1
     if c.depth > J_MAX_DEPTH:
         return A_DEPTH
@@ -882,9 +905,12 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
         if match < 0:
             r = js_skip(c)
         elif c.plan.nodes[match].kind == J_FIELD and c.plan.nodes[match].field == c.plan.varfield:
-            r = jt_array(c, c.doc)
+            r = js_keep(c, match, c.plan.varfield, jt_array(c, c.doc))
         elif c.plan.nodes[match].kind == J_FIELD:
-            r = js_field(c, match, c.plan.nodes[match].field, 0, 0)
+            f = c.plan.nodes[match].field
+            r = js_field(c, match, f, 0, 0)
+            if r or c.npending:
+                r = js_keep(c, match, f, r)
         else:
             js_forget(c, match)
             js_ws(c)
@@ -894,8 +920,11 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
                 r = A_OK  # the fields below stay unwritten
             else:
                 r = js_skip(c)
-                if r == A_OK:
-                    r = A_OBJECT
+                if r == A_OK:  # not an object: waits on a field below, as a bad value
+                    for f in range(c.plan.nfields):
+                        if c.plan.below[match * c.plan.nfields + f]:
+                            defer(&c.pending[f], &c.npending, A_OBJECT, match, 0, False)
+                            break
         if r:
             if c.err_node < 0:
                 c.err_node = match
@@ -924,6 +953,9 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     c.err_node = -1
     c.err_field = -1
     c.err_value = 0
+    if c.npending:  # (left by a record that ended early)
+        memset(c.pending, 0, plan.nfields * sizeof(Deferred))
+        c.npending = 0
     for f in range(plan.nfields):
         c.written[f] = 0
         if f == plan.varfield:
@@ -947,6 +979,12 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     if c.p != c.end:
         c.err_value = c.end - c.p
         return A_TRAILING
+    if c.npending:  # a value json.loads keeps that its field cannot take
+        for f in range(plan.nfields):
+            r = c.pending[f].err
+            if r:
+                c.err_node, c.err_value = c.pending[f].node, c.pending[f].value
+                return r
     for f in range(plan.nfields):
         if f == plan.varfield:
             if c.doc.found:
@@ -1010,13 +1048,14 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef Deferred* pending = <Deferred*>calloc(layout.nfields, sizeof(Deferred))
     cdef JsCur c
     cdef uint64_t out_row = row
     cdef int r
-    if not (bad and rowp and written):
-        free(bad); free(rowp); free(written)
+    if not (bad and rowp and written and pending):
+        free(bad); free(rowp); free(written); free(pending)
         raise MemoryError()
-    c.row, c.written, c.doc = rowp, written, NULL
+    c.row, c.written, c.doc, c.pending, c.npending = rowp, written, NULL, pending, 0
     try:
         with nogil:
             while i < n and out_row < out.capacity:
@@ -1029,7 +1068,7 @@ def json_decode(Layout layout, JsonPlan plan, values, Out out, uint64_t row):
                 i += 1
         return out_row - row, i, js_rejected(layout, plan, vals, bad, nbad)
     finally:
-        free(bad); free(rowp); free(written)
+        free(bad); free(rowp); free(written); free(pending)
 
 
 cdef str _json_reason(Layout layout, JsonPlan plan, AvBad b, Py_ssize_t size):
@@ -1080,7 +1119,8 @@ cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
 # ``json_documents`` reads, from each object, the plan's variable-length field
 # (an array of numbers, or a string as bytes) into one growing flat buffer,
 # and the plan's other fields into rows, as ``json_decode`` reads them. A
-# repeated key: the last one wins. A bad object adds nothing.
+# repeated key: the last one wins, a bad copy before it dropped with it. A bad
+# object adds nothing.
 
 cdef int jt_room(JtCur* t, Py_ssize_t more) noexcept nogil:
     """Room for ``more`` elements after ``t.len``."""
@@ -1095,7 +1135,8 @@ cdef int jt_room(JtCur* t, Py_ssize_t more) noexcept nogil:
 
 cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
     """The array at ``c.p`` into ``t.buf`` as this object's document (any earlier one dropped)."""
-    cdef int r
+    cdef int r, held = A_OK
+    cdef int64_t held_value = 0
     cdef bint esc
     cdef uint8_t* grown
     cdef const uint8_t* s
@@ -1144,8 +1185,8 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
                 return A_MEMORY  # not the value's fault: json_documents raises MemoryError
             t.buf, t.cap = grown, 2 * t.cap
         if c.p[0] == 0x6E and js_lit(c, "null", 4):
-            return A_NULL
-        if js_lit(c, "true", 4):
+            r = A_NULL
+        elif js_lit(c, "true", 4):
             r = put_int(t.buf + t.len * t.size, 1, t.code, 0, 1)
         elif js_lit(c, "false", 5):
             r = put_int(t.buf + t.len * t.size, 1, t.code, 0, 0)
@@ -1154,9 +1195,13 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         else:
             r = js_skip(c)
             r = r if r else A_KIND
-        if r:
+        if r and not deferrable(r):
             return r
-        t.len += 1
+        if r:  # read on: the record is bad unless the key comes again
+            if not held:
+                held, held_value = r, c.err_value
+        else:
+            t.len += 1
         js_ws(c)
         if c.p >= c.end:
             return A_TRUNCATED
@@ -1166,7 +1211,8 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         if c.p[0] == 0x5D:
             c.p += 1
             t.found = True
-            return A_OK
+            c.err_value = held_value
+            return held
         return A_JSON
 
 
@@ -1194,6 +1240,7 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
     cdef AvBad* bad = <AvBad*>calloc(m, sizeof(AvBad))
     cdef uint8_t** rowp = <uint8_t**>calloc(layout.nfields, sizeof(uint8_t*))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
+    cdef Deferred* pending = <Deferred*>calloc(layout.nfields, sizeof(Deferred))
     cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
     lengths = np.zeros(n, np.int64)
     counts = np.zeros(n, np.int64)
@@ -1204,7 +1251,7 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
     cdef JtCur t
     t.buf = NULL
     try:
-        if not (bad and rowp and written):
+        if not (bad and rowp and written and pending):
             raise MemoryError()
         t.code = plan.p.codes[plan.p.varfield]
         t.size = code_size(t.code)
@@ -1212,7 +1259,7 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
         t.buf = <uint8_t*>malloc(t.cap * t.size)
         if t.buf == NULL:
             raise MemoryError()
-        c.row, c.written, c.doc = rowp, written, &t
+        c.row, c.written, c.doc, c.pending, c.npending = rowp, written, &t, pending, 0
         with nogil:
             for i in range(n):
                 t.start = t.len  # (a value rejected before its record starts keeps it)
@@ -1233,4 +1280,4 @@ def json_documents(Layout layout, JsonPlan plan, values, Out out=None):
         tokens = PyBytes_FromStringAndSize(<char*>t.buf, t.len * t.size)
         return tokens, lengths[counts > 0], counts, rejected
     finally:
-        free(bad); free(rowp); free(written); free(t.buf)
+        free(bad); free(rowp); free(written); free(pending); free(t.buf)

@@ -112,12 +112,31 @@ cdef struct PbPlan:
     uint64_t var_default     # its default's elements (when default[varfield])
 
 
-cdef struct PbPending:
-    # A value its field cannot take (NOTE [ The value protobuf keeps ]): 0, or
-    # the A_* reason, the entry that read it, and the value.
+cdef struct Deferred:
+    # A value its field cannot take, which a later one may replace (NOTE [ The
+    # value the parser keeps ]): 0, or the A_* reason; the plan's entry (node,
+    # in JSON) that read it; the value.
     int err
-    Py_ssize_t entry
+    Py_ssize_t node
     int64_t value
+
+
+cdef inline void defer(Deferred* d, Py_ssize_t* waiting, int err, Py_ssize_t node,
+                       int64_t value, bint first) noexcept nogil:
+    """The value waits in ``d`` (``first``: unless one waits already, as a repeated
+    field's elements add up)."""
+    if d.err and first:
+        return
+    if not d.err:
+        waiting[0] += 1
+    d.err, d.node, d.value = err, node, value
+
+
+cdef inline void settle(Deferred* d, Py_ssize_t* waiting) noexcept nogil:
+    """The value waiting in ``d``, if any, is dropped: replaced, or cleared."""
+    if d.err:
+        d.err = 0
+        waiting[0] -= 1
 
 
 cdef struct PbCur:
@@ -127,7 +146,7 @@ cdef struct PbCur:
     uint64_t* nelem          # per field: elements the row holds
     uint8_t* written
     uint64_t* count          # per field: elements of a repeated field so far
-    PbPending* pending       # per field: a value it cannot take, unless replaced
+    Deferred* pending        # per field: a value it cannot take, unless replaced
     Py_ssize_t npending      # fields with one
     VarOut* var              # documents: where the variable-length field goes
     int depth
@@ -547,7 +566,8 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
                 var_reserve(c.var, elem + 1, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY
         if <uint64_t>elem >= c.nelem[e.field]:  # more than the shape: counted, not kept
-            pb_defer(c, e, A_LENGTH, 0)
+            defer(&c.pending[e.field], &c.npending, A_LENGTH, e - c.plan.entries, 0,
+                  e.repeated)
             return A_OK
     if floating:
         r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, dv)
@@ -585,42 +605,33 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             r = put_int(c.row[e.field], c.nelem[e.field], e.code, elem, v)
     if r == A_OK:
         c.written[e.field] = 1
-        if c.npending and c.pending[e.field].err and not e.repeated:  # the last value wins
-            pb_settle(c, e.field)
-    elif r == A_RANGE or r == A_RANGE_U64 or r == A_KIND:
-        pb_defer(c, e, r, c.err_value)
+        if c.npending and not e.repeated:  # the last value wins
+            settle(&c.pending[e.field], &c.npending)
+    elif deferrable(r):
+        defer(&c.pending[e.field], &c.npending, r, e - c.plan.entries, c.err_value,
+              e.repeated)
         r = A_OK
     return r
 
 
-# NOTE [ The value protobuf keeps ]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# NOTE [ The value the parser keeps ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Protobuf keeps the last value of a field given twice, and a oneof member
-# read clears the others: what it drops is no part of the record it parses.
-# So a value its field cannot take (out of its dtype's range, of another
-# kind, or past the shape of a repeated field) does not end the record where
-# it is read. It waits (``pb_defer``) in ``c.pending``: a later value of a
-# singular field (``pb_settle``), or the clear of a oneof member
-# (``pb_clear``), drops it; at the record's end one still waiting makes the
-# record bad (``pb_record``). A repeated field's elements add up, so only a
-# clear drops its. A value that cannot be read at all (truncated, a bad
-# varint or tag, a string that is not UTF-8) ends the record at once, as it
-# ends protobuf's parse.
+# read clears the others; json.loads keeps the last value of a key given
+# twice. What they drop is no part of the record they parse. So a value its
+# field cannot take (out of its dtype's range, of another kind, null in an
+# array, or an array of another length than the shape) does not end the
+# record where it is read. It waits (``defer``) in the cursor's ``pending``:
+# a later value of the field, the key of an object it lies in given again,
+# or the clear of a oneof member, drops it (``settle``); at the record's end
+# one still waiting makes the record bad, with the reason it had. A repeated
+# Protobuf field's elements add up, so only a clear drops its. A value that
+# cannot be read at all (truncated, malformed, a string that is not UTF-8)
+# ends the record at once, as it ends their parse.
 
-cdef inline void pb_defer(PbCur* c, const PbEntry* e, int err, int64_t value) noexcept nogil:
-    """Value ``value`` of entry ``e``, which its field cannot take (``err``), waits."""
-    cdef PbPending* w = &c.pending[e.field]
-    if w.err and e.repeated:
-        return  # the first of a repeated field's stands
-    if not w.err:
-        c.npending += 1
-    w.err, w.entry, w.value = err, e - c.plan.entries, value
-
-
-cdef inline void pb_settle(PbCur* c, int f) noexcept nogil:
-    """Field ``f``'s waiting value is dropped: replaced, or cleared."""
-    c.pending[f].err = 0
-    c.npending -= 1
+cdef inline bint deferrable(int r) noexcept nogil:
+    """Whether ``r`` says a value does not fit its field, not that it cannot be read."""
+    return r == A_RANGE or r == A_RANGE_U64 or r == A_KIND or r == A_LENGTH or r == A_NULL
 
 
 cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept nogil:
@@ -635,7 +646,7 @@ cdef inline int pb_packed_copy(PbCur* c, const PbEntry* e, uint64_t n) noexcept 
     if at > c.nelem[e.field] or count > c.nelem[e.field] - at:
         c.count[e.field] = at + count  # more than the shape: counted, not kept
         c.p += n
-        pb_defer(c, e, A_LENGTH, 0)
+        defer(&c.pending[e.field], &c.npending, A_LENGTH, e - c.plan.entries, 0, True)
         return A_OK
     copy_out(c.row[e.field] + at * size, c.p, n, e.field == c.plan.varfield)
     c.p += n
@@ -669,8 +680,8 @@ cdef inline void pb_clear(PbCur* c, const PbEntry* e) noexcept nogil:
         f = c.plan.clear_fields[j]
         c.written[f] = 0
         c.count[f] = 0
-        if c.npending and c.pending[f].err:
-            pb_settle(c, f)
+        if c.npending:
+            settle(&c.pending[f], &c.npending)
 
 
 cdef int pb_message(PbCur* c, Py_ssize_t mi, const uint8_t* end) noexcept nogil:
@@ -811,7 +822,7 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     memset(c.written, 0, plan.nfields)
     memset(c.count, 0, plan.nfields * sizeof(uint64_t))
     if c.npending:  # (left by a record that ended early)
-        memset(c.pending, 0, plan.nfields * sizeof(PbPending))
+        memset(c.pending, 0, plan.nfields * sizeof(Deferred))
         c.npending = 0
     for f in range(plan.nfields):
         c.row[f] = dst[f] + row * plan.rowbytes[f]
@@ -826,7 +837,7 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
         for f in range(plan.nfields):
             r = c.pending[f].err
             if r:
-                c.err_entry = c.pending[f].entry
+                c.err_entry = c.pending[f].node
                 c.err_value = c.count[f] if r == A_LENGTH else c.pending[f].value
                 return r
     for f in range(plan.nfields):
@@ -1011,7 +1022,7 @@ def pb_decode(Layout layout, plans, values, Out out, uint64_t row, bint framed):
     cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
     cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
-    cdef PbPending* pending = <PbPending*>calloc(layout.nfields, sizeof(PbPending))
+    cdef Deferred* pending = <Deferred*>calloc(layout.nfields, sizeof(Deferred))
     cdef PbCur c
     cdef uint64_t out_row = row
     cdef int r
@@ -1073,7 +1084,7 @@ def pb_documents(Layout layout, plans, values, bint framed, int code, Out out=No
     cdef uint64_t* nelem = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
     cdef uint8_t* written = <uint8_t*>calloc(layout.nfields, 1)
     cdef uint64_t* count = <uint64_t*>calloc(layout.nfields, sizeof(uint64_t))
-    cdef PbPending* pending = <PbPending*>calloc(layout.nfields, sizeof(PbPending))
+    cdef Deferred* pending = <Deferred*>calloc(layout.nfields, sizeof(Deferred))
     cdef uint8_t** dst = rowp if out is None else out.bufs.ptr
     cdef uint64_t row = 0
     cdef VarOut var

@@ -342,6 +342,51 @@ def test_integers_past_int64_long_numbers_and_a_key_nulled_again_as_json_loads_r
     assert all("does not fit the field's dtype at" in why for _, why in bad), bad
 
 
+def test_a_value_json_loads_drops_with_a_key_given_again_does_not_make_the_record_bad():
+    # json.loads keeps a key's last value: a copy before it that the field
+    # cannot take is no part of the record, whatever was wrong with it. The
+    # last copy is what counts, bad or good; so is an object's key.
+    schema = kfeed.Schema({"small": ("int8", ()), "r": ("int32", (2,), {"source": "c.r"}),
+                           "age": ("int16", (), {"source": "user.age", "default": -1})})
+    kept = [b'{"small": 1000, "small": 5, "c": {"r": [1, 2]}}',       # out of range, then 5
+            b'{"small": "x", "small": 3, "c": {"r": [1, 2]}}',        # a string, then 3
+            b'{"small": 1, "c": {"r": [1, 2, 3]}, "c": {"r": [7, 8]}}',  # too long, then 2
+            b'{"small": 1, "c": {"r": [null, 2]}, "c": {"r": [7, 8]}}',  # a null element
+            b'{"small": 1, "c": {"r": [1.5, 2]}, "c": {"r": [7, 8]}}',  # a float in ints
+            b'{"small": 1, "c": {"r": [[1], 2]}, "c": {"r": [7, 8]}}',  # nested too deep
+            b'{"small": 1, "c": {"r": [1, 2]}, "user": 5, "user": {"age": 30}}',  # not an object
+            b'{"small": 1, "c": {"r": [1, 2]}, "user": {"age": 70000}, "user": null}']
+    refused = [b'{"small": 5, "small": 1000, "c": {"r": [1, 2]}}',
+               b'{"small": 1, "c": {"r": [7, 8]}, "c": {"r": [1, 2, 3]}}',
+               b'{"small": 1, "c": {"r": [1, 2]}, "user": {"age": 30}, "user": 5}',
+               b'{"small": 1, "c": {"r": [1, 2]}, "user": {"age": 70000, "age": 3}, '
+               b'"user": {"age": 70000}}',
+               b'{"small": 1000, "small": 5, "c": {"r": [1, 2]}, "tail": [}']  # not JSON
+    got, bad = decode_all(kfeed.Json().decoder(schema), schema, kept + refused)
+    n = len(kept)
+    assert bad == [(n, "a number that does not fit the field's dtype at small"),
+                   (n + 1, "array of 3 items does not match the field's shape at c.r"),
+                   (n + 2, "not an object at user"),
+                   (n + 3, "a number that does not fit the field's dtype at user.age"),
+                   (n + 4, "not JSON")]
+    want = [json.loads(v) for v in kept]
+    assert got["small"].tolist() == [w["small"] for w in want] == [5, 3, 1, 1, 1, 1, 1, 1]
+    assert got["r"].tolist() == [w["c"]["r"] for w in want]
+    assert got["age"].tolist() == [(w.get("user") or {}).get("age", -1) for w in want]
+    assert got["age"].tolist()[-2:] == [30, -1]
+
+
+def test_a_document_given_again_drops_the_bad_copy_before_it():
+    schema = kfeed.Schema({"tokens": ("int16", (None,))})
+    values = [b'{"tokens": [1, 70000, 3], "tokens": [4, 5]}',
+              b'{"tokens": [1, null], "tokens": [6]}',
+              b'{"tokens": [7], "tokens": [8, 70000]}']
+    docs = kfeed.Json().decoder(schema).decode_documents(values)
+    assert docs.counts.tolist() == [1, 1, 0]
+    assert docs.tokens.tolist() == [4, 5, 6]
+    assert docs.bad == [(2, "a number that does not fit the field's dtype at tokens")]
+
+
 def test_a_uint64_into_float32_and_a_long_exponent_read_as_numpy_casts_json_loads_value():
     # An integer past int64 went into float32 through a double: two roundings,
     # the second from a tie, the wrong way (numpy casts the uint64 once). An
