@@ -376,6 +376,58 @@ def test_a_value_json_loads_drops_with_a_key_given_again_does_not_make_the_recor
     assert got["age"].tolist()[-2:] == [30, -1]
 
 
+_VALUES = st.one_of(st.sampled_from([1, 5, -3, 127, 128, 1000, 70000, "x", None, 2.5, True]),
+                    st.lists(st.sampled_from([1, 2, 1000, None, "s", 1.5]), max_size=3))
+
+
+def _twice_model(o: dict) -> tuple | None:
+    """What ``_TWICE`` reads from json.loads' object ``o``; None: a bad record."""
+    def num(v: object, bits: int) -> int | None:  # (a bool is 0 or 1, as numpy casts it)
+        ok = isinstance(v, int) and -(1 << bits - 1) <= v < 1 << bits - 1
+        return int(v) if ok else None
+
+    small = o.get("small")
+    small = 0 if small is None else num(small, 8)
+    c, user = o.get("c"), o.get("user")
+    r = [0, 0] if c is None else c.get("r") if isinstance(c, dict) else "bad"
+    r = [0, 0] if r is None else r
+    r = [num(x, 32) for x in r] if isinstance(r, list) and len(r) == 2 else [None]
+    age = -1 if user is None else user.get("age") if isinstance(user, dict) else "bad"
+    age = -1 if age is None else num(age, 16)
+    return None if small is None or None in r or age is None else (small, r, age)
+
+
+_TWICE = kfeed.Schema({"small": ("int8", (), {"default": 0}),
+                       "r": ("int32", (2,), {"source": "c.r", "default": [0, 0]}),
+                       "age": ("int16", (), {"source": "user.age", "default": -1})})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["small", "c", "user", "other"]), _VALUES,
+                          st.lists(_VALUES, max_size=2), st.booleans()),
+                min_size=1, max_size=6))
+def test_keys_given_again_read_as_json_loads_reads_them(members):
+    # Keys, and the keys of the objects they lead to, given again with values
+    # of every kind: kfeed keeps or refuses a record as json.loads' last
+    # values say, and reads those values.
+    inner = {"c": "r", "user": "age"}
+    parts = []
+    for key, value, again, nested in members:
+        if key in inner and nested:  # an object, its key given len(again) + 1 times
+            text = ", ".join(f'"{inner[key]}": {json.dumps(v)}' for v in [value, *again])
+            parts.append(f'"{key}": {{{text}}}')
+        else:
+            parts.append(f'"{key}": {json.dumps(value)}')
+    value = ("{" + ", ".join(parts) + "}").encode()
+    got, bad = decode_all(kfeed.Json().decoder(_TWICE), _TWICE, [value])
+    want = _twice_model(json.loads(value))
+    if want is None:
+        assert len(bad) == 1, (value, got)
+    else:
+        assert bad == [], value
+        assert (int(got["small"][0]), got["r"][0].tolist(), int(got["age"][0])) == want, value
+
+
 def test_a_document_given_again_drops_the_bad_copy_before_it():
     schema = kfeed.Schema({"tokens": ("int16", (None,))})
     values = [b'{"tokens": [1, 70000, 3], "tokens": [4, 5]}',
