@@ -1,5 +1,6 @@
 # JSON objects -> fixed-shape rows and documents, included into _codec.pyx after
-# _protobuf.pxi (it shares the element stores, the error codes and ``Out``).
+# _protobuf.pxi (it shares the element stores, the error codes, ``Out`` and
+# the values that wait for the record's end, ``Deferred``).
 #
 # ``kfeed.jsonformat`` compiles a kfeed Schema into a plan: a tree of object
 # levels, each with the keys that lead to a field. ``json_decode`` parses one
@@ -908,9 +909,7 @@ cdef int js_object(JsCur* c, Py_ssize_t ni) noexcept nogil:
             r = js_keep(c, match, c.plan.varfield, jt_array(c, c.doc))
         elif c.plan.nodes[match].kind == J_FIELD:
             f = c.plan.nodes[match].field
-            r = js_field(c, match, f, 0, 0)
-            if r or c.npending:
-                r = js_keep(c, match, f, r)
+            r = js_keep(c, match, f, js_field(c, match, f, 0, 0))
         else:
             js_forget(c, match)
             js_ws(c)
@@ -953,9 +952,7 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     c.err_node = -1
     c.err_field = -1
     c.err_value = 0
-    if c.npending:  # (left by a record that ended early)
-        memset(c.pending, 0, plan.nfields * sizeof(Deferred))
-        c.npending = 0
+    unwait(c.pending, &c.npending, plan.nfields)
     for f in range(plan.nfields):
         c.written[f] = 0
         if f == plan.varfield:
@@ -979,12 +976,10 @@ cdef int js_record(JsCur* c, const JsPlan* plan, const uint8_t* p, const uint8_t
     if c.p != c.end:
         c.err_value = c.end - c.p
         return A_TRAILING
-    if c.npending:  # a value json.loads keeps that its field cannot take
-        for f in range(plan.nfields):
-            r = c.pending[f].err
-            if r:
-                c.err_node, c.err_value = c.pending[f].node, c.pending[f].value
-                return r
+    f = first_waiting(c.pending, c.npending, plan.nfields)
+    if f >= 0:  # a value json.loads keeps that its field cannot take
+        c.err_node, c.err_value = c.pending[f].node, c.pending[f].value
+        return c.pending[f].err
     for f in range(plan.nfields):
         if f == plan.varfield:
             if c.doc.found:

@@ -139,6 +139,24 @@ cdef inline void settle(Deferred* d, Py_ssize_t* waiting) noexcept nogil:
         waiting[0] -= 1
 
 
+cdef inline void unwait(Deferred* pending, Py_ssize_t* waiting, Py_ssize_t n) noexcept nogil:
+    """A record starts: nothing waits (a record that ended early may have left some)."""
+    if waiting[0]:
+        memset(pending, 0, n * sizeof(Deferred))
+        waiting[0] = 0
+
+
+cdef inline Py_ssize_t first_waiting(const Deferred* pending, Py_ssize_t waiting,
+                                     Py_ssize_t n) noexcept nogil:
+    """The record's end: the first of ``n`` fields whose value still waits, or -1."""
+    cdef Py_ssize_t f
+    if waiting:
+        for f in range(n):
+            if pending[f].err:
+                return f
+    return -1
+
+
 cdef struct PbCur:
     const uint8_t* p
     const PbPlan* plan
@@ -566,8 +584,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
                 var_reserve(c.var, elem + 1, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY
         if <uint64_t>elem >= c.nelem[e.field]:  # more than the shape: counted, not kept
-            defer(&c.pending[e.field], &c.npending, A_LENGTH, e - c.plan.entries, 0,
-                  e.repeated)
+            defer(&c.pending[e.field], &c.npending, A_LENGTH, e - c.plan.entries, 0, True)
             return A_OK
     if floating:
         r = put_float(c.row[e.field], c.nelem[e.field], e.code, elem, dv)
@@ -821,9 +838,7 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     c.err_value = 0
     memset(c.written, 0, plan.nfields)
     memset(c.count, 0, plan.nfields * sizeof(uint64_t))
-    if c.npending:  # (left by a record that ended early)
-        memset(c.pending, 0, plan.nfields * sizeof(Deferred))
-        c.npending = 0
+    unwait(c.pending, &c.npending, plan.nfields)
     for f in range(plan.nfields):
         c.row[f] = dst[f] + row * plan.rowbytes[f]
         c.nelem[f] = plan.nelem[f]
@@ -833,13 +848,12 @@ cdef int pb_record(PbCur* c, const PbPlan* plan, const uint8_t* p, const uint8_t
     cdef int r = pb_message(c, 0, end)
     if r:
         return r
-    if c.npending:  # a value protobuf keeps that its field cannot take
-        for f in range(plan.nfields):
-            r = c.pending[f].err
-            if r:
-                c.err_entry = c.pending[f].node
-                c.err_value = c.count[f] if r == A_LENGTH else c.pending[f].value
-                return r
+    f = first_waiting(c.pending, c.npending, plan.nfields)
+    if f >= 0:  # a value protobuf keeps that its field cannot take
+        r = c.pending[f].err
+        c.err_entry = c.pending[f].node
+        c.err_value = c.count[f] if r == A_LENGTH else c.pending[f].value
+        return r
     for f in range(plan.nfields):
         nbytes = plan.rowbytes[f]
         if f == plan.varfield:
