@@ -203,6 +203,31 @@ def test_two_loaders_in_one_group_are_disjoint_and_complete(bootstrap, make_topi
     assert len(ids) == len(np.unique(ids)) == 16_000
 
 
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_bounded_read_ends_at_a_transaction_marker_under_every_protocol(
+        bootstrap, make_topic, protocol) -> None:
+    # Each partition ends in an aborted transaction's marker, which a consumer
+    # never receives: the read ends at the high watermark all the same, in
+    # offset order and through a shuffle, with the aborted records left out.
+    topic = make_topic(partitions=3)
+    schema = kfeed.Schema({"id": ("int64", ())})
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema, block_records=8,
+                        transactional_id=f"kfeed-test-{topic}") as p:
+        for first, last in ((0, 300), (300, 600), (600, 700), (700, 1000)):
+            with contextlib.suppress(RuntimeError), p.transaction():
+                p.send({"id": np.arange(first, last)})
+                if first in (300, 700):
+                    p.flush()
+                    raise RuntimeError("aborted")
+    want = list(range(300)) + list(range(600, 700))
+    for kw in ({}, {"shuffle": kfeed.Shuffle(buffer=50, seed=1)}):
+        with kfeed.Loader({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                           **PROTOCOLS[protocol]}, topic, schema, 32, device="cpu",
+                          until="end", **kw) as ld:
+            assert ld._source.protocol == protocol
+            assert sorted(i for b in ld for i in b["id"].tolist()) == want, kw
+
+
 def test_bad_messages_go_to_the_dead_letter_topic(bootstrap, make_topic, group_id) -> None:
     topic = make_topic(partitions=1)
     good = SCHEMA.encode_blocks(synthetic_columns(np.arange(640)), 64)
