@@ -286,6 +286,44 @@ def test_integer_keys_are_made_bytes_a_chunk_at_a_time(bootstrap: str, make_topi
 
 
 @pytest.mark.integration
+def test_a_strided_or_list_column_is_copied_a_chunk_at_a_time(bootstrap: str, make_topic: Any,
+                                                             monkeypatch: Any) -> None:
+    # The columns were checked by making each contiguous whole, a copy of a
+    # strided column as large as the column, thrown away; and a list column
+    # was made an array whole again for each chunk.
+    import tracemalloc
+
+    monkeypatch.setattr(producer_module, "_CHUNK_BYTES", 1 << 20)
+    schema = kfeed.Schema({"x": ("float64", (4,)), "id": ("int64", ())})
+    wide = np.zeros((500_000, 8), np.float64)  # 32 MB; x is every other column of it
+    wide[:, 0::2] = np.arange(500_000)[:, None]
+    topic = make_topic(partitions=1)
+    with kfeed.Producer({"bootstrap.servers": bootstrap}, topic, schema) as p:
+        tracemalloc.start()
+        try:
+            p.send({"x": wide[:, 0::2], "id": np.arange(500_000)})
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8e6, peak  # a chunk's copies; the column whole is 16 MB
+        asarray = np.asarray
+        calls = []
+        monkeypatch.setattr(np, "asarray", lambda a, *k, **kw: calls.append(type(a))
+                            or asarray(a, *k, **kw))
+        p.send({"x": [[float(i)] * 4 for i in range(500_000, 600_000)],  # 4 chunks
+                "id": list(range(500_000, 600_000))})
+        monkeypatch.undo()
+    assert calls.count(list) == 2  # each list column made an array once
+    got = np.zeros(600_000, np.int64)
+    for m in read_partitions(bootstrap, topic)[0]:
+        out = {f.name: np.zeros((64, *f.shape), f.storage) for f in schema.fields}
+        res = schema.decode_into([m.value()], schema.bind(out), 0)
+        assert np.all(out["x"][:res.rows] == out["id"][:res.rows, None])
+        np.add.at(got, out["id"][:res.rows], 1)
+    assert np.all(got == 1)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["block", "arrow"])
 def test_a_document_larger_than_a_message_is_refused_before_any_is_sent(
         bootstrap: str, make_topic: Any, fmt: str) -> None:

@@ -410,7 +410,10 @@ class Producer:
                 self._check_documents(np.diff(offsets), "an Arrow message",
                                       self._encoder.message_bytes)
         else:
-            _views, n, _owners = self.schema._columns(columns)
+            # Checked, and sent a chunk at a time from these arrays: a strided
+            # column is copied a chunk at a time, a list made an array once.
+            arrays, n = self.schema._checked_columns(columns, None)
+            columns = arrays
         if partition is not None:
             part = as_int(partition)
             if part is None or not 0 <= part < self.num_partitions:

@@ -309,17 +309,34 @@ class Schema:
     def _fixed_columns(
         self, columns: Mapping[str, Any], n: int | None
     ) -> tuple[list[np.ndarray], int, list[Any]]:
+        arrays, n = self._checked_columns(columns, n)
+        views, owners = [], []
+        for arr in arrays.values():
+            if arr is None:  # the variable-length field
+                views.append(None)
+                continue
+            arr = np.ascontiguousarray(arr)
+            owners.append(arr)
+            views.append(arr.reshape(-1).view(np.uint8))
+        return views, n, owners
+
+    def _checked_columns(
+        self, columns: Mapping[str, Any], n: int | None
+    ) -> tuple[dict[str, np.ndarray | None], int]:
+        """The fixed-shape columns checked against the schema, as numpy arrays in the
+        fields' order, copied nowhere (strided ones stay so); None for a variable-length
+        field. And N."""
         if not isinstance(columns, Mapping):
             raise ConfigError("columns must be a mapping of field name -> array")
         extra = set(columns) - set(self._by_name)
         if extra:
             raise ConfigError(f"columns not in the schema: {sorted(extra)}")
-        views, owners = [], []
+        arrays: dict[str, np.ndarray | None] = {}
         for f in self.fields:
             if f.name not in columns:
                 raise ConfigError(f"field {f.name!r} is missing from the columns")
             if f.variable:
-                views.append(None)
+                arrays[f.name] = None
                 continue
             arr = _as_numpy(f, columns[f.name])
             if arr.ndim == 0 or arr.shape[1:] != f.shape:
@@ -333,10 +350,8 @@ class Schema:
                 raise ConfigError(
                     f"field {f.name!r} has {arr.shape[0]} rows, other fields have {n}"
                 )
-            arr = np.ascontiguousarray(arr)
-            owners.append(arr)
-            views.append(arr.reshape(-1).view(np.uint8))
-        return views, int(n or 0), owners
+            arrays[f.name] = arr
+        return arrays, int(n or 0)
 
     def _doc_columns(
         self, columns: Mapping[str, Any]
