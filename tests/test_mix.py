@@ -33,7 +33,7 @@ from kfeed import (
     Schema,
     Shuffle,
 )
-from kfeed.loader import build
+from kfeed.loader import build, memory_loader
 from kfeed.loader.tuning import fetch_ahead
 from kfeed.mix import Mixer
 
@@ -807,6 +807,37 @@ def test_a_source_that_runs_ahead_is_paused_so_the_queue_stays_bounded(monkeypat
         assert loader._builder.paused == {("code", 0)}
     stats = loader.stats()
     assert stats["mix"]["code"] / sum(stats["mix"].values()) == pytest.approx(0.01, abs=0.002)
+
+
+def test_a_topic_of_large_documents_queues_its_share_in_bytes(caplog):
+    # The queues' share was counted in records of the average size so far,
+    # which the small documents of the heavy topic set: the topic of 200 KB
+    # documents queued 51 MiB in 1,000 batches (325 MiB in 8,000), under a
+    # max_memory_bytes that gives the queues 16 MiB.
+    tokens = Schema({"tokens": ("int32", (None,))})
+    rng = np.random.default_rng(0)
+    small = [rng.integers(3, 1000, 10, dtype=np.int32) for _ in range(4000)]  # 40 B
+    large = [rng.integers(3, 1000, 50_000, dtype=np.int32) for _ in range(40)]  # 200 KB
+    source = MemorySource({("web", 0): tokens.encode_blocks({"tokens": small}, 64),
+                           ("code", 0): tokens.encode_blocks({"tokens": large}, 1)}, loop=True)
+    cap = 32 << 20
+    with Loader(None, Mix({"web": 0.99, "code": 0.01}, seed=0), tokens, 16, device="cpu",
+                source=source, max_memory_bytes=cap, pack=Pack(seq_len=1024, eos_id=2)) as ld:
+        held, paused = [], 0
+        for i, _batch in enumerate(ld):
+            held.append(ld.stats()["held_bytes"])
+            paused += ("code", 0) in ld._builder.paused  # it piles up, and waits
+            if i == 1000:
+                break
+        assert paused and ld.stats()["mix"]["code"] > 0
+    assert max(held) <= ld._builder.mix_bytes <= cap // 2, max(held)
+    # A shuffle under a cap, with no mixture, says nothing of a mixture's queues.
+    caplog.clear()
+    rows = Schema({"id": ("int64", ())})
+    with memory_loader(rows.encode_blocks({"id": np.arange(4096)}, 64), rows, 256, loop=True,
+                       device="cpu", max_memory_bytes=cap, shuffle=Shuffle(buffer=1000)) as ld:
+        next(ld)
+    assert not [r for r in caplog.records if "mixture" in r.getMessage()]
 
 
 class ThreadNoting(MemorySource):

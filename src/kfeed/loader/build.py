@@ -83,10 +83,12 @@ _HELD_LIMIT = 6
 # weight 0.1 arrives as fast as one of 0.6 and its records queue in the
 # mixer. A partition with more than its share of _MIX_QUEUE_BYTES queued
 # (the bytes shared evenly by the mixed partitions, in records of the
-# values' average size so far; at least _MIX_QUEUE_BATCHES batches) is
-# paused until half of them went out. Each pause costs a fetch: librdkafka
-# drops what it fetched ahead for the partition and fetches it again on
-# resume. With 1,024 records a partition, a three-topic mixture of 3 KB rows
+# values' average size so far, or, for documents, of the partition's own
+# documents' average size: a topic of 200 KB documents mixed with one of
+# 40 B ones queued 325 MiB, in records of the 40 B ones' average; at least
+# _MIX_QUEUE_BATCHES batches) is paused until half of them went out. Each
+# pause costs a fetch: librdkafka drops what it fetched ahead for the
+# partition and fetches it again on resume. With 1,024 records a partition, a three-topic mixture of 3 KB rows
 # from a local broker paused 54 times in 200,000 records and ran at 0.5x the
 # speed it reached with 3 pauses (bench/RESULTS.md, "Mixtures against a
 # broker"). librdkafka's own queue holds up to 64 MiB by default; this is
@@ -319,7 +321,12 @@ class RecordBuilder(SlotBuilder):
             min(_MIX_QUEUE_BYTES, held_bytes[1])
         self.mix_capped = held_bytes is not None  # mix_bytes is max_memory_bytes's share
         self.mix_floor_warned = False
-        self.mix_queue = self._mix_queue(1)  # records a partition, see _backpressure
+        # Records a partition, see _backpressure (none queue without a mixer).
+        self.mix_queue = self._mix_queue(1) if self.mixer is not None else 0
+        # Documents differ in size from topic to topic: per partition id, the
+        # bytes and the documents pushed so far, for its share in records.
+        self.pid_bytes = np.zeros(0, np.int64)
+        self.pid_docs = np.zeros(0, np.int64)
         self.paused: set[TP] = set()  # partitions paused while the mixture catches up
         # Those to resume once the order was rebuilt, by this thread (``_reset``).
         self.unpause: set[TP] = set()
@@ -545,6 +552,8 @@ class RecordBuilder(SlotBuilder):
             if self.packer is not None else n
         self.fetcher.learn(rows, len(vals) - len(docs.bad), least=1e-4)
         recs = _pack.records(pids, offsets, docs.counts, first)
+        if self.mixer is not None and n:
+            self._count_sizes(recs[:, 0], docs.lengths)
         with self.ledger.lock:
             order = self.order_ledger.order
             # In order, a loaded state's documents come back in its order,
@@ -788,10 +797,12 @@ class RecordBuilder(SlotBuilder):
             f.source.resume(seek)
         return True
 
-    def _mix_queue(self, partitions: int) -> int:
-        """Records one of ``partitions`` mixed partitions may queue (NOTE [ Mixture queues ])."""
-        size = (self.value_bytes // self.samples if self.samples
-                else self.schema.record_size) or 1
+    def _mix_queue(self, partitions: int, size: int | None = None) -> int:
+        """Records one of ``partitions`` mixed partitions may queue, records of ``size``
+        bytes (default: the values' average so far; NOTE [ Mixture queues ])."""
+        if size is None:
+            size = self.value_bytes // self.samples if self.samples else self.schema.record_size
+        size = max(1, size)
         least = _MIX_QUEUE_BATCHES * self.batch_size
         share = self.mix_bytes // (max(1, partitions) * size)
         if share < least and self.mix_capped and not self.mix_floor_warned:
@@ -803,6 +814,29 @@ class RecordBuilder(SlotBuilder):
                         partitions, _MIX_QUEUE_BATCHES, least, size, partitions * least * size)
         return max(least, share)
 
+    def _count_sizes(self, pids: np.ndarray, lengths: np.ndarray) -> None:
+        """Add a fetch's documents (their partition ids, their lengths) to each
+        partition's sizes."""
+        k = int(pids.max()) + 1
+        if k > len(self.pid_docs):
+            grow = k - len(self.pid_docs)
+            self.pid_bytes = np.concatenate([self.pid_bytes, np.zeros(grow, np.int64)])
+            self.pid_docs = np.concatenate([self.pid_docs, np.zeros(grow, np.int64)])
+        element = np.dtype(self.schema.varlen.storage).itemsize
+        self.pid_bytes[:k] += np.bincount(pids, lengths * element + self.schema.record_size,
+                                          k).astype(np.int64)
+        self.pid_docs[:k] += np.bincount(pids, minlength=k)
+
+    def _queue_limits(self, parts: dict[int, TP]) -> dict[int, int]:
+        """Records each mixed partition may queue: a share of mix_bytes in records of its
+        own documents' size where it has some (records of fixed shapes are all alike)."""
+        limits = {}
+        for pid in parts:
+            docs = self.pid_docs[pid] if pid < len(self.pid_docs) else 0
+            limits[pid] = self.mix_queue if not docs else \
+                self._mix_queue(len(parts), int(self.pid_bytes[pid] // docs))
+        return limits
+
     def _backpressure(self) -> None:
         """Pause the partitions whose records queue in the mixer; resume them once half went."""
         mixer = self.mixer
@@ -811,14 +845,16 @@ class RecordBuilder(SlotBuilder):
         queued = mixer.queued()
         parts = mixer.partitions()
         self.mix_queue = self._mix_queue(len(parts))
-        if not self.paused and queued.max(initial=0) <= self.mix_queue:
+        if not len(self.pid_docs) and not self.paused and \
+                queued.max(initial=0) <= self.mix_queue:
             return
+        limits = self._queue_limits(parts)
         over, under = [], []
         for pid, tp in parts.items():
             n = queued[pid] if pid < len(queued) else 0
-            if n > self.mix_queue and tp not in self.paused:
+            if n > limits[pid] and tp not in self.paused:
                 over.append(tp)
-            elif n <= self.mix_queue // 2 and tp in self.paused:
+            elif n <= limits[pid] // 2 and tp in self.paused:
                 under.append(tp)
         if over:
             self.paused.update(over)
