@@ -1215,6 +1215,15 @@ class Loader:
             self._ledger.lineages = set(self._lineages)
         self._ledger.superseded = {x for x in state.get("superseded", []) if isinstance(x, str)}
         self._loaded_static = merge.static_cover(state)
+        # The readers that saved the state used records of these topics, with
+        # this schema and format (checked above): their messages decode, and
+        # bad ones right after its positions are stray ones, routed as any
+        # later ones are, not a schema that does not match (fail_fast).
+        positions = state.get("positions")
+        used = [t for t, parts in positions.items() if parts and t in self.topics] \
+            if isinstance(positions, Mapping) else []
+        if used:
+            self._bad.good(used)
 
     def _check_epoch_seeds(self, state: Mapping[str, Any]) -> None:
         """With ``epochs=``, the state's Mix and Shuffle against this loader's for the
