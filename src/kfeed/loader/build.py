@@ -88,9 +88,10 @@ _HELD_LIMIT = 6
 # 40 B ones queued 325 MiB, in records of the 40 B ones' average; at least
 # _MIX_QUEUE_BATCHES batches) is paused until half of them went out. Each
 # pause costs a fetch: librdkafka drops what it fetched ahead for the
-# partition and fetches it again on resume. With 1,024 records a partition, a three-topic mixture of 3 KB rows
-# from a local broker paused 54 times in 200,000 records and ran at 0.5x the
-# speed it reached with 3 pauses (bench/RESULTS.md, "Mixtures against a
+# partition and fetches it again on resume. With 1,024 records a
+# partition, a three-topic mixture of 3 KB rows from a local broker paused
+# 54 times in 200,000 records and ran at 0.5x the speed it reached with 3
+# pauses (bench/RESULTS.md, "Mixtures against a
 # broker"). librdkafka's own queue holds up to 64 MiB by default; this is
 # as much again, in the mixer instead. Under max_memory_bytes the queues get
 # the cap's share (tuning.held_budget); a mixture of so many partitions that
