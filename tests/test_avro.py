@@ -443,6 +443,21 @@ def test_enum_symbols_are_read_by_name_where_enums_names_them(registry, caplog):
     assert bad == [] and got["color"].tolist() == [1, 0, 2, 1]
     assert "numbers the symbols of enum shop.Color otherwise" in caplog.text
     assert "BLUE moved" in caplog.text and "kfeed.Avro(enums={'shop.Color': [...]})" in caplog.text
+    # A symbol the first schema lacked, moved by a later one: checked against
+    # the schema that numbered it first (BLUE 2, then 3, read in silence).
+    caplog.clear()
+    values = [AvroSerializer(registry, json.dumps(_colors(symbols)))({"id": k, "color": "BLUE"
+                                                                      if k else "RED"}, CTX)
+              for k, symbols in enumerate([["RED", "GREEN"], ["RED", "GREEN", "BLUE"],
+                                           ["RED", "GREEN", "YELLOW", "BLUE"]])]
+    got, bad = decode_all(kfeed.Avro(registry=registry).decoder(schema), schema, values)
+    assert bad == [] and got["color"].tolist() == [0, 2, 3]
+    ids = [int.from_bytes(v[1:5], "big") for v in values]
+    assert [r.getMessage() for r in caplog.records if "enum" in r.getMessage()] == [
+        f"schema id {ids[2]} numbers the symbols of enum shop.Color otherwise than schema id "
+        f"{ids[1]} (BLUE moved): the field reads each writer's index, so the same symbol "
+        f"reads as two numbers; give kfeed.Avro(enums={{'shop.Color': [...]}}) to read "
+        f"symbols by name"]
     with pytest.raises(kfeed.ConfigError, match=r"enums\['Color'\] must be a list of distinct"):
         kfeed.Avro(registry=registry, enums={"Color": ["RED", "RED"]})
     spec = kfeed.Avro(registry={"url": "mock://x"}, enums={"Color": ["RED"]})

@@ -145,9 +145,9 @@ class AvroDecoder(PlanDecoder):
         single = compile_plan(fmt.schema, schema, enums=fmt.enums, timestamps=fmt.timestamps) \
             if fmt.schema is not None else None
         super().__init__(schema, fmt.framed, single, _codec.avro_decode, _codec.avro_documents)
-        # Per enum read by its writer's index: the symbols of the first schema
-        # that had it, and that schema's id (see _check_enums).
-        self.enum_symbols: dict[str, tuple[int, list[str]]] = {}
+        # Per enum read by its writer's index: each symbol's index, and the id
+        # of the first schema that numbered it so (see _check_enums).
+        self.enum_symbols: dict[str, dict[str, tuple[int, int]]] = {}
         # Per field read from a long: its first writer's timestamp logical type
         # ("long": none), and that schema's id (see _check_units).
         self.units: dict[str, tuple[int, str]] = {}
@@ -177,16 +177,21 @@ class AvroDecoder(PlanDecoder):
 
 
     def _check_enums(self, schema_id: int, enums: Mapping[str, list[str]]) -> None:
-        """Warn where a writer schema gives a symbol another index than an earlier one."""
+        """Warn where a writer schema gives a symbol another index than an earlier one
+        (any earlier one: a symbol the first schema lacked is numbered by a later)."""
         for name, symbols in enums.items():
-            first_id, first = self.enum_symbols.setdefault(name, (schema_id, symbols))
-            moved = [x for i, x in enumerate(symbols) if x in first and first.index(x) != i]
+            known = self.enum_symbols.setdefault(name, {})
+            moved = [(x, known[x][1]) for i, x in enumerate(symbols)
+                     if x in known and known[x][0] != i]
+            for i, x in enumerate(symbols):
+                known.setdefault(x, (i, schema_id))
             if moved:
+                ids = sorted({other for _x, other in moved})
                 log.warning("schema id %d numbers the symbols of enum %s otherwise than "
-                            "schema id %d (%s moved): the field reads each writer's index, "
+                            "schema id %s (%s moved): the field reads each writer's index, "
                             "so the same symbol reads as two numbers; give kfeed.Avro(enums="
-                            "{%r: [...]}) to read symbols by name", schema_id, name, first_id,
-                            ", ".join(moved), name)
+                            "{%r: [...]}) to read symbols by name", schema_id, name,
+                            ", ".join(map(str, ids)), ", ".join(x for x, _other in moved), name)
 
 
     def _check_units(self, schema_id: int, units: Mapping[str, str]) -> None:
