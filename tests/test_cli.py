@@ -709,6 +709,30 @@ def test_a_column_type_guessed_wrong_is_a_mistake_in_the_command(tmp_path) -> No
         rows.close()
 
 
+@pytest.mark.parametrize("name, text", [
+    ("early.csv", "x\n1\n2.5\n"), ("late.csv", "x\n" + "1\n" * 200_000 + "2.5\n"),
+    ("early.jsonl", '{"x": 1}\n{"x": 2.5}\n')])
+def test_a_value_its_dtype_does_not_take_asks_for_a_fix_not_a_dtype(tmp_path, name,
+                                                                     text) -> None:
+    # With --dtype x=int64 given, 2.5 was answered "give the field's with
+    # --dtype"; in a CSV's first block it was "not a csv file (...): check
+    # the file".
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        rows = ingest.open_rows(str(path), column_types={"x": "int64"})
+        try:
+            for _batch in rows.batches(["x"]):
+                pass
+        finally:
+            rows.close()
+    assert str(e.value).startswith(f"{name}: ") and "2.5" in str(e.value), str(e.value)
+    assert str(e.value).endswith("(a value that the field's --dtype, read as int64, does not "
+                                 "take: fix that value in the file, or give the field a --dtype "
+                                 "that takes it)"), str(e.value)
+    assert "Could not open" not in str(e.value)
+
+
 @pytest.mark.parametrize("name, late", [("text.csv", "abc,0,200000\n"),
                                         ("text.jsonl", '{"x": "abc", "label": 0, "id": 1}\n'),
                                         ("list.jsonl", '{"x": [1.5], "label": 0, "id": 1}\n')])

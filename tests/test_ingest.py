@@ -1223,6 +1223,32 @@ def test_a_later_file_of_no_rows_without_a_column_holds_nothing_missing(tmp_path
     got = list(rows.batches(["features", "label", "id"]))
     assert np.concatenate([b["id"].to_numpy() for b in got]).tolist() == [0, 1, 2, 3, 4]
     assert rows._ends == [3, 3, 5]
+    # One that sorts first: pyarrow took the dataset's columns from it, and
+    # the run stopped ("has no column 'label' for field 'label' (it has: id)").
+    (tmp_path / "a.parquet").rename(tmp_path / "d.parquet")
+    (tmp_path / "b.parquet").rename(tmp_path / "a.parquet")
+    rows = DatasetRows(str(tmp_path))
+    assert "label" in rows.names() and rows.total == 5
+    got = list(rows.batches(["features", "label", "id"]))
+    assert np.concatenate([b["id"].to_numpy() for b in got]).tolist() == [3, 4, 0, 1, 2]
+    assert np.concatenate([b["label"].to_numpy() for b in got]).tolist() == \
+        (np.array([3, 4, 0, 1, 2]) % 10).tolist()
+
+
+def test_a_source_through_a_link_is_the_job_of_the_files_it_names(tmp_path) -> None:
+    # The job is named with links resolved, but its files' marks were not:
+    # a --resume through a link refused every run as "changed since".
+    from kfeed.ingest import DatasetRows
+
+    (tmp_path / "real").mkdir()
+    for k in range(2):
+        pq.write_table(table(np.arange(3 * k, 3 * k + 3)), tmp_path / "real" / f"{k}.parquet")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    real, link = DatasetRows(str(tmp_path / "real")), DatasetRows(str(tmp_path / "link"))
+    assert source_key(str(tmp_path / "link")) == source_key(str(tmp_path / "real"))
+    list(real.batches(["id"]))
+    link.check_mark(real.mark(6), 6)  # nothing changed: no error
+    assert link.files == real.files
 
 
 @pytest.mark.parametrize("suffix, rows", [(".jsonl", '{"id": 1}\n{"id": 2}\n'),

@@ -558,7 +558,9 @@ class DatasetRows(Rows):
             if remote:
                 fs, path = remote_filesystem(base, params)
             else:
-                fs, path = pafs.LocalFileSystem(), os.path.abspath(base)
+                # Links resolved, as the job's key has them (``source_key``): the
+                # files' names go in its marks, which a resume through a link checks.
+                fs, path = pafs.LocalFileSystem(), os.path.realpath(base)
             info = fs.get_file_info(path)
             if info.type == pafs.FileType.File and pattern is None:
                 if info.size == 0 or _blank(fs, path, info.size):
@@ -610,6 +612,7 @@ class DatasetRows(Rows):
         self.format = kinds.pop()
         self.files = files
         self.name = Path(files[0]).name if len(files) == 1 else said
+        self._given: set[str] = set()
         try:
             lists: set[str] = set()
             if self.format == "json" and column_types:
@@ -618,6 +621,8 @@ class DatasetRows(Rows):
                 lists = {c for c in column_types
                          if c in guessed.names and _element_type(guessed.field(c).type)[0]}
             fmt, types = _file_format(self.format, column_types or {}, lists)
+            # The Arrow types --dtype gave (a value they do not read is not a guess).
+            self._given = {str(t) for t in types.values()}
             self.dataset = ds.dataset(files, filesystem=fs, format=fmt)
             schema = self.dataset.schema
             self._scan_schema = None
@@ -628,11 +633,25 @@ class DatasetRows(Rows):
                 self.dataset = ds.dataset(files, filesystem=fs, format=fmt, schema=schema)
                 self._scan_schema = schema
         except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{self.name}: not {_FILE_KINDS[self.format]} ({first_line(e)}): "
+            why = first_line(e)
+            if self.format in ("csv", "json") and _another_kind(why):
+                # A value in the first block that the column's type does not read.
+                why = why.rpartition("Invalid: ")[2]
+                raise ConfigError(f"{self.name}: {why} ({_type_hint(why, self._given)})") \
+                    from None
+            raise ConfigError(f"{self.name}: not {_FILE_KINDS[self.format]} ({why}): "
                               f"check the file") from None
-        self.schema = schema
         if self.format in ("parquet", "ipc"):
-            self.total = sum(self._count(f) for f in self.dataset.get_fragments())
+            fragments = list(self.dataset.get_fragments())
+            counts = [self._count(f) for f in fragments]
+            self.total = sum(counts)
+            # pyarrow takes a dataset's columns from its first file, and a file
+            # of no rows may lack some of the others' (it is left out): the first
+            # file with rows says them then.
+            if counts and not counts[0] and self.total:
+                schema = next(f for f, n in zip(fragments, counts) if n).physical_schema
+                self.dataset = ds.dataset(files, filesystem=fs, format=fmt, schema=schema)
+        self.schema = schema
 
     def mark(self, rows: int) -> str | None:
         """The files wholly or partly in the first ``rows`` rows, as ``N:digest`` of their
@@ -734,25 +753,36 @@ class DatasetRows(Rows):
                     yield batch
             except (pa.ArrowException, OSError) as e:
                 why = first_line(e)
-                if self.format in ("csv", "json") and any(
-                        says in why for says in ("conversion error", "changed from",
-                                                 "Failed to convert JSON")):
+                if self.format in ("csv", "json") and _another_kind(why):
                     # A type kfeed will not guess at: a mistake in the command
                     # (exit 2) while nothing is sent, else a failure that says
                     # how many rows were (cli._send_stream).
+                    why = why.rpartition("Invalid: ")[2]
                     raise ConfigError(f"{Path(fragment.path).name}: {why} "
-                                      f"({_type_hint(why)})") from None
+                                      f"({_type_hint(why, self._given)})") from None
                 raise KfeedError(f"{Path(fragment.path).name}: {why}") from None
             self._ends.append(rows)  # where each file ends, in rows (mark)
 
 
-def _type_hint(why: str) -> str:
-    """What to do about a CSV or JSON value of another type than its column's first rows.
+def _another_kind(why: str) -> bool:
+    """Whether pyarrow's error ``why`` is a CSV or JSON value its column's type does not read."""
+    return any(says in why for says in ("conversion error", "changed from",
+                                        "Failed to convert JSON"))
+
+
+def _type_hint(why: str, given: set[str]) -> str:
+    """What to do about a CSV or JSON value of another type than its column's.
 
     A number where whole numbers (or empty cells) came before is a type the
-    first rows guessed wrong, which ``--dtype`` names; text, or a list where
-    numbers came before (or a number where lists did), no dtype reads.
+    first rows guessed wrong, which ``--dtype`` names, unless ``--dtype``
+    gave that type (``given``: Arrow type names): the value is the mistake
+    then. Text, or a list where numbers came before (or a number where lists
+    did), no dtype reads.
     """
+    to = re.search(r"(?:conversion error to|convert JSON to) (\w+)", why)
+    if to is not None and to.group(1) in given:
+        return (f"a value that the field's --dtype, read as {to.group(1)}, does not take: fix "
+                f"that value in the file, or give the field a --dtype that takes it")
     value = re.search(r"invalid value '(.*)'$|couldn't parse:(.*)$", why)
     changed = re.search(r"changed from (\w+) to (\w+)", why)
     if value is not None:
