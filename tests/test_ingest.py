@@ -1235,6 +1235,18 @@ def test_a_later_file_of_no_rows_without_a_column_holds_nothing_missing(tmp_path
         (np.array([3, 4, 0, 1, 2]) % 10).tolist()
 
 
+def test_a_column_of_empty_lists_is_named_with_what_to_do() -> None:
+    # It was "field 'x': dimensions must be positive, got (0,)": no file,
+    # no column, nothing to do about it.
+    from kfeed.ingest import batch_columns
+
+    batch = pa.record_batch({"x": pa.array([[], []], pa.list_(pa.float32())), "id": [0, 1]})
+    with pytest.raises(kfeed.ConfigError, match=r"^column 'x' of el\.parquet \(field 'x'\) "
+                                                 r"holds only empty lists: a field needs an "
+                                                 r"element a row at least; leave the column out"):
+        batch_columns("el.parquet", batch, {"x": "x", "id": "id"}, {}, {})
+
+
 def test_a_source_through_a_link_is_the_job_of_the_files_it_names(tmp_path) -> None:
     # The job is named with links resolved, but its files' marks were not:
     # a --resume through a link refused every run as "changed since".

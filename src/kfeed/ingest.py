@@ -223,6 +223,10 @@ def _arrow_column(file: str, name: str, src: str, col: Any, fill: str | None) ->
         raise ConfigError(f"{where} (field {name!r}) holds only null lists: their length, "
                           f"which the field needs, is unknown; drop the column or its rows")
     width = int(widths[0])
+    if not width:
+        raise ConfigError(f"{where} (field {name!r}) holds only empty lists: a field needs an "
+                          f"element a row at least; leave the column out (--field picks the "
+                          f"columns) or fill the lists first")
     if values.null_count:
         values = pc.fill_null(values, _fill_scalar(name, fill, value_type))
     flat = np.asarray(values.to_numpy(zero_copy_only=False))

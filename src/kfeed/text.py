@@ -241,7 +241,10 @@ def read_corpus(
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise CorpusError(f"{path}: a corpus is {', '.join(SUFFIXES)}, got {path.suffix or 'no suffix'!r}")
+        raise CorpusError(f"{path}: a corpus is {', '.join(SUFFIXES)}, got "
+                          f"{path.suffix or 'no suffix'!r}: write the documents as one of "
+                          f"those, or send a file of samples without --tokenizer, --text-field "
+                          f"and --lengths, its columns named with --field")
     if not path.is_file():
         raise CorpusError(f"{path}: no such file")
     if chunk_docs <= 0:
@@ -413,7 +416,9 @@ def _read_parquet(path: Path, text_field: str, key_field: str | None,
         as_text = False
     else:
         raise CorpusError(f"{path}: column {text_field!r} must hold strings (text) or lists of "
-                          f"ints (token ids), got {kind}")
+                          f"ints (token ids), got {kind}: name such a column with --text-field, "
+                          f"or send the file as samples, without --text-field, its columns "
+                          f"named with --field")
     total = pf.metadata.num_rows
     row = 0
     columns = [text_field] + ([key_field] if key_field and key_field != text_field else [])
