@@ -242,10 +242,11 @@ def test_records_fetched_before_a_revoke_never_pass_for_the_new_assignments() ->
 # -- whose commits win over a loaded state (NOTE [ Whose commits win ]) -------------------
 
 
-def resumed_exactly(src: MemorySource, state: dict, before: list, played: int = 0) -> None:
+def resumed_exactly(src: MemorySource, state: dict, before: list, played: int = 0,
+                    **kw) -> None:
     """Resume ``state`` from ``src`` to the end: with ``before``, every record once."""
     with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end", source=src,
-                      prefetch=3) as ld:
+                      prefetch=3, **kw) as ld:
         ld.load_state_dict(state)
         after = [b for b in ld]
     assert src.calls > played, "the script did not play"
@@ -254,12 +255,20 @@ def resumed_exactly(src: MemorySource, state: dict, before: list, played: int = 
     assert np.array_equal(np.sort(ids), np.sort(all_ids()))
 
 
-def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_commit() -> None:
+ORDERS = {"in order": {}, "shuffled": {"shuffle": kfeed.Shuffle(buffer=30, seed=1)}}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_commit(
+        order) -> None:
     # A first run hands out a few batches and checkpoints; it then reads on,
     # commits past the checkpoint, and dies. Its reading after the
-    # checkpoint is lost with it.
+    # checkpoint is lost with it. Shuffled, the records the state's order had
+    # used above its positions of 1 and 2 came again: the order let those go
+    # at the first assignment, and with them what it knew of them.
+    kw = ORDERS[order]
     first = MemorySource(sample_values())
-    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first) as ld:
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first, **kw) as ld:
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
     lineage = state["lineages"][0]
@@ -270,7 +279,36 @@ def test_a_partition_assigned_later_resumes_from_the_state_not_a_crashed_runs_co
     # The restart is first given partition 0 alone, as a cooperative group
     # does while the crashed members' sessions run out, and 1 and 2 later.
     src.rebalance(4, assign=[1, 2])
-    resumed_exactly(src, state, before, played=4)
+    resumed_exactly(src, state, before, played=4, **kw)
+
+
+def test_a_member_s_commit_at_the_state_s_position_with_a_note_wins_over_the_state() -> None:
+    # A shuffled member checkpoints and commits that position, with the note
+    # of the records it used above it (as the commit of a revoke whose hook
+    # saved the state). Another member takes the partitions from the commits,
+    # uses a batch, and commits the same offsets with a note of what it used
+    # above them. A resume of the state took its own order on that tie, and
+    # handed out that member's records again.
+    def sharing(src: MemorySource, commits: tuple) -> MemorySource:
+        src.committed_positions, src.committed_by, src.committed_notes = commits
+        return src
+
+    commits: tuple = ({}, {}, {})
+    shuffle = kfeed.Shuffle(buffer=40, seed=7)
+    with kfeed.Loader(None, "memory", SCHEMA, 12, device="cpu", shuffle=shuffle,
+                      source=sharing(MemorySource(sample_values()), commits)) as a:
+        before = [next(a) for _ in range(3)]
+        state = a.state_dict()
+        a.commit()
+        at = dict(commits[0])
+        a.close(commit_current=False)
+    with kfeed.Loader(None, "memory", SCHEMA, 12, device="cpu", shuffle=shuffle,
+                      source=sharing(MemorySource(sample_values()), commits)) as b:
+        before.append(next(b))
+    assert {tp: pos for tp, pos in commits[0].items() if pos == at[tp]}, \
+        "no commit of the other member at the state's position: the case is not played"
+    resumed_exactly(sharing(MemorySource(sample_values()), commits), state, before,
+                    shuffle=shuffle)
 
 
 def _ledger(start: str = "committed", loaded: bool = True) -> tuple:
@@ -338,10 +376,15 @@ def test_a_restart_from_scratch_outranks_the_commits_of_the_run_it_replaced() ->
     resumed_exactly(src, state, before)
 
 
-def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_state_covers_the_partitions_its_loader_was_not_given_yet(order) -> None:
     # NOTE [ A state covers every partition ]: a restart from scratch gets
     # partition 0 alone while the crashed run's members still hold 1 and 2,
-    # and checkpoints; those come only to the run after it.
+    # and checkpoints; those come only to the run after it. Shuffled, the
+    # state left 1 and 2 out, and the run after it started them at the
+    # crashed run's commit: 560 records lost.
+    kw = ORDERS[order]
+
     def crashed_commits(src: MemorySource) -> None:
         for p in (1, 2):
             src.committed_positions[("memory", p)] = (BLOCKS - 5, 0)
@@ -350,14 +393,18 @@ def test_a_state_covers_the_partitions_its_loader_was_not_given_yet() -> None:
     first = MemorySource(sample_values(), incremental=True, first=[0])
     crashed_commits(first)
     with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=first,
-                      start="earliest") as ld:
+                      start="earliest", **kw) as ld:
         before = [next(ld) for _ in range(6)]
         state = ld.state_dict()
-    assert state["positions"]["memory"][1] == [0, 0] == state["positions"]["memory"][2]
+    assert state["superseded"] == ["crashed-lineage/crashed-run"]
+    if kw:  # given up partitions are carried: [topic, partition, offset, skip, note]
+        assert [c[:4] for c in state["carried"]] == [["memory", 1, 0, 0], ["memory", 2, 0, 0]]
+    else:
+        assert state["positions"]["memory"][1] == [0, 0] == state["positions"]["memory"][2]
     src = MemorySource(sample_values(), incremental=True, first=[0], most=4)
     crashed_commits(src)
     src.rebalance(2, assign=[1, 2])  # before partition 0 ends the epoch
-    resumed_exactly(src, state, before, played=2)
+    resumed_exactly(src, state, before, played=2, **kw)
 
 
 # -- commit notes (NOTE [ Commit notes ] in kfeed/loader/ledger.py) -------------

@@ -311,6 +311,14 @@ class Ledger:
         theirs = (committed.offset, committed.skip)
         return theirs if theirs > own else own
 
+    def _past(self, own: Position, committed: Committed | None) -> bool:
+        """Whether a member whose reading is not lost committed past ``own``, or at it
+        with a note (NOTE [ Commit notes ]): what it used above is in its commit only."""
+        if committed is None or self._lost(committed):
+            return False
+        theirs = (committed.offset, committed.skip)
+        return theirs > tuple(own) or (theirs == tuple(own) and bool(committed.rest))
+
     def _adopt(self, committed: Mapping[TP, Committed | None]) -> None:
         """Commits seen at the first assignment: their runs, for the state."""
         for c in committed.values():
@@ -607,13 +615,26 @@ class OrderLedger(Ledger):
         self.on_reset: Callable[[int], None] = no_reset_hook
 
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
-        committed = self.source.committed(tps)
+        # The first assignment decides every partition's start, as in offset
+        # order (NOTE [ A state covers every partition ]).
+        first = not self.decided
+        scope = sorted(set(self.partitions) | set(tps)) if first and self.cover_all else tps
+        committed = self.source.committed(scope)
         with self.lock:
             marks = {tp: self._real(m) for tp, m in self.order.watermarks().items()}
-            # Partitions another member owns now, or read past what we hold.
-            drop = {tp for tp in marks if tp not in owned}
-            drop.update(tp for tp in tps if tp in marks and not self.rounds.get(tp)
-                        and self._newer(marks[tp], committed.get(tp)) != marks[tp])
+            # Partitions another member owns now (a loaded state's, before
+            # their first assignment): given up as a revoke gives them up,
+            # carried with the note of what the order used above them, so
+            # that back later they skip it.
+            away = sorted(tp for tp in marks if tp not in owned)
+            if away:
+                for tp, pos in self.give_up(away).items():
+                    self.carry(tp, pos)
+            # And those a member read past what we hold, or to the same place
+            # with a note of records it used above it (a member that took the
+            # partition from the commit of the revoke this state was saved in).
+            drop = {tp for tp in tps if tp in marks and not self.rounds.get(tp)
+                    and self._past(marks[tp], committed.get(tp))}
             if drop:
                 self._rebuild(drop)
             resume = self.order.resume_offsets()
@@ -640,6 +661,11 @@ class OrderLedger(Ledger):
                         self._follow_note(tp, Committed(pos[0], pos[1], None, None,
                                                         self.carried_notes[tp]))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
+        if first and self.cover_all:
+            with self.lock:
+                rest = [tp for tp in scope if tp not in positions and tp not in self.carried
+                        and tp not in self.order.watermarks()]
+            self.carried.update(self.start_positions(rest, committed))
         self.retained(positions, holds=self.order.restoring)
         for tp, (off, _skip) in positions.items():
             if tp not in self.window:
@@ -652,6 +678,9 @@ class OrderLedger(Ledger):
                     self.window_skip[tp] = skip
         with self.lock:
             self.seen.update(tps)
+            if first:
+                self._adopt(committed)
+            self.decided = True
         return positions
 
     def _follow_note(self, tp: TP, c: Committed | None) -> None:
