@@ -28,7 +28,11 @@ state it loaded. A committed position past the loaded state is
   and died; what it read is lost with it, so the state wins (the same for a
   run the state was saved knowing of, see below);
 - from a rank of this run, or a member of another lineage: read after the
-  state was saved and not lost, so it wins.
+  state was saved and not lost, so it wins. Through an order (shuffle,
+  pack) it wins at the state's own position too when it has a note: the
+  records that member used above the position are in its note alone (a
+  state saved in an ``on_revoke`` hook, whose partition another member
+  took from the revoke's commit and read on in).
 
 A job's ranks restarted together must tell the second case from the
 first while partitions move between them, and only a shared run can: two
