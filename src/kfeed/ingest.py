@@ -640,9 +640,7 @@ class DatasetRows(Rows):
             why = first_line(e)
             if self.format in ("csv", "json") and _another_kind(why):
                 # A value in the first block that the column's type does not read.
-                why = why.rpartition("Invalid: ")[2]
-                raise ConfigError(f"{self.name}: {why} ({_type_hint(why, self._given)})") \
-                    from None
+                raise _kind_error(self.name, why, self._given) from None
             raise ConfigError(f"{self.name}: not {_FILE_KINDS[self.format]} ({why}): "
                               f"check the file") from None
         if self.format in ("parquet", "ipc"):
@@ -761,9 +759,7 @@ class DatasetRows(Rows):
                     # A type kfeed will not guess at: a mistake in the command
                     # (exit 2) while nothing is sent, else a failure that says
                     # how many rows were (cli._send_stream).
-                    why = why.rpartition("Invalid: ")[2]
-                    raise ConfigError(f"{Path(fragment.path).name}: {why} "
-                                      f"({_type_hint(why, self._given)})") from None
+                    raise _kind_error(Path(fragment.path).name, why, self._given) from None
                 raise KfeedError(f"{Path(fragment.path).name}: {why}") from None
             self._ends.append(rows)  # where each file ends, in rows (mark)
 
@@ -772,6 +768,13 @@ def _another_kind(why: str) -> bool:
     """Whether pyarrow's error ``why`` is a CSV or JSON value its column's type does not read."""
     return any(says in why for says in ("conversion error", "changed from",
                                         "Failed to convert JSON"))
+
+
+def _kind_error(name: str, why: str, given: set[str]) -> ConfigError:
+    """The error of file ``name`` holding a value its column's type does not read
+    (pyarrow's ``why``, less the path it may repeat)."""
+    why = why.rpartition("Invalid: ")[2]
+    return ConfigError(f"{name}: {why} ({_type_hint(why, given)})")
 
 
 def _type_hint(why: str, given: set[str]) -> str:

@@ -412,8 +412,7 @@ class Producer:
         else:
             # Checked, and sent a chunk at a time from these arrays: a strided
             # column is copied a chunk at a time, a list made an array once.
-            arrays, n = self.schema._checked_columns(columns, None)
-            columns = arrays
+            columns, n = self.schema._checked_columns(columns, None)
         if partition is not None:
             part = as_int(partition)
             if part is None or not 0 <= part < self.num_partitions:

@@ -104,7 +104,7 @@ from kfeed.loader.build import Handoff, RecordBuilder, SlotBuilder
 from kfeed.loader.config import LoaderConfig, dist_ready
 from kfeed.loader.feeder import END, Failure, Feeder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status, no_revoke_hook
-from kfeed.loader.ledger import Ledger, OrderLedger, no_reset_hook
+from kfeed.loader.ledger import Ledger, OrderLedger, no_reset_hook, state_positions
 from kfeed.loader.tuning import (
     AUTO_START,
     GrownBatches,
@@ -1219,9 +1219,7 @@ class Loader:
         # this schema and format (checked above): their messages decode, and
         # bad ones right after its positions are stray ones, routed as any
         # later ones are, not a schema that does not match (fail_fast).
-        positions = state.get("positions")
-        used = [t for t, parts in positions.items() if parts and t in self.topics] \
-            if isinstance(positions, Mapping) else []
+        used = {t for t, _p in state_positions(state) if t in self.topics}
         if used:
             self._bad.good(used)
 

@@ -101,7 +101,7 @@ import binascii
 import logging
 import threading
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -232,10 +232,7 @@ class Ledger:
         member whose reading is not lost committed past it (NOTE [ Whose
         commits win ]).
         """
-        first = not self.decided
-        scope = tps
-        if first and self.cover_all:
-            scope = sorted(set(self.partitions) | set(tps))
+        first, scope = self._scope(tps)
         committed = self.source.committed(scope)
         with self.lock:
             for tp in [tp for tp in self.handed if tp not in owned]:
@@ -258,8 +255,7 @@ class Ledger:
                             "reads in offset order and reads them again: read with the same "
                             "shuffle= and pack= to skip them", tp[0], tp[1], c.offset)
         if first and self.cover_all:
-            rest = [tp for tp in scope if tp not in positions and tp not in self.carried]
-            self.carried.update(self.start_positions(rest, committed))
+            self._carry_the_rest(scope, positions, committed)
         self.retained(positions, holds=False)
         # A partition with nothing handed out yet is still part of the state:
         # without it, a resume would start it from the committed offset,
@@ -269,11 +265,39 @@ class Ledger:
             self.handed.update(positions)
             for tp, pos in positions.items():
                 self.used.setdefault(tp, pos)
-            self.seen.update(tps)
-            if first:
-                self._adopt(committed)
-            self.decided = True
+            self._decided(tps, first, committed)
         return positions
+
+    def _scope(self, tps: list[TP]) -> tuple[bool, list[TP]]:
+        """Whether this is the first assignment, and the partitions whose commits it
+        reads: every partition of the topics then, in group mode (NOTE [ A state
+        covers every partition ])."""
+        first = not self.decided
+        return first, sorted(set(self.partitions) | set(tps)) if first and self.cover_all \
+            else tps
+
+    def _carry_the_rest(self, scope: list[TP], positions: Mapping[TP, Position],
+                        committed: Mapping[TP, Committed | None]) -> None:
+        """At the first assignment: where each partition of ``scope`` not assigned, not
+        carried and not held would start, carried for the state."""
+        with self.lock:
+            held = self._held()
+            rest = [tp for tp in scope if tp not in positions and tp not in self.carried
+                    and tp not in held]
+        self.carried.update(self.start_positions(rest, committed))
+
+    def _held(self) -> Container[TP]:
+        """Partitions whose positions the ledger holds apart from ``handed`` (under
+        ``lock``): none in offset order."""
+        return ()
+
+    def _decided(self, tps: list[TP], first: bool,
+                 committed: Mapping[TP, Committed | None]) -> None:
+        """``tps`` are seen; the first assignment's commits noted (under ``lock``)."""
+        self.seen.update(tps)
+        if first:
+            self._adopt(committed)
+        self.decided = True
 
     def retained(self, positions: Mapping[TP, Position], *, holds: bool) -> None:
         """Check a loaded state's ``positions`` against the offsets the brokers keep.
@@ -314,14 +338,6 @@ class Ledger:
             return own
         theirs = (committed.offset, committed.skip)
         return theirs if theirs > own else own
-
-    def _past(self, own: Position, committed: Committed | None) -> bool:
-        """Whether a member whose reading is not lost committed past ``own``, or at it
-        with a note (NOTE [ Commit notes ]): what it used above is in its commit only."""
-        if committed is None or self._lost(committed):
-            return False
-        theirs = (committed.offset, committed.skip)
-        return theirs > tuple(own) or (theirs == tuple(own) and bool(committed.rest))
 
     def _adopt(self, committed: Mapping[TP, Committed | None]) -> None:
         """Commits seen at the first assignment: their runs, for the state."""
@@ -621,8 +637,7 @@ class OrderLedger(Ledger):
     def positions(self, tps: list[TP], owned: set[TP]) -> dict[TP, Position]:
         # The first assignment decides every partition's start, as in offset
         # order (NOTE [ A state covers every partition ]).
-        first = not self.decided
-        scope = sorted(set(self.partitions) | set(tps)) if first and self.cover_all else tps
+        first, scope = self._scope(tps)
         committed = self.source.committed(scope)
         with self.lock:
             marks = {tp: self._real(m) for tp, m in self.order.watermarks().items()}
@@ -666,10 +681,7 @@ class OrderLedger(Ledger):
                                                         self.carried_notes[tp]))
             positions.update({tp: (fresh[tp][0], 0) for tp in need})
         if first and self.cover_all:
-            with self.lock:
-                rest = [tp for tp in scope if tp not in positions and tp not in self.carried
-                        and tp not in self.order.watermarks()]
-            self.carried.update(self.start_positions(rest, committed))
+            self._carry_the_rest(scope, positions, committed)
         self.retained(positions, holds=self.order.restoring)
         for tp, (off, _skip) in positions.items():
             if tp not in self.window:
@@ -681,11 +693,19 @@ class OrderLedger(Ledger):
                 if skip:
                     self.window_skip[tp] = skip
         with self.lock:
-            self.seen.update(tps)
-            if first:
-                self._adopt(committed)
-            self.decided = True
+            self._decided(tps, first, committed)
         return positions
+
+    def _past(self, own: Position, committed: Committed | None) -> bool:
+        """Whether a member whose reading is not lost committed past ``own``, or at it
+        with a note (NOTE [ Commit notes ]): what it used above is in its commit only."""
+        if committed is None or self._lost(committed):
+            return False
+        theirs = (committed.offset, committed.skip)
+        return theirs > tuple(own) or (theirs == tuple(own) and bool(committed.rest))
+
+    def _held(self) -> Container[TP]:
+        return self.order.watermarks()
 
     def _follow_note(self, tp: TP, c: Committed | None) -> None:
         """Starting ``tp`` at the commit ``c``: skip what its note says was used (NOTE [ Commit notes ]).
