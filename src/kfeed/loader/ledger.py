@@ -32,7 +32,9 @@ state it loaded. A committed position past the loaded state is
   pack) it wins at the state's own position too when it has a note: the
   records that member used above the position are in its note alone (a
   state saved in an ``on_revoke`` hook, whose partition another member
-  took from the revoke's commit and read on in).
+  took from the revoke's commit and read on in). Not once the partition is
+  read here: a commit at its order's watermark is then this loader's own,
+  and its order knows the batches handed out since.
 
 A job's ranks restarted together must tell the second case from the
 first while partitions move between them, and only a shared run can: two
@@ -653,7 +655,7 @@ class OrderLedger(Ledger):
             # with a note of records it used above it (a member that took the
             # partition from the commit of the revoke this state was saved in).
             drop = {tp for tp in tps if tp in marks and not self.rounds.get(tp)
-                    and self._past(marks[tp], committed.get(tp))}
+                    and self._past(tp, marks[tp], committed.get(tp))}
             if drop:
                 self._rebuild(drop)
             resume = self.order.resume_offsets()
@@ -696,13 +698,18 @@ class OrderLedger(Ledger):
             self._decided(tps, first, committed)
         return positions
 
-    def _past(self, own: Position, committed: Committed | None) -> bool:
-        """Whether a member whose reading is not lost committed past ``own``, or at it
-        with a note (NOTE [ Commit notes ]): what it used above is in its commit only."""
+    def _past(self, tp: TP, own: Position, committed: Committed | None) -> bool:
+        """Whether a member whose reading is not lost committed past ``own``; or, for a
+        loaded state's partition not read here yet, at it with a note (NOTE [ Commit
+        notes ]): what that member used above is in its commit only. A partition this
+        loader reads keeps its order on a tie: the commit there is its own, of the
+        batches used, and the order knows those handed out since too (an incremental
+        rebalance's partitions kept, ``Fetcher._restart``)."""
         if committed is None or self._lost(committed):
             return False
         theirs = (committed.offset, committed.skip)
-        return theirs > tuple(own) or (theirs == tuple(own) and bool(committed.rest))
+        return theirs > tuple(own) or (theirs == tuple(own) and bool(committed.rest)
+                                       and tp not in self.seen)
 
     def _held(self) -> Container[TP]:
         return self.order.watermarks()
