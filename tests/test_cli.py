@@ -230,6 +230,10 @@ def test_the_train_bar_counts_from_the_first_step_and_draws_the_latest_line(caps
     (PRODUCE + ("--from", "c.txt", "--lengths", "x.npy"),
      ("kfeed: --lengths applies to --from a flat .npy of token ids, not to --from c.txt (a "
       "corpus): leave it out")),
+    # (--lengths made any file a corpus: a Parquet of samples was called one.)
+    (PRODUCE + ("--from", "s.parquet", "--lengths", "x.npy"),
+     ("kfeed: --lengths applies to --from a flat .npy of token ids, not to --from s.parquet "
+      "(samples): leave it out")),
     (PRODUCE + ("--synthetic", "5", "--format", "raw", "--block-records", "8"),
      ("kfeed: --block-records applies to --format block or arrow, not to raw (one record a "
      "message): leave it out")),

@@ -1191,6 +1191,11 @@ def test_a_file_or_folder_named_with_glob_characters_is_read_as_it_is_named(tmp_
     assert [Path(f).name for f in DatasetRows(one).files] == ["data[1].parquet"]
     assert [Path(f).name for f in DatasetRows(str(tmp_path / "run[2024]")).files] == \
         ["data1.parquet", "data[1].parquet"]
+    # A glob in such a folder: its name as it is, the file's as a pattern
+    # (the folder's brackets were a pattern too, and matched nothing).
+    inside = str(tmp_path / "run[2024]" / "data?.parquet")
+    assert is_stream(inside, None, False)
+    assert [Path(f).name for f in DatasetRows(inside).files] == ["data1.parquet"]
     # Where no such file is, the brackets are a pattern still.
     pq.write_table(table(np.arange(3)), tmp_path / "data7.parquet")
     pattern = str(tmp_path / "data[0-9].parquet")

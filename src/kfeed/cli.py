@@ -396,7 +396,7 @@ def _corpus_mode(args: argparse.Namespace) -> bool:
     suffix = Path(args.source).suffix.lower()
     return (suffix == ".txt" or (suffix == ".jsonl" and not args.field)
             or args.tokenizer is not None
-            or args.text_field is not None or args.lengths is not None)
+            or args.text_field is not None or (args.lengths is not None and suffix == ".npy"))
 
 
 def _check_produce(args: argparse.Namespace) -> str:

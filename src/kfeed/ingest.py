@@ -555,6 +555,10 @@ class DatasetRows(Rows):
         pattern = None
         if cut >= 0:  # a glob: list the folder before its first wildcard
             slash = base.rfind("/", 0, cut) + 1
+            # ... past local folders whose names hold one (run[2024]/*.parquet).
+            while "://" not in base and (end := base.find("/", slash)) > 0 \
+                    and os.path.isdir(base[:end]):
+                slash = end + 1
             pattern = base[slash:]
             base = base[:slash] or "."
         remote = "://" in base
@@ -1382,8 +1386,9 @@ def _parts_match(parts: list[str], want: list[str]) -> bool:
         return not parts
     if want[0] == "**":
         return any(_parts_match(parts[i:], want[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], want[0]) and \
-        _parts_match(parts[1:], want[1:])
+    # A part named as it is (a folder run[2024]) matches as well as by pattern.
+    return bool(parts) and (parts[0] == want[0] or fnmatch.fnmatchcase(parts[0], want[0])) \
+        and _parts_match(parts[1:], want[1:])
 
 
 # Query parameters of a URI that hold secrets: left out of its key and of messages.
