@@ -202,6 +202,39 @@ def test_packed_documents_once_whatever_the_rebalances(incremental) -> None:
     assert [int(c) for c in counts] == [lengths[int(i)] for i in ids]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_drained_read_given_more_partitions_reads_them_too(packed) -> None:
+    # A bounded read of partition 0 alone is over: the shuffle gave up what
+    # it held (drained), and the last batches are on their way. An
+    # incremental assign, which revokes nothing, then gives it 1 and 2
+    # (another member left). Their records went into the shuffle and stayed
+    # there, and the read ended without them; packed, the packer that had
+    # finished refused them ("feed after finish()").
+    if packed:  # a document's tokens are its id, as many as its length
+        docs = [np.full(1 + (i * 7 + p) % 40, p * 1000 + i, np.int32)
+                for p in range(PARTS) for i in range(60)]
+        values = {p: TOKENS.encode_blocks({"tokens": docs[p * 60:(p + 1) * 60]}, 4)
+                  for p in range(PARTS)}
+        kw: dict = {"schema": TOKENS, "pack": kfeed.Pack(seq_len=32, eos_id=-1, pad_id=-2)}
+        want = np.concatenate(docs).tolist()
+    else:
+        values, kw, want = sample_values(), {}, all_ids().tolist()
+    at = 6 if packed else 12  # the consume() after partition 0's last message
+    src = MemorySource(values, incremental=True, most=4, first=[0])
+    src.rebalance(at, assign=[1, 2])
+    got = []
+    with kfeed.Loader(None, "memory", kw.pop("schema", SCHEMA), 1 if packed else 4,
+                      device="cpu", until="end", source=src, prefetch=1,
+                      shuffle=kfeed.Shuffle(buffer=400, seed=1), **kw) as ld:
+        for batch in ld:
+            if src.calls < at:  # slow steps: the thread waits, and polls (Fetcher.serve)
+                time.sleep(0.03)
+            got.append(batch["tokens" if packed else "id"].numpy().ravel().copy())
+    assert src.calls > at, "the script did not play"
+    ids = np.concatenate(got)
+    assert sorted(ids[ids >= 0].tolist()) == sorted(want)  # (less EOS and padding)
+
+
 def test_the_revoke_commits_what_was_handed_out_before_it() -> None:
     src = MemorySource(sample_values(), most=4)
     src.rebalance(4, revoke=[0, 1, 2], assign=[0, 1, 2])
@@ -551,10 +584,15 @@ def test_a_start_of_its_own_does_not_follow_a_note_on_the_same_offset() -> None:
     assert np.array_equal(np.sort(ids), np.sort(all_ids()))
 
 
-def test_after_a_rebuild_a_used_commit_claims_nothing_of_the_batch_in_hand() -> None:
+@pytest.mark.parametrize("in_hand", [True, False], ids=["batch in hand", "all used"])
+def test_after_a_rebuild_a_used_commit_claims_nothing_of_the_batch_in_hand(in_hand) -> None:
     # The current batch is handed out, not used; a revoke of another
     # partition rebuilds the order, which then no longer knows it. A commit
     # then (close(commit_current=False)) must not note those records as used.
+    # With every batch handed out used (a revoke the caller gives up at a
+    # step's boundary, in next()) the rebuilt order knows: the commit keeps
+    # its note. (It had none: if that commit was the last, before a crash,
+    # what the shuffle had used above it came again from the next reader.)
     from kfeed.loader.ledger import OrderLedger
 
     src = MemorySource({0: [b""], 1: [b""]})
@@ -569,9 +607,13 @@ def test_after_a_rebuild_a_used_commit_claims_nothing_of_the_batch_in_hand() -> 
     order.push_many(rows)
     ledger.accept({}, 3, 0)
     ledger.mark_used({})
-    ledger.accept({}, 3, 0)  # the batch in hand
+    if in_hand:
+        ledger.accept({}, 3, 0)  # the batch in hand
     ledger.give_up([q])
     todo = ledger.to_commit(lambda tp: True)
+    if not in_hand:
+        assert len(todo[p]) == 3  # its note
+        return
     assert len(todo[p]) == 2  # a position, no note: records may come again, none is lost
     ledger.mark_used({})  # the step is over: notes again
     assert len(ledger.to_commit(lambda tp: True)[p]) == 3

@@ -289,8 +289,11 @@ METADATA_MAX = 4096
 
 
 # Kafka protocol error codes of a commit that goes through once the consumer
-# has been polled: REBALANCE_IN_PROGRESS, STALE_MEMBER_EPOCH (consumer protocol).
-_AFTER_POLL = frozenset((27, 113))
+# has been polled and has joined the group's new generation:
+# ILLEGAL_GENERATION (a cooperative rebalance completed meanwhile),
+# REBALANCE_IN_PROGRESS, FENCED_MEMBER_EPOCH and STALE_MEMBER_EPOCH (the
+# consumer protocol); and UNKNOWN_MEMBER_ID for a member of the group.
+_AFTER_POLL = frozenset((22, 27, 110, 113))
 
 
 # The broker refused a commit's metadata as too long (a broker whose
@@ -904,7 +907,9 @@ class KafkaSource(Source):
             # The group moves on (the consumer protocol's member epoch, a
             # rebalance): the same commit goes through once the consumer has
             # been polled and has taken its new assignment.
-            error.after_poll = e.args[0].code() in _AFTER_POLL
+            code = e.args[0].code()
+            error.after_poll = code in _AFTER_POLL or (code == KafkaError.UNKNOWN_MEMBER_ID
+                                                       and self.group_member)
             raise error from e
         if asynchronous:
             return {}

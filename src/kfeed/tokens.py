@@ -300,6 +300,12 @@ class Packer:
         """The stream is over: the next batches may be partial and padded."""
         self._finished = True
 
+    def reopen(self) -> None:
+        """More documents come after ``finish()`` after all (a bounded read given more
+        partitions): the batches packed stay as they went out, and later documents
+        start a new row, as after a partial batch."""
+        self._finished = False
+
     @property
     def pending_documents(self) -> int:
         """Documents fed and not yet packed whole."""
@@ -897,6 +903,11 @@ class ShuffleBuffer:
         """What was acknowledged so far is used (``track_used``): see ``watermarks(used=True)``."""
         self._used = self._acked
         self._outbox.drop_before(self._used)
+
+    @property
+    def unused(self) -> int:
+        """Records acknowledged and not marked used yet (``track_used``)."""
+        return self._acked - self._used if self._track_used else 0
 
     def __len__(self) -> int:
         """Records held (holes of a loaded state included) or waiting."""

@@ -439,6 +439,8 @@ class RecordBuilder(SlotBuilder):
                 slot.rows, slot.extent, out, started = 0, {}, Handoff(self.ledger.gen), None
             if self.unpause:
                 self._unpause()
+            if self.drained and not self._input_over():
+                self._reopen()
             if self._take_into(slot, out):
                 break
             if started is None and (slot.rows or self._packing()):
@@ -1023,6 +1025,16 @@ class RecordBuilder(SlotBuilder):
             _pid, off, sub, last, _ms = mine[-1].tolist()
             out.end[tp] = (off + 1, 0) if last else (off, sub + 1)
         out.newest_ms = max(out.newest_ms, int(places[:, 4].max()))
+
+    def _reopen(self) -> None:
+        """Drained, then given more partitions (an incremental assign, which revokes
+        nothing and so resets nothing): their records come through the order and the
+        packer as before the drain, and the read ends once they are done too. (They
+        went into the order and stayed there, and the read ended without them; packed,
+        the packer refused them.)"""
+        self.drained = self.finished = False
+        if self.packer is not None:
+            self.packer.reopen()
 
     def _drain(self) -> None:
         with self.ledger.lock:

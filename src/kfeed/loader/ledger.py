@@ -602,9 +602,10 @@ class OrderLedger(Ledger):
         self.used_stale = False  # batches were used since ``used`` was last brought up to date
         self.pack_offset = 0  # tokens of the first unacknowledged document handed out
         self.used_pack_offset = 0  # the same, as of the last batch used
-        # The order was rebuilt since the last batch used: it no longer knows
-        # which records handed out are not used yet, so used commits carry
-        # no note until the next (NOTE [ Commit notes ]).
+        # The order was rebuilt since the last batch used, with a batch handed
+        # out and not used: it no longer knows which records handed out are
+        # not used yet, so used commits carry no note until the next (NOTE
+        # [ Commit notes ]).
         self.notes_stale = False
         self.note_warned: set[TP] = set()  # partitions with too many keys for a note
         # Documents other than that one already part-way out, (partition,
@@ -866,7 +867,11 @@ class OrderLedger(Ledger):
         offset = self.pack_offset if head is not None and kept["outbox"][:1] == [head] else 0
         if self.mixer is not None:  # its queues go with the order; its turns stay
             self.mixer.remember_turns()
+        # Every record handed out was used (a revoke given up at a step's
+        # boundary): the new order's "used" is the truth, and notes stay.
+        stale = self.notes_stale or self.order.unused > 0
         self._restore(kept, offset)
+        self.notes_stale = stale
 
     def _restore(self, order_state: Mapping[str, Any] | None, pack_offset: int) -> None:
         self._update_used()  # the records the new order forgets were used or handed out
