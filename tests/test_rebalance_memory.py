@@ -254,6 +254,32 @@ def test_the_revoke_commits_what_was_handed_out_before_it() -> None:
         assert pos <= handed.get(tp, (0, 0)) or pos[0] == 0
 
 
+def test_commit_returns_once_the_revoke_it_gave_partitions_up_to_made_its_commit() -> None:
+    # A revoke waits for the step (NOTE [ A revoke waits for the step ]);
+    # commit() gives the partitions up, and the revoke commits them on the
+    # loader's thread. commit() found nothing of its own to commit and
+    # returned before that commit was made: a process that died then lost it,
+    # and the batch in hand came again.
+    class Slow(MemorySource):
+        def commit(self, positions, asynchronous):
+            time.sleep(0.3)
+            return super().commit(positions, asynchronous)
+
+    src = Slow(sample_values(), incremental=True, most=3)
+    src.rebalance(2, revoke=[0, 1, 2])
+    with kfeed.Loader(None, "memory", SCHEMA, 4, device="cpu", until="end", source=src,
+                      prefetch=4, commit_interval_ms=10**9) as ld:
+        next(ld)
+        batch = next(ld)
+        deadline = time.monotonic() + 10
+        while ld._feeder.revoking is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread plays the revoke, and waits for the step
+        assert ld._feeder.revoking is not None, "no revoke waited for the step"
+        ld.commit()
+        assert {tp: src.committed_positions.get(tp) for tp in batch.offsets} == \
+            {tp: tuple(end) for tp, (_first, end) in batch.offsets.items()}
+
+
 def test_the_on_revoke_hook_runs_at_a_step_boundary_with_the_partitions_going() -> None:
     src = MemorySource(sample_values(), most=4)
     src.rebalance(5, revoke=[0, 1, 2], assign=[1, 2])

@@ -1058,12 +1058,13 @@ class Loader:
             self._commit(asynchronous=self._commit_interval > 0)
             self._last_commit = now
 
-    def _give_up_revoked(self) -> None:
+    def _give_up_revoked(self) -> bool:
         """Give up partitions the thread is revoking, at a step boundary (caller's thread),
-        after ``on_revoke`` if there is one (NOTE [ A revoke waits for the step ])."""
+        after ``on_revoke`` if there is one (NOTE [ A revoke waits for the step ]);
+        whether there were any."""
         tps = self._feeder.take_revoking()
         if tps is None:
-            return
+            return False
         try:
             if self._on_revoke is not None:
                 self._in_hook = True
@@ -1072,6 +1073,7 @@ class Loader:
             self._in_hook = False
             # Given up here, before this thread can hand out another batch.
             self._feeder.revoked_by_caller(self._ledger.revoke(tps))
+        return True
 
     def _due(self) -> tuple[dict[TP, Any], bool]:
         """The positions to commit, and whether the loader's thread is there to make it."""
@@ -1131,9 +1133,10 @@ class Loader:
         # Inside the on_revoke hook the loader's thread waits for the hook:
         # the revoke itself commits the partitions going, synchronously, and
         # the others go with the next commit.
-        if not self._in_hook:
-            self._give_up_revoked()
+        gave_up = not self._in_hook and self._give_up_revoked()
         self._commit(asynchronous=self._in_hook)
+        if gave_up:  # the revoke commits those, on the loader's thread: made before we return
+            self._feeder.wait_revoke_committed(self.config.connect_timeout_s + 5.0)
 
     # -- checkpoints ----------------------------------------------------------
 

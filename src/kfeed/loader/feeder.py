@@ -22,6 +22,7 @@ from typing import Any
 
 from kfeed.badrecords import BadRecords
 from kfeed.device import DeviceCopier
+from kfeed.errors import ConsumeError
 from kfeed.loader.build import SlotBuilder
 from kfeed.loader.fetch import POLL_S, Fetcher, Status
 from kfeed.loader.ledger import Ledger
@@ -306,4 +307,17 @@ class Feeder:
     def revoked_by_caller(self, positions: dict[TP, Position]) -> None:
         """The caller ran the hook and gave the partitions up: the revoke goes on."""
         self.revoked = positions
+        self.fetcher.revoke_committed.clear()
         self.revoke_done.set()
+
+    def wait_revoke_committed(self, timeout: float) -> None:
+        """Until the revoke whose partitions the caller gave up made its commit (a
+        ``commit()`` promises every batch handed out committed, those of the
+        partitions going too); not past the thread's end."""
+        deadline = time.monotonic() + timeout
+        while not self.fetcher.revoke_committed.wait(POLL_S):
+            if self.stop.is_set() or not self.alive():
+                return
+            if time.monotonic() >= deadline:
+                raise ConsumeError(f"the loader's thread did not make the revoke's commit "
+                                   f"within {timeout:g}s; it is {self.status.doing}")

@@ -75,7 +75,7 @@ class Commits:
         self._stop = stop
 
     def put(self, positions: dict[TP, Position], *, wait: bool, timeout: float,
-            while_waiting: Callable[[], None] | None = None,
+            while_waiting: Callable[[], object] | None = None,
             alive: Callable[[], bool] | None = None,
             wake: Callable[[], None] | None = None) -> bool:
         """Ask for a commit; with ``wait``, return once it is made.
@@ -155,6 +155,10 @@ class Fetcher:
         # Run inside a revoke, before anything is given up (the on_revoke hook);
         # the positions given up, if it gave them up itself.
         self.before_revoke: Callable[[list[TP]], dict[TP, Position] | None] = no_revoke_hook
+        # Cleared as the caller gives revoked partitions up (Feeder.revoked_by_caller),
+        # set once the revoke's commit of them was made (or failed).
+        self.revoke_committed = threading.Event()
+        self.revoke_committed.set()
         self.assigned: set[TP] = set()
         self.ends: dict[TP, int] = {}   # bounded epoch: high watermarks at start
         self.done: set[TP] = set()      # bounded epoch: partitions read to their end
@@ -303,6 +307,8 @@ class Fetcher:
                 self.ledger.committed.update(acked)
         except KfeedError as e:  # partitions may already be lost to another member
             log.warning("commit on revoke failed: %s", e)
+        finally:
+            self.revoke_committed.set()
         self._clear()
         self.skip.clear()
         self.assigned.difference_update(tps)
