@@ -753,6 +753,42 @@ def test_a_synchronous_commit_runs_the_on_revoke_hook_the_thread_waits_for(how) 
     assert time.monotonic() - t0 < 48 * 0.15 + 4.0  # no wait out of 6 s
 
 
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_resume_given_part_of_a_state_keeps_what_another_member_read_since(order) -> None:
+    # A holds partition 1 alone and checkpoints (its state carries 0 at its
+    # start). Another member B, of another lineage, then reads both to their
+    # ends. R resumes A's state, given partition 1 alone. Its state saved 0 at
+    # A's position and B's run as superseded, so a resume of R's state read
+    # partition 0 again (320 records); and its commit took partition 1 back
+    # from B's end to A's position, so a member starting from the commits
+    # read those again (offset order).
+    commits: tuple = ({}, {}, {})
+
+    def source(**kw) -> MemorySource:
+        src = MemorySource(sample_values(), **kw)
+        src.committed_positions, src.committed_by, src.committed_notes = commits
+        return src
+
+    def read(state: dict | None = None, **kw) -> tuple[list, dict]:
+        with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end",
+                          commit_interval_ms=0, source=source(**kw), **ORDERS[order]) as ld:
+            if state is not None:
+                ld.load_state_dict(state)
+            return [i for b in ld for i in b["id"].tolist()], ld.state_dict()
+
+    with kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", source=source(first=[1]),
+                      **ORDERS[order]) as a:
+        got = next(a)["id"].tolist()
+        state = a.state_dict()
+    b, _ = read()
+    r, r_state = read(state, first=[1])
+    assert r == [], "R read what B had read"
+    again, _ = read(r_state)
+    fresh, _ = read()
+    assert again == [] and fresh == []
+    assert sorted(got + b) == sorted(set(got + b)) and len(set(got + b)) == len(all_ids())
+
+
 def _restarted(src: MemorySource, values: dict) -> MemorySource:
     """The same group's committed offsets, a new member (no script, every partition)."""
     again = MemorySource(values)

@@ -264,6 +264,9 @@ class Ledger:
         # which may have moved on since the checkpoint. Its position is
         # committed like a used one, so the next epoch starts there too.
         with self.lock:
+            for tp, pos in known.items():
+                if pos != self.handed[tp]:  # a member went past the state: used up to there
+                    self.used[tp] = pos
             self.handed.update(positions)
             for tp, pos in positions.items():
                 self.used.setdefault(tp, pos)
@@ -286,6 +289,14 @@ class Ledger:
             held = self._held()
             rest = [tp for tp in scope if tp not in positions and tp not in self.carried
                     and tp not in held]
+            # A loaded state's partitions carried: where a member not lost
+            # went past them, there (their runs are adopted as the state's,
+            # so a resume of this state would take the commit for lost).
+            for tp in scope:
+                c, mine = committed.get(tp), self.carried.get(tp)
+                if tp not in positions and mine is not None and c is not None \
+                        and not self._lost(c) and (c.offset, c.skip) > tuple(mine[:2]):
+                    self.carry(tp, (c.offset, c.skip, c.rest) if c.rest else (c.offset, c.skip))
         self.carried.update(self.start_positions(rest, committed))
 
     def _held(self) -> Container[TP]:
