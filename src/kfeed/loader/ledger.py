@@ -294,8 +294,9 @@ class Ledger:
             # so a resume of this state would take the commit for lost).
             for tp in scope:
                 c, mine = committed.get(tp), self.carried.get(tp)
-                if tp not in positions and mine is not None and c is not None \
-                        and not self._lost(c) and (c.offset, c.skip) > tuple(mine[:2]):
+                if tp in positions or mine is None or c is None:
+                    continue
+                if self._newer(tuple(mine[:2]), c) != tuple(mine[:2]):
                     self.carry(tp, (c.offset, c.skip, c.rest) if c.rest else (c.offset, c.skip))
         self.carried.update(self.start_positions(rest, committed))
 
