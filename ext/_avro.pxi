@@ -93,6 +93,7 @@ cdef enum AvErr:
     A_NESTING        # values nested deeper than AV_MAX_NESTING
     A_ITEMS          # more array or map items than a record of its size may hold (AV_FREE_ITEMS)
     A_SCALED         # a timestamp past int64 in the unit Avro(timestamps=) asks
+    A_STRING_UTF8    # a string read into a document is not UTF-8
 
 cdef enum:
     # Records nested deeper than this (a recursive type, which only a record
@@ -592,6 +593,8 @@ cdef inline int av_value(AvCur* c, Py_ssize_t i, int64_t elem) noexcept nogil:
                 return A_MEMORY
             if elem != 0 or <uint64_t>v > c.nelem[nd.field]:
                 return A_LENGTH
+            if kind == K_STRING and not utf8_valid(c.p, v):
+                return A_STRING_UTF8
             memcpy(c.row[nd.field], c.p, v)
             c.vcount = v
             c.written[nd.field] = 1
@@ -963,6 +966,8 @@ cdef str _avro_reason(Layout layout, AvroPlan plan, AvBad b, Py_ssize_t size):
         return f"{b.value} does not fit {into}{where}"
     if err == A_SCALED:
         return f"timestamp {b.value} does not fit int64 in the unit timestamps= asks{where}"
+    if err == A_STRING_UTF8:
+        return f"a string that is not UTF-8{where}"
     if err == A_KIND:
         return f"cannot be read{where}"
     if err == A_NULL:

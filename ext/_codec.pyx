@@ -182,6 +182,48 @@ cdef inline bint holds(uint64_t nbytes, uint64_t n, uint64_t size) noexcept nogi
     return nbytes % size == 0 and nbytes // size == n
 
 
+cdef bint utf8_valid(const uint8_t* p, uint64_t n) noexcept nogil:
+    """Whether the ``n`` bytes at ``p`` are UTF-8 as protobuf and Python check a string:
+    shortest forms, no surrogates, up to U+10FFFF."""
+    cdef uint64_t i = 0, word
+    cdef uint8_t b, lo, hi
+    cdef int k, more
+    while i < n:
+        if n - i >= 8:  # ASCII, 8 bytes at a time
+            memcpy(&word, p + i, 8)
+            if not (word & 0x8080808080808080ULL):
+                i += 8
+                continue
+        b = p[i]
+        if b < 0x80:
+            i += 1
+            continue
+        lo, hi = 0x80, 0xBF
+        if 0xC2 <= b <= 0xDF:
+            more = 1
+        elif 0xE0 <= b <= 0xEF:
+            more = 2
+            if b == 0xE0:
+                lo = 0xA0  # not an overlong form
+            elif b == 0xED:
+                hi = 0x9F  # not a surrogate
+        elif 0xF0 <= b <= 0xF4:
+            more = 3
+            if b == 0xF0:
+                lo = 0x90  # not an overlong form
+            elif b == 0xF4:
+                hi = 0x8F  # not past U+10FFFF
+        else:
+            return False
+        if n - i <= <uint64_t>more:
+            return False
+        for k in range(1, more + 1):
+            if not ((lo if k == 1 else 0x80) <= p[i + k] <= (hi if k == 1 else 0xBF)):
+                return False
+        i += more + 1
+    return True
+
+
 # -- the block header: written by one helper, checked by one ------------------
 
 

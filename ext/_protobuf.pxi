@@ -404,48 +404,6 @@ cdef int pb_skip(PbCur* c, const uint8_t* end, uint64_t tag) noexcept nogil:
     return A_TAG  # a group's end without its start, or wire type 6 or 7 (none)
 
 
-cdef bint pb_utf8(const uint8_t* p, uint64_t n) noexcept nogil:
-    """Whether the ``n`` bytes at ``p`` are UTF-8 as protobuf checks a string: shortest
-    forms, no surrogates, up to U+10FFFF."""
-    cdef uint64_t i = 0, word
-    cdef uint8_t b, lo, hi
-    cdef int k, more
-    while i < n:
-        if n - i >= 8:  # ASCII, 8 bytes at a time
-            memcpy(&word, p + i, 8)
-            if not (word & 0x8080808080808080ULL):
-                i += 8
-                continue
-        b = p[i]
-        if b < 0x80:
-            i += 1
-            continue
-        lo, hi = 0x80, 0xBF
-        if 0xC2 <= b <= 0xDF:
-            more = 1
-        elif 0xE0 <= b <= 0xEF:
-            more = 2
-            if b == 0xE0:
-                lo = 0xA0  # not an overlong form
-            elif b == 0xED:
-                hi = 0x9F  # not a surrogate
-        elif 0xF0 <= b <= 0xF4:
-            more = 3
-            if b == 0xF0:
-                lo = 0x90  # not an overlong form
-            elif b == 0xF4:
-                hi = 0x8F  # not past U+10FFFF
-        else:
-            return False
-        if n - i <= <uint64_t>more:
-            return False
-        for k in range(1, more + 1):
-            if not ((lo if k == 1 else 0x80) <= p[i + k] <= (hi if k == 1 else 0xBF)):
-                return False
-        i += more + 1
-    return True
-
-
 cdef inline int pb_wire(int kind) noexcept nogil:
     """The wire type of a field of ``kind`` (a repeated scalar's packed form aside)."""
     if kind == P_BYTES or kind == P_STRING or kind == P_MESSAGE:
@@ -540,7 +498,7 @@ cdef int pb_value(PbCur* c, const PbEntry* e, const uint8_t* end) noexcept nogil
             return r
         if raw > <uint64_t>(end - c.p):
             return A_TRUNCATED
-        if kind == P_STRING and not pb_utf8(c.p, raw):
+        if kind == P_STRING and not utf8_valid(c.p, raw):
             return A_NOT_UTF8
         if var_reserve(c.var, raw, &c.row[e.field], &c.nelem[e.field]):
             return A_MEMORY

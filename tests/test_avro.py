@@ -837,6 +837,30 @@ def test_documents_equal_the_deserializers_arrays_and_strings(registry):
         kfeed.Schema({"t": ("int32", (None,), {"default": 5})})
 
 
+@pytest.mark.parametrize("text", [b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"abc\xe2\x82"])
+def test_a_string_read_into_a_document_that_is_not_utf8_is_a_bad_record(text):
+    # Such a string went into the tokens as it was, where the AvroDeserializer
+    # refuses the record. Skipped strings stay unchecked, as protobuf's.
+    parsed = fastavro.parse_schema(json.loads(json.dumps(DOC)))
+    values = []
+    for i, body in enumerate(["ab", "x", "\u00e9\u4e2d\U0001f600"]):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, {"id": i, "meta": {},
+                                                 "body": {"ids": None, "text": body}})
+        values.append(buf.getvalue())
+    bad = values[1].replace(b"\x02x", bytes([2 * len(text)]) + text)  # its "x", replaced
+    with pytest.raises(UnicodeDecodeError):
+        fastavro.schemaless_reader(io.BytesIO(bad), parsed)
+    got = kfeed.Avro(schema=DOC).decoder(kfeed.Schema(
+        {"text": ("uint8", (None,), {"source": "body.text"})})).decode_documents(
+            [values[0], bad, values[2]])
+    assert got.bad == [(1, "a string that is not UTF-8 at body.text")]
+    assert got.tokens.tobytes() == "ab\u00e9\u4e2d\U0001f600".encode()
+    ids, why = decode_all(kfeed.Avro(schema=DOC).decoder(kfeed.Schema({"id": ("int64", ())})),
+                          kfeed.Schema({"id": ("int64", ())}), [values[0], bad])
+    assert ids["id"].tolist() == [0, 1] and why == []
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_mutated_documents_never_crash_and_read_as_fastavro_reads_them(data):
