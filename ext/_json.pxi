@@ -24,7 +24,9 @@
 # it, so that a record json.loads refuses is a bad record here too: no raw
 # control character (bytes 0x00-0x1F), only RFC 8259's escapes (\uXXXX with
 # four hex digits), and valid UTF-8 as json.loads decodes bytes (with
-# "surrogatepass": an encoded surrogate, ED A0-BF xx, is taken).
+# "surrogatepass": an encoded surrogate, ED A0-BF xx, is taken). A string read
+# into a document of bytes must be UTF-8 once its escapes are undone: a lone
+# surrogate, raw or as a \uXXXX escape, has no UTF-8, and makes the record bad.
 
 from libc.math cimport INFINITY, NAN
 from libc.string cimport memcmp
@@ -68,6 +70,7 @@ cdef enum:
     A_CONTROL          # a raw control character in a string (its byte in err_value)
     A_ESCAPE           # a backslash not followed by one of RFC 8259's escapes
     A_UTF8             # a string's bytes are not UTF-8
+    A_SURROGATE        # a string read into bytes holds a lone surrogate
     # js_number's integers past int64, which only some fields take (not errors):
     J_UINT64           # up to 2**64 - 1: its bits in ``iv``, its double in ``dv``
     J_WIDE             # any other: its double in ``dv`` (inf past float64)
@@ -1092,6 +1095,8 @@ cdef str _json_error(AvBad b, str where, str missing, Py_ssize_t size):
         return f"a malformed escape in a string{where}"
     if err == A_UTF8:
         return f"invalid UTF-8 in a string{where}"
+    if err == A_SURROGATE:
+        return f"a lone surrogate in a string read as bytes{where} (it has no UTF-8)"
     if err == A_TRUNCATED:
         return f"truncated{where}"
     if err == A_RANGE:
@@ -1158,6 +1163,8 @@ cdef int jt_array(JsCur* c, JtCur* t) noexcept nogil:
         else:
             memcpy(t.buf + t.len, s, n)
             m = n
+        if not utf8_valid(t.buf + t.len, m):
+            return A_SURROGATE
         t.len += m
         t.found = True
         return A_OK

@@ -204,7 +204,8 @@ def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
                b"\x80", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xe2\x82", b"\xf0\x8f\xbf\xbf",
                b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"ok\xed\xa0"]
     taken = [b"plain", b"\x7f", b"caf\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80",
-             b"\xed\xa0\x80", b"\xf4\x8f\xbf\xbf", b"\\u00e9\\ud83d\\ude00\\n\\/", b"\\ud800"]
+             b"\xed\xa0\x80", b"\xf4\x8f\xbf\xbf", b"\\u00e9\\ud83d\\ude00\\n\\/", b"\\ud800",
+             b"\\udc00\\ud800", b"\\ud83dA"]
     places = [b'{"id": 1, "note": "%s"}', b'{"id": 1, "%s": 0}',
               b'{"id": 1, "x": [{"y": "%s", "z": 1}]}', b'{"id": 1, "doc": {"text": "%s"}}']
     values = [place % text for place in places for text in refused + taken]
@@ -219,14 +220,21 @@ def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
         what = ("a raw control character" if min(text) < 0x20 else
                 "a malformed escape" if text.startswith(b"\\") else "invalid UTF-8")
         assert why.startswith(what) and why.endswith("in a string"), (i, why)
-    # Read as bytes: the very bytes json.loads's string encodes to.
+    # Read as bytes: the very bytes json.loads's string encodes to. A lone
+    # surrogate, raw or escaped, which json.loads takes, has no UTF-8: the
+    # record is bad (its bytes went into the document as they were).
     text = kfeed.Schema({"id": ("int64", ()), "text": ("uint8", (None,), {"source": "doc.text",
                                                                           "default": []})})
     docs = kfeed.Json().decoder(text).decode_documents(values)
-    assert [i for i, _ in docs.bad] == [i for i, _ in bad]
-    assert docs.tokens.tobytes() == b"".join(
-        w.get("doc", {}).get("text", "").encode("utf-8", "surrogatepass")
-        for w in want if w is not None)
+    read = {i: w.get("doc", {}).get("text", "") for i, w in enumerate(want) if w is not None}
+    lone = [i for i, s in read.items() if s.encode("utf-8", "surrogatepass") != s.encode(
+        "utf-8", "replace")]
+    assert [values[i] for i in lone] == [places[3] % t for t in (b"\xed\xa0\x80", b"\\ud800",
+                                                                 b"\\udc00\\ud800", b"\\ud83dA")]
+    assert [i for i, _ in docs.bad] == sorted([i for i, _ in bad] + lone)
+    assert [why for i, why in docs.bad if i in lone] == [
+        "a lone surrogate in a string read as bytes at doc.text (it has no UTF-8)"] * len(lone)
+    assert docs.tokens.tobytes() == b"".join(s.encode() for i, s in read.items() if i not in lone)
     # Every lead byte from 0x80, with every second byte from 0x70 and what may follow it.
     sweep = [b'{"id": 2, "s": "' + bytes([lead, second]) + tail + b'"}'
              for lead in range(0x80, 0x100) for second in range(0x70, 0x100)
