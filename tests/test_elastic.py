@@ -189,6 +189,30 @@ def test_states_of_different_loaders_do_not_merge():
         Loader.merge_states([shuffled[0], other[1]])
 
 
+def test_mixture_states_merge_as_a_resume_compares_them_and_a_cut_one_is_refused():
+    # The merge compared the states' mixtures as saved: Mix({a: .5, b: .5}) did
+    # not merge with Mix({a: 1, b: 1}), the same order, which a resume takes,
+    # and its error said not how they differ. A cut state raised a KeyError.
+    vals = {(t, p): ROWS.encode_blocks({"id": k * 1000 + p * 100 + np.arange(50)}, 5)
+            for k, t in enumerate("ab") for p in range(2)}
+
+    def mix(weights, seed=1):
+        return Mix(weights, seed=seed, exhausted="renormalize")
+
+    out, half = run_job(vals, 2, [2, 1], None, "id", topics=mix({"a": .5, "b": .5}))
+    _, one = run_job(vals, 2, [2, 1], None, "id", topics=mix({"a": 1, "b": 1}))
+    rest, _ = run_job(vals, 1, None, Loader.merge_states([half[0], one[1]]), "id",
+                      topics=mix({"a": 1, "b": 1}))
+    assert sorted(np.concatenate(out + rest).tolist()) == [
+        k * 1000 + p * 100 + i for k in range(2) for p in range(2) for i in range(50)]
+    _, other = run_job(vals, 2, [2, 1], None, "id", topics=mix({"a": .5, "b": .5}, seed=2))
+    with pytest.raises(ConfigError, match="differ in their Mix: its seed 2, this loader's 1"):
+        Loader.merge_states([half[0], other[1]])
+    cut = {**half[1], "mix": {k: v for k, v in half[1]["mix"].items() if k != "live"}}
+    with pytest.raises(ConfigError, match=r"not a kfeed loader state: .*KeyError\('live'\)"):
+        Loader.merge_states([cut, half[0]])
+
+
 def test_what_the_ranks_held_back_is_in_the_merged_state_and_comes_out_once():
     rng = np.random.default_rng(0)
     values, tokens, k = {}, [], 3

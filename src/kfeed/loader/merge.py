@@ -14,6 +14,7 @@ from typing import Any
 
 from kfeed.errors import ConfigError
 from kfeed.loader.ledger import _key, state_positions
+from kfeed.mix import _mix_difference, _same_mix
 from kfeed.tokens import ShuffleBuffer
 
 __all__ = ["merge_states", "static_cover"]
@@ -84,7 +85,13 @@ def merge_states(states: Sequence[Mapping[str, Any]], version: int) -> dict[str,
     if first.get("epochs") is not None:
         out["epochs"] = _merge_epochs(states, covers)
     if "order" in first:
-        out.update(_merge_orders(states))
+        try:
+            out.update(_merge_orders(states))
+        except ConfigError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # a state cut or edited
+            raise ConfigError(f"not a kfeed loader state: its order or mixture lacks "
+                              f"{e!r}") from None
     return out
 
 
@@ -225,8 +232,11 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
                            "carried": [carried[tp] for tp in sorted(carried)]}
     if "mix" in states[0]:
         mixes = [st["mix"] for st in states]
-        if any(m.get("mix") != mixes[0].get("mix") for m in mixes):
-            raise ConfigError("the states differ in their Mix")
+        for m in mixes[1:]:  # compared as a resume compares them: {a: 1} is {a: 0.5}
+            if not isinstance(m.get("mix"), Mapping) or not _same_mix(m["mix"],
+                                                                       mixes[0].get("mix")):
+                raise ConfigError(f"the states differ in their Mix: "
+                                  f"{_mix_difference(m.get('mix'), mixes[0]['mix'])}")
         # Rank 0's round robin goes on. A source ran out (Mix(exhausted="repeat"):
         # at least once) where it ran out on every rank that held its partitions
         # (each rank's window names them): forgetting it read a source meant to
