@@ -348,7 +348,13 @@ def _values(f: Field, col: Any, kind: str, n: int) -> Any:
             raise _Bad(f"column {name!r} has {col.null_count} null(s) and field {f.name!r} "
                        f"has no default")
         valid = col.is_valid().to_numpy(zero_copy_only=False)
+        nulls = n - int(np.count_nonzero(valid))
+        if nulls != col.null_count:  # (as full validation finds: the bitmap is the truth)
+            raise _Bad(f"an invalid record batch: column {name!r}: its null count, "
+                       f"{col.null_count}, is not its bitmap's, {nulls}")
     if kind in ("list", "binary"):
+        if n == 0:  # (its offsets buffer may be empty: a zero-length array needs none)
+            return _filled(f, 0, None, (np.empty(0, f.storage), np.zeros(1, np.int64)))
         if kind == "list":
             # The offsets index the whole child array; a null list's range is
             # never read (it takes the default).
