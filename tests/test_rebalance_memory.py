@@ -789,6 +789,41 @@ def test_a_resume_given_part_of_a_state_keeps_what_another_member_read_since(ord
     assert sorted(got + b) == sorted(set(got + b)) and len(set(got + b)) == len(all_ids())
 
 
+@pytest.mark.parametrize("seed", [1, 7])  # B's commit at A's position with a note; past it
+def test_a_resume_given_part_of_a_state_keeps_what_another_member_used_above_its_position(
+        seed) -> None:
+    # As above, shuffled, but B reads one batch of partition 0 and commits
+    # with its first record still in its buffer: at the position A's state
+    # carries 0 at, with a note of the records it used above. R carried A's
+    # position and note, B's run adopted as superseded: a resume of R's state
+    # read B's batch again (20 records).
+    commits: tuple = ({}, {}, {})
+    shuffle = kfeed.Shuffle(buffer=30, seed=seed)
+
+    def loader(**kw) -> kfeed.Loader:
+        src = MemorySource(sample_values(), **kw)
+        src.committed_positions, src.committed_by, src.committed_notes = commits
+        return kfeed.Loader(None, "memory", SCHEMA, 20, device="cpu", until="end",
+                            commit_interval_ms=0, source=src, shuffle=shuffle)
+
+    with loader(first=[1]) as a:
+        got = next(a)["id"].tolist()
+        state = a.state_dict()
+    with loader(first=[0]) as b:
+        got += next(b)["id"].tolist()
+        b.commit()
+    assert commits[0][("memory", 0)] == ((0, 0) if seed == 1 else (0, 1))
+    assert commits[2][("memory", 0)], "B's commit has no note"
+    with loader(first=[1]) as r:
+        r.load_state_dict(state)
+        got += [i for b in r for i in b["id"].tolist()]
+        r_state = r.state_dict()
+    with loader() as again:
+        again.load_state_dict(r_state)
+        got += [i for b in again for i in b["id"].tolist()]
+    assert len(got) == len(set(got)) == len(all_ids())
+
+
 def _restarted(src: MemorySource, values: dict) -> MemorySource:
     """The same group's committed offsets, a new member (no script, every partition)."""
     again = MemorySource(values)

@@ -291,12 +291,13 @@ class Ledger:
                     and tp not in held]
             # A loaded state's partitions carried: where a member not lost
             # went past them, there (their runs are adopted as the state's,
-            # so a resume of this state would take the commit for lost).
+            # so a resume of this state would take the commit for lost); in
+            # an order, to the same place with a note too, as an assigned one.
             for tp in scope:
                 c, mine = committed.get(tp), self.carried.get(tp)
                 if tp in positions or mine is None or c is None:
                     continue
-                if self._newer(tuple(mine[:2]), c) != tuple(mine[:2]):
+                if self._past(tp, tuple(mine[:2]), c):
                     self.carry(tp, (c.offset, c.skip, c.rest) if c.rest else (c.offset, c.skip))
         self.carried.update(self.start_positions(rest, committed))
 
@@ -304,6 +305,10 @@ class Ledger:
         """Partitions whose positions the ledger holds apart from ``handed`` (under
         ``lock``): none in offset order."""
         return ()
+
+    def _past(self, tp: TP, own: Position, committed: Committed | None) -> bool:
+        """Whether a member whose reading is not lost committed past ``own``."""
+        return self._newer(own, committed) != tuple(own)
 
     def _decided(self, tps: list[TP], first: bool,
                  committed: Mapping[TP, Committed | None]) -> None:
