@@ -685,6 +685,31 @@ def test_a_produce_whose_brokers_all_stop_says_so_on_its_progress_line(bootstrap
     assert "acknowledged nothing" not in [ln for ln in err.lines if "kfeed produce:" in ln][-1]
 
 
+def test_a_produce_into_a_topic_whose_leader_just_died_goes_on(bootstrap, make_topic,
+                                                               live_cluster) -> None:
+    # kfeed produce first reads what the topic holds (its partitions' newest
+    # messages): the first error of a partition whose leader was just killed
+    # ended the run ("... within 30s", after 10), though the other brokers
+    # elect a new leader within seconds.
+    from kfeed.synthetic import synthetic_schema
+
+    topic = make_topic(partitions=3, replication=3)
+    cmd = [sys.executable, "-m", "kfeed", "produce", "--topic", topic, "--synthetic", "3000"]
+    env = {**os.environ, "KFEED_BOOTSTRAP": bootstrap}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cluster.kill_node(live_cluster, 2)  # a leader of one of the three partitions
+    try:
+        time.sleep(0.5)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        cluster.start_node(live_cluster, 2, wait=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("produced 3,000 samples"), done.stdout
+    wait_registered(live_cluster, 2)
+    assert len(read_topic(bootstrap, topic, synthetic_schema())) == 6000
+
+
 @pytest.mark.timeout(300, method="thread")
 def test_an_idle_convert_follow_stops_at_a_signal_with_every_broker_frozen(
         bootstrap, make_topic, live_cluster) -> None:

@@ -1113,6 +1113,30 @@ def test_blocks_into_a_compacted_topic_say_why_the_brokers_refuse_them(
 
 
 @pytest.mark.integration
+def test_messages_into_a_topic_of_small_batches_say_why_the_brokers_refuse_them(
+        bootstrap: str, make_topic: Any) -> None:
+    # Each message fit the topic's max.message.bytes, but librdkafka sends
+    # up to batch.size in one batch, which the brokers check whole: every one
+    # was refused with a bare "Message size too large".
+    schema = kfeed.Schema({"id": ("int64", ()), "x": ("float32", (40,))})
+    rows = {"id": np.arange(2000), "x": np.random.default_rng(0).random((2000, 40), np.float32)}
+    topic = make_topic(partitions=1, config={"max.message.bytes": 20_000})
+    with pytest.raises(kfeed.ProduceError) as refused:  # (batches of 100 ms of sends)
+        with kfeed.Producer({"bootstrap.servers": bootstrap, "linger.ms": 100}, topic, schema,
+                            format="raw") as p:
+            p.send(rows)
+    assert (f"2000 message(s) not delivered; first error: Broker: Message size too large: "
+            f"{topic} takes batches of messages of max.message.bytes=20,000 bytes at most (its "
+            f"brokers check a batch whole), and this producer batches up to batch.size="
+            f"1,000,000: set batch.size and message.max.bytes to 20,000 or less") \
+        in str(refused.value), refused.value
+    small = {"bootstrap.servers": bootstrap, "batch.size": 20_000, "message.max.bytes": 20_000}
+    with kfeed.Producer(small, topic, schema, format="raw") as p:  # as the error says
+        p.send(rows)
+    assert p.acked_bytes > 0 and p.delivery_failures == 0
+
+
+@pytest.mark.integration
 def test_an_interrupted_producer_waits_a_moment_and_says_what_it_left(
         bootstrap: str, make_topic: Any) -> None:
     # It waited for the acknowledgements for the whole timeout (30 s when the

@@ -258,6 +258,9 @@ class _Lines:
         self.texts.append(fmt % args if args else fmt)
 
 
+_ASK_SLICE_S = 0.5  # the longest one blocking call may hold Ctrl-C back
+
+
 def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
                   ) -> dict[int, bytes | None]:
     """The value of each partition's newest committed message, of the partitions that hold any.
@@ -274,13 +277,24 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
     consumer = Consumer({**logged_config(kafka_config), "group.id": "kfeed-peek",
                          "enable.auto.commit": False, "isolation.level": "read_committed"})
     deadline = time.monotonic() + timeout_s
+
+    def asked(call: Callable[[float], Any]) -> Any:
+        # Asked again until the deadline: a leader that just died is elected
+        # again within seconds. In slices, so that Ctrl-C is heard between.
+        while True:
+            try:
+                return call(min(_ASK_SLICE_S, max(0.05, deadline - time.monotonic())))
+            except KafkaException:
+                if time.monotonic() >= deadline:
+                    raise
+
     try:
         try:
-            md = consumer.list_topics(topic, timeout=timeout_s)
+            md = asked(lambda s: consumer.list_topics(topic, timeout=s))
             lows, ends = {}, {}
             for p in sorted(md.topics[topic].partitions):
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, p), timeout=max(0.1, deadline - time.monotonic()))
+                low, high = asked(lambda s, p=p: consumer.get_watermark_offsets(
+                    TopicPartition(topic, p), timeout=s))
                 if high > low:
                     lows[p], ends[p] = low, high
         except KafkaException as e:  # (a partition whose leader is gone, say)

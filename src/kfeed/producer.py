@@ -94,6 +94,7 @@ _READABLE_WAIT_S = 10.0
 # (RD_KAFKA_RESP_ERR__PURGE_QUEUE, __PURGE_INFLIGHT), as an abort does.
 _PURGED = (-152, -151)
 _INVALID_RECORD = 87  # the brokers would not validate a record (a compacted topic's unkeyed one)
+_TOO_LARGE = 10  # MESSAGE_TOO_LARGE: a batch of messages over the topic's max.message.bytes
 _STATE = -172  # "Erroneous state": a transaction a failed delivery left only to abort
 _INTERRUPT_FLUSH_S = 2.0  # an interrupted `with Producer` waits this long for deliveries
 
@@ -187,6 +188,7 @@ class Producer:
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
         self._message_max = message_max_bytes(config)
+        self._batch_bytes = min(int(config.get("batch.size", 1_000_000)), self._message_max)
         self._block_bytes = value_max_bytes(self._message_max)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
@@ -708,7 +710,17 @@ class Producer:
                                topic=self.topic, code=first.code() if first is not None else None)
 
     def _refused(self, first: Any) -> str:
-        """Why the brokers refused a record they would not validate, where kfeed can tell."""
+        """Why the brokers refused a record they would not validate, or a batch too large,
+        where kfeed can tell."""
+        if first is not None and first.code() == _TOO_LARGE:
+            limit = topic_setting(self._client, self.topic, "max.message.bytes")
+            if not limit.isdigit() or int(limit) >= self._batch_bytes:
+                return ""
+            return (f": {self.topic} takes batches of messages of max.message.bytes="
+                    f"{int(limit):,} bytes at most (its brokers check a batch whole), and this "
+                    f"producer batches up to batch.size={self._batch_bytes:,}: set batch.size "
+                    f"and message.max.bytes to {int(limit):,} or less (-X batch.size=... -X "
+                    f"message.max.bytes=...), or raise the topic's max.message.bytes")
         if first is None or first.code() != _INVALID_RECORD:
             return ""
         if "compact" not in topic_setting(self._client, self.topic, "cleanup.policy"):
