@@ -68,6 +68,15 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     >>> for p in kfeed.group_lag({"bootstrap.servers": "127.0.0.1:39092"}, "trainer"):
     ...     print(p.topic, p.partition, p.lag, p.lag_s)
     """
+    return lag_of(kafka_config, group_id, topics, timeout_s, owners=True)
+
+
+def lag_of(kafka_config: Mapping[str, Any], group_id: str, topics: Sequence[str] | None,
+           timeout_s: float, *, owners: bool) -> list[PartitionLag]:
+    """``group_lag``; ``owners``: whether to ask who owns each partition (``member``,
+    else None), which only the group's coordinator answers, by an admin request
+    that the brokers being away can make abort the process (``_committed_of``):
+    the metrics' lag thread, in the training process, does without."""
     from confluent_kafka import (
         ConsumerGroupTopicPartitions,
         KafkaError,
@@ -94,7 +103,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
     config = logged_config(kafka_config)
 
     def ask() -> tuple[Any, ...]:
-        committed = _committed(admin, ConsumerGroupTopicPartitions(group_id), timeout_s)
+        committed = {} if topics else _committed(admin, ConsumerGroupTopicPartitions(group_id),
+                                                 timeout_s)
         wanted = list(topics) if topics else sorted({tp[0] for tp in committed})
         if topics:
             # One look at every topic's name: an unknown one is a mistake in the
@@ -105,6 +115,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
                     raise ConsumeError(f"no topic {t} on these brokers ({servers}): check the "
                                        f"name", topic=t)
         parts = [(t, p) for t in wanted for p in admin_partitions(admin, t, servers, timeout_s)]
+        if topics:
+            committed = _committed_of(config, group_id, parts, timeout_s)
         ends = admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in parts},
                                   request_timeout=timeout_s)
         end = {(tp.topic, tp.partition): answer(admin, f).offset for tp, f in ends.items()}
@@ -115,7 +127,8 @@ def group_lag(kafka_config: Mapping[str, Any], group_id: str,
         first = {(tp.topic, tp.partition): answer(admin, f).offset
                  for tp, f in firsts.items()}
         start = {tp: max(committed.get(tp, first[tp]), first[tp]) for tp in parts}
-        return committed, parts, end, start, _owners(admin, group_id, timeout_s)
+        return (committed, parts, end, start,
+                _owners(admin, group_id, timeout_s) if owners else {})
 
     try:  # (a group's coordinator still loading, after a restart: asked again)
         committed, parts, end, start, owners = passing(ask, timeout_s)
@@ -162,6 +175,28 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
             raise ConsumeError(unreachable_message(servers, timeout_s, err.str()),
                                code=err.code()) from e
         raise ConsumeError(f"cannot describe group {group_id}: {err.str()}") from e
+
+
+def _committed_of(config: dict[str, Any], group_id: str, parts: list[tuple[str, int]],
+                  timeout_s: float) -> dict[tuple[str, int], int]:
+    """The group's committed offsets of ``parts``, asked as its own consumers ask them.
+
+    Not by the admin client's ListConsumerGroupOffsets: that request, timed
+    out while the group's coordinator does not answer, later aborts the
+    whole process inside librdkafka (an assertion on a freed object, when the
+    coordinator's connection drops) -- the training process, for the metrics'
+    lag thread. A consumer that joins no group reads them by its own path.
+    """
+    from confluent_kafka import Consumer, TopicPartition
+
+    if not parts:
+        return {}
+    consumer = Consumer({**config, "group.id": group_id, "enable.auto.commit": False})
+    try:
+        found = consumer.committed([TopicPartition(t, p) for t, p in parts], timeout=timeout_s)
+    finally:
+        consumer.close()
+    return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}
 
 
 def _committed(admin: Any, request: Any, timeout_s: float) -> dict[tuple[str, int], int]:

@@ -179,7 +179,7 @@ class _LagSeconds(threading.Thread):
             self.join(timeout=15.0)
 
     def run(self) -> None:
-        from kfeed.lag import group_lag
+        from kfeed.lag import lag_of
 
         while not self.stopped.is_set():
             ages: dict[tuple[str, str, str], float] = {}
@@ -187,8 +187,9 @@ class _LagSeconds(threading.Thread):
                 if self.stopped.is_set():
                     return
                 try:
-                    parts = group_lag({**config, "logger": self._log}, group, topics,
-                                      timeout_s=min(10.0, max(1.0, self.interval_s)))
+                    # (not who owns each partition: see lag_of)
+                    parts = lag_of({**config, "logger": self._log}, group, topics,
+                                   timeout_s=min(10.0, max(1.0, self.interval_s)), owners=False)
                 except Exception as e:  # noqa: BLE001 - brokers away, or librdkafka's own errors
                     if group not in self._failing:
                         log.warning("lag in seconds of group %s: %s", group, e)
