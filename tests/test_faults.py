@@ -713,11 +713,12 @@ def test_a_produce_into_a_topic_whose_leader_just_died_goes_on(bootstrap, make_t
 LAG_LOOP = """
 import json, sys, time
 from kfeed.lag import lag_of
-config, group, topic, seconds = {"bootstrap.servers": sys.argv[1]}, sys.argv[2], sys.argv[3], float(sys.argv[4])
-end = time.monotonic() + seconds
+config, group, topic = {"bootstrap.servers": sys.argv[1]}, sys.argv[2], sys.argv[3]
+end = time.monotonic() + float(sys.argv[4])
 while time.monotonic() < end:
     try:
-        print(json.dumps([p.lag for p in lag_of(config, group, [topic], 1.0, owners=False)]), flush=True)
+        lags = [p.lag for p in lag_of(config, group, [topic], 1.0, owners=False)]
+        print(json.dumps(lags), flush=True)
     except Exception as e:
         print(json.dumps(type(e).__name__), flush=True)
     time.sleep(0.5)
