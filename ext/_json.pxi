@@ -856,7 +856,7 @@ cdef inline int js_keep(JsCur* c, Py_ssize_t ni, int f, int r) noexcept nogil:
     if r == A_OK:
         if c.npending:
             settle(&c.pending[f], &c.npending)
-    elif deferrable(r):
+    elif deferrable(r) or r == A_SURROGATE:  # (the string was read whole)
         defer(&c.pending[f], &c.npending, r, ni, c.err_value, False)
         r = A_OK
     return r

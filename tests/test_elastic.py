@@ -206,7 +206,7 @@ def test_mixture_states_merge_as_a_resume_compares_them_and_a_cut_one_is_refused
     assert sorted(np.concatenate(out + rest).tolist()) == [
         k * 1000 + p * 100 + i for k in range(2) for p in range(2) for i in range(50)]
     _, other = run_job(vals, 2, [2, 1], None, "id", topics=mix({"a": .5, "b": .5}, seed=2))
-    with pytest.raises(ConfigError, match="differ in their Mix: its seed 2, this loader's 1"):
+    with pytest.raises(ConfigError, match="differ in their Mix: its seed 2, the first state's 1"):
         Loader.merge_states([half[0], other[1]])
     cut = {**half[1], "mix": {k: v for k, v in half[1]["mix"].items() if k != "live"}}
     with pytest.raises(ConfigError, match=r"not a kfeed loader state: .*KeyError\('live'\)"):

@@ -235,6 +235,13 @@ def test_strings_read_skipped_or_keys_are_checked_as_json_loads_checks_them():
     assert [why for i, why in docs.bad if i in lone] == [
         "a lone surrogate in a string read as bytes at doc.text (it has no UTF-8)"] * len(lone)
     assert docs.tokens.tobytes() == b"".join(s.encode() for i, s in read.items() if i not in lone)
+    # As a value that does not fit: the key's last copy decides, as json.loads's.
+    twice = [b'{"id": 1, "doc": {"text": "\\ud800", "text": "ok"}}',
+             b'{"id": 1, "doc": {"text": "ok", "text": "\\ud800"}}',
+             b'{"id": 1, "doc": {"text": "\\ud800", "text": null}}']
+    docs = kfeed.Json().decoder(text).decode_documents(twice)
+    assert docs.tokens.tobytes() == b"ok" and docs.lengths.tolist() == [2, 0]
+    assert [i for i, _ in docs.bad] == [1]
     # Every lead byte from 0x80, with every second byte from 0x70 and what may follow it.
     sweep = [b'{"id": 2, "s": "' + bytes([lead, second]) + tail + b'"}'
              for lead in range(0x80, 0x100) for second in range(0x70, 0x100)

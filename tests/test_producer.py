@@ -1112,6 +1112,19 @@ def test_blocks_into_a_compacted_topic_say_why_the_brokers_refuse_them(
         raw.send({"id": np.arange(10)}, keys=np.arange(10))
 
 
+def test_batch_size_is_left_to_librdkafka_to_read() -> None:
+    # Read by kfeed as a decimal int when the producer was made, for the error
+    # of a batch too large: "abc" was a bare ValueError, not librdkafka's
+    # verdict, and "0x10000", which librdkafka takes, one too.
+    ids = kfeed.Schema({"id": ("int64", ())})
+    with pytest.raises(kfeed.ConfigError, match='bad Kafka setting: Invalid value for '
+                                                'configuration property "batch.size"'):
+        kfeed.Producer({"bootstrap.servers": "127.0.0.1:1", "batch.size": "abc"}, "t", ids)
+    with pytest.raises(kfeed.ProduceError, match="cannot reach the brokers"):
+        kfeed.Producer({"bootstrap.servers": "127.0.0.1:1", "batch.size": "0x10000"}, "t", ids,
+                       connect_timeout_s=1)
+
+
 @pytest.mark.integration
 def test_messages_into_a_topic_of_small_batches_say_why_the_brokers_refuse_them(
         bootstrap: str, make_topic: Any) -> None:

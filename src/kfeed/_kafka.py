@@ -280,13 +280,16 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
 
     def asked(call: Callable[[float], Any]) -> Any:
         # Asked again until the deadline: a leader that just died is elected
-        # again within seconds. In slices, so that Ctrl-C is heard between.
+        # again within seconds. In slices, so that Ctrl-C is heard between;
+        # a refusal (credentials, authorization) at once, as no retry mends it.
         while True:
+            began = time.monotonic()
             try:
-                return call(min(_ASK_SLICE_S, max(0.05, deadline - time.monotonic())))
-            except KafkaException:
-                if time.monotonic() >= deadline:
+                return call(min(_ASK_SLICE_S, max(0.05, deadline - began)))
+            except KafkaException as e:
+                if time.monotonic() >= deadline or e.args[0].code() in REFUSED:
                     raise
+            time.sleep(max(0.0, min(began + 0.2, deadline) - time.monotonic()))  # (no spin)
 
     try:
         try:
@@ -298,10 +301,15 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
                 if high > low:
                     lows[p], ends[p] = low, high
         except KafkaException as e:  # (a partition whose leader is gone, say)
+            err = e.args[0]
+            if err.code() in REFUSED:
+                raise ProduceError(f"cannot read the newest messages of {topic}, to check "
+                                   f"what it holds: {err.str()}; nothing was sent",
+                                   topic=topic, code=err.code()) from None
             raise ProduceError(f"cannot read the newest messages of {topic} within "
-                               f"{timeout_s:g}s, to check what it holds ({e.args[0].str()}): "
+                               f"{timeout_s:g}s, to check what it holds ({err.str()}): "
                                f"its partitions' leaders do not answer; nothing was sent",
-                               topic=topic, code=e.args[0].code()) from None
+                               topic=topic, code=err.code()) from None
         got: dict[int, bytes | None] = {}
         span = 4
         while ends and time.monotonic() < deadline:

@@ -191,7 +191,10 @@ def _committed_of(config: dict[str, Any], group_id: str, parts: list[tuple[str, 
 
     if not parts:
         return {}
-    consumer = Consumer({**config, "group.id": group_id, "enable.auto.commit": False})
+    # (read_uncommitted: the commits as they stand, not waiting for a transaction's
+    # offsets to be decided, as ListConsumerGroupOffsets does not)
+    consumer = Consumer({**config, "group.id": group_id, "enable.auto.commit": False,
+                         "isolation.level": "read_uncommitted"})
     try:
         found = consumer.committed([TopicPartition(t, p) for t, p in parts], timeout=timeout_s)
     finally:

@@ -17,7 +17,7 @@ in seconds, ``kfeed_consumergroup_lag_seconds{consumergroup,topic,partition}``,
 is how old the group's next unread record is, as kafka-lag-exporter defines
 it (now minus the timestamp of the record at the committed offset, 0 when
 nothing is left): a thread of ``serve`` asks the brokers for it every
-``lag_interval_s`` (``kfeed.lag.group_lag``), never the loader's own thread.
+``lag_interval_s`` (``kfeed.lag.lag_of``, without the owners), never the loader's own thread.
 
 With a GPU and nvidia-ml-py present, each CUDA device a live loader feeds
 also has its utilisation and memory, read from NVML at the scrape

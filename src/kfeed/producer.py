@@ -188,7 +188,7 @@ class Producer:
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
         self._message_max = message_max_bytes(config)
-        self._batch_bytes = min(int(config.get("batch.size", 1_000_000)), self._message_max)
+        self._batch_size = config.get("batch.size")  # (as given: read in _refused)
         self._block_bytes = value_max_bytes(self._message_max)
         limit = f"message.max.bytes={config['message.max.bytes']} less 1024 for the headers"
         raise_it = "raise message.max.bytes (and the topic's max.message.bytes)"
@@ -713,12 +713,16 @@ class Producer:
         """Why the brokers refused a record they would not validate, or a batch too large,
         where kfeed can tell."""
         if first is not None and first.code() == _TOO_LARGE:
+            try:  # (librdkafka took it, 0x... too)
+                batch = min(int(str(self._batch_size), 0), self._message_max)
+            except ValueError:
+                return ""
             limit = topic_setting(self._client, self.topic, "max.message.bytes")
-            if not limit.isdigit() or int(limit) >= self._batch_bytes:
+            if not limit.isdigit() or int(limit) >= batch:
                 return ""
             return (f": {self.topic} takes batches of messages of max.message.bytes="
                     f"{int(limit):,} bytes at most (its brokers check a batch whole), and this "
-                    f"producer batches up to batch.size={self._batch_bytes:,}: set batch.size "
+                    f"producer batches up to batch.size={batch:,}: set batch.size "
                     f"and message.max.bytes to {int(limit):,} or less (-X batch.size=... -X "
                     f"message.max.bytes=...), or raise the topic's max.message.bytes")
         if first is None or first.code() != _INVALID_RECORD:

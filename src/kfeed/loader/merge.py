@@ -87,11 +87,9 @@ def merge_states(states: Sequence[Mapping[str, Any]], version: int) -> dict[str,
     if "order" in first:
         try:
             out.update(_merge_orders(states))
-        except ConfigError:
-            raise
-        except (KeyError, IndexError, TypeError, ValueError) as e:  # a state cut or edited
+        except KeyError as e:  # a state cut or edited
             raise ConfigError(f"not a kfeed loader state: its order or mixture lacks "
-                              f"{e!r}") from None
+                              f"{e!r}") from e
     return out
 
 
@@ -235,8 +233,9 @@ def _merge_orders(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         for m in mixes[1:]:  # compared as a resume compares them: {a: 1} is {a: 0.5}
             if not isinstance(m.get("mix"), Mapping) or not _same_mix(m["mix"],
                                                                        mixes[0].get("mix")):
+                said = _mix_difference(m.get("mix"), mixes[0]["mix"])
                 raise ConfigError(f"the states differ in their Mix: "
-                                  f"{_mix_difference(m.get('mix'), mixes[0]['mix'])}")
+                                  f"{said.replace('this loader', 'the first state')}")
         # Rank 0's round robin goes on. A source ran out (Mix(exhausted="repeat"):
         # at least once) where it ran out on every rank that held its partitions
         # (each rank's window names them): forgetting it read a source meant to
