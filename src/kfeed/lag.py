@@ -109,7 +109,7 @@ def lag_of(kafka_config: Mapping[str, Any], group_id: str, topics: Sequence[str]
         if topics:
             # One look at every topic's name: an unknown one is a mistake in the
             # name, not a topic still being made (as admin_partitions would wait for).
-            known = admin.list_topics(timeout=timeout_s).topics
+            known = _listed(admin, timeout_s).topics
             for t in wanted:
                 if t not in known:
                     raise ConsumeError(f"no topic {t} on these brokers ({servers}): check the "
@@ -175,6 +175,23 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
             raise ConsumeError(unreachable_message(servers, timeout_s, err.str()),
                                code=err.code()) from e
         raise ConsumeError(f"cannot describe group {group_id}: {err.str()}") from e
+
+
+def _listed(admin: Any, timeout_s: float) -> Any:
+    """``admin.list_topics()``, in half-second calls: brokers that refuse the client
+    raise that refusal (``answer``'s) after the first, not after ``timeout_s``."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return admin.list_topics(timeout=min(0.5, max(0.05, deadline - time.monotonic())))
+        except KafkaException:
+            err = refusal(admin)
+            if err is not None:
+                raise KafkaException(err) from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _committed_of(config: dict[str, Any], group_id: str, parts: list[tuple[str, int]],
