@@ -261,6 +261,31 @@ class _Lines:
 _ASK_SLICE_S = 0.5  # the longest one blocking call may hold Ctrl-C back
 
 
+def asked_until(call: Callable[[float], Any], deadline: float,
+                refused: Callable[[Any], Any]) -> Any:
+    """``call(timeout)``, asked again until ``deadline`` (monotonic) while it raises a
+    KafkaException: a leader that just died is elected again within seconds.
+
+    In slices of ``_ASK_SLICE_S``, so that Ctrl-C is heard between; a call
+    that failed at once is asked again 0.2 s later, not in a spin.
+    ``refused(error)`` gives the refusal (credentials, authorization) behind a
+    failure, raised at once, as no retry mends it; None to ask again.
+    """
+    from confluent_kafka import KafkaException
+
+    while True:
+        began = time.monotonic()
+        try:
+            return call(min(_ASK_SLICE_S, max(0.05, deadline - began)))
+        except KafkaException as e:
+            err = refused(e.args[0])
+            if err is not None:
+                raise KafkaException(err) from None
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(max(0.0, min(began + 0.2, deadline) - time.monotonic()))
+
+
 def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
                   ) -> dict[int, bytes | None]:
     """The value of each partition's newest committed message, of the partitions that hold any.
@@ -279,17 +304,7 @@ def newest_values(kafka_config: Mapping[str, Any], topic: str, timeout_s: float
     deadline = time.monotonic() + timeout_s
 
     def asked(call: Callable[[float], Any]) -> Any:
-        # Asked again until the deadline: a leader that just died is elected
-        # again within seconds. In slices, so that Ctrl-C is heard between;
-        # a refusal (credentials, authorization) at once, as no retry mends it.
-        while True:
-            began = time.monotonic()
-            try:
-                return call(min(_ASK_SLICE_S, max(0.05, deadline - began)))
-            except KafkaException as e:
-                if time.monotonic() >= deadline or e.args[0].code() in REFUSED:
-                    raise
-            time.sleep(max(0.0, min(began + 0.2, deadline) - time.monotonic()))  # (no spin)
+        return asked_until(call, deadline, lambda err: err if err.code() in REFUSED else None)
 
     try:
         try:

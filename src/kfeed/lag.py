@@ -20,6 +20,7 @@ from kfeed._kafka import (
     admin_client,
     admin_partitions,
     answer,
+    asked_until,
     check_timeout,
     logged_config,
     passing,
@@ -178,20 +179,10 @@ def group_exists(kafka_config: Mapping[str, Any], group_id: str, timeout_s: floa
 
 
 def _listed(admin: Any, timeout_s: float) -> Any:
-    """``admin.list_topics()``, in half-second calls: brokers that refuse the client
-    raise that refusal (``answer``'s) after the first, not after ``timeout_s``."""
-    from confluent_kafka import KafkaException
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return admin.list_topics(timeout=min(0.5, max(0.05, deadline - time.monotonic())))
-        except KafkaException:
-            err = refusal(admin)
-            if err is not None:
-                raise KafkaException(err) from None
-            if time.monotonic() >= deadline:
-                raise
+    """``admin.list_topics()``, in short calls: brokers that refuse the client raise
+    that refusal (``answer``'s) after the first, not after ``timeout_s``."""
+    return asked_until(lambda s: admin.list_topics(timeout=s), time.monotonic() + timeout_s,
+                       lambda _err: refusal(admin))
 
 
 def _committed_of(config: dict[str, Any], group_id: str, parts: list[tuple[str, int]],
