@@ -73,7 +73,12 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
 
 @pytest.fixture(scope="session")
 def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The URL of a real Schema Registry (Apicurio, started here; stopped after the session)."""
+    """The URL of a real Schema Registry (Apicurio, started here; stopped after the session).
+
+    Under ``make test`` it runs for the test cluster's folder, so the cluster's
+    ``down`` stops it even when pytest was killed before its teardown (one left
+    there by such a run is stopped first).
+    """
     import socket
 
     from kfeed import cluster
@@ -81,7 +86,9 @@ def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    state_dir = tmp_path_factory.mktemp("kfeed-schema-registry")
+    state = os.environ.get("KFEED_CLUSTER_DIR")
+    state_dir = Path(state) if state else tmp_path_factory.mktemp("kfeed-schema-registry")
+    cluster.stop_schema_registry(state_dir)
     url = cluster.start_schema_registry(state_dir, port)
     try:
         yield url

@@ -96,6 +96,15 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
     (PRODUCE + ("--synthetic", "5", "--synthetic-text", "5"),
      "kfeed: --synthetic-text and --synthetic exclude each other: give one of them"),
     (TRAIN + ("--bogus",), "kfeed: unknown argument --bogus: see 'kfeed train --help'"),
+    # A misspelt flag that a missing argument names was reported as missing.
+    (("produce", "--topc", "clicks", "--synthetic", "10"),
+     "kfeed: unknown argument --topc: see 'kfeed produce --help'"),
+    (PRODUCE + ("--synthtic", "10"),
+     "kfeed: unknown argument --synthtic: see 'kfeed produce --help'"),
+    (("lag", "--groupid", "g", "-Xacks=all"),
+     "kfeed: unknown argument --groupid: see 'kfeed lag --help'"),
+    (("-v", "produce", "--top", "t", "-Xacks=all"),  # (a prefix, a short flag joined)
+     "kfeed: give one of --synthetic, --synthetic-text, --from: see 'kfeed produce --help'"),
     (PRODUCE + ("--synthetic",), "kfeed: --synthetic needs a value: see 'kfeed produce --help'"),
     (PRODUCE + ("--synthetic", "5", "--metrics-port", "70000"),
      "kfeed: --metrics-port 70000 is out of range: give an integer in 1..65535"),
@@ -150,6 +159,11 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     assert (code, err, out) == (2, [line], "")
 
 
+def test_version(capsys) -> None:
+    code, err, out = run_main(capsys, "--version")
+    assert (code, err, out) == (0, [], f"kfeed {cli.__version__}\n")
+
+
 def test_a_checkpoint_that_cannot_be_written_is_one_line() -> None:
     # "unexpected RuntimeError: [enforce fail at inline_container.cc:...]" (a
     # full disk, a folder made read-only while the run went on).
@@ -201,6 +215,11 @@ def test_the_train_bar_counts_from_the_first_step_and_draws_the_latest_line(caps
     (TRAIN + ("--task", "lm", "--eos-id", "4000000", "--token-dtype", "uint32"),
      ("kfeed: --eos-id 4000000: the demo model's vocabulary would have 4000001 ids, more than "
       "its 1048576")),
+    # Killed by the kernel after 47 s, with no word.
+    (TRAIN + ("--task", "lm", "--seq-len", "100000"),
+     ("kfeed: --seq-len 100000 --batch-size 16: the demo model's attention would take about "
+      "14,305 GiB a step (batch x seq_len squared), more than its 8 GiB: give a smaller "
+      "--seq-len or --batch-size")),
     (TRAIN + ("--token-dtype", "int32"),
      "kfeed: --token-dtype applies to --task lm, not to --task mlp: leave it out"),
     (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
@@ -884,6 +903,18 @@ def test_nulls_are_refused_with_their_count_unless_filled(capsys, tmp_path) -> N
                                "int64: give one (a whole number for an int column)")])
 
 
+def test_a_csv_s_nan_is_a_float_s_value_and_an_empty_cell_a_null(tmp_path) -> None:
+    # pyarrow reads "nan" as a null by default: a float column holding NaN, as
+    # a Parquet file's may, was refused as holding nulls.
+    path = tmp_path / "n.csv"
+    path.write_text("id,x\n1,1.5\n2,nan\n3,NaN\n4,-nan\n5,\n6,NULL\n")
+    with pytest.raises(ConfigError, match=r"^column 'x' of n.csv \(field 'x'\) has 2 null "
+                                          r"value\(s\)"):
+        ingest.read_columns(path, {"id": "id", "x": "x"})
+    got = ingest.read_columns(path, {"id": "id", "x": "x"}, fills={"x": "0"})["x"]
+    assert got[0] == 1.5 and np.isnan(got[1:4]).all() and got[4:].tolist() == [0.0, 0.0]
+
+
 def test_a_column_of_only_nulls_is_filled_as_its_fill_reads(tmp_path) -> None:
     # An empty CSV column reads as pyarrow's null type: counted as nulls, filled
     # with the --fill value in its own type, which --dtype may cast.
@@ -910,6 +941,36 @@ def test_a_column_of_only_nulls_is_filled_as_its_fill_reads(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"^column 'e' of b.csv \(field 'e'\) holds only "
                        "null lists: their length, which the field needs, is unknown"):
         ingest.batch_columns("b.csv", batch, {"e": "e"}, {}, {"e": "1"})
+    # After a first batch, nulls alone take its fields' dtypes and shapes: a later
+    # file's null lists were filled as a number (its rows () where the first gave
+    # (2,)), or refused as of unknown length.
+    first = ingest.schema_for({"e": np.zeros((1, 2), np.float32), "x": np.zeros(1, np.uint8)})
+    got = ingest.batch_columns("b.csv", batch, {"e": "e", "x": "x"}, {},
+                               {"e": "-1", "x": "7"}, first)
+    assert ingest.schema_for(got) == first
+    assert got["e"].tolist() == [[-1.0, -1.0]] * 2 and got["x"].tolist() == [7, 7]
+    with pytest.raises(ConfigError, match=r"^--fill x=-1: not a value of the column's type "
+                                          r"uint8"):
+        ingest.batch_columns("b.csv", batch, {"x": "x"}, {}, {"x": "-1"}, first)
+    with pytest.raises(ConfigError, match=r"^column 'x' of b.csv \(field 'x'\) has 2 null"):
+        ingest.batch_columns("b.csv", batch, {"x": "x"}, {}, {}, first)  # no --fill: refused
+
+
+def test_a_later_file_of_null_lists_is_filled_to_the_first_s_width(capsys, tmp_path) -> None:
+    folder = tmp_path / "jn"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"f": [1, 2], "id": 1}\n{"f": [3, 4], "id": 2}\n')
+    (folder / "b.jsonl").write_text('{"f": null, "id": 3}\n')
+    rows = ingest.open_rows(str(folder))
+    try:
+        fields = ingest.stream_fields(rows, {"f": "f", "id": "id"}, {}, {"f": "0"})
+        got: list[dict[str, np.ndarray]] = []
+        for batch in rows.batches(["f", "id"]):
+            first = ingest.schema_for(got[0]) if got else None
+            got.append(ingest.batch_columns("jn", batch, fields, {}, {"f": "0"}, first))
+    finally:
+        rows.close()
+    assert [c["f"].tolist() for c in got] == [[[1, 2], [3, 4]], [[0, 0]]]
 
 
 def test_unsendable_columns_are_named_with_their_type(capsys, tmp_path) -> None:
@@ -922,6 +983,10 @@ def test_unsendable_columns_are_named_with_their_type(capsys, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"^column 'ragged' of d.parquet \(field 'x'\) holds "
                                           r"lists of different lengths \(1 to 2\)"):
         ingest.read_columns(path, {"x": "ragged"})
+    np.save(tmp_path / "features.npy", np.zeros((5, 0), np.float32))  # named no file before
+    with pytest.raises(ConfigError, match=r"^'features' of features.npy \(field 'features'\) "
+                                          r"has rows of shape \(0,\), which hold no value"):
+        ingest.read_columns(tmp_path / "features.npy", {"features": "features"})
     np.savez(tmp_path / "s.npz", features=np.array(["a", "b"]))
     with pytest.raises(ConfigError, match=r"^'features' of s.npz \(field 'features'\) has dtype "
                                           r"<U1, which kfeed cannot send"):
@@ -941,7 +1006,8 @@ def test_casts_check_the_values(tmp_path) -> None:
     # Casts that would lose values: bools past 0 and 1, floats past the target's
     # range, integers a float cannot hold exactly. Each one line, no numpy warning.
     np.savez(tmp_path / "e.npz", flag=np.array([0, 1, 2]), huge=np.array([1.0, 1e300, -1e300]),
-             ids=np.array([3, 2**24 + 1, 2**53 + 1]), ok=np.array([0.0, 1.0]))
+             ids=np.array([3, 2**24 + 1, 2**53 + 1]), ok=np.array([0.0, 1.0]),
+             least=np.array([-2**63, 5]))
     cases = [
         ("flag", "bool", r"^--dtype x=bool: 'flag' of e.npz holds values 0..2, outside bool "
                          r"\(0 or 1\)"),
@@ -953,6 +1019,9 @@ def test_casts_check_the_values(tmp_path) -> None:
                            r"float64 cannot hold exactly \(integers past 2\*\*53\)"),
         ("huge", "int32", r"^--dtype x=int32: 'huge' of e.npz holds values -1e\+300..1e\+300, "
                           r"outside int32"),
+        # abs() of int64's least overflowed, with numpy's warning on stderr
+        ("least", "int32", r"^--dtype x=int32: 'least' of e.npz holds values "
+                           r"-9223372036854775808..5, outside int32"),
     ]
     import warnings
 
@@ -1403,6 +1472,42 @@ def test_a_signal_while_the_loader_waits_for_data_stops_the_wait() -> None:
         loader.close()
     assert guard.signum == signal.SIGINT and signalled
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_step_that_waits_long_for_its_batch_says_so(monkeypatch) -> None:
+    # On a topic with nothing to read, kfeed train printed nothing for as long
+    # as it waited.
+    from kfeed import _train
+    from kfeed.loader import memory_loader
+
+    monkeypatch.setattr(_train, "WAIT_NOTICE_S", 0.3)
+    loader = memory_loader([], synthetic_schema_(), 4, device="cpu")  # a stream with nothing
+    out = _train.Outcome(task=None, step=7, first_step=7)
+    lines: list[str] = []
+    _train._say_while_waiting(loader, "clicks", out, lines.append)
+    said = loader._on_wait
+
+    class Enough(Exception):
+        pass
+
+    def look() -> None:
+        assert said is not None
+        said()
+        if len(lines) == 2:
+            raise Enough
+
+    loader._on_wait = look
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Enough):
+            next(loader)
+    finally:
+        loader.close()
+    assert 0.5 < time.monotonic() - t0 < 5
+    for line in lines:
+        assert re.fullmatch(r"waiting \d+s for a first batch: nothing new to read from clicks "
+                            r"\(produce to it, or check --topic and --start; Ctrl-C stops\)",
+                            line), lines
 
 
 def test_a_signal_before_the_loader_is_made_stops_training_at_once() -> None:

@@ -39,20 +39,12 @@ What the harness changes, and nothing else:
    --dir <it> --wipe``. ``KFEED_CLUSTER_REGISTRY`` names a temporary folder
    and ``KFEED_CLUSTER_DIR`` is unset, so a document's ``kfeed cluster``
    commands never see the test cluster.
-3. Names a block uses and no block defines come from ``SUPPLIED``, put in
-   each document's namespace before its first block. Today there is one:
 
-   ======  ==============================================================
-   name    stands for
-   ======  ==============================================================
-   ``lm``  your language model, ``lm(tokens, position_ids=, cu_seqlens=,
-           max_seqlen=) -> loss`` (README.md, Token streams); it checks
-           the shapes and dtypes the loader hands it and returns 0
-   ======  ==============================================================
-
-   Keep them, and the documents' own data, small (1,000 samples, 200
-   documents): all the documents run in about a minute on the development
-   machine, most of it two ``kfeed cluster up`` and ``kfeed train``'s imports.
+Nothing else is put in a document's namespace: a block uses only the names
+the blocks above it define, as a user who copies them has. Keep the
+documents' own data small (1,000 samples, 200 documents): all the documents
+run in about a minute on the development machine, most of it two ``kfeed
+cluster up`` and ``kfeed train``'s imports.
 
 After a document, the harness closes loaders its blocks left open, then
 deletes the topics and consumer groups that appeared on the test cluster
@@ -72,7 +64,7 @@ import subprocess
 import sys
 import traceback
 import unittest
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,26 +101,6 @@ def rel(path: Path | str) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
-# -- the names a block may leave undefined ---------------------------------------
-
-
-def _lm(tokens: Any, *, position_ids: Any, cu_seqlens: Any, max_seqlen: int) -> Any:
-    # Stands in for a varlen flash-attention model: checks what the loader
-    # hands it and returns a zero loss.
-    import torch
-
-    assert tokens.dim() == 2 and tokens.shape == position_ids.shape, (tokens.shape, position_ids.shape)
-    assert cu_seqlens.dtype == torch.int32 and 0 < max_seqlen <= tokens.shape[1]
-    return tokens.float().sum() * 0
-
-
-# name -> (what it stands for, the value). Keep each one small.
-SUPPLIED: dict[str, tuple[str, Callable[[], Any]]] = {
-    "lm": ("your language model: lm(tokens, position_ids=, cu_seqlens=, max_seqlen=) -> loss; "
-           "checks the shapes and dtypes it gets and returns 0", lambda: _lm),
-}
-
-
 # -- evaluation ------------------------------------------------------------------
 
 
@@ -163,8 +135,6 @@ class DocRun:
 
     def start(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        for name, (_, make) in SUPPLIED.items():
-            self.document.namespace[name] = make()
         if self.bootstrap is not None and self.tidy_cluster:
             admin = _admin(self.bootstrap)
             self.topics_before = set(admin.list_topics(timeout=30).topics)
@@ -537,10 +507,10 @@ def test_a_python_block_that_drifts_fails_with_its_line(tmp_path: Path) -> None:
         [(str(tmp_path / "doc.md"), 8)]
 
 
-def test_python_blocks_share_one_namespace_and_see_the_supplied_names(tmp_path: Path) -> None:
+def test_python_blocks_share_one_namespace_and_nothing_else(tmp_path: Path) -> None:
     outcomes = _run_doc(tmp_path, "```python\nx = 41\n```\n\n```python\nassert x + 1 == 42\n"
-                                  "assert callable(lm)\n```\n")
-    assert outcomes == [None, None]
+                                  "```\n\n```python\nlm\n```\n")
+    assert outcomes[:2] == [None, None] and isinstance(outcomes[2], NameError)
 
 
 def test_a_failing_command_fails_its_shell_block(tmp_path: Path) -> None:
@@ -585,12 +555,6 @@ def test_cluster_up_gets_a_free_port_and_nothing_else_changes() -> None:
 def test_shell_commands_join_continued_lines_and_skip_comments() -> None:
     assert shell_commands("# c\nkfeed a \\\n  --b 1\n\nkfeed c  # d\n") == \
         [(1, "kfeed a  --b 1"), (4, "kfeed c  # d")]
-
-
-def test_every_supplied_name_is_used_by_a_document() -> None:
-    text = "\n".join(source for p in documents() for _, info, source in fences(p) if info == "python")
-    unused = [n for n in SUPPLIED if not re.search(rf"\b{re.escape(n)}\b", text)]
-    assert not unused, f"SUPPLIED names no document uses: {unused}"
 
 
 def test_every_document_is_run() -> None:

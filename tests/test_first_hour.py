@@ -226,6 +226,35 @@ def test_a_topic_of_another_writer_read_as_kfeed_blocks_says_which_format(fmt, v
     assert says in str(e.value), str(e.value)
 
 
+AVRO_SCHEMA = {"type": "record", "name": "Sample", "fields": [
+    {"name": "features", "type": {"type": "array", "items": "float"}},
+    {"name": "label", "type": "long"}, {"name": "id", "type": "long"}]}
+JSON_VALUE = json.dumps({"features": [0.5] * 768, "label": 1, "id": 7}).encode()
+FRAMED = b"\x00\x00\x00\x00\x07" + b"\x02" * 40
+
+
+@pytest.mark.parametrize("make, values, says", [
+    (lambda: kfeed.Avro(schema=AVRO_SCHEMA), [JSON_VALUE] * 5, "look like JSON: read them "
+     "with format=kfeed.Json()"),
+    (lambda: kfeed.Avro(registry={"url": "http://127.0.0.1:9"}), [JSON_VALUE] * 5,
+     "look like JSON"),
+    (lambda: kfeed.Arrow(), [JSON_VALUE] * 5, "look like JSON"),
+    (lambda: kfeed.Json(), [FRAMED] * 5, "look like the Confluent framing"),
+    (lambda: kfeed.Avro(schema=AVRO_SCHEMA), [FRAMED] * 5, "look like the Confluent framing"),
+])
+def test_a_topic_read_in_another_writer_s_format_says_which_it_looks_like(make, values,
+                                                                           says) -> None:
+    # JSON read as Avro said "magic byte 123, expected 0 (Confluent framing)"
+    # or "88 bytes left after the record", then "fix the schema (or the topic)".
+    ld = kfeed.Loader(None, "memory", SCHEMA, 8, device="cpu", source=MemorySource(values),
+                      until="end", format=make())
+    with pytest.raises(kfeed.DecodeError) as e:
+        next(ld)
+    ld.close()
+    assert says in str(e.value), str(e.value)
+    assert "fix the schema" not in str(e.value)
+
+
 def test_kfeed_blocks_read_as_json_say_to_read_them_as_kfeed_s_own() -> None:
     # They were "not JSON", with "fix the schema (or the topic)": no schema
     # fixes that; the reader's format= does.

@@ -44,7 +44,7 @@ import kfeed
 from kfeed import cli
 from kfeed.cluster._jars import cache_root
 from kfeed.errors import ConfigError, KfeedError
-from kfeed.ingest import shown, source_key
+from kfeed.ingest import no_password, shown, source_key
 from kfeed.resume import IngestProgress, job_id
 
 WIDTH = 32
@@ -556,6 +556,22 @@ def test_text_files_read_a_column_as_its_dtype_and_quoted_newlines(bootstrap, ma
 
 
 @pytest.mark.integration
+def test_a_later_file_of_null_lists_is_filled_to_the_width_the_first_gave(bootstrap,
+                                                                          make_topic,
+                                                                          tmp_path) -> None:
+    # Its nulls read as Arrow's null type: filled as one number a row, where
+    # the first file gave two (exit 1, 2 rows sent).
+    (tmp_path / "a.jsonl").write_text('{"f": [1, 2], "id": 1}\n{"f": [3, 4], "id": 2}\n')
+    (tmp_path / "b.jsonl").write_text('{"f": null, "id": 3}\n')
+    topic = make_topic(partitions=1)
+    done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path),
+                     "--field", "f=f", "--field", "id=id", "--fill", "f=0")
+    assert done.returncode == 0, done.stderr
+    got = _read_back(bootstrap, topic, kfeed.Schema({"f": ("int64", (2,)), "id": ("int64", ())}))
+    assert got["f"].tolist() == [[1, 2], [3, 4], [0, 0]] and got["id"].tolist() == [1, 2, 3]
+
+
+@pytest.mark.integration
 def test_empty_files_are_left_out_and_a_double_star_spans_folders(bootstrap, make_topic,
                                                                   tmp_path) -> None:
     # An empty .csv among a folder's stopped the run ("Empty CSV file"); '**'
@@ -615,7 +631,7 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
         (["--from", "postgresql://u@127.0.0.1:1/db"], "give the rows to read with --query"),
         # A password given as a parameter is a password too: it was printed back.
         (["--from", "postgresql://u@127.0.0.1:1/db?password=hunter2&sslmode=disable"],
-         "--from postgresql://u:***@127.0.0.1:1/db?password=***&sslmode=disable: give the rows"),
+         "--from postgresql://u@127.0.0.1:1/db?password=***&sslmode=disable: give the rows"),
         (["--from", str(tmp_path / "missing.parquet")], "no such file or directory"),
         (["--synthetic", "5", "--resume"], "--resume applies to --from samples streamed"),
         (["--synthetic", "5", "--resend"], "--resend applies to --from samples streamed"),
@@ -644,7 +660,7 @@ def test_source_mistakes_get_one_clear_line(tmp_path, tmp_path_factory) -> None:
     if importlib.util.find_spec("adbc_driver_postgresql") is not None:
         cases.append((["--from", "postgresql://u@127.0.0.1:1/db?password=hunter2",
                        "--query", "SELECT 1 AS id"],
-                      "--from postgresql://u:***@127.0.0.1:1/db?password=***: cannot connect"))
+                      "--from postgresql://u@127.0.0.1:1/db?password=***: cannot connect"))
     for argv, line in cases:
         done = kfeed_cli(closed, "produce", "--topic", "t", *argv, timeout=60)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
@@ -1082,6 +1098,28 @@ def test_a_signal_while_a_query_runs_ends_the_command_and_the_query_at_once(
 
 
 @pytest.mark.integration
+def test_an_error_in_a_query_s_result_after_rows_were_sent_says_resume(bootstrap, make_topic,
+                                                                       postgres) -> None:
+    # The driver's error came out as "unexpected OSError" with a traceback's
+    # hint, and never said that the rows before it were sent and recorded.
+    n, bad = 300_000, 250_000
+    query = (f"SELECT i::bigint AS id, (i % 10)::bigint AS label, "
+             f"(1 / ({bad} - i))::bigint AS x FROM generate_series(0, {n - 1}) i ORDER BY i")
+    topic = make_topic(partitions=1)
+    args = ["produce", "--topic", topic, "--from", postgres, "--query", query,
+            "--field", "id=id", "--field", "x=x", "--transaction-mb", "1"]
+    done = kfeed_cli(bootstrap, *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    sent = int(re.search(r"\(([\d,]+) rows before it were sent and recorded: after the fix, "
+                         r"run again with --resume", lines[0])[1].replace(",", ""))
+    assert lines[0].startswith("kfeed: --query: ") and "division by zero" in lines[0], lines
+    assert 0 < sent < bad
+    got = _read_back(bootstrap, topic, kfeed.Schema({"id": ("int64", ()), "x": ("int64", ())}))
+    assert got["id"].tolist() == list(range(sent))  # what was recorded, once
+
+
+@pytest.mark.integration
 def test_a_query_with_two_columns_of_one_name_is_refused_in_one_line(bootstrap, postgres) -> None:
     done = kfeed_cli(bootstrap, "produce", "--topic", "never-made", "--from", postgres,
                      "--query", "SELECT 1::bigint AS id, 2::bigint AS label, 3::bigint AS id",
@@ -1136,6 +1174,18 @@ def test_credentials_in_an_s3_uri_are_never_printed(bootstrap, make_topic, s3_se
     assert shown(f"{at}/p?secret_key=x&region=eu") == \
         f"s3://kfeed:***@{bucket}/p?secret_key=***&region=eu"
     assert shown("data/*.parquet") == "data/*.parquet"
+
+
+def test_only_a_uri_s_authority_holds_a_password() -> None:
+    # An "@" anywhere was taken for the end of a user's password: a path with
+    # one was shown (and named its job) with a password put in, and so was a
+    # user named without one.
+    for uri in ("file:///data/a@b/x.parquet", "s3://bucket/runs@2024/*.parquet",
+                "postgresql://reader@db/warehouse", "/data/a@b", "gs://b/p?note=a@b"):
+        assert no_password(uri) == shown(uri) == uri
+    assert no_password("s3://key:pass@bucket/runs@2024/x") == "s3://key:***@bucket/runs@2024/x"
+    assert no_password("http://u:p@ss@h:8/x") == "http://u:***@h:8/x"  # an "@" in the password
+    assert no_password("postgresql://u:p@h") == "postgresql://u:***@h"
 
 
 def test_a_job_is_named_by_its_source_without_its_secrets() -> None:

@@ -22,9 +22,11 @@ from kfeed import ConfigError, KfeedError
 from kfeed._train import document_mask, lm_logits, lm_loss, tiny_lm
 from kfeed.text import (
     BYTE_EOS_ID,
+    TOKEN_DTYPES,
     ByteTokenizer,
     CorpusError,
     as_token_arrays,
+    check_vocab_fits,
     load_tokenizer,
     locate_document,
     read_corpus,
@@ -95,6 +97,41 @@ def test_a_special_token_s_text_is_plain_text(tmp_path: Path) -> None:
     ids = tok.encode_batch(docs)
     assert [1 in d.tolist() for d in ids] == [False, False, False]
     assert len(ids[2]) > 1  # the characters of "</s>", not one id
+
+
+def test_a_tokenizer_json_s_padding_and_truncation_are_not_applied(tmp_path: Path) -> None:
+    # A saved file may carry them: the documents were cut to 8 ids, or padded
+    # with the pad id, and sent so.
+    path = make_tokenizer_json(tmp_path)
+    texts = [" ".join(synthetic_documents(600, 4)), "the"]
+    want = [ids.tolist() for ids in load_tokenizer(str(path)).encode_batch(texts)]
+    assert len(want[0]) > 8 and len(want[1]) < 8
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=0, pad_token="<unk>")
+    tok.save(str(path))
+    assert [len(e.ids) for e in tok.encode_batch(texts)] == [8, 8]  # as the file says
+    got = [ids.tolist() for ids in load_tokenizer(str(path)).encode_batch(texts)]
+    assert got == want
+
+
+def test_a_vocabulary_wider_than_the_token_dtype_is_refused_up_front() -> None:
+    # Found only at a document that uses a high id, the topic already held
+    # documents of the narrower dtype, and the advice to widen it was refused.
+    class Wide:
+        name, vocab_size, eos_id = "wide.json", 70_002, None
+
+    with pytest.raises(ConfigError, match=r"^the tokenizer wide.json has 70,002 ids, more than "
+                                          r"uint16 holds \(0..65,535\): give --token-dtype "
+                                          r"uint32, and the same one for training$"):
+        check_vocab_fits(Wide(), "uint16")
+    check_vocab_fits(Wide(), "int32")
+    Wide.vocab_size = 65_536
+    check_vocab_fits(Wide(), "uint16")  # ids 0..65,535
+    for dtype in TOKEN_DTYPES:
+        check_vocab_fits(ByteTokenizer(), dtype)
 
 
 def test_an_unreadable_tokenizer_json_is_a_config_error(tmp_path) -> None:
@@ -205,6 +242,17 @@ def test_jsonl_lone_surrogate_names_the_line(tmp_path) -> None:
         docs_of(read_corpus(path, key_field="k"))
     path.write_text('{"text": "pair \\ud83d\\ude00 and \\\\ud800 escaped"}\n')
     assert docs_of(read_corpus(path))[0] == ["pair \U0001f600 and \\ud800 escaped"]
+    # The bytes of a lone surrogate (ED A0 80) are no UTF-8: json.loads took them
+    # into a str, and the tokenizer failed on it with no line named.
+    path.write_bytes(b'{"text": "ok"}\n{"text": "raw \xed\xa0\x80 half"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: not UTF-8 \(invalid continuation "
+                                          r"byte at byte 14\): convert the file to UTF-8$"):
+        docs_of(read_corpus(path))
+    path.write_bytes(b'{"text": "a", "k": "\xed\xa0\x80"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: not UTF-8"):
+        docs_of(read_corpus(path, key_field="k"))
+    path.write_bytes('\ufeff{"text": "after a byte order mark"}\n'.encode())
+    assert docs_of(read_corpus(path))[0] == ["after a byte order mark"]
 
 
 def test_locate_document_names_its_first_line(tmp_path) -> None:
@@ -471,6 +519,31 @@ def test_produce_bad_corpus_fails_with_the_line_and_makes_no_topic(bootstrap, tm
                            f"column 1)\n")
     admin = AdminClient({"bootstrap.servers": bootstrap})
     assert topic not in admin.list_topics(timeout=30).topics
+
+
+@pytest.mark.integration
+def test_produce_with_a_vocabulary_wider_than_the_dtype_makes_no_topic(bootstrap,
+                                                                       tmp_path) -> None:
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    from confluent_kafka.admin import AdminClient
+
+    vocab = {f"w{i}": i for i in range(70_002)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "w1 w2"}\n')
+    topic = f"kfeed-test-{uuid.uuid4().hex}"
+    args = ["produce", "--topic", topic, "--from", str(path), "--tokenizer", str(tmp_path)]
+    done = kfeed_cmd(*args, bootstrap=bootstrap)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"kfeed: the tokenizer {tmp_path / 'tokenizer.json'} has 70,002 ids, "
+                           f"more than uint16 holds (0..65,535): give --token-dtype uint32, and "
+                           f"the same one for training\n")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    assert topic not in admin.list_topics(timeout=30).topics
+    done = kfeed_cmd(*args, "--token-dtype", "uint32", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    assert "produced 1 documents (2 tokens, uint32" in done.stdout
 
 
 @pytest.mark.integration

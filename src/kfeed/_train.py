@@ -167,6 +167,9 @@ def lm_loss(logits: Any, tokens: Any, doc_ids: Any) -> Any:
 
 # The demo model's largest vocabulary (its embedding: 128 floats an id).
 _MAX_VOCAB = 1 << 20
+# The most its attention may take a step (estimated: LMTask), which 2048
+# tokens a row at the default batch of 16 stays under.
+_MAX_ATTENTION_BYTES = 8 << 30
 
 
 class _LMTask:
@@ -196,8 +199,18 @@ class _LMTask:
         self.seed = opts.seed
         self.token_dtype = opts.token_dtype
         self.schema = token_schema(opts.token_dtype)
-        self.model = tiny_lm(self.vocab_size, self.seq_len).to(device)
         self.batch_size = opts.batch_size or 16
+        # Its attention is the plain kind, a [batch * heads, L, L] float matrix
+        # a layer, kept for the backward pass, and a mask as large: --seq-len
+        # 100000 was killed by the kernel with no word.
+        need = self.batch_size * LM_HEADS * self.seq_len ** 2 * 4 * 3 * LM_LAYERS
+        if need > _MAX_ATTENTION_BYTES:
+            raise ConfigError(f"--seq-len {self.seq_len} --batch-size {self.batch_size}: the demo "
+                              f"model's attention would take about {need / 2**30:,.0f} GiB a step "
+                              f"(batch x seq_len squared), more than its "
+                              f"{_MAX_ATTENTION_BYTES >> 30} GiB: give a smaller --seq-len or "
+                              f"--batch-size")
+        self.model = tiny_lm(self.vocab_size, self.seq_len).to(device)
         # Real tokens; a tensor on the device when counted from doc_ids, read
         # only when a line is printed.
         self._real: Any = 0
@@ -411,6 +424,7 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                           f"settings: they need at least {e.least >> 20} (or a smaller "
                           f"--batch-size, --prefetch or --shuffle)") from None
     guard.watch(loader)
+    _say_while_waiting(loader, opts.topic, out, say)
     if state is not None:
         # The loader's state first: it names the settings that differ from the
         # checkpoint's (--seq-len, --eos-id), which the model's shapes follow.
@@ -504,6 +518,33 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
             seen_log.close()
     out.loss = loss.item() if loss is not None else float("nan")
     return out
+
+
+# A step that waits this long for its batch says so, and again as often.
+WAIT_NOTICE_S = 15.0
+
+
+def _say_while_waiting(loader: Any, topic: str, out: Outcome,
+                       say: Callable[[str], None]) -> None:
+    """Have ``loader``'s wait for a batch say, every ``WAIT_NOTICE_S``, that the run
+    waits: on a topic with nothing (more) to read, a run printed nothing for as long as
+    it waited."""
+    check = loader._on_wait
+    waits = {"step": -1, "since": 0.0, "said": 0.0}
+
+    def on_wait() -> None:
+        if check is not None:
+            check()
+        now = time.monotonic()
+        if waits["step"] != out.step:  # a new wait
+            waits.update(step=out.step, since=now, said=now)
+        elif now - waits["said"] >= WAIT_NOTICE_S:
+            waits["said"] = now
+            which = "a first batch" if out.step == out.first_step else f"step {out.step + 1}"
+            say(f"waiting {now - waits['since']:.0f}s for {which}: nothing new to read from "
+                f"{topic} (produce to it, or check --topic and --start; Ctrl-C stops)")
+
+    loader._on_wait = on_wait
 
 
 # A run stopped by a signal gives the loader's final commit and close this

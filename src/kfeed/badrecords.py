@@ -143,16 +143,17 @@ def _written_with(msg: Any) -> str:
 _NOT_KFEED = re.compile(r"^(bad magic|shorter than the block header|raw value of )").match
 
 
-def _foreign(value: Any) -> str | None:
-    """What to do about a message of another writer read as kfeed's own, where its
-    first bytes say what it is; None where they do not."""
+def _foreign(value: Any, reading: Any = None) -> str | None:
+    """What to do about a message of another writer read as kfeed's own, or as
+    ``reading`` (another writer's format), where its first bytes say what it is; None
+    where they do not, or where they say it is what was read."""
     if not isinstance(value, _BYTES_LIKE):
         return None
     head = bytes(value[:64]).lstrip()
-    if head[:1] in (b"{", b"["):
+    if head[:1] in (b"{", b"[") and getattr(reading, "value", None) != "json":
         return ("the messages look like JSON: read them with format=kfeed.Json() "
                 "(kfeed train and kfeed convert: --format json)")
-    if len(value) >= 5 and value[0] == 0:
+    if len(value) >= 5 and value[0] == 0 and not getattr(reading, "framed", False):
         return ("the messages look like the Confluent framing of a Schema Registry (a zero "
                 "byte, then a schema id): read them with format=kfeed.Avro(registry=...) or "
                 "kfeed.Protobuf(registry=...) (kfeed train and kfeed convert: --format avro "
@@ -300,12 +301,12 @@ class BadRecords:
         fix = "fix the schema (or the topic) and read again"
         if all(_NOT_KFEED(why) for why in reasons):
             fix = _foreign(first.value()) or fix
-        elif self.fmt not in (Format.BLOCK, Format.RAW) \
-                and block_fingerprint(first.value()) is not None:
-            # (Another writer's format read; a block's magic says it is kfeed's.)
+        elif self.fmt not in (Format.BLOCK, Format.RAW):
+            # Another writer's format read; a block's magic says it is kfeed's.
             fix = ("the messages are kfeed blocks, as kfeed produce writes them: read "
                    "them without format= (kfeed train: without --format; they need no "
-                   "kfeed convert)")
+                   "kfeed convert)") if block_fingerprint(first.value()) is not None \
+                else _foreign(first.value(), self.fmt) or fix
         nothing = "None of them was" if of else "Nothing was"
         raise DecodeError(f"{what}. {nothing} dead-lettered or committed: {fix}",
                           topic=first.topic(), partition=first.partition(), offset=first.offset())

@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kfeed import cluster
+from kfeed import __version__, cluster
 from kfeed.errors import ConfigError, DecodeError, Interrupted, KfeedError, ProduceError
 from kfeed.ingest import DTYPES, parse_pairs
 from kfeed.ingest import skip_documents as _skip_documents
@@ -79,9 +79,38 @@ the traceback and kfeed's logging (without -v, kfeed prints only its own lines).
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one ``kfeed: <what>: <how to fix>`` line, exit 2."""
 
+    # The command line being parsed (``main`` sets it). argparse reports a
+    # missing argument before an unknown one, which is most often its
+    # misspelling: "--topc clicks" said "missing --topic".
+    given: list[str] = []
+
     def error(self, message: str) -> NoReturn:
+        unknown = self._unknown() if "required" in message else []
+        if unknown:
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         sys.stderr.write(f"kfeed: {_usage_error(message, self.prog)}\n")
         sys.exit(2)
+
+    def _unknown(self) -> list[str]:
+        """The flags in ``given`` after this parser's command that it does not take."""
+        words, tokens = self.prog.split()[1:], iter(self.given)
+        for word in words:  # (the command's own words: options before them are another's)
+            if word not in tokens:
+                return []
+        known = self._option_string_actions
+        out = []
+        for token in tokens:
+            if token == "--":
+                break
+            flag = token.split("=", 1)[0]
+            if not flag.startswith("-") or self._negative_number_matcher.match(flag):
+                continue
+            if flag.startswith("--"):
+                if not any(k.startswith(flag) for k in known):  # (argparse takes prefixes)
+                    out.append(flag)
+            elif flag[:2] not in known:  # -Xacks=all is -X acks=all
+                out.append(flag)
+        return out
 
 
 def _usage_error(message: str, prog: str) -> str:
@@ -714,7 +743,8 @@ def _produce_stream(args: argparse.Namespace, config: dict[str, Any]) -> int:
         def read(skip: int) -> Iterator[dict[str, Any]]:
             for batch in rows.batches(columns, skip):
                 where = rows.where or rows.name
-                cols = ingest.batch_columns(where, batch, fields, dtypes, fills)
+                cols = ingest.batch_columns(where, batch, fields, dtypes, fills,
+                                            first_schema[0] if first_schema else None)
                 if first_schema:
                     ingest.same_schema(first_schema[0], cols, where)
                 yield cols
@@ -967,6 +997,7 @@ def _produce_text(args: argparse.Namespace, config: dict[str, Any]) -> int:
     skip = args.skip_docs or 0
     schema = text.token_schema(token_dtype)
     tokenizer = text.load_tokenizer(args.tokenizer or "bytes")
+    text.check_vocab_fits(tokenizer, token_dtype)
     source = args.source or "synthetic text"
     where = f"{source}: "
     chunks: Iterator[text.Chunk]
@@ -1682,6 +1713,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at DEBUG level and show tracebacks")
+    parser.add_argument("--version", action="version", version=f"kfeed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     cluster.register(sub)
 
@@ -1877,6 +1909,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     parser = build_parser()
+    _Parser.given = list(sys.argv[1:] if argv is None else argv)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:

@@ -121,8 +121,8 @@ def read_columns(
     (``.npz``; a ``.npy`` holds one array, named after the file's stem);
     by default ``features``, ``label`` and ``id``. ``dtypes`` maps a field to
     a dtype to cast it to; ``fills`` maps a field to the value that replaces
-    its nulls (Parquet only). The file is read as ``kfeed produce`` streams
-    it (``open_rows``), every batch at once.
+    its nulls (a numpy file has none). The file is read as ``kfeed produce``
+    streams it (``open_rows``), every batch at once.
     """
     path = Path(path)
     if path.suffix.lower() not in (*SUFFIXES, *DATASET_FORMATS) or not path.is_file():
@@ -132,8 +132,10 @@ def read_columns(
     rows = open_rows(str(path), column_types={given.get(f, f): d for f, d in dtypes.items()})
     try:
         fields = stream_fields(rows, fields, dtypes, fills)
-        parts = [batch_columns(path.name, batch, fields, dtypes, fills)
-                 for batch in rows.batches(sorted(set(fields.values())))]
+        parts: list[dict[str, np.ndarray]] = []
+        for batch in rows.batches(sorted(set(fields.values()))):
+            first = schema_for(parts[0]) if parts else None
+            parts.append(batch_columns(path.name, batch, fields, dtypes, fills, first))
     finally:
         rows.close()
     if not parts:
@@ -291,6 +293,9 @@ def _settle(file: str, name: str, src: str, arr: np.ndarray, cast: str | None) -
                           f"give an array with a row per sample")
     if not arr.dtype.isnative:  # a big-endian .npy: the same values, in this machine's order
         arr = arr.astype(arr.dtype.newbyteorder("="))
+    if 0 in arr.shape[1:]:
+        raise ConfigError(f"{where} (field {name!r}) has rows of shape {arr.shape[1:]}, which "
+                          f"hold no value: a field needs an element a row at least")
     have = arr.dtype
     if have.name not in DTYPES:
         raise ConfigError(f"{where} (field {name!r}) has dtype {have}, which kfeed cannot send: "
@@ -314,9 +319,10 @@ def _settle(file: str, name: str, src: str, arr: np.ndarray, cast: str | None) -
     if target.kind in "iub" and arr.size:
         info = np.iinfo(target) if target.kind != "b" else np.iinfo(np.uint8)
         top = info.max if target.kind != "b" else 1
-        low, high = arr.min(), arr.max()
-        if have.kind == "f":  # whole numbers (checked above): compared exactly, not as floats,
-            low, high = int(low), int(high)  # where 2**63 - 1 rounds up to 2**63
+        # Python ints: compared exactly (a float's whole values, checked above, not as
+        # floats, where 2**63 - 1 rounds up to 2**63), and abs() of int64's least is no
+        # overflow.
+        low, high = int(arr.min()), int(arr.max())
         # (past 20 digits, as a float: not a 300-digit integer)
         shown = "..".join(f"{v:.6g}" if abs(v) >= 10**20 else str(v) for v in (low, high))
         if low < info.min or high > top:
@@ -873,7 +879,13 @@ class QueryRows(Rows):
         """The current result's batches from where its reading got to."""
         reader = self._reader
         while True:
-            batch = self._call(lambda: next(reader, None))
+            try:
+                batch = self._call(lambda: next(reader, None))
+            except Exception as e:  # noqa: BLE001 - the driver's errors are its own classes
+                # An error in the result (a division by zero in row 150,000, a
+                # connection lost): the rows before it are good, which the
+                # command says, with the --resume that goes on after them.
+                raise KfeedError(f"--query: {first_line(e)}") from None
             if batch is None:
                 return
             self._last = (self._end, batch)
@@ -1165,14 +1177,21 @@ def _file_format(kind: str, column_types: Mapping[str, str], lists: set[str] = f
     if kind == "csv":
         import pyarrow.csv as pacsv
 
+        # NaN is a float's value, as in a Parquet or numpy file, not a null to --fill.
+        nulls = [v for v in pacsv.ConvertOptions().null_values if v.lstrip("-") not in _NANS]
         return ds.CsvFileFormat(parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                                convert_options=pacsv.ConvertOptions(column_types=types)), types
+                                convert_options=pacsv.ConvertOptions(column_types=types,
+                                                                     null_values=nulls)), types
     if kind == "json" and types:
         import pyarrow.json as pajson
 
         return ds.JsonFileFormat(parse_options=pajson.ParseOptions(
             explicit_schema=pa.schema(types), unexpected_field_behavior="infer")), types
     return kind, types
+
+
+# How a CSV spells NaN; pyarrow reads these as nulls unless told otherwise.
+_NANS = ("nan", "NaN")
 
 
 class ReadAhead:
@@ -1321,16 +1340,34 @@ def _check_flags(fields: Mapping[str, str], dtypes: Mapping[str, str],
 
 
 def batch_columns(name: str, batch: Any, fields: Mapping[str, str],
-                  dtypes: Mapping[str, str], fills: Mapping[str, str]) -> dict[str, np.ndarray]:
+                  dtypes: Mapping[str, str], fills: Mapping[str, str],
+                  first: Any = None) -> dict[str, np.ndarray]:
     """A batch's columns as ``{field: array}``, by the module's rules: a RecordBatch's,
-    or a sample file's (``NumpyRows``: numpy already)."""
+    or a sample file's (``NumpyRows``: numpy already).
+
+    ``first``: the schema of the run's first batch. A column of nulls alone, with a
+    --fill, takes its fields' dtypes and row shapes: its own type gives neither (a
+    JSON Lines file's nulls read as Arrow's null type, a list's length is unknown).
+    """
     out = {}
     for field, src in fields.items():
-        col = batch.column(src)
-        if not isinstance(col, np.ndarray):
-            col = _arrow_column(name, field, src, col, fills.get(field))
+        col, fill = batch.column(src), fills.get(field)
+        if isinstance(col, np.ndarray):
+            pass
+        elif first is not None and fill is not None and len(col) and col.null_count == len(col):
+            col = _filled(first[field], fill, len(col))
+        else:
+            col = _arrow_column(name, field, src, col, fill)
         out[field] = _settle(name, field, src, col, dtypes.get(field))
     return out
+
+
+def _filled(field: Any, fill: str, n: int) -> np.ndarray:
+    """``n`` rows of ``field`` (a ``Field``), each value ``fill``."""
+    import pyarrow as pa
+
+    value = _fill_scalar(field.name, fill, pa.from_numpy_dtype(field.storage)).as_py()
+    return np.full((n, *field.shape), value, field.storage)
 
 
 def same_schema(schema: Any, cols: dict[str, Any], where: str) -> None:
@@ -1434,11 +1471,14 @@ def no_password(uri: str) -> str:
     parts = re.split(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)", uri)
     if len(parts) > 1:
         return ",".join(no_password(part) for part in parts)
-    head, at, rest = uri.rpartition("@")
-    if not at:
+    scheme, sep, rest = uri.partition("://")
+    end = re.search(r"[/?#]", rest)
+    authority, tail = (rest[:end.start()], rest[end.start():]) if end else (rest, "")
+    # Only the authority holds a user's password: an "@" in a path is the path's.
+    userinfo, at, host = authority.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
         return uri
-    scheme, _, user = head.partition("://")
-    return f"{scheme}://{user.split(':')[0]}:***@{rest}"
+    return f"{scheme}://{userinfo.split(':')[0]}:***@{host}{tail}"
 
 
 # -- token documents ---------------------------------------------------------------

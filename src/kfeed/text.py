@@ -161,6 +161,10 @@ class HFTokenizer:
         # A special token's string in a document is its text, not the token: a
         # literal "</s>" must not end the document early (tokenizers >= 0.15.1).
         self._tok.encode_special_tokens = True
+        # A saved file may carry a model's padding or truncation: a document is
+        # its whole text, never cut to a length or padded with a pad id.
+        self._tok.no_truncation()
+        self._tok.no_padding()
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
@@ -175,6 +179,17 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "bytes":
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+def check_vocab_fits(tokenizer: Tokenizer, dtype: str) -> None:
+    """Refuse a tokenizer some of whose ids ``dtype`` cannot hold, before anything is sent:
+    found only at the first document that uses one, the topic would already hold blocks
+    of the narrower dtype."""
+    top = int(np.iinfo(dtype).max)
+    if tokenizer.vocab_size - 1 > top:
+        raise ConfigError(f"the tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} ids, "
+                          f"more than {dtype} holds (0..{top:,}): give --token-dtype uint32, "
+                          f"and the same one for training")
 
 
 def as_token_arrays(docs: Sequence[Any], dtype: str, *, vocab: Any = None,
@@ -346,10 +361,13 @@ def _read_jsonl(path: Path, text_field: str, key_field: str | None,
     for lineno, raw, done in _jsonl_lines(path):
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(raw)
+            # Decoded here, strictly: json.loads takes the bytes of a lone
+            # surrogate (ED A0 80), which are no UTF-8, into a str that cannot
+            # be encoded again.
+            obj = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError as e:
-            raise CorpusError(f"{where}: not UTF-8 ({e.reason}): convert the file to "
-                              f"UTF-8") from None
+            raise CorpusError(f"{where}: not UTF-8 ({e.reason} at byte {e.start}): convert "
+                              f"the file to UTF-8") from None
         except json.JSONDecodeError as e:
             raise CorpusError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
