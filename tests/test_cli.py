@@ -159,6 +159,14 @@ def test_bad_numbers_and_usage_are_one_line_exit_2(capsys, argv, line) -> None:
     assert (code, err, out) == (2, [line], "")
 
 
+def test_a_bad_bootstrap_from_the_environment_is_named_so(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("KFEED_BOOTSTRAP", "http://127.0.0.1:9092")
+    code, err, out = run_main(capsys, "lag", "--group-id", "g")  # (the default read now)
+    assert (code, err, out) == (2, ["kfeed: KFEED_BOOTSTRAP=http://127.0.0.1:9092: "
+                                    "'http://127.0.0.1:9092' is not HOST:PORT (e.g. "
+                                    "127.0.0.1:9092; several joined by commas)"], "")
+
+
 def test_version(capsys) -> None:
     code, err, out = run_main(capsys, "--version")
     assert (code, err, out) == (0, [], f"kfeed {cli.__version__}\n")

@@ -393,6 +393,19 @@ def test_raw_needs_a_schema_of_the_variable_field_alone():
     assert TOKENS.decode_documents([b""], "raw").lengths.tolist() == [0]  # an empty document
 
 
+def test_a_column_of_another_dtype_says_how_to_convert_it():
+    # Never cast (a cast may lose values), but a Python list of whole numbers is
+    # int64 to numpy whatever the field: the error said only the dtypes.
+    schema = kfeed.Schema({"x": ("int32", ())})
+    with pytest.raises(ConfigError, match=r"^field 'x': expected dtype int32, got int64: "
+                                          r"convert it first \(np.asarray\(values, "
+                                          r"np.int32\)\)$"):
+        schema.encode_block({"x": [1, 2, 3]})
+    with pytest.raises(ConfigError, match=r"got float64: convert it first \(.astype\("
+                                          r"np.int32\)\)$"):
+        schema.encode_block({"x": np.ones(3)})
+
+
 @pytest.mark.parametrize(
     ("column", "match"),
     [

@@ -243,11 +243,14 @@ _BROKER = re.compile(r"(?:(?:plaintext|ssl|sasl_plaintext|sasl_ssl)://)?"
 
 def _check_bootstrap(servers: str) -> None:
     """Refuse a broker list librdkafka would only fail to reach, after the whole timeout."""
+    # Named as the user gave it: a bad $KFEED_BOOTSTRAP was blamed on a flag never typed.
+    given = any(t.startswith("--bo") for t in _Parser.given)
+    named = f"--bootstrap-servers {servers}" if given else f"KFEED_BOOTSTRAP={servers}"
     for entry in servers.split(","):
         m = _BROKER.fullmatch(entry.strip())
         if m is None or not 1 <= int(m.group(1) or 9092) <= 65535:
-            raise ConfigError(f"--bootstrap-servers {servers}: {entry.strip()!r} is not "
-                              f"HOST:PORT (e.g. 127.0.0.1:9092; several joined by commas)")
+            raise ConfigError(f"{named}: {entry.strip()!r} is not HOST:PORT (e.g. "
+                              f"127.0.0.1:9092; several joined by commas)")
 
 
 def _kafka_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

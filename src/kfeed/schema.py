@@ -768,9 +768,16 @@ def _as_numpy(f: Field, col: Any) -> np.ndarray:
     if f.dtype == "bfloat16" and arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:
         return arr.view(f.storage)  # ml_dtypes' (JAX's) bfloat16: its bits are the storage
     if arr.dtype != f.storage:
-        want = ("bfloat16 (a torch.bfloat16 tensor, a numpy array of ml_dtypes' bfloat16, or "
-                "its bits as uint16)") if f.dtype == "bfloat16" else str(f.storage)
-        raise ConfigError(f"field {f.name!r}: expected dtype {want}, got {arr.dtype}")
+        if f.dtype == "bfloat16":
+            raise ConfigError(f"field {f.name!r}: expected dtype bfloat16 (a torch.bfloat16 "
+                              f"tensor, a numpy array of ml_dtypes' bfloat16, or its bits as "
+                              f"uint16), got {arr.dtype}")
+        # Never cast here (a cast may lose values), but say how: a Python list of
+        # whole numbers is int64 to numpy whatever the field.
+        how = (f"np.asarray(values, np.{f.storage})" if not isinstance(col, np.ndarray)
+               else f".astype(np.{f.storage})")
+        raise ConfigError(f"field {f.name!r}: expected dtype {f.storage}, got {arr.dtype}: "
+                          f"convert it first ({how})")
     return arr
 
 
