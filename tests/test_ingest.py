@@ -567,7 +567,7 @@ def test_a_later_file_of_null_lists_is_filled_to_the_width_the_first_gave(bootst
     done = kfeed_cli(bootstrap, "produce", "--topic", topic, "--from", str(tmp_path),
                      "--field", "f=f", "--field", "id=id", "--fill", "f=0")
     assert done.returncode == 0, done.stderr
-    got = _read_back(bootstrap, topic, kfeed.Schema({"f": ("int64", (2,)), "id": ("int64", ())}))
+    got = _read_back(bootstrap, topic, kfeed.Schema({"id": ("int64", ()), "f": ("int64", (2,))}))
     assert got["f"].tolist() == [[1, 2], [3, 4], [0, 0]] and got["id"].tolist() == [1, 2, 3]
 
 
@@ -1103,8 +1103,10 @@ def test_an_error_in_a_query_s_result_after_rows_were_sent_says_resume(bootstrap
     # The driver's error came out as "unexpected OSError" with a traceback's
     # hint, and never said that the rows before it were sent and recorded.
     n, bad = 300_000, 250_000
-    query = (f"SELECT i::bigint AS id, (i % 10)::bigint AS label, "
-             f"(1 / ({bad} - i))::bigint AS x FROM generate_series(0, {n - 1}) i ORDER BY i")
+    # (The division above the sort: under it, every row is computed before the first
+    # is sent, and the error comes first.)
+    query = (f"SELECT id, label, (1 / ({bad} - id))::bigint AS x FROM (SELECT i::bigint AS "
+             f"id, (i % 10)::bigint AS label FROM generate_series(0, {n - 1}) i ORDER BY i) s")
     topic = make_topic(partitions=1)
     args = ["produce", "--topic", topic, "--from", postgres, "--query", query,
             "--field", "id=id", "--field", "x=x", "--transaction-mb", "1"]
@@ -1117,6 +1119,25 @@ def test_an_error_in_a_query_s_result_after_rows_were_sent_says_resume(bootstrap
     assert 0 < sent < bad
     got = _read_back(bootstrap, topic, kfeed.Schema({"id": ("int64", ()), "x": ("int64", ())}))
     assert got["id"].tolist() == list(range(sent))  # what was recorded, once
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("column, line", [
+    # The driver reads an oid as int32: 4000000000 was sent as -294967296.
+    ("4000000000::oid AS u", "column 'u' of the query on {where} is PostgreSQL's oid, an "
+     "unsigned 32-bit number that the driver reads as int32 (a value past 2**31 - 1 "
+     "negative): cast it in the query (u::bigint)"),
+    ("2.5::numeric AS u", "column 'u' of the query on {where} is PostgreSQL's numeric, which "
+     "kfeed produce cannot send: cast it in the query (u::float8, or u::bigint for whole "
+     "numbers)"),
+])
+def test_a_query_column_the_driver_reads_wrong_is_refused(bootstrap, postgres, column,
+                                                          line) -> None:
+    done = kfeed_cli(bootstrap, "produce", "--topic", "never-made", "--from", postgres,
+                     "--query", f"SELECT 1::bigint AS id, {column}", "--field", "id=id",
+                     "--field", "u=u")
+    where = postgres.split("@")[1]
+    assert (done.returncode, done.stderr) == (2, f"kfeed: {line.format(where=where)}\n")
 
 
 @pytest.mark.integration

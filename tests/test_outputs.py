@@ -190,6 +190,24 @@ def test_jax_with_64_bit_types_on_takes_int64_fields(jax_x64: None) -> None:
     assert np.array_equal(np.concatenate([np.asarray(b["id"]) for b in kept]), ids)
 
 
+def test_jax_64_bit_types_turned_off_after_the_loader_was_made_are_refused(jax_x64) -> None:
+    # Checked only when the loader was made: one made inside
+    # ``with jax.enable_x64():`` and read outside it cut 2**40 + 100 to 100.
+    schema = kfeed.Schema({"id": ("int64", ())})
+    ids = np.arange(300) + 2**40
+    values = schema.encode_blocks({"id": ids}, 50)
+    with memory_loader(values, schema, 100, until="end", device="cpu", output="jax") as loader:
+        first = next(loader)
+        jax.config.update("jax_enable_x64", False)
+        with pytest.raises(kfeed.ConfigError, match=r"^field 'id' is int64, but JAX has 64-bit "
+                                                     r"types off and would narrow it"):
+            next(loader)
+        jax.config.update("jax_enable_x64", True)
+        rest = list(loader)  # the batch refused comes again: none is skipped
+    got = np.concatenate([np.asarray(b["id"]) for b in [first, *rest]])
+    assert got.dtype == np.int64 and np.array_equal(np.sort(got), ids)
+
+
 def test_packed_batches_come_as_numpy() -> None:
     schema = kfeed.Schema({"tokens": ("int32", (None,))})
     values = schema.encode_blocks({"tokens": documents(np.arange(300))}, 30)

@@ -529,6 +529,7 @@ def test_produce_with_a_vocabulary_wider_than_the_dtype_makes_no_topic(bootstrap
 
     vocab = {f"w{i}": i for i in range(70_002)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "w1 w2"}\n')
@@ -589,6 +590,24 @@ def lm_summary(stdout: str) -> tuple[int, float]:
     assert "tokens/s" in summary and "data stall" in summary, stdout
     real = int(summary.split(" tokens in ")[0].rsplit(" ", 1)[1].replace(",", ""))
     return real, float(summary.split("packing efficiency ")[1].split("%")[0])
+
+
+@pytest.mark.integration
+def test_train_lm_with_another_token_dtype_says_which_flags(bootstrap, make_topic) -> None:
+    # It said "fix the schema (or the topic)": kfeed train's schema is its flags'.
+    topic = make_topic(partitions=1)
+    done = kfeed_cmd("produce", "--topic", topic, "--synthetic-text", "8", bootstrap=bootstrap)
+    assert done.returncode == 0, done.stderr
+    done = kfeed_cmd("train", "--task", "lm", "--topic", topic, "--group-id", topic,
+                     "--token-dtype", "int32", "--until-end", bootstrap=bootstrap)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert "the loader expects tokens int32[*]; the message was written with tokens " \
+        "uint16[*]" in lines[0], lines
+    assert ("Nothing was dead-lettered or committed: kfeed train --task lm reads one "
+            "variable-length int32 field 'tokens' (--token-dtype): train with the flags the "
+            f"topic was produced for, or produce it for these (topic={topic}, partition=0, "
+            "offset=0)") in lines[0], lines
 
 
 @pytest.mark.integration

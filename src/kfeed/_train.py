@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from kfeed.errors import ConfigError, Interrupted, KfeedError, LoaderError, first_line
+from kfeed.badrecords import FIX_SCHEMA
+from kfeed.errors import (
+    ConfigError,
+    DecodeError,
+    Interrupted,
+    KfeedError,
+    LoaderError,
+    first_line,
+)
 from kfeed.synthetic import CLASSES, FEATURES, synthetic_schema
 
 # A tiny causal transformer, CPU-sized: it shows the token stream's figures
@@ -478,6 +486,14 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                     guard.started = True
                 except (StopIteration, _Stopped):
                     break
+                except DecodeError as e:
+                    if FIX_SCHEMA not in e.args[0]:
+                        raise
+                    # Its schema is the task's and the flags': no schema can be fixed.
+                    fix = (f"kfeed train --task {task.name} reads {task.expects()}: train with "
+                           f"the flags the topic was produced for, or produce it for these")
+                    raise DecodeError(e.args[0].replace(FIX_SCHEMA, fix), topic=e.topic,
+                                      partition=e.partition, offset=e.offset) from None
                 finally:
                     guard.waiting = False
                 loss = task.loss(batch)

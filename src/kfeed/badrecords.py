@@ -139,6 +139,9 @@ def _written_with(msg: Any) -> str:
     return "another schema"
 
 
+# What a read whose every message was rejected says to do when nothing more is known.
+FIX_SCHEMA = "fix the schema (or the topic) and read again"
+
 # Reasons kfeed's own codec gives a message that is no kfeed block or raw record.
 _NOT_KFEED = re.compile(r"^(bad magic|shorter than the block header|raw value of )").match
 
@@ -298,7 +301,7 @@ class BadRecords:
         else:
             top = "; ".join(f"{c}x {w}" for w, c in reasons.most_common(3))
             what = f"all {n} messages{of} read so far were rejected ({top})"
-        fix = "fix the schema (or the topic) and read again"
+        fix = FIX_SCHEMA
         if all(_NOT_KFEED(why) for why in reasons):
             fix = _foreign(first.value()) or fix
         elif self.fmt not in (Format.BLOCK, Format.RAW):

@@ -1311,6 +1311,8 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
             raise ConfigError(f"{rows.name} has {names.count(src)} columns named {src!r}, which "
                               f"field {name!r} reads: give each a name of its own (in a query, "
                               f"... AS other_name)")
+    for src in fields.values():
+        _check_database_type(rows, src)
     _check_flags(fields, dtypes, fills)
     if fills and not rows.nulls:
         raise ConfigError(f"--fill replaces the nulls of Arrow columns; {rows.name} has none: "
@@ -1322,6 +1324,30 @@ def stream_fields(rows: Rows, fields: Mapping[str, str] | None,
         elif _numeric(kind):
             _fill_scalar(name, fill, kind)
     return fields
+
+
+# PostgreSQL's unsigned 32-bit types, which the ADBC driver reads as int32: a value
+# past 2**31 - 1 came out negative.
+_PG_UNSIGNED = ("oid", "xid", "cid", "regclass", "regtype", "regproc", "regprocedure",
+                "regoper", "regoperator", "regconfig", "regdictionary", "regnamespace",
+                "regrole", "regcollation")
+
+
+def _check_database_type(rows: Rows, src: str) -> None:
+    """Refuse a query's column whose database type the driver reads as another number."""
+    meta = rows.schema.field(src).metadata or {}
+    # (The ADBC driver names each column's type; its older releases, only those it
+    # cannot read.)
+    typname = (meta.get(b"POSTGRESQL:type") or meta.get(b"ADBC:postgresql:typname")
+               or b"").decode()
+    if typname in _PG_UNSIGNED:
+        raise ConfigError(f"column {src!r} of {rows.name} is PostgreSQL's {typname}, an "
+                          f"unsigned 32-bit number that the driver reads as int32 (a value "
+                          f"past 2**31 - 1 negative): cast it in the query ({src}::bigint)")
+    if typname == "numeric":
+        raise ConfigError(f"column {src!r} of {rows.name} is PostgreSQL's numeric, which "
+                          f"kfeed produce cannot send: cast it in the query ({src}::float8, "
+                          f"or {src}::bigint for whole numbers)")
 
 
 def _check_flags(fields: Mapping[str, str], dtypes: Mapping[str, str],

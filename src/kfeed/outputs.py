@@ -85,18 +85,7 @@ def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
                                   "'numpy' or 'jax'")
         return "cpu" if device is None else device
     jax = _module("jax", output)
-    if not jax.config.jax_enable_x64:
-        wide = [f for f in schema.fields if f.storage.itemsize == 8]
-        if wide:
-            raise ConfigError(f"field {wide[0].name!r} is {wide[0].dtype}, but JAX has 64-bit "
-                              f"types off and would narrow it: call jax.config.update("
-                              f"'jax_enable_x64', True) first, or make it a 32-bit field")
-        if packed and schema.varlen is not None and schema.varlen.dtype == "uint32":
-            # Packed rows hold token ids as int64, narrowed to int32 for such a JAX.
-            raise ConfigError(f"field {schema.varlen.name!r} is uint32, whose ids past 2**31 "
-                              f"packed rows would give JAX with 64-bit types off as negative "
-                              f"int32: call jax.config.update('jax_enable_x64', True) first, "
-                              f"or make it an int32 field")
+    _check_x64(jax, schema, packed)
     jax_gpu = _has_gpu_backend(jax)
     if device is None:
         return "cuda" if torch.cuda.is_available() and jax_gpu else "cpu"
@@ -106,7 +95,24 @@ def check_output(output: Any, schema: Schema, device: Any, packed: bool) -> Any:
     return device
 
 
-def converter(output: str, schema: Schema) -> Callable[[Any], Any] | None:
+def _check_x64(jax: Any, schema: Schema, packed: bool) -> None:
+    """Refuse a schema whose values JAX, with its 64-bit types off, would narrow."""
+    if jax.config.jax_enable_x64:
+        return
+    wide = [f for f in schema.fields if f.storage.itemsize == 8]
+    if wide:
+        raise ConfigError(f"field {wide[0].name!r} is {wide[0].dtype}, but JAX has 64-bit "
+                          f"types off and would narrow it: call jax.config.update("
+                          f"'jax_enable_x64', True) first, or make it a 32-bit field")
+    if packed and schema.varlen is not None and schema.varlen.dtype == "uint32":
+        # Packed rows hold token ids as int64, narrowed to int32 for such a JAX.
+        raise ConfigError(f"field {schema.varlen.name!r} is uint32, whose ids past 2**31 "
+                          f"packed rows would give JAX with 64-bit types off as negative "
+                          f"int32: call jax.config.update('jax_enable_x64', True) first, "
+                          f"or make it an int32 field")
+
+
+def converter(output: str, schema: Schema, packed: bool) -> Callable[[Any], Any] | None:
     """The function from a torch ``Batch`` to what ``next()`` hands out; None for torch."""
     if output == "numpy":
         return _as_numpy
@@ -114,8 +120,14 @@ def converter(output: str, schema: Schema) -> Callable[[Any], Any] | None:
         import jax
 
         _register_pytree(jax)
-        narrow = not jax.config.jax_enable_x64
-        return lambda batch: _as_jax(batch, narrow)
+
+        def as_jax(batch: Any) -> Any:
+            # Looked at each batch: a loader made inside ``with jax.enable_x64():``
+            # and read outside it had its int64 values cut to int32, silently.
+            _check_x64(jax, schema, packed)
+            return _as_jax(batch, not jax.config.jax_enable_x64)
+
+        return as_jax
     if output == "arrow":
         return lambda batch: _as_arrow(batch, schema)
     return None

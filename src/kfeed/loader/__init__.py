@@ -488,7 +488,7 @@ class Loader:
         # them marks every batch handed out before it (commits may run a batch
         # a thread ahead of the steps; they never fall short of them).
         self._current: list[Batch] = []
-        self._convert = converter(c.output, c.schema)  # None: torch, as it is
+        self._convert = converter(c.output, c.schema, c.pack is not None)  # None: torch
         self._agreement: EpochAgreement | None = None
         self._ahead: Any = None  # with ranks: the next step's item, taken a step early
         # A batch whose hand-out failed (its conversion raised): the next
