@@ -1514,8 +1514,27 @@ def test_a_step_that_waits_long_for_its_batch_says_so(monkeypatch) -> None:
     assert 0.5 < time.monotonic() - t0 < 5
     for line in lines:
         assert re.fullmatch(r"waiting \d+s for a first batch: nothing new to read from clicks "
-                            r"\(produce to it, or check --topic and --start; Ctrl-C stops\)",
+                            r"\(produce to it, or check --topic and --start\); Ctrl-C stops",
                             line), lines
+
+
+def test_a_wait_with_no_partition_says_the_group_gave_none(monkeypatch) -> None:
+    # (A member killed without leaving holds the group's partitions until its
+    # session ends: "nothing new to read" pointed at the topic.)
+    from types import SimpleNamespace
+
+    from kfeed import _train
+
+    clock = iter([0.0, 20.0])
+    monkeypatch.setattr(_train.time, "monotonic", lambda: next(clock))
+    loader = SimpleNamespace(_on_wait=None, _fetcher=SimpleNamespace(assigned=set()))
+    lines: list[str] = []
+    _train._say_while_waiting(loader, "clicks", _train.Outcome(task=None, step=3), lines.append)
+    loader._on_wait()
+    loader._on_wait()
+    assert lines == ["waiting 20s for step 4: the group gave this run no partition yet (a "
+                     "member that stopped without leaving holds them until its "
+                     "session.timeout.ms); Ctrl-C stops"]
 
 
 def test_a_signal_before_the_loader_is_made_stops_training_at_once() -> None:

@@ -329,6 +329,52 @@ def test_a_follow_with_nothing_new_still_reports_its_progress(bootstrap, make_to
     assert st.records == 10 and seen.count(10) >= 5
 
 
+def test_a_follow_reads_partitions_added_to_its_topic_within_seconds(bootstrap, make_topic):
+    # librdkafka looks for them every 5 minutes by default: the records of the
+    # new partitions waited that long, while the progress said "lag 0".
+    import threading
+
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    src = make_topic(partitions=2)
+    p = KafkaProducer({"bootstrap.servers": bootstrap})
+    for i in range(100):
+        p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
+    assert p.flush(30) == 0
+    stop, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
+                          kfeed.Schema({"id": ("int64", ())}), format="json", follow=True,
+                          stop=stop)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    committed = Committed(bootstrap, f"kfeed-convert.{src}.blocks", src, 4)
+    try:
+        until(lambda: committed() == 100 or failed, 60)
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_partitions([NewPartitions(src, 4)])[src].result(30)
+        until(lambda: len(p.list_topics(src, timeout=10).topics[src].partitions) == 4, 30)
+        for i in range(100, 200):
+            p.produce(src, json.dumps({"id": i}).encode(), partition=2 + i % 2)
+        assert p.flush(30) == 0
+        t0 = time.monotonic()
+        until(lambda: committed() == 200 or failed, 60)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        thread.join(60)
+        committed.consumer.close()
+    assert not failed, failed
+    assert took < 40, took
+    cols = read_columns(bootstrap, src + ".blocks", kfeed.Schema({"id": ("int64", ())}))
+    np.testing.assert_array_equal(np.sort(cols["id"]), np.arange(200))  # each once
+
+
 def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstrap,
                                                                         make_topic):
     # Three bad events come first, alone in their rounds: that is not yet "every

@@ -557,8 +557,12 @@ def _say_while_waiting(loader: Any, topic: str, out: Outcome,
         elif now - waits["said"] >= WAIT_NOTICE_S:
             waits["said"] = now
             which = "a first batch" if out.step == out.first_step else f"step {out.step + 1}"
-            say(f"waiting {now - waits['since']:.0f}s for {which}: nothing new to read from "
-                f"{topic} (produce to it, or check --topic and --start; Ctrl-C stops)")
+            # (Read from the loader's thread's set: whether it is empty, no more.)
+            why = (f"nothing new to read from {topic} (produce to it, or check --topic and "
+                   f"--start)") if getattr(loader._fetcher, "assigned", True) else (
+                   "the group gave this run no partition yet (a member that stopped "
+                   "without leaving holds them until its session.timeout.ms)")
+            say(f"waiting {now - waits['since']:.0f}s for {which}: {why}; Ctrl-C stops")
 
     loader._on_wait = on_wait
 

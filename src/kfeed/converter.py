@@ -540,9 +540,10 @@ class _Convert:
             if not stopped:
                 self.consumer.close()
             elif not within(self.consumer.close, "kfeed-convert-close", _LEAVE_S):
-                log.warning("the brokers did not answer this convert's leaving of group %s "
-                            "within %g s: its partitions come free when its session ends "
-                            "(session.timeout.ms)", self.group, _LEAVE_S)
+                log.warning("this convert's leaving of group %s did not end within %g s (no "
+                            "broker answered, or the group is rebalancing, held up by a member "
+                            "that stopped without leaving): its partitions come free when its "
+                            "session ends (session.timeout.ms)", self.group, _LEAVE_S)
         finally:
             if self.producer is not None:
                 self.producer.close()

@@ -69,6 +69,9 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "queued.max.messages.kbytes": 65536,
     "max.partition.fetch.bytes": 8 << 20,
     "fetch.max.bytes": 64 << 20,
+    # Partitions added to a topic are read within seconds, not at librdkafka's
+    # refresh of every 5 minutes (a convert --follow said "lag 0" meanwhile).
+    "topic.metadata.refresh.interval.ms": 10_000,
 }
 
 _PREFIX = "kfeed:"

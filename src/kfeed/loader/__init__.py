@@ -1465,7 +1465,8 @@ class Loader:
         elif not within(self._shut_down, "kfeed-close", limit):
             raise LoaderError(
                 f"the consumer did not close within {limit:g}s: it is stuck "
-                f"{self._status.doing}, most likely because no broker answers; it goes on "
+                f"{self._status.doing}, because no broker answers or the group is "
+                f"rebalancing, held up by a member that stopped without leaving; it goes on "
                 f"closing in the background, and records used since the last commit that "
                 f"went through will be read again by the next reader of the group")
 
