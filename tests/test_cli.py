@@ -103,6 +103,10 @@ TRAIN = ("train", "--bootstrap-servers", CLOSED, "--topic", "t", "--group-id", "
      "kfeed: unknown argument --synthtic: see 'kfeed produce --help'"),
     (("lag", "--groupid", "g", "-Xacks=all"),
      "kfeed: unknown argument --groupid: see 'kfeed lag --help'"),
+    # ...but a value is no flag, and what follows a missing command is the command's.
+    (("produce", "--from", "postgresql://h/db", "--query", "-- daily\nSELECT 1 AS label"),
+     "kfeed: missing --topic: see 'kfeed produce --help'"),
+    (("cluster", "--dir=/tmp/x"), "kfeed: missing a cluster command: see 'kfeed cluster --help'"),
     (("-v", "produce", "--top", "t", "-Xacks=all"),  # (a prefix, a short flag joined)
      "kfeed: give one of --synthetic, --synthetic-text, --from: see 'kfeed produce --help'"),
     (PRODUCE + ("--synthetic",), "kfeed: --synthetic needs a value: see 'kfeed produce --help'"),
@@ -167,6 +171,16 @@ def test_a_bad_bootstrap_from_the_environment_is_named_so(capsys, monkeypatch) -
                                     "127.0.0.1:9092; several joined by commas)"], "")
 
 
+def test_an_lm_whose_attention_would_not_fit_is_refused(capsys) -> None:
+    # Killed by the kernel after 47 s, with no word.
+    code, err, out = run_main(capsys, *TRAIN, "--task", "lm", "--seq-len", "100000")
+    assert (code, out) == (2, "") and len(err) == 1, err
+    assert re.fullmatch(r"kfeed: --seq-len 100000 --batch-size 16: the demo model's attention "
+                        r"would take about 7,153 GiB a step \(batch x seq_len squared\), more "
+                        r"than the [\d,]+ GiB of cpu: give a smaller --seq-len or --batch-size",
+                        err[0]), err
+
+
 def test_version(capsys) -> None:
     code, err, out = run_main(capsys, "--version")
     assert (code, err, out) == (0, [], f"kfeed {cli.__version__}\n")
@@ -223,11 +237,6 @@ def test_the_train_bar_counts_from_the_first_step_and_draws_the_latest_line(caps
     (TRAIN + ("--task", "lm", "--eos-id", "4000000", "--token-dtype", "uint32"),
      ("kfeed: --eos-id 4000000: the demo model's vocabulary would have 4000001 ids, more than "
       "its 1048576")),
-    # Killed by the kernel after 47 s, with no word.
-    (TRAIN + ("--task", "lm", "--seq-len", "100000"),
-     ("kfeed: --seq-len 100000 --batch-size 16: the demo model's attention would take about "
-      "14,305 GiB a step (batch x seq_len squared), more than its 8 GiB: give a smaller "
-      "--seq-len or --batch-size")),
     (TRAIN + ("--token-dtype", "int32"),
      "kfeed: --token-dtype applies to --task lm, not to --task mlp: leave it out"),
     (TRAIN + ("--task", "lm", "--log-ids", "ids.txt"),
@@ -911,16 +920,17 @@ def test_nulls_are_refused_with_their_count_unless_filled(capsys, tmp_path) -> N
                                "int64: give one (a whole number for an int column)")])
 
 
-def test_a_csv_s_nan_is_a_float_s_value_and_an_empty_cell_a_null(tmp_path) -> None:
-    # pyarrow reads "nan" as a null by default: a float column holding NaN, as
-    # a Parquet file's may, was refused as holding nulls.
+def test_a_csv_s_nulls_say_what_a_null_is(tmp_path) -> None:
+    # pyarrow reads an empty cell, NA, NULL and nan as nulls: a float column of
+    # NaNs was refused as holding nulls, with no word of why.
     path = tmp_path / "n.csv"
-    path.write_text("id,x\n1,1.5\n2,nan\n3,NaN\n4,-nan\n5,\n6,NULL\n")
-    with pytest.raises(ConfigError, match=r"^column 'x' of n.csv \(field 'x'\) has 2 null "
-                                          r"value\(s\)"):
+    path.write_text("id,x\n1,1.5\n2,nan\n3,\n4,NULL\n")
+    with pytest.raises(ConfigError, match=r"^column 'x' of n.csv \(field 'x'\) has 3 null "
+                                          r"value\(s\) \(an empty cell, NA, NULL or nan\): "
+                                          r"give --fill x=VALUE"):
         ingest.read_columns(path, {"id": "id", "x": "x"})
     got = ingest.read_columns(path, {"id": "id", "x": "x"}, fills={"x": "0"})["x"]
-    assert got[0] == 1.5 and np.isnan(got[1:4]).all() and got[4:].tolist() == [0.0, 0.0]
+    assert got.tolist() == [1.5, 0.0, 0.0, 0.0]
 
 
 def test_a_column_of_only_nulls_is_filled_as_its_fill_reads(tmp_path) -> None:
@@ -933,7 +943,7 @@ def test_a_column_of_only_nulls_is_filled_as_its_fill_reads(tmp_path) -> None:
                              pa.nulls(2, pa.list_(pa.null()))], ["id", "x", "l", "e"])
     fields = {"id": "id", "x": "x"}
     with pytest.raises(ConfigError, match=r"^column 'x' of b.csv \(field 'x'\) has 2 "
-                       r"null value\(s\): give --fill x=VALUE"):
+                       r"null value\(s\) \(an empty cell, NA, NULL or nan\): give --fill x=VALUE"):
         ingest.batch_columns("b.csv", batch, fields, {}, {})
     got = ingest.batch_columns("b.csv", batch, fields, {}, {"x": "5"})
     assert got["x"].dtype == np.int64 and got["x"].tolist() == [5, 5]
@@ -1532,9 +1542,9 @@ def test_a_wait_with_no_partition_says_the_group_gave_none(monkeypatch) -> None:
     _train._say_while_waiting(loader, "clicks", _train.Outcome(task=None, step=3), lines.append)
     loader._on_wait()
     loader._on_wait()
-    assert lines == ["waiting 20s for step 4: the group gave this run no partition yet (a "
-                     "member that stopped without leaving holds them until its "
-                     "session.timeout.ms); Ctrl-C stops"]
+    assert lines == ["waiting 20s for step 4: the group gave this run no partition yet (more "
+                     "members than partitions, or one that stopped without leaving holds them "
+                     "until its session.timeout.ms); Ctrl-C stops"]
 
 
 def test_a_signal_before_the_loader_is_made_stops_training_at_once() -> None:

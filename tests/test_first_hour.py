@@ -240,7 +240,7 @@ FRAMED = b"\x00\x00\x00\x00\x07" + b"\x02" * 40
      "look like JSON"),
     (lambda: kfeed.Arrow(), [JSON_VALUE] * 5, "look like JSON"),
     (lambda: kfeed.Json(), [FRAMED] * 5, "look like the Confluent framing"),
-    (lambda: kfeed.Avro(schema=AVRO_SCHEMA), [FRAMED] * 5, "look like the Confluent framing"),
+    (lambda: kfeed.Avro(schema=AVRO_SCHEMA), [FRAMED] * 5, "fix the schema"),
 ])
 def test_a_topic_read_in_another_writer_s_format_says_which_it_looks_like(make, values,
                                                                            says) -> None:
@@ -252,7 +252,8 @@ def test_a_topic_read_in_another_writer_s_format_says_which_it_looks_like(make, 
         next(ld)
     ld.close()
     assert says in str(e.value), str(e.value)
-    assert "fix the schema" not in str(e.value)
+    # (Unframed Avro may start with a zero byte: such a read is told nothing more.)
+    assert ("fix the schema" in str(e.value)) == (says == "fix the schema")
 
 
 def test_kfeed_blocks_read_as_json_say_to_read_them_as_kfeed_s_own() -> None:

@@ -1207,6 +1207,8 @@ def test_only_a_uri_s_authority_holds_a_password() -> None:
     assert no_password("s3://key:pass@bucket/runs@2024/x") == "s3://key:***@bucket/runs@2024/x"
     assert no_password("http://u:p@ss@h:8/x") == "http://u:***@h:8/x"  # an "@" in the password
     assert no_password("postgresql://u:p@h") == "postgresql://u:***@h"
+    for password in ("pa?ss", "pa#ss"):  # (libpq takes them so)
+        assert no_password(f"postgresql://u:{password}@host/db") == "postgresql://u:***@host/db"
 
 
 def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
@@ -1217,6 +1219,12 @@ def test_a_job_is_named_by_its_source_without_its_secrets() -> None:
     assert source_key("s3://b/p?scheme=http&region=eu") == source_key("s3://b/p?region=eu&scheme=http")
     assert job_id("t", source_key("postgresql://u:old@h/d"), "SELECT 1") == \
         job_id("t", source_key("postgresql://u:new@h/d"), "SELECT 1")
+    # A password given or read from ~/.pgpass: one job. And the names jobs were
+    # first recorded under stay theirs (an "@" in a path too), or a rerun sends
+    # every row again.
+    assert source_key("postgresql://reader@db/wh") == "postgresql://reader:***@db/wh"
+    assert job_id("t", source_key("s3://b/runs@2024/x.parquet"), None) == \
+        "kfeed-produce.t.913fbb4e4cac"
 
 
 def test_a_local_job_is_named_by_its_absolute_path(tmp_path, monkeypatch) -> None:

@@ -605,9 +605,9 @@ def test_train_lm_with_another_token_dtype_says_which_flags(bootstrap, make_topi
     assert "the loader expects tokens int32[*]; the message was written with tokens " \
         "uint16[*]" in lines[0], lines
     assert ("Nothing was dead-lettered or committed: kfeed train --task lm reads one "
-            "variable-length int32 field 'tokens' (--token-dtype): train with the flags the "
-            f"topic was produced for, or produce it for these (topic={topic}, partition=0, "
-            "offset=0)") in lines[0], lines
+            "variable-length int32 field 'tokens' (--token-dtype): give the flags that match "
+            f"the topic, or produce it for these (topic={topic}, partition=0, offset=0)") \
+        in lines[0], lines
 
 
 @pytest.mark.integration

@@ -175,9 +175,19 @@ def lm_loss(logits: Any, tokens: Any, doc_ids: Any) -> Any:
 
 # The demo model's largest vocabulary (its embedding: 128 floats an id).
 _MAX_VOCAB = 1 << 20
-# The most its attention may take a step (estimated: LMTask), which 2048
-# tokens a row at the default batch of 16 stays under.
-_MAX_ATTENTION_BYTES = 8 << 30
+# What its attention takes a step, in bytes for each of the [batch * heads, L,
+# L] entries: 7.6 to 10.6 measured on the CPU (a step of [4, 2048] and [8, 1024]
+# rows), the mask, the scores and what the backward pass keeps.
+_ATTENTION_BYTES = 12
+
+
+def _memory_of(device: str) -> int:
+    """The memory of ``device``: the GPU's, or this machine's."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class _LMTask:
@@ -208,16 +218,15 @@ class _LMTask:
         self.token_dtype = opts.token_dtype
         self.schema = token_schema(opts.token_dtype)
         self.batch_size = opts.batch_size or 16
-        # Its attention is the plain kind, a [batch * heads, L, L] float matrix
-        # a layer, kept for the backward pass, and a mask as large: --seq-len
+        # Its attention is the plain kind, with a [batch * heads, L, L] mask: --seq-len
         # 100000 was killed by the kernel with no word.
-        need = self.batch_size * LM_HEADS * self.seq_len ** 2 * 4 * 3 * LM_LAYERS
-        if need > _MAX_ATTENTION_BYTES:
+        need = self.batch_size * LM_HEADS * self.seq_len ** 2 * _ATTENTION_BYTES
+        have = _memory_of(device)
+        if need > have:
             raise ConfigError(f"--seq-len {self.seq_len} --batch-size {self.batch_size}: the demo "
                               f"model's attention would take about {need / 2**30:,.0f} GiB a step "
-                              f"(batch x seq_len squared), more than its "
-                              f"{_MAX_ATTENTION_BYTES >> 30} GiB: give a smaller --seq-len or "
-                              f"--batch-size")
+                              f"(batch x seq_len squared), more than the {have / 2**30:,.0f} GiB "
+                              f"of {device}: give a smaller --seq-len or --batch-size")
         self.model = tiny_lm(self.vocab_size, self.seq_len).to(device)
         # Real tokens; a tensor on the device when counted from doc_ids, read
         # only when a line is printed.
@@ -490,8 +499,8 @@ def run(opts: Any, config: dict[str, Any], *, start: Any, state: dict[str, Any] 
                     if FIX_SCHEMA not in e.args[0]:
                         raise
                     # Its schema is the task's and the flags': no schema can be fixed.
-                    fix = (f"kfeed train --task {task.name} reads {task.expects()}: train with "
-                           f"the flags the topic was produced for, or produce it for these")
+                    fix = (f"kfeed train --task {task.name} reads {task.expects()}: give the "
+                           f"flags that match the topic, or produce it for these")
                     raise DecodeError(e.args[0].replace(FIX_SCHEMA, fix), topic=e.topic,
                                       partition=e.partition, offset=e.offset) from None
                 finally:
@@ -560,8 +569,9 @@ def _say_while_waiting(loader: Any, topic: str, out: Outcome,
             # (Read from the loader's thread's set: whether it is empty, no more.)
             why = (f"nothing new to read from {topic} (produce to it, or check --topic and "
                    f"--start)") if getattr(loader._fetcher, "assigned", True) else (
-                   "the group gave this run no partition yet (a member that stopped "
-                   "without leaving holds them until its session.timeout.ms)")
+                   "the group gave this run no partition yet (more members than "
+                   "partitions, or one that stopped without leaving holds them until its "
+                   "session.timeout.ms)")
             say(f"waiting {now - waits['since']:.0f}s for {which}: {why}; Ctrl-C stops")
 
     loader._on_wait = on_wait

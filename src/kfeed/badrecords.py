@@ -156,7 +156,10 @@ def _foreign(value: Any, reading: Any = None) -> str | None:
     if head[:1] in (b"{", b"[") and getattr(reading, "value", None) != "json":
         return ("the messages look like JSON: read them with format=kfeed.Json() "
                 "(kfeed train and kfeed convert: --format json)")
-    if len(value) >= 5 and value[0] == 0 and not getattr(reading, "framed", False):
+    # (Not for unframed Avro, whose records may start with a zero byte: an empty
+    # array, a long 0, a union's first branch.)
+    if len(value) >= 5 and value[0] == 0 and not getattr(reading, "framed", False) \
+            and getattr(reading, "value", None) != "avro":
         return ("the messages look like the Confluent framing of a Schema Registry (a zero "
                 "byte, then a schema id): read them with format=kfeed.Avro(registry=...) or "
                 "kfeed.Protobuf(registry=...) (kfeed train and kfeed convert: --format avro "

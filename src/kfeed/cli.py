@@ -85,7 +85,11 @@ class _Parser(argparse.ArgumentParser):
     given: list[str] = []
 
     def error(self, message: str) -> NoReturn:
-        unknown = self._unknown() if "required" in message else []
+        m = re.fullmatch(r"the following arguments are required: (.*)|one of the arguments "
+                         r".* is required", message)
+        # (Not for a missing command: what follows it is the command's.)
+        own = m is not None and m.group(1) not in ("command", "cluster_command")
+        unknown = self._unknown() if own else []
         if unknown:
             message = f"unrecognized arguments: {' '.join(unknown)}"
         sys.stderr.write(f"kfeed: {_usage_error(message, self.prog)}\n")
@@ -103,7 +107,10 @@ class _Parser(argparse.ArgumentParser):
             if token == "--":
                 break
             flag = token.split("=", 1)[0]
-            if not flag.startswith("-") or self._negative_number_matcher.match(flag):
+            # Values, as argparse takes them: "-", a negative number, or one with a
+            # space (a query that starts with a "--" comment).
+            if not flag.startswith("-") or flag == "-" or " " in token \
+                    or self._negative_number_matcher.match(flag):
                 continue
             if flag.startswith("--"):
                 if not any(k.startswith(flag) for k in known):  # (argparse takes prefixes)

@@ -208,8 +208,10 @@ def _arrow_column(file: str, name: str, src: str, col: Any, fill: str | None) ->
         values = pc.list_flatten(col)
         nulls += values.null_count
     if nulls and fill is None:
-        raise ConfigError(f"{where} (field {name!r}) has {nulls} null value(s): give --fill "
-                          f"{name}=VALUE to replace them, or drop those rows")
+        # (A CSV's nan is one: many writers mean a missing value by it.)
+        what = " (an empty cell, NA, NULL or nan)" if file.lower().endswith(".csv") else ""
+        raise ConfigError(f"{where} (field {name!r}) has {nulls} null value(s){what}: give "
+                          f"--fill {name}=VALUE to replace them, or drop those rows")
     if not is_list:
         if nulls:
             col = pc.fill_null(col, _fill_scalar(name, fill, kind))
@@ -1177,21 +1179,14 @@ def _file_format(kind: str, column_types: Mapping[str, str], lists: set[str] = f
     if kind == "csv":
         import pyarrow.csv as pacsv
 
-        # NaN is a float's value, as in a Parquet or numpy file, not a null to --fill.
-        nulls = [v for v in pacsv.ConvertOptions().null_values if v.lstrip("-") not in _NANS]
         return ds.CsvFileFormat(parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                                convert_options=pacsv.ConvertOptions(column_types=types,
-                                                                     null_values=nulls)), types
+                                convert_options=pacsv.ConvertOptions(column_types=types)), types
     if kind == "json" and types:
         import pyarrow.json as pajson
 
         return ds.JsonFileFormat(parse_options=pajson.ParseOptions(
             explicit_schema=pa.schema(types), unexpected_field_behavior="infer")), types
     return kind, types
-
-
-# How a CSV spells NaN; pyarrow reads these as nulls unless told otherwise.
-_NANS = ("nan", "NaN")
 
 
 class ReadAhead:
@@ -1335,6 +1330,8 @@ _PG_UNSIGNED = ("oid", "xid", "cid", "regclass", "regtype", "regproc", "regproce
 
 def _check_database_type(rows: Rows, src: str) -> None:
     """Refuse a query's column whose database type the driver reads as another number."""
+    if rows.schema is None:  # a numpy file's: no database
+        return
     meta = rows.schema.field(src).metadata or {}
     # (The ADBC driver names each column's type; its older releases, only those it
     # cannot read.)
@@ -1467,9 +1464,27 @@ def source_key(source: str) -> str:
     """
     if "://" not in source:
         return os.path.realpath(source)
-    base, params = _uri_params(source)
-    kept = sorted(p for p in params if not _secret(p))
+    base, query = split_params(_job_uri(source))
+    kept = sorted(p for p in query.split("&") if p and not _secret(p))
     return f"{base}?{'&'.join(kept)}" if kept else base
+
+
+def _job_uri(uri: str) -> str:
+    """``uri`` with what comes between "://" and its last "@" as ``user:***``.
+
+    Not ``no_password``: a user named with and without a password (read from
+    ``~/.pgpass``) is one job, and this is how jobs were first named, which the
+    progress recorded in Kafka keeps (another name would orphan it, and a plain
+    rerun would send every row again).
+    """
+    parts = _each_uri(uri)
+    if len(parts) > 1:
+        return ",".join(map(_job_uri, parts))
+    head, at, rest = uri.rpartition("@")
+    if not at:
+        return uri
+    scheme, _, user = head.partition("://")
+    return f"{scheme}://{user.split(':')[0]}:***@{rest}"
 
 
 def shown(source: str) -> str:
@@ -1491,20 +1506,25 @@ def _secret(param: str) -> bool:
     return any(s in param.split("=")[0].lower() for s in _SECRET_PARAMS)
 
 
+def _each_uri(uri: str) -> list[str]:
+    """A comma-joined list of URIs (a registry's), one by one."""
+    return re.split(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)", uri)
+
+
 def no_password(uri: str) -> str:
     """A URI (a database's, a registry's; several joined by commas) with each
     password left out, for messages."""
-    parts = re.split(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)", uri)
+    parts = _each_uri(uri)
     if len(parts) > 1:
-        return ",".join(no_password(part) for part in parts)
+        return ",".join(map(no_password, parts))
     scheme, sep, rest = uri.partition("://")
-    end = re.search(r"[/?#]", rest)
-    authority, tail = (rest[:end.start()], rest[end.start():]) if end else (rest, "")
-    # Only the authority holds a user's password: an "@" in a path is the path's.
+    # Only what comes before the path holds a user's password (as libpq reads it, a
+    # "?" or "#" in the password too): an "@" in the path is the path's.
+    authority, slash, path = rest.partition("/")
     userinfo, at, host = authority.rpartition("@")
     if not sep or not at or ":" not in userinfo:
         return uri
-    return f"{scheme}://{userinfo.split(':')[0]}:***@{host}{tail}"
+    return f"{scheme}://{userinfo.split(':')[0]}:***@{host}{slash}{path}"
 
 
 # -- token documents ---------------------------------------------------------------

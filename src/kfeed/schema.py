@@ -774,8 +774,8 @@ def _as_numpy(f: Field, col: Any) -> np.ndarray:
                               f"uint16), got {arr.dtype}")
         # Never cast here (a cast may lose values), but say how: a Python list of
         # whole numbers is int64 to numpy whatever the field.
-        how = (f"np.asarray(values, np.{f.storage})" if not isinstance(col, np.ndarray)
-               else f".astype(np.{f.storage})")
+        how = (f"np.asarray(values, {f.storage.name!r})" if not isinstance(col, np.ndarray)
+               else f".astype({f.storage.name!r})")
         raise ConfigError(f"field {f.name!r}: expected dtype {f.storage}, got {arr.dtype}: "
                           f"convert it first ({how})")
     return arr

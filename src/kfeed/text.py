@@ -364,7 +364,7 @@ def _read_jsonl(path: Path, text_field: str, key_field: str | None,
             # Decoded here, strictly: json.loads takes the bytes of a lone
             # surrogate (ED A0 80), which are no UTF-8, into a str that cannot
             # be encoded again.
-            obj = json.loads(raw.decode("utf-8-sig"))
+            obj = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
         except UnicodeDecodeError as e:
             raise CorpusError(f"{where}: not UTF-8 ({e.reason} at byte {e.start}): convert "
                               f"the file to UTF-8") from None
