@@ -72,8 +72,14 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
 
 
 @pytest.fixture(scope="session")
-def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The URL of a real Schema Registry (Apicurio, started here; stopped after the session).
+def schema_registry(_schema_registry: tuple[str, Path]) -> str:
+    """The URL of a real Schema Registry (Apicurio, started here; stopped after the session)."""
+    return _schema_registry[0]
+
+
+@pytest.fixture(scope="session")
+def _schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The Schema Registry's URL and the folder it runs for (``kfeed.cluster``'s).
 
     Under ``make test`` it runs for the test cluster's folder, so the cluster's
     ``down`` stops it even when pytest was killed before its teardown (one left
@@ -91,7 +97,7 @@ def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cluster.stop_schema_registry(state_dir)
     url = cluster.start_schema_registry(state_dir, port)
     try:
-        yield url
+        yield url, state_dir
     finally:
         assert cluster.stop_schema_registry(state_dir) is not None, "it was not running"
 

@@ -12,6 +12,7 @@ import datetime as dt
 import io
 import json
 import logging
+import os
 import pickle
 import re
 import subprocess
@@ -617,6 +618,45 @@ def test_a_registry_that_does_not_answer_fails_the_read_and_skips_nothing(monkey
     assert "the registry at http://sr-user:***@127.0.0.1:9,https://sr-user:***@127.0.0.1:10" \
         in str(info.value)
     assert caplog.records  # it asked again, and said so
+
+
+@pytest.mark.integration
+def test_a_registry_that_hangs_fails_the_read_in_time(monkeypatch, _schema_registry) -> None:
+    # Its requests had no timeout: a registry whose process was stopped held
+    # the read (and close(), and a producer) for as long as it was stopped.
+    import signal
+
+    from kfeed.cluster import _schema_registry as registry_process
+
+    url, state_dir = _schema_registry
+    pid = registry_process.running_pid(state_dir)
+    assert pid is not None
+    monkeypatch.setattr(formats, "REGISTRY_REQUEST_S", 1.0)
+    monkeypatch.setattr(formats, "REGISTRY_RETRY_S", 2.0)
+    values = [b"\x00" + (987654).to_bytes(4, "big") + b"\x02"] * 2  # an id it never gave
+    decoder = kfeed.Avro(registry={"url": url}).decoder(SCHEMA)
+    out = {f.name: np.zeros((2, *f.shape), f.storage) for f in SCHEMA.fields}
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            decoder.decode_into(values, SCHEMA.bind(out), 0)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            raised.append(e)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=read, daemon=True)
+        t0 = time.monotonic()
+        thread.start()
+        thread.join(30)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not thread.is_alive(), "the read still waits on the stopped registry"
+    assert len(raised) == 1 and isinstance(raised[0], kfeed.ConsumeError), raised
+    assert "did not give schema id 987654 within 2 s" in str(raised[0])
+    assert took < 10, took
 
 
 def test_a_registry_that_does_not_answer_is_asked_for_the_whole_wait(monkeypatch) -> None:

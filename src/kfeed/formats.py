@@ -30,6 +30,8 @@ log = logging.getLogger("kfeed.formats")
 # A registry that does not answer is asked again for this long, then the
 # loader fails with ConsumeError: a record is never skipped for want of its schema.
 REGISTRY_RETRY_S = 30.0
+# The longest one request to a registry waits for its answer (registry_client).
+REGISTRY_REQUEST_S = 10.0
 
 # A schema id the registry did not have is asked of it again after this long:
 # a registry replica behind its leader, or one restored, has it soon after;
@@ -341,9 +343,15 @@ def registry_client(registry: Any, who: str, reading: bool = False) -> Any:
     ``reading``: for decoders, which ask again themselves (``ask_registry``,
     watching their stop): the client's own retries, 7 s of them by default,
     are off unless the dict sets ``max.retries``.
+
+    A request waits ``REGISTRY_REQUEST_S`` at most unless the dict sets
+    ``timeout``: the client's own default is none, and a registry that hung
+    (its process stopped, a network that drops packets) held every read and
+    write for as long as it hung, with no error and no way to stop it.
     """
     if not isinstance(registry, Mapping):
         return registry
+    registry = {"timeout": REGISTRY_REQUEST_S, **registry}
     if reading:
         registry = {"max.retries": 0, **registry}
     try:
