@@ -1535,16 +1535,21 @@ def test_a_wait_with_no_partition_says_the_group_gave_none(monkeypatch) -> None:
 
     from kfeed import _train
 
-    clock = iter([0.0, 20.0])
+    clock = iter([0.0, 20.0, 40.0])
     monkeypatch.setattr(_train.time, "monotonic", lambda: next(clock))
-    loader = SimpleNamespace(_on_wait=None, _fetcher=SimpleNamespace(assigned=set()))
+    loader = SimpleNamespace(_on_wait=None, _fetcher=SimpleNamespace(assigned=set()),
+                             _status=SimpleNamespace(doing="fetching messages"))
     lines: list[str] = []
     _train._say_while_waiting(loader, "clicks", _train.Outcome(task=None, step=3), lines.append)
     loader._on_wait()
     loader._on_wait()
+    loader._fetcher.assigned, loader._status.doing = {("clicks", 0)}, "decoding"
+    loader._on_wait()  # (a registry that hangs holds the thread in its decoding)
     assert lines == ["waiting 20s for step 4: the group gave this run no partition yet (more "
                      "members than partitions, or one that stopped without leaving holds them "
-                     "until its session.timeout.ms); Ctrl-C stops"]
+                     "until its session.timeout.ms); Ctrl-C stops",
+                     "waiting 40s for step 4: the loader's thread is decoding what it read "
+                     "from clicks (a schema registry slow to answer holds it up); Ctrl-C stops"]
 
 
 def test_a_signal_before_the_loader_is_made_stops_training_at_once() -> None:

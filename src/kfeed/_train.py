@@ -566,12 +566,17 @@ def _say_while_waiting(loader: Any, topic: str, out: Outcome,
         elif now - waits["said"] >= WAIT_NOTICE_S:
             waits["said"] = now
             which = "a first batch" if out.step == out.first_step else f"step {out.step + 1}"
-            # (Read from the loader's thread's set: whether it is empty, no more.)
-            why = (f"nothing new to read from {topic} (produce to it, or check --topic and "
-                   f"--start)") if getattr(loader._fetcher, "assigned", True) else (
-                   "the group gave this run no partition yet (more members than "
-                   "partitions, or one that stopped without leaving holds them until its "
-                   "session.timeout.ms)")
+            # (Read from the loader's thread: whether its set is empty, what it does.)
+            if not getattr(loader._fetcher, "assigned", True):
+                why = ("the group gave this run no partition yet (more members than "
+                       "partitions, or one that stopped without leaving holds them until its "
+                       "session.timeout.ms)")
+            elif getattr(loader._status, "doing", None) == "decoding":
+                why = (f"the loader's thread is decoding what it read from {topic} (a schema "
+                       f"registry slow to answer holds it up)")
+            else:
+                why = (f"nothing new to read from {topic} (produce to it, or check --topic "
+                       f"and --start)")
             say(f"waiting {now - waits['since']:.0f}s for {which}: {why}; Ctrl-C stops")
 
     loader._on_wait = on_wait
