@@ -601,8 +601,10 @@ def test_a_file_as_dir_is_named(tmp_path: Path, bin_dir: Path, command: list[str
 
 
 def test_an_unreadable_cluster_json_names_the_way_out_and_wipe_takes_it(tmp_path: Path) -> None:
-    state = tmp_path / "c"
+    state = (tmp_path / "c").resolve()
     (state / "node-1" / "data").mkdir(parents=True)
+    layout = Layout(nodes=1, port=41000, cluster_id=new_cluster_id())
+    write_properties(state / "node-1" / "server.properties", layout.properties(1, state))
     (state / STATE_FILE).write_text("{not json")
     status = kfeed("status", "--dir", str(state))
     assert status.returncode == 1
@@ -616,6 +618,27 @@ def test_an_unreadable_cluster_json_names_the_way_out_and_wipe_takes_it(tmp_path
     assert wiped.returncode == 0, wiped.stderr
     assert wiped.stdout.splitlines() == [f"nothing running in {state}", f"wiped {state}"]
     assert not state.exists()
+
+
+def test_a_wipe_leaves_a_folder_it_cannot_tell_is_a_clusters(tmp_path: Path) -> None:
+    # Any cluster.json it could not read was taken for a cluster's: a user's
+    # folder with one of its own lost its node-1/, secure/ and log4j2.properties.
+    user = tmp_path / "app"
+    for name in ("node-1", "secure"):
+        (user / name).mkdir(parents=True)
+        (user / name / "notes.txt").write_text("mine")
+    (user / STATE_FILE).write_text('{"name": "my app"}')
+    (user / "log4j2.properties").write_text("# mine")
+    wiped = kfeed("down", "--dir", str(user), "--wipe")
+    assert wiped.returncode == 1
+    assert only_error(wiped) == (
+        f"kfeed cluster: unreadable cluster state {user / STATE_FILE}: 'nodes', and no node "
+        f"folder in {user} is one this tool made: it wipes no folder it cannot tell is a "
+        f"kfeed cluster's; delete the files yourself")
+    for name in ("node-1/notes.txt", "secure/notes.txt"):
+        assert (user / name).read_text() == "mine"
+    assert (user / "log4j2.properties").read_text() == "# mine"
+    assert (user / STATE_FILE).read_text() == '{"name": "my app"}'
 
 
 def test_up_refuses_a_folder_whose_files_are_named_like_the_tools_without_a_cluster_json(
@@ -689,6 +712,67 @@ def test_overrides_that_are_not_an_object_are_an_unreadable_state_that_wipe_take
     assert wiped.stdout.splitlines() == [f"stopped node 1 in {state}", f"wiped {state}"]
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert not state.exists()
+
+
+def test_a_node_whose_pid_file_was_lost_is_still_found_and_stopped(standins: StandIns) -> None:
+    # Reported stopped: an up said its own port was taken, and a down --wipe
+    # deleted the data under the running node.
+    state = standins.start("a", 41000)
+    proc = standins.procs[state][0]
+    (state / "node-1" / "kafka.pid").write_text("")
+    listed = kfeed("list")
+    assert listed.stdout == f"{state}  1 node  127.0.0.1:41000  running\n", listed.stderr
+    down = kfeed("down", "--dir", str(state))
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.splitlines() == [f"stopped node 1 in {state}"]
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_copied_folder_s_pid_file_names_no_node_to_kill(standins: StandIns) -> None:
+    # The copy's pid file names the running cluster's node: down told the user
+    # to kill it ("left running: stop it with kill PID"), at every down again.
+    state = standins.start("b", 41010)
+    copy = state.with_name("b2")
+    shutil.copytree(state, copy)
+    for _ in range(2):
+        down = kfeed("down", "--dir", str(copy))
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.splitlines() == [f"nothing running in {copy}"]
+        assert "kill" not in down.stderr, down.stderr
+    assert not (copy / "node-1" / "kafka.pid").exists()
+    assert standins.procs[state][0].poll() is None  # the other cluster's node runs on
+
+
+def test_an_interrupted_format_leaves_no_storage_tool_running(tmp_path: Path, monkeypatch) -> None:
+    # A Ctrl-C of up while the nodes' storage was formatted left those JVMs
+    # running: they wrote into the folder after a wipe, and the next up failed.
+    java = tmp_path / "java"
+    java.write_text("#!/bin/sh\nexec sleep 60\n")
+    java.chmod(0o755)
+    layout = Layout(nodes=3, port=41000, cluster_id=new_cluster_id())
+    state = tmp_path / "c"
+    for n in layout.node_ids:
+        layout.node_paths(state, n).root.mkdir(parents=True)
+    children: list[subprocess.Popen[str]] = []
+    popen = subprocess.Popen
+
+    def started(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+        children.append(popen(*args, **kwargs))  # type: ignore[call-overload]
+        return children[-1]
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_tool.subprocess, "Popen", started)
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _tool._format(str(java), tmp_path, layout, state, list(layout.node_ids))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert len(children) == 3 and all(p.poll() is not None for p in children)
 
 
 def test_down_says_it_waits_for_another_commands_hold_on_the_folder(tmp_path: Path) -> None:

@@ -113,6 +113,15 @@ class NodePaths:
         return self.root / "data"
 
     @property
+    def made_here(self) -> bool:
+        """Whether the tool made this node folder: its properties keep its data in it."""
+        try:
+            text = self.properties.read_text(encoding="latin-1")  # (as Java reads it)
+        except OSError:
+            return False
+        return f"log.dirs={_escape(str(self.data))}" in text.splitlines()
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

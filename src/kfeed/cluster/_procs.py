@@ -77,8 +77,24 @@ def pid_file_pid(paths: NodePaths) -> int | None:
 
 
 def running_pid(paths: NodePaths) -> int | None:
-    """The pid in the node's pid file, if that process is this node's live JVM."""
+    """The node's live JVM: the pid in its pid file, if that process is it; else one
+    found by its command line (a pid file lost or emptied: the node was reported
+    stopped, and a wipe deleted its data under it)."""
     pid = pid_file_pid(paths)
     if pid is not None and is_node_jvm(pid, paths.properties):
         return pid
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and is_node_jvm(int(entry.name), paths.properties):
+            return int(entry.name)
     return None
+
+
+def serves_elsewhere(pid: int) -> bool:
+    """Whether ``pid`` is a Kafka node of a folder that is still there: another cluster's,
+    not one moved while it ran."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        properties = Path(os.fsdecode(args[args.index(b"kafka.Kafka") + 1]))
+    except (OSError, ValueError, IndexError):
+        return False
+    return properties.is_file()

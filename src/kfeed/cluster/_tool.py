@@ -56,6 +56,7 @@ from kfeed.cluster._procs import (
     pid_file_pid,
     running_pid,
     runs_kafka,
+    serves_elsewhere,
 )
 from kfeed.errors import ClusterError, ConfigError
 
@@ -191,12 +192,20 @@ def ensure_down(
     with _locked(state_dir, dir, LOCK_WAIT_S, progress):
         try:
             layout = _load(state_dir, dir)
-        except ClusterError:
+        except ClusterError as exc:
             if not wipe:
                 raise
             layout = None
             # Any node that may have been: _stop signals only a JVM proven to be one.
             nodes = Layout(nodes=max(NODE_COUNTS), port=DEFAULT_PORT, cluster_id="")
+            paths = [nodes.node_paths(state_dir, n) for n in nodes.node_ids]
+            if not any(p.made_here or running_pid(p) is not None for p in paths):
+                # (The tool writes cluster.json whole, so an unreadable one is most
+                # likely not its own: a folder of the user's, which a wipe would empty.)
+                raise ClusterError(
+                    f"{exc.__cause__ or exc}, and no node folder in {dir} is one this tool "
+                    f"made: it wipes no folder it cannot tell is a kfeed cluster's; delete "
+                    f"the files yourself") from exc
         else:
             if layout is None:  # wiped by another down while this one waited
                 raise _no_cluster(dir)
@@ -743,9 +752,17 @@ def _format(java: str, libs: Path, layout: Layout, state_dir: Path, node_ids: li
         )  # fmt: skip
         for paths in todo
     ]
+    try:
+        outputs = [proc.communicate()[0] for proc in procs]
+    except BaseException:
+        # (A Ctrl-C or SIGTERM of ``up``: left running, they wrote into the
+        # folder after a wipe.)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
     failures = []
-    for paths, proc in zip(todo, procs):
-        output, _ = proc.communicate()
+    for paths, proc, output in zip(todo, procs, outputs):
         if proc.returncode != 0:
             # The tool checks the settings too, so a bad --set can stop it here.
             reason = next(filter(None, map(_java_exception, output.splitlines())), None)
@@ -951,7 +968,7 @@ def _stop(layout: Layout, state_dir: Path, node_ids: Iterable[int]) -> list[int]
         pid = running_pid(paths)
         if pid is None:
             stale = pid_file_pid(paths)
-            if stale is not None and runs_kafka(stale):
+            if stale is not None and runs_kafka(stale) and not serves_elsewhere(stale):
                 # Its folder was moved or renamed while it ran: the pid file is
                 # all that still finds it (moved back, a later down stops it).
                 logger.warning("node %d: pid %d runs Kafka, but not from %s (was the folder "
