@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -773,6 +774,21 @@ def test_an_interrupted_format_leaves_no_storage_tool_running(tmp_path: Path, mo
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
     assert len(children) == 3 and all(p.poll() is not None for p in children)
+
+
+def test_a_node_s_data_of_another_cluster_is_refused_before_the_start(tmp_path: Path) -> None:
+    # Kafka's node waited to join its quorum (INCONSISTENT_CLUSTER_ID) and up
+    # for its whole timeout, then said "not ready" over a tail of log lines.
+    layout = Layout(nodes=1, port=41000, cluster_id=new_cluster_id())
+    state = tmp_path / "c"
+    data = layout.node_paths(state, 1).data
+    data.mkdir(parents=True)
+    (data / "meta.properties").write_text("version=1\ncluster.id=OtherCluster0000000000\n")
+    with pytest.raises(ClusterError, match="^" + re.escape(
+            f"{data} holds the data of cluster OtherCluster0000000000, not of this folder's "
+            f"{layout.cluster_id}: move it away, or start over with: kfeed cluster down --dir "
+            f"{state} --wipe") + "$"):
+        _tool._format("no-java-needed", tmp_path, layout, state, [1])
 
 
 def test_down_says_it_waits_for_another_commands_hold_on_the_folder(tmp_path: Path) -> None:

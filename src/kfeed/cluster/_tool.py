@@ -735,6 +735,8 @@ def _prepare(layout: Layout, state_dir: Path, recorded: Layout) -> None:
 
 def _format(java: str, libs: Path, layout: Layout, state_dir: Path, node_ids: list[int]) -> None:
     todo = [layout.node_paths(state_dir, n) for n in node_ids]
+    for paths in todo:
+        _check_cluster_id(paths, layout, state_dir)
     todo = [paths for paths in todo if not paths.formatted]
     if not todo:
         return
@@ -770,6 +772,22 @@ def _format(java: str, libs: Path, layout: Layout, state_dir: Path, node_ids: li
             failures.append(f"formatting {paths.data} failed{why}\n{_last_lines(output)}")
     if failures:
         raise ClusterError("\n".join(failures))
+
+
+def _check_cluster_id(paths: NodePaths, layout: Layout, state_dir: Path) -> None:
+    """Refuse a node whose data a cluster of another id formatted: Kafka's node waits
+    for ever to join its quorum (INCONSISTENT_CLUSTER_ID), and up for its timeout."""
+    try:
+        lines = (paths.data / "meta.properties").read_text(encoding="latin-1").splitlines()
+    except OSError:
+        return
+    found = next((line.split("=", 1)[1].strip() for line in lines
+                  if line.startswith("cluster.id=")), None)
+    if found is not None and found != layout.cluster_id:
+        raise ClusterError(
+            f"{paths.data} holds the data of cluster {found}, not of this folder's "
+            f"{layout.cluster_id}: move it away, or start over with: kfeed cluster down "
+            f"--dir {state_dir} --wipe")
 
 
 def _log_flags(state_dir: Path, paths: NodePaths) -> list[str]:
