@@ -1021,11 +1021,12 @@ def test_node_dying_during_start_shows_its_log_and_stops_the_others(state_dir: P
     # Node 2 finds data of another node id and exits at once; nodes 1 and 3
     # are healthy and must be stopped again.
     state_dir.mkdir()
-    Layout(nodes=3, port=port, cluster_id=new_cluster_id()).save(state_dir)
+    layout = Layout(nodes=3, port=port, cluster_id=new_cluster_id())
+    layout.save(state_dir)
     data = state_dir / "node-2" / "data"
     data.mkdir(parents=True)
-    (data / "meta.properties").write_text(
-        "version=1\nnode.id=99\ncluster.id=4L6g3nShT-eMCtK--X86sw\ndirectory.id=a6J4sRketHXygB3u5rHGtg\n"
+    (data / "meta.properties").write_text(  # (this cluster's id: another's is refused before)
+        f"version=1\nnode.id=99\ncluster.id={layout.cluster_id}\ndirectory.id=a6J4sRketHXygB3u5rHGtg\n"
     )
     result = kfeed("up", "--nodes", "3", "--dir", str(state_dir), "--port", str(port))
     error = assert_fails_cleanly(result, "server.log", "Stored node id 99")
