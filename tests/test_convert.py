@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -329,6 +330,27 @@ def test_a_follow_with_nothing_new_still_reports_its_progress(bootstrap, make_to
     assert st.records == 10 and seen.count(10) >= 5
 
 
+def following(bootstrap: str, src: str, schema: kfeed.Schema, stop: Any
+              ) -> tuple[Any, list[kfeed.ConvertStats], list[BaseException]]:
+    """A JSON convert of ``src`` that follows it, in a thread, until ``stop`` is set: the
+    thread, and lists that get its stats or its error."""
+    import threading
+
+    seen: list[kfeed.ConvertStats] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            seen.append(kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
+                                      schema, format="json", follow=True, stop=stop))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, seen, failed
+
+
 def test_a_follow_reads_partitions_added_to_its_topic_within_seconds(bootstrap, make_topic):
     # librdkafka looks for them every 5 minutes by default: the records of the
     # new partitions waited that long, while the progress said "lag 0".
@@ -341,18 +363,8 @@ def test_a_follow_reads_partitions_added_to_its_topic_within_seconds(bootstrap, 
     for i in range(100):
         p.produce(src, json.dumps({"id": i}).encode(), partition=i % 2)
     assert p.flush(30) == 0
-    stop, failed = threading.Event(), []
-
-    def run() -> None:
-        try:
-            kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
-                          kfeed.Schema({"id": ("int64", ())}), format="json", follow=True,
-                          stop=stop)
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            failed.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    stop = threading.Event()
+    thread, _seen, failed = following(bootstrap, src, kfeed.Schema({"id": ("int64", ())}), stop)
     committed = Committed(bootstrap, f"kfeed-convert.{src}.blocks", src, 4)
     try:
         until(lambda: committed() == 100 or failed, 60)
@@ -388,17 +400,8 @@ def test_a_follow_whose_first_rounds_are_bad_records_waits_for_good_ones(bootstr
     for i in range(3):
         p.produce(src, json.dumps({"id": "not a number", "x": 1.0}).encode(), partition=i % 2)
     assert p.flush(30) == 0
-    stop, seen, failed = threading.Event(), [], []
-
-    def run() -> None:
-        try:
-            seen.append(kfeed.convert({"bootstrap.servers": bootstrap}, src, src + ".blocks",
-                                      schema, format="json", follow=True, stop=stop))
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            failed.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    stop = threading.Event()
+    thread, seen, failed = following(bootstrap, src, schema, stop)
     committed = Committed(bootstrap, f"kfeed-convert.{src}.blocks", src, 2)
     try:
         time.sleep(3)  # some rounds of the bad ones alone

@@ -567,11 +567,11 @@ def _say_while_waiting(loader: Any, topic: str, out: Outcome,
             waits["said"] = now
             which = "a first batch" if out.step == out.first_step else f"step {out.step + 1}"
             # (Read from the loader's thread: whether its set is empty, what it does.)
-            if not getattr(loader._fetcher, "assigned", True):
+            if not loader._fetcher.assigned:
                 why = ("the group gave this run no partition yet (more members than "
                        "partitions, or one that stopped without leaving holds them until its "
                        "session.timeout.ms)")
-            elif getattr(loader._status, "doing", None) == "decoding":
+            elif loader._status.doing == "decoding":
                 why = (f"the loader's thread is decoding what it read from {topic} (a schema "
                        f"registry slow to answer holds it up)")
             else:

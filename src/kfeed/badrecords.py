@@ -307,12 +307,14 @@ class BadRecords:
         fix = FIX_SCHEMA
         if all(_NOT_KFEED(why) for why in reasons):
             fix = _foreign(first.value()) or fix
-        elif self.fmt not in (Format.BLOCK, Format.RAW):
-            # Another writer's format read; a block's magic says it is kfeed's.
+        elif self.fmt not in (Format.BLOCK, Format.RAW) \
+                and block_fingerprint(first.value()) is not None:
+            # (Another writer's format read; a block's magic says it is kfeed's.)
             fix = ("the messages are kfeed blocks, as kfeed produce writes them: read "
                    "them without format= (kfeed train: without --format; they need no "
-                   "kfeed convert)") if block_fingerprint(first.value()) is not None \
-                else _foreign(first.value(), self.fmt) or fix
+                   "kfeed convert)")
+        elif self.fmt not in (Format.BLOCK, Format.RAW):
+            fix = _foreign(first.value(), self.fmt) or fix
         nothing = "None of them was" if of else "Nothing was"
         raise DecodeError(f"{what}. {nothing} dead-lettered or committed: {fix}",
                           topic=first.topic(), partition=first.partition(), offset=first.offset())

@@ -1375,9 +1375,10 @@ def batch_columns(name: str, batch: Any, fields: Mapping[str, str],
     out = {}
     for field, src in fields.items():
         col, fill = batch.column(src), fills.get(field)
-        if isinstance(col, np.ndarray):
-            pass
-        elif first is not None and fill is not None and len(col) and col.null_count == len(col):
+        if isinstance(col, np.ndarray):  # a numpy file's
+            out[field] = _settle(name, field, src, col, dtypes.get(field))
+            continue
+        if first is not None and fill is not None and len(col) and col.null_count == len(col):
             col = _filled(first[field], fill, len(col))
         else:
             col = _arrow_column(name, field, src, col, fill)
@@ -1464,8 +1465,8 @@ def source_key(source: str) -> str:
     """
     if "://" not in source:
         return os.path.realpath(source)
-    base, query = split_params(_job_uri(source))
-    kept = sorted(p for p in query.split("&") if p and not _secret(p))
+    base, params = _uri_params(source, hide=_job_uri)
+    kept = sorted(p for p in params if not _secret(p))
     return f"{base}?{'&'.join(kept)}" if kept else base
 
 
@@ -1496,9 +1497,10 @@ def shown(source: str) -> str:
     return f"{base}?{'&'.join(kept)}" if kept else base
 
 
-def _uri_params(uri: str) -> tuple[str, list[str]]:
-    """A URI without its password, and its query parameters."""
-    base, params = split_params(no_password(uri))
+def _uri_params(uri: str, hide: Callable[[str], str] | None = None) -> tuple[str, list[str]]:
+    """A URI without its password (as ``hide``, default ``no_password``, leaves it out),
+    and its query parameters."""
+    base, params = split_params((hide or no_password)(uri))
     return base, [p for p in params.split("&") if p]
 
 
